@@ -1,0 +1,541 @@
+//! The backend-agnostic queue contract every broker adapter implements.
+//!
+//! Object-safe (`Arc<dyn QueueAdapter>`) so that the daemon picks backends from
+//! configuration. Semantics, the same for every adapter:
+//!
+//! * **publish** resolves only once the broker accepted every message; when
+//!   some were not accepted the error is [`Error::Publish`], which lists each
+//!   failed message (handed back, never lost) with its own error. Messages
+//!   over [`QueueAdapter::max_message_bytes`] fail with
+//!   [`Error::PayloadTooLarge`] before anything is sent.
+//! * **consume** goes through a [`Consumer`]; [`Consumer::receive`] waits at
+//!   most the given time and is cancellation-safe: dropping its future never
+//!   loses a message (unacknowledged messages come back).
+//! * **ack / nack** belong to each [`Delivery`]. Acknowledging a delivery a
+//!   second time is an error ([`Error::AlreadyAcknowledged`]), not a silent
+//!   success, so double handling shows up in tests and logs.
+//! * A delivery that is neither acked nor nacked comes back once its
+//!   consumer goes away or its visibility timeout ends.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+
+use crate::envelope::JobEnvelope;
+use crate::error::{Error, Result};
+use crate::media::Encoding;
+
+/// Message headers. Adapters map them onto broker properties and back, so the
+/// names below mean the same thing on every broker.
+pub type Headers = BTreeMap<String, String>;
+
+/// Header names shared by all adapters (DESIGN §4).
+pub mod header {
+    /// The body's media type.
+    pub const CONTENT_TYPE: &str = "content-type";
+    /// Envelope `specversion`.
+    pub const SPECVERSION: &str = "ojs-specversion";
+    /// Envelope `id`.
+    pub const ID: &str = "ojs-id";
+    /// Envelope `type`.
+    pub const TYPE: &str = "ojs-type";
+    /// Envelope `queue`.
+    pub const QUEUE: &str = "ojs-queue";
+    /// Delivery attempt carried across republishes.
+    pub const ATTEMPT: &str = "ojs-attempt";
+    /// W3C trace context.
+    pub const TRACEPARENT: &str = "traceparent";
+    /// W3C trace state.
+    pub const TRACESTATE: &str = "tracestate";
+    /// Dead-letter reason: error type.
+    pub const ERROR_TYPE: &str = "ojs-error-type";
+    /// Dead-letter reason: message.
+    pub const ERROR_MESSAGE: &str = "ojs-error-message";
+}
+
+/// A message to publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutgoingMessage {
+    /// Body bytes.
+    pub payload: Bytes,
+    /// Headers, `content-type` at least.
+    pub headers: Headers,
+    /// Ordering key: messages with the same key keep their order where the
+    /// broker can (Kafka partition key, SQS FIFO group).
+    pub key: Option<String>,
+    /// Stable id (job id / grpcq message id): broker message id, dedup id.
+    pub message_id: Option<String>,
+    /// Higher is delivered first where the broker supports priorities.
+    pub priority: i32,
+    /// Not to be delivered before this time.
+    pub deliver_at: Option<DateTime<Utc>>,
+}
+
+impl OutgoingMessage {
+    /// A message with a body and its content type.
+    pub fn new(payload: impl Into<Bytes>, content_type: &str) -> Self {
+        let mut headers = Headers::new();
+        headers.insert(header::CONTENT_TYPE.to_owned(), content_type.to_owned());
+        OutgoingMessage {
+            payload: payload.into(),
+            headers,
+            key: None,
+            message_id: None,
+            priority: 0,
+            deliver_at: None,
+        }
+    }
+
+    /// Encodes an envelope and fills the binding headers of DESIGN §4:
+    /// `content-type`, `ojs-specversion`, `ojs-id`, `ojs-type`, `ojs-queue`,
+    /// `ojs-attempt`, `traceparent`/`tracestate` from meta; key = meta
+    /// `partition_key` or the job id.
+    pub fn from_envelope(job: &JobEnvelope, encoding: Encoding) -> Result<Self> {
+        let payload = match encoding {
+            Encoding::OjsProto => job.to_proto_bytes()?,
+            Encoding::OjsJson => job.to_json_vec()?,
+            Encoding::OjsProtoDelimited => crate::stream::encode_delimited([job])?,
+            Encoding::GrpcqProto => {
+                return Err(Error::UnknownContentType(format!(
+                    "{encoding} cannot carry an OJS envelope"
+                )))
+            }
+        };
+        let mut msg = OutgoingMessage::new(payload, encoding.media_type());
+        let h = &mut msg.headers;
+        h.insert(header::SPECVERSION.into(), job.specversion.clone());
+        h.insert(header::ID.into(), job.id.clone());
+        h.insert(header::TYPE.into(), job.job_type.clone());
+        h.insert(header::QUEUE.into(), job.queue.clone());
+        if job.attempt > 0 {
+            h.insert(header::ATTEMPT.into(), job.attempt.to_string());
+        }
+        for key in [header::TRACEPARENT, header::TRACESTATE] {
+            if let Some(v) = job.meta_str(key) {
+                h.insert(key.into(), v.to_owned());
+            }
+        }
+        msg.key = Some(
+            job.meta_str("partition_key")
+                .map_or_else(|| job.id.clone(), str::to_owned),
+        );
+        msg.message_id = Some(job.id.clone());
+        msg.priority = job.priority;
+        msg.deliver_at = job.scheduled_at;
+        Ok(msg)
+    }
+
+    /// Sets one header (builder style).
+    pub fn with_header(mut self, name: &str, value: impl Into<String>) -> Self {
+        self.headers.insert(name.to_owned(), value.into());
+        self
+    }
+
+    /// Sets the ordering key (builder style).
+    pub fn with_key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// The `content-type` header.
+    pub fn content_type(&self) -> Option<&str> {
+        self.headers.get(header::CONTENT_TYPE).map(String::as_str)
+    }
+
+    /// Bytes on the wire for size limits: body plus header names and values.
+    pub fn encoded_size(&self) -> usize {
+        self.payload.len()
+            + self
+                .headers
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum::<usize>()
+    }
+
+    /// [`Error::PayloadTooLarge`] when over `limit`.
+    pub fn check_size(&self, limit: usize) -> Result<()> {
+        let size = self.encoded_size();
+        if size > limit {
+            Err(Error::PayloadTooLarge { size, limit })
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// One message of a batch that the broker did not accept.
+#[derive(Debug)]
+pub struct FailedPublish {
+    /// Position in the batch given to `publish`.
+    pub index: usize,
+    /// The message, handed back so the caller can retry or dead-letter it.
+    pub message: OutgoingMessage,
+    /// Why it failed.
+    pub error: Error,
+}
+
+/// Which messages of a batch failed (the others were accepted).
+#[derive(Debug)]
+pub struct PublishFailure {
+    /// Size of the batch.
+    pub total: usize,
+    /// The failed messages, by index.
+    pub failed: Vec<FailedPublish>,
+}
+
+impl fmt::Display for PublishFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} of {} messages not published",
+            self.failed.len(),
+            self.total
+        )?;
+        if let Some(first) = self.failed.first() {
+            write!(f, " (message {}: {})", first.index, first.error)?;
+        }
+        Ok(())
+    }
+}
+
+impl PublishFailure {
+    /// Every message of `messages` failed with an error made by `error`.
+    pub fn all(messages: Vec<OutgoingMessage>, error: impl Fn() -> Error) -> Self {
+        let total = messages.len();
+        PublishFailure {
+            total,
+            failed: messages
+                .into_iter()
+                .enumerate()
+                .map(|(index, message)| FailedPublish {
+                    index,
+                    message,
+                    error: error(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Why a message is dead-lettered; travels in `ojs-error-type` /
+/// `ojs-error-message` headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterReason {
+    /// Short machine-readable kind (`unknown_content_type`, `max_attempts`…).
+    pub error_type: String,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+impl DeadLetterReason {
+    /// A reason from its parts.
+    pub fn new(error_type: impl Into<String>, message: impl Into<String>) -> Self {
+        DeadLetterReason {
+            error_type: error_type.into(),
+            message: message.into(),
+        }
+    }
+
+    /// A reason from an error: its kind and its message.
+    pub fn from_error(error: &Error) -> Self {
+        DeadLetterReason::new(error.kind(), error.to_string())
+    }
+
+    /// Writes the reason into headers.
+    pub fn write_headers(&self, headers: &mut Headers) {
+        headers.insert(header::ERROR_TYPE.into(), self.error_type.clone());
+        headers.insert(header::ERROR_MESSAGE.into(), self.message.clone());
+    }
+}
+
+/// What to do with a message that was not handled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Nack {
+    /// Deliver again after `delay` (zero: as soon as possible); the attempt
+    /// count goes up.
+    Retry {
+        /// Earliest redelivery.
+        delay: Duration,
+    },
+    /// Move to the queue's dead-letter destination with the reason.
+    DeadLetter(DeadLetterReason),
+}
+
+impl Nack {
+    /// Redeliver now.
+    pub fn requeue() -> Self {
+        Nack::Retry {
+            delay: Duration::ZERO,
+        }
+    }
+
+    /// Redeliver after `delay`.
+    pub fn retry_after(delay: Duration) -> Self {
+        Nack::Retry { delay }
+    }
+}
+
+/// The adapter-specific half of a delivery: how to settle it.
+#[async_trait]
+pub trait Acknowledger: Send + Sync + fmt::Debug {
+    /// The message was handled; remove it.
+    async fn ack(&self) -> Result<()>;
+    /// The message was not handled.
+    async fn nack(&self, action: Nack) -> Result<()>;
+    /// Keeps the message invisible to others for `by` more (heartbeat).
+    /// Brokers without visibility timeouts (RabbitMQ, Kafka) need nothing.
+    async fn extend(&self, by: Duration) -> Result<()> {
+        let _ = by;
+        Ok(())
+    }
+}
+
+const PENDING: u8 = 0;
+const SETTLING: u8 = 1;
+const ACKED: u8 = 2;
+const NACKED: u8 = 3;
+
+/// A received message that owns its acknowledgement.
+#[derive(Debug)]
+pub struct Delivery {
+    /// Body bytes.
+    pub payload: Bytes,
+    /// Headers, normalised to the names in [`header`].
+    pub headers: Headers,
+    /// 1 on first delivery, counted up on every redelivery and retry.
+    pub attempt: u32,
+    /// Ordering key, when the broker keeps one.
+    pub key: Option<String>,
+    /// Broker message id.
+    pub message_id: Option<String>,
+    /// Queue it came from (the OJS queue name, not the broker's).
+    pub queue: String,
+    acker: Box<dyn Acknowledger>,
+    state: AtomicU8,
+}
+
+impl Delivery {
+    /// Assembles a delivery (for adapter implementations).
+    pub fn new(
+        payload: Bytes,
+        headers: Headers,
+        attempt: u32,
+        queue: String,
+        acker: Box<dyn Acknowledger>,
+    ) -> Self {
+        Delivery {
+            payload,
+            headers,
+            attempt,
+            key: None,
+            message_id: None,
+            queue,
+            acker,
+            state: AtomicU8::new(PENDING),
+        }
+    }
+
+    /// The `content-type` header.
+    pub fn content_type(&self) -> Option<&str> {
+        self.headers.get(header::CONTENT_TYPE).map(String::as_str)
+    }
+
+    /// The encoding named by `content-type`, or `default` when there is none.
+    pub fn encoding(&self, default: Option<Encoding>) -> Result<Encoding> {
+        match self.content_type() {
+            Some(ct) => Encoding::from_content_type(ct),
+            None => default.ok_or_else(|| Error::UnknownContentType(String::new())),
+        }
+    }
+
+    /// The dead-letter reason, on deliveries read from a dead-letter queue.
+    pub fn dead_letter_reason(&self) -> Option<DeadLetterReason> {
+        let error_type = self.headers.get(header::ERROR_TYPE)?;
+        Some(DeadLetterReason::new(
+            error_type.clone(),
+            self.headers
+                .get(header::ERROR_MESSAGE)
+                .cloned()
+                .unwrap_or_default(),
+        ))
+    }
+
+    /// Whether the delivery was acked or nacked already.
+    pub fn is_settled(&self) -> bool {
+        matches!(self.state.load(Ordering::Acquire), ACKED | NACKED)
+    }
+
+    fn begin(&self) -> Result<()> {
+        match self
+            .state
+            .compare_exchange(PENDING, SETTLING, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => Ok(()),
+            Err(ACKED) => Err(Error::AlreadyAcknowledged("acked")),
+            Err(NACKED) => Err(Error::AlreadyAcknowledged("nacked")),
+            Err(_) => Err(Error::AlreadyAcknowledged("being settled")),
+        }
+    }
+
+    fn finish(&self, result: &Result<()>, done: u8) {
+        // A failed settle leaves the delivery pending so the caller may retry.
+        let next = if result.is_ok() { done } else { PENDING };
+        self.state.store(next, Ordering::Release);
+    }
+
+    /// Acknowledges: the message is done. A second settle is an error.
+    pub async fn ack(&self) -> Result<()> {
+        self.begin()?;
+        let result = self.acker.ack().await;
+        self.finish(&result, ACKED);
+        result
+    }
+
+    /// Negative acknowledgement: retry later or dead-letter.
+    pub async fn nack(&self, action: Nack) -> Result<()> {
+        self.begin()?;
+        let result = self.acker.nack(action).await;
+        self.finish(&result, NACKED);
+        result
+    }
+
+    /// Extends the visibility of a long-running message (heartbeat).
+    pub async fn extend(&self, by: Duration) -> Result<()> {
+        if self.is_settled() {
+            return Err(Error::AlreadyAcknowledged("settled"));
+        }
+        self.acker.extend(by).await
+    }
+}
+
+/// Where a consumer reads from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Source {
+    /// The queue itself.
+    #[default]
+    Queue,
+    /// The queue's dead-letter destination.
+    DeadLetters,
+}
+
+/// How a consumer behaves. Adapters ignore what their broker does not have.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerOptions {
+    /// Consumer group (Kafka group id); consumers of one group share work.
+    pub group: String,
+    /// How long a received message stays invisible to others before it
+    /// comes back (memory, local, SQS).
+    pub visibility_timeout: Duration,
+    /// Messages held unacknowledged at once (RabbitMQ prefetch).
+    pub prefetch: u16,
+    /// After this many deliveries the message is dead-lettered instead of
+    /// delivered again (SQS `maxReceiveCount`); `None` = never.
+    pub max_deliveries: Option<u32>,
+    /// Queue or its dead letters.
+    pub source: Source,
+}
+
+impl Default for ConsumerOptions {
+    fn default() -> Self {
+        ConsumerOptions {
+            group: "ojs-bridge".to_owned(),
+            // SQS's default visibility timeout.
+            visibility_timeout: Duration::from_secs(30),
+            prefetch: 100,
+            max_deliveries: None,
+            source: Source::Queue,
+        }
+    }
+}
+
+/// A stream of deliveries from one queue.
+#[async_trait]
+pub trait Consumer: Send + fmt::Debug {
+    /// Waits up to `wait` for at least one message and returns up to `max`.
+    /// An empty vector means nothing arrived in time. Cancellation-safe.
+    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>>;
+
+    /// Leaves the queue: unacknowledged deliveries of this consumer become
+    /// available to others. Dropping a consumer does the same, less politely.
+    async fn close(self: Box<Self>) -> Result<()>;
+}
+
+/// Health as reported to `/ojs/v1/health` and to federation probes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Health {
+    /// Whether the adapter can publish and consume right now.
+    pub healthy: bool,
+    /// What was checked, or what is wrong.
+    pub detail: String,
+}
+
+impl Health {
+    /// Healthy with a detail.
+    pub fn ok(detail: impl Into<String>) -> Self {
+        Health {
+            healthy: true,
+            detail: detail.into(),
+        }
+    }
+
+    /// Unhealthy with the reason.
+    pub fn down(detail: impl Into<String>) -> Self {
+        Health {
+            healthy: false,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// A queue backend.
+#[async_trait]
+pub trait QueueAdapter: Send + Sync + fmt::Debug {
+    /// Short backend name: `memory`, `local`, `kafka`, `rabbitmq`, `sqs`.
+    fn kind(&self) -> &'static str;
+
+    /// Largest message ([`OutgoingMessage::encoded_size`]) this backend takes.
+    fn max_message_bytes(&self) -> usize;
+
+    /// Publishes a batch to `queue` (an OJS queue name). See the module docs
+    /// for what success and [`Error::Publish`] promise.
+    async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()>;
+
+    /// Opens a consumer on `queue`.
+    async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>>;
+
+    /// Checks the connection to the broker.
+    async fn health(&self) -> Health;
+
+    /// Messages waiting in `queue` (not in flight), when the broker can tell.
+    async fn depth(&self, queue: &str) -> Result<Option<u64>>;
+
+    /// Flushes what was accepted and releases connections. Publishing after
+    /// close is [`Error::Closed`].
+    async fn close(&self) -> Result<()>;
+}
+
+/// Splits a batch into messages small enough for `limit` and the oversized
+/// ones, which fail with [`Error::PayloadTooLarge`] without being sent.
+pub fn partition_by_size(
+    messages: Vec<OutgoingMessage>,
+    limit: usize,
+) -> (Vec<(usize, OutgoingMessage)>, Vec<FailedPublish>) {
+    let mut ok = Vec::with_capacity(messages.len());
+    let mut failed = Vec::new();
+    for (index, message) in messages.into_iter().enumerate() {
+        match message.check_size(limit) {
+            Ok(()) => ok.push((index, message)),
+            Err(error) => failed.push(FailedPublish {
+                index,
+                message,
+                error,
+            }),
+        }
+    }
+    (ok, failed)
+}

@@ -1,0 +1,563 @@
+//! The OJS job envelope (ojs-core "Job Envelope"), independent of any encoding.
+
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value};
+
+use crate::duration::parse_iso8601_duration;
+use crate::error::{Error, Result};
+use crate::value::{check_value, Path};
+
+/// `specversion` written by this build.
+pub const SPEC_VERSION: &str = "1.0";
+/// Every `specversion` this build accepts.
+pub const SUPPORTED_SPEC_VERSIONS: &[&str] = &["1.0", "1.0.0-rc.1"];
+/// Queue used when none is given (ojs-core).
+pub const DEFAULT_QUEUE: &str = "default";
+/// Longest `type` and `queue` accepted; brokers build names from them.
+pub const MAX_NAME_LEN: usize = 255;
+
+/// One OJS job.
+///
+/// Integer attributes follow proto3: `0` means "not set" (the OJS default
+/// applies), and the same holds for empty strings in the nested policies.
+/// Unknown protobuf fields and unknown JSON attributes are kept so that a
+/// bridge never drops what a newer producer wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobEnvelope {
+    /// OJS spec version (`"1.0"` when built here).
+    pub specversion: String,
+    /// UUIDv7, lowercase hyphenated.
+    pub id: String,
+    /// Dot-namespaced job type, e.g. `email.send`.
+    pub job_type: String,
+    /// Target queue, `[a-z0-9][a-z0-9.-]*`.
+    pub queue: String,
+    /// Positional arguments, JSON-native values only.
+    pub args: Vec<Value>,
+    /// Extensible metadata (trace ids, tenant, grpcq provenance…).
+    pub meta: Map<String, Value>,
+    /// Higher runs first; 0 is the default.
+    pub priority: i32,
+    /// Maximum execution time in seconds; 0 = implementation default.
+    pub timeout: i32,
+    /// Not to be run before this time.
+    pub scheduled_at: Option<DateTime<Utc>>,
+    /// Discarded when not started by this time.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Retry policy; `None` = implementation defaults.
+    pub retry: Option<RetryPolicy>,
+    /// Uniqueness policy.
+    pub unique: Option<UniquePolicy>,
+    /// URI of a schema for `args`.
+    pub schema: Option<String>,
+    /// Lifecycle state (system-managed).
+    pub state: Option<JobState>,
+    /// Current attempt, 1-indexed; 0 = not yet attempted.
+    pub attempt: i32,
+    /// When the job was created.
+    pub created_at: Option<DateTime<Utc>>,
+    /// When the job was enqueued.
+    pub enqueued_at: Option<DateTime<Utc>>,
+    /// When the current attempt started.
+    pub started_at: Option<DateTime<Utc>>,
+    /// When the job reached a terminal state.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// Last error.
+    pub error: Option<JobError>,
+    /// Result value; JSON `null` and absent are the same.
+    pub result: Option<Value>,
+    /// Extension: overall time budget across attempts, seconds.
+    pub total_timeout: i32,
+    /// Extension: discard when not dequeued within this many seconds.
+    pub enqueue_ttl: i32,
+    /// Extension: grace period on cancellation, seconds.
+    pub grace_period: i32,
+    /// Extension: heartbeat deadline, seconds.
+    pub heartbeat_timeout: i32,
+    /// Extension: how long results are kept, seconds.
+    pub result_ttl: i32,
+    /// Custom extensions, keys `x-{vendor}-{name}`.
+    pub extensions: Map<String, Value>,
+    /// Protobuf fields this build does not know, as raw wire bytes.
+    pub unknown_fields: Vec<u8>,
+    /// JSON attributes this build does not know (kept for JSON output; they
+    /// have no protobuf field, see [`Error::Unrepresentable`]).
+    pub unknown_attributes: Map<String, Value>,
+}
+
+/// OJS retry policy (proto `RetryPolicy`). Empty strings and zeros are unset.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    /// Attempts in total, including the first; 0 = default (3).
+    pub max_attempts: i32,
+    /// ISO 8601 duration before the first retry.
+    pub initial_interval: String,
+    /// Multiplier between retries; 0 = default (2.0).
+    pub backoff_coefficient: f64,
+    /// ISO 8601 cap on the interval.
+    pub max_interval: String,
+    /// Randomise intervals. JSON without `jitter` means `true` (the OJS
+    /// default) because protobuf cannot tell "unset" from `false`.
+    pub jitter: bool,
+    /// Error types that are never retried.
+    pub non_retryable_errors: Vec<String>,
+    /// `discard` or `dead_letter`; empty = default.
+    pub on_exhaustion: String,
+    /// Unknown protobuf fields of this message.
+    pub unknown_fields: Vec<u8>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 0,
+            initial_interval: String::new(),
+            backoff_coefficient: 0.0,
+            max_interval: String::new(),
+            jitter: true,
+            non_retryable_errors: Vec::new(),
+            on_exhaustion: String::new(),
+            unknown_fields: Vec::new(),
+        }
+    }
+}
+
+/// OJS uniqueness policy (proto `UniquePolicy`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UniquePolicy {
+    /// Attributes that make up the uniqueness key.
+    pub keys: Vec<String>,
+    /// ISO 8601 duration of the uniqueness window.
+    pub period: String,
+    /// `reject`, `replace` or `reschedule`.
+    pub on_conflict: String,
+    /// Unknown protobuf fields of this message.
+    pub unknown_fields: Vec<u8>,
+}
+
+/// Structured error of a failed attempt (proto `JobError`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobError {
+    /// Error class, used for matching `non_retryable_errors`.
+    pub error_type: String,
+    /// Human-readable message.
+    pub message: String,
+    /// Stack frames. Protobuf carries them joined by `\n`.
+    pub backtrace: Vec<String>,
+    /// Which timeout fired, if any.
+    pub timeout_kind: String,
+    /// The limit that was hit, seconds.
+    pub limit_seconds: i32,
+    /// Time spent, seconds.
+    pub elapsed_seconds: i32,
+    /// Unknown protobuf fields of this message.
+    pub unknown_fields: Vec<u8>,
+}
+
+/// Job lifecycle state (ojs-core state machine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum JobState {
+    /// Waiting for `scheduled_at`.
+    Scheduled,
+    /// Ready for pickup.
+    Available,
+    /// Staged, awaiting activation.
+    Pending,
+    /// Claimed by a worker.
+    Active,
+    /// Finished successfully (terminal).
+    Completed,
+    /// Failed, will be retried.
+    Retryable,
+    /// Cancelled (terminal).
+    Cancelled,
+    /// Permanently failed (terminal).
+    Discarded,
+    /// A protobuf enum value this build does not know; kept as is.
+    Other(i32),
+}
+
+impl JobState {
+    /// The protobuf enum number.
+    pub fn to_i32(self) -> i32 {
+        match self {
+            JobState::Scheduled => 1,
+            JobState::Available => 2,
+            JobState::Pending => 3,
+            JobState::Active => 4,
+            JobState::Completed => 5,
+            JobState::Retryable => 6,
+            JobState::Cancelled => 7,
+            JobState::Discarded => 8,
+            JobState::Other(n) => n,
+        }
+    }
+
+    /// From the protobuf enum number; 0 (unspecified) is `None`.
+    pub fn from_i32(n: i32) -> Option<JobState> {
+        Some(match n {
+            0 => return None,
+            1 => JobState::Scheduled,
+            2 => JobState::Available,
+            3 => JobState::Pending,
+            4 => JobState::Active,
+            5 => JobState::Completed,
+            6 => JobState::Retryable,
+            7 => JobState::Cancelled,
+            8 => JobState::Discarded,
+            other => JobState::Other(other),
+        })
+    }
+
+    /// The JSON name (`"available"`…); `None` for [`JobState::Other`].
+    pub fn as_str(self) -> Option<&'static str> {
+        Some(match self {
+            JobState::Scheduled => "scheduled",
+            JobState::Available => "available",
+            JobState::Pending => "pending",
+            JobState::Active => "active",
+            JobState::Completed => "completed",
+            JobState::Retryable => "retryable",
+            JobState::Cancelled => "cancelled",
+            JobState::Discarded => "discarded",
+            JobState::Other(_) => return None,
+        })
+    }
+
+    /// Parses the JSON name.
+    pub fn parse(s: &str) -> Option<JobState> {
+        Some(match s {
+            "scheduled" => JobState::Scheduled,
+            "available" => JobState::Available,
+            "pending" => JobState::Pending,
+            "active" => JobState::Active,
+            "completed" => JobState::Completed,
+            "retryable" => JobState::Retryable,
+            "cancelled" => JobState::Cancelled,
+            "discarded" => JobState::Discarded,
+            _ => return None,
+        })
+    }
+}
+
+impl JobEnvelope {
+    /// A new job of `job_type` with `args`: fresh UUIDv7 id, `specversion`
+    /// 1.0, queue `default`, `created_at` now.
+    pub fn new(job_type: impl Into<String>, args: Vec<Value>) -> Self {
+        JobEnvelope {
+            specversion: SPEC_VERSION.to_owned(),
+            id: new_job_id(),
+            job_type: job_type.into(),
+            queue: DEFAULT_QUEUE.to_owned(),
+            args,
+            meta: Map::new(),
+            priority: 0,
+            timeout: 0,
+            scheduled_at: None,
+            expires_at: None,
+            retry: None,
+            unique: None,
+            schema: None,
+            state: None,
+            attempt: 0,
+            created_at: Some(now_millis()),
+            enqueued_at: None,
+            started_at: None,
+            completed_at: None,
+            error: None,
+            result: None,
+            total_timeout: 0,
+            enqueue_ttl: 0,
+            grace_period: 0,
+            heartbeat_timeout: 0,
+            result_ttl: 0,
+            extensions: Map::new(),
+            unknown_fields: Vec::new(),
+            unknown_attributes: Map::new(),
+        }
+    }
+
+    /// Sets the queue (builder style).
+    pub fn with_queue(mut self, queue: impl Into<String>) -> Self {
+        self.queue = queue.into();
+        self
+    }
+
+    /// Sets the priority (builder style).
+    pub fn with_priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// Adds one meta entry (builder style).
+    pub fn with_meta(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.meta.insert(key.into(), value.into());
+        self
+    }
+
+    /// Sets the retry policy (builder style).
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = Some(retry);
+        self
+    }
+
+    /// A string meta value, if present and a string.
+    pub fn meta_str(&self, key: &str) -> Option<&str> {
+        self.meta.get(key).and_then(Value::as_str)
+    }
+
+    /// Whether decoding found protobuf fields this build does not know.
+    pub fn has_unknown_fields(&self) -> bool {
+        !self.unknown_fields.is_empty()
+            || self
+                .retry
+                .as_ref()
+                .is_some_and(|r| !r.unknown_fields.is_empty())
+            || self
+                .unique
+                .as_ref()
+                .is_some_and(|u| !u.unknown_fields.is_empty())
+            || self
+                .error
+                .as_ref()
+                .is_some_and(|e| !e.unknown_fields.is_empty())
+    }
+
+    /// Checks every rule of ojs-core and DESIGN §3. Both codecs call this on
+    /// decode and before encode, so an invalid envelope never crosses a wire.
+    pub fn validate(&self) -> Result<()> {
+        if self.specversion.is_empty() {
+            return Err(Error::MissingAttribute("specversion"));
+        }
+        if !SUPPORTED_SPEC_VERSIONS.contains(&self.specversion.as_str()) {
+            return Err(Error::UnsupportedSpecVersion(self.specversion.clone()));
+        }
+        if self.id.is_empty() {
+            return Err(Error::MissingAttribute("id"));
+        }
+        validate_job_id(&self.id)?;
+        if self.job_type.is_empty() {
+            return Err(Error::MissingAttribute("type"));
+        }
+        validate_job_type(&self.job_type)?;
+        validate_queue_name(&self.queue)?;
+        let args = Path::Root("args");
+        for (i, arg) in self.args.iter().enumerate() {
+            check_value(arg, &Path::Index(&args, i), 1)?;
+        }
+        let meta = Path::Root("meta");
+        for (k, v) in &self.meta {
+            check_value(v, &Path::Key(&meta, k), 1)?;
+        }
+        let ext = Path::Root("extensions");
+        for (k, v) in &self.extensions {
+            if !k.starts_with("x-") {
+                return Err(Error::invalid(
+                    format!("extensions.{k}"),
+                    "extension keys must follow x-{vendor}-{name}",
+                ));
+            }
+            check_value(v, &Path::Key(&ext, k), 1)?;
+        }
+        if let Some(result) = &self.result {
+            check_value(result, &Path::Root("result"), 0)?;
+        }
+        for (name, v) in [
+            ("timeout", self.timeout),
+            ("attempt", self.attempt),
+            ("total_timeout", self.total_timeout),
+            ("enqueue_ttl", self.enqueue_ttl),
+            ("grace_period", self.grace_period),
+            ("heartbeat_timeout", self.heartbeat_timeout),
+            ("result_ttl", self.result_ttl),
+        ] {
+            if v < 0 {
+                return Err(Error::invalid(
+                    name,
+                    format!("must not be negative, got {v}"),
+                ));
+            }
+        }
+        if let Some(retry) = &self.retry {
+            retry.validate()?;
+        }
+        if let Some(unique) = &self.unique {
+            if !unique.period.is_empty() {
+                parse_iso8601_duration(&unique.period)
+                    .map_err(|reason| Error::invalid("unique.period", reason))?;
+            }
+            if !matches!(
+                unique.on_conflict.as_str(),
+                "" | "reject" | "replace" | "reschedule"
+            ) {
+                return Err(Error::invalid(
+                    "unique.on_conflict",
+                    format!(
+                        "{:?} is not one of reject, replace, reschedule",
+                        unique.on_conflict
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RetryPolicy {
+    fn validate(&self) -> Result<()> {
+        if self.max_attempts < 0 {
+            return Err(Error::invalid("retry.max_attempts", "must not be negative"));
+        }
+        for (name, v) in [
+            ("retry.initial_interval", &self.initial_interval),
+            ("retry.max_interval", &self.max_interval),
+        ] {
+            if !v.is_empty() {
+                parse_iso8601_duration(v).map_err(|reason| Error::invalid(name, reason))?;
+            }
+        }
+        if !self.backoff_coefficient.is_finite() || self.backoff_coefficient < 0.0 {
+            return Err(Error::invalid(
+                "retry.backoff_coefficient",
+                "must be a finite, non-negative number",
+            ));
+        }
+        if !matches!(self.on_exhaustion.as_str(), "" | "discard" | "dead_letter") {
+            return Err(Error::invalid(
+                "retry.on_exhaustion",
+                format!("{:?} is not discard or dead_letter", self.on_exhaustion),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A new job id: UUIDv7, lowercase hyphenated.
+pub fn new_job_id() -> String {
+    uuid::Uuid::now_v7().hyphenated().to_string()
+}
+
+/// Current time truncated to milliseconds, the precision brokers keep.
+pub(crate) fn now_millis() -> DateTime<Utc> {
+    let now = Utc::now();
+    DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now)
+}
+
+/// `id` must be a lowercase hyphenated UUIDv7.
+pub fn validate_job_id(id: &str) -> Result<()> {
+    let parsed = uuid::Uuid::try_parse(id)
+        .map_err(|e| Error::invalid("id", format!("{id:?} is not a UUID: {e}")))?;
+    if parsed.get_version_num() != 7 {
+        return Err(Error::invalid(
+            "id",
+            format!(
+                "{id:?} is a version {} UUID, OJS requires UUIDv7",
+                parsed.get_version_num()
+            ),
+        ));
+    }
+    if id.len() != 36 || id.bytes().any(|b| b.is_ascii_uppercase()) {
+        return Err(Error::invalid(
+            "id",
+            format!("{id:?} must be lowercase hyphenated (8-4-4-4-12)"),
+        ));
+    }
+    Ok(())
+}
+
+/// `type`: dot-separated segments of letters, digits, `_` and `-`.
+pub fn validate_job_type(job_type: &str) -> Result<()> {
+    let ok = job_type.len() <= MAX_NAME_LEN
+        && job_type.split('.').all(|seg| {
+            !seg.is_empty()
+                && seg
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "type",
+            format!("{job_type:?} is not a dot-namespaced type (segments of [A-Za-z0-9_-], at most {MAX_NAME_LEN} bytes)"),
+        ))
+    }
+}
+
+/// `queue`: `[a-z0-9][a-z0-9.-]*`, at most 255 bytes.
+pub fn validate_queue_name(queue: &str) -> Result<()> {
+    let bytes = queue.as_bytes();
+    let ok = !bytes.is_empty()
+        && bytes.len() <= MAX_NAME_LEN
+        && (bytes[0].is_ascii_lowercase() || bytes[0].is_ascii_digit())
+        && bytes
+            .iter()
+            .all(|&b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "queue",
+            format!("{queue:?} does not match [a-z0-9][a-z0-9.-]* (at most {MAX_NAME_LEN} bytes)"),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn builder_fills_required_attributes() {
+        let job = JobEnvelope::new("email.send", vec![json!("a@b.c")]).with_queue("mail");
+        job.validate().unwrap();
+        assert_eq!(job.specversion, "1.0");
+        assert_eq!(job.queue, "mail");
+        assert!(job.created_at.is_some());
+        assert_eq!(uuid::Uuid::parse_str(&job.id).unwrap().get_version_num(), 7);
+    }
+
+    #[test]
+    fn ids_must_be_lowercase_uuidv7() {
+        assert!(validate_job_id("019539a4-b68c-7def-8000-1a2b3c4d5e6f").is_ok());
+        assert!(validate_job_id("019539A4-B68C-7DEF-8000-1A2B3C4D5E6F").is_err());
+        assert!(validate_job_id("550e8400-e29b-41d4-a716-446655440000").is_err());
+        assert!(validate_job_id("not-a-uuid").is_err());
+    }
+
+    #[test]
+    fn names_follow_their_patterns() {
+        assert!(validate_queue_name("default").is_ok());
+        assert!(validate_queue_name("media.high-1").is_ok());
+        for bad in ["", "Default", "-x", "a_b", "a b"] {
+            assert!(validate_queue_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(validate_job_type("payment.PaymentService.ProcessPayment").is_ok());
+        for bad in ["", ".a", "a.", "a..b", "a b"] {
+            assert!(validate_job_type(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn policy_values_are_checked() {
+        let mut job = JobEnvelope::new("a.b", vec![]);
+        job.retry = Some(RetryPolicy {
+            on_exhaustion: "explode".into(),
+            ..RetryPolicy::default()
+        });
+        assert!(
+            matches!(job.validate(), Err(Error::InvalidAttribute { attribute, .. }) if attribute == "retry.on_exhaustion")
+        );
+        job.retry = Some(RetryPolicy {
+            initial_interval: "1 second".into(),
+            ..RetryPolicy::default()
+        });
+        assert!(
+            matches!(job.validate(), Err(Error::InvalidAttribute { attribute, .. }) if attribute == "retry.initial_interval")
+        );
+        job.retry = None;
+        job.timeout = -1;
+        assert!(job.validate().is_err());
+    }
+}

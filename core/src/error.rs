@@ -1,0 +1,195 @@
+//! The one error type of `ojs-core`.
+
+use std::time::Duration;
+
+/// Result alias used throughout `ojs-core`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the envelope codecs and the adapter contract.
+///
+/// Variants are named by what went wrong so that callers (the daemon's
+/// dead-letter path in particular) can turn them into a reason without parsing
+/// strings.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Protobuf bytes that do not parse: truncated, wrong wire type, bad varint.
+    #[error("malformed protobuf at byte {offset}: {reason}")]
+    MalformedProtobuf {
+        /// Byte offset in the input where parsing failed.
+        offset: usize,
+        /// What was wrong there.
+        reason: String,
+    },
+    /// Text that is not JSON, or JSON of the wrong shape.
+    #[error("invalid JSON{}: {reason}", at_line(*.line))]
+    InvalidJson {
+        /// 1-based line of the input, when known.
+        line: Option<usize>,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A required attribute (`specversion`, `id`, `type`, `args`) is absent.
+    #[error("missing required attribute `{0}`")]
+    MissingAttribute(&'static str),
+    /// An attribute is present but its value is not allowed.
+    #[error("invalid attribute `{attribute}`: {reason}")]
+    InvalidAttribute {
+        /// Path of the attribute, e.g. `retry.max_attempts`.
+        attribute: String,
+        /// Why the value is rejected.
+        reason: String,
+    },
+    /// `specversion` names a version this build does not speak.
+    #[error("unsupported specversion {0:?} (supported: \"1.0\", \"1.0.0-rc.1\")")]
+    UnsupportedSpecVersion(String),
+    /// A JSON number that a double cannot represent exactly.
+    #[error("number at `{path}` ({value}) is beyond ±2^53 and cannot be carried exactly; send it as a string")]
+    NumberOutOfRange {
+        /// JSON path of the number, e.g. `args[2].amount`.
+        path: String,
+        /// The number as written.
+        value: String,
+    },
+    /// A non-finite double (NaN, ±inf) that JSON cannot carry.
+    #[error("number at `{path}` is not finite and has no JSON form")]
+    NonFiniteNumber {
+        /// Path of the value.
+        path: String,
+    },
+    /// Values nested deeper than [`crate::MAX_VALUE_DEPTH`].
+    #[error("value at `{path}` is nested deeper than {limit} levels")]
+    NestingTooDeep {
+        /// Path where the limit was crossed.
+        path: String,
+        /// The limit.
+        limit: usize,
+    },
+    /// A JSON attribute that has no protobuf field, so converting would lose it.
+    #[error("attribute `{0}` has no protobuf field; move it into `meta` or `extensions` to carry it as protobuf")]
+    Unrepresentable(String),
+    /// A content type this build cannot decode.
+    #[error("unknown content type {0:?}")]
+    UnknownContentType(String),
+    /// Content negotiation found nothing acceptable.
+    #[error("none of the accepted media types is supported: {0:?}")]
+    NotAcceptable(String),
+    /// A message larger than the destination accepts; nothing was sent.
+    #[error("payload too large: {size} bytes encoded, limit is {limit} bytes")]
+    PayloadTooLarge {
+        /// Encoded size of the message.
+        size: usize,
+        /// The destination's limit.
+        limit: usize,
+    },
+    /// Some messages of a batch were not published; each is listed and
+    /// handed back. Messages not listed were accepted.
+    #[error("{0}")]
+    Publish(crate::adapter::PublishFailure),
+    /// The delivery's lease ended (visibility timeout) and the message may
+    /// have gone to another consumer; the ack/nack did not apply.
+    #[error("delivery expired before it was settled; the message will be delivered again")]
+    DeliveryExpired,
+    /// A delivery was acknowledged (acked or nacked) a second time.
+    #[error("delivery was already {0}")]
+    AlreadyAcknowledged(&'static str),
+    /// The adapter or consumer was closed.
+    #[error("adapter is closed")]
+    Closed,
+    /// An endpoint URL or adapter setting that cannot work.
+    #[error("invalid configuration `{field}`: {reason}")]
+    InvalidConfig {
+        /// The field or URL part to change.
+        field: String,
+        /// What to change.
+        reason: String,
+    },
+    /// The broker refused or failed an operation.
+    #[error("{broker} error: {message}")]
+    Broker {
+        /// Which adapter (`kafka`, `rabbitmq`, `sqs`, `local`, `memory`).
+        broker: &'static str,
+        /// What the broker said.
+        message: String,
+        /// Whether retrying the same call may succeed.
+        retryable: bool,
+    },
+    /// An operation did not finish in time.
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    /// I/O on a stream or file.
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn at_line(line: Option<usize>) -> String {
+    line.map(|l| format!(" on line {l}")).unwrap_or_default()
+}
+
+impl Error {
+    pub(crate) fn malformed(offset: usize, reason: impl Into<String>) -> Self {
+        Error::MalformedProtobuf {
+            offset,
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn invalid(attribute: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidAttribute {
+            attribute: attribute.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn json(reason: impl Into<String>) -> Self {
+        Error::InvalidJson {
+            line: None,
+            reason: reason.into(),
+        }
+    }
+
+    /// A broker error helper for adapter crates.
+    pub fn broker(broker: &'static str, message: impl Into<String>, retryable: bool) -> Self {
+        Error::Broker {
+            broker,
+            message: message.into(),
+            retryable,
+        }
+    }
+
+    /// A short, stable name for the kind of error: used as the dead-letter
+    /// reason type and as a metrics label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::MalformedProtobuf { .. } => "malformed_protobuf",
+            Error::InvalidJson { .. } => "invalid_json",
+            Error::MissingAttribute(_) => "missing_attribute",
+            Error::InvalidAttribute { .. } => "invalid_attribute",
+            Error::UnsupportedSpecVersion(_) => "unsupported_specversion",
+            Error::NumberOutOfRange { .. } => "number_out_of_range",
+            Error::NonFiniteNumber { .. } => "non_finite_number",
+            Error::NestingTooDeep { .. } => "nesting_too_deep",
+            Error::Unrepresentable(_) => "unrepresentable",
+            Error::UnknownContentType(_) => "unknown_content_type",
+            Error::NotAcceptable(_) => "not_acceptable",
+            Error::PayloadTooLarge { .. } => "payload_too_large",
+            Error::AlreadyAcknowledged(_) => "already_acknowledged",
+            Error::Publish(_) => "publish_failed",
+            Error::DeliveryExpired => "delivery_expired",
+            Error::Closed => "closed",
+            Error::InvalidConfig { .. } => "invalid_config",
+            Error::Broker { .. } => "broker",
+            Error::Timeout(_) => "timeout",
+            Error::Io(_) => "io",
+        }
+    }
+
+    /// Whether the same operation may succeed if tried again later.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Broker { retryable, .. } => *retryable,
+            Error::Timeout(_) | Error::Io(_) => true,
+            _ => false,
+        }
+    }
+}

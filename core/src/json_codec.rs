@@ -1,0 +1,429 @@
+//! `application/openjobspec+json`: the OJS JSON envelope.
+//!
+//! snake_case attributes, RFC 3339 timestamps (normalised to UTC, because
+//! protobuf `Timestamp` has no offset), absent attributes omitted, and `null`
+//! read as absent. Numbers go through the same ±2^53 check as protobuf so that
+//! a JSON envelope that decodes here always converts to protobuf.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::ser::{SerializeMap, Serializer};
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use crate::envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy, DEFAULT_QUEUE};
+use crate::error::{Error, Result};
+use crate::proto_codec::split_backtrace;
+use crate::value::normalize_value;
+
+impl JobEnvelope {
+    /// Decodes and validates one JSON envelope.
+    pub fn from_json_slice(bytes: &[u8]) -> Result<Self> {
+        let value: Value = serde_json::from_slice(bytes).map_err(|e| Error::InvalidJson {
+            line: Some(e.line()),
+            reason: e.to_string(),
+        })?;
+        Self::from_json_value(value)
+    }
+
+    /// Decodes and validates an already parsed JSON value.
+    pub fn from_json_value(value: Value) -> Result<Self> {
+        let Value::Object(map) = value else {
+            return Err(Error::json(format!(
+                "an envelope must be a JSON object, got {}",
+                kind_of(&value)
+            )));
+        };
+        let job = decode_object(map)?;
+        job.validate()?;
+        Ok(job)
+    }
+
+    /// Validates and encodes as compact JSON.
+    pub fn to_json_vec(&self) -> Result<Vec<u8>> {
+        self.validate()?;
+        serde_json::to_vec(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
+    }
+
+    /// Validates and encodes as a JSON value.
+    pub fn to_json_value(&self) -> Result<Value> {
+        self.validate()?;
+        serde_json::to_value(JsonView(self)).map_err(|e| Error::json(e.to_string()))
+    }
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn want_string(name: &str, v: Value) -> Result<String> {
+    match v {
+        Value::String(s) => Ok(s),
+        other => Err(Error::invalid(
+            name,
+            format!("must be a string, got {}", kind_of(&other)),
+        )),
+    }
+}
+
+fn want_i32(name: &str, v: &Value) -> Result<i32> {
+    v.as_i64()
+        .and_then(|n| i32::try_from(n).ok())
+        .ok_or_else(|| Error::invalid(name, format!("must be a 32-bit integer, got {v}")))
+}
+
+fn want_object(name: &str, v: Value) -> Result<Map<String, Value>> {
+    match v {
+        Value::Object(m) => Ok(m),
+        other => Err(Error::invalid(
+            name,
+            format!("must be an object, got {}", kind_of(&other)),
+        )),
+    }
+}
+
+fn want_string_list(name: &str, v: Value) -> Result<Vec<String>> {
+    match v {
+        Value::Array(items) => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| want_string(&format!("{name}[{i}]"), item))
+            .collect(),
+        other => Err(Error::invalid(
+            name,
+            format!("must be an array of strings, got {}", kind_of(&other)),
+        )),
+    }
+}
+
+fn want_timestamp(name: &str, v: Value) -> Result<Option<DateTime<Utc>>> {
+    let s = want_string(name, v)?;
+    let t = DateTime::parse_from_rfc3339(&s)
+        .map_err(|e| Error::invalid(name, format!("{s:?} is not an RFC 3339 timestamp: {e}")))?
+        .with_timezone(&Utc);
+    // The epoch is protobuf's "unset"; reading it as unset here keeps both
+    // codecs in agreement (ojs-protobuf-wire-format §6.2).
+    if t.timestamp() == 0 && t.timestamp_subsec_nanos() == 0 {
+        return Ok(None);
+    }
+    if !(1..=9999).contains(&chrono::Datelike::year(&t)) {
+        return Err(Error::invalid(name, "year must be within 0001..=9999"));
+    }
+    Ok(Some(t))
+}
+
+fn decode_object(map: Map<String, Value>) -> Result<JobEnvelope> {
+    let mut job = JobEnvelope::new("x", Vec::new());
+    job.specversion.clear();
+    job.id.clear();
+    job.job_type.clear();
+    job.queue = DEFAULT_QUEUE.to_owned();
+    job.created_at = None;
+    let mut saw_args = false;
+    for (key, v) in map {
+        if v.is_null() {
+            continue; // null = absent
+        }
+        match key.as_str() {
+            "specversion" => job.specversion = want_string(&key, v)?,
+            "id" => job.id = want_string(&key, v)?,
+            "type" => job.job_type = want_string(&key, v)?,
+            "queue" => job.queue = want_string(&key, v)?,
+            "args" => match v {
+                Value::Array(mut items) => {
+                    items.iter_mut().for_each(normalize_value);
+                    job.args = items;
+                    saw_args = true;
+                }
+                other => {
+                    return Err(Error::invalid(
+                        "args",
+                        format!("must be a JSON array, got {}", kind_of(&other)),
+                    ))
+                }
+            },
+            "meta" => {
+                job.meta = want_object(&key, v)?;
+                job.meta.values_mut().for_each(normalize_value);
+            }
+            "priority" => job.priority = want_i32(&key, &v)?,
+            "timeout" => job.timeout = want_i32(&key, &v)?,
+            "scheduled_at" => job.scheduled_at = want_timestamp(&key, v)?,
+            "expires_at" => job.expires_at = want_timestamp(&key, v)?,
+            "retry" => job.retry = Some(decode_retry(want_object(&key, v)?)?),
+            "unique" => job.unique = Some(decode_unique(want_object(&key, v)?)?),
+            "schema" => {
+                let s = want_string(&key, v)?;
+                job.schema = (!s.is_empty()).then_some(s);
+            }
+            "state" => {
+                let s = want_string(&key, v)?;
+                job.state = Some(JobState::parse(&s).ok_or_else(|| {
+                    Error::invalid("state", format!("{s:?} is not an OJS state"))
+                })?);
+            }
+            "attempt" => job.attempt = want_i32(&key, &v)?,
+            "created_at" => job.created_at = want_timestamp(&key, v)?,
+            "enqueued_at" => job.enqueued_at = want_timestamp(&key, v)?,
+            "started_at" => job.started_at = want_timestamp(&key, v)?,
+            "completed_at" => job.completed_at = want_timestamp(&key, v)?,
+            "error" => job.error = Some(decode_error(want_object(&key, v)?)?),
+            "result" => {
+                let mut v = v;
+                normalize_value(&mut v);
+                job.result = Some(v);
+            }
+            "total_timeout" => job.total_timeout = want_i32(&key, &v)?,
+            "enqueue_ttl" => job.enqueue_ttl = want_i32(&key, &v)?,
+            "grace_period" => job.grace_period = want_i32(&key, &v)?,
+            "heartbeat_timeout" => job.heartbeat_timeout = want_i32(&key, &v)?,
+            "result_ttl" => job.result_ttl = want_i32(&key, &v)?,
+            "extensions" => {
+                job.extensions = want_object(&key, v)?;
+                job.extensions.values_mut().for_each(normalize_value);
+            }
+            _ => {
+                job.unknown_attributes.insert(key, v);
+            }
+        }
+    }
+    if !saw_args {
+        return Err(Error::MissingAttribute("args"));
+    }
+    Ok(job)
+}
+
+fn unknown_key(object: &str, key: &str) -> Error {
+    Error::invalid(format!("{object}.{key}"), "unknown attribute")
+}
+
+fn decode_retry(map: Map<String, Value>) -> Result<RetryPolicy> {
+    let mut p = RetryPolicy::default();
+    for (key, v) in map {
+        if v.is_null() {
+            continue;
+        }
+        let name = format!("retry.{key}");
+        match key.as_str() {
+            "max_attempts" => p.max_attempts = want_i32(&name, &v)?,
+            "initial_interval" => p.initial_interval = want_string(&name, v)?,
+            "backoff_coefficient" => {
+                p.backoff_coefficient = v
+                    .as_f64()
+                    .ok_or_else(|| Error::invalid(&name, format!("must be a number, got {v}")))?
+            }
+            "max_interval" => p.max_interval = want_string(&name, v)?,
+            "jitter" => {
+                p.jitter = v
+                    .as_bool()
+                    .ok_or_else(|| Error::invalid(&name, format!("must be a boolean, got {v}")))?
+            }
+            "non_retryable_errors" => p.non_retryable_errors = want_string_list(&name, v)?,
+            "on_exhaustion" => p.on_exhaustion = want_string(&name, v)?,
+            _ => return Err(unknown_key("retry", &key)),
+        }
+    }
+    Ok(p)
+}
+
+fn decode_unique(map: Map<String, Value>) -> Result<UniquePolicy> {
+    let mut p = UniquePolicy::default();
+    for (key, v) in map {
+        if v.is_null() {
+            continue;
+        }
+        let name = format!("unique.{key}");
+        match key.as_str() {
+            "keys" => p.keys = want_string_list(&name, v)?,
+            "period" => p.period = want_string(&name, v)?,
+            "on_conflict" => p.on_conflict = want_string(&name, v)?,
+            _ => return Err(unknown_key("unique", &key)),
+        }
+    }
+    Ok(p)
+}
+
+fn decode_error(map: Map<String, Value>) -> Result<JobError> {
+    let mut e = JobError::default();
+    for (key, v) in map {
+        if v.is_null() {
+            continue;
+        }
+        let name = format!("error.{key}");
+        match key.as_str() {
+            "type" => e.error_type = want_string(&name, v)?,
+            "message" => e.message = want_string(&name, v)?,
+            // ojs-core sends frames as an array; a single string is split on
+            // newlines, which is also how protobuf carries them.
+            "backtrace" => {
+                e.backtrace = match v {
+                    Value::String(s) => split_backtrace(&s),
+                    other => want_string_list(&name, other)?,
+                };
+                if e.backtrace.iter().any(|f| f.contains('\n')) {
+                    return Err(Error::invalid(&name, "frames must not contain newlines"));
+                }
+            }
+            "timeout_kind" => e.timeout_kind = want_string(&name, v)?,
+            "limit_seconds" => e.limit_seconds = want_i32(&name, &v)?,
+            "elapsed_seconds" => e.elapsed_seconds = want_i32(&name, &v)?,
+            _ => return Err(unknown_key("error", &key)),
+        }
+    }
+    Ok(e)
+}
+
+// ---- encoding -----------------------------------------------------------------
+
+struct JsonView<'a>(&'a JobEnvelope);
+struct Ts<'a>(&'a DateTime<Utc>);
+struct RetryView<'a>(&'a RetryPolicy);
+struct UniqueView<'a>(&'a UniquePolicy);
+struct ErrorView<'a>(&'a JobError);
+
+impl Serialize for Ts<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0.to_rfc3339_opts(SecondsFormat::AutoSi, true))
+    }
+}
+
+fn put_ts<M: SerializeMap>(
+    m: &mut M,
+    k: &str,
+    t: &Option<DateTime<Utc>>,
+) -> std::result::Result<(), M::Error> {
+    if let Some(t) = t {
+        m.serialize_entry(k, &Ts(t))?;
+    }
+    Ok(())
+}
+
+fn put_i32<M: SerializeMap>(m: &mut M, k: &str, v: i32) -> std::result::Result<(), M::Error> {
+    if v != 0 {
+        m.serialize_entry(k, &v)?;
+    }
+    Ok(())
+}
+
+fn put_str<M: SerializeMap>(m: &mut M, k: &str, v: &str) -> std::result::Result<(), M::Error> {
+    if !v.is_empty() {
+        m.serialize_entry(k, v)?;
+    }
+    Ok(())
+}
+
+impl Serialize for JsonView<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let j = self.0;
+        let mut m = s.serialize_map(None)?;
+        m.serialize_entry("specversion", &j.specversion)?;
+        m.serialize_entry("id", &j.id)?;
+        m.serialize_entry("type", &j.job_type)?;
+        m.serialize_entry("queue", &j.queue)?;
+        m.serialize_entry("args", &j.args)?;
+        if !j.meta.is_empty() {
+            m.serialize_entry("meta", &j.meta)?;
+        }
+        put_i32(&mut m, "priority", j.priority)?;
+        put_i32(&mut m, "timeout", j.timeout)?;
+        put_ts(&mut m, "scheduled_at", &j.scheduled_at)?;
+        put_ts(&mut m, "expires_at", &j.expires_at)?;
+        if let Some(p) = &j.retry {
+            m.serialize_entry("retry", &RetryView(p))?;
+        }
+        if let Some(p) = &j.unique {
+            m.serialize_entry("unique", &UniqueView(p))?;
+        }
+        if let Some(schema) = &j.schema {
+            put_str(&mut m, "schema", schema)?;
+        }
+        if let Some(state) = j.state {
+            let name = state.as_str().ok_or_else(|| {
+                S::Error::custom(format!(
+                    "state {} is unknown to this build and has no JSON name",
+                    state.to_i32()
+                ))
+            })?;
+            m.serialize_entry("state", name)?;
+        }
+        put_i32(&mut m, "attempt", j.attempt)?;
+        put_ts(&mut m, "created_at", &j.created_at)?;
+        put_ts(&mut m, "enqueued_at", &j.enqueued_at)?;
+        put_ts(&mut m, "started_at", &j.started_at)?;
+        put_ts(&mut m, "completed_at", &j.completed_at)?;
+        if let Some(e) = &j.error {
+            m.serialize_entry("error", &ErrorView(e))?;
+        }
+        if let Some(r) = &j.result {
+            m.serialize_entry("result", r)?;
+        }
+        put_i32(&mut m, "total_timeout", j.total_timeout)?;
+        put_i32(&mut m, "enqueue_ttl", j.enqueue_ttl)?;
+        put_i32(&mut m, "grace_period", j.grace_period)?;
+        put_i32(&mut m, "heartbeat_timeout", j.heartbeat_timeout)?;
+        put_i32(&mut m, "result_ttl", j.result_ttl)?;
+        if !j.extensions.is_empty() {
+            m.serialize_entry("extensions", &j.extensions)?;
+        }
+        for (k, v) in &j.unknown_attributes {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
+}
+
+impl Serialize for RetryView<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let p = self.0;
+        let mut m = s.serialize_map(None)?;
+        put_i32(&mut m, "max_attempts", p.max_attempts)?;
+        put_str(&mut m, "initial_interval", &p.initial_interval)?;
+        if p.backoff_coefficient != 0.0 {
+            m.serialize_entry("backoff_coefficient", &p.backoff_coefficient)?;
+        }
+        put_str(&mut m, "max_interval", &p.max_interval)?;
+        // Always written: JSON without it means `true`.
+        m.serialize_entry("jitter", &p.jitter)?;
+        if !p.non_retryable_errors.is_empty() {
+            m.serialize_entry("non_retryable_errors", &p.non_retryable_errors)?;
+        }
+        put_str(&mut m, "on_exhaustion", &p.on_exhaustion)?;
+        m.end()
+    }
+}
+
+impl Serialize for UniqueView<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let p = self.0;
+        let mut m = s.serialize_map(None)?;
+        if !p.keys.is_empty() {
+            m.serialize_entry("keys", &p.keys)?;
+        }
+        put_str(&mut m, "period", &p.period)?;
+        put_str(&mut m, "on_conflict", &p.on_conflict)?;
+        m.end()
+    }
+}
+
+impl Serialize for ErrorView<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let e = self.0;
+        let mut m = s.serialize_map(None)?;
+        put_str(&mut m, "type", &e.error_type)?;
+        put_str(&mut m, "message", &e.message)?;
+        if !e.backtrace.is_empty() {
+            m.serialize_entry("backtrace", &e.backtrace)?;
+        }
+        put_str(&mut m, "timeout_kind", &e.timeout_kind)?;
+        put_i32(&mut m, "limit_seconds", e.limit_seconds)?;
+        put_i32(&mut m, "elapsed_seconds", e.elapsed_seconds)?;
+        m.end()
+    }
+}

@@ -1,0 +1,34 @@
+//! The heart of ojs-bridge: the OJS job envelope and its codecs, content types,
+//! and the [`QueueAdapter`] contract that every broker adapter implements.
+//!
+//! ```no_run
+//! use ojs_core::{Encoding, JobEnvelope};
+//! use serde_json::json;
+//!
+//! let job = JobEnvelope::new("email.send", vec![json!("user@example.com")]).with_queue("mail");
+//! let bytes = job.to_proto_bytes()?;                 // application/openjobspec+proto
+//! let back = JobEnvelope::from_proto_bytes(&bytes)?;
+//! assert_eq!(back.to_json_value()?, job.to_json_value()?);
+//! assert_eq!(Encoding::negotiate("application/openjobspec+proto")?, Encoding::OjsProto);
+//! # Ok::<(), ojs_core::Error>(())
+//! ```
+
+pub mod adapter;
+pub mod duration;
+pub mod envelope;
+mod error;
+mod json_codec;
+pub mod media;
+mod proto_codec;
+pub mod stream;
+mod value;
+mod wire;
+
+pub use adapter::{
+    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, FailedPublish,
+    Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Source,
+};
+pub use envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
+pub use error::{Error, Result};
+pub use media::Encoding;
+pub use value::MAX_VALUE_DEPTH;

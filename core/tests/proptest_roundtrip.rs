@@ -1,0 +1,157 @@
+//! Property tests: random envelopes survive JSON → proto → JSON and
+//! proto → JSON → proto unchanged (ojs-protobuf-wire-format §10).
+
+use chrono::{DateTime, Utc};
+use ojs_core::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
+use proptest::prelude::*;
+use serde_json::{Map, Number, Value};
+
+fn leaf() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        (-(1i64 << 53)..=(1i64 << 53)).prop_map(|i| Value::Number(i.into())),
+        // Non-integral finite doubles (integral ones normalise to integers).
+        (-1e12f64..1e12f64)
+            .prop_filter("non-integral", |f| f.fract() != 0.0)
+            .prop_map(|f| Value::Number(Number::from_f64(f).unwrap())),
+        "\\PC{0,12}".prop_map(Value::String),
+    ]
+}
+
+fn json_value() -> impl Strategy<Value = Value> {
+    leaf().prop_recursive(4, 32, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+            prop::collection::btree_map("[a-z_]{0,6}", inner, 0..5)
+                .prop_map(|m| Value::Object(m.into_iter().collect::<Map<_, _>>())),
+        ]
+    })
+}
+
+fn timestamp() -> impl Strategy<Value = Option<DateTime<Utc>>> {
+    prop_oneof![
+        Just(None),
+        (1i64..253_402_300_799, 0u32..1_000_000_000)
+            .prop_map(|(s, n)| DateTime::from_timestamp(s, n)),
+    ]
+}
+
+fn small_int() -> impl Strategy<Value = i32> {
+    prop_oneof![Just(0), 1..i32::MAX]
+}
+
+fn name() -> impl Strategy<Value = String> {
+    "[a-z0-9][a-z0-9-]{0,8}(\\.[a-z0-9][a-z0-9-]{0,8}){0,2}"
+}
+
+fn retry() -> impl Strategy<Value = Option<RetryPolicy>> {
+    proptest::option::of(
+        (
+            small_int(),
+            prop_oneof![
+                Just(String::new()),
+                Just("PT1S".to_owned()),
+                Just("PT0.5S".to_owned())
+            ],
+            prop_oneof![Just(0.0), 1.0f64..10.0],
+            any::<bool>(),
+            prop::collection::vec("[A-Za-z]{1,10}", 0..3),
+            prop_oneof![Just(""), Just("discard"), Just("dead_letter")],
+        )
+            .prop_map(
+                |(max_attempts, interval, coeff, jitter, errors, exhaustion)| RetryPolicy {
+                    max_attempts,
+                    initial_interval: interval.clone(),
+                    backoff_coefficient: coeff,
+                    max_interval: interval,
+                    jitter,
+                    non_retryable_errors: errors,
+                    on_exhaustion: exhaustion.to_owned(),
+                    unknown_fields: Vec::new(),
+                },
+            ),
+    )
+}
+
+prop_compose! {
+    fn envelope()(
+        specversion in prop_oneof![Just("1.0"), Just("1.0.0-rc.1")],
+        job_type in name(),
+        queue in name(),
+        args in prop::collection::vec(json_value(), 0..5),
+        meta in prop::collection::btree_map("[a-z_.]{1,10}", json_value(), 0..4),
+        priority in any::<i32>(),
+        timeout in small_int(),
+        ts in prop::collection::vec(timestamp(), 6),
+        retry in retry(),
+        unique in proptest::option::of((prop::collection::vec("[a-z]{1,5}", 0..3), prop_oneof![Just(""), Just("reject"), Just("replace")])),
+        schema in proptest::option::of("https://[a-z]{1,8}\\.example/s"),
+        state in proptest::option::of(1i32..=8),
+        attempt in small_int(),
+        error in proptest::option::of(("[A-Za-z]{1,8}", "\\PC{0,20}", prop::collection::vec("[a-z :.()0-9]{1,20}", 0..3), small_int())),
+        result in proptest::option::of(json_value().prop_filter("null is absent", |v| !v.is_null())),
+        ext_ints in prop::collection::vec(small_int(), 5),
+        extensions in prop::collection::btree_map("x-[a-z]{1,5}-[a-z]{1,5}", json_value(), 0..3),
+    ) -> JobEnvelope {
+        let mut job = JobEnvelope::new(job_type, args);
+        job.specversion = specversion.to_owned();
+        job.queue = queue;
+        job.meta = meta.into_iter().collect();
+        job.priority = priority;
+        job.timeout = timeout;
+        job.scheduled_at = ts[0];
+        job.expires_at = ts[1];
+        job.created_at = ts[2];
+        job.enqueued_at = ts[3];
+        job.started_at = ts[4];
+        job.completed_at = ts[5];
+        job.retry = retry;
+        job.unique = unique.map(|(keys, on_conflict)| UniquePolicy {
+            keys, period: "PT1H".into(), on_conflict: on_conflict.to_owned(), unknown_fields: Vec::new(),
+        });
+        job.schema = schema;
+        job.state = state.and_then(JobState::from_i32);
+        job.attempt = attempt;
+        job.error = error.map(|(t, m, backtrace, limit)| JobError {
+            error_type: t, message: m, backtrace, timeout_kind: String::new(),
+            limit_seconds: limit, elapsed_seconds: 0, unknown_fields: Vec::new(),
+        });
+        job.result = result;
+        job.total_timeout = ext_ints[0];
+        job.enqueue_ttl = ext_ints[1];
+        job.grace_period = ext_ints[2];
+        job.heartbeat_timeout = ext_ints[3];
+        job.result_ttl = ext_ints[4];
+        job.extensions = extensions.into_iter().collect();
+        job
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn json_to_proto_to_json_is_unchanged(job in envelope()) {
+        let json = job.to_json_value().unwrap();
+        let from_json = JobEnvelope::from_json_value(json.clone()).unwrap();
+        let proto = from_json.to_proto_bytes().unwrap();
+        let back = JobEnvelope::from_proto_bytes(&proto).unwrap();
+        prop_assert_eq!(back.to_json_value().unwrap(), json);
+        prop_assert_eq!(back, job);
+    }
+
+    #[test]
+    fn proto_to_json_to_proto_is_unchanged(job in envelope()) {
+        let proto = job.to_proto_bytes().unwrap();
+        let json = JobEnvelope::from_proto_bytes(&proto).unwrap().to_json_vec().unwrap();
+        let again = JobEnvelope::from_json_slice(&json).unwrap().to_proto_bytes().unwrap();
+        prop_assert_eq!(again, proto);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        let _ = JobEnvelope::from_proto_bytes(&bytes);
+        let _ = JobEnvelope::from_json_slice(&bytes);
+    }
+}
