@@ -1,6 +1,8 @@
 //! Envelope codec behaviour: interop with prost, unknown fields, the JSON ↔
 //! protobuf edges of DESIGN §3, limits, and one test per kind of bad input.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use chrono::{TimeZone, Utc};
 use ojs_core::stream::{decode_batch, decode_delimited, encode_batch, encode_delimited};
 use ojs_core::{Encoding, Error, JobEnvelope, JobState, RetryPolicy};

@@ -1,6 +1,8 @@
 //! Property tests: random envelopes survive JSON → proto → JSON and
 //! proto → JSON → proto unchanged (ojs-protobuf-wire-format §10).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use chrono::{DateTime, Utc};
 use ojs_core::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
 use proptest::prelude::*;

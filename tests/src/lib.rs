@@ -1,0 +1,12 @@
+//! Shared helpers for ojs-bridge's integration suites: the adapter acceptance
+//! suite, delivery tallies, and broker endpoint discovery.
+//!
+//! Every adapter runs the same [`acceptance`] cases through
+//! [`acceptance_tests!`]; what a broker cannot guarantee is declared in its
+//! [`acceptance::Features`], never by leaving cases out.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+pub mod acceptance;
+pub mod brokers;
+pub mod tally;
