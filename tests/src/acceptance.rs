@@ -207,15 +207,17 @@ pub async fn concurrent_publishers_and_consumers(f: &dyn AdapterFactory) -> Resu
     }
     let mut consumers = Vec::new();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let stop = Arc::new(tokio::sync::Notify::new());
+    // A watch channel, unlike Notify::notify_waiters, is seen by consumers
+    // that are busy acking when the stop is sent.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
     for _ in 0..4 {
         let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
         let tx = tx.clone();
-        let stop = stop.clone();
+        let mut stopped = stopped.clone();
         consumers.push(tokio::spawn(async move {
-            loop {
+            while !*stopped.borrow() {
                 let batch = tokio::select! {
-                    () = stop.notified() => break,
+                    _ = stopped.changed() => break,
                     b = consumer.receive(20, Duration::from_millis(300)) => b?,
                 };
                 for d in batch {
@@ -239,10 +241,11 @@ pub async fn concurrent_publishers_and_consumers(f: &dyn AdapterFactory) -> Resu
             tally.received(id);
         }
     }
-    stop.notify_waiters();
+    let _ = stop.send(true);
     for c in consumers {
-        // A consumer blocked in receive sees the stop on its next loop.
-        let _ = tokio::time::timeout(Duration::from_secs(10), c).await;
+        tokio::time::timeout(Duration::from_secs(30), c)
+            .await
+            .context("consumer did not stop")???;
     }
     tally.assert_none_lost(&format!(
         "{} {publishers}x{per_publisher} concurrent",

@@ -34,20 +34,192 @@ pub fn missing<T>(what: &str, reason: &str) -> Option<T> {
     None
 }
 
-/// A broker endpoint from `var`, or `default`, checked for reachability at
-/// `probe(host:port)`.
-pub fn endpoint(var: &str, default: &str, probe: impl Fn(&str) -> String) -> Option<String> {
-    let url = std::env::var(var).unwrap_or_else(|_| default.to_owned());
-    let addr = probe(&url);
-    if reachable(&addr) {
-        Some(url)
-    } else {
-        missing(var, &format!("nothing listens on {addr} (from {url})"))
-    }
-}
-
 /// A fresh, valid OJS queue name for one test.
 pub fn unique_queue(prefix: &str) -> String {
     let id = uuid::Uuid::new_v4().simple().to_string();
     format!("{prefix}-{}", &id[..12])
+}
+
+/// A broker endpoint for a suite, and whatever keeps it alive.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    /// The URL adapters connect to (`amqp://…`, `kafka://…`, `sqs://…`).
+    pub url: String,
+}
+
+/// Which broker a suite needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Broker {
+    /// RabbitMQ: `OJS_BRIDGE_TEST_AMQP_URL`.
+    RabbitMq,
+    /// Kafka: `OJS_BRIDGE_TEST_KAFKA_URL`.
+    Kafka,
+    /// SQS: `OJS_BRIDGE_TEST_SQS_URL`.
+    Sqs,
+}
+
+impl Broker {
+    fn var(self) -> &'static str {
+        match self {
+            Broker::RabbitMq => "OJS_BRIDGE_TEST_AMQP_URL",
+            Broker::Kafka => "OJS_BRIDGE_TEST_KAFKA_URL",
+            Broker::Sqs => "OJS_BRIDGE_TEST_SQS_URL",
+        }
+    }
+
+    fn default_url(self) -> &'static str {
+        match self {
+            Broker::RabbitMq => "amqp://guest:guest@127.0.0.1:5672/%2f",
+            Broker::Kafka => "kafka://127.0.0.1:9092",
+            Broker::Sqs => "sqs://us-east-1?endpoint=http://127.0.0.1:4566",
+        }
+    }
+}
+
+/// `host:port` to probe for a broker URL.
+pub fn probe_address(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    if let Some((_, endpoint)) = rest.split_once("endpoint=") {
+        // sqs://REGION?endpoint=http://host:port
+        let endpoint = endpoint.split('&').next().unwrap_or(endpoint);
+        return probe_address(endpoint);
+    }
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    let host_port = authority.rsplit('@').next().unwrap_or(authority);
+    // kafka://a:9092,b:9092 — the first bootstrap server is enough to probe.
+    host_port.split(',').next().unwrap_or(host_port).to_owned()
+}
+
+/// Finds `broker`: its environment variable, else the loopback default;
+/// else, with the `testcontainers` feature and a Docker engine, a container;
+/// else a skip (or a failure under `OJS_BRIDGE_REQUIRE_BROKERS=1`).
+pub async fn find(broker: Broker) -> Option<Endpoint> {
+    let explicit = std::env::var(broker.var()).ok();
+    let url = explicit
+        .clone()
+        .unwrap_or_else(|| broker.default_url().to_owned());
+    if reachable(&probe_address(&url)) {
+        return Some(Endpoint { url });
+    }
+    if explicit.is_none() {
+        #[cfg(feature = "testcontainers")]
+        if let Some(endpoint) = containers::start(broker).await {
+            return Some(endpoint);
+        }
+    }
+    missing(
+        broker.var(),
+        &format!("nothing listens on {} (from {url})", probe_address(&url)),
+    )
+}
+
+#[cfg(feature = "testcontainers")]
+mod containers {
+    //! Brokers in containers for people with Docker; one container per broker
+    //! and test binary, removed by testcontainers' reaper when it exits.
+
+    use super::{Broker, Endpoint};
+    use testcontainers_modules::testcontainers::runners::AsyncRunner;
+    use testcontainers_modules::testcontainers::{ContainerAsync, Image};
+    use tokio::sync::OnceCell;
+
+    fn docker_available() -> bool {
+        std::env::var_os("DOCKER_HOST").is_some()
+            || std::path::Path::new("/var/run/docker.sock").exists()
+    }
+
+    async fn run<I: Image>(image: I, port: u16) -> Option<(ContainerAsync<I>, u16)> {
+        let container = match image.start().await {
+            Ok(c) => c,
+            Err(e) => {
+                println!("testcontainers: could not start a container: {e}");
+                return None;
+            }
+        };
+        let host_port = container.get_host_port_ipv4(port).await.ok()?;
+        Some((container, host_port))
+    }
+
+    pub(super) async fn start(broker: Broker) -> Option<Endpoint> {
+        if !docker_available() {
+            return None;
+        }
+        static RABBIT: OnceCell<
+            Option<(
+                ContainerAsync<testcontainers_modules::rabbitmq::RabbitMq>,
+                u16,
+            )>,
+        > = OnceCell::const_new();
+        static KAFKA: OnceCell<
+            Option<(
+                ContainerAsync<testcontainers_modules::kafka::apache::Kafka>,
+                u16,
+            )>,
+        > = OnceCell::const_new();
+        static SQS: OnceCell<
+            Option<(
+                ContainerAsync<testcontainers_modules::localstack::LocalStack>,
+                u16,
+            )>,
+        > = OnceCell::const_new();
+        match broker {
+            Broker::RabbitMq => {
+                let started = RABBIT
+                    .get_or_init(|| {
+                        run(testcontainers_modules::rabbitmq::RabbitMq::default(), 5672)
+                    })
+                    .await;
+                started.as_ref().map(|(_, port)| Endpoint {
+                    url: format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+                })
+            }
+            Broker::Kafka => {
+                let started = KAFKA
+                    .get_or_init(|| {
+                        run(
+                            testcontainers_modules::kafka::apache::Kafka::default(),
+                            testcontainers_modules::kafka::apache::KAFKA_PORT.as_u16(),
+                        )
+                    })
+                    .await;
+                started.as_ref().map(|(_, port)| Endpoint {
+                    url: format!("kafka://127.0.0.1:{port}"),
+                })
+            }
+            Broker::Sqs => {
+                let started = SQS
+                    .get_or_init(|| {
+                        run(
+                            testcontainers_modules::localstack::LocalStack::default(),
+                            4566,
+                        )
+                    })
+                    .await;
+                started.as_ref().map(|(_, port)| Endpoint {
+                    url: format!("sqs://us-east-1?endpoint=http://127.0.0.1:{port}"),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::probe_address;
+
+    #[test]
+    fn probe_addresses_come_from_each_url_form() {
+        assert_eq!(
+            probe_address("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            "127.0.0.1:5672"
+        );
+        assert_eq!(
+            probe_address("kafka://127.0.0.1:9092,127.0.0.1:9093?x=y"),
+            "127.0.0.1:9092"
+        );
+        assert_eq!(
+            probe_address("sqs://us-east-1?endpoint=http://127.0.0.1:4566&prefix=t-"),
+            "127.0.0.1:4566"
+        );
+    }
 }
