@@ -4,3 +4,6 @@
 //! be tested without spawning processes.
 
 pub mod convert;
+pub mod endpoint;
+pub mod send;
+pub mod tail;

@@ -3,10 +3,14 @@
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use ojs_bridge::convert::{self, Format};
+use ojs_bridge::send::MessageFormat;
+use ojs_bridge::{endpoint, send, tail};
+use ojs_core::ConsumerOptions;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -32,12 +36,76 @@ enum Command {
         /// Input file; standard input when absent.
         file: Option<PathBuf>,
     },
+    /// Publish NDJSON lines (OJS envelopes or grpcq messages) to a queue.
+    Send {
+        /// Destination adapter URL (memory://, local:, kafka://, amqp://, sqs://).
+        #[arg(long, env = "OJS_BRIDGE_SEND_TO")]
+        to: String,
+        /// Queue; for OJS, overrides each envelope's queue.
+        #[arg(long)]
+        queue: Option<String>,
+        /// What the lines are.
+        #[arg(long, value_enum, default_value = "ojs")]
+        format: MessageFormat,
+        /// NDJSON file; standard input when absent.
+        file: Option<PathBuf>,
+    },
+    /// Print messages of a queue as NDJSON.
+    Tail {
+        /// Source adapter URL.
+        #[arg(long, env = "OJS_BRIDGE_TAIL_FROM")]
+        from: String,
+        /// Queue to read.
+        #[arg(long)]
+        queue: String,
+        /// Format expected when a message has no content type.
+        #[arg(long, value_enum, default_value = "ojs")]
+        format: MessageFormat,
+        /// Stop after N messages.
+        #[arg(long)]
+        count: Option<usize>,
+        /// Stop after this many seconds without a message.
+        #[arg(long, default_value_t = 5)]
+        timeout_secs: u64,
+        /// Acknowledge (remove) what was printed; without it messages stay.
+        #[arg(long)]
+        ack: bool,
+        /// Consumer group (Kafka).
+        #[arg(long, default_value = "ojs-bridge-tail")]
+        group: String,
+        /// How long printed, unacknowledged messages stay invisible to others.
+        #[arg(long, default_value_t = 30)]
+        visibility_timeout_secs: u64,
+        /// Read the queue's dead letters instead.
+        #[arg(long)]
+        dead_letters: bool,
+    },
 }
 
 /// Exit code for invalid input (usage errors also exit 2, as clap does).
 const EXIT_INVALID_INPUT: u8 = 2;
+/// Exit code for a failed send or tail.
+const EXIT_FAILED: u8 = 1;
 
-fn main() -> ExitCode {
+fn read_input(file: &Option<PathBuf>) -> anyhow::Result<Vec<u8>> {
+    match file {
+        Some(path) => std::fs::read(path).with_context(|| format!("reading {}", path.display())),
+        None => {
+            let mut buf = Vec::new();
+            std::io::stdin()
+                .read_to_end(&mut buf)
+                .context("reading standard input")?;
+            Ok(buf)
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("OJS_BRIDGE_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     match cli.command {
         Command::Convert { from, to, file } => match run_convert(from, to, file) {
@@ -47,24 +115,86 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_INVALID_INPUT)
             }
         },
+        Command::Send {
+            to,
+            queue,
+            format,
+            file,
+        } => match run_send(&to, queue.as_deref(), format, &file).await {
+            Ok(n) => {
+                println!("sent {n}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("ojs-bridge send: {e:#}");
+                ExitCode::from(EXIT_FAILED)
+            }
+        },
+        Command::Tail {
+            from,
+            queue,
+            format,
+            count,
+            timeout_secs,
+            ack,
+            group,
+            visibility_timeout_secs,
+            dead_letters,
+        } => {
+            let opts = tail::TailOptions {
+                queue,
+                format,
+                count,
+                idle_timeout: Duration::from_secs(timeout_secs),
+                ack,
+                consumer: ConsumerOptions {
+                    group,
+                    visibility_timeout: Duration::from_secs(visibility_timeout_secs),
+                    source: if dead_letters {
+                        ojs_core::Source::DeadLetters
+                    } else {
+                        ojs_core::Source::Queue
+                    },
+                    ..ConsumerOptions::default()
+                },
+            };
+            match run_tail(&from, opts).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("ojs-bridge tail: {e:#}");
+                    ExitCode::from(EXIT_FAILED)
+                }
+            }
+        }
     }
 }
 
 fn run_convert(from: Format, to: Format, file: Option<PathBuf>) -> anyhow::Result<()> {
-    let input = match &file {
-        Some(path) => std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
-        None => {
-            let mut buf = Vec::new();
-            std::io::stdin()
-                .read_to_end(&mut buf)
-                .context("reading standard input")?;
-            buf
-        }
-    };
+    let input = read_input(&file)?;
     let jobs = convert::read_envelopes(&input, from)?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     convert::write_envelopes(&jobs, to, &mut out, &mut std::io::stderr())?;
     out.flush()?;
+    Ok(())
+}
+
+async fn run_send(
+    to: &str,
+    queue: Option<&str>,
+    format: MessageFormat,
+    file: &Option<PathBuf>,
+) -> anyhow::Result<usize> {
+    let input = read_input(file)?;
+    let text = String::from_utf8(input).context("input is not UTF-8")?;
+    let adapter = endpoint::connect(to).await?;
+    Ok(send::send(&*adapter, &text, queue, format).await?)
+}
+
+async fn run_tail(from: &str, opts: tail::TailOptions) -> anyhow::Result<()> {
+    let adapter = endpoint::connect(from).await?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    tail::tail(&*adapter, opts, &mut out).await?;
     Ok(())
 }

@@ -56,6 +56,12 @@ pub mod header {
     pub const ERROR_TYPE: &str = "ojs-error-type";
     /// Dead-letter reason: message.
     pub const ERROR_MESSAGE: &str = "ojs-error-message";
+    /// grpcq topic (grpcq's SQS attribute name).
+    pub const GRPCQ_TOPIC: &str = "topic";
+    /// grpcq action.
+    pub const GRPCQ_ACTION: &str = "action";
+    /// grpcq originator.
+    pub const GRPCQ_ORIGINATOR: &str = "originator";
 }
 
 /// A message to publish.
@@ -128,6 +134,24 @@ impl OutgoingMessage {
         msg.priority = job.priority;
         msg.deliver_at = job.scheduled_at;
         Ok(msg)
+    }
+
+    /// Encodes a grpcq call: binary `grpcq.Message`, content type
+    /// `application/grpcq+proto`, `topic`/`action`/`originator` headers,
+    /// key = action (grpcq's Kafka convention), id = message id.
+    pub fn from_grpcq(msg: &crate::grpcq::Message) -> Self {
+        let mut out = OutgoingMessage::new(crate::grpcq::encode(msg), crate::media::GRPCQ_PROTO);
+        out.headers
+            .insert(header::GRPCQ_TOPIC.into(), msg.topic.clone());
+        out.headers
+            .insert(header::GRPCQ_ACTION.into(), msg.action.clone());
+        if !msg.originator.is_empty() {
+            out.headers
+                .insert(header::GRPCQ_ORIGINATOR.into(), msg.originator.clone());
+        }
+        out.key = Some(msg.action.clone());
+        out.message_id = Some(msg.message_id.clone());
+        out
     }
 
     /// Sets one header (builder style).

@@ -17,6 +17,7 @@ pub mod adapter;
 pub mod duration;
 pub mod envelope;
 mod error;
+pub mod grpcq;
 mod json_codec;
 pub mod media;
 mod proto_codec;

@@ -10,3 +10,4 @@
 pub mod acceptance;
 pub mod brokers;
 pub mod tally;
+pub mod tempdir;

@@ -1,0 +1,559 @@
+//! The embedded durable broker: a [`QueueAdapter`] on one SQLite file in a
+//! data directory (`local:///abs/dir`, `local:./dir`), the default that needs
+//! no infrastructure.
+//!
+//! Delivery semantics: at least once, durable. `publish` returns after the
+//! batch is committed (one transaction: all of it or none). A received message
+//! is leased for the consumer's visibility timeout; it comes back when the
+//! lease ends (also after `kill -9` of its consumer), when it is nacked, or at
+//! once when its consumer is dropped. Several processes may publish to and
+//! consume from one directory at the same time; SQLite's locking makes each
+//! claim atomic. Order: higher priority first, then publish order;
+//! `deliver_at` (OJS `scheduled_at`) is honoured.
+//!
+//! ```no_run
+//! # async fn demo() -> ojs_core::Result<()> {
+//! use ojs_adapter_local::{LocalAdapter, LocalConfig};
+//! use ojs_core::{ConsumerOptions, OutgoingMessage, QueueAdapter};
+//! use std::time::Duration;
+//!
+//! let adapter = LocalAdapter::open(LocalConfig::from_url("local:./ojs-bridge-data")?).await?;
+//! adapter.publish("default", vec![OutgoingMessage::new("hi", "text/plain")]).await?;
+//! let mut consumer = adapter.consumer("default", ConsumerOptions::default()).await?;
+//! for delivery in consumer.receive(10, Duration::from_secs(1)).await? {
+//!     delivery.ack().await?;
+//! }
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod store;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ojs_core::adapter::partition_by_size;
+use ojs_core::{
+    Acknowledger, Consumer, ConsumerOptions, Delivery, Error, Health, Nack, OutgoingMessage,
+    PublishFailure, QueueAdapter, Result, Source,
+};
+use rusqlite::Connection;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+pub use config::{Durability, LocalConfig, DATABASE_FILE};
+
+/// Acks between two housekeeping passes (vacuum + WAL truncate).
+const HOUSEKEEPING_EVERY: u64 = 20_000;
+/// Most acks folded into one commit.
+const MAX_ACKS_PER_COMMIT: usize = 1_000;
+
+type AckRequest = ((i64, i64), tokio::sync::oneshot::Sender<Result<()>>);
+
+/// Group commit for acks: every ack waiting when a commit starts goes into
+/// it. Each commit writes whole pages to the WAL, so one commit for many acks
+/// is what makes concurrent consumers fast; an ack still resolves only after
+/// its own delete is committed.
+async fn ack_writer(
+    inner: std::sync::Weak<Inner>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<AckRequest>,
+) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < MAX_ACKS_PER_COMMIT {
+            match rx.try_recv() {
+                Ok(req) => batch.push(req),
+                Err(_) => break,
+            }
+        }
+        let Some(inner) = inner.upgrade() else { break };
+        let (keys, replies): (Vec<(i64, i64)>, Vec<_>) = batch.into_iter().unzip();
+        let count = keys.len() as u64;
+        let outcome = blocking(&inner, move |inner, conn| {
+            let results = store::ack_many(conn, &keys)?;
+            let before = inner.deletes.fetch_add(count, Ordering::Relaxed);
+            if (before + count) / HOUSEKEEPING_EVERY > before / HOUSEKEEPING_EVERY {
+                if let Err(e) = store::housekeeping(conn) {
+                    tracing::warn!(error = %e, "housekeeping failed");
+                }
+            }
+            Ok(results)
+        })
+        .await;
+        match outcome {
+            Ok(results) => {
+                for (reply, result) in replies.into_iter().zip(results) {
+                    let _ = reply.send(result);
+                }
+            }
+            Err(e) => {
+                let (text, retryable) = (e.to_string(), e.is_retryable());
+                for reply in replies {
+                    let _ = reply.send(Err(Error::broker("local", text.clone(), retryable)));
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: LocalConfig,
+    conn: Mutex<Connection>,
+    /// Wakes this process's consumers on publish and nack.
+    notify: Notify,
+    deletes: AtomicU64,
+    acks: tokio::sync::mpsc::UnboundedSender<AckRequest>,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Connection> {
+        // SQLite keeps its own consistency; a panic elsewhere while holding
+        // the guard leaves the connection usable.
+        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    inner: &Arc<Inner>,
+    f: impl FnOnce(&Inner, &mut Connection) -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let inner = inner.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = inner.lock();
+        f(&inner, &mut conn)
+    })
+    .await
+    .map_err(|e| Error::broker("local", format!("store task failed: {e}"), true))?
+}
+
+/// A connection to an embedded broker directory.
+#[derive(Debug)]
+pub struct LocalAdapter {
+    inner: Arc<Inner>,
+    closed: AtomicBool,
+}
+
+impl LocalAdapter {
+    /// Opens (creating when needed) the broker in `config.path`. A corrupt or
+    /// foreign database file is [`Error::InvalidConfig`] naming the file.
+    pub async fn open(config: LocalConfig) -> Result<Self> {
+        let cfg = config.clone();
+        let conn = tokio::task::spawn_blocking(move || store::open(&cfg))
+            .await
+            .map_err(|e| Error::broker("local", e.to_string(), false))??;
+        let (acks, rx) = tokio::sync::mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            config,
+            conn: Mutex::new(conn),
+            notify: Notify::new(),
+            deletes: AtomicU64::new(0),
+            acks,
+        });
+        tokio::spawn(ack_writer(Arc::downgrade(&inner), rx));
+        Ok(LocalAdapter {
+            inner,
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// The settings this adapter runs with.
+    pub fn config(&self) -> &LocalConfig {
+        &self.inner.config
+    }
+}
+
+#[async_trait]
+impl QueueAdapter for LocalAdapter {
+    fn kind(&self) -> &'static str {
+        "local"
+    }
+
+    fn max_message_bytes(&self) -> usize {
+        self.inner.config.max_message_bytes
+    }
+
+    #[tracing::instrument(skip_all, fields(queue, count = messages.len()))]
+    async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Publish(PublishFailure::all(messages, || {
+                Error::Closed
+            })));
+        }
+        let total = messages.len();
+        let (accepted, mut failed) =
+            partition_by_size(messages, self.inner.config.max_message_bytes);
+        if !accepted.is_empty() {
+            let (indices, batch): (Vec<usize>, Vec<OutgoingMessage>) = accepted.into_iter().unzip();
+            let q = queue.to_owned();
+            // The batch comes back so that a failed commit can hand it back.
+            let (result, batch) = blocking(&self.inner, move |_, conn| {
+                let r = store::insert(conn, &q, &batch);
+                Ok((r, batch))
+            })
+            .await?;
+            match result {
+                Ok(()) => self.inner.notify.notify_waiters(),
+                Err(e) => {
+                    let kind_retryable = e.is_retryable();
+                    let text = e.to_string();
+                    failed.extend(indices.into_iter().zip(batch).map(|(index, message)| {
+                        ojs_core::FailedPublish {
+                            index,
+                            message,
+                            error: Error::broker("local", text.clone(), kind_retryable),
+                        }
+                    }));
+                    failed.sort_by_key(|f| f.index);
+                }
+            }
+        }
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Publish(PublishFailure { total, failed }))
+        }
+    }
+
+    async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        Ok(Box::new(LocalConsumer {
+            inner: self.inner.clone(),
+            queue: queue.to_owned(),
+            options,
+            held: Arc::new(Mutex::new(HashSet::new())),
+        }))
+    }
+
+    async fn health(&self) -> Health {
+        let path = self.inner.config.database_path();
+        match blocking(&self.inner, |_, conn| {
+            conn.query_row("SELECT 1", [], |_| Ok(()))
+                .map_err(|e| Error::broker("local", e.to_string(), true))
+        })
+        .await
+        {
+            Ok(()) => Health::ok(format!("sqlite {}", path.display())),
+            Err(e) => Health::down(e.to_string()),
+        }
+    }
+
+    async fn depth(&self, queue: &str) -> Result<Option<u64>> {
+        let q = queue.to_owned();
+        blocking(&self.inner, move |_, conn| store::depth(conn, &q).map(Some)).await
+    }
+
+    async fn close(&self) -> Result<()> {
+        // Commits are durable when publish returns: nothing to flush. Tidy up.
+        self.closed.store(true, Ordering::Release);
+        blocking(&self.inner, |_, conn| store::housekeeping(conn)).await
+    }
+}
+
+type Held = Arc<Mutex<HashSet<(i64, i64)>>>;
+
+fn lock_held(held: &Held) -> MutexGuard<'_, HashSet<(i64, i64)>> {
+    held.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A consumer of one local queue (or its dead letters).
+#[derive(Debug)]
+pub struct LocalConsumer {
+    inner: Arc<Inner>,
+    queue: String,
+    options: ConsumerOptions,
+    /// Leases this consumer holds, released when it is dropped.
+    held: Held,
+}
+
+#[async_trait]
+impl Consumer for LocalConsumer {
+    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
+        let deadline = Instant::now() + wait;
+        let dead = self.options.source == Source::DeadLetters;
+        loop {
+            let notified = self.inner.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let (queue, visibility, max_deliveries, held) = (
+                self.queue.clone(),
+                self.options.visibility_timeout,
+                self.options.max_deliveries,
+                self.held.clone(),
+            );
+            // The claim is recorded in `held` on the blocking thread, so even
+            // if this future is dropped the leases are released with the
+            // consumer instead of waiting out the visibility timeout.
+            let (claimed, lease, next) = blocking(&self.inner, move |_, conn| {
+                let (claimed, lease) =
+                    store::claim(conn, &queue, dead, max.max(1), visibility, max_deliveries)?;
+                lock_held(&held).extend(claimed.iter().map(|c| (c.id, lease)));
+                let next = if claimed.is_empty() {
+                    store::next_visible(conn, &queue, dead)?
+                } else {
+                    None
+                };
+                Ok((claimed, lease, next))
+            })
+            .await?;
+            if !claimed.is_empty() {
+                return Ok(claimed
+                    .into_iter()
+                    .map(|c| {
+                        let mut d = Delivery::new(
+                            c.payload,
+                            c.headers,
+                            c.deliveries,
+                            self.queue.clone(),
+                            Box::new(LocalAcker {
+                                inner: self.inner.clone(),
+                                id: c.id,
+                                lease,
+                                held: self.held.clone(),
+                            }),
+                        );
+                        d.key = c.key;
+                        d.message_id = c.message_id;
+                        d
+                    })
+                    .collect());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(Vec::new());
+            }
+            let mut wake = (now + self.inner.config.poll_interval()).min(deadline);
+            if let Some(at) = next {
+                let until = Duration::from_millis(at.saturating_sub(store::now_ms()).max(0) as u64);
+                wake = wake.min(now + until);
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+
+    async fn close(self: Box<Self>) -> Result<()> {
+        let leases: Vec<(i64, i64)> = lock_held(&self.held).drain().collect();
+        if !leases.is_empty() {
+            blocking(&self.inner, move |_, conn| store::release(conn, &leases)).await?;
+            self.inner.notify.notify_waiters();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for LocalConsumer {
+    fn drop(&mut self) {
+        let leases: Vec<(i64, i64)> = lock_held(&self.held).drain().collect();
+        if leases.is_empty() {
+            return;
+        }
+        // Synchronous on purpose: the messages must be available again by the
+        // time the consumer is gone. If this fails, the leases simply run out.
+        let mut conn = self.inner.lock();
+        if let Err(e) = store::release(&mut conn, &leases) {
+            tracing::warn!(error = %e, count = leases.len(), "could not release leases; they return after the visibility timeout");
+        }
+        drop(conn);
+        self.inner.notify.notify_waiters();
+    }
+}
+
+#[derive(Debug)]
+struct LocalAcker {
+    inner: Arc<Inner>,
+    id: i64,
+    lease: i64,
+    held: Held,
+}
+
+impl LocalAcker {
+    fn forget(&self) {
+        lock_held(&self.held).remove(&(self.id, self.lease));
+    }
+}
+
+#[async_trait]
+impl Acknowledger for LocalAcker {
+    async fn ack(&self) -> Result<()> {
+        let (reply, done) = tokio::sync::oneshot::channel();
+        self.inner
+            .acks
+            .send(((self.id, self.lease), reply))
+            .map_err(|_| Error::Closed)?;
+        let result = done
+            .await
+            .unwrap_or_else(|_| Err(Error::broker("local", "ack writer stopped", true)));
+        if !matches!(result, Err(ref e) if e.is_retryable()) {
+            self.forget();
+        }
+        result
+    }
+
+    async fn nack(&self, action: Nack) -> Result<()> {
+        let (id, lease) = (self.id, self.lease);
+        let result = blocking(&self.inner, move |_, conn| match action {
+            Nack::Retry { delay } => store::retry(conn, id, lease, delay),
+            Nack::DeadLetter(reason) => store::dead_letter(conn, id, lease, &reason),
+        })
+        .await;
+        if !matches!(result, Err(ref e) if e.is_retryable()) {
+            self.forget();
+        }
+        if result.is_ok() {
+            self.inner.notify.notify_waiters();
+        }
+        result
+    }
+
+    async fn extend(&self, by: Duration) -> Result<()> {
+        let (id, lease) = (self.id, self.lease);
+        blocking(&self.inner, move |_, conn| {
+            store::extend(conn, id, lease, by)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ojs_core::media::OJS_PROTO;
+
+    fn temp_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "ojs-local-{name}-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_file_is_a_clear_error() {
+        let dir = temp_dir("corrupt");
+        std::fs::write(dir.join(DATABASE_FILE), b"this is not a database, just some bytes......................................................................................").unwrap();
+        let err = LocalAdapter::open(LocalConfig::new(&dir))
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "{text}");
+        assert!(
+            text.contains(DATABASE_FILE) && text.contains("not an ojs-bridge local queue database"),
+            "{text}"
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[tokio::test]
+    async fn a_foreign_sqlite_database_is_refused_untouched() {
+        let dir = temp_dir("foreign");
+        let path = dir.join(DATABASE_FILE);
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch(
+                "CREATE TABLE invoices (id INTEGER PRIMARY KEY); INSERT INTO invoices VALUES (1);",
+            )
+            .unwrap();
+        }
+        let before = std::fs::read(&path).unwrap();
+        let err = LocalAdapter::open(LocalConfig::new(&dir))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("another application"), "{err}");
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            before,
+            "foreign file not modified"
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[tokio::test]
+    async fn priority_then_publish_order_and_scheduled_delivery() {
+        let dir = temp_dir("order");
+        let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let mk = |body: &str, priority: i32| {
+            let mut m = OutgoingMessage::new(body.to_owned(), OJS_PROTO);
+            m.priority = priority;
+            m
+        };
+        let mut later = mk("later", 100);
+        later.deliver_at = Some(chrono::Utc::now() + chrono::Duration::milliseconds(800));
+        a.publish(
+            "q",
+            vec![mk("low", -1), mk("a", 0), later, mk("high", 10), mk("b", 0)],
+        )
+        .await
+        .unwrap();
+        let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let got: Vec<String> = c
+            .receive(10, Duration::ZERO)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|d| String::from_utf8(d.payload.to_vec()).unwrap())
+            .collect();
+        assert_eq!(
+            got,
+            ["high", "a", "b", "low"],
+            "the scheduled one is not due yet"
+        );
+        let started = Instant::now();
+        let later = c.receive(1, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(later.len(), 1);
+        assert_eq!(&later[0].payload[..], b"later");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    fn file_bytes(dir: &std::path::Path) -> u64 {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn acked_messages_do_not_grow_the_files() {
+        let dir = temp_dir("housekeeping");
+        let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let body = vec![b'x'; 2048];
+        let mut sizes = Vec::new();
+        for _round in 0..3 {
+            for _ in 0..20 {
+                let batch = (0..100)
+                    .map(|_| OutgoingMessage::new(body.clone(), OJS_PROTO))
+                    .collect();
+                a.publish("q", batch).await.unwrap();
+            }
+            let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+            let mut acked = 0;
+            while acked < 2000 {
+                for d in c.receive(100, Duration::from_secs(1)).await.unwrap() {
+                    d.ack().await.unwrap();
+                    acked += 1;
+                }
+            }
+            blocking(&a.inner, |_, conn| store::housekeeping(conn))
+                .await
+                .unwrap();
+            sizes.push(file_bytes(&dir));
+        }
+        println!("files after each round of 2000 x 2 KiB published and acked: {sizes:?} bytes");
+        assert_eq!(a.depth("q").await.unwrap(), Some(0));
+        assert!(
+            sizes[2] <= sizes[0] + 64 * 1024,
+            "files keep growing: {sizes:?}"
+        );
+        assert!(sizes[2] < 2000 * 2048, "acked data is released: {sizes:?}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+}

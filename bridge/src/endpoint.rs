@@ -1,0 +1,31 @@
+//! Adapters chosen by URL (DESIGN §7), so config files and the CLI read the
+//! same way.
+
+use std::sync::Arc;
+
+use ojs_adapter_local::{LocalAdapter, LocalConfig};
+use ojs_adapter_memory::MemoryAdapter;
+use ojs_core::{Error, QueueAdapter, Result};
+
+/// Opens the adapter a URL names:
+/// `memory://NAME`, `local:///abs/dir` or `local:./dir`.
+pub async fn connect(url: &str) -> Result<Arc<dyn QueueAdapter>> {
+    let scheme = url.split(':').next().unwrap_or_default();
+    match scheme {
+        "memory" => {
+            let name = url.strip_prefix("memory://").unwrap_or("default");
+            Ok(Arc::new(MemoryAdapter::named(if name.is_empty() { "default" } else { name })))
+        }
+        "local" => Ok(Arc::new(LocalAdapter::open(LocalConfig::from_url(url)?).await?)),
+        "kafka" | "amqp" | "amqps" | "sqs" => Err(Error::InvalidConfig {
+            field: "url".into(),
+            reason: format!("the {scheme} adapter is not part of this build yet; available: memory://, local:"),
+        }),
+        _ => Err(Error::InvalidConfig {
+            field: "url".into(),
+            reason: format!(
+                "{url:?} names no adapter; use memory://NAME, local:///abs/dir, local:./dir, kafka://host:port, amqp://user:pass@host:port/vhost or sqs://REGION"
+            ),
+        }),
+    }
+}

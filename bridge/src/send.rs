@@ -1,0 +1,125 @@
+//! `ojs-bridge send`: NDJSON in, messages out.
+
+use ojs_core::{grpcq, Encoding, Error, JobEnvelope, OutgoingMessage, QueueAdapter};
+use serde_json::Value;
+
+/// What the input lines are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MessageFormat {
+    /// OJS JSON envelopes, published as `application/openjobspec+proto`.
+    Ojs,
+    /// grpcq messages as JSON (`payload` in standard base64).
+    Grpcq,
+}
+
+/// A send that failed, naming the line.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// A line that does not parse.
+    #[error("line {line}: {error}")]
+    Line {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong.
+        error: Error,
+    },
+    /// A message the broker did not accept.
+    #[error("line {line}: not published: {error}")]
+    Publish {
+        /// 1-based line number.
+        line: usize,
+        /// Why.
+        error: Error,
+    },
+    /// Missing or conflicting flags.
+    #[error("{0}")]
+    Usage(String),
+    /// The broker failed as a whole.
+    #[error("{0}")]
+    Broker(Error),
+}
+
+/// Messages per publish call.
+const BATCH: usize = 500;
+
+/// Parses every line (nothing is sent unless all parse), then publishes in
+/// batches. Returns the number sent.
+pub async fn send(
+    adapter: &dyn QueueAdapter,
+    input: &str,
+    queue: Option<&str>,
+    format: MessageFormat,
+) -> Result<usize, SendError> {
+    let mut messages: Vec<(usize, String, OutgoingMessage)> = Vec::new();
+    for (i, text) in input.lines().enumerate() {
+        let line = i + 1;
+        if text.trim().is_empty() {
+            continue;
+        }
+        let value: Value = serde_json::from_str(text).map_err(|e| SendError::Line {
+            line,
+            error: Error::InvalidJson {
+                line: None,
+                reason: e.to_string(),
+            },
+        })?;
+        let (q, msg) = match format {
+            MessageFormat::Ojs => {
+                let mut job = JobEnvelope::from_json_value(value)
+                    .map_err(|error| SendError::Line { line, error })?;
+                if let Some(q) = queue {
+                    job.queue = q.to_owned();
+                }
+                let msg = OutgoingMessage::from_envelope(&job, Encoding::OjsProto)
+                    .map_err(|error| SendError::Line { line, error })?;
+                (job.queue, msg)
+            }
+            MessageFormat::Grpcq => {
+                let q = queue.ok_or_else(|| {
+                    SendError::Usage("--queue is required with --format grpcq".into())
+                })?;
+                let m = grpcq::message_from_json(value)
+                    .map_err(|error| SendError::Line { line, error })?;
+                (q.to_owned(), OutgoingMessage::from_grpcq(&m))
+            }
+        };
+        messages.push((line, q, msg));
+    }
+    let total = messages.len();
+    // Group consecutive lines by queue so each publish names one queue.
+    let mut start = 0;
+    while start < messages.len() {
+        let q = messages[start].1.clone();
+        let mut end = start;
+        while end < messages.len() && end - start < BATCH && messages[end].1 == q {
+            end += 1;
+        }
+        let lines: Vec<usize> = messages[start..end].iter().map(|(l, _, _)| *l).collect();
+        let batch: Vec<OutgoingMessage> = messages[start..end]
+            .iter()
+            .map(|(_, _, m)| m.clone())
+            .collect();
+        match adapter.publish(&q, batch).await {
+            Ok(()) => {}
+            Err(Error::Publish(failure)) => {
+                let first = failure.failed.into_iter().next();
+                return Err(match first {
+                    Some(f) => SendError::Publish {
+                        line: lines[f.index],
+                        error: f.error,
+                    },
+                    None => SendError::Broker(Error::broker("publish", "failed", false)),
+                });
+            }
+            Err(error) => {
+                return Err(SendError::Publish {
+                    line: lines[0],
+                    error,
+                })
+            }
+        }
+        start = end;
+    }
+    adapter.close().await.map_err(SendError::Broker)?;
+    Ok(total)
+}
