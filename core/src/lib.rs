@@ -14,6 +14,7 @@
 //! ```
 
 pub mod adapter;
+pub mod backoff;
 pub mod duration;
 pub mod envelope;
 mod error;

@@ -1,0 +1,202 @@
+//! Mapping between the adapter-neutral headers of `ojs-core` and AMQP
+//! properties and headers (DESIGN §4 "RabbitMQ").
+//!
+//! | neutral header | AMQP |
+//! |---|---|
+//! | `content-type` | `content_type` property |
+//! | `ojs-id` | `message_id` property (read back when `type` is set, i.e. for OJS jobs) |
+//! | `ojs-type` | `type` property |
+//! | other `ojs-*` | `x-ojs-*` header (`x-ojs-specversion`, `x-ojs-queue`, `x-ojs-attempt`, `x-ojs-error-*`) |
+//! | anything else | header of the same name (`traceparent`, grpcq `topic`/`action`…) |
+//!
+//! The ordering key travels in `x-ojs-key`.
+
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::BasicProperties;
+use ojs_core::{header, Headers, OutgoingMessage};
+
+/// AMQP header carrying the ordering key.
+pub const KEY_HEADER: &str = "x-ojs-key";
+/// Quorum queues count deliveries here.
+const DELIVERY_COUNT: &str = "x-delivery-count";
+/// Headers RabbitMQ adds on dead-lettering and federation.
+const BROKER_HEADERS: &[&str] = &[
+    "x-death",
+    "x-first-death-",
+    "x-last-death-",
+    "x-received-from",
+];
+
+fn amqp_name(name: &str) -> String {
+    if name.starts_with("ojs-") {
+        format!("x-{name}")
+    } else {
+        name.to_owned()
+    }
+}
+
+fn neutral_name(name: &str) -> Option<String> {
+    if let Some(rest) = name.strip_prefix("x-ojs-") {
+        (name != KEY_HEADER).then(|| format!("ojs-{rest}"))
+    } else if BROKER_HEADERS.iter().any(|p| name.starts_with(p)) {
+        // Broker bookkeeping is not part of the message.
+        None
+    } else {
+        Some(name.to_owned())
+    }
+}
+
+fn text(v: &AMQPValue) -> Option<String> {
+    match v {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        AMQPValue::LongLongInt(n) => Some(n.to_string()),
+        AMQPValue::LongInt(n) => Some(n.to_string()),
+        AMQPValue::LongUInt(n) => Some(n.to_string()),
+        AMQPValue::ShortInt(n) => Some(n.to_string()),
+        AMQPValue::ShortUInt(n) => Some(n.to_string()),
+        AMQPValue::ShortShortInt(n) => Some(n.to_string()),
+        AMQPValue::ShortShortUInt(n) => Some(n.to_string()),
+        AMQPValue::Boolean(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+/// Properties for a message; `priority` is clamped to the queue's range.
+pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> BasicProperties {
+    let mut table = FieldTable::default();
+    let mut props = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_timestamp(chrono::Utc::now().timestamp().max(0) as u64);
+    for (name, value) in &m.headers {
+        match name.as_str() {
+            header::CONTENT_TYPE => {
+                props = props.with_content_type(ShortString::from(value.as_str()))
+            }
+            header::ID => {}
+            header::TYPE => props = props.with_type(ShortString::from(value.as_str())),
+            _ => {
+                table.insert(
+                    amqp_name(name).into(),
+                    AMQPValue::LongString(LongString::from(value.as_bytes())),
+                );
+            }
+        }
+    }
+    let id = m
+        .message_id
+        .as_deref()
+        .or(m.headers.get(header::ID).map(String::as_str));
+    if let Some(id) = id {
+        props = props.with_message_id(ShortString::from(id));
+    }
+    if let Some(key) = &m.key {
+        table.insert(
+            KEY_HEADER.into(),
+            AMQPValue::LongString(LongString::from(key.as_bytes())),
+        );
+    }
+    if let Some(max) = max_priority {
+        if m.priority > 0 {
+            props = props.with_priority(m.priority.min(i32::from(max)) as u8);
+        }
+    }
+    props.with_headers(table)
+}
+
+/// What a delivery carries, in neutral form.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub headers: Headers,
+    pub key: Option<String>,
+    pub message_id: Option<String>,
+    pub priority: i32,
+    /// 1-based attempt: `x-ojs-attempt` (set when a retry was republished),
+    /// plus the broker's redeliveries.
+    pub attempt: u32,
+}
+
+/// Reads properties and headers back into neutral form.
+pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
+    let mut headers = Headers::new();
+    let mut key = None;
+    let mut delivery_count = None;
+    if let Some(table) = props.headers() {
+        for (name, value) in table.inner() {
+            let name = name.as_str();
+            if name == KEY_HEADER {
+                key = text(value);
+            } else if name == DELIVERY_COUNT {
+                delivery_count = text(value).and_then(|t| t.parse::<u32>().ok());
+            } else if let (Some(n), Some(v)) = (neutral_name(name), text(value)) {
+                headers.insert(n, v);
+            }
+        }
+    }
+    if let Some(ct) = props.content_type() {
+        headers.insert(header::CONTENT_TYPE.into(), ct.as_str().to_owned());
+    }
+    let message_id = props.message_id().as_ref().map(|s| s.as_str().to_owned());
+    if let Some(kind) = props.kind() {
+        headers.insert(header::TYPE.into(), kind.as_str().to_owned());
+        if let Some(id) = &message_id {
+            headers.insert(header::ID.into(), id.clone());
+        }
+    }
+    let base: u32 = headers
+        .get(header::ATTEMPT)
+        .and_then(|a| a.parse().ok())
+        .filter(|a| *a > 0)
+        .unwrap_or(1);
+    // Quorum queues count redeliveries exactly; classic queues only flag them.
+    let redeliveries = delivery_count.unwrap_or(u32::from(redelivered));
+    Received {
+        headers,
+        key,
+        message_id,
+        priority: props.priority().map_or(0, i32::from),
+        attempt: base.saturating_add(redeliveries),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ojs_core::{Encoding, JobEnvelope};
+
+    #[test]
+    fn headers_round_trip_through_amqp_properties() {
+        let job = JobEnvelope::new("email.send", vec![])
+            .with_queue("mail")
+            .with_priority(50)
+            .with_meta("traceparent", "00-abc-def-01");
+        let mut m = OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap();
+        m.headers.insert("x-custom".into(), "kept".into());
+        m.headers.insert(header::ATTEMPT.into(), "3".into());
+        let props = properties(&m, Some(10));
+        assert_eq!(props.message_id().as_ref().unwrap().as_str(), job.id);
+        assert_eq!(props.kind().as_ref().unwrap().as_str(), "email.send");
+        assert_eq!(*props.priority(), Some(10), "clamped to x-max-priority");
+        assert_eq!(*props.delivery_mode(), Some(2));
+        let table = props.headers().as_ref().unwrap();
+        assert!(table.contains_key("x-ojs-specversion") && table.contains_key("x-ojs-queue"));
+        assert!(table.contains_key("traceparent"));
+        let back = received(&props, true);
+        for name in [
+            header::CONTENT_TYPE,
+            header::ID,
+            header::TYPE,
+            header::SPECVERSION,
+            header::QUEUE,
+            header::TRACEPARENT,
+        ] {
+            assert_eq!(back.headers.get(name), m.headers.get(name), "{name}");
+        }
+        assert_eq!(
+            back.headers.get("x-custom").map(String::as_str),
+            Some("kept")
+        );
+        assert_eq!(back.key.as_deref(), Some(job.id.as_str()));
+        assert_eq!(back.attempt, 4, "3 from the header + 1 broker redelivery");
+    }
+}

@@ -1,0 +1,851 @@
+//! RabbitMQ adapter (lapin) following the OJS AMQP binding's topology with
+//! protobuf bodies (DESIGN §4 "RabbitMQ").
+//!
+//! Delivery semantics: at least once.
+//! * `publish` waits for **publisher confirms** with `mandatory` set: a broker
+//!   Nack or a returned (unroutable) message fails that message. When the
+//!   connection drops, the adapter reconnects with backoff
+//!   (min(2^(n−1), 60) s, ±25 % jitter), re-declares its topology and
+//!   publishes the unconfirmed messages again until `publish_timeout_secs`;
+//!   what is still unconfirmed then is reported per message, never dropped.
+//! * Consumers use `basic.qos` prefetch and resubscribe after reconnecting.
+//!   Unacknowledged deliveries of a lost channel are redelivered by the
+//!   broker; settling them afterwards reports [`Error::DeliveryExpired`].
+//! * A retry (`Nack::Retry`) or dead-letter nack republishes a copy (attempt
+//!   + 1, or with `x-ojs-error-type`/`x-ojs-error-message`) under confirms,
+//!   and only then acks the original; if the copy cannot be confirmed the
+//!   original is requeued. Delays go through per-delay TTL queues
+//!   `ojs.queue.retry.{queue}.{delay_ms}` that dead-letter back to
+//!   `ojs.exchange.direct`.
+//!
+//! ```no_run
+//! # async fn demo() -> ojs_core::Result<()> {
+//! use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
+//! use ojs_core::{OutgoingMessage, QueueAdapter};
+//! let adapter = RabbitAdapter::connect(RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")).await?;
+//! adapter.publish("default", vec![OutgoingMessage::new("hi", "text/plain")]).await?;
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod headers;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::{FutureExt, StreamExt};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use ojs_core::adapter::partition_by_size;
+use ojs_core::backoff::reconnect_delay;
+use ojs_core::{
+    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, Error,
+    FailedPublish, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Result, Source,
+};
+use tokio::time::Instant;
+
+pub use config::{
+    bucket_delay_ms, dead_letter_queue_name, queue_name, retry_queue_name, RabbitConfig,
+    DIRECT_EXCHANGE, DLX_EXCHANGE, RETRY_EXCHANGE,
+};
+pub use headers::KEY_HEADER;
+
+fn amqp_error(e: &lapin::Error) -> Error {
+    Error::broker("rabbitmq", e.to_string(), true)
+}
+
+/// One connection with its confirm-mode publishing channel, and what has
+/// been declared on it.
+#[derive(Debug)]
+struct Session {
+    connection: Connection,
+    publisher: Channel,
+    declared: Mutex<HashSet<String>>,
+    /// Retry queues and when they were last declared (their `x-expires`
+    /// timer restarts on each declaration).
+    retry_declared: Mutex<HashMap<String, Instant>>,
+}
+
+impl Session {
+    fn usable(&self) -> bool {
+        self.connection.status().connected() && self.publisher.status().connected()
+    }
+
+    fn declared(&self) -> MutexGuard<'_, HashSet<String>> {
+        self.declared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Where a message goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// `ojs.exchange.direct` → `ojs.queue.{queue}`.
+    Queue,
+    /// `ojs.exchange.retry` → TTL queue → back to the queue.
+    Delayed(u64),
+    /// `ojs.exchange.dlx` → `ojs.queue.dlx.{queue}`.
+    DeadLetters,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: RabbitConfig,
+    session: tokio::sync::Mutex<Option<Arc<Session>>>,
+    closed: AtomicBool,
+}
+
+impl Inner {
+    /// A usable session, reconnecting with backoff until `deadline`.
+    async fn session(&self, deadline: Instant) -> Result<Arc<Session>> {
+        let mut guard = self.session.lock().await;
+        if let Some(s) = guard.as_ref() {
+            if s.usable() {
+                return Ok(s.clone());
+            }
+            tracing::warn!(url = %redact(&self.config.url), "rabbitmq connection lost; reconnecting");
+        }
+        *guard = None;
+        let mut attempt = 0;
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return Err(Error::Closed);
+            }
+            match self.open_session().await {
+                Ok(s) => {
+                    let s = Arc::new(s);
+                    *guard = Some(s.clone());
+                    if attempt > 0 {
+                        tracing::info!(attempts = attempt + 1, "rabbitmq reconnected");
+                    }
+                    return Ok(s);
+                }
+                Err(e) => {
+                    attempt += 1;
+                    let delay =
+                        reconnect_delay(attempt, Duration::from_secs(self.config.max_backoff_secs));
+                    if Instant::now() + delay > deadline {
+                        return Err(e);
+                    }
+                    tracing::warn!(attempt, delay_ms = delay.as_millis() as u64, error = %e, "rabbitmq connect failed; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+
+    async fn open_session(&self) -> Result<Session> {
+        let connection = Connection::connect(&self.config.url, ConnectionProperties::default())
+            .await
+            .map_err(|e| amqp_error(&e))?;
+        let publisher = connection
+            .create_channel()
+            .await
+            .map_err(|e| amqp_error(&e))?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| amqp_error(&e))?;
+        for (name, kind) in [
+            (DIRECT_EXCHANGE, ExchangeKind::Direct),
+            (DLX_EXCHANGE, ExchangeKind::Direct),
+            (RETRY_EXCHANGE, ExchangeKind::Direct),
+        ] {
+            publisher
+                .exchange_declare(
+                    name.into(),
+                    kind,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| amqp_error(&e))?;
+        }
+        Ok(Session {
+            connection,
+            publisher,
+            declared: Mutex::new(HashSet::new()),
+            retry_declared: Mutex::new(HashMap::new()),
+        })
+    }
+
+    async fn invalidate(&self, broken: &Arc<Session>) {
+        let mut guard = self.session.lock().await;
+        if guard.as_ref().is_some_and(|s| Arc::ptr_eq(s, broken)) {
+            *guard = None;
+        }
+    }
+
+    fn queue_args(&self, extra: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut args = FieldTable::default();
+        if self.config.quorum_queues {
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString(LongString::from("quorum")),
+            );
+        }
+        for (k, v) in extra {
+            args.insert((*k).into(), v.clone());
+        }
+        args
+    }
+
+    /// Declares `ojs.queue.{queue}` and its dead-letter queue (idempotent,
+    /// cached per connection; a reconnect starts with an empty cache).
+    async fn declare_queue(&self, s: &Session, queue: &str) -> Result<()> {
+        if s.declared().contains(queue) {
+            return Ok(());
+        }
+        let main = queue_name(queue);
+        let dlq = dead_letter_queue_name(queue);
+        let mut extra = vec![
+            (
+                "x-dead-letter-exchange",
+                AMQPValue::LongString(LongString::from(DLX_EXCHANGE)),
+            ),
+            (
+                "x-dead-letter-routing-key",
+                AMQPValue::LongString(LongString::from(queue)),
+            ),
+        ];
+        if let (false, Some(max)) = (self.config.quorum_queues, self.config.max_priority) {
+            extra.push(("x-max-priority", AMQPValue::ShortShortUInt(max)));
+        }
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        let ch = &s.publisher;
+        let declare = async {
+            ch.queue_declare(main.as_str().into(), durable, self.queue_args(&extra))
+                .await?;
+            ch.queue_bind(
+                main.as_str().into(),
+                DIRECT_EXCHANGE.into(),
+                queue.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+            ch.queue_declare(dlq.as_str().into(), durable, self.queue_args(&[]))
+                .await?;
+            ch.queue_bind(
+                dlq.as_str().into(),
+                DLX_EXCHANGE.into(),
+                queue.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+        };
+        declare.await.map_err(|e| topology_error(&main, &e))?;
+        s.declared().insert(queue.to_owned());
+        Ok(())
+    }
+
+    /// Declares the TTL queue for `delay_ms`, re-declaring it well within its
+    /// `x-expires` so it never expires with messages due.
+    async fn declare_retry(&self, s: &Session, queue: &str, delay_ms: u64) -> Result<()> {
+        let name = retry_queue_name(queue, delay_ms);
+        let expiry = Duration::from_secs(self.config.retry_queue_expiry_secs.max(60));
+        let fresh = s
+            .retry_declared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&name)
+            .is_some_and(|at| at.elapsed() < expiry / 4);
+        if fresh {
+            return Ok(());
+        }
+        let ttl = i64::try_from(delay_ms).unwrap_or(i64::MAX);
+        let expires = ttl.saturating_add(expiry.as_millis() as i64);
+        let args = self.queue_args(&[
+            ("x-message-ttl", AMQPValue::LongLongInt(ttl)),
+            (
+                "x-dead-letter-exchange",
+                AMQPValue::LongString(LongString::from(DIRECT_EXCHANGE)),
+            ),
+            (
+                "x-dead-letter-routing-key",
+                AMQPValue::LongString(LongString::from(queue)),
+            ),
+            ("x-expires", AMQPValue::LongLongInt(expires)),
+        ]);
+        let ch = &s.publisher;
+        let routing_key = format!("{queue}.{delay_ms}");
+        let declare = async {
+            ch.queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args,
+            )
+            .await?;
+            ch.queue_bind(
+                name.as_str().into(),
+                RETRY_EXCHANGE.into(),
+                routing_key.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+        };
+        declare.await.map_err(|e| topology_error(&name, &e))?;
+        s.retry_declared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name, Instant::now());
+        Ok(())
+    }
+
+    /// Publishes with confirms until every message is confirmed or the
+    /// publish timeout passes; returns the failures.
+    async fn send(
+        &self,
+        queue: &str,
+        items: Vec<(usize, Route, OutgoingMessage)>,
+    ) -> Vec<FailedPublish> {
+        let deadline = Instant::now() + self.config.publish_timeout();
+        let mut pending = items;
+        let mut failed = Vec::new();
+        while !pending.is_empty() {
+            let session = match self.session(deadline).await {
+                Ok(s) => s,
+                Err(e) => {
+                    fail_all(&mut failed, pending, &e);
+                    break;
+                }
+            };
+            let mut in_flight = Vec::with_capacity(pending.len());
+            let mut again = Vec::new();
+            let mut broken = false;
+            for (index, route, message) in pending.drain(..) {
+                if broken {
+                    again.push((index, route, message));
+                    continue;
+                }
+                let declared = match route {
+                    Route::Delayed(ms) => match self.declare_queue(&session, queue).await {
+                        Ok(()) => self.declare_retry(&session, queue, ms).await,
+                        Err(e) => Err(e),
+                    },
+                    _ => self.declare_queue(&session, queue).await,
+                };
+                if let Err(e) = declared {
+                    if session.usable() {
+                        failed.push(FailedPublish {
+                            index,
+                            message,
+                            error: e,
+                        });
+                    } else {
+                        broken = true;
+                        again.push((index, route, message));
+                    }
+                    continue;
+                }
+                let (exchange, routing_key) = match route {
+                    Route::Queue => (DIRECT_EXCHANGE, queue.to_owned()),
+                    Route::Delayed(ms) => (RETRY_EXCHANGE, format!("{queue}.{ms}")),
+                    Route::DeadLetters => (DLX_EXCHANGE, queue.to_owned()),
+                };
+                let props = headers::properties(
+                    &message,
+                    self.config
+                        .max_priority
+                        .filter(|_| !self.config.quorum_queues),
+                );
+                let published = session
+                    .publisher
+                    .basic_publish(
+                        exchange.into(),
+                        routing_key.as_str().into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..Default::default()
+                        },
+                        &message.payload,
+                        props,
+                    )
+                    .await;
+                match published {
+                    Ok(confirm) => in_flight.push((index, route, message, confirm)),
+                    Err(_) => {
+                        broken = true;
+                        again.push((index, route, message));
+                    }
+                }
+            }
+            for (index, route, message, confirm) in in_flight {
+                match tokio::time::timeout_at(deadline, confirm).await {
+                    Ok(Ok(Confirmation::Ack(None))) => {}
+                    Ok(Ok(Confirmation::Ack(Some(returned)))) => failed.push(FailedPublish {
+                        index,
+                        message,
+                        error: Error::broker(
+                            "rabbitmq",
+                            format!(
+                                "unroutable: broker returned the message ({} {}); is queue {} missing?",
+                                returned.reply_code,
+                                returned.reply_text.as_str(),
+                                queue_name(queue)
+                            ),
+                            false,
+                        ),
+                    }),
+                    Ok(Ok(Confirmation::Nack(_))) => failed.push(FailedPublish {
+                        index,
+                        message,
+                        error: Error::broker("rabbitmq", "broker nacked the message (not stored)", true),
+                    }),
+                    Ok(Ok(Confirmation::NotRequested)) => failed.push(FailedPublish {
+                        index,
+                        message,
+                        error: Error::broker("rabbitmq", "publisher confirms were not enabled", false),
+                    }),
+                    // The connection went away before the confirm: publish again.
+                    Ok(Err(_)) => {
+                        broken = true;
+                        again.push((index, route, message));
+                    }
+                    Err(_) => failed.push(FailedPublish {
+                        index,
+                        message,
+                        error: Error::Timeout(self.config.publish_timeout()),
+                    }),
+                }
+            }
+            if broken {
+                self.invalidate(&session).await;
+            }
+            if !again.is_empty() && Instant::now() >= deadline {
+                fail_all(
+                    &mut failed,
+                    again,
+                    &Error::Timeout(self.config.publish_timeout()),
+                );
+                break;
+            }
+            pending = again;
+        }
+        failed.sort_by_key(|f| f.index);
+        failed
+    }
+}
+
+fn fail_all(
+    failed: &mut Vec<FailedPublish>,
+    items: Vec<(usize, Route, OutgoingMessage)>,
+    e: &Error,
+) {
+    let (text, retryable) = (e.to_string(), e.is_retryable());
+    failed.extend(items.into_iter().map(|(index, _, message)| FailedPublish {
+        index,
+        message,
+        error: Error::broker("rabbitmq", text.clone(), retryable),
+    }));
+}
+
+fn topology_error(name: &str, e: &lapin::Error) -> Error {
+    Error::broker(
+        "rabbitmq",
+        format!("declaring {name}: {e} (an existing queue with other arguments — priority, quorum — cannot be re-declared; delete it or match the settings)"),
+        false,
+    )
+}
+
+/// The URL without its password, for logs.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            let user = creds.split(':').next().unwrap_or("");
+            format!("{}{}:***{}", &url[..s + 3], user, &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// A connection to RabbitMQ.
+#[derive(Debug, Clone)]
+pub struct RabbitAdapter {
+    inner: Arc<Inner>,
+}
+
+impl RabbitAdapter {
+    /// Validates the settings and connects (once; later losses reconnect).
+    pub async fn connect(config: RabbitConfig) -> Result<Self> {
+        config.validate()?;
+        let inner = Arc::new(Inner {
+            session: tokio::sync::Mutex::new(None),
+            closed: AtomicBool::new(false),
+            config,
+        });
+        inner
+            .session(Instant::now() + Duration::from_secs(10))
+            .await?;
+        Ok(RabbitAdapter { inner })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &RabbitConfig {
+        &self.inner.config
+    }
+}
+
+#[async_trait]
+impl QueueAdapter for RabbitAdapter {
+    fn kind(&self) -> &'static str {
+        "rabbitmq"
+    }
+
+    fn max_message_bytes(&self) -> usize {
+        self.inner.config.max_message_bytes
+    }
+
+    #[tracing::instrument(skip_all, fields(queue, count = messages.len()))]
+    async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(Error::Publish(PublishFailure::all(messages, || {
+                Error::Closed
+            })));
+        }
+        let total = messages.len();
+        let (accepted, mut failed) =
+            partition_by_size(messages, self.inner.config.max_message_bytes);
+        let now = chrono::Utc::now();
+        let items = accepted
+            .into_iter()
+            .map(|(i, m)| {
+                // Scheduled messages wait in a TTL queue like delayed retries.
+                let route = match m.deliver_at.and_then(|at| (at - now).to_std().ok()) {
+                    Some(d) if !d.is_zero() => Route::Delayed(bucket_delay_ms(d)),
+                    _ => Route::Queue,
+                };
+                (i, route, m)
+            })
+            .collect();
+        failed.extend(self.inner.send(queue, items).await);
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            failed.sort_by_key(|f| f.index);
+            Err(Error::Publish(PublishFailure { total, failed }))
+        }
+    }
+
+    async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        let mut consumer = RabbitConsumer {
+            inner: self.inner.clone(),
+            queue: queue.to_owned(),
+            options,
+            live: None,
+        };
+        consumer
+            .subscribe(Instant::now() + Duration::from_secs(10))
+            .await?;
+        Ok(Box::new(consumer))
+    }
+
+    async fn health(&self) -> Health {
+        match self
+            .inner
+            .session(Instant::now() + Duration::from_secs(2))
+            .await
+        {
+            Ok(_) => Health::ok(format!("connected to {}", redact(&self.inner.config.url))),
+            Err(e) => Health::down(e.to_string()),
+        }
+    }
+
+    async fn depth(&self, queue: &str) -> Result<Option<u64>> {
+        let s = self
+            .inner
+            .session(Instant::now() + Duration::from_secs(5))
+            .await?;
+        // A passive declare that fails closes its channel: use a scratch one.
+        let ch = s
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| amqp_error(&e))?;
+        let result = ch
+            .queue_declare(
+                queue_name(queue).as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        let _ = ch.close(200, "depth".into()).await;
+        match result {
+            Ok(q) => Ok(Some(u64::from(q.message_count()))),
+            Err(e) if e.to_string().contains("NOT_FOUND") => Ok(Some(0)),
+            Err(e) => Err(amqp_error(&e)),
+        }
+    }
+
+    async fn close(&self) -> Result<()> {
+        self.inner.closed.store(true, Ordering::Release);
+        let session = self.inner.session.lock().await.take();
+        if let Some(s) = session {
+            // Every publish awaited its confirms; this only catches stragglers.
+            let _ = s.publisher.wait_for_confirms().await;
+            let _ = s.connection.close(200, "closed by ojs-bridge".into()).await;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct Live {
+    channel: Channel,
+    stream: lapin::Consumer,
+}
+
+/// A consumer of `ojs.queue.{queue}` (or its dead letters).
+#[derive(Debug)]
+pub struct RabbitConsumer {
+    inner: Arc<Inner>,
+    queue: String,
+    options: ConsumerOptions,
+    live: Option<Live>,
+}
+
+impl RabbitConsumer {
+    async fn subscribe(&mut self, deadline: Instant) -> Result<()> {
+        let session = self.inner.session(deadline).await?;
+        self.inner.declare_queue(&session, &self.queue).await?;
+        let channel = session
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| amqp_error(&e))?;
+        channel
+            .basic_qos(self.options.prefetch.max(1), BasicQosOptions::default())
+            .await
+            .map_err(|e| amqp_error(&e))?;
+        let source = match self.options.source {
+            Source::Queue => queue_name(&self.queue),
+            Source::DeadLetters => dead_letter_queue_name(&self.queue),
+        };
+        let tag = format!("ojs-bridge-{}", uuid::Uuid::new_v4().simple());
+        let stream = channel
+            .basic_consume(
+                source.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| amqp_error(&e))?;
+        self.live = Some(Live { channel, stream });
+        Ok(())
+    }
+
+    fn delivery(&self, d: lapin::message::Delivery) -> Delivery {
+        let r = headers::received(&d.properties, d.redelivered);
+        let payload = Bytes::from(d.data);
+        let acker = RabbitAcker {
+            inner: self.inner.clone(),
+            acker: d.acker,
+            queue: self.queue.clone(),
+            source: self.options.source,
+            max_deliveries: self.options.max_deliveries,
+            copy: OutgoingMessage {
+                payload: payload.clone(),
+                headers: r.headers.clone(),
+                key: r.key.clone(),
+                message_id: r.message_id.clone(),
+                priority: r.priority,
+                deliver_at: None,
+            },
+            attempt: r.attempt,
+        };
+        let mut delivery = Delivery::new(
+            payload,
+            r.headers,
+            r.attempt,
+            self.queue.clone(),
+            Box::new(acker),
+        );
+        delivery.key = r.key;
+        delivery.message_id = r.message_id;
+        delivery
+    }
+}
+
+#[async_trait]
+impl Consumer for RabbitConsumer {
+    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
+        let deadline = Instant::now() + wait;
+        loop {
+            if self
+                .live
+                .as_ref()
+                .is_none_or(|l| !l.channel.status().connected())
+            {
+                self.live = None;
+                if let Err(e) = self
+                    .subscribe(deadline.max(Instant::now() + Duration::from_secs(1)))
+                    .await
+                {
+                    if Instant::now() >= deadline {
+                        return Err(e);
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            }
+            let Some(live) = self.live.as_mut() else {
+                continue;
+            };
+            let first = match tokio::time::timeout_at(deadline, live.stream.next()).await {
+                Err(_) => return Ok(Vec::new()),
+                Ok(Some(Ok(d))) => d,
+                Ok(Some(Err(e))) => {
+                    tracing::warn!(error = %e, queue = %self.queue, "rabbitmq consumer failed; resubscribing");
+                    self.live = None;
+                    continue;
+                }
+                Ok(None) => {
+                    self.live = None;
+                    continue;
+                }
+            };
+            let mut raw = vec![first];
+            while raw.len() < max {
+                match live.stream.next().now_or_never() {
+                    Some(Some(Ok(d))) => raw.push(d),
+                    _ => break,
+                }
+            }
+            return Ok(raw.into_iter().map(|d| self.delivery(d)).collect());
+        }
+    }
+
+    async fn close(mut self: Box<Self>) -> Result<()> {
+        if let Some(live) = self.live.take() {
+            // Closing the channel hands unacknowledged deliveries back.
+            let _ = live.channel.close(200, "consumer closed".into()).await;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RabbitConsumer {
+    fn drop(&mut self) {
+        if let Some(live) = self.live.take() {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                handle.spawn(async move {
+                    let _ = live.channel.close(200, "consumer dropped".into()).await;
+                });
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RabbitAcker {
+    inner: Arc<Inner>,
+    acker: lapin::Acker,
+    queue: String,
+    source: Source,
+    max_deliveries: Option<u32>,
+    /// The message as received, to republish for retries and dead letters.
+    copy: OutgoingMessage,
+    attempt: u32,
+}
+
+impl RabbitAcker {
+    async fn ack_original(&self) -> Result<()> {
+        self.acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map(|_| ())
+            .map_err(|_| Error::DeliveryExpired)
+    }
+
+    /// Republishes `copy` on `route` under confirms, then acks the original;
+    /// requeues the original if the copy was not confirmed.
+    async fn move_to(&self, route: Route, copy: OutgoingMessage) -> Result<()> {
+        let failed = self.inner.send(&self.queue, vec![(0, route, copy)]).await;
+        if let Some(f) = failed.into_iter().next() {
+            let _ = self
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await;
+            return Err(f.error);
+        }
+        self.ack_original().await
+    }
+
+    async fn dead_letter(&self, reason: &DeadLetterReason) -> Result<()> {
+        let mut copy = self.copy.clone();
+        reason.write_headers(&mut copy.headers);
+        self.move_to(Route::DeadLetters, copy).await
+    }
+}
+
+#[async_trait]
+impl Acknowledger for RabbitAcker {
+    async fn ack(&self) -> Result<()> {
+        self.ack_original().await
+    }
+
+    async fn nack(&self, action: Nack) -> Result<()> {
+        match action {
+            Nack::Retry { .. } if self.source == Source::DeadLetters => self
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await
+                .map(|_| ())
+                .map_err(|_| Error::DeliveryExpired),
+            Nack::Retry { .. } if self.max_deliveries.is_some_and(|m| self.attempt >= m) => {
+                self.dead_letter(&DeadLetterReason::new(
+                    "max_deliveries",
+                    format!(
+                        "delivered {} times without being acknowledged",
+                        self.attempt
+                    ),
+                ))
+                .await
+            }
+            Nack::Retry { delay } => {
+                let mut copy = self.copy.clone();
+                copy.headers
+                    .insert(header::ATTEMPT.into(), (self.attempt + 1).to_string());
+                let route = if delay.is_zero() {
+                    Route::Queue
+                } else {
+                    Route::Delayed(bucket_delay_ms(delay))
+                };
+                self.move_to(route, copy).await
+            }
+            Nack::DeadLetter(reason) => self.dead_letter(&reason).await,
+        }
+    }
+}
