@@ -11,8 +11,8 @@
 //! * Consumers use `basic.qos` prefetch and resubscribe after reconnecting.
 //!   Unacknowledged deliveries of a lost channel are redelivered by the
 //!   broker; settling them afterwards reports [`Error::DeliveryExpired`].
-//! * A retry (`Nack::Retry`) or dead-letter nack republishes a copy (attempt
-//!   + 1, or with `x-ojs-error-type`/`x-ojs-error-message`) under confirms,
+//! * A retry (`Nack::Retry`) or dead-letter nack republishes a copy (with
+//!   the attempt counted up, or with `x-ojs-error-type`/`x-ojs-error-message`) under confirms,
 //!   and only then acks the original; if the copy cannot be confirmed the
 //!   original is requeued. Delays go through per-delay TTL queues
 //!   `ojs.queue.retry.{queue}.{delay_ms}` that dead-letter back to
