@@ -7,11 +7,13 @@
 #   scripts/brokers.sh down                          # stops what `up` started (by PID)
 #   scripts/brokers.sh env                           # prints the endpoint variables
 #   scripts/brokers.sh status
+#   scripts/brokers.sh bounce rabbitmq               # stop and start the broker app (restart tests)
 #
 # A broker already listening on its port is used as is and never stopped here.
 set -euo pipefail
 
 STATE=${OJS_BROKERS_DIR:-/tmp/ojs-brokers}
+SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 VENV=$STATE/venv
 RABBIT_PORT=5672
 KAFKA_PORT=9092
@@ -109,6 +111,26 @@ up_sqs() {
   log "sqs (moto): started (pid $(cat "$STATE/sqs.pid"))"
 }
 
+rabbitmqctl_env() {
+  # The node this script started has its own HOME and node name.
+  if [ -f "$STATE/rabbitmq.pid" ]; then
+    local r=$STATE/rabbitmq
+    HOME=$r RABBITMQ_NODENAME=rabbit@localhost ERL_EPMD_ADDRESS=127.0.0.1 \
+      /usr/lib/rabbitmq/bin/rabbitmqctl "$@"
+  else
+    rabbitmqctl "$@"
+  fi
+}
+
+bounce_rabbitmq() {
+  local down_secs=${1:-2}
+  rabbitmqctl_env stop_app >/dev/null
+  sleep "$down_secs"
+  rabbitmqctl_env start_app >/dev/null
+  wait_port $RABBIT_PORT 30 rabbitmq
+  log "rabbitmq: bounced (down ${down_secs}s)"
+}
+
 down() {
   local name pid
   for name in sqs kafka; do
@@ -133,6 +155,7 @@ export OJS_BRIDGE_TEST_SQS_URL=\${OJS_BRIDGE_TEST_SQS_URL:-sqs://us-east-1?endpo
 export AWS_ACCESS_KEY_ID=\${AWS_ACCESS_KEY_ID:-test}
 export AWS_SECRET_ACCESS_KEY=\${AWS_SECRET_ACCESS_KEY:-test}
 export AWS_REGION=\${AWS_REGION:-us-east-1}
+export OJS_BRIDGE_TEST_RABBITMQ_BOUNCE=\${OJS_BRIDGE_TEST_RABBITMQ_BOUNCE:-$SELF bounce rabbitmq}
 ENV
 }
 
@@ -161,5 +184,11 @@ case "$cmd" in
   down) down ;;
   env) print_env ;;
   status) status ;;
+  bounce)
+    case "${1:-}" in
+      rabbitmq) bounce_rabbitmq "${2:-2}" ;;
+      *) log "bounce supports: rabbitmq"; exit 2 ;;
+    esac
+    ;;
   *) log "usage: $0 up [rabbitmq|kafka|sqs…] | down | env | status"; exit 2 ;;
 esac

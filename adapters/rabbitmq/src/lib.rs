@@ -56,7 +56,7 @@ pub use config::{
     bucket_delay_ms, dead_letter_queue_name, queue_name, retry_queue_name, RabbitConfig,
     DIRECT_EXCHANGE, DLX_EXCHANGE, RETRY_EXCHANGE,
 };
-pub use headers::KEY_HEADER;
+pub use headers::{properties, KEY_HEADER};
 
 fn amqp_error(e: &lapin::Error) -> Error {
     Error::broker("rabbitmq", e.to_string(), true)
