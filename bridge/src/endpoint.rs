@@ -5,10 +5,11 @@ use std::sync::Arc;
 
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_adapter_memory::MemoryAdapter;
+use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_core::{Error, QueueAdapter, Result};
 
-/// Opens the adapter a URL names:
-/// `memory://NAME`, `local:///abs/dir` or `local:./dir`.
+/// Opens the adapter a URL names: `memory://NAME`, `local:///abs/dir`,
+/// `local:./dir`, `amqp://user:pass@host:port/vhost`, `amqps://…`.
 pub async fn connect(url: &str) -> Result<Arc<dyn QueueAdapter>> {
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
@@ -17,9 +18,10 @@ pub async fn connect(url: &str) -> Result<Arc<dyn QueueAdapter>> {
             Ok(Arc::new(MemoryAdapter::named(if name.is_empty() { "default" } else { name })))
         }
         "local" => Ok(Arc::new(LocalAdapter::open(LocalConfig::from_url(url)?).await?)),
-        "kafka" | "amqp" | "amqps" | "sqs" => Err(Error::InvalidConfig {
+        "amqp" | "amqps" => Ok(Arc::new(RabbitAdapter::connect(RabbitConfig::new(url)).await?)),
+        "kafka" | "sqs" => Err(Error::InvalidConfig {
             field: "url".into(),
-            reason: format!("the {scheme} adapter is not part of this build yet; available: memory://, local:"),
+            reason: format!("the {scheme} adapter is not part of this build yet; available: memory://, local:, amqp://, amqps://"),
         }),
         _ => Err(Error::InvalidConfig {
             field: "url".into(),

@@ -1,0 +1,153 @@
+//! `ojs-bridge send` and `tail` against real brokers, as a user runs them.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
+use serde_json::Value;
+
+fn run(args: &[&str], stdin: &[u8]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn send_then_tail(url: &str, queue: &str) {
+    let ojs = r#"{"specversion":"1.0","id":"019539a4-b68c-7def-8000-1a2b3c4d5e6f","type":"email.send","queue":"default","args":["a@b.c"]}"#;
+    let grpcq = r#"{"originator":"cli-test","topic":"payment.PaymentService","action":"ProcessPayment","payload":"AQID","message_id":"m-1","timestamp_ms":1704067200000,"metadata":{"trace_id":"t"}}"#;
+    let out = run(
+        &["send", "--to", url, "--queue", queue],
+        format!("{ojs}\n").as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "sent 1");
+    let out = run(
+        &["send", "--to", url, "--queue", queue, "--format", "grpcq"],
+        format!("{grpcq}\n").as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let out = run(
+        &[
+            "tail",
+            "--from",
+            url,
+            "--queue",
+            queue,
+            "--count",
+            "2",
+            "--timeout-secs",
+            "10",
+            "--ack",
+        ],
+        b"",
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["message"]["type"], "email.send");
+    assert_eq!(
+        lines[0]["message"]["queue"], queue,
+        "--queue overrides the envelope's queue"
+    );
+    assert_eq!(
+        lines[0]["headers"]["content-type"],
+        "application/openjobspec+proto"
+    );
+    assert_eq!(lines[1]["message"]["action"], "ProcessPayment");
+    assert_eq!(lines[1]["message"]["payload"], "AQID");
+    assert_eq!(lines[1]["message"]["metadata"]["trace_id"], "t");
+    assert_eq!(
+        lines[1]["headers"]["content-type"],
+        "application/grpcq+proto"
+    );
+
+    // Acked: nothing left.
+    let out = run(
+        &[
+            "tail",
+            "--from",
+            url,
+            "--queue",
+            queue,
+            "--timeout-secs",
+            "1",
+        ],
+        b"",
+    );
+    assert!(out.status.success());
+    assert!(out.stdout.is_empty(), "queue drained by --ack");
+
+    // A bad line names itself and nothing is sent.
+    let out = run(
+        &["send", "--to", url, "--queue", queue],
+        format!("{ojs}\n{{\"type\":1}}\n").as_bytes(),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("line 2"));
+    let out = run(
+        &[
+            "tail",
+            "--from",
+            url,
+            "--queue",
+            queue,
+            "--timeout-secs",
+            "1",
+        ],
+        b"",
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "all-or-nothing parse: line 1 was not sent either"
+    );
+}
+
+#[tokio::test]
+async fn send_and_tail_over_rabbitmq() {
+    let Some(endpoint) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    send_then_tail(&endpoint.url, &unique_queue("cli"));
+}
+
+#[test]
+fn send_and_tail_over_the_embedded_broker() {
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("cli-local");
+    send_then_tail(&format!("local:{}", dir.path().display()), "cli");
+}
+
+#[test]
+fn an_unknown_url_scheme_is_a_clear_error() {
+    let out = run(&["tail", "--from", "redis://x", "--queue", "q"], b"");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("names no adapter") && err.contains("local:"),
+        "{err}"
+    );
+}
