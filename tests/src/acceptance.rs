@@ -38,6 +38,15 @@ pub struct Features {
     pub visibility_timeout: bool,
     /// `ConsumerOptions::max_deliveries` dead-letters on its own.
     pub max_deliveries: bool,
+    /// A message the broker delivers again (its consumer went away) comes
+    /// with a higher attempt. Kafka has no delivery counter, so it cannot.
+    pub counts_redeliveries: bool,
+    /// `depth` is exact. False only for test brokers known to report
+    /// approximate watermarks (tansu reports a batch's base offset + 1).
+    pub exact_depth: bool,
+    /// How long a new consumer may take before its first delivery (Kafka:
+    /// joining the group).
+    pub consumer_startup: Duration,
     /// Scale for message counts (1.0 = the counts in the case; moto needs less).
     pub volume: f64,
     /// How long a case waits for everything to arrive.
@@ -384,7 +393,9 @@ pub async fn unacked_messages_come_back(f: &dyn AdapterFactory) -> Result<()> {
     let deadline = Instant::now() + features.patience;
     while !tally.complete() && Instant::now() < deadline {
         for d in second.receive(n, Duration::from_millis(500)).await? {
-            assert!(d.attempt >= 2, "a redelivery counts as a new attempt");
+            if features.counts_redeliveries {
+                assert!(d.attempt >= 2, "a redelivery counts as a new attempt");
+            }
             tally.received(id_of(&d)?);
             d.ack().await?;
         }
@@ -415,7 +426,7 @@ pub async fn consumer_restarts_lose_nothing(f: &dyn AdapterFactory) -> Result<()
             publisher.clone()
         };
         let mut consumer = adapter.consumer(&queue, options.clone()).await?;
-        let batch = consumer.receive(30, Duration::from_secs(1)).await?;
+        let batch = consumer.receive(30, features.consumer_startup).await?;
         // Ack two thirds; the rest are abandoned with the consumer.
         for (i, d) in batch.into_iter().enumerate() {
             if i % 3 != 2 {
@@ -596,6 +607,9 @@ pub async fn dead_letter_with_reason(f: &dyn AdapterFactory) -> Result<()> {
         }
     }
     done.assert_none_lost(&format!("{} attempts before dead-lettering", features.name));
+    // Done with it: an idle member of a Kafka group stalls the group's
+    // rebalances until max.poll.interval.ms, so close what is not polled.
+    consumer.close().await?;
     let mut dead = sent.clone();
     let reasons = read_dead_letters(f, &*adapter, &queue, &mut dead).await?;
     dead.assert_none_lost(&format!("{} dead letters", features.name));
@@ -628,6 +642,7 @@ pub async fn dead_letter_with_reason(f: &dyn AdapterFactory) -> Result<()> {
             .await?;
         }
     }
+    consumer.close().await?;
     let mut dead = sent.clone();
     let reasons = read_dead_letters(f, &*adapter, &queue, &mut dead).await?;
     dead.assert_none_lost(&format!("{} explicit dead letter", features.name));
@@ -693,7 +708,15 @@ pub async fn health_and_depth(f: &dyn AdapterFactory) -> Result<()> {
     let mut sent = Tally::new();
     publish_all(&*adapter, &queue, 5, &mut sent).await?;
     if let Some(depth) = adapter.depth(&queue).await? {
-        assert_eq!(depth, 5);
+        if f.features().exact_depth {
+            assert_eq!(depth, 5);
+        } else {
+            println!(
+                "{}: depth {depth} for 5 waiting (this test broker reports approximate watermarks)",
+                f.features().name
+            );
+            assert!((1..=5).contains(&depth), "depth {depth} out of bounds");
+        }
     } else {
         println!("{}: depth not reported by this broker", f.features().name);
     }

@@ -9,5 +9,6 @@
 
 pub mod acceptance;
 pub mod brokers;
+pub mod kafka;
 pub mod tally;
 pub mod tempdir;

@@ -30,6 +30,9 @@ impl AdapterFactory for Memory {
             redelivers_on_consumer_drop: true,
             visibility_timeout: true,
             max_deliveries: true,
+            counts_redeliveries: true,
+            exact_depth: true,
+            consumer_startup: Duration::from_secs(1),
             volume: 1.0,
             patience: Duration::from_secs(20),
         }

@@ -1,0 +1,836 @@
+//! Kafka adapter (rdkafka) following DESIGN §4 "Kafka".
+//!
+//! Delivery semantics: at least once.
+//! * Topics: `ojs.queue.{queue}`, retries and scheduled jobs in
+//!   `ojs.queue.{queue}.retry`, dead letters in `ojs.dead.{queue}` (templates
+//!   configurable), created on first use with the admin client.
+//! * Records: key = ordering key (meta `partition_key`, else the job id);
+//!   headers `content-type`, `ojs-specversion`, `ojs-id`, `ojs-type`,
+//!   `ojs-queue`, `ojs-attempt`, `traceparent`/`tracestate`.
+//! * Publish: idempotent producer, `acks=all`; resolves on the delivery
+//!   reports and reports failures per message.
+//! * Consume: consumer groups with `enable.auto.commit=false` and
+//!   `enable.auto.offset.store=false`. Only the **contiguous prefix** of
+//!   settled offsets is committed per partition: an unsettled offset N is
+//!   never skipped because N+1 was acked. Pending commits are made on every
+//!   `receive`, on close and, synchronously, when partitions are revoked.
+//! * Nack: a copy goes to the retry topic (attempt counted up, `ojs-not-before`
+//!   set) or the dead topic (reason in `ojs-error-type`/`ojs-error-message`);
+//!   the original offset is settled only after the copy's delivery report.
+//!   Retry records are held until due (still uncommitted, so a crash
+//!   replays them) and never handed out early; if too many are held, the
+//!   retry partitions are paused until the backlog drains.
+//!
+//!
+//! Kafka caveat: group rebalances wait for every member to poll. A consumer
+//! that is kept open but not `receive`d from stalls its group (up to
+//! librdkafka's `max.poll.interval.ms`); close consumers you stop using.
+//!
+//! ```no_run
+//! # async fn demo() -> ojs_core::Result<()> {
+//! use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
+//! use ojs_core::{OutgoingMessage, QueueAdapter};
+//! let adapter = KafkaAdapter::connect(KafkaConfig::from_url("kafka://127.0.0.1:9092")?).await?;
+//! adapter.publish("default", vec![OutgoingMessage::new("hi", "text/plain")]).await?;
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod tracker;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::FutureExt;
+use ojs_core::adapter::partition_by_size;
+use ojs_core::{
+    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, Error,
+    FailedPublish, Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Result,
+    Source,
+};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio::time::Instant;
+
+pub use config::KafkaConfig;
+use tracker::{Stale, Tp, Tracker};
+
+/// Header with the earliest delivery time (Unix ms) of a retry record.
+pub const NOT_BEFORE_HEADER: &str = "ojs-not-before";
+
+fn kafka_error(e: &KafkaError) -> Error {
+    let retryable = !matches!(
+        e.rdkafka_error_code(),
+        Some(RDKafkaErrorCode::MessageSizeTooLarge | RDKafkaErrorCode::InvalidMessage)
+    );
+    Error::broker("kafka", e.to_string(), retryable)
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+fn client_config(config: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &config.brokers);
+    c
+}
+
+fn apply_overrides(c: &mut ClientConfig, config: &KafkaConfig) {
+    for (k, v) in &config.librdkafka_options {
+        c.set(k, v);
+    }
+}
+
+struct Inner {
+    config: KafkaConfig,
+    producer: FutureProducer,
+    admin: AdminClient<DefaultClientContext>,
+    /// Topics known to exist (created or found).
+    topics: Mutex<HashSet<String>>,
+    closed: AtomicBool,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaInner")
+            .field("brokers", &self.config.brokers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Inner {
+    /// Creates the queue's three topics if this process has not seen them.
+    async fn ensure_topics(&self, queue: &str) -> Result<()> {
+        let names = [
+            self.config.topic_of(queue),
+            self.config.retry_topic_of(queue),
+            self.config.dead_topic_of(queue),
+        ];
+        let missing: Vec<&String> = {
+            let known = self.topics.lock().unwrap_or_else(|e| e.into_inner());
+            names.iter().filter(|n| !known.contains(*n)).collect()
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let new: Vec<NewTopic<'_>> = missing
+            .iter()
+            .map(|n| {
+                NewTopic::new(
+                    n,
+                    self.config.partitions,
+                    TopicReplication::Fixed(self.config.replication),
+                )
+            })
+            .collect();
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let results = self
+            .admin
+            .create_topics(new.iter(), &opts)
+            .await
+            .map_err(|e| kafka_error(&e))?;
+        for r in results {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, code)) => {
+                    return Err(Error::broker(
+                        "kafka",
+                        format!("creating topic {name}: {code}"),
+                        true,
+                    ));
+                }
+            }
+        }
+        let mut known = self.topics.lock().unwrap_or_else(|e| e.into_inner());
+        known.extend(names);
+        Ok(())
+    }
+
+    fn forget_topics(&self, queue: &str) {
+        let mut known = self.topics.lock().unwrap_or_else(|e| e.into_inner());
+        for t in [
+            self.config.topic_of(queue),
+            self.config.retry_topic_of(queue),
+            self.config.dead_topic_of(queue),
+        ] {
+            known.remove(&t);
+        }
+    }
+
+    /// Produces each message to `topic` and waits for every delivery report.
+    async fn produce(
+        &self,
+        queue: &str,
+        items: Vec<(usize, String, OutgoingMessage)>,
+    ) -> Vec<FailedPublish> {
+        if let Err(e) = self.ensure_topics(queue).await {
+            let (text, retryable) = (e.to_string(), e.is_retryable());
+            return items
+                .into_iter()
+                .map(|(index, _, message)| FailedPublish {
+                    index,
+                    message,
+                    error: Error::broker("kafka", text.clone(), retryable),
+                })
+                .collect();
+        }
+        let timeout = self.config.publish_timeout();
+        let sends = items.iter().map(|(_, topic, m)| {
+            let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
+            for (k, v) in &m.headers {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: Some(v.as_bytes()),
+                });
+            }
+            let mut record = FutureRecord::to(topic)
+                .payload(m.payload.as_ref())
+                .headers(headers);
+            if let Some(key) = &m.key {
+                record = record.key(key.as_bytes());
+            }
+            self.producer.send(record, timeout)
+        });
+        let results = futures::future::join_all(sends).await;
+        let mut failed = Vec::new();
+        let mut unknown_topic = false;
+        for ((index, _, message), result) in items.into_iter().zip(results) {
+            if let Err((e, _)) = result {
+                unknown_topic |=
+                    e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownTopicOrPartition);
+                failed.push(FailedPublish {
+                    index,
+                    message,
+                    error: kafka_error(&e),
+                });
+            }
+        }
+        if unknown_topic {
+            // The topic went away (e.g. a broker without persistence restarted):
+            // create it again on the next publish.
+            self.forget_topics(queue);
+        }
+        failed
+    }
+}
+
+/// A connection to a Kafka cluster: one idempotent producer, consumers on demand.
+#[derive(Debug, Clone)]
+pub struct KafkaAdapter {
+    inner: Arc<Inner>,
+}
+
+impl KafkaAdapter {
+    /// Validates the settings and creates the producer and admin clients.
+    pub async fn connect(config: KafkaConfig) -> Result<Self> {
+        config.validate()?;
+        let mut p = client_config(&config);
+        p.set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("message.timeout.ms", config.publish_timeout_ms.to_string())
+            .set(
+                "message.max.bytes",
+                (config.max_message_bytes + 64 * 1024).to_string(),
+            )
+            .set("linger.ms", "5");
+        apply_overrides(&mut p, &config);
+        let producer: FutureProducer = p.create().map_err(|e| kafka_error(&e))?;
+        let mut a = client_config(&config);
+        apply_overrides(&mut a, &config);
+        let admin: AdminClient<DefaultClientContext> = a.create().map_err(|e| kafka_error(&e))?;
+        Ok(KafkaAdapter {
+            inner: Arc::new(Inner {
+                config,
+                producer,
+                admin,
+                topics: Mutex::new(HashSet::new()),
+                closed: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &KafkaConfig {
+        &self.inner.config
+    }
+}
+
+#[async_trait]
+impl QueueAdapter for KafkaAdapter {
+    fn kind(&self) -> &'static str {
+        "kafka"
+    }
+
+    fn max_message_bytes(&self) -> usize {
+        self.inner.config.max_message_bytes
+    }
+
+    #[tracing::instrument(skip_all, fields(queue, count = messages.len()))]
+    async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(Error::Publish(PublishFailure::all(messages, || {
+                Error::Closed
+            })));
+        }
+        let total = messages.len();
+        let (accepted, mut failed) =
+            partition_by_size(messages, self.inner.config.max_message_bytes);
+        let now = now_ms();
+        let items = accepted
+            .into_iter()
+            .map(|(i, mut m)| {
+                // Scheduled jobs wait in the retry topic like delayed retries.
+                let topic = match m.deliver_at.map(|t| t.timestamp_millis()) {
+                    Some(at) if at > now => {
+                        m.headers.insert(NOT_BEFORE_HEADER.into(), at.to_string());
+                        self.inner.config.retry_topic_of(queue)
+                    }
+                    _ => self.inner.config.topic_of(queue),
+                };
+                (i, topic, m)
+            })
+            .collect();
+        failed.extend(self.inner.produce(queue, items).await);
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            failed.sort_by_key(|f| f.index);
+            Err(Error::Publish(PublishFailure { total, failed }))
+        }
+    }
+
+    async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        self.inner.ensure_topics(queue).await?;
+        Ok(Box::new(KafkaConsumer::new(
+            self.inner.clone(),
+            queue,
+            options,
+        )?))
+    }
+
+    async fn health(&self) -> Health {
+        let inner = self.inner.clone();
+        let r = tokio::task::spawn_blocking(move || {
+            use rdkafka::producer::Producer as _;
+            inner
+                .producer
+                .client()
+                .fetch_metadata(None, Duration::from_secs(3))
+                .map(|m| m.brokers().len())
+        })
+        .await;
+        match r {
+            Ok(Ok(n)) => Health::ok(format!("{n} broker(s) at {}", self.inner.config.brokers)),
+            Ok(Err(e)) => Health::down(e.to_string()),
+            Err(e) => Health::down(e.to_string()),
+        }
+    }
+
+    /// Lag of `depth_group` on the queue and retry topics (records not yet
+    /// committed by that group).
+    async fn depth(&self, queue: &str) -> Result<Option<u64>> {
+        let config = self.inner.config.clone();
+        let queue = queue.to_owned();
+        tokio::task::spawn_blocking(move || -> Result<Option<u64>> {
+            let mut c = client_config(&config);
+            c.set("group.id", &config.depth_group)
+                .set("enable.auto.commit", "false");
+            apply_overrides(&mut c, &config);
+            let consumer: BaseConsumer = c.create().map_err(|e| kafka_error(&e))?;
+            let timeout = Duration::from_secs(5);
+            let mut total = 0u64;
+            for topic in [config.topic_of(&queue), config.retry_topic_of(&queue)] {
+                let md = consumer
+                    .fetch_metadata(Some(&topic), timeout)
+                    .map_err(|e| kafka_error(&e))?;
+                let Some(t) = md.topics().first() else {
+                    continue;
+                };
+                let mut tpl = TopicPartitionList::new();
+                for p in t.partitions() {
+                    tpl.add_partition(&topic, p.id());
+                }
+                let committed = consumer
+                    .committed_offsets(tpl, timeout)
+                    .map_err(|e| kafka_error(&e))?;
+                for p in t.partitions() {
+                    let (low, high) = consumer
+                        .fetch_watermarks(&topic, p.id(), timeout)
+                        .map_err(|e| kafka_error(&e))?;
+                    let from = match committed.find_partition(&topic, p.id()).map(|e| e.offset()) {
+                        Some(Offset::Offset(o)) => o.max(low),
+                        _ => low,
+                    };
+                    total += (high - from).max(0) as u64;
+                }
+            }
+            Ok(Some(total))
+        })
+        .await
+        .map_err(|e| Error::broker("kafka", e.to_string(), true))?
+    }
+
+    async fn close(&self) -> Result<()> {
+        self.inner.closed.store(true, Ordering::Release);
+        let inner = self.inner.clone();
+        // Every publish awaited its delivery reports; flush catches stragglers.
+        tokio::task::spawn_blocking(move || {
+            use rdkafka::producer::Producer as _;
+            inner.producer.flush(inner.config.publish_timeout())
+        })
+        .await
+        .map_err(|e| Error::broker("kafka", e.to_string(), true))?
+        .map_err(|e| kafka_error(&e))
+    }
+}
+
+/// A record held until its `ojs-not-before` time.
+#[derive(Debug)]
+struct Held {
+    message: OwnedMessage,
+    generation: u64,
+}
+
+/// State shared by a consumer, its deliveries and its rebalance callbacks.
+#[derive(Debug, Default)]
+struct Shared {
+    tracker: Tracker,
+    /// Retry records not yet due, by (due ms, sequence).
+    delayed: BTreeMap<(i64, u64), Held>,
+    paused: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Context {
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl Context {
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn commit_list(offsets: &[(String, i32, i64)]) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::new();
+    for (t, p, o) in offsets {
+        let _ = tpl.add_partition_offset(t, *p, Offset::Offset(*o));
+    }
+    tpl
+}
+
+impl ClientContext for Context {}
+
+impl ConsumerContext for Context {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            let tps: Vec<Tp> = tpl
+                .elements()
+                .iter()
+                .map(|e| (e.topic().to_owned(), e.partition()))
+                .collect();
+            let offsets = {
+                let mut shared = self.lock();
+                let offsets = shared.tracker.committable_for(&tps);
+                shared.tracker.revoke(&tps);
+                // Held retries of revoked partitions are uncommitted: the new
+                // owner reads them again.
+                shared.delayed.retain(|_, h| {
+                    !tps.iter()
+                        .any(|(t, p)| h.message.topic() == t && h.message.partition() == *p)
+                });
+                offsets
+            };
+            if !offsets.is_empty() {
+                // Drain before giving the partitions away.
+                if let Err(e) = consumer.commit(&commit_list(&offsets), CommitMode::Sync) {
+                    tracing::warn!(error = %e, "commit on revoke failed; the next owner may see duplicates");
+                }
+            }
+        }
+    }
+}
+
+fn commit_pending(consumer: &StreamConsumer<Context>, context: &Context, mode: CommitMode) {
+    let offsets = context.lock().tracker.committable();
+    if !offsets.is_empty() {
+        if let Err(e) = consumer.commit(&commit_list(&offsets), mode) {
+            tracing::warn!(error = %e, "offset commit failed; later offsets will cover it");
+        }
+    }
+}
+
+/// A consumer-group member reading one queue (its topic and retry topic) or
+/// its dead letters.
+pub struct KafkaConsumer {
+    inner: Arc<Inner>,
+    queue: String,
+    options: ConsumerOptions,
+    consumer: Arc<StreamConsumer<Context>>,
+    context: Context,
+    seq: AtomicU64,
+}
+
+impl std::fmt::Debug for KafkaConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaConsumer")
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaConsumer {
+    fn new(inner: Arc<Inner>, queue: &str, options: ConsumerOptions) -> Result<Self> {
+        let config = &inner.config;
+        // Dead-letter readers get their own group so they never rebalance
+        // the workers of the queue.
+        let group = match options.source {
+            Source::Queue => options.group.clone(),
+            Source::DeadLetters => format!("{}.dead", options.group),
+        };
+        let mut c = client_config(config);
+        c.set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("enable.partition.eof", "false")
+            .set("session.timeout.ms", config.session_timeout_ms.to_string());
+        apply_overrides(&mut c, config);
+        let context = Context::default();
+        let consumer: StreamConsumer<Context> = c
+            .create_with_context(context.clone())
+            .map_err(|e| kafka_error(&e))?;
+        let topics = match options.source {
+            Source::Queue => vec![config.topic_of(queue), config.retry_topic_of(queue)],
+            Source::DeadLetters => vec![config.dead_topic_of(queue)],
+        };
+        let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&refs).map_err(|e| kafka_error(&e))?;
+        let consumer = Arc::new(consumer);
+        // Commits settled offsets in the background, so acks made after the
+        // last `receive` are committed too. It stops with the consumer.
+        let interval = Duration::from_millis(inner.config.commit_interval_ms.max(10));
+        let weak = Arc::downgrade(&consumer);
+        let ticker_context = context.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(interval).await;
+                let Some(consumer) = weak.upgrade() else {
+                    break;
+                };
+                commit_pending(&consumer, &ticker_context, CommitMode::Async);
+            }
+        });
+        Ok(KafkaConsumer {
+            inner,
+            queue: queue.to_owned(),
+            options,
+            consumer,
+            context,
+            seq: AtomicU64::new(0),
+        })
+    }
+
+    fn commit_pending(&self, mode: CommitMode) {
+        commit_pending(&self.consumer, &self.context, mode);
+    }
+
+    fn not_before(m: &OwnedMessage) -> Option<i64> {
+        let headers = m.headers()?;
+        (0..headers.count())
+            .map(|i| headers.get(i))
+            .find(|h| h.key == NOT_BEFORE_HEADER)
+            .and_then(|h| std::str::from_utf8(h.value?).ok()?.parse().ok())
+    }
+
+    /// Registers a received record; returns it as a delivery now, or holds
+    /// it until due.
+    fn accept(&self, m: OwnedMessage, out: &mut Vec<Delivery>) {
+        let tp = (m.topic().to_owned(), m.partition());
+        let generation = self.context.lock().tracker.deliver(&tp, m.offset());
+        match Self::not_before(&m) {
+            Some(due) if due > now_ms() => {
+                let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+                let mut shared = self.context.lock();
+                shared.delayed.insert(
+                    (due, seq),
+                    Held {
+                        message: m,
+                        generation,
+                    },
+                );
+                if shared.delayed.len() >= self.inner.config.max_delayed_in_memory && !shared.paused
+                {
+                    shared.paused = true;
+                    drop(shared);
+                    self.set_retry_paused(true);
+                }
+            }
+            _ => out.push(self.delivery(m, generation)),
+        }
+    }
+
+    fn set_retry_paused(&self, pause: bool) {
+        let retry = self.inner.config.retry_topic_of(&self.queue);
+        let Ok(assignment) = self.consumer.assignment() else {
+            return;
+        };
+        let mut tpl = TopicPartitionList::new();
+        for e in assignment.elements().iter().filter(|e| e.topic() == retry) {
+            tpl.add_partition(e.topic(), e.partition());
+        }
+        let r = if pause {
+            self.consumer.pause(&tpl)
+        } else {
+            self.consumer.resume(&tpl)
+        };
+        if let Err(e) = r {
+            tracing::warn!(error = %e, pause, "pausing/resuming retry partitions failed");
+        }
+    }
+
+    fn take_due(&self, max: usize, out: &mut Vec<Delivery>) -> Option<i64> {
+        let now = now_ms();
+        let mut due = Vec::new();
+        let (next, resume) = {
+            let mut shared = self.context.lock();
+            while out.len() + due.len() < max {
+                let Some(entry) = shared.delayed.first_entry() else {
+                    break;
+                };
+                if entry.key().0 > now {
+                    break;
+                }
+                due.push(entry.remove());
+            }
+            let resume =
+                shared.paused && shared.delayed.len() < self.inner.config.max_delayed_in_memory / 2;
+            if resume {
+                shared.paused = false;
+            }
+            (shared.delayed.keys().next().map(|(at, _)| *at), resume)
+        };
+        if resume {
+            self.set_retry_paused(false);
+        }
+        out.extend(
+            due.into_iter()
+                .map(|h| self.delivery(h.message, h.generation)),
+        );
+        next
+    }
+
+    fn delivery(&self, m: OwnedMessage, generation: u64) -> Delivery {
+        let mut headers = Headers::new();
+        if let Some(h) = m.headers() {
+            for i in 0..h.count() {
+                let hdr = h.get(i);
+                if hdr.key == NOT_BEFORE_HEADER {
+                    continue;
+                }
+                if let Some(v) = hdr.value {
+                    headers.insert(hdr.key.to_owned(), String::from_utf8_lossy(v).into_owned());
+                }
+            }
+        }
+        let attempt = headers
+            .get(header::ATTEMPT)
+            .and_then(|a| a.parse::<u32>().ok())
+            .filter(|a| *a > 0)
+            .unwrap_or(1);
+        let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
+        let payload = Bytes::from(m.payload().map(<[u8]>::to_vec).unwrap_or_default());
+        let message_id = headers.get(header::ID).cloned();
+        let acker = KafkaAcker {
+            inner: self.inner.clone(),
+            context: self.context.clone(),
+            tp: (m.topic().to_owned(), m.partition()),
+            offset: m.offset(),
+            generation,
+            queue: self.queue.clone(),
+            source: self.options.source,
+            max_deliveries: self.options.max_deliveries,
+            copy: OutgoingMessage {
+                payload: payload.clone(),
+                headers: headers.clone(),
+                key: key.clone(),
+                message_id: message_id.clone(),
+                priority: 0,
+                deliver_at: None,
+            },
+            attempt,
+        };
+        let mut d = Delivery::new(
+            payload,
+            headers,
+            attempt,
+            self.queue.clone(),
+            Box::new(acker),
+        );
+        d.key = key;
+        d.message_id = message_id;
+        d
+    }
+}
+
+#[async_trait]
+impl Consumer for KafkaConsumer {
+    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
+        let deadline = Instant::now() + wait;
+        let max = max.max(1);
+        loop {
+            self.commit_pending(CommitMode::Async);
+            let mut out = Vec::new();
+            let next_due = self.take_due(max, &mut out);
+            if !out.is_empty() {
+                return Ok(out);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(out);
+            }
+            let wake = next_due.map_or(deadline, |at| {
+                let until = Duration::from_millis((at - now_ms()).max(0) as u64);
+                deadline.min(now + until)
+            });
+            let consumer = self.consumer.clone();
+            let first = tokio::time::timeout_at(wake, consumer.recv()).await;
+            match first {
+                Err(_) => continue, // a held record is due, or the wait is over
+                Ok(Err(e)) => return Err(kafka_error(&e)),
+                Ok(Ok(m)) => {
+                    let m = m.detach();
+                    self.accept(m, &mut out);
+                    while out.len() < max {
+                        match consumer.recv().now_or_never() {
+                            Some(Ok(m)) => {
+                                let m = m.detach();
+                                self.accept(m, &mut out);
+                            }
+                            _ => break,
+                        }
+                    }
+                    if !out.is_empty() {
+                        return Ok(out);
+                    }
+                }
+            }
+        }
+    }
+
+    async fn close(self: Box<Self>) -> Result<()> {
+        let consumer = self.consumer.clone();
+        let offsets = self.context.lock().tracker.committable();
+        tokio::task::spawn_blocking(move || {
+            if !offsets.is_empty() {
+                if let Err(e) = consumer.commit(&commit_list(&offsets), CommitMode::Sync) {
+                    tracing::warn!(error = %e, "final commit failed");
+                }
+            }
+            consumer.unsubscribe();
+        })
+        .await
+        .map_err(|e| Error::broker("kafka", e.to_string(), true))
+    }
+}
+
+impl Drop for KafkaConsumer {
+    fn drop(&mut self) {
+        // Leaving the group hands the partitions (and everything not yet
+        // committed) to the remaining members.
+        self.commit_pending(CommitMode::Async);
+    }
+}
+
+#[derive(Debug)]
+struct KafkaAcker {
+    inner: Arc<Inner>,
+    context: Context,
+    tp: Tp,
+    offset: i64,
+    generation: u64,
+    queue: String,
+    source: Source,
+    max_deliveries: Option<u32>,
+    copy: OutgoingMessage,
+    attempt: u32,
+}
+
+impl KafkaAcker {
+    fn settle(&self) -> Result<()> {
+        self.context
+            .lock()
+            .tracker
+            .settle(&self.tp, self.offset, self.generation)
+            .map_err(|Stale| Error::DeliveryExpired)
+    }
+
+    /// Produces `copy` to `topic`, then settles the original offset. When
+    /// the copy is not confirmed the original stays unsettled (uncommitted),
+    /// so it is delivered again after a restart: never lost.
+    async fn move_to(&self, topic: String, copy: OutgoingMessage) -> Result<()> {
+        let failed = self
+            .inner
+            .produce(&self.queue, vec![(0, topic, copy)])
+            .await;
+        if let Some(f) = failed.into_iter().next() {
+            return Err(f.error);
+        }
+        self.settle()
+    }
+}
+
+#[async_trait]
+impl Acknowledger for KafkaAcker {
+    async fn ack(&self) -> Result<()> {
+        self.settle()
+    }
+
+    async fn nack(&self, action: Nack) -> Result<()> {
+        let config = &self.inner.config;
+        let mut copy = self.copy.clone();
+        match action {
+            Nack::Retry { delay } if self.source == Source::Queue => {
+                if self.max_deliveries.is_some_and(|m| self.attempt >= m) {
+                    DeadLetterReason::new(
+                        "max_deliveries",
+                        format!(
+                            "delivered {} times without being acknowledged",
+                            self.attempt
+                        ),
+                    )
+                    .write_headers(&mut copy.headers);
+                    return self.move_to(config.dead_topic_of(&self.queue), copy).await;
+                }
+                copy.headers
+                    .insert(header::ATTEMPT.into(), (self.attempt + 1).to_string());
+                let due = now_ms().saturating_add(delay.as_millis() as i64);
+                copy.headers
+                    .insert(NOT_BEFORE_HEADER.into(), due.to_string());
+                self.move_to(config.retry_topic_of(&self.queue), copy).await
+            }
+            // A dead letter that is retried goes to the back of the dead topic.
+            Nack::Retry { .. } => self.move_to(config.dead_topic_of(&self.queue), copy).await,
+            Nack::DeadLetter(reason) => {
+                reason.write_headers(&mut copy.headers);
+                self.move_to(config.dead_topic_of(&self.queue), copy).await
+            }
+        }
+    }
+}
