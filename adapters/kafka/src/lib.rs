@@ -96,7 +96,8 @@ fn apply_overrides(c: &mut ClientConfig, config: &KafkaConfig) {
 
 struct Inner {
     config: KafkaConfig,
-    producer: FutureProducer,
+    /// Replaced when it fails fatally (see `produce`).
+    producer: std::sync::RwLock<Arc<FutureProducer>>,
     admin: AdminClient<DefaultClientContext>,
     /// Topics known to exist (created or found).
     topics: Mutex<HashSet<String>>,
@@ -159,6 +160,23 @@ impl Inner {
         Ok(())
     }
 
+    fn producer(&self) -> Arc<FutureProducer> {
+        self.producer
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Swaps in a new producer unless someone already replaced `broken`.
+    fn rebuild_producer(&self, broken: &Arc<FutureProducer>) -> Result<()> {
+        let fresh = Arc::new(make_producer(&self.config)?);
+        let mut slot = self.producer.write().unwrap_or_else(|e| e.into_inner());
+        if Arc::ptr_eq(&slot, broken) {
+            *slot = fresh;
+        }
+        Ok(())
+    }
+
     fn forget_topics(&self, queue: &str) {
         let mut known = self.topics.lock().unwrap_or_else(|e| e.into_inner());
         for t in [
@@ -188,6 +206,7 @@ impl Inner {
                 .collect();
         }
         let timeout = self.config.publish_timeout();
+        let producer = self.producer();
         let sends = items.iter().map(|(_, topic, m)| {
             let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
             for (k, v) in &m.headers {
@@ -202,15 +221,17 @@ impl Inner {
             if let Some(key) = &m.key {
                 record = record.key(key.as_bytes());
             }
-            self.producer.send(record, timeout)
+            producer.send(record, timeout)
         });
         let results = futures::future::join_all(sends).await;
         let mut failed = Vec::new();
-        let mut unknown_topic = false;
+        let mut timed_out = 0;
         for ((index, _, message), result) in items.into_iter().zip(results) {
             if let Err((e, _)) = result {
-                unknown_topic |=
-                    e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownTopicOrPartition);
+                timed_out += usize::from(matches!(
+                    e.rdkafka_error_code(),
+                    Some(RDKafkaErrorCode::MessageTimedOut)
+                ));
                 failed.push(FailedPublish {
                     index,
                     message,
@@ -218,13 +239,42 @@ impl Inner {
                 });
             }
         }
-        if unknown_topic {
-            // The topic went away (e.g. a broker without persistence restarted):
-            // create it again on the next publish.
+        if !failed.is_empty() {
+            // The topic may have gone away (a broker restarted without its
+            // data): librdkafka then only waits for metadata until the message
+            // times out. Make the next publish check the topics again;
+            // creating an existing topic is a cheap no-op.
             self.forget_topics(queue);
+            // An idempotent producer whose id the cluster no longer knows can
+            // stay stuck; a fatal error or a batch that timed out entirely
+            // gets a fresh producer (new id) for the next publish.
+            let fatal = {
+                use rdkafka::producer::Producer as _;
+                producer.client().fatal_error()
+            };
+            if fatal.is_some() || timed_out == failed.len() {
+                tracing::warn!(?fatal, timed_out, "rebuilding the kafka producer");
+                if let Err(e) = self.rebuild_producer(&producer) {
+                    tracing::warn!(error = %e, "could not rebuild the kafka producer");
+                }
+            }
         }
         failed
     }
+}
+
+fn make_producer(config: &KafkaConfig) -> Result<FutureProducer> {
+    let mut p = client_config(config);
+    p.set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("message.timeout.ms", config.publish_timeout_ms.to_string())
+        .set(
+            "message.max.bytes",
+            (config.max_message_bytes + 64 * 1024).to_string(),
+        )
+        .set("linger.ms", "5");
+    apply_overrides(&mut p, config);
+    p.create().map_err(|e| kafka_error(&e))
 }
 
 /// A connection to a Kafka cluster: one idempotent producer, consumers on demand.
@@ -237,24 +287,14 @@ impl KafkaAdapter {
     /// Validates the settings and creates the producer and admin clients.
     pub async fn connect(config: KafkaConfig) -> Result<Self> {
         config.validate()?;
-        let mut p = client_config(&config);
-        p.set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("message.timeout.ms", config.publish_timeout_ms.to_string())
-            .set(
-                "message.max.bytes",
-                (config.max_message_bytes + 64 * 1024).to_string(),
-            )
-            .set("linger.ms", "5");
-        apply_overrides(&mut p, &config);
-        let producer: FutureProducer = p.create().map_err(|e| kafka_error(&e))?;
+        let producer = make_producer(&config)?;
         let mut a = client_config(&config);
         apply_overrides(&mut a, &config);
         let admin: AdminClient<DefaultClientContext> = a.create().map_err(|e| kafka_error(&e))?;
         Ok(KafkaAdapter {
             inner: Arc::new(Inner {
                 config,
-                producer,
+                producer: std::sync::RwLock::new(Arc::new(producer)),
                 admin,
                 topics: Mutex::new(HashSet::new()),
                 closed: AtomicBool::new(false),
@@ -329,7 +369,7 @@ impl QueueAdapter for KafkaAdapter {
         let r = tokio::task::spawn_blocking(move || {
             use rdkafka::producer::Producer as _;
             inner
-                .producer
+                .producer()
                 .client()
                 .fetch_metadata(None, Duration::from_secs(3))
                 .map(|m| m.brokers().len())
@@ -392,7 +432,7 @@ impl QueueAdapter for KafkaAdapter {
         // Every publish awaited its delivery reports; flush catches stragglers.
         tokio::task::spawn_blocking(move || {
             use rdkafka::producer::Producer as _;
-            inner.producer.flush(inner.config.publish_timeout())
+            inner.producer().flush(inner.config.publish_timeout())
         })
         .await
         .map_err(|e| Error::broker("kafka", e.to_string(), true))?

@@ -1,0 +1,282 @@
+//! Kafka specifics beyond the shared suite: out-of-order acks, consumer
+//! groups, resuming from committed offsets, and a broker restart.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
+use ojs_bridge_tests::brokers::{brokers_required, find, unique_queue, Broker};
+use ojs_bridge_tests::kafka::test_config;
+use ojs_bridge_tests::tally::Tally;
+use ojs_core::{
+    Consumer, ConsumerOptions, Delivery, Encoding, Error, JobEnvelope, OutgoingMessage,
+    QueueAdapter,
+};
+use serde_json::json;
+use tokio::time::Instant;
+
+async fn adapter(partitions: i32) -> Option<(KafkaAdapter, KafkaConfig)> {
+    let url = find(Broker::Kafka).await?.url;
+    let mut config = test_config(&url);
+    config.partitions = partitions;
+    // Fail a publish to a restarted broker fast enough for a test.
+    config.publish_timeout_ms = 10_000;
+    Some((KafkaAdapter::connect(config.clone()).await.unwrap(), config))
+}
+
+fn jobs(queue: &str, n: usize) -> (Vec<String>, Vec<OutgoingMessage>) {
+    (0..n)
+        .map(|i| {
+            let job = JobEnvelope::new("kafka.item", vec![json!(i)]).with_queue(queue);
+            let msg = OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap();
+            (job.id, msg)
+        })
+        .unzip()
+}
+
+fn index(d: &Delivery) -> u64 {
+    Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0].args[0]
+        .as_u64()
+        .unwrap()
+}
+
+fn id(d: &Delivery) -> String {
+    Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0]
+        .id
+        .clone()
+}
+
+async fn receive_n(c: &mut Box<dyn Consumer>, n: usize, patience: Duration) -> Vec<Delivery> {
+    let deadline = Instant::now() + patience;
+    let mut out = Vec::new();
+    while out.len() < n && Instant::now() < deadline {
+        out.extend(
+            c.receive(n - out.len(), Duration::from_millis(500))
+                .await
+                .unwrap(),
+        );
+    }
+    out
+}
+
+fn group(name: &str) -> ConsumerOptions {
+    ConsumerOptions {
+        group: name.to_owned(),
+        ..ConsumerOptions::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_order_acks_never_commit_past_an_unacked_offset() {
+    let Some((kafka, _)) = adapter(1).await else {
+        return;
+    };
+    let queue = unique_queue("k-ooo");
+    let g = unique_queue("g");
+    let (ids, msgs) = jobs(&queue, 100);
+    kafka.publish(&queue, msgs).await.unwrap();
+    let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
+    let batch = receive_n(&mut c, 100, Duration::from_secs(30)).await;
+    assert_eq!(batch.len(), 100);
+    let k = 37;
+    // Ack everything but k, newest first.
+    for d in batch.iter().rev() {
+        if index(d) != k {
+            d.ack().await.unwrap();
+        }
+    }
+    c.close().await.unwrap();
+
+    let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
+    let again = receive_n(&mut c, 100 - k as usize, Duration::from_secs(30)).await;
+    let indices: Vec<u64> = again.iter().map(index).collect();
+    assert_eq!(
+        indices.first(),
+        Some(&k),
+        "the unacked record comes back first"
+    );
+    assert_eq!(
+        indices,
+        (k..100).collect::<Vec<_>>(),
+        "replay starts at the hole, nothing after it lost"
+    );
+    let mut tally = Tally::new();
+    ids.iter().for_each(|i| tally.sent(i.clone()));
+    batch
+        .iter()
+        .filter(|d| index(d) != k)
+        .for_each(|d| tally.received(id(d)));
+    again.iter().for_each(|d| tally.received(id(d)));
+    tally.assert_none_lost("kafka out-of-order acks");
+    assert_eq!(
+        tally.duplicates(),
+        100 - k - 1,
+        "acked records after the hole are replayed"
+    );
+    for d in &again {
+        d.ack().await.unwrap();
+    }
+    c.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_splits_partitions_and_two_groups_each_get_everything() {
+    let Some((kafka, _)) = adapter(3).await else {
+        return;
+    };
+    let queue = unique_queue("k-groups");
+    let n = 300;
+    let (ids, msgs) = jobs(&queue, n);
+    kafka.publish(&queue, msgs).await.unwrap();
+
+    // Two members of one group, consuming at the same time.
+    let g = unique_queue("g");
+    let mut c1 = kafka.consumer(&queue, group(&g)).await.unwrap();
+    let mut c2 = kafka.consumer(&queue, group(&g)).await.unwrap();
+    let mut per_member = [0usize; 2];
+    let mut tally = Tally::new();
+    ids.iter().for_each(|i| tally.sent(i.clone()));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !tally.complete() && Instant::now() < deadline {
+        let (a, b) = tokio::join!(
+            c1.receive(100, Duration::from_millis(500)),
+            c2.receive(100, Duration::from_millis(500))
+        );
+        for (member, batch) in [(0, a.unwrap()), (1, b.unwrap())] {
+            for d in batch {
+                per_member[member] += 1;
+                tally.received(id(&d));
+                d.ack().await.unwrap();
+            }
+        }
+    }
+    tally.assert_none_lost("kafka one group, two members");
+    println!("per member: {per_member:?}");
+    assert!(
+        per_member[0] > 0 && per_member[1] > 0,
+        "partitions were split: {per_member:?}"
+    );
+    c1.close().await.unwrap();
+    c2.close().await.unwrap();
+
+    // Two other groups each see every record.
+    for name in ["ga", "gb"] {
+        let g = unique_queue(name);
+        let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
+        let mut tally = Tally::new();
+        ids.iter().for_each(|i| tally.sent(i.clone()));
+        for d in receive_n(&mut c, n, Duration::from_secs(60)).await {
+            tally.received(id(&d));
+            d.ack().await.unwrap();
+        }
+        tally.assert_none_lost(&format!("kafka group {name}"));
+        c.close().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_consumer_resumes_from_the_committed_offset() {
+    let Some((kafka, _)) = adapter(3).await else {
+        return;
+    };
+    let queue = unique_queue("k-resume");
+    let g = unique_queue("g");
+    let n = 200;
+    let (ids, msgs) = jobs(&queue, n);
+    kafka.publish(&queue, msgs).await.unwrap();
+    let mut tally = Tally::new();
+    ids.iter().for_each(|i| tally.sent(i.clone()));
+
+    let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
+    for d in receive_n(&mut c, n / 2, Duration::from_secs(30)).await {
+        tally.received(id(&d));
+        d.ack().await.unwrap();
+    }
+    c.close().await.unwrap();
+    let first = tally.distinct_received();
+
+    let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !tally.complete() && Instant::now() < deadline {
+        for d in c.receive(100, Duration::from_millis(500)).await.unwrap() {
+            tally.received(id(&d));
+            d.ack().await.unwrap();
+        }
+    }
+    tally.assert_none_lost("kafka resume from committed offsets");
+    println!(
+        "first consumer {first}, duplicates after resume {}",
+        tally.duplicates()
+    );
+    assert_eq!(
+        tally.duplicates(),
+        0,
+        "everything acked was committed before the close"
+    );
+    c.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishing_continues_across_a_broker_restart() {
+    let Some((kafka, _)) = adapter(1).await else {
+        return;
+    };
+    let Ok(bounce) = std::env::var("OJS_BRIDGE_TEST_KAFKA_BOUNCE") else {
+        assert!(
+            !brokers_required(),
+            "OJS_BRIDGE_TEST_KAFKA_BOUNCE must name a command that restarts the broker"
+        );
+        println!("SKIPPED: set OJS_BRIDGE_TEST_KAFKA_BOUNCE (scripts/brokers.sh env sets it)");
+        return;
+    };
+    let queue = unique_queue("k-bounce");
+    let mut before = 0;
+    for _ in 0..5 {
+        let (_, msgs) = jobs(&queue, 20);
+        kafka.publish(&queue, msgs).await.unwrap();
+        before += 20;
+    }
+    let status = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(&bounce)
+        .status()
+        .await
+        .unwrap();
+    assert!(status.success(), "bounce failed");
+
+    // The test broker keeps data in memory: what was published before is gone
+    // with it. What this shows is the client reconnecting and the adapter
+    // recreating its topics, without a restart of the application.
+    let (ids, msgs) = jobs(&queue, 50);
+    let mut pending = msgs;
+    let mut attempts = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        attempts += 1;
+        match kafka.publish(&queue, pending).await {
+            Ok(()) => break,
+            Err(Error::Publish(f)) if Instant::now() < deadline => {
+                pending = f.failed.into_iter().map(|f| f.message).collect();
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("publishing did not recover: {e}"),
+        }
+    }
+    println!("published {before} before the restart; 50 after it in {attempts} attempt(s)");
+    let mut c = kafka
+        .consumer(&queue, group(&unique_queue("g")))
+        .await
+        .unwrap();
+    let mut tally = Tally::new();
+    ids.iter().for_each(|i| tally.sent(i.clone()));
+    let mut seen: HashMap<String, u32> = HashMap::new();
+    for d in receive_n(&mut c, 50, Duration::from_secs(60)).await {
+        *seen.entry(id(&d)).or_default() += 1;
+        tally.received(id(&d));
+        d.ack().await.unwrap();
+    }
+    tally.assert_none_lost("kafka publishes after the restart");
+    c.close().await.unwrap();
+}
