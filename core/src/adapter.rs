@@ -304,13 +304,44 @@ impl Nack {
     }
 }
 
+/// The delivery being settled, borrowed from it: what an adapter needs to
+/// republish a retry or dead-letter copy, without copying every message up
+/// front in case it is nacked.
+#[derive(Debug, Clone, Copy)]
+pub struct DeliveryRef<'a> {
+    /// Body bytes.
+    pub payload: &'a Bytes,
+    /// Headers.
+    pub headers: &'a Headers,
+    /// Ordering key.
+    pub key: Option<&'a str>,
+    /// Broker message id.
+    pub message_id: Option<&'a str>,
+    /// Attempt of this delivery.
+    pub attempt: u32,
+}
+
+impl DeliveryRef<'_> {
+    /// The message as an outgoing copy (for retry and dead-letter topics).
+    pub fn to_outgoing(&self) -> OutgoingMessage {
+        OutgoingMessage {
+            payload: self.payload.clone(),
+            headers: self.headers.clone(),
+            key: self.key.map(str::to_owned),
+            message_id: self.message_id.map(str::to_owned),
+            priority: 0,
+            deliver_at: None,
+        }
+    }
+}
+
 /// The adapter-specific half of a delivery: how to settle it.
 #[async_trait]
 pub trait Acknowledger: Send + Sync + fmt::Debug {
     /// The message was handled; remove it.
     async fn ack(&self) -> Result<()>;
-    /// The message was not handled.
-    async fn nack(&self, action: Nack) -> Result<()>;
+    /// The message was not handled. `delivery` is the message as received.
+    async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()>;
     /// Keeps the message invisible to others for `by` more (heartbeat).
     /// Brokers without visibility timeouts (RabbitMQ, Kafka) need nothing.
     async fn extend(&self, by: Duration) -> Result<()> {
@@ -423,7 +454,14 @@ impl Delivery {
     /// Negative acknowledgement: retry later or dead-letter.
     pub async fn nack(&self, action: Nack) -> Result<()> {
         self.begin()?;
-        let result = self.acker.nack(action).await;
+        let view = DeliveryRef {
+            payload: &self.payload,
+            headers: &self.headers,
+            key: self.key.as_deref(),
+            message_id: self.message_id.as_deref(),
+            attempt: self.attempt,
+        };
+        let result = self.acker.nack(action, view).await;
         self.finish(&result, NACKED);
         result
     }

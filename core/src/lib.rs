@@ -27,8 +27,8 @@ mod value;
 mod wire;
 
 pub use adapter::{
-    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, FailedPublish,
-    Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Source,
+    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
+    FailedPublish, Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Source,
 };
 pub use envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
 pub use error::{Error, Result};

@@ -12,8 +12,9 @@
 //! * Consume: consumer groups with `enable.auto.commit=false` and
 //!   `enable.auto.offset.store=false`. Only the **contiguous prefix** of
 //!   settled offsets is committed per partition: an unsettled offset N is
-//!   never skipped because N+1 was acked. Pending commits are made on every
-//!   `receive`, on close and, synchronously, when partitions are revoked.
+//!   never skipped because N+1 was acked. Commits are made in the background
+//!   every `commit_interval_ms` when the prefix advanced, on close, and,
+//!   synchronously, when partitions are revoked.
 //! * Nack: a copy goes to the retry topic (attempt counted up, `ojs-not-before`
 //!   set) or the dead topic (reason in `ojs-error-type`/`ojs-error-message`);
 //!   the original offset is settled only after the copy's delivery report.
@@ -48,9 +49,9 @@ use bytes::Bytes;
 use futures::FutureExt;
 use ojs_core::adapter::partition_by_size;
 use ojs_core::{
-    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, Error,
-    FailedPublish, Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Result,
-    Source,
+    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
+    Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter,
+    Result, Source,
 };
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -483,7 +484,7 @@ impl ConsumerContext for Context {
             let tps: Vec<Tp> = tpl
                 .elements()
                 .iter()
-                .map(|e| (e.topic().to_owned(), e.partition()))
+                .map(|e| (Arc::<str>::from(e.topic()), e.partition()))
                 .collect();
             let offsets = {
                 let mut shared = self.lock();
@@ -493,7 +494,7 @@ impl ConsumerContext for Context {
                 // owner reads them again.
                 shared.delayed.retain(|_, h| {
                     !tps.iter()
-                        .any(|(t, p)| h.message.topic() == t && h.message.partition() == *p)
+                        .any(|(t, p)| h.message.topic() == &**t && h.message.partition() == *p)
                 });
                 offsets
             };
@@ -521,6 +522,9 @@ fn commit_pending(consumer: &StreamConsumer<Context>, context: &Context, mode: C
 pub struct KafkaConsumer {
     inner: Arc<Inner>,
     queue: String,
+    queue_name: Arc<str>,
+    /// Subscribed topic names, interned for the offset tracker.
+    topics: Vec<Arc<str>>,
     options: ConsumerOptions,
     consumer: Arc<StreamConsumer<Context>>,
     context: Context,
@@ -577,9 +581,12 @@ impl KafkaConsumer {
                 commit_pending(&consumer, &ticker_context, CommitMode::Async);
             }
         });
+        let interned = topics.iter().map(|t| Arc::from(t.as_str())).collect();
         Ok(KafkaConsumer {
             inner,
             queue: queue.to_owned(),
+            queue_name: Arc::from(queue),
+            topics: interned,
             options,
             consumer,
             context,
@@ -591,7 +598,7 @@ impl KafkaConsumer {
         commit_pending(&self.consumer, &self.context, mode);
     }
 
-    fn not_before(m: &OwnedMessage) -> Option<i64> {
+    fn not_before<M: rdkafka::Message>(m: &M) -> Option<i64> {
         let headers = m.headers()?;
         (0..headers.count())
             .map(|i| headers.get(i))
@@ -599,19 +606,28 @@ impl KafkaConsumer {
             .and_then(|h| std::str::from_utf8(h.value?).ok()?.parse().ok())
     }
 
+    /// The interned name of a subscribed topic (no allocation per record).
+    fn topic_name(&self, topic: &str) -> Arc<str> {
+        self.topics
+            .iter()
+            .find(|t| &***t == topic)
+            .cloned()
+            .unwrap_or_else(|| Arc::from(topic))
+    }
+
     /// Registers a received record; returns it as a delivery now, or holds
-    /// it until due.
-    fn accept(&self, m: OwnedMessage, out: &mut Vec<Delivery>) {
-        let tp = (m.topic().to_owned(), m.partition());
+    /// it (detached) until due.
+    fn accept(&self, m: &rdkafka::message::BorrowedMessage<'_>, out: &mut Vec<Delivery>) {
+        let tp = (self.topic_name(m.topic()), m.partition());
         let generation = self.context.lock().tracker.deliver(&tp, m.offset());
-        match Self::not_before(&m) {
+        match Self::not_before(m) {
             Some(due) if due > now_ms() => {
                 let seq = self.seq.fetch_add(1, Ordering::Relaxed);
                 let mut shared = self.context.lock();
                 shared.delayed.insert(
                     (due, seq),
                     Held {
-                        message: m,
+                        message: m.detach(),
                         generation,
                     },
                 );
@@ -622,7 +638,7 @@ impl KafkaConsumer {
                     self.set_retry_paused(true);
                 }
             }
-            _ => out.push(self.delivery(m, generation)),
+            _ => out.push(self.delivery(m, tp, generation)),
         }
     }
 
@@ -669,14 +685,15 @@ impl KafkaConsumer {
         if resume {
             self.set_retry_paused(false);
         }
-        out.extend(
-            due.into_iter()
-                .map(|h| self.delivery(h.message, h.generation)),
-        );
+        out.extend(due.into_iter().map(|h| {
+            let tp = (self.topic_name(h.message.topic()), h.message.partition());
+            self.delivery(&h.message, tp, h.generation)
+        }));
         next
     }
 
-    fn delivery(&self, m: OwnedMessage, generation: u64) -> Delivery {
+    /// One copy of the payload, straight from librdkafka's buffer.
+    fn delivery<M: rdkafka::Message>(&self, m: &M, tp: Tp, generation: u64) -> Delivery {
         let mut headers = Headers::new();
         if let Some(h) = m.headers() {
             for i in 0..h.count() {
@@ -695,25 +712,17 @@ impl KafkaConsumer {
             .filter(|a| *a > 0)
             .unwrap_or(1);
         let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
-        let payload = Bytes::from(m.payload().map(<[u8]>::to_vec).unwrap_or_default());
+        let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
         let message_id = headers.get(header::ID).cloned();
         let acker = KafkaAcker {
             inner: self.inner.clone(),
             context: self.context.clone(),
-            tp: (m.topic().to_owned(), m.partition()),
+            tp,
             offset: m.offset(),
             generation,
-            queue: self.queue.clone(),
+            queue: self.queue_name.clone(),
             source: self.options.source,
             max_deliveries: self.options.max_deliveries,
-            copy: OutgoingMessage {
-                payload: payload.clone(),
-                headers: headers.clone(),
-                key: key.clone(),
-                message_id: message_id.clone(),
-                priority: 0,
-                deliver_at: None,
-            },
             attempt,
         };
         let mut d = Delivery::new(
@@ -735,7 +744,9 @@ impl Consumer for KafkaConsumer {
         let deadline = Instant::now() + wait;
         let max = max.max(1);
         loop {
-            self.commit_pending(CommitMode::Async);
+            // Commits are left to the background committer (every
+            // `commit_interval_ms`): one commit per receive call would be a
+            // broker request per batch.
             let mut out = Vec::new();
             let next_due = self.take_due(max, &mut out);
             if !out.is_empty() {
@@ -755,14 +766,11 @@ impl Consumer for KafkaConsumer {
                 Err(_) => continue, // a held record is due, or the wait is over
                 Ok(Err(e)) => return Err(kafka_error(&e)),
                 Ok(Ok(m)) => {
-                    let m = m.detach();
-                    self.accept(m, &mut out);
+                    self.accept(&m, &mut out);
+                    drop(m);
                     while out.len() < max {
                         match consumer.recv().now_or_never() {
-                            Some(Ok(m)) => {
-                                let m = m.detach();
-                                self.accept(m, &mut out);
-                            }
+                            Some(Ok(m)) => self.accept(&m, &mut out),
                             _ => break,
                         }
                     }
@@ -805,10 +813,9 @@ struct KafkaAcker {
     tp: Tp,
     offset: i64,
     generation: u64,
-    queue: String,
+    queue: Arc<str>,
     source: Source,
     max_deliveries: Option<u32>,
-    copy: OutgoingMessage,
     attempt: u32,
 }
 
@@ -842,9 +849,9 @@ impl Acknowledger for KafkaAcker {
         self.settle()
     }
 
-    async fn nack(&self, action: Nack) -> Result<()> {
+    async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()> {
         let config = &self.inner.config;
-        let mut copy = self.copy.clone();
+        let mut copy = delivery.to_outgoing();
         match action {
             Nack::Retry { delay } if self.source == Source::Queue => {
                 if self.max_deliveries.is_some_and(|m| self.attempt >= m) {

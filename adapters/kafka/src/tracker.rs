@@ -4,9 +4,11 @@
 //! an unfinished offset; we do not).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
-/// (topic, partition).
-pub(crate) type Tp = (String, i32);
+/// (topic, partition). Topics are interned: one allocation per topic, not
+/// per record.
+pub(crate) type Tp = (Arc<str>, i32);
 
 #[derive(Debug, Default)]
 struct Partition {
@@ -65,7 +67,7 @@ impl Tracker {
         for ((topic, partition), p) in &mut self.parts {
             if let Some(next) = p.next {
                 if p.committed.is_none_or(|c| next > c) {
-                    out.push((topic.clone(), *partition, next));
+                    out.push((topic.to_string(), *partition, next));
                     p.committed = Some(next);
                 }
             }
@@ -80,7 +82,7 @@ impl Tracker {
             if let Some(p) = self.parts.get_mut(tp) {
                 if let Some(next) = p.next {
                     if p.committed.is_none_or(|c| next > c) {
-                        out.push((tp.0.clone(), tp.1, next));
+                        out.push((tp.0.to_string(), tp.1, next));
                         p.committed = Some(next);
                     }
                 }
@@ -116,7 +118,7 @@ mod tests {
     use super::*;
 
     fn tp() -> Tp {
-        ("t".into(), 0)
+        (Arc::from("t"), 0)
     }
 
     #[test]
@@ -163,6 +165,6 @@ mod tests {
         let g = t.deliver(&tp(), 1);
         t.settle(&tp(), 1, g).unwrap();
         assert_eq!(t.settle(&tp(), 1, g), Err(Stale));
-        assert_eq!(t.settle(&("u".into(), 0), 1, 0), Err(Stale));
+        assert_eq!(t.settle(&(Arc::from("u"), 0), 1, 0), Err(Stale));
     }
 }

@@ -397,7 +397,7 @@ impl Acknowledger for LocalAcker {
         result
     }
 
-    async fn nack(&self, action: Nack) -> Result<()> {
+    async fn nack(&self, action: Nack, _delivery: ojs_core::DeliveryRef<'_>) -> Result<()> {
         let (id, lease) = (self.id, self.lease);
         let result = blocking(&self.inner, move |_, conn| match action {
             Nack::Retry { delay } => store::retry(conn, id, lease, delay),

@@ -462,7 +462,7 @@ impl Acknowledger for MemoryAcker {
             .ok_or(Error::DeliveryExpired)
     }
 
-    async fn nack(&self, action: Nack) -> Result<()> {
+    async fn nack(&self, action: Nack, _delivery: ojs_core::DeliveryRef<'_>) -> Result<()> {
         {
             let mut state = self.queue.lock();
             let flight = state

@@ -47,8 +47,9 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKin
 use ojs_core::adapter::partition_by_size;
 use ojs_core::backoff::reconnect_delay;
 use ojs_core::{
-    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, Error,
-    FailedPublish, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Result, Source,
+    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
+    Error, FailedPublish, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Result,
+    Source,
 };
 use tokio::time::Instant;
 
@@ -669,14 +670,7 @@ impl RabbitConsumer {
             queue: self.queue.clone(),
             source: self.options.source,
             max_deliveries: self.options.max_deliveries,
-            copy: OutgoingMessage {
-                payload: payload.clone(),
-                headers: r.headers.clone(),
-                key: r.key.clone(),
-                message_id: r.message_id.clone(),
-                priority: r.priority,
-                deliver_at: None,
-            },
+            priority: r.priority,
             attempt: r.attempt,
         };
         let mut delivery = Delivery::new(
@@ -769,8 +763,8 @@ struct RabbitAcker {
     queue: String,
     source: Source,
     max_deliveries: Option<u32>,
-    /// The message as received, to republish for retries and dead letters.
-    copy: OutgoingMessage,
+    /// Priority as received (the neutral delivery does not carry it).
+    priority: i32,
     attempt: u32,
 }
 
@@ -800,8 +794,18 @@ impl RabbitAcker {
         self.ack_original().await
     }
 
-    async fn dead_letter(&self, reason: &DeadLetterReason) -> Result<()> {
-        let mut copy = self.copy.clone();
+    fn copy_of(&self, delivery: &DeliveryRef<'_>) -> OutgoingMessage {
+        let mut copy = delivery.to_outgoing();
+        copy.priority = self.priority;
+        copy
+    }
+
+    async fn dead_letter(
+        &self,
+        reason: &DeadLetterReason,
+        delivery: &DeliveryRef<'_>,
+    ) -> Result<()> {
+        let mut copy = self.copy_of(delivery);
         reason.write_headers(&mut copy.headers);
         self.move_to(Route::DeadLetters, copy).await
     }
@@ -813,7 +817,7 @@ impl Acknowledger for RabbitAcker {
         self.ack_original().await
     }
 
-    async fn nack(&self, action: Nack) -> Result<()> {
+    async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()> {
         match action {
             Nack::Retry { .. } if self.source == Source::DeadLetters => self
                 .acker
@@ -825,17 +829,20 @@ impl Acknowledger for RabbitAcker {
                 .map(|_| ())
                 .map_err(|_| Error::DeliveryExpired),
             Nack::Retry { .. } if self.max_deliveries.is_some_and(|m| self.attempt >= m) => {
-                self.dead_letter(&DeadLetterReason::new(
-                    "max_deliveries",
-                    format!(
-                        "delivered {} times without being acknowledged",
-                        self.attempt
+                self.dead_letter(
+                    &DeadLetterReason::new(
+                        "max_deliveries",
+                        format!(
+                            "delivered {} times without being acknowledged",
+                            self.attempt
+                        ),
                     ),
-                ))
+                    &delivery,
+                )
                 .await
             }
             Nack::Retry { delay } => {
-                let mut copy = self.copy.clone();
+                let mut copy = self.copy_of(&delivery);
                 copy.headers
                     .insert(header::ATTEMPT.into(), (self.attempt + 1).to_string());
                 let route = if delay.is_zero() {
@@ -845,7 +852,7 @@ impl Acknowledger for RabbitAcker {
                 };
                 self.move_to(route, copy).await
             }
-            Nack::DeadLetter(reason) => self.dead_letter(&reason).await,
+            Nack::DeadLetter(reason) => self.dead_letter(&reason, &delivery).await,
         }
     }
 }

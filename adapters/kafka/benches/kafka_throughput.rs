@@ -1,0 +1,197 @@
+//! Kafka throughput: N envelopes of about 200 bytes produced and then
+//! consumed, once through the adapter and once with raw rdkafka
+//! (FutureProducer / StreamConsumer) doing the same work — same producer
+//! settings (idempotent, acks=all), same headers and keys, every delivery
+//! report awaited; on the consumer side the body copied, the headers read
+//! into a map, offsets committed — in one run against the same broker.
+//! Prints both rates and the ratio (target ≥ 0.9).
+//!
+//! `OJS_BRIDGE_TEST_KAFKA_URL=kafka://… cargo bench -p ojs-adapter-kafka --bench kafka_throughput [-- N]`
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
+use ojs_core::{ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use serde_json::json;
+
+const BATCH: usize = 1000;
+/// Same session timeout for both consumers.
+const SESSION_TIMEOUT_MS: &str = "6000";
+
+fn messages(n: usize, queue: &str) -> Vec<OutgoingMessage> {
+    (0..n)
+        .map(|i| {
+            let job = JobEnvelope::new("bench.item", vec![json!(i), json!("x".repeat(110))])
+                .with_queue(queue);
+            OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap()
+        })
+        .collect()
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64()
+}
+
+async fn raw_produce(brokers: &str, topic: &str, msgs: &[OutgoingMessage]) -> Duration {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .create()
+        .unwrap();
+    let started = Instant::now();
+    for chunk in msgs.chunks(BATCH) {
+        let sends = chunk.iter().map(|m| {
+            let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
+            for (k, v) in &m.headers {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: Some(v.as_bytes()),
+                });
+            }
+            let record = FutureRecord::to(topic)
+                .payload(m.payload.as_ref())
+                .key(m.key.as_deref().unwrap_or_default().as_bytes())
+                .headers(headers);
+            producer.send(record, Duration::from_secs(30))
+        });
+        for r in futures::future::join_all(sends).await {
+            r.unwrap();
+        }
+    }
+    started.elapsed()
+}
+
+/// Steady-state consumption: the clock starts at the first record, so the
+/// group join (which this test broker holds for half the session timeout)
+/// is not counted on either side.
+async fn raw_consume(brokers: &str, topic: &str, n: usize) -> Duration {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("bench-raw-{}", std::process::id()))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", SESSION_TIMEOUT_MS)
+        .create()
+        .unwrap();
+    consumer.subscribe(&[topic]).unwrap();
+    let first = consumer.recv().await.unwrap().detach();
+    let started = Instant::now();
+    let mut last = first;
+    for i in 1..n {
+        let m = consumer.recv().await.unwrap();
+        // What any consumer of the binding does: copy the body, read the
+        // headers it routes on (content-type, ojs-*), into a map.
+        let _payload = bytes::Bytes::copy_from_slice(m.payload().unwrap_or_default());
+        let mut headers = std::collections::BTreeMap::new();
+        if let Some(h) = m.headers() {
+            use rdkafka::message::Headers as _;
+            for i in 0..h.count() {
+                let hdr = h.get(i);
+                if let Some(v) = hdr.value {
+                    headers.insert(hdr.key.to_owned(), String::from_utf8_lossy(v).into_owned());
+                }
+            }
+        }
+        std::hint::black_box(&headers);
+        // Commit as the adapter does (it commits in the background every 200 ms).
+        if i % 2000 == 0 || i == n - 1 {
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(m.topic(), m.partition(), Offset::Offset(m.offset() + 1))
+                .unwrap();
+            consumer.commit(&tpl, CommitMode::Async).unwrap();
+        }
+        last = m.detach();
+    }
+    let elapsed = started.elapsed();
+    let _ = last;
+    elapsed
+}
+
+async fn adapter_publish(
+    adapter: &KafkaAdapter,
+    queue: &str,
+    msgs: &[OutgoingMessage],
+) -> Duration {
+    let started = Instant::now();
+    for chunk in msgs.chunks(BATCH) {
+        adapter.publish(queue, chunk.to_vec()).await.unwrap();
+    }
+    started.elapsed()
+}
+
+async fn adapter_consume(adapter: &KafkaAdapter, queue: &str, n: usize) -> Duration {
+    let options = ConsumerOptions {
+        group: format!("bench-ojs-{}", std::process::id()),
+        ..Default::default()
+    };
+    let mut consumer = adapter.consumer(queue, options).await.unwrap();
+    let mut first = consumer.receive(1, Duration::from_secs(60)).await.unwrap();
+    first.pop().unwrap().ack().await.unwrap();
+    let started = Instant::now();
+    let mut done = 1;
+    while done < n {
+        for d in consumer.receive(500, Duration::from_secs(5)).await.unwrap() {
+            d.ack().await.unwrap();
+            done += 1;
+        }
+    }
+    let elapsed = started.elapsed();
+    consumer.close().await.unwrap();
+    elapsed
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let n: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(100_000);
+    let url = std::env::var("OJS_BRIDGE_TEST_KAFKA_URL")
+        .unwrap_or_else(|_| "kafka://127.0.0.1:9092".into());
+    let mut config = KafkaConfig::from_url(&url).unwrap();
+    config.partitions = 1;
+    config.session_timeout_ms = SESSION_TIMEOUT_MS.parse().unwrap();
+    let adapter = KafkaAdapter::connect(config.clone()).await.unwrap();
+    let id = std::process::id();
+    let raw_queue = format!("bench-raw-{id}");
+    let ojs_queue = format!("bench-ojs-{id}");
+    // The adapter creates both queues' topics (1 partition each) so the raw
+    // client writes to an identical topic.
+    adapter
+        .consumer(&raw_queue, ConsumerOptions::default())
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let msgs = messages(n, &ojs_queue);
+    let size = msgs[0].payload.len();
+
+    let raw_pub = raw_produce(&config.brokers, &config.topic_of(&raw_queue), &msgs).await;
+    let ojs_pub = adapter_publish(&adapter, &ojs_queue, &msgs).await;
+    let ojs_con = adapter_consume(&adapter, &ojs_queue, n).await;
+    let raw_con = raw_consume(&config.brokers, &config.topic_of(&raw_queue), n).await;
+
+    println!("kafka, {n} envelopes of {size} B, idempotent producer, acks=all, 1 partition");
+    println!("                         raw rdkafka      adapter   ratio");
+    println!(
+        "produce (batches of {BATCH})  {:>10.0}/s  {:>10.0}/s    {:.2}",
+        rate(n, raw_pub),
+        rate(n, ojs_pub),
+        raw_pub.as_secs_f64() / ojs_pub.as_secs_f64()
+    );
+    println!(
+        "consume (after join)    {:>10.0}/s  {:>10.0}/s    {:.2}",
+        rate(n, raw_con),
+        rate(n, ojs_con),
+        raw_con.as_secs_f64() / ojs_con.as_secs_f64()
+    );
+}
