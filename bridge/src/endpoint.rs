@@ -3,13 +3,15 @@
 
 use std::sync::Arc;
 
+use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_adapter_memory::MemoryAdapter;
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_core::{Error, QueueAdapter, Result};
 
 /// Opens the adapter a URL names: `memory://NAME`, `local:///abs/dir`,
-/// `local:./dir`, `amqp://user:pass@host:port/vhost`, `amqps://…`.
+/// `local:./dir`, `amqp://user:pass@host:port/vhost`, `amqps://…`,
+/// `kafka://host:port[,host:port][?librdkafka.option=value…]`.
 pub async fn connect(url: &str) -> Result<Arc<dyn QueueAdapter>> {
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
@@ -19,9 +21,10 @@ pub async fn connect(url: &str) -> Result<Arc<dyn QueueAdapter>> {
         }
         "local" => Ok(Arc::new(LocalAdapter::open(LocalConfig::from_url(url)?).await?)),
         "amqp" | "amqps" => Ok(Arc::new(RabbitAdapter::connect(RabbitConfig::new(url)).await?)),
-        "kafka" | "sqs" => Err(Error::InvalidConfig {
+        "kafka" => Ok(Arc::new(KafkaAdapter::connect(KafkaConfig::from_url(url)?).await?)),
+        "sqs" => Err(Error::InvalidConfig {
             field: "url".into(),
-            reason: format!("the {scheme} adapter is not part of this build yet; available: memory://, local:, amqp://, amqps://"),
+            reason: "the sqs adapter is not part of this build yet; available: memory://, local:, amqp://, amqps://, kafka://".into(),
         }),
         _ => Err(Error::InvalidConfig {
             field: "url".into(),

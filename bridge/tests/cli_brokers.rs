@@ -135,6 +135,19 @@ async fn send_and_tail_over_rabbitmq() {
     send_then_tail(&endpoint.url, &unique_queue("cli"));
 }
 
+#[tokio::test]
+async fn send_and_tail_over_kafka() {
+    let Some(endpoint) = find(Broker::Kafka).await else {
+        return;
+    };
+    // Short sessions keep the test broker's group joins quick.
+    let url = format!(
+        "{}?session.timeout.ms=2000&heartbeat.interval.ms=500",
+        endpoint.url
+    );
+    send_then_tail(&url, &unique_queue("cli"));
+}
+
 #[test]
 fn send_and_tail_over_the_embedded_broker() {
     let dir = ojs_bridge_tests::tempdir::TempDir::new("cli-local");
