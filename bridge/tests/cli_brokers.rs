@@ -20,7 +20,12 @@ fn run(args: &[&str], stdin: &[u8]) -> Output {
     child.wait_with_output().unwrap()
 }
 
-fn send_then_tail(url: &str, queue: &str) {
+/// `patience_secs`: how long a `tail` may wait for its first message; Kafka
+/// consumers first join their group, which takes seconds on a loaded machine.
+fn send_then_tail(url: &str, queue: &str, patience_secs: u64) {
+    let patience = patience_secs.to_string();
+    // Long enough for an empty read to mean "empty", not "not joined yet".
+    let quiet = (patience_secs / 3).max(1).to_string();
     let ojs = r#"{"specversion":"1.0","id":"019539a4-b68c-7def-8000-1a2b3c4d5e6f","type":"email.send","queue":"default","args":["a@b.c"]}"#;
     let grpcq = r#"{"originator":"cli-test","topic":"payment.PaymentService","action":"ProcessPayment","payload":"AQID","message_id":"m-1","timestamp_ms":1704067200000,"metadata":{"trace_id":"t"}}"#;
     let out = run(
@@ -53,7 +58,7 @@ fn send_then_tail(url: &str, queue: &str) {
             "--count",
             "2",
             "--timeout-secs",
-            "10",
+            &patience,
             "--ack",
         ],
         b"",
@@ -95,7 +100,7 @@ fn send_then_tail(url: &str, queue: &str) {
             "--queue",
             queue,
             "--timeout-secs",
-            "1",
+            &quiet,
         ],
         b"",
     );
@@ -117,7 +122,7 @@ fn send_then_tail(url: &str, queue: &str) {
             "--queue",
             queue,
             "--timeout-secs",
-            "1",
+            &quiet,
         ],
         b"",
     );
@@ -132,7 +137,7 @@ async fn send_and_tail_over_rabbitmq() {
     let Some(endpoint) = find(Broker::RabbitMq).await else {
         return;
     };
-    send_then_tail(&endpoint.url, &unique_queue("cli"));
+    send_then_tail(&endpoint.url, &unique_queue("cli"), 10);
 }
 
 #[tokio::test]
@@ -145,13 +150,13 @@ async fn send_and_tail_over_kafka() {
         "{}?session.timeout.ms=2000&heartbeat.interval.ms=500",
         endpoint.url
     );
-    send_then_tail(&url, &unique_queue("cli"));
+    send_then_tail(&url, &unique_queue("cli"), 30);
 }
 
 #[test]
 fn send_and_tail_over_the_embedded_broker() {
     let dir = ojs_bridge_tests::tempdir::TempDir::new("cli-local");
-    send_then_tail(&format!("local:{}", dir.path().display()), "cli");
+    send_then_tail(&format!("local:{}", dir.path().display()), "cli", 10);
 }
 
 #[test]
