@@ -22,9 +22,13 @@ pub mod grpcq;
 mod json_codec;
 pub mod media;
 mod proto_codec;
+pub mod publisher;
+pub mod registry;
+pub mod retry;
 pub mod stream;
 mod value;
 mod wire;
+pub mod worker;
 
 pub use adapter::{
     header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,

@@ -12,3 +12,4 @@ pub mod brokers;
 pub mod kafka;
 pub mod tally;
 pub mod tempdir;
+pub mod worker_cases;
