@@ -601,3 +601,35 @@ pub fn partition_by_size(
     }
     (ok, failed)
 }
+
+/// What `publish` may send after [`admit`]: (index in the batch, message).
+pub type Admitted = Vec<(usize, OutgoingMessage)>;
+
+/// The common front of every adapter's `publish`: a closed adapter refuses
+/// the whole batch ([`Error::Closed`] per message); oversized messages fail
+/// with [`Error::PayloadTooLarge`] before anything is sent. Returns the
+/// batch size, what may be sent, and the failures so far.
+pub fn admit(
+    messages: Vec<OutgoingMessage>,
+    limit: usize,
+    closed: bool,
+) -> Result<(usize, Admitted, Vec<FailedPublish>)> {
+    if closed {
+        return Err(Error::Publish(PublishFailure::all(messages, || {
+            Error::Closed
+        })));
+    }
+    let total = messages.len();
+    let (accepted, failed) = partition_by_size(messages, limit);
+    Ok((total, accepted, failed))
+}
+
+/// The common end of every adapter's `publish`: `Ok` when nothing failed,
+/// else [`Error::Publish`] with the failures in batch order.
+pub fn publish_outcome(total: usize, mut failed: Vec<FailedPublish>) -> Result<()> {
+    if failed.is_empty() {
+        return Ok(());
+    }
+    failed.sort_by_key(|f| f.index);
+    Err(Error::Publish(PublishFailure { total, failed }))
+}

@@ -47,11 +47,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::FutureExt;
-use ojs_core::adapter::partition_by_size;
+use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::{
     header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
-    Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter,
-    Result, Source,
+    Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
 };
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -321,14 +320,11 @@ impl QueueAdapter for KafkaAdapter {
 
     #[tracing::instrument(skip_all, fields(queue, count = messages.len()))]
     async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()> {
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Err(Error::Publish(PublishFailure::all(messages, || {
-                Error::Closed
-            })));
-        }
-        let total = messages.len();
-        let (accepted, mut failed) =
-            partition_by_size(messages, self.inner.config.max_message_bytes);
+        let (total, accepted, mut failed) = admit(
+            messages,
+            self.inner.config.max_message_bytes,
+            self.inner.closed.load(Ordering::Acquire),
+        )?;
         let now = now_ms();
         let items = accepted
             .into_iter()
@@ -345,12 +341,7 @@ impl QueueAdapter for KafkaAdapter {
             })
             .collect();
         failed.extend(self.inner.produce(queue, items).await);
-        if failed.is_empty() {
-            Ok(())
-        } else {
-            failed.sort_by_key(|f| f.index);
-            Err(Error::Publish(PublishFailure { total, failed }))
-        }
+        publish_outcome(total, failed)
     }
 
     async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>> {

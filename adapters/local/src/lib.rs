@@ -35,10 +35,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use ojs_core::adapter::partition_by_size;
+use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::{
     Acknowledger, Consumer, ConsumerOptions, Delivery, Error, Health, Nack, OutgoingMessage,
-    PublishFailure, QueueAdapter, Result, Source,
+    QueueAdapter, Result, Source,
 };
 use rusqlite::Connection;
 use tokio::sync::Notify;
@@ -178,14 +178,11 @@ impl QueueAdapter for LocalAdapter {
 
     #[tracing::instrument(skip_all, fields(queue, count = messages.len()))]
     async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(Error::Publish(PublishFailure::all(messages, || {
-                Error::Closed
-            })));
-        }
-        let total = messages.len();
-        let (accepted, mut failed) =
-            partition_by_size(messages, self.inner.config.max_message_bytes);
+        let (total, accepted, mut failed) = admit(
+            messages,
+            self.inner.config.max_message_bytes,
+            self.closed.load(Ordering::Acquire),
+        )?;
         if !accepted.is_empty() {
             let (indices, batch): (Vec<usize>, Vec<OutgoingMessage>) = accepted.into_iter().unzip();
             let q = queue.to_owned();
@@ -207,15 +204,10 @@ impl QueueAdapter for LocalAdapter {
                             error: Error::broker("local", text.clone(), kind_retryable),
                         }
                     }));
-                    failed.sort_by_key(|f| f.index);
                 }
             }
         }
-        if failed.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::Publish(PublishFailure { total, failed }))
-        }
+        publish_outcome(total, failed)
     }
 
     async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>> {

@@ -34,10 +34,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use ojs_core::adapter::partition_by_size;
+use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::{
     Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, Error, Headers, Health,
-    Nack, OutgoingMessage, PublishFailure, QueueAdapter, Result, Source,
+    Nack, OutgoingMessage, QueueAdapter, Result, Source,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -267,13 +267,11 @@ impl QueueAdapter for MemoryAdapter {
     }
 
     async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()> {
-        if self.check_open().is_err() {
-            return Err(Error::Publish(PublishFailure::all(messages, || {
-                Error::Closed
-            })));
-        }
-        let total = messages.len();
-        let (accepted, failed) = partition_by_size(messages, self.config.max_message_bytes);
+        let (total, accepted, failed) = admit(
+            messages,
+            self.config.max_message_bytes,
+            self.check_open().is_err(),
+        )?;
         let q = self.broker.queue(queue);
         {
             let now = Instant::now();
@@ -297,11 +295,7 @@ impl QueueAdapter for MemoryAdapter {
             }
         }
         q.notify.notify_waiters();
-        if failed.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::Publish(PublishFailure { total, failed }))
-        }
+        publish_outcome(total, failed)
     }
 
     async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>> {

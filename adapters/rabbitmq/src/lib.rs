@@ -44,12 +44,11 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
-use ojs_core::adapter::partition_by_size;
+use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::backoff::reconnect_delay;
 use ojs_core::{
     header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
-    Error, FailedPublish, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Result,
-    Source,
+    Error, FailedPublish, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
 };
 use tokio::time::Instant;
 
@@ -518,14 +517,11 @@ impl QueueAdapter for RabbitAdapter {
 
     #[tracing::instrument(skip_all, fields(queue, count = messages.len()))]
     async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()> {
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Err(Error::Publish(PublishFailure::all(messages, || {
-                Error::Closed
-            })));
-        }
-        let total = messages.len();
-        let (accepted, mut failed) =
-            partition_by_size(messages, self.inner.config.max_message_bytes);
+        let (total, accepted, mut failed) = admit(
+            messages,
+            self.inner.config.max_message_bytes,
+            self.inner.closed.load(Ordering::Acquire),
+        )?;
         let now = chrono::Utc::now();
         let items = accepted
             .into_iter()
@@ -539,12 +535,7 @@ impl QueueAdapter for RabbitAdapter {
             })
             .collect();
         failed.extend(self.inner.send(queue, items).await);
-        if failed.is_empty() {
-            Ok(())
-        } else {
-            failed.sort_by_key(|f| f.index);
-            Err(Error::Publish(PublishFailure { total, failed }))
-        }
+        publish_outcome(total, failed)
     }
 
     async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>> {
