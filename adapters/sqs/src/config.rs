@@ -1,0 +1,167 @@
+//! SQS adapter settings (serde data; the runtime lives in `lib.rs`).
+
+use ojs_core::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// SQS's largest message: body plus attributes (1 MiB since 2025).
+pub const SQS_MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+/// Entries per SendMessageBatch / DeleteMessageBatch (SQS API limit).
+pub const SQS_BATCH_LIMIT: usize = 10;
+/// Message attributes per message (SQS API limit).
+pub const SQS_MAX_ATTRIBUTES: usize = 10;
+/// Longest long-poll wait (SQS API limit).
+pub const SQS_MAX_WAIT_SECS: u64 = 20;
+/// Longest `DelaySeconds` (SQS API limit: 15 minutes).
+pub const SQS_MAX_DELAY_SECS: u64 = 900;
+/// Longest visibility timeout (SQS API limit: 12 hours).
+pub const SQS_MAX_VISIBILITY_SECS: u64 = 43_200;
+
+/// Settings of an `sqs://` adapter. Credentials come from the standard AWS
+/// chain (environment, profile, IMDS/ECS roles).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SqsConfig {
+    /// AWS region, e.g. `us-east-1`.
+    pub region: String,
+    /// Endpoint override (an SQS-compatible server, LocalStack, moto).
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    /// Prepended to every queue name.
+    #[serde(default)]
+    pub prefix: String,
+    /// FIFO queues (`.fifo`; message group = queue, dedup id = message id).
+    #[serde(default)]
+    pub fifo: bool,
+    /// Receives before SQS moves a message to the DLQ (RedrivePolicy).
+    #[serde(default = "default_max_receive_count")]
+    pub max_receive_count: u32,
+    /// Largest encoded message (base64 body + attributes), bytes.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: usize,
+    /// Attempts at a batch entry SQS reported failed before giving up on it.
+    #[serde(default = "default_send_attempts")]
+    pub send_attempts: u32,
+}
+
+/// 10: SQS's console default for redrive.
+fn default_max_receive_count() -> u32 {
+    10
+}
+fn default_max_message_bytes() -> usize {
+    SQS_MAX_MESSAGE_BYTES
+}
+/// 3: transient entry failures (throttling) clear within a few tries.
+fn default_send_attempts() -> u32 {
+    3
+}
+
+impl SqsConfig {
+    /// Defaults for a region.
+    pub fn new(region: impl Into<String>) -> Self {
+        SqsConfig {
+            region: region.into(),
+            endpoint: None,
+            prefix: String::new(),
+            fifo: false,
+            max_receive_count: default_max_receive_count(),
+            max_message_bytes: default_max_message_bytes(),
+            send_attempts: default_send_attempts(),
+        }
+    }
+
+    /// Parses `sqs://REGION[?endpoint=URL&prefix=P&fifo=true&max_receive_count=N]`.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let bad = |reason: String| Error::InvalidConfig {
+            field: "url".into(),
+            reason,
+        };
+        let rest = url
+            .strip_prefix("sqs://")
+            .ok_or_else(|| bad(format!("{url:?} must start with sqs://")))?;
+        let (region, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let region = region.trim_end_matches('/');
+        if region.is_empty() {
+            return Err(bad(format!("{url:?} names no region (sqs://us-east-1)")));
+        }
+        let mut c = SqsConfig::new(region);
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair
+                .split_once('=')
+                .ok_or_else(|| bad(format!("query item {pair:?} is not key=value")))?;
+            match k {
+                "endpoint" => c.endpoint = Some(v.to_owned()),
+                "prefix" => c.prefix = v.to_owned(),
+                "fifo" => c.fifo = v == "true",
+                "max_receive_count" => {
+                    c.max_receive_count = v
+                        .parse()
+                        .map_err(|_| bad(format!("max_receive_count {v:?} is not a number")))?
+                }
+                other => {
+                    return Err(bad(format!(
+                        "unknown query item {other:?} (endpoint, prefix, fifo, max_receive_count)"
+                    )))
+                }
+            }
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks the settings once, naming the field to change.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_message_bytes > SQS_MAX_MESSAGE_BYTES {
+            return Err(Error::InvalidConfig {
+                field: "max_message_bytes".into(),
+                reason: format!("SQS accepts at most {SQS_MAX_MESSAGE_BYTES} bytes"),
+            });
+        }
+        if !(1..=1000).contains(&self.max_receive_count) {
+            return Err(Error::InvalidConfig {
+                field: "max_receive_count".into(),
+                reason: "must be 1..=1000 (SQS redrive limit)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// SQS queue name of an OJS queue: prefix + name with `.` as `_` (OJS
+    /// names cannot contain `_`, so the mapping is one-to-one).
+    pub fn queue_name(&self, queue: &str) -> String {
+        let base = format!("{}{}", self.prefix, queue.replace('.', "_"));
+        if self.fifo {
+            format!("{base}.fifo")
+        } else {
+            base
+        }
+    }
+
+    /// Its dead-letter queue: `{name}_dlq`.
+    pub fn dead_letter_queue_name(&self, queue: &str) -> String {
+        let base = format!("{}{}_dlq", self.prefix, queue.replace('.', "_"));
+        if self.fifo {
+            format!("{base}.fifo")
+        } else {
+            base
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_names() {
+        let c = SqsConfig::from_url("sqs://us-east-1?endpoint=http://127.0.0.1:4566&prefix=t-")
+            .unwrap();
+        assert_eq!(c.endpoint.as_deref(), Some("http://127.0.0.1:4566"));
+        assert_eq!(c.queue_name("media.high"), "t-media_high");
+        assert_eq!(c.dead_letter_queue_name("media.high"), "t-media_high_dlq");
+        let f = SqsConfig::from_url("sqs://eu-west-1?fifo=true").unwrap();
+        assert_eq!(f.queue_name("q"), "q.fifo");
+        assert!(SqsConfig::from_url("sqs://").is_err());
+        assert!(SqsConfig::from_url("sqs://r?bogus=1").is_err());
+        assert!(SqsConfig::from_url("sqs://r?max_receive_count=0").is_err());
+    }
+}
