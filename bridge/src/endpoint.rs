@@ -7,11 +7,13 @@ use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_adapter_memory::MemoryAdapter;
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
+use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
 use ojs_core::{Error, QueueAdapter, Result};
 
 /// Opens the adapter a URL names: `memory://NAME`, `local:///abs/dir`,
 /// `local:./dir`, `amqp://user:pass@host:port/vhost`, `amqps://…`,
-/// `kafka://host:port[,host:port][?librdkafka.option=value…]`.
+/// `kafka://host:port[,host:port][?librdkafka.option=value…]`,
+/// `sqs://REGION[?endpoint=URL&prefix=P&fifo=true]`.
 pub async fn connect(url: &str) -> Result<Arc<dyn QueueAdapter>> {
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
@@ -22,10 +24,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn QueueAdapter>> {
         "local" => Ok(Arc::new(LocalAdapter::open(LocalConfig::from_url(url)?).await?)),
         "amqp" | "amqps" => Ok(Arc::new(RabbitAdapter::connect(RabbitConfig::new(url)).await?)),
         "kafka" => Ok(Arc::new(KafkaAdapter::connect(KafkaConfig::from_url(url)?).await?)),
-        "sqs" => Err(Error::InvalidConfig {
-            field: "url".into(),
-            reason: "the sqs adapter is not part of this build yet; available: memory://, local:, amqp://, amqps://, kafka://".into(),
-        }),
+        "sqs" => Ok(Arc::new(SqsAdapter::connect(SqsConfig::from_url(url)?).await?)),
         _ => Err(Error::InvalidConfig {
             field: "url".into(),
             reason: format!(

@@ -153,6 +153,14 @@ async fn send_and_tail_over_kafka() {
     send_then_tail(&url, &unique_queue("cli"), 30);
 }
 
+#[tokio::test]
+async fn send_and_tail_over_sqs() {
+    let Some(endpoint) = find(Broker::Sqs).await else {
+        return;
+    };
+    send_then_tail(&endpoint.url, &unique_queue("cli"), 10);
+}
+
 #[test]
 fn send_and_tail_over_the_embedded_broker() {
     let dir = ojs_bridge_tests::tempdir::TempDir::new("cli-local");
