@@ -858,7 +858,9 @@ impl Acknowledger for KafkaAcker {
                 }
                 copy.headers
                     .insert(header::ATTEMPT.into(), (self.attempt + 1).to_string());
-                let due = now_ms().saturating_add(delay.as_millis() as i64);
+                // Whole milliseconds, rounded up: the clock read here is
+                // truncated, so +1 keeps the record from coming back early.
+                let due = now_ms().saturating_add(delay.as_micros().div_ceil(1000) as i64 + 1);
                 copy.headers
                     .insert(NOT_BEFORE_HEADER.into(), due.to_string());
                 self.move_to(config.retry_topic_of(&self.queue), copy).await

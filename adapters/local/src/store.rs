@@ -339,7 +339,9 @@ pub(crate) fn retry(conn: &mut Connection, id: i64, lease: i64, delay: Duration)
         exhausted_reason(deliveries).write_headers(&mut headers);
         move_to_dead(&tx, id, &headers)?;
     } else {
-        let at = now_ms().saturating_add(delay.as_millis() as i64);
+        // Rounded up to the next whole millisecond after the truncated clock
+        // reading, so a delayed message never becomes visible early.
+        let at = now_ms().saturating_add(delay.as_micros().div_ceil(1000) as i64 + 1);
         tx.prepare_cached("UPDATE messages SET lease = NULL, visible_at = ?2 WHERE id = ?1")
             .and_then(|mut s| s.execute(params![id, at]))
             .map_err(db_error)?;

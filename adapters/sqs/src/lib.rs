@@ -14,7 +14,8 @@
 //! * Publish uses SendMessageBatch in chunks of 10 and checks every entry:
 //!   failed entries are retried (`send_attempts`), what still fails is
 //!   reported per message — never silently dropped.
-//! * ack = DeleteMessage; a retry nack = ChangeMessageVisibility(delay); a
+//! * ack = DeleteMessageBatch (acks waiting at the same time share a call,
+//!   each answered by its own entry); a retry nack = ChangeMessageVisibility(delay); a
 //!   dead-letter nack sends a copy with the reason to the DLQ, then deletes;
 //!   `extend` = ChangeMessageVisibility (the worker's heartbeat). The attempt
 //!   is SQS's ApproximateReceiveCount.
@@ -37,8 +38,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::{
-    MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
-    SendMessageBatchRequestEntry,
+    DeleteMessageBatchRequestEntry, MessageAttributeValue, MessageSystemAttributeName,
+    QueueAttributeName, SendMessageBatchRequestEntry,
 };
 use aws_sdk_sqs::Client;
 use base64::engine::general_purpose::STANDARD;
@@ -70,16 +71,105 @@ pub fn encoded_size(body_len: usize, headers: &Headers) -> usize {
             .sum::<usize>()
 }
 
+type DeleteRequest = (String, tokio::sync::oneshot::Sender<Result<()>>);
+
 #[derive(Debug)]
 struct Inner {
     config: SqsConfig,
     client: Client,
     /// Queue name → URL.
     urls: Mutex<HashMap<String, String>>,
+    /// Queue URL → its delete batcher.
+    deleters: Mutex<HashMap<String, tokio::sync::mpsc::UnboundedSender<DeleteRequest>>>,
     closed: AtomicBool,
 }
 
+/// Deletes acked messages with DeleteMessageBatch: every ack waiting when a
+/// call starts goes into it (up to 10, SQS's limit), and each ack gets the
+/// result of its own entry.
+async fn delete_batcher(
+    client: Client,
+    url: String,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<DeleteRequest>,
+) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < SQS_BATCH_LIMIT {
+            match rx.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
+        let entries: Vec<DeleteMessageBatchRequestEntry> = batch
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (receipt, _))| {
+                DeleteMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .receipt_handle(receipt)
+                    .build()
+                    .ok()
+            })
+            .collect();
+        match client
+            .delete_message_batch()
+            .queue_url(&url)
+            .set_entries(Some(entries))
+            .send()
+            .await
+        {
+            Ok(out) => {
+                let mut failures: HashMap<String, Error> = out
+                    .failed()
+                    .iter()
+                    .map(|f| {
+                        let error = if f.code() == "ReceiptHandleIsInvalid" {
+                            Error::DeliveryExpired
+                        } else {
+                            Error::broker(
+                                "sqs",
+                                format!("{}: {}", f.code(), f.message().unwrap_or("delete failed")),
+                                !f.sender_fault(),
+                            )
+                        };
+                        (f.id().to_owned(), error)
+                    })
+                    .collect();
+                for (i, (_, reply)) in batch.into_iter().enumerate() {
+                    let _ = reply.send(failures.remove(&i.to_string()).map_or(Ok(()), Err));
+                }
+            }
+            Err(e) => {
+                let text = aws_sdk_sqs::error::DisplayErrorContext(e).to_string();
+                for (_, reply) in batch {
+                    let _ = reply.send(Err(Error::broker("sqs", text.clone(), true)));
+                }
+            }
+        }
+    }
+}
+
 impl Inner {
+    async fn delete(&self, url: &str, receipt: &str) -> Result<()> {
+        let sender = {
+            let mut deleters = self.deleters.lock().unwrap_or_else(|e| e.into_inner());
+            deleters
+                .entry(url.to_owned())
+                .or_insert_with(|| {
+                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                    tokio::spawn(delete_batcher(self.client.clone(), url.to_owned(), rx));
+                    tx
+                })
+                .clone()
+        };
+        let (reply, done) = tokio::sync::oneshot::channel();
+        sender
+            .send((receipt.to_owned(), reply))
+            .map_err(|_| Error::Closed)?;
+        done.await
+            .unwrap_or_else(|_| Err(Error::broker("sqs", "delete batcher stopped", true)))
+    }
+
     fn cached(&self, name: &str) -> Option<String> {
         self.urls
             .lock()
@@ -309,6 +399,7 @@ impl SqsAdapter {
                 client: Client::from_conf(b.build()),
                 config,
                 urls: Mutex::new(HashMap::new()),
+                deleters: Mutex::new(HashMap::new()),
                 closed: AtomicBool::new(false),
             }),
         })
@@ -534,15 +625,7 @@ impl SqsAcker {
 #[async_trait]
 impl Acknowledger for SqsAcker {
     async fn ack(&self) -> Result<()> {
-        self.inner
-            .client
-            .delete_message()
-            .queue_url(&self.url)
-            .receipt_handle(&self.receipt)
-            .send()
-            .await
-            .map(|_| ())
-            .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))
+        self.inner.delete(&self.url, &self.receipt).await
     }
 
     async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()> {
