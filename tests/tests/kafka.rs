@@ -280,3 +280,85 @@ async fn publishing_continues_across_a_broker_restart() {
     tally.assert_none_lost("kafka publishes after the restart");
     c.close().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_from_native_grpcq_publishers_are_handled() {
+    use ojs_core::registry::Registry;
+    use ojs_core::worker::{Worker, WorkerConfig};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, Mutex};
+
+    let Some((_, mut config)) = adapter(1).await else {
+        return;
+    };
+    // grpcq's Kafka convention: the Kafka topic is the grpcq topic, the key
+    // is the action, the value the binary Message, no headers.
+    config.topic_template = "{queue}".into();
+    config.retry_topic_template = "{queue}.ojs-retry".into();
+    config.dead_topic_template = "{queue}.ojs-dead".into();
+    let kafka = KafkaAdapter::connect(config.clone()).await.unwrap();
+    let topic = format!("pay.Payments{}", &unique_queue("x")[2..]);
+    let call = ojs_core::grpcq::Message {
+        originator: "go-service".into(),
+        topic: topic.clone(),
+        action: "Charge".into(),
+        payload: vec![8, 9],
+        message_id: "m-native".into(),
+        timestamp_ms: 1_704_067_200_000,
+        metadata: Default::default(),
+    };
+    // Topics first (as an operator would), then a raw producer.
+    kafka.depth(&topic).await.ok();
+    kafka
+        .consumer(&topic, group(&unique_queue("setup")))
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &config.brokers)
+        .create()
+        .unwrap();
+    let bytes = ojs_core::grpcq::encode(&call);
+    producer
+        .send(
+            FutureRecord::to(&topic).key("Charge").payload(&bytes),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
+
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let mut registry = Registry::new();
+    let h = handled.clone();
+    registry
+        .on_call(&topic, "Charge", move |ctx, payload| {
+            h.lock()
+                .unwrap()
+                .push((ctx.message_id.clone(), payload.to_vec()));
+            async { Ok(()) }
+        })
+        .unwrap();
+    let mut wc = WorkerConfig::new(&topic);
+    wc.default_encoding = Some(Encoding::GrpcqProto);
+    wc.consumer = group(&unique_queue("g"));
+    let worker = Worker::new(Arc::new(kafka), registry, wc);
+    let stats = worker.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async {
+        let _ = stopped.await;
+    }));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while stats.succeeded.load(Ordering::SeqCst) < 1 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    assert_eq!(
+        handled.lock().unwrap().clone(),
+        vec![("m-native".to_string(), vec![8, 9])]
+    );
+}
