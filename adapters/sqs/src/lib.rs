@@ -298,10 +298,14 @@ impl Inner {
     /// reported per message.
     async fn send(&self, url: &str, items: Vec<(usize, OutgoingMessage)>) -> Vec<FailedPublish> {
         let mut failed = Vec::new();
-        let mut pending: Vec<(usize, OutgoingMessage)> = Vec::new();
+        // Each message is encoded (base64 + attributes) once; the entry is
+        // moved into the request, and only the rare retried entry is
+        // encoded again.
+        let mut pending: Vec<(usize, OutgoingMessage, Option<SendMessageBatchRequestEntry>)> =
+            Vec::new();
         for (index, message) in items {
             match self.entry(index, &message) {
-                Ok(_) => pending.push((index, message)),
+                Ok(entry) => pending.push((index, message, Some(entry))),
                 Err(error) => failed.push(FailedPublish {
                     index,
                     message,
@@ -313,11 +317,26 @@ impl Inner {
         while !pending.is_empty() {
             attempt += 1;
             let mut retry = Vec::new();
-            for chunk in pending.chunks(SQS_BATCH_LIMIT) {
-                let entries: Vec<SendMessageBatchRequestEntry> = chunk
-                    .iter()
-                    .filter_map(|(i, m)| self.entry(*i, m).ok())
-                    .collect();
+            let mut rest = std::mem::take(&mut pending).into_iter().peekable();
+            while rest.peek().is_some() {
+                let mut chunk = Vec::with_capacity(SQS_BATCH_LIMIT);
+                let mut entries = Vec::with_capacity(SQS_BATCH_LIMIT);
+                for (index, message, entry) in rest.by_ref().take(SQS_BATCH_LIMIT) {
+                    match entry.map_or_else(|| self.entry(index, &message), Ok) {
+                        Ok(e) => {
+                            entries.push(e);
+                            chunk.push((index, message));
+                        }
+                        Err(error) => failed.push(FailedPublish {
+                            index,
+                            message,
+                            error,
+                        }),
+                    }
+                }
+                if entries.is_empty() {
+                    continue;
+                }
                 let result = self
                     .client
                     .send_message_batch()
@@ -327,31 +346,39 @@ impl Inner {
                     .await;
                 match result {
                     Ok(out) => {
-                        for f in out.failed() {
-                            let Some((i, m)) = chunk.iter().find(|(i, _)| i.to_string() == f.id())
-                            else {
-                                continue;
-                            };
-                            let error = Error::broker(
-                                "sqs",
-                                format!("{}: {}", f.code(), f.message().unwrap_or("entry failed")),
-                                !f.sender_fault(),
-                            );
-                            retry.push((*i, m.clone(), error));
+                        let mut errors: HashMap<String, Error> = out
+                            .failed()
+                            .iter()
+                            .map(|f| {
+                                let error = Error::broker(
+                                    "sqs",
+                                    format!(
+                                        "{}: {}",
+                                        f.code(),
+                                        f.message().unwrap_or("entry failed")
+                                    ),
+                                    !f.sender_fault(),
+                                );
+                                (f.id().to_owned(), error)
+                            })
+                            .collect();
+                        for (index, message) in chunk {
+                            if let Some(error) = errors.remove(&index.to_string()) {
+                                retry.push((index, message, error));
+                            }
                         }
                     }
                     Err(e) => {
                         let text = aws_sdk_sqs::error::DisplayErrorContext(e).to_string();
-                        for (i, m) in chunk {
-                            retry.push((*i, m.clone(), Error::broker("sqs", text.clone(), true)));
+                        for (index, message) in chunk {
+                            retry.push((index, message, Error::broker("sqs", text.clone(), true)));
                         }
                     }
                 }
             }
-            pending.clear();
             for (index, message, error) in retry {
                 if error.is_retryable() && attempt < self.config.send_attempts {
-                    pending.push((index, message));
+                    pending.push((index, message, None));
                 } else {
                     failed.push(FailedPublish {
                         index,
