@@ -310,3 +310,72 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
     tally.assert_none_lost("rabbitmq broker restart mid-stream");
     assert!(tally.distinct_received() == n);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_answers_promptly_while_a_publisher_is_reconnecting() {
+    let Some((_url, adapter, _raw)) = setup().await else {
+        return;
+    };
+    let Ok(bounce) = std::env::var("OJS_BRIDGE_TEST_RABBITMQ_BOUNCE") else {
+        assert!(
+            !brokers_required(),
+            "OJS_BRIDGE_TEST_RABBITMQ_BOUNCE must name a command that restarts RabbitMQ"
+        );
+        println!("SKIPPED: set OJS_BRIDGE_TEST_RABBITMQ_BOUNCE (scripts/brokers.sh env sets it)");
+        return;
+    };
+    let adapter = Arc::new(adapter);
+    let queue = unique_queue("rmq-health");
+    // Down for 8 seconds.
+    let bouncer = tokio::spawn(async move {
+        let cmd = format!("{bounce} 8");
+        tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(&cmd)
+            .status()
+            .await
+            .unwrap()
+    });
+    // Wait until the broker is gone.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while adapter.health().await.healthy {
+        assert!(Instant::now() < deadline, "broker never went down");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A publisher now reconnects with backoff, holding the session lock.
+    let publisher = {
+        let adapter = adapter.clone();
+        let queue = queue.clone();
+        tokio::spawn(async move {
+            adapter
+                .publish(&queue, vec![OutgoingMessage::new("during", "text/plain")])
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = Instant::now();
+    let health = adapter.health().await;
+    let took = asked.elapsed();
+    assert!(
+        !health.healthy,
+        "down while the broker is stopped: {}",
+        health.detail
+    );
+    assert!(
+        took < Duration::from_secs(4),
+        "health waited {took:?} behind the reconnecting publisher"
+    );
+    assert!(bouncer.await.unwrap().success());
+    // Back: health recovers and the publish that waited went through.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !adapter.health().await.healthy {
+        assert!(Instant::now() < deadline, "health never recovered");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    publisher.await.unwrap().unwrap();
+    assert_eq!(
+        adapter.depth(&queue).await.unwrap(),
+        Some(1),
+        "the publish made during the outage arrived"
+    );
+}

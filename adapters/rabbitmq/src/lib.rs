@@ -105,7 +105,18 @@ struct Inner {
 impl Inner {
     /// A usable session, reconnecting with backoff until `deadline`.
     async fn session(&self, deadline: Instant) -> Result<Arc<Session>> {
-        let mut guard = self.session.lock().await;
+        // Another caller may hold the lock while it backs off between
+        // reconnect attempts (up to a minute): wait no longer than our own
+        // deadline, so a 2 s health check answers in 2 s.
+        let mut guard = tokio::time::timeout_at(deadline, self.session.lock())
+            .await
+            .map_err(|_| {
+                Error::broker(
+                    "rabbitmq",
+                    "reconnecting to the broker; not connected yet",
+                    true,
+                )
+            })?;
         if let Some(s) = guard.as_ref() {
             if s.usable() {
                 return Ok(s.clone());
