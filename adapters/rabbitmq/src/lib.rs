@@ -58,6 +58,21 @@ pub use config::{
 };
 pub use headers::{properties, KEY_HEADER};
 
+/// Runs a broker call no longer than `deadline`. lapin's RPCs have no
+/// timeout of their own, and on a half-open connection (a broker that went
+/// away without closing the socket) they would wait forever; an expired call
+/// is a retryable [`Error::Timeout`] and the caller treats the connection as
+/// broken.
+async fn within<T>(
+    deadline: Instant,
+    call: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let budget = deadline.saturating_duration_since(Instant::now());
+    tokio::time::timeout_at(deadline, call)
+        .await
+        .unwrap_or(Err(Error::Timeout(budget)))
+}
+
 fn amqp_error(e: &lapin::Error) -> Error {
     Error::broker("rabbitmq", e.to_string(), true)
 }
@@ -129,7 +144,7 @@ impl Inner {
             if self.closed.load(Ordering::Acquire) {
                 return Err(Error::Closed);
             }
-            match self.open_session().await {
+            match within(deadline, self.open_session()).await {
                 Ok(s) => {
                     let s = Arc::new(s);
                     *guard = Some(s.clone());
@@ -347,15 +362,16 @@ impl Inner {
                     again.push((index, route, message));
                     continue;
                 }
-                let declared = match route {
-                    Route::Delayed(ms) => match self.declare_queue(&session, queue).await {
-                        Ok(()) => self.declare_retry(&session, queue, ms).await,
-                        Err(e) => Err(e),
-                    },
-                    _ => self.declare_queue(&session, queue).await,
-                };
+                let declared = within(deadline, async {
+                    self.declare_queue(&session, queue).await?;
+                    if let Route::Delayed(ms) = route {
+                        self.declare_retry(&session, queue, ms).await?;
+                    }
+                    Ok(())
+                })
+                .await;
                 if let Err(e) = declared {
-                    if session.usable() {
+                    if session.usable() && !matches!(e, Error::Timeout(_)) {
                         failed.push(FailedPublish {
                             index,
                             message,
@@ -577,32 +593,33 @@ impl QueueAdapter for RabbitAdapter {
     }
 
     async fn depth(&self, queue: &str) -> Result<Option<u64>> {
-        let s = self
-            .inner
-            .session(Instant::now() + Duration::from_secs(5))
-            .await?;
-        // A passive declare that fails closes its channel: use a scratch one.
-        let ch = s
-            .connection
-            .create_channel()
-            .await
-            .map_err(|e| amqp_error(&e))?;
-        let result = ch
-            .queue_declare(
-                queue_name(queue).as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        let _ = ch.close(200, "depth".into()).await;
-        match result {
-            Ok(q) => Ok(Some(u64::from(q.message_count()))),
-            Err(e) if e.to_string().contains("NOT_FOUND") => Ok(Some(0)),
-            Err(e) => Err(amqp_error(&e)),
-        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let s = self.inner.session(deadline).await?;
+        within(deadline, async {
+            // A passive declare that fails closes its channel: use a scratch one.
+            let ch = s
+                .connection
+                .create_channel()
+                .await
+                .map_err(|e| amqp_error(&e))?;
+            let result = ch
+                .queue_declare(
+                    queue_name(queue).as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            let _ = ch.close(200, "depth".into()).await;
+            match result {
+                Ok(q) => Ok(Some(u64::from(q.message_count()))),
+                Err(e) if e.to_string().contains("NOT_FOUND") => Ok(Some(0)),
+                Err(e) => Err(amqp_error(&e)),
+            }
+        })
+        .await
     }
 
     async fn close(&self) -> Result<()> {
@@ -635,7 +652,23 @@ pub struct RabbitConsumer {
 impl RabbitConsumer {
     async fn subscribe(&mut self, deadline: Instant) -> Result<()> {
         let session = self.inner.session(deadline).await?;
-        self.inner.declare_queue(&session, &self.queue).await?;
+        match within(deadline, self.open_stream(&session)).await {
+            Ok(live) => {
+                self.live = Some(live);
+                Ok(())
+            }
+            Err(e) => {
+                if matches!(e, Error::Timeout(_)) {
+                    // A connection that does not answer is as good as gone.
+                    self.inner.invalidate(&session).await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn open_stream(&self, session: &Session) -> Result<Live> {
+        self.inner.declare_queue(session, &self.queue).await?;
         let channel = session
             .connection
             .create_channel()
@@ -659,8 +692,7 @@ impl RabbitConsumer {
             )
             .await
             .map_err(|e| amqp_error(&e))?;
-        self.live = Some(Live { channel, stream });
-        Ok(())
+        Ok(Live { channel, stream })
     }
 
     fn delivery(&self, d: lapin::message::Delivery) -> Delivery {
@@ -772,11 +804,21 @@ struct RabbitAcker {
 
 impl RabbitAcker {
     async fn ack_original(&self) -> Result<()> {
-        self.acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map(|_| ())
-            .map_err(|_| Error::DeliveryExpired)
+        // Bounded like every broker call: an ack stuck on a dead connection
+        // is one the broker will redeliver anyway.
+        let deadline = Instant::now() + self.inner.config.publish_timeout();
+        within(deadline, async {
+            self.acker
+                .ack(BasicAckOptions::default())
+                .await
+                .map(|_| ())
+                .map_err(|_| Error::DeliveryExpired)
+        })
+        .await
+        .map_err(|e| match e {
+            Error::Timeout(_) => Error::DeliveryExpired,
+            other => other,
+        })
     }
 
     /// Republishes `copy` on `route` under confirms, then acks the original;
