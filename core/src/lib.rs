@@ -20,6 +20,7 @@ pub mod envelope;
 mod error;
 pub mod grpcq;
 mod json_codec;
+pub mod mapping;
 pub mod media;
 mod proto_codec;
 pub mod publisher;

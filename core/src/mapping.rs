@@ -1,0 +1,360 @@
+//! grpcq call ↔ OJS job (DESIGN §5).
+//!
+//! A call becomes a job whose id is derived from the call (so a call
+//! delivered twice becomes the same job, the idempotency key downstream),
+//! whose meta carries every metadata entry plus the call's provenance, and
+//! whose single argument is the payload: base64url text by default, or the
+//! request's proto3 JSON form when the caller transcoded it. The reverse
+//! mapping reads the same meta back, so call → job → call returns the
+//! original message.
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine as _;
+use chrono::{DateTime, TimeZone, Utc};
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+use crate::envelope::{JobEnvelope, SPEC_VERSION};
+use crate::error::{Error, Result};
+use crate::grpcq::Message;
+
+/// Meta key: the call's originator.
+pub const META_ORIGINATOR: &str = "grpcq.originator";
+/// Meta key: the call's message id.
+pub const META_MESSAGE_ID: &str = "grpcq.message_id";
+/// Meta key: the call's topic (fully qualified service name).
+pub const META_TOPIC: &str = "grpcq.topic";
+/// Meta key: the call's action (method name).
+pub const META_ACTION: &str = "grpcq.action";
+/// Meta key: how `args[0]` holds the payload ([`PAYLOAD_BASE64URL`] or
+/// [`PAYLOAD_PROTO3_JSON`]).
+pub const META_PAYLOAD_ENCODING: &str = "grpcq.payload_encoding";
+/// Meta key: the protobuf message type of a transcoded payload.
+pub const META_PAYLOAD_TYPE: &str = "grpcq.payload_type";
+
+/// `args[0]` is the payload bytes as base64url without padding.
+pub const PAYLOAD_BASE64URL: &str = "base64url";
+/// `args[0]` is the request in its proto3 JSON form.
+pub const PAYLOAD_PROTO3_JSON: &str = "proto3-json";
+
+/// The meta keys the mapping writes itself; everything else in meta is
+/// call metadata.
+const RESERVED_META: [&str; 6] = [
+    META_ORIGINATOR,
+    META_MESSAGE_ID,
+    META_TOPIC,
+    META_ACTION,
+    META_PAYLOAD_ENCODING,
+    META_PAYLOAD_TYPE,
+];
+
+/// Largest Unix millisecond a UUIDv7 timestamp holds (48 bits).
+const MAX_UUID_MILLIS: i64 = (1 << 48) - 1;
+
+/// The job id of a call: a UUIDv7 whose timestamp is `timestamp_ms` and
+/// whose 74 "random" bits come from SHA-256 of `message_id`. The same call
+/// always gets the same id; different message ids collide with probability
+/// 2^-74 within one millisecond.
+pub fn call_job_id(message_id: &str, timestamp_ms: i64) -> String {
+    let digest = Sha256::digest(message_id.as_bytes());
+    let mut tail = [0u8; 10];
+    tail.copy_from_slice(&digest[..10]);
+    // Out-of-range timestamps (negative, beyond 10889 AD) are clamped: the
+    // id stays a valid, deterministic UUIDv7.
+    let millis = timestamp_ms.clamp(0, MAX_UUID_MILLIS) as u64;
+    uuid::Builder::from_unix_timestamp_millis(millis, &tail)
+        .into_uuid()
+        .hyphenated()
+        .to_string()
+}
+
+/// A payload the caller transcoded into proto3 JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TranscodedPayload {
+    /// The request as proto3 JSON.
+    pub json: Value,
+    /// Its fully qualified protobuf message type.
+    pub message_type: String,
+}
+
+/// Builds the OJS job for a call (DESIGN §5). `payload` is the transcoded
+/// request, or `None` to carry the bytes as base64url.
+pub fn call_to_job(
+    msg: &Message,
+    job_type: String,
+    queue: String,
+    payload: Option<TranscodedPayload>,
+) -> JobEnvelope {
+    let mut meta: Map<String, Value> = msg
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+        .collect();
+    let text = |s: &str| Value::String(s.to_owned());
+    meta.insert(META_ORIGINATOR.into(), text(&msg.originator));
+    meta.insert(META_MESSAGE_ID.into(), text(&msg.message_id));
+    meta.insert(META_TOPIC.into(), text(&msg.topic));
+    meta.insert(META_ACTION.into(), text(&msg.action));
+    let arg = match payload {
+        None => {
+            meta.insert(META_PAYLOAD_ENCODING.into(), text(PAYLOAD_BASE64URL));
+            Value::String(URL_SAFE_NO_PAD.encode(&msg.payload))
+        }
+        Some(t) => {
+            meta.insert(META_PAYLOAD_ENCODING.into(), text(PAYLOAD_PROTO3_JSON));
+            meta.insert(META_PAYLOAD_TYPE.into(), Value::String(t.message_type));
+            t.json
+        }
+    };
+    let mut job = JobEnvelope::new(job_type, vec![arg]);
+    job.specversion = SPEC_VERSION.to_owned();
+    job.id = call_job_id(&msg.message_id, msg.timestamp_ms);
+    job.queue = queue;
+    job.created_at = millis_to_time(msg.timestamp_ms);
+    job.expires_at = msg
+        .metadata
+        .get("deadline_ms")
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .and_then(millis_to_time);
+    job.priority = msg
+        .metadata
+        .get("priority")
+        .and_then(|v| v.trim().parse::<i32>().ok())
+        .unwrap_or(0);
+    job.meta = meta;
+    job
+}
+
+fn millis_to_time(ms: i64) -> Option<DateTime<Utc>> {
+    if ms <= 0 {
+        return None;
+    }
+    Utc.timestamp_millis_opt(ms).single()
+}
+
+/// Where a job's payload is, for the reverse mapping.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JobPayload<'a> {
+    /// The payload bytes (decoded from base64url).
+    Bytes(Vec<u8>),
+    /// A proto3 JSON request to encode with a descriptor; `message_type`
+    /// when the job names it.
+    Proto3Json {
+        /// The request.
+        json: &'a Value,
+        /// Its message type, when the job says.
+        message_type: Option<&'a str>,
+    },
+    /// A job that did not come from a call: its args as they are.
+    Native(&'a [Value]),
+}
+
+/// Reads a job's payload the way [`call_to_job`] wrote it.
+pub fn job_payload(job: &JobEnvelope) -> Result<JobPayload<'_>> {
+    match job.meta_str(META_PAYLOAD_ENCODING) {
+        Some(PAYLOAD_BASE64URL) => {
+            let Some(Value::String(text)) = job.args.first() else {
+                return Err(Error::invalid(
+                    "args[0]",
+                    "grpcq.payload_encoding is base64url but args[0] is not a string",
+                ));
+            };
+            URL_SAFE_NO_PAD
+                .decode(text.as_bytes())
+                .map(JobPayload::Bytes)
+                .map_err(|e| Error::invalid("args[0]", format!("not base64url: {e}")))
+        }
+        Some(PAYLOAD_PROTO3_JSON) => match job.args.first() {
+            Some(json) => Ok(JobPayload::Proto3Json {
+                json,
+                message_type: job.meta_str(META_PAYLOAD_TYPE),
+            }),
+            None => Err(Error::invalid(
+                "args",
+                "grpcq.payload_encoding is proto3-json but args is empty",
+            )),
+        },
+        Some(other) => Err(Error::invalid(
+            META_PAYLOAD_ENCODING,
+            format!("unknown payload encoding {other:?} (known: base64url, proto3-json)"),
+        )),
+        None => Ok(JobPayload::Native(&job.args)),
+    }
+}
+
+/// The call's topic and action: from meta when the job came from a call,
+/// otherwise the job type split at its last dot
+/// (`payment.PaymentService.ProcessPayment` → `payment.PaymentService`,
+/// `ProcessPayment`).
+pub fn job_topic_action(job: &JobEnvelope) -> Result<(String, String)> {
+    if let (Some(t), Some(a)) = (job.meta_str(META_TOPIC), job.meta_str(META_ACTION)) {
+        return Ok((t.to_owned(), a.to_owned()));
+    }
+    match job.job_type.rsplit_once('.') {
+        Some((topic, action)) if !topic.is_empty() && !action.is_empty() => {
+            Ok((topic.to_owned(), action.to_owned()))
+        }
+        _ => Err(Error::invalid(
+            "type",
+            format!(
+                "{:?} has no dot to split into grpcq topic and action; give the route a topic and action",
+                job.job_type
+            ),
+        )),
+    }
+}
+
+/// Builds the call for a job: the inverse of [`call_to_job`] given the
+/// payload bytes (see [`job_payload`]). Meta that is not provenance becomes
+/// metadata (non-string values as JSON text); a job without provenance gets
+/// its id as message id and its creation time as timestamp.
+pub fn job_to_call(job: &JobEnvelope, topic: String, action: String, payload: Vec<u8>) -> Message {
+    let metadata = job
+        .meta
+        .iter()
+        .filter(|(k, _)| !RESERVED_META.contains(&k.as_str()))
+        .map(|(k, v)| {
+            let text = match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            (k.clone(), text)
+        })
+        .collect();
+    let timestamp_ms = job
+        .created_at
+        .or(job.enqueued_at)
+        .map_or(0, |t| t.timestamp_millis());
+    Message {
+        originator: job.meta_str(META_ORIGINATOR).unwrap_or_default().to_owned(),
+        topic,
+        action,
+        payload,
+        message_id: job
+            .meta_str(META_MESSAGE_ID)
+            .map_or_else(|| job.id.clone(), str::to_owned),
+        timestamp_ms,
+        metadata,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call() -> Message {
+        let mut msg = Message {
+            originator: "order-service-pod-1".into(),
+            topic: "payment.PaymentService".into(),
+            action: "ProcessPayment".into(),
+            payload: vec![0, 1, 2, 250, 251, 252, 255],
+            message_id: "3f0e9a4e-5c1b-4f7e-9a43-0b1f2c3d4e5f".into(),
+            timestamp_ms: 1_763_700_000_123,
+            metadata: Default::default(),
+        };
+        msg.metadata.insert(
+            "traceparent".into(),
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+        );
+        msg.metadata.insert("priority".into(), "7".into());
+        msg.metadata
+            .insert("deadline_ms".into(), "1763700060000".into());
+        msg
+    }
+
+    #[test]
+    fn a_call_maps_to_a_job_per_design_section_5() {
+        let msg = call();
+        let job = call_to_job(
+            &msg,
+            "payment.PaymentService.ProcessPayment".into(),
+            "payments".into(),
+            None,
+        );
+        job.validate().unwrap();
+        assert_eq!(job.id, call_job_id(&msg.message_id, msg.timestamp_ms));
+        assert_eq!(job.queue, "payments");
+        assert_eq!(job.args, vec![Value::String("AAEC-vv8_w".into())]);
+        assert_eq!(job.meta_str(META_ORIGINATOR), Some("order-service-pod-1"));
+        assert_eq!(job.meta_str(META_TOPIC), Some("payment.PaymentService"));
+        assert_eq!(job.meta_str(META_ACTION), Some("ProcessPayment"));
+        assert_eq!(job.meta_str(META_MESSAGE_ID), Some(msg.message_id.as_str()));
+        assert_eq!(job.meta_str(META_PAYLOAD_ENCODING), Some(PAYLOAD_BASE64URL));
+        assert_eq!(
+            job.meta_str("traceparent"),
+            msg.metadata.get("traceparent").map(String::as_str)
+        );
+        assert_eq!(job.priority, 7);
+        assert_eq!(job.created_at.unwrap().timestamp_millis(), msg.timestamp_ms);
+        assert_eq!(
+            job.expires_at.unwrap().timestamp_millis(),
+            1_763_700_060_000
+        );
+    }
+
+    #[test]
+    fn job_ids_are_deterministic_uuidv7_with_the_call_timestamp() {
+        let a = call_job_id("m-1", 1_763_700_000_123);
+        assert_eq!(a, call_job_id("m-1", 1_763_700_000_123));
+        assert_ne!(a, call_job_id("m-2", 1_763_700_000_123));
+        let uuid = uuid::Uuid::parse_str(&a).unwrap();
+        assert_eq!(uuid.get_version_num(), 7);
+        let (secs, nanos) = uuid.get_timestamp().unwrap().to_unix();
+        assert_eq!(
+            secs * 1000 + u64::from(nanos) / 1_000_000,
+            1_763_700_000_123
+        );
+        crate::envelope::validate_job_id(&a).unwrap();
+        // Hostile timestamps still give valid ids.
+        crate::envelope::validate_job_id(&call_job_id("x", -5)).unwrap();
+        crate::envelope::validate_job_id(&call_job_id("x", i64::MAX)).unwrap();
+    }
+
+    #[test]
+    fn call_to_job_to_call_returns_the_original_message() {
+        let msg = call();
+        let job = call_to_job(&msg, "anything.custom".into(), "q".into(), None);
+        // Through both codecs, as the job would travel.
+        let job = JobEnvelope::from_proto_bytes(&job.to_proto_bytes().unwrap()).unwrap();
+        let job = JobEnvelope::from_json_slice(&job.to_json_vec().unwrap()).unwrap();
+        let JobPayload::Bytes(payload) = job_payload(&job).unwrap() else {
+            panic!("base64url payload expected")
+        };
+        let (topic, action) = job_topic_action(&job).unwrap();
+        assert_eq!(job_to_call(&job, topic, action, payload), msg);
+    }
+
+    #[test]
+    fn a_native_job_becomes_a_call_named_by_its_type() {
+        let job =
+            JobEnvelope::new("email.Mailer.Send", vec![Value::from(1)]).with_meta("tenant", 5);
+        let (topic, action) = job_topic_action(&job).unwrap();
+        assert_eq!((topic.as_str(), action.as_str()), ("email.Mailer", "Send"));
+        assert!(matches!(job_payload(&job).unwrap(), JobPayload::Native(args) if args.len() == 1));
+        let call = job_to_call(&job, topic, action, b"x".to_vec());
+        assert_eq!(call.message_id, job.id);
+        assert_eq!(call.metadata.get("tenant").map(String::as_str), Some("5"));
+        assert_eq!(
+            call.timestamp_ms,
+            job.created_at.unwrap().timestamp_millis()
+        );
+        let undotted = JobEnvelope::new("email", vec![]);
+        assert!(job_topic_action(&undotted)
+            .unwrap_err()
+            .to_string()
+            .contains("no dot"));
+    }
+
+    #[test]
+    fn bad_payload_meta_is_an_error_naming_it() {
+        let mut job = call_to_job(&call(), "a.b".into(), "q".into(), None);
+        job.args = vec![Value::String("***".into())];
+        assert!(job_payload(&job)
+            .unwrap_err()
+            .to_string()
+            .contains("base64url"));
+        job.meta
+            .insert(META_PAYLOAD_ENCODING.into(), "rot13".into());
+        assert!(job_payload(&job).unwrap_err().to_string().contains("rot13"));
+    }
+}
