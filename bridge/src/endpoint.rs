@@ -33,3 +33,21 @@ pub async fn connect(url: &str) -> Result<Arc<dyn QueueAdapter>> {
         }),
     }
 }
+
+/// Checks a URL the way [`connect`] reads it, without connecting.
+pub fn validate_url(url: &str) -> Result<()> {
+    let scheme = url.split(':').next().unwrap_or_default();
+    match scheme {
+        "memory" => Ok(()),
+        "local" => LocalConfig::from_url(url).map(|_| ()),
+        "amqp" | "amqps" if url.starts_with(&format!("{scheme}://")) => Ok(()),
+        "kafka" => KafkaConfig::from_url(url).map(|_| ()),
+        "sqs" => SqsConfig::from_url(url).map(|_| ()),
+        _ => Err(Error::InvalidConfig {
+            field: "url".into(),
+            reason: format!(
+                "{url:?} names no adapter; use memory://NAME, local:///abs/dir, local:./dir, kafka://host:port, amqp://user:pass@host:port/vhost or sqs://REGION"
+            ),
+        }),
+    }
+}

@@ -3,7 +3,13 @@
 //! The binary is thin; each subcommand lives in its own module here so it can
 //! be tested without spawning processes.
 
+pub mod config;
 pub mod convert;
+pub mod daemon;
 pub mod endpoint;
+pub mod http;
+pub mod metrics;
+pub mod routes;
 pub mod send;
 pub mod tail;
+pub mod transcode;

@@ -9,6 +9,9 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use ojs_bridge::convert::{self, Format};
 use ojs_bridge::send::MessageFormat;
+use ojs_bridge::config::{BridgeConfig, ConfigError};
+use ojs_bridge::daemon::{Daemon, DaemonError};
+use ojs_bridge::routes::Route;
 use ojs_bridge::{endpoint, send, tail};
 use ojs_core::ConsumerOptions;
 
@@ -49,6 +52,19 @@ enum Command {
         format: MessageFormat,
         /// NDJSON file; standard input when absent.
         file: Option<PathBuf>,
+    },
+    /// Run the daemon: consume the configured sources, route, publish, ack.
+    /// Without --config: the embedded broker in ./ojs-bridge-data, grpcq
+    /// calls on queue `calls` become OJS jobs on queue `default`.
+    Run {
+        /// TOML configuration file (see examples/embedded.toml).
+        #[arg(long, env = "OJS_BRIDGE_CONFIG")]
+        config: Option<PathBuf>,
+    },
+    /// Validate a configuration file without connecting to anything.
+    CheckConfig {
+        /// TOML configuration file.
+        file: PathBuf,
     },
     /// Print messages of a queue as NDJSON.
     Tail {
@@ -130,6 +146,17 @@ async fn main() -> ExitCode {
                 ExitCode::from(EXIT_FAILED)
             }
         },
+        Command::Run { config } => run_daemon(config.as_deref()).await,
+        Command::CheckConfig { file } => match check_config(&file) {
+            Ok(summary) => {
+                println!("{summary}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("ojs-bridge check-config: {e}");
+                ExitCode::from(EXIT_INVALID_INPUT)
+            }
+        },
         Command::Tail {
             from,
             queue,
@@ -197,4 +224,80 @@ async fn run_tail(from: &str, opts: tail::TailOptions) -> anyhow::Result<()> {
     let mut out = stdout.lock();
     tail::tail(&*adapter, opts, &mut out).await?;
     Ok(())
+}
+
+fn load_config(path: Option<&std::path::Path>) -> Result<BridgeConfig, ConfigError> {
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    match path {
+        Some(p) => BridgeConfig::load(p, &env),
+        None => BridgeConfig::embedded_default(&env),
+    }
+}
+
+fn check_config(path: &std::path::Path) -> Result<String, ConfigError> {
+    let config = load_config(Some(path))?;
+    // Compiling routes reads descriptor sets: a missing one is caught here.
+    for (i, r) in config.routes.iter().enumerate() {
+        Route::compile(r, i)?;
+    }
+    Ok(format!(
+        "{}: ok ({} adapters, {} sources, {} routes)",
+        path.display(),
+        config.adapters.len(),
+        config.sources.len(),
+        config.routes.len()
+    ))
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the daemon");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+async fn run_daemon(path: Option<&std::path::Path>) -> ExitCode {
+    let config = match load_config(path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ojs-bridge run: {e}");
+            return ExitCode::from(EXIT_INVALID_INPUT);
+        }
+    };
+    let daemon = match Daemon::start(config).await {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("ojs-bridge run: {e}");
+            return ExitCode::from(match e {
+                DaemonError::Config(_) => EXIT_INVALID_INPUT,
+                _ => EXIT_FAILED,
+            });
+        }
+    };
+    match daemon.http_addr() {
+        Some(addr) => eprintln!("ojs-bridge: running; health on http://{addr}/ojs/v1/health, metrics on http://{addr}/metrics"),
+        None => eprintln!("ojs-bridge: running (HTTP endpoint off)"),
+    }
+    let summary = daemon.run(shutdown_signal()).await;
+    for (source, received, acked) in summary.sources {
+        eprintln!("ojs-bridge: source {source}: received {received}, acked {acked}");
+    }
+    ExitCode::SUCCESS
 }

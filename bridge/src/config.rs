@@ -1,0 +1,702 @@
+//! The daemon's configuration: TOML, plain serde data, validated before
+//! anything connects. Every field has a documented default (see
+//! `examples/embedded.toml`, which is also the configuration used when no
+//! file is given).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::routes::{Glob, Template, TemplateVar};
+
+/// The configuration `ojs-bridge run` uses without `--config`: the embedded
+/// broker in `./ojs-bridge-data`, grpcq calls from its `calls` queue become
+/// OJS jobs of type `{topic}.{action}` on its `default` queue.
+pub const EMBEDDED_DEFAULT: &str = include_str!("../../examples/embedded.toml");
+
+/// Prefix of every environment override.
+pub const ENV_PREFIX: &str = "OJS_BRIDGE_";
+
+/// A configuration that cannot be used, naming what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Not TOML, an unknown field, or a value of the wrong type.
+    #[error("{origin}: {message}")]
+    Parse {
+        /// File name or `built-in default`.
+        origin: String,
+        /// The TOML error, with line and field.
+        message: String,
+    },
+    /// A value that parses but cannot work.
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// Dotted path of the field, e.g. `routes[1].sink`.
+        field: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// The whole file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BridgeConfig {
+    /// Time in-flight messages get to be published and acked after SIGINT or
+    /// SIGTERM; what is left is delivered again later. Default `30s`.
+    #[serde(default = "default_shutdown_timeout", with = "duration_text")]
+    pub shutdown_timeout: Duration,
+    /// The health and metrics endpoint.
+    #[serde(default)]
+    pub http: HttpConfig,
+    /// Brokers by name: `name = "URL"` (DESIGN §7 URLs).
+    #[serde(default)]
+    pub adapters: BTreeMap<String, String>,
+    /// Queues the daemon consumes.
+    #[serde(default)]
+    pub sources: Vec<SourceConfig>,
+    /// Where messages go; the first route that matches wins.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+}
+
+fn default_shutdown_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+
+/// `[http]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Address of `GET /ojs/v1/health` and `GET /metrics`; `off` disables the
+    /// endpoint. Default `127.0.0.1:9464` (loopback only).
+    #[serde(default = "default_listen")]
+    pub listen: String,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: default_listen(),
+        }
+    }
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:9464".to_owned()
+}
+
+/// What messages without a `content-type` header are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum InputFormat {
+    /// grpcq calls (binary `grpcq.Message`, or base64 of one as grpcq's SQS
+    /// adapter writes). The default: native grpcq publishers send no
+    /// content type.
+    #[default]
+    Grpcq,
+    /// OJS envelopes in protobuf.
+    Ojs,
+}
+
+/// `[[sources]]`: one queue the daemon consumes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// Name used by routes, metrics and logs.
+    pub name: String,
+    /// Adapter name from `[adapters]`.
+    pub adapter: String,
+    /// Queue (Kafka topic, SQS queue, RabbitMQ queue) to consume.
+    pub queue: String,
+    /// Format of messages without a content type. Messages with one are
+    /// decoded by it. Default `grpcq`.
+    #[serde(default)]
+    pub format: InputFormat,
+    /// Consumer group (Kafka). Default `ojs-bridge`.
+    #[serde(default = "default_group")]
+    pub group: String,
+    /// Messages fetched per receive. Default 256.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+    /// Messages received but not yet acked, at most; a slow sink slows
+    /// consumption instead of growing memory. Default 2048.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
+    /// How long a received message stays invisible to other consumers
+    /// (SQS, local, memory). Default `60s`.
+    #[serde(default = "default_visibility_timeout", with = "duration_text")]
+    pub visibility_timeout: Duration,
+    /// Where poison messages go. Default: the source queue's own dead-letter
+    /// destination (`ojs-bridge tail --dead-letters` reads it).
+    #[serde(default)]
+    pub dead_letter: Option<DeadLetterConfig>,
+}
+
+fn default_group() -> String {
+    "ojs-bridge".to_owned()
+}
+fn default_batch_size() -> usize {
+    256
+}
+fn default_max_in_flight() -> usize {
+    2048
+}
+fn default_visibility_timeout() -> Duration {
+    Duration::from_secs(60)
+}
+
+/// `dead_letter = { adapter = "…", queue = "…" }`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLetterConfig {
+    /// Adapter name from `[adapters]`.
+    pub adapter: String,
+    /// Queue that receives the message as it was, with `ojs-error-type` and
+    /// `ojs-error-message` headers.
+    pub queue: String,
+}
+
+/// What a route publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputFormat {
+    /// OJS jobs (grpcq calls are mapped per DESIGN §5). The default.
+    #[default]
+    Ojs,
+    /// grpcq calls (OJS jobs are mapped back).
+    Grpcq,
+}
+
+/// Encoding of published OJS envelopes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum EnvelopeEncoding {
+    /// `application/openjobspec+proto`. The default.
+    #[default]
+    Proto,
+    /// `application/openjobspec+json`.
+    Json,
+}
+
+/// `match = { … }`: every given pattern must match; `*` matches any run of
+/// characters. An empty match matches every message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct MatchConfig {
+    /// grpcq topic pattern (matches calls only).
+    #[serde(default)]
+    pub topic: Option<String>,
+    /// grpcq action pattern (matches calls only).
+    #[serde(default)]
+    pub action: Option<String>,
+    /// OJS job type pattern (matches jobs only).
+    #[serde(default, rename = "type")]
+    pub job_type: Option<String>,
+}
+
+/// `[[routes]]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Name used by metrics and logs.
+    pub name: String,
+    /// Sources this route applies to. Default: all.
+    #[serde(default)]
+    pub sources: Vec<String>,
+    /// Which messages this route takes. Default: all.
+    #[serde(default, rename = "match")]
+    pub matcher: MatchConfig,
+    /// Adapter name from `[adapters]` to publish to.
+    pub sink: String,
+    /// What to publish. Default `ojs`.
+    #[serde(default)]
+    pub to: OutputFormat,
+    /// Destination queue template. Default `default` for OJS output and
+    /// `{topic}` for grpcq output (grpcq's Kafka/RabbitMQ convention).
+    #[serde(default)]
+    pub queue: Option<String>,
+    /// OJS job type template. Default `{topic}.{action}` for calls and
+    /// `{type}` (unchanged) for jobs.
+    #[serde(default, rename = "type")]
+    pub job_type: Option<String>,
+    /// grpcq topic template for jobs turned into calls. Default: the
+    /// job's `grpcq.topic` meta, else its type up to the last dot.
+    #[serde(default)]
+    pub topic: Option<String>,
+    /// grpcq action template for jobs turned into calls. Default: the
+    /// job's `grpcq.action` meta, else its type after the last dot.
+    #[serde(default)]
+    pub action: Option<String>,
+    /// OJS envelope encoding. Default `proto`.
+    #[serde(default)]
+    pub encoding: EnvelopeEncoding,
+    /// A protobuf FileDescriptorSet (`protoc --descriptor_set_out`,
+    /// `buf build -o`): requests are transcoded to proto3 JSON args (and
+    /// back on the reverse route). Default: payload as base64url.
+    #[serde(default)]
+    pub descriptor_set: Option<PathBuf>,
+    /// Request message type in the descriptor set. Default: the input type
+    /// of method `{action}` of service `{topic}`.
+    #[serde(default)]
+    pub message_type: Option<String>,
+}
+
+impl BridgeConfig {
+    /// The built-in default (see [`EMBEDDED_DEFAULT`]) with environment
+    /// overrides applied.
+    pub fn embedded_default(env: &[(String, String)]) -> Result<Self, ConfigError> {
+        Self::parse(EMBEDDED_DEFAULT, "built-in default configuration", env)
+    }
+
+    /// Reads and validates a file, applying environment overrides.
+    pub fn load(path: &Path, env: &[(String, String)]) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string(), env)
+    }
+
+    /// Parses TOML, applies overrides from `env` (name, value pairs; pass
+    /// `std::env::vars()`), validates. Descriptor set paths are taken as
+    /// given (relative to the working directory).
+    pub fn parse(text: &str, origin: &str, env: &[(String, String)]) -> Result<Self, ConfigError> {
+        let mut table: toml::Table =
+            text.parse()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    origin: origin.to_owned(),
+                    message: e.to_string(),
+                })?;
+        apply_env(&mut table, env)?;
+        let config: BridgeConfig =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    origin: origin.to_owned(),
+                    message: e.to_string(),
+                })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Every rule a parsed file must also follow.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.http.listen != "off" && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(invalid(
+                "http.listen",
+                format!(
+                    "{:?} is not an address like 127.0.0.1:9464 (or `off`)",
+                    self.http.listen
+                ),
+            ));
+        }
+        if self.adapters.is_empty() {
+            return Err(invalid(
+                "adapters",
+                "no adapter is defined; add e.g. local = \"local:./ojs-bridge-data\"",
+            ));
+        }
+        for (name, url) in &self.adapters {
+            crate::endpoint::validate_url(url)
+                .map_err(|e| invalid(format!("adapters.{name}"), e.to_string()))?;
+        }
+        let adapter = |field: String, name: &str| {
+            if self.adapters.contains_key(name) {
+                Ok(())
+            } else {
+                Err(invalid(
+                    field,
+                    format!(
+                        "names adapter {name:?}, which [adapters] does not define (defined: {})",
+                        self.adapters.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                ))
+            }
+        };
+        if self.sources.is_empty() {
+            return Err(invalid(
+                "sources",
+                "no source is defined; the daemon would consume nothing",
+            ));
+        }
+        let mut source_names = BTreeSet::new();
+        for (i, s) in self.sources.iter().enumerate() {
+            let at = |f: &str| format!("sources[{i}].{f}");
+            if s.name.is_empty() {
+                return Err(invalid(at("name"), "must not be empty"));
+            }
+            if !source_names.insert(s.name.as_str()) {
+                return Err(invalid(
+                    at("name"),
+                    format!("{:?} is used by two sources", s.name),
+                ));
+            }
+            adapter(at("adapter"), &s.adapter)?;
+            if s.queue.is_empty() {
+                return Err(invalid(at("queue"), "must not be empty"));
+            }
+            if s.batch_size == 0 {
+                return Err(invalid(at("batch_size"), "must be at least 1"));
+            }
+            if s.max_in_flight < s.batch_size {
+                return Err(invalid(
+                    at("max_in_flight"),
+                    format!("must be at least batch_size ({})", s.batch_size),
+                ));
+            }
+            if let Some(dl) = &s.dead_letter {
+                adapter(at("dead_letter.adapter"), &dl.adapter)?;
+                if dl.queue.is_empty() {
+                    return Err(invalid(at("dead_letter.queue"), "must not be empty"));
+                }
+            }
+        }
+        if self.routes.is_empty() {
+            return Err(invalid(
+                "routes",
+                "no route is defined; every message would be dead-lettered",
+            ));
+        }
+        let mut route_names = BTreeSet::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            let at = |f: &str| format!("routes[{i}].{f}");
+            if r.name.is_empty() {
+                return Err(invalid(at("name"), "must not be empty"));
+            }
+            if !route_names.insert(r.name.as_str()) {
+                return Err(invalid(
+                    at("name"),
+                    format!("{:?} is used by two routes", r.name),
+                ));
+            }
+            for (j, s) in r.sources.iter().enumerate() {
+                if !source_names.contains(s.as_str()) {
+                    return Err(invalid(
+                        format!("routes[{i}].sources[{j}]"),
+                        format!("names source {s:?}, which [[sources]] does not define"),
+                    ));
+                }
+            }
+            adapter(at("sink"), &r.sink)?;
+            for (field, pattern) in [
+                ("match.topic", &r.matcher.topic),
+                ("match.action", &r.matcher.action),
+                ("match.type", &r.matcher.job_type),
+            ] {
+                if let Some(p) = pattern {
+                    Glob::new(p).map_err(|e| invalid(at(field), e))?;
+                }
+            }
+            if r.matcher.job_type.is_some()
+                && (r.matcher.topic.is_some() || r.matcher.action.is_some())
+            {
+                return Err(invalid(
+                    at("match"),
+                    "match.type matches OJS jobs and match.topic/action grpcq calls; one route cannot require both",
+                ));
+            }
+            for (field, template) in [
+                ("queue", &r.queue),
+                ("type", &r.job_type),
+                ("topic", &r.topic),
+                ("action", &r.action),
+            ] {
+                if let Some(t) = template {
+                    Template::parse(t, TemplateVar::ALL).map_err(|e| invalid(at(field), e))?;
+                }
+            }
+            if r.message_type.is_some() && r.descriptor_set.is_none() {
+                return Err(invalid(at("message_type"), "needs descriptor_set"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Applies `OJS_BRIDGE_…` overrides to the parsed table:
+/// `OJS_BRIDGE_HTTP_LISTEN` → `http.listen`,
+/// `OJS_BRIDGE_SHUTDOWN_TIMEOUT` → `shutdown_timeout`,
+/// `OJS_BRIDGE_ADAPTER_<NAME>` → `adapters.<name>` (the name compared
+/// case-insensitively with `-` and `_` alike; a new adapter otherwise).
+/// Other `OJS_BRIDGE_` variables belong to the CLI and tests and are ignored.
+fn apply_env(table: &mut toml::Table, env: &[(String, String)]) -> Result<(), ConfigError> {
+    for (key, value) in env {
+        let Some(name) = key.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        if name == "HTTP_LISTEN" {
+            let http = table
+                .entry("http")
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            let toml::Value::Table(http) = http else {
+                return Err(invalid("http", "must be a table"));
+            };
+            http.insert("listen".into(), toml::Value::String(value.clone()));
+        } else if name == "SHUTDOWN_TIMEOUT" {
+            table.insert(
+                "shutdown_timeout".into(),
+                toml::Value::String(value.clone()),
+            );
+        } else if let Some(adapter) = name.strip_prefix("ADAPTER_") {
+            let adapters = table
+                .entry("adapters")
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            let toml::Value::Table(adapters) = adapters else {
+                return Err(invalid("adapters", "must be a table of name = \"URL\""));
+            };
+            let normal = |s: &str| s.to_ascii_lowercase().replace('-', "_");
+            let existing = adapters
+                .keys()
+                .find(|k| normal(k) == normal(adapter))
+                .cloned();
+            let key = existing.unwrap_or_else(|| adapter.to_ascii_lowercase());
+            adapters.insert(key, toml::Value::String(value.clone()));
+        }
+    }
+    Ok(())
+}
+
+/// Parses `250ms`, `30s`, `5m`, `1h` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits_end);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 250ms, 30s, 5m or 1h"))?;
+    let per_unit = match unit.trim() {
+        "ms" => Duration::from_millis(1),
+        "" | "s" => Duration::from_secs(1),
+        "m" => Duration::from_secs(60),
+        "h" => Duration::from_secs(3600),
+        other => {
+            return Err(format!(
+                "{text:?}: unknown unit {other:?} (use ms, s, m or h)"
+            ))
+        }
+    };
+    per_unit
+        .checked_mul(u32::try_from(n).map_err(|_| format!("{text:?} is too long"))?)
+        .ok_or_else(|| format!("{text:?} is too long"))
+}
+
+/// Durations as text (`"30s"`) or a number of seconds.
+mod duration_text {
+    use std::time::Duration;
+
+    use serde::{de, Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        if d.subsec_millis() == 0 {
+            s.serialize_str(&format!("{}s", d.as_secs()))
+        } else {
+            s.serialize_str(&format!("{}ms", d.as_millis()))
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Text {
+            Secs(u64),
+            Text(String),
+        }
+        match Text::deserialize(d)? {
+            Text::Secs(n) => Ok(Duration::from_secs(n)),
+            Text::Text(t) => super::parse_duration(&t).map_err(de::Error::custom),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<BridgeConfig, ConfigError> {
+        BridgeConfig::parse(text, "test.toml", &[])
+    }
+
+    const MINIMAL: &str = r#"
+        [adapters]
+        local = "local:./data"
+        [[sources]]
+        name = "calls"
+        adapter = "local"
+        queue = "calls"
+        [[routes]]
+        name = "all"
+        sink = "local"
+    "#;
+
+    #[test]
+    fn the_embedded_default_is_valid_and_documented_values_hold() {
+        let c = BridgeConfig::embedded_default(&[]).unwrap();
+        assert_eq!(c.http.listen, "127.0.0.1:9464");
+        assert_eq!(
+            c.adapters.get("local").map(String::as_str),
+            Some("local:./ojs-bridge-data")
+        );
+        assert_eq!(c.sources[0].queue, "calls");
+        assert_eq!(c.sources[0].format, InputFormat::Grpcq);
+        assert_eq!(c.routes[0].queue.as_deref(), Some("default"));
+        assert_eq!(c.routes[0].job_type.as_deref(), Some("{topic}.{action}"));
+        assert_eq!(c.shutdown_timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn defaults_fill_what_a_file_leaves_out() {
+        let c = parse(MINIMAL).unwrap();
+        let s = &c.sources[0];
+        assert_eq!(
+            (s.batch_size, s.max_in_flight, s.group.as_str()),
+            (256, 2048, "ojs-bridge")
+        );
+        assert_eq!(s.visibility_timeout, Duration::from_secs(60));
+        assert_eq!(c.routes[0].to, OutputFormat::Ojs);
+        assert_eq!(c.routes[0].encoding, EnvelopeEncoding::Proto);
+    }
+
+    #[test]
+    fn environment_overrides_listen_timeout_and_adapter_urls() {
+        let env = vec![
+            (
+                "OJS_BRIDGE_HTTP_LISTEN".to_owned(),
+                "127.0.0.1:19464".to_owned(),
+            ),
+            ("OJS_BRIDGE_SHUTDOWN_TIMEOUT".to_owned(), "5s".to_owned()),
+            (
+                "OJS_BRIDGE_ADAPTER_LOCAL".to_owned(),
+                "local:./elsewhere".to_owned(),
+            ),
+            ("OJS_BRIDGE_LOG".to_owned(), "debug".to_owned()),
+            ("PATH".to_owned(), "/bin".to_owned()),
+        ];
+        let c = BridgeConfig::parse(MINIMAL, "t", &env).unwrap();
+        assert_eq!(c.http.listen, "127.0.0.1:19464");
+        assert_eq!(c.shutdown_timeout, Duration::from_secs(5));
+        assert_eq!(
+            c.adapters.get("local").map(String::as_str),
+            Some("local:./elsewhere")
+        );
+        assert_eq!(c.adapters.len(), 1);
+    }
+
+    fn error_of(text: &str) -> String {
+        parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn each_bad_file_names_what_to_fix() {
+        let cases: &[(&str, &str)] = &[
+            ("adapters = [", "test.toml"),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nbatch = 3"),
+                "unknown field `batch`",
+            ),
+            (
+                &MINIMAL.replace("sink = \"local\"", "sink = \"kafak\""),
+                "routes[0].sink: names adapter \"kafak\"",
+            ),
+            (
+                &MINIMAL.replace("adapter = \"local\"", "adapter = \"nope\""),
+                "sources[0].adapter",
+            ),
+            (
+                &MINIMAL.replace("local:./data", "ftp://x"),
+                "adapters.local",
+            ),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nbatch_size = 0"),
+                "sources[0].batch_size",
+            ),
+            (
+                &MINIMAL.replace(
+                    "queue = \"calls\"",
+                    "queue = \"calls\"\nmax_in_flight = 2\nbatch_size = 10",
+                ),
+                "sources[0].max_in_flight",
+            ),
+            (
+                &MINIMAL.replace(
+                    "queue = \"calls\"",
+                    "queue = \"calls\"\nvisibility_timeout = \"ten\"",
+                ),
+                "not a duration",
+            ),
+            (
+                &MINIMAL.replace("sink = \"local\"", "sink = \"local\"\ntype = \"{topik}\""),
+                "routes[0].type",
+            ),
+            (
+                &MINIMAL.replace("sink = \"local\"", "sink = \"local\"\nsources = [\"x\"]"),
+                "routes[0].sources[0]",
+            ),
+            (
+                &MINIMAL.replace(
+                    "sink = \"local\"",
+                    "sink = \"local\"\nmatch = { type = \"a\", topic = \"b\" }",
+                ),
+                "routes[0].match",
+            ),
+            (
+                &MINIMAL.replace(
+                    "sink = \"local\"",
+                    "sink = \"local\"\nmessage_type = \"a.B\"",
+                ),
+                "needs descriptor_set",
+            ),
+            (
+                &MINIMAL.replace("sink = \"local\"", "sink = \"local\"\nto = \"xml\""),
+                "unknown variant `xml`",
+            ),
+            (
+                &format!("{MINIMAL}\n[http]\nlisten = \"everywhere\""),
+                "http.listen",
+            ),
+            (
+                &format!("{MINIMAL}\n[[routes]]\nname = \"all\"\nsink = \"local\""),
+                "routes[1].name",
+            ),
+            (
+                &MINIMAL.replace(
+                    "[[routes]]\n        name = \"all\"\n        sink = \"local\"",
+                    "",
+                ),
+                "routes: no route",
+            ),
+        ];
+        for (text, expected) in cases {
+            let e = error_of(text);
+            assert!(e.contains(expected), "expected {expected:?} in {e:?}");
+        }
+    }
+
+    #[test]
+    fn durations_parse_in_every_documented_unit() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+        assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
+        assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("").is_err());
+    }
+}

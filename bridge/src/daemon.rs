@@ -1,0 +1,655 @@
+//! `ojs-bridge run`: sources → routes → sinks, at least once.
+//!
+//! Each source runs one loop that receives batches while earlier batches are
+//! still being published (bounded by `max_in_flight`). A batch is decoded,
+//! routed and mapped message by message, published per (route, queue) group,
+//! and each source message is acked only after its sink confirmed. A sink
+//! that fails is retried with backoff while the source waits: an outage slows
+//! the daemon down, it never dead-letters good messages. Poison messages
+//! (undecodable, unknown content type, unmappable, no route, too large) are
+//! dead-lettered with their reason and the daemon goes on.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use ojs_core::backoff::reconnect_delay;
+use ojs_core::{
+    grpcq, ConsumerOptions, DeadLetterReason, Delivery, Encoding, Error, Nack, OutgoingMessage,
+    QueueAdapter,
+};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinSet;
+
+use crate::config::{BridgeConfig, ConfigError, InputFormat, SourceConfig};
+use crate::http::{self, HttpState};
+use crate::metrics::Metrics;
+use crate::routes::{Incoming, Route};
+
+/// Why the daemon cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The configuration is not usable.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// An adapter could not be opened.
+    #[error("adapter `{name}` ({url}): {source}")]
+    Connect {
+        /// Adapter name.
+        name: String,
+        /// Its URL, credentials removed.
+        url: String,
+        /// Why.
+        source: Error,
+    },
+    /// The HTTP endpoint could not listen.
+    #[error("http.listen {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// A URL without its password, for messages and logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let userinfo = &url[scheme_end + 3..at];
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// Longest wait between two attempts at a failing sink or consumer.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Longest wait of one receive: bounds how long an idle source takes to
+/// notice nothing (shutdown is noticed at once regardless).
+const RECEIVE_WAIT: Duration = Duration::from_secs(1);
+
+/// A started daemon: adapters connected, routes compiled, endpoint bound.
+#[derive(Debug)]
+pub struct Daemon {
+    config: BridgeConfig,
+    adapters: BTreeMap<String, Arc<dyn QueueAdapter>>,
+    routes: Arc<Vec<Route>>,
+    /// The sink of each route, by route index.
+    sinks: Arc<Vec<Arc<dyn QueueAdapter>>>,
+    metrics: Arc<Metrics>,
+    listener: Option<TcpListener>,
+}
+
+/// What a run did, per source: received and acked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunSummary {
+    /// (source, received, acked).
+    pub sources: Vec<(String, u64, u64)>,
+}
+
+impl Daemon {
+    /// Compiles routes, connects every adapter, binds the endpoint.
+    pub async fn start(config: BridgeConfig) -> Result<Daemon, DaemonError> {
+        config.validate()?;
+        let routes = config
+            .routes
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Route::compile(r, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut adapters = BTreeMap::new();
+        for (name, url) in &config.adapters {
+            let adapter =
+                crate::endpoint::connect(url)
+                    .await
+                    .map_err(|source| DaemonError::Connect {
+                        name: name.clone(),
+                        url: redact(url),
+                        source,
+                    })?;
+            adapters.insert(name.clone(), adapter);
+        }
+        let mut sinks = Vec::with_capacity(routes.len());
+        for (i, route) in routes.iter().enumerate() {
+            let sink = adapters
+                .get(&route.sink)
+                .cloned()
+                .ok_or_else(|| ConfigError::Invalid {
+                    field: format!("routes[{i}].sink"),
+                    reason: format!(
+                        "names adapter {:?}, which [adapters] does not define",
+                        route.sink
+                    ),
+                })?;
+            sinks.push(sink);
+        }
+        let listener = if config.http.listen == "off" {
+            None
+        } else {
+            Some(
+                TcpListener::bind(&config.http.listen)
+                    .await
+                    .map_err(|source| DaemonError::Listen {
+                        addr: config.http.listen.clone(),
+                        source,
+                    })?,
+            )
+        };
+        let metrics = Arc::new(Metrics::new(
+            &config
+                .sources
+                .iter()
+                .map(|s| s.name.clone())
+                .collect::<Vec<_>>(),
+            &config
+                .routes
+                .iter()
+                .map(|r| r.name.clone())
+                .collect::<Vec<_>>(),
+        ));
+        Ok(Daemon {
+            config,
+            adapters,
+            routes: Arc::new(routes),
+            sinks: Arc::new(sinks),
+            metrics,
+            listener,
+        })
+    }
+
+    /// Where the endpoint listens (useful with port 0).
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// The daemon's counters.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// Runs until `shutdown` completes; then stops consuming, gives
+    /// in-flight messages `shutdown_timeout` to be published and acked, and
+    /// returns. Messages still unsettled after that are delivered again.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> RunSummary {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut http_task = None;
+        if let Some(listener) = self.listener {
+            let state = Arc::new(HttpState {
+                adapters: self
+                    .adapters
+                    .iter()
+                    .map(|(n, a)| (n.clone(), a.clone()))
+                    .collect(),
+                metrics: self.metrics.clone(),
+                health_timeout: Duration::from_secs(5),
+            });
+            if let Ok(addr) = listener.local_addr() {
+                tracing::info!(%addr, "health on /ojs/v1/health, metrics on /metrics");
+            }
+            http_task = Some(tokio::spawn(http::serve(listener, state, stop_rx.clone())));
+        }
+        let sinks = self.sinks.clone();
+        let mut sources = JoinSet::new();
+        for (index, source) in self.config.sources.iter().enumerate() {
+            let Some(adapter) = self.adapters.get(&source.adapter).cloned() else {
+                continue;
+            };
+            let dead_letter = source.dead_letter.as_ref().and_then(|dl| {
+                self.adapters
+                    .get(&dl.adapter)
+                    .map(|a| (a.clone(), dl.queue.clone()))
+            });
+            let ctx = Arc::new(SourceCtx {
+                index,
+                config: source.clone(),
+                adapter,
+                default_encoding: match source.format {
+                    InputFormat::Grpcq => Encoding::GrpcqProto,
+                    InputFormat::Ojs => Encoding::OjsProto,
+                },
+                routes: self.routes.clone(),
+                sinks: sinks.clone(),
+                dead_letter,
+                metrics: self.metrics.clone(),
+            });
+            tracing::info!(source = %source.name, queue = %source.queue, adapter = %source.adapter, "consuming");
+            sources.spawn(run_source(
+                ctx,
+                stop_rx.clone(),
+                self.config.shutdown_timeout,
+            ));
+        }
+        shutdown.await;
+        tracing::info!(
+            timeout_ms = self.config.shutdown_timeout.as_millis() as u64,
+            "shutting down: no new messages; finishing in-flight ones"
+        );
+        let _ = stop_tx.send(true);
+        while sources.join_next().await.is_some() {}
+        if let Some(task) = http_task {
+            let _ = task.await;
+        }
+        for (name, adapter) in &self.adapters {
+            if let Err(e) = adapter.close().await {
+                tracing::warn!(adapter = %name, error = %e, "closing the adapter failed");
+            }
+        }
+        RunSummary {
+            sources: self
+                .metrics
+                .sources
+                .iter()
+                .map(|(name, m)| {
+                    (
+                        name.clone(),
+                        m.received.load(Ordering::Relaxed),
+                        m.acked.load(Ordering::Relaxed),
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Everything one source's tasks share.
+struct SourceCtx {
+    index: usize,
+    config: SourceConfig,
+    adapter: Arc<dyn QueueAdapter>,
+    default_encoding: Encoding,
+    routes: Arc<Vec<Route>>,
+    /// The sink of each route, by route index.
+    sinks: Arc<Vec<Arc<dyn QueueAdapter>>>,
+    dead_letter: Option<(Arc<dyn QueueAdapter>, String)>,
+    metrics: Arc<Metrics>,
+}
+
+impl SourceCtx {
+    fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    fn counters(&self) -> &crate::metrics::SourceMetrics {
+        &self.metrics.sources[self.index].1
+    }
+}
+
+async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain: Duration) {
+    let options = ConsumerOptions {
+        group: ctx.config.group.clone(),
+        visibility_timeout: ctx.config.visibility_timeout,
+        prefetch: u16::try_from(ctx.config.max_in_flight).unwrap_or(u16::MAX),
+        ..ConsumerOptions::default()
+    };
+    let permits = Arc::new(Semaphore::new(ctx.config.max_in_flight));
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    let mut consumer = None;
+    let mut failures = 0u32;
+    loop {
+        while tasks.try_join_next().is_some() {}
+        if *stop.borrow() {
+            break;
+        }
+        let c = match consumer.as_mut() {
+            Some(c) => c,
+            None => match ctx
+                .adapter
+                .consumer(&ctx.config.queue, options.clone())
+                .await
+            {
+                Ok(c) => {
+                    failures = 0;
+                    consumer.insert(c)
+                }
+                Err(e) => {
+                    failures += 1;
+                    ctx.metrics.error(ctx.name(), "consumer");
+                    let delay = reconnect_delay(failures, MAX_BACKOFF);
+                    tracing::warn!(source = %ctx.name(), error = %e, delay_ms = delay.as_millis() as u64, "cannot open the consumer; retrying");
+                    tokio::select! {
+                        _ = stop.wait_for(|s| *s) => break,
+                        () = tokio::time::sleep(delay) => continue,
+                    }
+                }
+            },
+        };
+        let free = permits.available_permits();
+        if free == 0 {
+            // Backpressure: wait for a batch to finish before fetching more.
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => break,
+                _ = tasks.join_next() => continue,
+            }
+        }
+        let want = free.min(ctx.config.batch_size);
+        let received = tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => break,
+            received = c.receive(want, RECEIVE_WAIT) => received,
+        };
+        match received {
+            Ok(batch) if batch.is_empty() => {}
+            Ok(batch) => {
+                failures = 0;
+                let n = batch.len();
+                let counters = ctx.counters();
+                counters.received.fetch_add(n as u64, Ordering::Relaxed);
+                counters.in_flight.fetch_add(n as i64, Ordering::Relaxed);
+                // Capacity was checked above: this does not wait.
+                let Ok(permit) = permits.clone().acquire_many_owned(n as u32).await else {
+                    break;
+                };
+                let ctx = ctx.clone();
+                tasks.spawn(async move {
+                    process_batch(&ctx, batch).await;
+                    ctx.counters()
+                        .in_flight
+                        .fetch_sub(n as i64, Ordering::Relaxed);
+                    drop(permit);
+                });
+            }
+            Err(e) => {
+                failures += 1;
+                ctx.metrics.error(ctx.name(), "receive");
+                let delay = reconnect_delay(failures, MAX_BACKOFF);
+                tracing::warn!(source = %ctx.name(), error = %e, delay_ms = delay.as_millis() as u64, "receive failed; retrying");
+                tokio::select! {
+                    _ = stop.wait_for(|s| *s) => break,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+    let drained =
+        tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!(source = %ctx.name(), batches = tasks.len(), "shutdown timeout: abandoning in-flight messages; they will be delivered again");
+        tasks.shutdown().await;
+    }
+    if let Some(c) = consumer {
+        if let Err(e) = c.close().await {
+            tracing::warn!(source = %ctx.name(), error = %e, "closing the consumer failed");
+        }
+    }
+}
+
+/// Decodes a delivery by its content type (the source's format when it has
+/// none).
+pub fn decode(d: &Delivery, default: Encoding) -> Result<Incoming, DeadLetterReason> {
+    let encoding = match d.content_type() {
+        Some(ct) => {
+            Encoding::from_content_type(ct).map_err(|e| DeadLetterReason::from_error(&e))?
+        }
+        None => default,
+    };
+    match encoding {
+        Encoding::GrpcqProto => grpcq::decode_lenient(&d.payload)
+            .map(Incoming::Call)
+            .map_err(|e| DeadLetterReason::new("undecodable", format!("not a grpcq.Message: {e}"))),
+        envelope => {
+            let mut jobs = envelope.decode_envelopes(&d.payload).map_err(|e| {
+                DeadLetterReason::new(
+                    "undecodable",
+                    format!("not an OJS envelope ({envelope}): {e}"),
+                )
+            })?;
+            if jobs.len() != 1 {
+                return Err(DeadLetterReason::new(
+                    "unsupported_batch",
+                    format!(
+                        "a message must carry one envelope, this one has {}",
+                        jobs.len()
+                    ),
+                ));
+            }
+            Ok(Incoming::Job(Box::new(jobs.remove(0))))
+        }
+    }
+}
+
+/// Messages of one batch bound for one (route, queue).
+struct Group {
+    route: usize,
+    queue: String,
+    items: Vec<(Delivery, OutgoingMessage, Option<i64>)>,
+}
+
+async fn process_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) {
+    let received_at = Instant::now();
+    let mut groups: Vec<Group> = Vec::new();
+    let mut dead: Vec<(Delivery, DeadLetterReason)> = Vec::new();
+    for d in deliveries {
+        match plan(ctx, &d) {
+            Ok((route, queue, out, created)) => {
+                match groups
+                    .iter_mut()
+                    .find(|g| g.route == route && g.queue == queue)
+                {
+                    Some(g) => g.items.push((d, out, created)),
+                    None => groups.push(Group {
+                        route,
+                        queue,
+                        items: vec![(d, out, created)],
+                    }),
+                }
+            }
+            Err(reason) => dead.push((d, reason)),
+        }
+    }
+    for group in groups {
+        publish_group(ctx, group, received_at, &mut dead).await;
+    }
+    for (d, reason) in dead {
+        dead_letter(ctx, d, reason).await;
+    }
+}
+
+/// Route index, sink queue, message, creation time — or why not.
+fn plan(
+    ctx: &SourceCtx,
+    d: &Delivery,
+) -> Result<(usize, String, OutgoingMessage, Option<i64>), DeadLetterReason> {
+    let msg = decode(d, ctx.default_encoding)?;
+    let Some(route) = ctx.routes.iter().position(|r| r.matches(ctx.name(), &msg)) else {
+        return Err(DeadLetterReason::new(
+            "unknown_route",
+            match &msg {
+                Incoming::Call(c) => format!("no route takes grpcq call {}/{}", c.topic, c.action),
+                Incoming::Job(j) => format!("no route takes job type {}", j.job_type),
+            },
+        ));
+    };
+    let created = msg.created_ms();
+    let (queue, out) = ctx.routes[route].map(msg, &ctx.config.queue)?;
+    if let Some(sink) = ctx.sinks.get(route) {
+        out.check_size(sink.max_message_bytes())
+            .map_err(|e| DeadLetterReason::from_error(&e))?;
+    }
+    Ok((route, queue, out, created))
+}
+
+/// Whether a per-message publish error is the message's fault (dead-letter
+/// it) rather than the sink's (retry it).
+fn is_permanent(e: &Error) -> bool {
+    matches!(e, Error::PayloadTooLarge { .. }) || (!e.is_retryable() && !matches!(e, Error::Closed))
+}
+
+async fn publish_group(
+    ctx: &SourceCtx,
+    group: Group,
+    received_at: Instant,
+    dead: &mut Vec<(Delivery, DeadLetterReason)>,
+) {
+    let route = &ctx.routes[group.route];
+    let Some(sink) = ctx.sinks.get(group.route) else {
+        return;
+    };
+    let mut waiting: Vec<(Delivery, Option<i64>)> = Vec::with_capacity(group.items.len());
+    let mut pending: Vec<OutgoingMessage> = Vec::with_capacity(group.items.len());
+    for (d, out, created) in group.items {
+        waiting.push((d, created));
+        pending.push(out);
+    }
+    let mut attempt = 0u32;
+    loop {
+        match sink.publish(&group.queue, pending).await {
+            Ok(()) => {
+                confirmed(ctx, group.route, waiting, received_at).await;
+                return;
+            }
+            Err(Error::Publish(failure)) => {
+                let total = waiting.len();
+                let mut slots: Vec<Option<(Delivery, Option<i64>)>> =
+                    waiting.into_iter().map(Some).collect();
+                let mut retry_waiting = Vec::new();
+                let mut retry_pending = Vec::new();
+                let mut last_error = None;
+                for f in failure.failed {
+                    let Some(slot) = slots.get_mut(f.index).and_then(Option::take) else {
+                        continue;
+                    };
+                    if is_permanent(&f.error) {
+                        let reason = match &f.error {
+                            Error::PayloadTooLarge { .. } => DeadLetterReason::from_error(&f.error),
+                            other => DeadLetterReason::new("sink_rejected", other.to_string()),
+                        };
+                        dead.push((slot.0, reason));
+                    } else {
+                        last_error = Some(f.error);
+                        retry_waiting.push(slot);
+                        retry_pending.push(f.message);
+                    }
+                }
+                let done: Vec<_> = slots.into_iter().flatten().collect();
+                tracing::debug!(route = %route.name, total, confirmed = done.len(), retrying = retry_waiting.len(), "partial publish");
+                confirmed(ctx, group.route, done, received_at).await;
+                if retry_waiting.is_empty() {
+                    return;
+                }
+                waiting = retry_waiting;
+                pending = retry_pending;
+                attempt += 1;
+                let reason = last_error.as_ref().map_or("publish", Error::kind);
+                ctx.metrics.error(&route.name, reason);
+                let delay = reconnect_delay(attempt, MAX_BACKOFF);
+                tracing::warn!(route = %route.name, sink = %route.sink, queue = %group.queue, messages = waiting.len(), attempt, delay_ms = delay.as_millis() as u64, error = ?last_error.map(|e| e.to_string()), "sink did not confirm; retrying");
+                tokio::time::sleep(delay).await;
+            }
+            Err(e) => {
+                // Adapters hand failed messages back in Error::Publish; any
+                // other error leaves nothing to retry here, so the source
+                // redelivers them.
+                ctx.metrics.error(&route.name, e.kind());
+                tracing::warn!(route = %route.name, error = %e, "publish failed; the source will deliver these messages again");
+                let delay = reconnect_delay(1, MAX_BACKOFF);
+                join_all(
+                    waiting
+                        .iter()
+                        .map(|(d, _)| d.nack(Nack::retry_after(delay))),
+                )
+                .await;
+                return;
+            }
+        }
+    }
+}
+
+/// The sink confirmed these: ack them at the source.
+async fn confirmed(
+    ctx: &SourceCtx,
+    route: usize,
+    done: Vec<(Delivery, Option<i64>)>,
+    received_at: Instant,
+) {
+    if done.is_empty() {
+        return;
+    }
+    let route_metrics = &ctx.metrics.routes[route].1;
+    route_metrics
+        .published
+        .fetch_add(done.len() as u64, Ordering::Relaxed);
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    let bridge = received_at.elapsed();
+    for (_, created) in &done {
+        route_metrics.bridge_latency.observe(bridge);
+        if let Some(c) = created {
+            let ms = u64::try_from(now_ms.saturating_sub(*c)).unwrap_or(0);
+            route_metrics
+                .end_to_end_latency
+                .observe(Duration::from_millis(ms));
+        }
+    }
+    let results = join_all(done.iter().map(|(d, _)| d.ack())).await;
+    let acked = results.iter().filter(|r| r.is_ok()).count();
+    ctx.counters()
+        .acked
+        .fetch_add(acked as u64, Ordering::Relaxed);
+    if let Some(Err(e)) = results.into_iter().find(Result::is_err) {
+        ctx.metrics.error(ctx.name(), "ack");
+        tracing::warn!(source = %ctx.name(), failed = done.len() - acked, error = %e, "ack failed after the sink confirmed; those messages will be delivered again (same job ids)");
+    }
+}
+
+/// Sends a poison message to the dead-letter destination with its reason.
+async fn dead_letter(ctx: &SourceCtx, d: Delivery, reason: DeadLetterReason) {
+    ctx.metrics.dead_lettered(ctx.name(), &reason.error_type);
+    tracing::warn!(source = %ctx.name(), reason = %reason.error_type, message_id = ?d.message_id, detail = %reason.message, "dead-lettering");
+    let result = match &ctx.dead_letter {
+        None => d.nack(Nack::DeadLetter(reason)).await,
+        Some((adapter, queue)) => {
+            let mut copy = OutgoingMessage {
+                payload: d.payload.clone(),
+                headers: d.headers.clone(),
+                key: d.key.clone(),
+                message_id: d.message_id.clone(),
+                priority: 0,
+                deliver_at: None,
+            };
+            reason.write_headers(&mut copy.headers);
+            let mut attempt = 0;
+            loop {
+                match adapter.publish(queue, vec![copy.clone()]).await {
+                    Ok(()) => break d.ack().await,
+                    Err(e) => {
+                        attempt += 1;
+                        ctx.metrics.error(ctx.name(), "dead_letter_publish");
+                        let delay = reconnect_delay(attempt, MAX_BACKOFF);
+                        tracing::warn!(source = %ctx.name(), error = %e, attempt, "dead-letter queue did not confirm; retrying");
+                        tokio::time::sleep(delay).await;
+                    }
+                }
+            }
+        }
+    };
+    match result {
+        Ok(()) => {
+            ctx.counters().acked.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(e) => {
+            ctx.metrics.error(ctx.name(), "dead_letter");
+            tracing::warn!(source = %ctx.name(), error = %e, "dead-lettering failed; the message will be delivered again");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted_from_urls() {
+        assert_eq!(
+            redact("amqp://guest:secret@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(redact("kafka://127.0.0.1:9092"), "kafka://127.0.0.1:9092");
+        assert_eq!(redact("local:./data"), "local:./data");
+    }
+}

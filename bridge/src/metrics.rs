@@ -1,0 +1,302 @@
+//! The daemon's counters, rendered in the Prometheus text format.
+//!
+//! Hot counters are atomics allocated per source and per route at start;
+//! the rare labelled ones (dead letters and errors by reason) sit behind a
+//! mutex.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Upper bounds (seconds) of the latency histogram buckets.
+const BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// A cumulative histogram of durations.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    /// Records one observation.
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros.fetch_add(
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let mut cumulative = 0;
+        for (bound, bucket) in BUCKETS.iter().zip(&self.buckets) {
+            cumulative += bucket.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
+        }
+        let count = self.count();
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    }
+}
+
+/// Counters of one source.
+#[derive(Debug, Default)]
+pub struct SourceMetrics {
+    /// Messages received.
+    pub received: AtomicU64,
+    /// Messages acked at the source (after the sink confirmed).
+    pub acked: AtomicU64,
+    /// Messages received and not yet settled.
+    pub in_flight: AtomicI64,
+}
+
+/// Counters of one route.
+#[derive(Debug, Default)]
+pub struct RouteMetrics {
+    /// Messages the sink confirmed.
+    pub published: AtomicU64,
+    /// Receive → sink confirmed, the latency the bridge adds.
+    pub bridge_latency: Histogram,
+    /// Message creation → sink confirmed.
+    pub end_to_end_latency: Histogram,
+}
+
+/// Appends more metrics text (e.g. federation state) to `/metrics`.
+pub type Renderer = Box<dyn Fn(&mut String) + Send + Sync>;
+
+/// Every counter of a daemon.
+#[derive(Default)]
+pub struct Metrics {
+    /// Per source, in configuration order.
+    pub sources: Vec<(String, SourceMetrics)>,
+    /// Per route, in configuration order.
+    pub routes: Vec<(String, RouteMetrics)>,
+    dead_lettered: Mutex<BTreeMap<(String, String), u64>>,
+    errors: Mutex<BTreeMap<(String, String), u64>>,
+    /// Extra text appended to the rendering (federation state).
+    pub extra: Mutex<Vec<Renderer>>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics")
+            .field("sources", &self.sources)
+            .field("routes", &self.routes)
+            .finish_non_exhaustive()
+    }
+}
+
+fn bump(map: &Mutex<BTreeMap<(String, String), u64>>, a: &str, b: &str) {
+    if let Ok(mut m) = map.lock() {
+        *m.entry((a.to_owned(), b.to_owned())).or_default() += 1;
+    }
+}
+
+/// Escapes a label value.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl Metrics {
+    /// Counters for these sources and routes.
+    pub fn new(sources: &[String], routes: &[String]) -> Self {
+        Metrics {
+            sources: sources
+                .iter()
+                .map(|s| (s.clone(), SourceMetrics::default()))
+                .collect(),
+            routes: routes
+                .iter()
+                .map(|r| (r.clone(), RouteMetrics::default()))
+                .collect(),
+            ..Metrics::default()
+        }
+    }
+
+    /// One message of `source` dead-lettered for `reason`.
+    pub fn dead_lettered(&self, source: &str, reason: &str) {
+        bump(&self.dead_lettered, source, reason);
+    }
+
+    /// One error at `place` (a route or source name) of kind `reason`.
+    pub fn error(&self, place: &str, reason: &str) {
+        bump(&self.errors, place, reason);
+    }
+
+    /// Dead letters of `source` so far, all reasons.
+    pub fn dead_lettered_count(&self, source: &str) -> u64 {
+        self.dead_lettered
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|((s, _), _)| s == source)
+                    .map(|(_, n)| n)
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let counter = |out: &mut String, name: &str, help: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        };
+        counter(
+            &mut out,
+            "ojs_bridge_received_total",
+            "Messages received from a source.",
+        );
+        for (s, m) in &self.sources {
+            let _ = writeln!(
+                out,
+                "ojs_bridge_received_total{{source=\"{}\"}} {}",
+                label(s),
+                m.received.load(Ordering::Relaxed)
+            );
+        }
+        counter(
+            &mut out,
+            "ojs_bridge_acked_total",
+            "Source messages acked after the sink confirmed (or after dead-lettering).",
+        );
+        for (s, m) in &self.sources {
+            let _ = writeln!(
+                out,
+                "ojs_bridge_acked_total{{source=\"{}\"}} {}",
+                label(s),
+                m.acked.load(Ordering::Relaxed)
+            );
+        }
+        let _ = writeln!(out, "# HELP ojs_bridge_in_flight Messages received and not yet settled.\n# TYPE ojs_bridge_in_flight gauge");
+        for (s, m) in &self.sources {
+            let _ = writeln!(
+                out,
+                "ojs_bridge_in_flight{{source=\"{}\"}} {}",
+                label(s),
+                m.in_flight.load(Ordering::Relaxed)
+            );
+        }
+        counter(
+            &mut out,
+            "ojs_bridge_published_total",
+            "Messages a sink confirmed.",
+        );
+        for (r, m) in &self.routes {
+            let _ = writeln!(
+                out,
+                "ojs_bridge_published_total{{route=\"{}\"}} {}",
+                label(r),
+                m.published.load(Ordering::Relaxed)
+            );
+        }
+        counter(
+            &mut out,
+            "ojs_bridge_dead_lettered_total",
+            "Messages dead-lettered, by source and reason.",
+        );
+        if let Ok(m) = self.dead_lettered.lock() {
+            for ((s, reason), n) in m.iter() {
+                let _ = writeln!(
+                    out,
+                    "ojs_bridge_dead_lettered_total{{source=\"{}\",reason=\"{}\"}} {n}",
+                    label(s),
+                    label(reason)
+                );
+            }
+        }
+        counter(&mut out, "ojs_bridge_errors_total", "Errors (retried publishes, failed settles, consume errors) by route or source and reason.");
+        if let Ok(m) = self.errors.lock() {
+            for ((place, reason), n) in m.iter() {
+                let _ = writeln!(
+                    out,
+                    "ojs_bridge_errors_total{{at=\"{}\",reason=\"{}\"}} {n}",
+                    label(place),
+                    label(reason)
+                );
+            }
+        }
+        for (name, help, pick) in [
+            (
+                "ojs_bridge_latency_seconds",
+                "Time from receive to sink confirmation: the latency the bridge adds.",
+                0,
+            ),
+            (
+                "ojs_bridge_end_to_end_latency_seconds",
+                "Time from message creation to sink confirmation.",
+                1,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+            for (r, m) in &self.routes {
+                let h = if pick == 0 {
+                    &m.bridge_latency
+                } else {
+                    &m.end_to_end_latency
+                };
+                h.render(&mut out, name, &format!("route=\"{}\"", label(r)));
+            }
+        }
+        if let Ok(extra) = self.extra.lock() {
+            for f in extra.iter() {
+                f(&mut out);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_and_cumulative_histograms() {
+        let m = Metrics::new(&["calls".into()], &["r\"1".into()]);
+        m.sources[0].1.received.fetch_add(3, Ordering::Relaxed);
+        m.routes[0]
+            .1
+            .bridge_latency
+            .observe(Duration::from_millis(2));
+        m.routes[0]
+            .1
+            .bridge_latency
+            .observe(Duration::from_secs(60));
+        m.dead_lettered("calls", "undecodable");
+        m.dead_lettered("calls", "undecodable");
+        let text = m.render();
+        assert!(
+            text.contains("ojs_bridge_received_total{source=\"calls\"} 3"),
+            "{text}"
+        );
+        assert!(text
+            .contains("ojs_bridge_dead_lettered_total{source=\"calls\",reason=\"undecodable\"} 2"));
+        assert!(
+            text.contains("ojs_bridge_latency_seconds_bucket{route=\"r\\\"1\",le=\"0.0025\"} 1")
+        );
+        assert!(text.contains("ojs_bridge_latency_seconds_bucket{route=\"r\\\"1\",le=\"10\"} 1"));
+        assert!(text.contains("ojs_bridge_latency_seconds_bucket{route=\"r\\\"1\",le=\"+Inf\"} 2"));
+        assert!(text.contains("ojs_bridge_latency_seconds_count{route=\"r\\\"1\"} 2"));
+        assert_eq!(m.dead_lettered_count("calls"), 2);
+    }
+}

@@ -1,0 +1,103 @@
+//! grpcq request payloads ↔ proto3 JSON, driven by a FileDescriptorSet.
+
+use std::path::Path;
+
+use ojs_core::mapping::TranscodedPayload;
+use prost::Message as _;
+use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
+use serde_json::Value;
+
+/// Transcodes payloads of one route.
+#[derive(Debug, Clone)]
+pub struct Transcoder {
+    pool: DescriptorPool,
+    /// The configured request type; otherwise looked up per call.
+    fixed: Option<MessageDescriptor>,
+}
+
+impl Transcoder {
+    /// Loads a FileDescriptorSet file; `message_type`, when given, must be
+    /// in it.
+    pub fn load(path: &Path, message_type: Option<&str>) -> Result<Self, String> {
+        let bytes =
+            std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let pool = DescriptorPool::decode(bytes.as_slice()).map_err(|e| {
+            format!(
+                "{} is not a protobuf FileDescriptorSet: {e}",
+                path.display()
+            )
+        })?;
+        let fixed = match message_type {
+            Some(name) => Some(
+                pool.get_message_by_name(name)
+                    .ok_or_else(|| format!("message type {name:?} is not in {}", path.display()))?,
+            ),
+            None => None,
+        };
+        Ok(Transcoder { pool, fixed })
+    }
+
+    /// The request type of a call: the configured one, else the input of
+    /// method `action` of service `topic`.
+    fn request_type(&self, topic: &str, action: &str) -> Result<MessageDescriptor, String> {
+        if let Some(d) = &self.fixed {
+            return Ok(d.clone());
+        }
+        let service = self
+            .pool
+            .get_service_by_name(topic)
+            .ok_or_else(|| format!("service {topic:?} is not in the descriptor set"))?;
+        let method = service
+            .methods()
+            .find(|m| m.name() == action)
+            .ok_or_else(|| format!("service {topic:?} has no method {action:?}"))?;
+        Ok(method.input())
+    }
+
+    /// The request as proto3 JSON. `Ok(None)` when JSON cannot carry it
+    /// exactly (unknown fields, non-canonical encoding): the caller then
+    /// carries the bytes as base64url so nothing is lost.
+    pub fn to_json(
+        &self,
+        topic: &str,
+        action: &str,
+        payload: &[u8],
+    ) -> Result<Option<TranscodedPayload>, String> {
+        let desc = self.request_type(topic, action)?;
+        let msg = DynamicMessage::decode(desc.clone(), payload)
+            .map_err(|e| format!("payload is not a {}: {e}", desc.full_name()))?;
+        let json = serde_json::to_value(&msg).map_err(|e| format!("{}: {e}", desc.full_name()))?;
+        // Proof of losslessness: the JSON must give back the same bytes.
+        let back = DynamicMessage::deserialize(desc.clone(), &json)
+            .map(|m| m.encode_to_vec())
+            .ok();
+        if back.as_deref() != Some(payload) {
+            return Ok(None);
+        }
+        Ok(Some(TranscodedPayload {
+            json,
+            message_type: desc.full_name().to_owned(),
+        }))
+    }
+
+    /// The request bytes of proto3 JSON. `message_type` (from the job's
+    /// meta) wins over the route's lookup.
+    pub fn from_json(
+        &self,
+        json: &Value,
+        message_type: Option<&str>,
+        topic: &str,
+        action: &str,
+    ) -> Result<Vec<u8>, String> {
+        let desc = match message_type {
+            Some(name) => self
+                .pool
+                .get_message_by_name(name)
+                .ok_or_else(|| format!("message type {name:?} is not in the descriptor set"))?,
+            None => self.request_type(topic, action)?,
+        };
+        DynamicMessage::deserialize(desc.clone(), json)
+            .map(|m| m.encode_to_vec())
+            .map_err(|e| format!("args are not a proto3 JSON {}: {e}", desc.full_name()))
+    }
+}
