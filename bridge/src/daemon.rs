@@ -97,6 +97,16 @@ pub struct RunSummary {
 impl Daemon {
     /// Compiles routes, connects every adapter, binds the endpoint.
     pub async fn start(config: BridgeConfig) -> Result<Daemon, DaemonError> {
+        Self::start_with(config, BTreeMap::new()).await
+    }
+
+    /// Like [`Daemon::start`], with some adapters built by the caller (a
+    /// memory adapter with its own limits, a federated sink…): an adapter
+    /// named in `provided` is used instead of connecting its URL.
+    pub async fn start_with(
+        config: BridgeConfig,
+        mut provided: BTreeMap<String, Arc<dyn QueueAdapter>>,
+    ) -> Result<Daemon, DaemonError> {
         config.validate()?;
         let routes = config
             .routes
@@ -106,6 +116,10 @@ impl Daemon {
             .collect::<Result<Vec<_>, _>>()?;
         let mut adapters = BTreeMap::new();
         for (name, url) in &config.adapters {
+            if let Some(adapter) = provided.remove(name) {
+                adapters.insert(name.clone(), adapter);
+                continue;
+            }
             let adapter =
                 crate::endpoint::connect(url)
                     .await

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use ojs_bridge::convert::{self, Format};
-use ojs_bridge::send::MessageFormat;
 use ojs_bridge::config::{BridgeConfig, ConfigError};
+use ojs_bridge::convert::{self, Format};
 use ojs_bridge::daemon::{Daemon, DaemonError};
 use ojs_bridge::routes::Route;
+use ojs_bridge::send::MessageFormat;
 use ojs_bridge::{endpoint, send, tail};
 use ojs_core::ConsumerOptions;
 
