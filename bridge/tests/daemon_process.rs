@@ -1,0 +1,289 @@
+//! The `ojs-bridge` binary as a process on the embedded broker: SIGKILL
+//! mid-stream loses nothing, SIGTERM drains and exits 0, bad configuration
+//! files exit non-zero naming the field.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ojs_adapter_local::{LocalAdapter, LocalConfig};
+use ojs_bridge_tests::tally::Tally;
+use ojs_bridge_tests::tempdir::TempDir;
+use ojs_core::mapping::{self, call_job_id};
+use ojs_core::{Encoding, OutgoingMessage, QueueAdapter, Source};
+use support::{call, collect};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+}
+
+fn config_file(dir: &Path, data: &Path) -> PathBuf {
+    let path = dir.join("bridge.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+            shutdown_timeout = "10s"
+            [http]
+            listen = "off"
+            [adapters]
+            local = "local:{data}"
+            [[sources]]
+            name = "calls"
+            adapter = "local"
+            queue = "calls"
+            visibility_timeout = "2s"
+            [[routes]]
+            name = "default"
+            sink = "local"
+            queue = "default"
+            "#,
+            data = data.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// Starts the daemon and waits for its "running" line.
+fn spawn_daemon(config: &Path) -> Child {
+    let mut child = bin()
+        .args(["run", "--config", config.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("[daemon] {line}");
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the daemon did not report running");
+        if line.contains("running") {
+            // Keep draining stderr in the thread; lines go to our stderr.
+            std::thread::spawn(move || while rx.recv().is_ok() {});
+            return child;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_while_10000_calls_flow_then_restart_loses_nothing_and_duplicates_keep_their_job_id(
+) {
+    let dir = TempDir::new("daemon-kill");
+    let data = dir.path().join("data");
+    let config = config_file(dir.path(), &data);
+    let broker = LocalAdapter::open(LocalConfig::new(&data)).await.unwrap();
+    let n = 10_000;
+    let calls: Vec<_> = (0..n)
+        .map(|i| call(i, "payment.PaymentService", "Pay"))
+        .collect();
+    let expected: HashMap<String, String> = calls
+        .iter()
+        .map(|c| {
+            (
+                c.message_id.clone(),
+                call_job_id(&c.message_id, c.timestamp_ms),
+            )
+        })
+        .collect();
+
+    let mut daemon = spawn_daemon(&config);
+    // Publish while the daemon consumes, in batches, from another task.
+    let publisher = {
+        let broker = LocalAdapter::open(LocalConfig::new(&data)).await.unwrap();
+        let calls = calls.clone();
+        tokio::spawn(async move {
+            for chunk in calls.chunks(250) {
+                broker
+                    .publish(
+                        "calls",
+                        chunk.iter().map(OutgoingMessage::from_grpcq).collect(),
+                    )
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+    };
+    // Kill it mid-stream, once a good part has gone through.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let done = broker.depth("default").await.unwrap().unwrap_or(0);
+        if done >= 2_500 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the daemon moved only {done} calls in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    daemon.kill().unwrap(); // SIGKILL
+    daemon.wait().unwrap();
+    let at_kill = broker.depth("default").await.unwrap().unwrap_or(0);
+    println!("killed with {at_kill} jobs out");
+    publisher.await.unwrap();
+
+    let mut daemon = spawn_daemon(&config);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while broker.depth("calls").await.unwrap().unwrap_or(0) > 0
+        || broker.depth("default").await.unwrap().unwrap_or(0) < n as u64
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted daemon did not finish in 120 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Give abandoned leases (2 s) time to come back and be bridged again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let status = Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(daemon.wait().unwrap().success(), "SIGTERM must exit 0");
+
+    let jobs = collect(
+        &broker,
+        "default",
+        Source::Queue,
+        usize::MAX,
+        Duration::from_secs(3),
+    )
+    .await;
+    let mut tally = Tally::new();
+    for id in expected.keys() {
+        tally.sent(id.clone());
+    }
+    let mut ids_per_call: HashMap<String, BTreeSet<String>> = HashMap::new();
+    for d in &jobs {
+        let job = &Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0];
+        let message_id = job.meta_str(mapping::META_MESSAGE_ID).unwrap().to_owned();
+        tally.received(message_id.clone());
+        ids_per_call
+            .entry(message_id)
+            .or_default()
+            .insert(job.id.clone());
+    }
+    tally.assert_none_lost("kill -9 mid-stream, restart");
+    assert_eq!(tally.unexpected(), 0);
+    for (message_id, ids) in &ids_per_call {
+        assert_eq!(
+            ids.len(),
+            1,
+            "call {message_id} became {} different jobs",
+            ids.len()
+        );
+        assert_eq!(ids.iter().next(), expected.get(message_id));
+    }
+    println!(
+        "duplicates {} (each with the job id of its first copy)",
+        tally.duplicates()
+    );
+    assert_eq!(broker.depth("calls").await.unwrap(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_in_flight_work_and_exits_0() {
+    let dir = TempDir::new("daemon-term");
+    let data = dir.path().join("data");
+    let config = config_file(dir.path(), &data);
+    let broker = LocalAdapter::open(LocalConfig::new(&data)).await.unwrap();
+    let calls: Vec<OutgoingMessage> = (0..2000)
+        .map(|i| OutgoingMessage::from_grpcq(&call(i, "a.B", "C")))
+        .collect();
+    broker.publish("calls", calls).await.unwrap();
+    let mut daemon = spawn_daemon(&config);
+    while broker.depth("default").await.unwrap().unwrap_or(0) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let started = Instant::now();
+    Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status()
+        .unwrap();
+    let status = daemon.wait().unwrap();
+    println!("exited {status} in {:?}", started.elapsed());
+    assert!(status.success(), "SIGTERM must exit 0, got {status}");
+    assert!(started.elapsed() < Duration::from_secs(15));
+    // What was taken was published and acked; the rest is still in `calls`.
+    let out = broker.depth("default").await.unwrap().unwrap_or(0);
+    let left = broker.depth("calls").await.unwrap().unwrap_or(0);
+    assert_eq!(
+        out + left,
+        2000,
+        "out {out} + left {left}: nothing lost, nothing doubled"
+    );
+}
+
+#[test]
+fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_field() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&examples).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let out = bin()
+                .args(["check-config", path.to_str().unwrap()])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 4,
+        "expected an example per broker pair, found {checked}"
+    );
+
+    let dir = TempDir::new("bad-config");
+    let cases = [
+        ("adapters = [", "bad.toml"),
+        ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\nbatchsize = 5\n", "unknown field `batchsize`"),
+        ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"kafka\"\n", "routes[0].sink"),
+        ("[adapters]\nlocal = \"gopher://x\"\n", "adapters.local"),
+        ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\ndescriptor_set = \"/nonexistent.binpb\"\n", "routes[0].descriptor_set"),
+    ];
+    for (text, expected) in cases {
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, text).unwrap();
+        for args in [
+            vec!["check-config", path.to_str().unwrap()],
+            vec!["run", "--config", path.to_str().unwrap()],
+        ] {
+            let out = bin().args(&args).output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{args:?} on {text:?}: {stderr}");
+            assert!(
+                stderr.contains(expected),
+                "{args:?}: expected {expected:?} in {stderr:?}"
+            );
+        }
+    }
+    let out = bin()
+        .args(["run", "--config", "/nonexistent/bridge.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/bridge.toml"));
+}
