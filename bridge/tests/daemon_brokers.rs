@@ -1,0 +1,296 @@
+//! The daemon between real brokers: grpcq calls on RabbitMQ become OJS jobs
+//! on Kafka, calls on SQS become jobs on RabbitMQ; health follows a broker
+//! that goes away and comes back.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ojs_adapter_kafka::KafkaAdapter;
+use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
+use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
+use ojs_bridge_tests::brokers::{brokers_required, find, unique_queue, Broker};
+use ojs_bridge_tests::tally::Tally;
+use ojs_core::mapping::call_job_id;
+use ojs_core::{grpcq, header, Delivery, Encoding, OutgoingMessage, QueueAdapter, Source};
+use support::{call, collect, http_get, start};
+
+/// Checks every job against the call it came from and counts them.
+fn check_jobs(sent: &HashMap<String, grpcq::Message>, jobs: &[Delivery], context: &str) {
+    let mut tally = Tally::new();
+    for id in sent.keys() {
+        tally.sent(id.clone());
+    }
+    for d in jobs {
+        assert_eq!(
+            d.content_type(),
+            Some("application/openjobspec+proto"),
+            "{context}"
+        );
+        let job = &Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0];
+        tally.received(job.id.clone());
+        let Some(msg) = sent.get(&job.id) else {
+            continue;
+        };
+        assert_eq!(job.job_type, format!("{}.{}", msg.topic, msg.action));
+        assert_eq!(d.headers[header::ID], job.id);
+        assert_eq!(d.headers[header::TYPE], job.job_type);
+        assert_eq!(d.headers[header::SPECVERSION], "1.0");
+        assert_eq!(d.headers[header::TRACEPARENT], msg.metadata["traceparent"]);
+        assert_eq!(job.meta_str("tenant"), Some("acme"));
+    }
+    tally.assert_none_lost(context);
+    assert_eq!(tally.unexpected(), 0, "{context}");
+}
+
+fn calls(n: usize, topic: &str) -> HashMap<String, grpcq::Message> {
+    (0..n)
+        .map(|i| call(i, topic, "ProcessPayment"))
+        .map(|c| (call_job_id(&c.message_id, c.timestamp_ms), c))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcq_calls_on_rabbitmq_become_ojs_jobs_on_kafka() {
+    let Some(amqp) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let Some(kafka) = find(Broker::Kafka).await else {
+        return;
+    };
+    let source_queue = unique_queue("bridge-calls");
+    let topic = unique_queue("bridge-jobs");
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        rabbit = "{amqp}"
+        kafka = "{kafka}"
+        [[sources]]
+        name = "calls"
+        adapter = "rabbit"
+        queue = "{source_queue}"
+        [[routes]]
+        name = "to-kafka"
+        sink = "kafka"
+        queue = "{topic}"
+        "#,
+        amqp = amqp.url,
+        kafka = kafka.url
+    );
+    let rabbit = RabbitAdapter::connect(RabbitConfig::new(&amqp.url))
+        .await
+        .unwrap();
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let sent = calls(2000, "payment.PaymentService");
+    for chunk in sent.values().collect::<Vec<_>>().chunks(500) {
+        rabbit
+            .publish(
+                &source_queue,
+                chunk
+                    .iter()
+                    .map(|c| OutgoingMessage::from_grpcq(c))
+                    .collect(),
+            )
+            .await
+            .unwrap();
+    }
+    let kafka_adapter = KafkaAdapter::connect(ojs_bridge_tests::kafka::test_config(&kafka.url))
+        .await
+        .unwrap();
+    let jobs = collect(
+        &kafka_adapter,
+        &topic,
+        Source::Queue,
+        sent.len(),
+        Duration::from_secs(30),
+    )
+    .await;
+    check_jobs(&sent, &jobs, "RabbitMQ → Kafka");
+    for d in &jobs {
+        // Kafka key: the job id (DESIGN §4), so one job's copies share a partition.
+        assert_eq!(d.key.as_deref(), Some(d.headers[header::ID].as_str()));
+    }
+    let summary = daemon.shutdown().await;
+    assert_eq!(
+        summary.sources[0].2,
+        sent.len() as u64,
+        "every call acked at the source"
+    );
+    // Another suite may be restarting RabbitMQ right now: ask until it answers.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let depth = loop {
+        match rabbit.depth(&source_queue).await {
+            Ok(d) => break d,
+            Err(e) if Instant::now() < deadline => {
+                println!("depth: {e}; asking again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("RabbitMQ did not answer for 60 s: {e}"),
+        }
+    };
+    assert_eq!(depth, Some(0));
+    kafka_adapter.close().await.unwrap();
+    rabbit.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcq_calls_on_sqs_become_ojs_jobs_on_rabbitmq() {
+    let Some(amqp) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let Some(sqs) = find(Broker::Sqs).await else {
+        return;
+    };
+    let source_queue = unique_queue("bridge-sqs-calls");
+    let sink_queue = unique_queue("bridge-rmq-jobs");
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        sqs = "{sqs}"
+        rabbit = "{amqp}"
+        [[sources]]
+        name = "calls"
+        adapter = "sqs"
+        queue = "{source_queue}"
+        batch_size = 10
+        [[routes]]
+        name = "to-rabbit"
+        sink = "rabbit"
+        queue = "{sink_queue}"
+        "#,
+        amqp = amqp.url,
+        sqs = sqs.url
+    );
+    let sqs_adapter = SqsAdapter::connect(SqsConfig::from_url(&sqs.url).unwrap())
+        .await
+        .unwrap();
+    let rabbit = RabbitAdapter::connect(RabbitConfig::new(&amqp.url))
+        .await
+        .unwrap();
+    // Declare the sink queue before the first job, as an operator would.
+    rabbit.depth(&sink_queue).await.unwrap();
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let sent = calls(300, "payment.PaymentService");
+    // As grpcq's own SQS adapter sends them: base64 body plus the String
+    // attributes topic/action/originator, no content type.
+    let messages: Vec<OutgoingMessage> = sent
+        .values()
+        .map(|c| {
+            let mut m = OutgoingMessage::from_grpcq(c);
+            m.headers.remove(header::CONTENT_TYPE);
+            m
+        })
+        .collect();
+    for chunk in messages.chunks(100) {
+        sqs_adapter
+            .publish(&source_queue, chunk.to_vec())
+            .await
+            .unwrap();
+    }
+    let jobs = collect(
+        &rabbit,
+        &sink_queue,
+        Source::Queue,
+        sent.len(),
+        Duration::from_secs(20),
+    )
+    .await;
+    check_jobs(&sent, &jobs, "SQS → RabbitMQ");
+    let summary = daemon.shutdown().await;
+    assert_eq!(summary.sources[0].2, sent.len() as u64);
+    rabbit.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_turns_503_when_rabbitmq_goes_away_and_200_when_it_is_back() {
+    let Some(amqp) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let Ok(bounce) = std::env::var("OJS_BRIDGE_TEST_RABBITMQ_BOUNCE") else {
+        assert!(
+            !brokers_required(),
+            "OJS_BRIDGE_TEST_RABBITMQ_BOUNCE must name a command that restarts RabbitMQ"
+        );
+        println!("SKIPPED: set OJS_BRIDGE_TEST_RABBITMQ_BOUNCE (scripts/brokers.sh env sets it)");
+        return;
+    };
+    let queue = unique_queue("bridge-health");
+    let toml = format!(
+        r#"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        rabbit = "{amqp}"
+        local = "memory://health-{queue}"
+        [[sources]]
+        name = "calls"
+        adapter = "rabbit"
+        queue = "{queue}"
+        [[routes]]
+        name = "all"
+        sink = "local"
+        "#,
+        amqp = amqp.url
+    );
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let addr = daemon.http.unwrap();
+    assert_eq!(http_get(addr, "/ojs/v1/health").await.0, 200);
+    let bouncer = tokio::spawn(async move {
+        tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("{bounce} 6"))
+            .status()
+            .await
+            .unwrap()
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let body = loop {
+        let (status, body) = http_get(addr, "/ojs/v1/health").await;
+        if status == 503 {
+            break body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "health never turned 503 while RabbitMQ was down"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["adapters"]["rabbit"]["status"], "down", "{body}");
+    assert_eq!(v["adapters"]["local"]["status"], "ok", "{body}");
+    assert!(bouncer.await.unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while http_get(addr, "/ojs/v1/health").await.0 != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "health never returned to 200 after RabbitMQ came back"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // And the daemon works again: a call goes through.
+    let rabbit: Arc<dyn QueueAdapter> = Arc::new(
+        RabbitAdapter::connect(RabbitConfig::new(&amqp.url))
+            .await
+            .unwrap(),
+    );
+    rabbit
+        .publish(
+            &queue,
+            vec![OutgoingMessage::from_grpcq(&call(0, "a.B", "C"))],
+        )
+        .await
+        .unwrap();
+    let sink = ojs_adapter_memory::MemoryAdapter::named(&format!("health-{queue}"));
+    let got = collect(&sink, "default", Source::Queue, 1, Duration::from_secs(20)).await;
+    assert_eq!(got.len(), 1, "a call after the broker came back is bridged");
+    daemon.shutdown().await;
+    rabbit.close().await.unwrap();
+}
