@@ -42,6 +42,24 @@ impl Histogram {
         self.count.load(Ordering::Relaxed)
     }
 
+    /// The upper bound (seconds) of the bucket holding quantile `q` (0..=1);
+    /// `None` without observations or beyond the last bucket.
+    pub fn quantile_upper_bound(&self, q: f64) -> Option<f64> {
+        let count = self.count();
+        if count == 0 {
+            return None;
+        }
+        let rank = (q.clamp(0.0, 1.0) * count as f64).ceil().max(1.0) as u64;
+        let mut cumulative = 0;
+        for (bound, bucket) in BUCKETS.iter().zip(&self.buckets) {
+            cumulative += bucket.load(Ordering::Relaxed);
+            if cumulative >= rank {
+                return Some(*bound);
+            }
+        }
+        None
+    }
+
     fn render(&self, out: &mut String, name: &str, labels: &str) {
         let mut cumulative = 0;
         for (bound, bucket) in BUCKETS.iter().zip(&self.buckets) {
@@ -298,5 +316,12 @@ mod tests {
         assert!(text.contains("ojs_bridge_latency_seconds_bucket{route=\"r\\\"1\",le=\"+Inf\"} 2"));
         assert!(text.contains("ojs_bridge_latency_seconds_count{route=\"r\\\"1\"} 2"));
         assert_eq!(m.dead_lettered_count("calls"), 2);
+        let h = &m.routes[0].1.bridge_latency;
+        assert_eq!(h.quantile_upper_bound(0.5), Some(0.0025));
+        assert_eq!(
+            h.quantile_upper_bound(0.99),
+            None,
+            "60 s is beyond the last bucket"
+        );
     }
 }

@@ -1,0 +1,276 @@
+//! Bridge throughput, two cases in one run:
+//!
+//! 1. memory → memory: N grpcq calls preloaded into the in-memory broker,
+//!    bridged into OJS jobs (decode, map, encode, publish, ack).
+//! 2. Kafka → Kafka: N calls preloaded into a topic, then copied to another
+//!    topic by a raw rdkafka consume-produce loop (StreamConsumer +
+//!    FutureProducer, every delivery report awaited, offsets committed per
+//!    batch) and bridged by the daemon (which also maps each call to a job),
+//!    on the same broker. Prints both rates and the ratio.
+//!
+//! Rates count from the first message received to the last one confirmed,
+//! so consumer-group joins (seconds on the test broker) are left out of both.
+//! p50/p99 are the latency the bridge adds (receive → sink confirmed), as
+//! histogram bucket bounds.
+//!
+//! `cargo bench -p ojs-bridge --bench bridge_throughput [-- MEMORY_N [KAFKA_N]]`
+//! (Kafka from `OJS_BRIDGE_TEST_KAFKA_URL`, default kafka://127.0.0.1:9092).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
+use ojs_adapter_memory::MemoryAdapter;
+use ojs_bridge::config::BridgeConfig;
+use ojs_bridge::daemon::Daemon;
+use ojs_bridge::metrics::Metrics;
+use ojs_core::{grpcq, OutgoingMessage, QueueAdapter};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Header, Headers, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Message};
+
+fn calls(n: usize) -> Vec<OutgoingMessage> {
+    let now = chrono::Utc::now().timestamp_millis();
+    (0..n)
+        .map(|i| {
+            let mut m = grpcq::Message {
+                originator: "bench-service".into(),
+                topic: "payment.PaymentService".into(),
+                action: "ProcessPayment".into(),
+                payload: vec![b'x'; 96],
+                message_id: uuid::Uuid::new_v4().to_string(),
+                timestamp_ms: now,
+                metadata: Default::default(),
+            };
+            m.metadata.insert("tenant".into(), format!("t{}", i % 16));
+            OutgoingMessage::from_grpcq(&m)
+        })
+        .collect()
+}
+
+struct Measured {
+    rate: f64,
+    p50_ms: Option<f64>,
+    p99_ms: Option<f64>,
+}
+
+/// Waits until `n` are acked; times from the first receive.
+async fn watch(metrics: &Metrics, n: u64) -> Measured {
+    let source = &metrics.sources[0].1;
+    while source.received.load(Ordering::Relaxed) == 0 {
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(600);
+    while source.acked.load(Ordering::Relaxed) < n {
+        assert!(Instant::now() < deadline, "bridge stalled");
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    let took = started.elapsed();
+    let h = &metrics.routes[0].1.bridge_latency;
+    Measured {
+        rate: n as f64 / took.as_secs_f64(),
+        p50_ms: h.quantile_upper_bound(0.5).map(|s| s * 1e3),
+        p99_ms: h.quantile_upper_bound(0.99).map(|s| s * 1e3),
+    }
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "> 10000".to_owned(), |v| format!("≤ {v}"))
+}
+
+async fn run_bridge(toml: &str, n: usize) -> Measured {
+    let config = BridgeConfig::parse(toml, "bench", &[]).unwrap();
+    let daemon = Daemon::start_with(config, BTreeMap::new()).await.unwrap();
+    let metrics = daemon.metrics();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(daemon.run(async move {
+        let _ = stopped.await;
+    }));
+    let m = watch(&metrics, n as u64).await;
+    let _ = stop.send(());
+    task.await.unwrap();
+    m
+}
+
+async fn memory_to_memory(n: usize) {
+    let name = format!("bench-{}", uuid::Uuid::new_v4().simple());
+    let broker = MemoryAdapter::named(&name);
+    for chunk in calls(n).chunks(10_000) {
+        broker.publish("calls", chunk.to_vec()).await.unwrap();
+    }
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        mem = "memory://{name}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        batch_size = 512
+        max_in_flight = 4096
+        [[routes]]
+        name = "jobs"
+        sink = "mem"
+        queue = "jobs"
+        "#
+    );
+    let m = run_bridge(&toml, n).await;
+    assert_eq!(broker.depth("jobs").await.unwrap(), Some(n as u64));
+    println!(
+        "memory → memory  {n} calls: {:>9.0} msg/s (target ≥ 150000); bridge latency p50 {} ms, p99 {} ms",
+        m.rate,
+        ms(m.p50_ms),
+        ms(m.p99_ms)
+    );
+}
+
+/// Raw rdkafka copy loop: consume `from`, produce each record to `to`
+/// (same key, headers, payload), await the reports, commit. Returns msg/s.
+async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize) -> f64 {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set(
+            "group.id",
+            format!("bench-raw-{}", uuid::Uuid::new_v4().simple()),
+        )
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[from]).unwrap();
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .create()
+        .unwrap();
+    let mut copied = 0;
+    let mut started = None;
+    while copied < n {
+        let mut batch = vec![consumer.recv().await.unwrap().detach()];
+        started.get_or_insert_with(Instant::now);
+        while batch.len() < 512 {
+            match tokio::time::timeout(Duration::from_millis(1), consumer.recv()).await {
+                Ok(m) => batch.push(m.unwrap().detach()),
+                Err(_) => break,
+            }
+        }
+        let sends = batch.iter().map(|m| {
+            let mut headers = OwnedHeaders::new();
+            if let Some(h) = m.headers() {
+                for header in h.iter() {
+                    headers = headers.insert(Header {
+                        key: header.key,
+                        value: header.value,
+                    });
+                }
+            }
+            let mut record = FutureRecord::to(to).headers(headers);
+            if let Some(p) = m.payload() {
+                record = record.payload(p);
+            }
+            if let Some(k) = m.key() {
+                record = record.key(k);
+            }
+            producer.send(record, Duration::from_secs(30))
+        });
+        for r in futures::future::join_all(sends).await {
+            r.map_err(|(e, _)| e).unwrap();
+        }
+        consumer.commit_consumer_state(CommitMode::Async).unwrap();
+        copied += batch.len();
+    }
+    let took = started.map_or(Duration::ZERO, |s| s.elapsed());
+    n as f64 / took.as_secs_f64()
+}
+
+async fn kafka_to_kafka(url: &str, n: usize) {
+    let config = KafkaConfig::from_url(url).unwrap();
+    let brokers = config.brokers.clone();
+    let adapter = KafkaAdapter::connect(config.clone()).await.unwrap();
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let src = format!("bench-src-{}", &run[..8]);
+    for chunk in calls(n).chunks(5_000) {
+        adapter.publish(&src, chunk.to_vec()).await.unwrap();
+    }
+    // Create the raw sink topic through the adapter (same partitions).
+    let raw_sink = format!("bench-raw-{}", &run[..8]);
+    adapter.publish(&raw_sink, calls(1)).await.unwrap();
+    let raw = raw_copy(
+        &brokers,
+        &config.topic_of(&src),
+        &config.topic_of(&raw_sink),
+        n,
+    )
+    .await;
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        kafka = "{url}"
+        [[sources]]
+        name = "calls"
+        adapter = "kafka"
+        queue = "{src}"
+        group = "bench-bridge-{run}"
+        batch_size = 512
+        max_in_flight = 4096
+        [[routes]]
+        name = "jobs"
+        sink = "kafka"
+        queue = "bench-dst-{short}"
+        "#,
+        short = &run[..8]
+    );
+    let bridge = run_bridge(&toml, n).await;
+    adapter.close().await.unwrap();
+    println!(
+        "kafka → kafka    {n} calls: raw copy {raw:>9.0} msg/s, bridge {:>9.0} msg/s, ratio {:.2} (target ≥ 0.8); bridge latency p50 {} ms, p99 {} ms",
+        bridge.rate,
+        bridge.rate / raw,
+        ms(bridge.p50_ms),
+        ms(bridge.p99_ms)
+    );
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; numbers are ours.
+    let numbers: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let memory_n = numbers.first().copied().unwrap_or(200_000);
+    let kafka_n = numbers.get(1).copied().unwrap_or(50_000);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        memory_to_memory(memory_n).await;
+        let url = std::env::var("OJS_BRIDGE_TEST_KAFKA_URL")
+            .unwrap_or_else(|_| "kafka://127.0.0.1:9092".to_owned());
+        let probe = url
+            .trim_start_matches("kafka://")
+            .split(['?', ','])
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        if std::net::TcpStream::connect(&probe).is_ok() {
+            kafka_to_kafka(&url, kafka_n).await;
+        } else {
+            println!(
+                "kafka → kafka skipped: nothing listens on {probe} (scripts/brokers.sh up kafka)"
+            );
+        }
+    });
+}
