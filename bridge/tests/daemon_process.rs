@@ -69,9 +69,11 @@ fn spawn_daemon(config: &Path) -> Child {
     });
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let line = rx
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .expect("the daemon did not report running");
+        let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
+            let _ = child.kill();
+            let status = child.wait();
+            panic!("the daemon did not report running (exit: {status:?})");
+        };
         if line.contains("running") {
             // Keep draining stderr in the thread; lines go to our stderr.
             std::thread::spawn(move || while rx.recv().is_ok() {});
