@@ -75,6 +75,104 @@ pub struct BridgeConfig {
     /// Where messages go; the first route that matches wins.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    /// Federated sinks by name: a route's `sink` may name one.
+    #[serde(default)]
+    pub federations: BTreeMap<String, FederationConfig>,
+}
+
+/// `[federations.NAME]`: regions over adapters, routed per job
+/// (specs/ojs-federation.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FederationConfig {
+    /// The local region (affinity's first choice).
+    pub local: String,
+    /// Affinity's order after the local region. Default: none (then the
+    /// lowest observed latency).
+    #[serde(default)]
+    pub fallback: Vec<String>,
+    /// Strategy of jobs whose meta names none: `affinity` (default) or
+    /// `overflow`.
+    #[serde(default)]
+    pub strategy: ojs_core::federation::Strategy,
+    /// Consecutive failures that open a region's breaker. Default 5.
+    #[serde(default = "default_failure_threshold")]
+    pub failure_threshold: u32,
+    /// Open breaker → half-open probe after this. Default `30s`.
+    #[serde(default = "default_cooldown", with = "duration_text")]
+    pub cooldown: Duration,
+    /// Health probe interval. Default `5s`.
+    #[serde(default = "default_health_interval", with = "duration_text")]
+    pub health_interval: Duration,
+    /// Longest wait for one probe. Default `2s`.
+    #[serde(default = "default_health_timeout", with = "duration_text")]
+    pub health_timeout: Duration,
+    /// Queue-depth collection interval (overflow). Default `10s`.
+    #[serde(default = "default_load_interval", with = "duration_text")]
+    pub load_interval: Duration,
+    /// Most redirects of one job. Default 3.
+    #[serde(default = "default_max_redirects")]
+    pub max_redirects: usize,
+    /// Copy job metadata to the other regions. Default false.
+    #[serde(default)]
+    pub replicate: bool,
+    /// Queue of replicas. Default `ojs-federation-replicas`.
+    #[serde(default = "default_replication_queue")]
+    pub replication_queue: String,
+    /// Regions by id.
+    pub regions: BTreeMap<String, RegionConfig>,
+}
+
+/// `[federations.NAME.regions.ID]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionConfig {
+    /// Adapter name from `[adapters]`.
+    pub adapter: String,
+    /// `http://host:port/ojs/v1/health` of an OJS server (an ojs-bridge
+    /// daemon answers it too). Default: the adapter's own health check.
+    #[serde(default)]
+    pub health: Option<String>,
+}
+
+fn default_failure_threshold() -> u32 {
+    5
+}
+fn default_cooldown() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_health_interval() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_health_timeout() -> Duration {
+    Duration::from_secs(2)
+}
+fn default_load_interval() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_max_redirects() -> usize {
+    3
+}
+fn default_replication_queue() -> String {
+    "ojs-federation-replicas".to_owned()
+}
+
+impl FederationConfig {
+    /// The core settings.
+    pub fn settings(&self) -> ojs_core::federation::FederationSettings {
+        let mut s = ojs_core::federation::FederationSettings::new(self.local.clone());
+        s.fallback = self.fallback.clone();
+        s.default_strategy = self.strategy;
+        s.failure_threshold = self.failure_threshold;
+        s.cooldown = self.cooldown;
+        s.health_interval = self.health_interval;
+        s.health_timeout = self.health_timeout;
+        s.load_interval = self.load_interval;
+        s.max_redirects = self.max_redirects;
+        s.replicate = self.replicate;
+        s.replication_queue = self.replication_queue.clone();
+        s
+    }
 }
 
 fn default_shutdown_timeout() -> Duration {
@@ -331,6 +429,51 @@ impl BridgeConfig {
                 ))
             }
         };
+        for (name, f) in &self.federations {
+            let at = |field: &str| format!("federations.{name}.{field}");
+            if self.adapters.contains_key(name) {
+                return Err(invalid(
+                    format!("federations.{name}"),
+                    "an adapter has the same name; sinks would be ambiguous",
+                ));
+            }
+            if f.regions.is_empty() {
+                return Err(invalid(
+                    at("regions"),
+                    "a federation needs at least one region",
+                ));
+            }
+            for (id, region) in &f.regions {
+                adapter(
+                    format!("federations.{name}.regions.{id}.adapter"),
+                    &region.adapter,
+                )?;
+                if let Some(url) = &region.health {
+                    if !url.starts_with("http://") {
+                        return Err(invalid(
+                            format!("federations.{name}.regions.{id}.health"),
+                            format!("{url:?} must be http://host:port/ojs/v1/health"),
+                        ));
+                    }
+                }
+            }
+            let named = std::iter::once(("local", &f.local))
+                .chain(f.fallback.iter().map(|r| ("fallback", r)));
+            for (field, region) in named {
+                if !f.regions.contains_key(region) {
+                    return Err(invalid(
+                        at(field),
+                        format!("{region:?} is not one of its regions"),
+                    ));
+                }
+            }
+            if f.strategy == ojs_core::federation::Strategy::GeoPin {
+                return Err(invalid(
+                    at("strategy"),
+                    "geo-pin is chosen per job (meta ojs.federation.region); the default must be affinity or overflow",
+                ));
+            }
+        }
         if self.sources.is_empty() {
             return Err(invalid(
                 "sources",
@@ -395,7 +538,9 @@ impl BridgeConfig {
                     ));
                 }
             }
-            adapter(at("sink"), &r.sink)?;
+            if !self.federations.contains_key(&r.sink) {
+                adapter(at("sink"), &r.sink)?;
+            }
             for (field, pattern) in [
                 ("match.topic", &r.matcher.topic),
                 ("match.action", &r.matcher.action),
@@ -681,6 +826,18 @@ mod tests {
                     "",
                 ),
                 "routes: no route",
+            ),
+            (
+                &format!("{MINIMAL}\n[federations.g]\nlocal = \"eu\"\n[federations.g.regions.us]\nadapter = \"local\""),
+                "federations.g.local",
+            ),
+            (
+                &format!("{MINIMAL}\n[federations.g]\nlocal = \"us\"\n[federations.g.regions.us]\nadapter = \"nope\""),
+                "federations.g.regions.us.adapter",
+            ),
+            (
+                &format!("{MINIMAL}\n[federations.g]\nlocal = \"us\"\n[federations.g.regions.us]\nadapter = \"local\"\nhealth = \"https://x\""),
+                "federations.g.regions.us.health",
             ),
         ];
         for (text, expected) in cases {

@@ -29,7 +29,9 @@ use tokio::task::JoinSet;
 use crate::config::{BridgeConfig, ConfigError, InputFormat, SourceConfig};
 use crate::http::{self, HttpState};
 use crate::metrics::Metrics;
+use crate::probe::HttpHealthProbe;
 use crate::routes::{Incoming, Route};
+use ojs_core::federation::{AdapterProbe, Federation, HealthProbe, RegionSpec};
 
 /// Why the daemon cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +83,8 @@ pub struct Daemon {
     config: BridgeConfig,
     adapters: BTreeMap<String, Arc<dyn QueueAdapter>>,
     routes: Arc<Vec<Route>>,
+    /// Federated sinks, by name.
+    federations: Vec<(String, Arc<Federation>)>,
     /// The sink of each route, by route index.
     sinks: Arc<Vec<Arc<dyn QueueAdapter>>>,
     metrics: Arc<Metrics>,
@@ -130,11 +134,53 @@ impl Daemon {
                     })?;
             adapters.insert(name.clone(), adapter);
         }
+        let mut federations = Vec::new();
+        for (name, f) in &config.federations {
+            let mut regions = Vec::new();
+            for (id, region) in &f.regions {
+                let field = |f: &str| format!("federations.{name}.regions.{id}.{f}");
+                let adapter =
+                    adapters
+                        .get(&region.adapter)
+                        .cloned()
+                        .ok_or_else(|| ConfigError::Invalid {
+                            field: field("adapter"),
+                            reason: format!(
+                                "names adapter {:?}, which [adapters] does not define",
+                                region.adapter
+                            ),
+                        })?;
+                let probe: Arc<dyn HealthProbe> = match &region.health {
+                    Some(url) => Arc::new(HttpHealthProbe::new(url, f.health_timeout).map_err(
+                        |reason| ConfigError::Invalid {
+                            field: field("health"),
+                            reason,
+                        },
+                    )?),
+                    None => Arc::new(AdapterProbe(adapter.clone())),
+                };
+                regions.push(RegionSpec {
+                    name: id.clone(),
+                    adapter,
+                    probe,
+                });
+            }
+            let federation =
+                Federation::new(f.settings(), regions).map_err(|e| ConfigError::Invalid {
+                    field: format!("federations.{name}"),
+                    reason: e.to_string(),
+                })?;
+            federations.push((name.clone(), Arc::new(federation)));
+        }
         let mut sinks = Vec::with_capacity(routes.len());
+
         for (i, route) in routes.iter().enumerate() {
-            let sink = adapters
-                .get(&route.sink)
-                .cloned()
+            let federated = federations
+                .iter()
+                .find(|(n, _)| *n == route.sink)
+                .map(|(_, f)| f.clone() as Arc<dyn QueueAdapter>);
+            let sink = federated
+                .or_else(|| adapters.get(&route.sink).cloned())
                 .ok_or_else(|| ConfigError::Invalid {
                     field: format!("routes[{i}].sink"),
                     reason: format!(
@@ -168,7 +214,16 @@ impl Daemon {
                 .map(|r| r.name.clone())
                 .collect::<Vec<_>>(),
         ));
+        for (name, f) in &federations {
+            let (name, f) = (name.clone(), f.clone());
+            if let Ok(mut extra) = metrics.extra.lock() {
+                extra.push(Box::new(move |out: &mut String| {
+                    f.render_metrics(&name, out)
+                }));
+            }
+        }
         Ok(Daemon {
+            federations,
             config,
             adapters,
             routes: Arc::new(routes),
@@ -200,6 +255,11 @@ impl Daemon {
                     .adapters
                     .iter()
                     .map(|(n, a)| (n.clone(), a.clone()))
+                    .chain(
+                        self.federations
+                            .iter()
+                            .map(|(n, f)| (n.clone(), f.clone() as Arc<dyn QueueAdapter>)),
+                    )
                     .collect(),
                 metrics: self.metrics.clone(),
                 health_timeout: Duration::from_secs(5),
@@ -210,6 +270,14 @@ impl Daemon {
             http_task = Some(tokio::spawn(http::serve(listener, state, stop_rx.clone())));
         }
         let sinks = self.sinks.clone();
+        let mut monitors = Vec::new();
+        for (name, federation) in &self.federations {
+            let mut stop = stop_rx.clone();
+            tracing::info!(federation = %name, "federation monitor started");
+            monitors.push(tokio::spawn(federation.clone().run_monitor(async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })));
+        }
         let mut sources = JoinSet::new();
         for (index, source) in self.config.sources.iter().enumerate() {
             let Some(adapter) = self.adapters.get(&source.adapter).cloned() else {
@@ -249,6 +317,9 @@ impl Daemon {
         while sources.join_next().await.is_some() {}
         if let Some(task) = http_task {
             let _ = task.await;
+        }
+        for monitor in monitors {
+            let _ = monitor.await;
         }
         for (name, adapter) in &self.adapters {
             if let Err(e) = adapter.close().await {
@@ -531,7 +602,9 @@ async fn publish_group(
                     };
                     if is_permanent(&f.error) {
                         let reason = match &f.error {
-                            Error::PayloadTooLarge { .. } => DeadLetterReason::from_error(&f.error),
+                            Error::PayloadTooLarge { .. } | Error::UnknownRegion(_) => {
+                                DeadLetterReason::from_error(&f.error)
+                            }
                             other => DeadLetterReason::new("sink_rejected", other.to_string()),
                         };
                         dead.push((slot.0, reason));

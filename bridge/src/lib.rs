@@ -9,6 +9,7 @@ pub mod daemon;
 pub mod endpoint;
 pub mod http;
 pub mod metrics;
+pub mod probe;
 pub mod routes;
 pub mod send;
 pub mod tail;

@@ -639,3 +639,99 @@ async fn health_is_200_when_every_adapter_is_healthy_and_503_naming_the_one_that
     assert_eq!(v["adapters"]["mem"]["status"], "ok");
     daemon.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_federated_sink_routes_by_region_meta_and_reports_its_state() {
+    let us = broker_name();
+    let eu = broker_name();
+    let toml = format!(
+        r#"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        us = "memory://{us}"
+        eu = "memory://{eu}"
+        [[sources]]
+        name = "calls"
+        adapter = "us"
+        queue = "calls"
+        [[routes]]
+        name = "jobs"
+        sink = "global"
+        queue = "jobs"
+        [federations.global]
+        local = "us"
+        fallback = ["eu"]
+        health_interval = "100ms"
+        [federations.global.regions.us]
+        adapter = "us"
+        [federations.global.regions.eu]
+        adapter = "eu"
+        "#
+    );
+    let us_broker = MemoryAdapter::named(&us);
+    let eu_broker = MemoryAdapter::named(&eu);
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let plain = call(0, "report.Reports", "Build");
+    // grpcq metadata becomes job meta as is: this call is pinned to eu.
+    let mut pinned = call(1, "report.Reports", "Build");
+    pinned
+        .metadata
+        .insert("ojs.federation.region".into(), "eu".into());
+    let mut nowhere = call(2, "report.Reports", "Build");
+    nowhere
+        .metadata
+        .insert("ojs.federation.region".into(), "mars".into());
+    us_broker
+        .publish(
+            "calls",
+            [&plain, &pinned, &nowhere]
+                .map(OutgoingMessage::from_grpcq)
+                .to_vec(),
+        )
+        .await
+        .unwrap();
+    let in_us = collect(&us_broker, "jobs", Source::Queue, 1, IDLE).await;
+    let in_eu = collect(&eu_broker, "jobs", Source::Queue, 1, IDLE).await;
+    let job_of = |d: &ojs_core::Delivery| {
+        Encoding::OjsProto
+            .decode_envelopes(&d.payload)
+            .unwrap()
+            .remove(0)
+    };
+    assert_eq!(in_us.len(), 1);
+    assert_eq!(in_eu.len(), 1);
+    let us_job = job_of(&in_us[0]);
+    assert_eq!(
+        us_job.id,
+        call_job_id(&plain.message_id, plain.timestamp_ms),
+        "affinity: local region"
+    );
+    assert!(us_job
+        .meta_str(ojs_core::federation::META_FEDERATION_ID)
+        .is_some());
+    assert_eq!(
+        job_of(&in_eu[0]).id,
+        call_job_id(&pinned.message_id, pinned.timestamp_ms),
+        "geo-pinned to eu"
+    );
+    let dead = collect(&us_broker, "calls", Source::DeadLetters, 1, IDLE).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].dead_letter_reason().unwrap().error_type,
+        "unknown_region"
+    );
+    let (_, text) = http_get(daemon.http.unwrap(), "/metrics").await;
+    assert!(
+        text.contains("ojs_bridge_federation_breaker_state{federation=\"global\",region=\"us\"} 0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("ojs_bridge_federation_routed_total{federation=\"global\",region=\"eu\"} 1"),
+        "{text}"
+    );
+    let (status, body) = http_get(daemon.http.unwrap(), "/ojs/v1/health").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"global\""), "{body}");
+    daemon.shutdown().await;
+}

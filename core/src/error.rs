@@ -93,6 +93,17 @@ pub enum Error {
     /// A delivery was acknowledged (acked or nacked) a second time.
     #[error("delivery was already {0}")]
     AlreadyAcknowledged(&'static str),
+    /// A geo-pinned job names a region the federation does not know.
+    #[error("region {0:?} is not in the federation registry")]
+    UnknownRegion(String),
+    /// A region cannot take work right now (circuit open, broker down).
+    #[error("region {region:?} is temporarily unavailable: {reason}")]
+    RegionUnavailable {
+        /// The region (`*` when none is available).
+        region: String,
+        /// Why.
+        reason: String,
+    },
     /// The adapter or consumer was closed.
     #[error("adapter is closed")]
     Closed,
@@ -176,6 +187,8 @@ impl Error {
             Error::AlreadyAcknowledged(_) => "already_acknowledged",
             Error::Publish(_) => "publish_failed",
             Error::DeliveryExpired => "delivery_expired",
+            Error::UnknownRegion(_) => "unknown_region",
+            Error::RegionUnavailable { .. } => "region_unavailable",
             Error::Closed => "closed",
             Error::InvalidConfig { .. } => "invalid_config",
             Error::Broker { .. } => "broker",
@@ -188,7 +201,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Broker { retryable, .. } => *retryable,
-            Error::Timeout(_) | Error::Io(_) => true,
+            Error::Timeout(_) | Error::Io(_) | Error::RegionUnavailable { .. } => true,
             _ => false,
         }
     }

@@ -18,6 +18,7 @@ pub mod backoff;
 pub mod duration;
 pub mod envelope;
 mod error;
+pub mod federation;
 pub mod grpcq;
 mod json_codec;
 pub mod mapping;
