@@ -22,7 +22,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn QueueAdapter>> {
             Ok(Arc::new(MemoryAdapter::named(if name.is_empty() { "default" } else { name })))
         }
         "local" => Ok(Arc::new(LocalAdapter::open(LocalConfig::from_url(url)?).await?)),
-        "amqp" | "amqps" => Ok(Arc::new(RabbitAdapter::connect(RabbitConfig::new(url)).await?)),
+        "amqp" | "amqps" => Ok(Arc::new(RabbitAdapter::connect(RabbitConfig::from_url(url)?).await?)),
         "kafka" => Ok(Arc::new(KafkaAdapter::connect(KafkaConfig::from_url(url)?).await?)),
         "sqs" => Ok(Arc::new(SqsAdapter::connect(SqsConfig::from_url(url)?).await?)),
         _ => Err(Error::InvalidConfig {
@@ -40,7 +40,7 @@ pub fn validate_url(url: &str) -> Result<()> {
     match scheme {
         "memory" => Ok(()),
         "local" => LocalConfig::from_url(url).map(|_| ()),
-        "amqp" | "amqps" if url.starts_with(&format!("{scheme}://")) => Ok(()),
+        "amqp" | "amqps" => RabbitConfig::from_url(url).map(|_| ()),
         "kafka" => KafkaConfig::from_url(url).map(|_| ()),
         "sqs" => SqsConfig::from_url(url).map(|_| ()),
         _ => Err(Error::InvalidConfig {

@@ -735,3 +735,46 @@ async fn a_federated_sink_routes_by_region_meta_and_reports_its_state() {
     assert!(body.contains("\"global\""), "{body}");
     daemon.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_health_probe_reads_a_daemons_health_endpoint() {
+    use ojs_core::federation::HealthProbe;
+    let name = broker_name();
+    let toml = format!(
+        r#"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        mem = "memory://{name}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        [[routes]]
+        name = "all"
+        sink = "mem"
+        "#
+    );
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let url = format!("http://{}/ojs/v1/health", daemon.http.unwrap());
+    let probe = ojs_bridge::probe::HttpHealthProbe::new(&url, Duration::from_secs(2)).unwrap();
+    let health = probe.check().await;
+    assert!(health.healthy, "{}", health.detail);
+    daemon.shutdown().await;
+    let health = probe.check().await;
+    assert!(!health.healthy, "a daemon that is gone is down");
+    assert!(health.detail.contains(&url), "{}", health.detail);
+    // A server that answers 404 (not an OJS health endpoint) is down too.
+    let daemon = start(&toml.replace(&name, &broker_name()), BTreeMap::new()).await;
+    let wrong = format!("http://{}/nope", daemon.http.unwrap());
+    let probe = ojs_bridge::probe::HttpHealthProbe::new(&wrong, Duration::from_secs(2)).unwrap();
+    let health = probe.check().await;
+    assert!(!health.healthy);
+    assert!(health.detail.contains("HTTP 404"), "{}", health.detail);
+    daemon.shutdown().await;
+    assert!(ojs_bridge::probe::HttpHealthProbe::new(
+        "https://x/ojs/v1/health",
+        Duration::from_secs(1)
+    )
+    .is_err());
+}

@@ -379,3 +379,220 @@ async fn health_answers_promptly_while_a_publisher_is_reconnecting() {
         "the publish made during the outage arrived"
     );
 }
+
+/// A grpcq call as grpcq's publishers build it.
+fn grpcq_call(topic: &str, action: &str, n: u8) -> ojs_core::grpcq::Message {
+    ojs_core::grpcq::Message {
+        originator: "native-grpcq".into(),
+        topic: topic.into(),
+        action: action.into(),
+        payload: vec![n, 1, 2],
+        message_id: uuid::Uuid::new_v4().to_string(),
+        timestamp_ms: 1_763_700_000_000,
+        metadata: Default::default(),
+    }
+}
+
+#[tokio::test]
+async fn calls_from_a_native_grpcq_publisher_reach_a_bound_queue_and_the_worker() {
+    use lapin::options::{BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions};
+    use lapin::{BasicProperties, ExchangeKind};
+    let Some((url, _adapter, raw)) = setup().await else {
+        return;
+    };
+    let queue = unique_queue("rmq-grpcq-in");
+    let suffix = &queue[queue.len() - 12..];
+    // One exchange declared by the grpcq side as *direct* (one action
+    // bound), one left for the adapter to declare (every action bound).
+    let direct = format!("billing.Invoices-{suffix}");
+    let topic = format!("payment.PaymentService-{suffix}");
+    let ch = raw.create_channel().await.unwrap();
+    ch.exchange_declare(
+        direct.as_str().into(),
+        ExchangeKind::Direct,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let config =
+        RabbitConfig::from_url(&format!("{url}?grpcq_bind.{queue}={topic},{direct}:Issue"))
+            .unwrap();
+    let adapter = RabbitAdapter::connect(config).await.unwrap();
+    // The queue and its bindings are declared when a consumer starts (or on
+    // the first publish to the queue).
+    let mut consumer = adapter
+        .consumer(&queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    assert!(consumer
+        .receive(1, Duration::from_millis(100))
+        .await
+        .unwrap()
+        .is_empty());
+    consumer.close().await.unwrap();
+    // The native publisher: exchange = topic, routing key = action, the
+    // binary message as body, no content type, no headers.
+    let calls = [
+        grpcq_call(&topic, "ProcessPayment", 1),
+        grpcq_call(&topic, "Refund", 2),
+        grpcq_call(&direct, "Issue", 3),
+    ];
+    for c in &calls {
+        ch.basic_publish(
+            c.topic.as_str().into(),
+            c.action.as_str().into(),
+            BasicPublishOptions::default(),
+            &ojs_core::grpcq::encode(c),
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    // Not bound: another action on the direct exchange goes nowhere here.
+    ch.basic_publish(
+        direct.as_str().into(),
+        "Void".into(),
+        BasicPublishOptions::default(),
+        &ojs_core::grpcq::encode(&grpcq_call(&direct, "Void", 4)),
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+
+    // The worker handles them (no content type: default_encoding grpcq).
+    let mut registry = ojs_core::registry::Registry::new();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    for (t, a) in [
+        (&topic, "ProcessPayment"),
+        (&topic, "Refund"),
+        (&direct, "Issue"),
+    ] {
+        let seen = seen.clone();
+        registry
+            .on_call(t, a, move |ctx, payload| {
+                let seen = seen.clone();
+                async move {
+                    seen.lock()
+                        .unwrap()
+                        .push((ctx.message_id, payload.to_vec()));
+                    Ok(())
+                }
+            })
+            .unwrap();
+    }
+    let mut config = ojs_core::worker::WorkerConfig::new(&queue);
+    config.default_encoding = Some(Encoding::GrpcqProto);
+    let adapter = Arc::new(adapter);
+    let worker = ojs_core::worker::Worker::new(adapter.clone(), registry, config);
+    let stats = worker.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run(async {
+        let _ = stopped.await;
+    }));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while seen.lock().unwrap().len() < calls.len() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    let mut got: Vec<_> = seen.lock().unwrap().clone();
+    got.sort();
+    let mut want: Vec<_> = calls
+        .iter()
+        .map(|c| (c.message_id.clone(), c.payload.clone()))
+        .collect();
+    want.sort();
+    assert_eq!(got, want, "every bound call handled once, with its payload");
+    assert_eq!(
+        stats
+            .dead_lettered
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    for e in [&direct, &topic] {
+        ch.exchange_delete(e.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn grpcq_exchanges_publish_calls_the_way_grpcq_workers_read_them() {
+    use lapin::options::{ExchangeDeleteOptions, QueueBindOptions};
+    let Some((url, _adapter, raw)) = setup().await else {
+        return;
+    };
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let topic = format!("payment.PaymentService-{}", &suffix[..12]);
+    let adapter = RabbitAdapter::connect(
+        RabbitConfig::from_url(&format!("{url}?grpcq_exchanges=true")).unwrap(),
+    )
+    .await
+    .unwrap();
+    let call = grpcq_call(&topic, "ProcessPayment", 9);
+    // Nobody reads the exchange yet: mandatory publishing reports it.
+    let err = adapter
+        .publish("ignored", vec![OutgoingMessage::from_grpcq(&call)])
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains(&format!("exchange {topic}")),
+        "{err}"
+    );
+    // A native grpcq worker's queue, bound to exchange = topic, key = action.
+    let ch = raw.create_channel().await.unwrap();
+    let worker_queue = format!("grpcq-worker-{}", &suffix[..12]);
+    ch.queue_declare(
+        worker_queue.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        worker_queue.as_str().into(),
+        topic.as_str().into(),
+        "ProcessPayment".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    adapter
+        .publish("ignored", vec![OutgoingMessage::from_grpcq(&call)])
+        .await
+        .unwrap();
+    let got = ch
+        .basic_get(
+            worker_queue.as_str().into(),
+            BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+        .expect("the call reached the grpcq worker's queue");
+    assert_eq!(ojs_core::grpcq::decode(&got.delivery.data).unwrap(), call);
+    assert_eq!(got.delivery.routing_key.as_str(), "ProcessPayment");
+    assert_eq!(got.delivery.exchange.as_str(), topic);
+    // OJS envelopes still go to their OJS queue.
+    let queue = unique_queue("rmq-grpcq-ojs");
+    let job = JobEnvelope::new("a.b", vec![]).with_queue(&queue);
+    adapter
+        .publish(
+            &queue,
+            vec![OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap()],
+        )
+        .await
+        .unwrap();
+    assert_eq!(adapter.depth(&queue).await.unwrap(), Some(1));
+    ch.queue_delete(worker_queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    ch.exchange_delete(topic.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+}

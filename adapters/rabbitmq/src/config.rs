@@ -1,5 +1,6 @@
 //! RabbitMQ adapter settings (serde data; the runtime lives in `lib.rs`).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ojs_core::{Error, Result};
@@ -34,6 +35,48 @@ pub struct RabbitConfig {
     /// Idle retry queues are deleted by the broker after this long.
     #[serde(default = "default_retry_queue_expiry_secs")]
     pub retry_queue_expiry_secs: u64,
+    /// grpcq interop, consuming: OJS queue → grpcq exchanges bound to it.
+    /// grpcq publishers send to exchange = topic with routing key = action;
+    /// an entry `"payment.PaymentService"` binds every action (a topic
+    /// exchange is declared when none exists), `"payment.PaymentService:Pay"`
+    /// one action (works on direct and topic exchanges alike).
+    #[serde(default)]
+    pub grpcq_bindings: BTreeMap<String, Vec<String>>,
+    /// grpcq interop, publishing: grpcq calls (`application/grpcq+proto`)
+    /// go to exchange = topic, routing key = action, as grpcq publishers
+    /// send them, instead of to an OJS queue.
+    #[serde(default)]
+    pub grpcq_exchanges: bool,
+}
+
+/// One grpcq binding: exchange (= grpcq topic) and routing key (= action,
+/// `#` for all).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrpcqBinding {
+    /// Exchange name, the grpcq topic.
+    pub exchange: String,
+    /// Routing key: an action, or `#` for every action.
+    pub routing_key: String,
+}
+
+impl GrpcqBinding {
+    /// Parses `TOPIC` or `TOPIC:ACTION`.
+    pub fn parse(text: &str) -> Result<GrpcqBinding> {
+        let (exchange, routing_key) = match text.split_once(':') {
+            Some((e, a)) => (e, a),
+            None => (text, "#"),
+        };
+        if exchange.is_empty() || routing_key.is_empty() {
+            return Err(Error::InvalidConfig {
+                field: "grpcq_bindings".into(),
+                reason: format!("{text:?} must be TOPIC or TOPIC:ACTION"),
+            });
+        }
+        Ok(GrpcqBinding {
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+        })
+    }
 }
 
 /// 100: a few batches in flight without hoarding work from other consumers.
@@ -79,7 +122,63 @@ impl RabbitConfig {
             publish_timeout_secs: default_publish_timeout_secs(),
             max_backoff_secs: default_max_backoff_secs(),
             retry_queue_expiry_secs: default_retry_queue_expiry_secs(),
+            grpcq_bindings: BTreeMap::new(),
+            grpcq_exchanges: false,
         }
+    }
+
+    /// Parses an `amqp://` / `amqps://` URL. Query items of this adapter are
+    /// taken out: `grpcq_bind.QUEUE=TOPIC[:ACTION][,…]` (repeatable) and
+    /// `grpcq_exchanges=true`; the rest (`heartbeat`, `connection_timeout`…)
+    /// stays for the AMQP client.
+    pub fn from_url(url: &str) -> Result<Self> {
+        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        let mut config = RabbitConfig::new(base);
+        let mut rest = Vec::new();
+        for item in query.split('&').filter(|i| !i.is_empty()) {
+            let (key, value) = item.split_once('=').unwrap_or((item, ""));
+            if let Some(queue) = key.strip_prefix("grpcq_bind.") {
+                if queue.is_empty() {
+                    return Err(Error::InvalidConfig {
+                        field: "url".into(),
+                        reason: format!("{item:?}: grpcq_bind.QUEUE=TOPIC[:ACTION] names no queue"),
+                    });
+                }
+                let entries = config.grpcq_bindings.entry(queue.to_owned()).or_default();
+                for binding in value.split(',').filter(|b| !b.is_empty()) {
+                    GrpcqBinding::parse(binding)?;
+                    entries.push(binding.to_owned());
+                }
+            } else if key == "grpcq_exchanges" {
+                config.grpcq_exchanges = match value {
+                    "true" | "1" => true,
+                    "false" | "0" => false,
+                    other => {
+                        return Err(Error::InvalidConfig {
+                            field: "url".into(),
+                            reason: format!("grpcq_exchanges={other:?}: use true or false"),
+                        })
+                    }
+                };
+            } else {
+                rest.push(item);
+            }
+        }
+        if !rest.is_empty() {
+            config.url = format!("{base}?{}", rest.join("&"));
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The grpcq bindings of `queue`.
+    pub fn grpcq_bindings_of(&self, queue: &str) -> Vec<GrpcqBinding> {
+        self.grpcq_bindings
+            .get(queue)
+            .into_iter()
+            .flatten()
+            .filter_map(|b| GrpcqBinding::parse(b).ok())
+            .collect()
     }
 
     /// Checks the settings once, naming the field to change.
@@ -103,6 +202,14 @@ impl RabbitConfig {
                     "quorum queues do not take x-max-priority; set it to null or use classic queues"
                         .into(),
             });
+        }
+        for (queue, bindings) in &self.grpcq_bindings {
+            for b in bindings {
+                GrpcqBinding::parse(b).map_err(|_| Error::InvalidConfig {
+                    field: format!("grpcq_bindings.{queue}"),
+                    reason: format!("{b:?} must be TOPIC or TOPIC:ACTION"),
+                })?;
+            }
         }
         if self.max_priority == Some(0) {
             return Err(Error::InvalidConfig {
@@ -185,5 +292,38 @@ mod tests {
         );
         c.max_priority = None;
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn urls_carry_grpcq_interop_and_leave_client_options_alone() {
+        let c = RabbitConfig::from_url(
+            "amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=10&grpcq_bind.calls=payment.PaymentService,email.Mailer:Send&grpcq_exchanges=true&grpcq_bind.calls=a.B",
+        )
+        .unwrap();
+        assert_eq!(c.url, "amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=10");
+        assert!(c.grpcq_exchanges);
+        assert_eq!(
+            c.grpcq_bindings_of("calls"),
+            vec![
+                GrpcqBinding {
+                    exchange: "payment.PaymentService".into(),
+                    routing_key: "#".into()
+                },
+                GrpcqBinding {
+                    exchange: "email.Mailer".into(),
+                    routing_key: "Send".into()
+                },
+                GrpcqBinding {
+                    exchange: "a.B".into(),
+                    routing_key: "#".into()
+                },
+            ]
+        );
+        assert!(RabbitConfig::from_url("amqp://h/%2f?grpcq_bind.q=:x").is_err());
+        assert!(RabbitConfig::from_url("amqp://h/%2f?grpcq_exchanges=maybe").is_err());
+        assert_eq!(
+            RabbitConfig::from_url("amqp://h/%2f").unwrap().url,
+            "amqp://h/%2f"
+        );
     }
 }

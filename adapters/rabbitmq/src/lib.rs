@@ -108,6 +108,19 @@ enum Route {
     Delayed(u64),
     /// `ojs.exchange.dlx` → `ojs.queue.dlx.{queue}`.
     DeadLetters,
+    /// A grpcq call the grpcq way: exchange = its `topic` header, routing
+    /// key = its `action` header (`grpcq_exchanges`).
+    Grpcq,
+}
+
+/// The grpcq topic and action of a message, when it is a grpcq call.
+fn grpcq_route(message: &OutgoingMessage) -> Option<(&str, &str)> {
+    if message.content_type() != Some(ojs_core::media::GRPCQ_PROTO) {
+        return None;
+    }
+    let topic = message.headers.get(ojs_core::header::GRPCQ_TOPIC)?;
+    let action = message.headers.get(ojs_core::header::GRPCQ_ACTION)?;
+    Some((topic.as_str(), action.as_str()))
 }
 
 #[derive(Debug)]
@@ -275,7 +288,72 @@ impl Inner {
             .await
         };
         declare.await.map_err(|e| topology_error(&main, &e))?;
+        for binding in self.config.grpcq_bindings_of(queue) {
+            self.ensure_grpcq_exchange(s, &binding.exchange).await?;
+            s.publisher
+                .queue_bind(
+                    main.as_str().into(),
+                    binding.exchange.as_str().into(),
+                    binding.routing_key.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| topology_error(&main, &e))?;
+        }
         s.declared().insert(queue.to_owned());
+        Ok(())
+    }
+
+    /// Makes sure the grpcq exchange `topic` exists: one declared by grpcq
+    /// publishers is used as it is, whatever its type; a missing one is
+    /// declared as a durable topic exchange. Each attempt uses its own
+    /// channel, because a failed passive declare closes the channel.
+    async fn ensure_grpcq_exchange(&self, s: &Session, topic: &str) -> Result<()> {
+        let key = format!("exchange:{topic}");
+        if s.declared().contains(&key) {
+            return Ok(());
+        }
+        let probe = s
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| amqp_error(&e))?;
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let exists = probe
+            .exchange_declare(
+                topic.into(),
+                ExchangeKind::Topic,
+                passive,
+                FieldTable::default(),
+            )
+            .await
+            .is_ok();
+        let _ = probe.close(200, "ok".into()).await;
+        if !exists {
+            let ch = s
+                .connection
+                .create_channel()
+                .await
+                .map_err(|e| amqp_error(&e))?;
+            let declared = ch
+                .exchange_declare(
+                    topic.into(),
+                    ExchangeKind::Topic,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            let _ = ch.close(200, "ok".into()).await;
+            declared.map_err(|e| topology_error(topic, &e))?;
+        }
+        s.declared().insert(key);
         Ok(())
     }
 
@@ -363,6 +441,12 @@ impl Inner {
                     continue;
                 }
                 let declared = within(deadline, async {
+                    if route == Route::Grpcq {
+                        if let Some((topic, _)) = grpcq_route(&message) {
+                            self.ensure_grpcq_exchange(&session, topic).await?;
+                        }
+                        return Ok(());
+                    }
                     self.declare_queue(&session, queue).await?;
                     if let Route::Delayed(ms) = route {
                         self.declare_retry(&session, queue, ms).await?;
@@ -384,9 +468,12 @@ impl Inner {
                     continue;
                 }
                 let (exchange, routing_key) = match route {
-                    Route::Queue => (DIRECT_EXCHANGE, queue.to_owned()),
-                    Route::Delayed(ms) => (RETRY_EXCHANGE, format!("{queue}.{ms}")),
-                    Route::DeadLetters => (DLX_EXCHANGE, queue.to_owned()),
+                    Route::Queue => (DIRECT_EXCHANGE.to_owned(), queue.to_owned()),
+                    Route::Delayed(ms) => (RETRY_EXCHANGE.to_owned(), format!("{queue}.{ms}")),
+                    Route::DeadLetters => (DLX_EXCHANGE.to_owned(), queue.to_owned()),
+                    Route::Grpcq => grpcq_route(&message)
+                        .map(|(t, a)| (t.to_owned(), a.to_owned()))
+                        .unwrap_or_else(|| (DIRECT_EXCHANGE.to_owned(), queue.to_owned())),
                 };
                 let props = headers::properties(
                     &message,
@@ -397,7 +484,7 @@ impl Inner {
                 let published = session
                     .publisher
                     .basic_publish(
-                        exchange.into(),
+                        exchange.as_str().into(),
                         routing_key.as_str().into(),
                         BasicPublishOptions {
                             mandatory: true,
@@ -418,29 +505,44 @@ impl Inner {
             for (index, route, message, confirm) in in_flight {
                 match tokio::time::timeout_at(deadline, confirm).await {
                     Ok(Ok(Confirmation::Ack(None))) => {}
-                    Ok(Ok(Confirmation::Ack(Some(returned)))) => failed.push(FailedPublish {
+                    Ok(Ok(Confirmation::Ack(Some(returned)))) => {
+                        let missing = match (route, grpcq_route(&message)) {
+                            (Route::Grpcq, Some((topic, action))) => format!(
+                                "is a queue bound to exchange {topic} for routing key {action}?"
+                            ),
+                            _ => format!("is queue {} missing?", queue_name(queue)),
+                        };
+                        failed.push(FailedPublish {
+                            index,
+                            message,
+                            error: Error::broker(
+                                "rabbitmq",
+                                format!(
+                                    "unroutable: broker returned the message ({} {}); {missing}",
+                                    returned.reply_code,
+                                    returned.reply_text.as_str(),
+                                ),
+                                false,
+                            ),
+                        })
+                    }
+                    Ok(Ok(Confirmation::Nack(_))) => failed.push(FailedPublish {
                         index,
                         message,
                         error: Error::broker(
                             "rabbitmq",
-                            format!(
-                                "unroutable: broker returned the message ({} {}); is queue {} missing?",
-                                returned.reply_code,
-                                returned.reply_text.as_str(),
-                                queue_name(queue)
-                            ),
-                            false,
+                            "broker nacked the message (not stored)",
+                            true,
                         ),
-                    }),
-                    Ok(Ok(Confirmation::Nack(_))) => failed.push(FailedPublish {
-                        index,
-                        message,
-                        error: Error::broker("rabbitmq", "broker nacked the message (not stored)", true),
                     }),
                     Ok(Ok(Confirmation::NotRequested)) => failed.push(FailedPublish {
                         index,
                         message,
-                        error: Error::broker("rabbitmq", "publisher confirms were not enabled", false),
+                        error: Error::broker(
+                            "rabbitmq",
+                            "publisher confirms were not enabled",
+                            false,
+                        ),
                     }),
                     // The connection went away before the confirm: publish again.
                     Ok(Err(_)) => {
@@ -556,6 +658,9 @@ impl QueueAdapter for RabbitAdapter {
                 // Scheduled messages wait in a TTL queue like delayed retries.
                 let route = match m.deliver_at.and_then(|at| (at - now).to_std().ok()) {
                     Some(d) if !d.is_zero() => Route::Delayed(bucket_delay_ms(d)),
+                    _ if self.inner.config.grpcq_exchanges && grpcq_route(&m).is_some() => {
+                        Route::Grpcq
+                    }
                     _ => Route::Queue,
                 };
                 (i, route, m)
