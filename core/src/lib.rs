@@ -28,6 +28,7 @@ pub mod publisher;
 pub mod registry;
 pub mod retry;
 pub mod stream;
+pub mod trace;
 mod value;
 mod wire;
 pub mod worker;

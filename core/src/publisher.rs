@@ -48,8 +48,14 @@ impl GrpcqPublisher {
         topic: &str,
         action: &str,
         request: &M,
-        metadata: BTreeMap<String, String>,
+        mut metadata: BTreeMap<String, String>,
     ) -> Message {
+        // Inside a handler: the call continues the handler's trace.
+        if !metadata.contains_key("traceparent") {
+            if let Some(tp) = crate::trace::TraceContext::outgoing() {
+                metadata.insert("traceparent".into(), tp);
+            }
+        }
         Message {
             originator: self.originator.clone(),
             topic: topic.to_owned(),
@@ -136,7 +142,13 @@ impl JobClient {
 
     /// Runs the middleware chain, sets `enqueued_at` and the state, and
     /// publishes. Returns the job as enqueued.
-    pub async fn enqueue(&self, job: JobEnvelope) -> Result<JobEnvelope> {
+    pub async fn enqueue(&self, mut job: JobEnvelope) -> Result<JobEnvelope> {
+        // Inside a handler: the job continues the handler's trace.
+        if job.meta_str("traceparent").is_none() {
+            if let Some(tp) = crate::trace::TraceContext::outgoing() {
+                job.meta.insert("traceparent".into(), tp.into());
+            }
+        }
         let adapter = self.adapter.clone();
         let mut next: EnqueueNext = Box::new(move |mut job: JobEnvelope| {
             Box::pin(async move {

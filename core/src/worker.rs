@@ -35,6 +35,7 @@ use crate::grpcq;
 use crate::media::Encoding;
 use crate::registry::{CallContext, HandlerError, HandlerResult, Registry};
 use crate::retry::{OnExhaustion, ResolvedRetry, RetryDecision};
+use crate::trace::TraceContext;
 
 /// Settings of a worker (plain data).
 #[derive(Debug, Clone)]
@@ -452,13 +453,18 @@ impl Shared {
             }
             Work::Run { info, call, policy } => (info, call, policy),
         };
+        // The handler runs as a child span of the message's trace context.
+        let parent = info.traceparent.as_deref().and_then(TraceContext::parse);
+        let trace = parent.map(|p| p.child());
         let span = tracing::info_span!(
             "ojs.handle",
             kind = info.kind,
             id = %info.id,
             route = %info.route,
             attempt = info.attempt,
-            traceparent = info.traceparent.as_deref().unwrap_or(""),
+            trace_id = trace.map(|t| t.trace_id_hex()).unwrap_or_default(),
+            span_id = trace.map(|t| t.span_id_hex()).unwrap_or_default(),
+            parent_span_id = parent.map(|p| p.span_id_hex()).unwrap_or_default(),
         );
         let info = Arc::new(info);
         async {
@@ -470,7 +476,11 @@ impl Shared {
             }
             let guarded = AssertUnwindSafe(next()).catch_unwind();
             let timed = tokio::time::timeout(self.config.handler_timeout, guarded);
-            let result = self.with_heartbeat(&d, timed).await;
+            // Calls and jobs published by the handler continue its trace.
+            let result = match trace {
+                Some(t) => self.with_heartbeat(&d, t.scope(timed)).await,
+                None => self.with_heartbeat(&d, timed).await,
+            };
             let outcome = match result {
                 Ok(Ok(Ok(()))) => Ok(()),
                 Ok(Ok(Err(e))) => Err(e),

@@ -499,3 +499,125 @@ async fn consume_errors_do_not_kill_the_worker() {
     assert!(errors >= 2, "retried with backoff, not once: {errors}");
     assert!(errors < 10, "backoff, not a busy loop: {errors}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_and_jobs_published_by_a_handler_continue_its_trace() {
+    use ojs_core::trace::TraceContext;
+    let adapter = memory();
+    let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut call = grpcq::Message {
+        originator: "o".into(),
+        topic: "t.Svc".into(),
+        action: "Fan".into(),
+        payload: vec![],
+        message_id: "m-1".into(),
+        timestamp_ms: 1,
+        metadata: Default::default(),
+    };
+    call.metadata.insert("traceparent".into(), incoming.into());
+    adapter
+        .publish("q", vec![OutgoingMessage::from_grpcq(&call)])
+        .await
+        .unwrap();
+    // One call without trace context: nothing is invented for it.
+    let mut bare = call.clone();
+    bare.metadata.clear();
+    bare.message_id = "m-2".into();
+    adapter
+        .publish("q", vec![OutgoingMessage::from_grpcq(&bare)])
+        .await
+        .unwrap();
+
+    let mut registry = Registry::new();
+    let (publisher, jobs) = (
+        GrpcqPublisher::new(adapter.clone(), "next", "fan-out"),
+        JobClient::new(adapter.clone()),
+    );
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let seen2 = seen.clone();
+    registry
+        .on_call("t.Svc", "Fan", move |ctx, _| {
+            let (publisher, jobs, seen) = (publisher.clone(), jobs.clone(), seen2.clone());
+            async move {
+                seen.lock()
+                    .unwrap()
+                    .push((ctx.message_id.clone(), TraceContext::current()));
+                publisher
+                    .publish(
+                        "t.Next",
+                        "Go",
+                        &prost_types::Duration::default(),
+                        Default::default(),
+                    )
+                    .await
+                    .map_err(|e| HandlerError::new("publish", e.to_string()))?;
+                jobs.enqueue(JobEnvelope::new("next.job", vec![]).with_queue("next-jobs"))
+                    .await
+                    .map_err(|e| HandlerError::new("enqueue", e.to_string()))?;
+                Ok(())
+            }
+        })
+        .unwrap();
+    let worker = Worker::new(adapter.clone(), registry, WorkerConfig::new("q"));
+    let stats = worker.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run(async {
+        let _ = stopped.await;
+    }));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stats.succeeded.load(Ordering::SeqCst) < 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+
+    let seen = seen.lock().unwrap().clone();
+    let handler = seen
+        .iter()
+        .find(|(id, _)| id == "m-1")
+        .unwrap()
+        .1
+        .expect("a current context");
+    let parent = TraceContext::parse(incoming).unwrap();
+    assert_eq!(handler.trace_id, parent.trace_id, "same trace");
+    assert_ne!(
+        handler.span_id, parent.span_id,
+        "the handler is a child span"
+    );
+    assert_eq!(seen.iter().find(|(id, _)| id == "m-2").unwrap().1, None);
+
+    let mut next = adapter.consumer("next", Default::default()).await.unwrap();
+    let mut traced = Vec::new();
+    for d in next.receive(10, Duration::from_secs(1)).await.unwrap() {
+        traced.push(
+            grpcq::decode(&d.payload)
+                .unwrap()
+                .metadata
+                .get("traceparent")
+                .cloned(),
+        );
+    }
+    let mut next_jobs = adapter
+        .consumer("next-jobs", Default::default())
+        .await
+        .unwrap();
+    for d in next_jobs.receive(10, Duration::from_secs(1)).await.unwrap() {
+        let job = &Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0];
+        assert_eq!(
+            d.headers.get("traceparent"),
+            job.meta_str("traceparent").map(str::to_owned).as_ref()
+        );
+        traced.push(job.meta_str("traceparent").map(str::to_owned));
+    }
+    // Two calls and two jobs; the traced pair names the handler as parent.
+    assert_eq!(traced.len(), 4);
+    let with: Vec<_> = traced.iter().flatten().collect();
+    assert_eq!(
+        with.len(),
+        2,
+        "only the traced call's work carries trace context: {traced:?}"
+    );
+    for tp in with {
+        assert_eq!(tp, &handler.traceparent());
+    }
+}
