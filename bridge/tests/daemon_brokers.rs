@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use ojs_adapter_kafka::KafkaAdapter;
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
-use ojs_bridge_tests::brokers::{brokers_required, find, unique_queue, Broker};
+use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
 use ojs_bridge_tests::tally::Tally;
 use ojs_core::mapping::call_job_id;
 use ojs_core::{grpcq, header, Delivery, Encoding, OutgoingMessage, QueueAdapter, Source};
@@ -214,12 +214,7 @@ async fn health_turns_503_when_rabbitmq_goes_away_and_200_when_it_is_back() {
     let Some(amqp) = find(Broker::RabbitMq).await else {
         return;
     };
-    let Ok(bounce) = std::env::var("OJS_BRIDGE_TEST_RABBITMQ_BOUNCE") else {
-        assert!(
-            !brokers_required(),
-            "OJS_BRIDGE_TEST_RABBITMQ_BOUNCE must name a command that restarts RabbitMQ"
-        );
-        println!("SKIPPED: set OJS_BRIDGE_TEST_RABBITMQ_BOUNCE (scripts/brokers.sh env sets it)");
+    let Some(command) = bounce_command(Broker::RabbitMq) else {
         return;
     };
     let queue = unique_queue("bridge-health");
@@ -243,14 +238,7 @@ async fn health_turns_503_when_rabbitmq_goes_away_and_200_when_it_is_back() {
     let daemon = start(&toml, BTreeMap::new()).await;
     let addr = daemon.http.unwrap();
     assert_eq!(http_get(addr, "/ojs/v1/health").await.0, 200);
-    let bouncer = tokio::spawn(async move {
-        tokio::process::Command::new("sh")
-            .arg("-c")
-            .arg(format!("{bounce} 6"))
-            .status()
-            .await
-            .unwrap()
-    });
+    let bouncer = bounce(&command, Some(6));
     let deadline = Instant::now() + Duration::from_secs(30);
     let body = loop {
         let (status, body) = http_get(addr, "/ojs/v1/health").await;
@@ -266,7 +254,7 @@ async fn health_turns_503_when_rabbitmq_goes_away_and_200_when_it_is_back() {
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["adapters"]["rabbit"]["status"], "down", "{body}");
     assert_eq!(v["adapters"]["local"]["status"], "ok", "{body}");
-    assert!(bouncer.await.unwrap().success());
+    assert!(bouncer.await.unwrap(), "bounce command failed");
     let deadline = Instant::now() + Duration::from_secs(60);
     while http_get(addr, "/ojs/v1/health").await.0 != 200 {
         assert!(

@@ -203,6 +203,39 @@ mod containers {
     }
 }
 
+/// The command that restarts `broker` (`OJS_BRIDGE_TEST_RABBITMQ_BOUNCE`,
+/// `OJS_BRIDGE_TEST_KAFKA_BOUNCE`; `scripts/brokers.sh env` sets them), or a
+/// skip (a failure under `OJS_BRIDGE_REQUIRE_BROKERS=1`).
+pub fn bounce_command(broker: Broker) -> Option<String> {
+    let var = match broker {
+        Broker::RabbitMq => "OJS_BRIDGE_TEST_RABBITMQ_BOUNCE",
+        Broker::Kafka => "OJS_BRIDGE_TEST_KAFKA_BOUNCE",
+        Broker::Sqs => return missing("a bounce command for SQS", "no test restarts SQS"),
+    };
+    match std::env::var(var) {
+        Ok(command) => Some(command),
+        Err(_) => missing(var, "it must name a command that restarts the broker"),
+    }
+}
+
+/// Runs a bounce command in the background: the broker is down for about
+/// `down_secs` (`None`: the command's default); the handle says whether the
+/// command succeeded.
+pub fn bounce(command: &str, down_secs: Option<u64>) -> tokio::task::JoinHandle<bool> {
+    let command = match down_secs {
+        Some(s) => format!("{command} {s}"),
+        None => command.to_owned(),
+    };
+    tokio::spawn(async move {
+        tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(&command)
+            .status()
+            .await
+            .is_ok_and(|s| s.success())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::probe_address;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
-use ojs_bridge_tests::brokers::{brokers_required, find, unique_queue, Broker};
+use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
 use ojs_bridge_tests::tally::Tally;
 use ojs_bridge_tests::tempdir::TempDir;
 use ojs_core::federation::{
@@ -65,12 +65,7 @@ async fn rabbitmq_region_goes_away_and_comes_back() {
     let Some(amqp) = find(Broker::RabbitMq).await else {
         return;
     };
-    let Ok(bounce) = std::env::var("OJS_BRIDGE_TEST_RABBITMQ_BOUNCE") else {
-        assert!(
-            !brokers_required(),
-            "OJS_BRIDGE_TEST_RABBITMQ_BOUNCE must name a command that restarts RabbitMQ"
-        );
-        println!("SKIPPED: set OJS_BRIDGE_TEST_RABBITMQ_BOUNCE (scripts/brokers.sh env sets it)");
+    let Some(command) = bounce_command(Broker::RabbitMq) else {
         return;
     };
     let dir = TempDir::new("federation");
@@ -124,14 +119,7 @@ async fn rabbitmq_region_goes_away_and_comes_back() {
         tally.sent(id);
     }
     // RabbitMQ away for 6 s while jobs keep coming.
-    let bouncer = tokio::spawn(async move {
-        tokio::process::Command::new("sh")
-            .arg("-c")
-            .arg(format!("{bounce} 6"))
-            .status()
-            .await
-            .unwrap()
-    });
+    let bouncer = bounce(&command, Some(6));
     let deadline = Instant::now() + Duration::from_secs(30);
     while breaker(&federation, "rmq") != BreakerState::Open {
         assert!(Instant::now() < deadline, "the rmq breaker never opened");
@@ -154,7 +142,7 @@ async fn rabbitmq_region_goes_away_and_comes_back() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(bouncer.await.unwrap().success());
+    assert!(bouncer.await.unwrap(), "bounce command failed");
     let deadline = Instant::now() + Duration::from_secs(60);
     while breaker(&federation, "rmq") != BreakerState::Closed {
         assert!(

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
-use ojs_bridge_tests::brokers::{brokers_required, find, unique_queue, Broker};
+use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
 use ojs_bridge_tests::kafka::test_config;
 use ojs_bridge_tests::tally::Tally;
 use ojs_core::{
@@ -223,12 +223,7 @@ async fn publishing_continues_across_a_broker_restart() {
     let Some((kafka, _)) = adapter(1).await else {
         return;
     };
-    let Ok(bounce) = std::env::var("OJS_BRIDGE_TEST_KAFKA_BOUNCE") else {
-        assert!(
-            !brokers_required(),
-            "OJS_BRIDGE_TEST_KAFKA_BOUNCE must name a command that restarts the broker"
-        );
-        println!("SKIPPED: set OJS_BRIDGE_TEST_KAFKA_BOUNCE (scripts/brokers.sh env sets it)");
+    let Some(command) = bounce_command(Broker::Kafka) else {
         return;
     };
     let queue = unique_queue("k-bounce");
@@ -238,13 +233,7 @@ async fn publishing_continues_across_a_broker_restart() {
         kafka.publish(&queue, msgs).await.unwrap();
         before += 20;
     }
-    let status = tokio::process::Command::new("sh")
-        .arg("-c")
-        .arg(&bounce)
-        .status()
-        .await
-        .unwrap();
-    assert!(status.success(), "bounce failed");
+    assert!(bounce(&command, None).await.unwrap(), "bounce failed");
 
     // The test broker keeps data in memory: what was published before is gone
     // with it. What this shows is the client reconnecting and the adapter

@@ -13,7 +13,7 @@ use lapin::{Connection, ConnectionProperties};
 use ojs_adapter_rabbitmq::{
     dead_letter_queue_name, queue_name, retry_queue_name, RabbitAdapter, RabbitConfig,
 };
-use ojs_bridge_tests::brokers::{brokers_required, find, unique_queue, Broker};
+use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
 use ojs_bridge_tests::tally::Tally;
 use ojs_core::{
     ConsumerOptions, DeadLetterReason, Encoding, Error, JobEnvelope, Nack, OutgoingMessage,
@@ -196,12 +196,7 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
     let Some((url, adapter, _raw)) = setup().await else {
         return;
     };
-    let Ok(bounce) = std::env::var("OJS_BRIDGE_TEST_RABBITMQ_BOUNCE") else {
-        assert!(
-            !brokers_required(),
-            "OJS_BRIDGE_TEST_RABBITMQ_BOUNCE must name a command that restarts RabbitMQ"
-        );
-        println!("SKIPPED: set OJS_BRIDGE_TEST_RABBITMQ_BOUNCE (scripts/brokers.sh env sets it)");
+    let Some(command) = bounce_command(Broker::RabbitMq) else {
         return;
     };
     let queue = unique_queue("rmq-restart");
@@ -248,13 +243,10 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
 
     let bouncer = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(700)).await;
-        let status = tokio::process::Command::new("sh")
-            .arg("-c")
-            .arg(&bounce)
-            .status()
-            .await
-            .unwrap();
-        assert!(status.success(), "bounce command failed");
+        assert!(
+            bounce(&command, None).await.unwrap(),
+            "bounce command failed"
+        );
     });
 
     let mut received: HashMap<String, u32> = HashMap::new();
@@ -316,26 +308,13 @@ async fn health_answers_promptly_while_a_publisher_is_reconnecting() {
     let Some((_url, adapter, _raw)) = setup().await else {
         return;
     };
-    let Ok(bounce) = std::env::var("OJS_BRIDGE_TEST_RABBITMQ_BOUNCE") else {
-        assert!(
-            !brokers_required(),
-            "OJS_BRIDGE_TEST_RABBITMQ_BOUNCE must name a command that restarts RabbitMQ"
-        );
-        println!("SKIPPED: set OJS_BRIDGE_TEST_RABBITMQ_BOUNCE (scripts/brokers.sh env sets it)");
+    let Some(command) = bounce_command(Broker::RabbitMq) else {
         return;
     };
     let adapter = Arc::new(adapter);
     let queue = unique_queue("rmq-health");
     // Down for 8 seconds.
-    let bouncer = tokio::spawn(async move {
-        let cmd = format!("{bounce} 8");
-        tokio::process::Command::new("sh")
-            .arg("-c")
-            .arg(&cmd)
-            .status()
-            .await
-            .unwrap()
-    });
+    let bouncer = bounce(&command, Some(8));
     // Wait until the broker is gone.
     let deadline = Instant::now() + Duration::from_secs(30);
     while adapter.health().await.healthy {
@@ -365,7 +344,7 @@ async fn health_answers_promptly_while_a_publisher_is_reconnecting() {
         took < Duration::from_secs(4),
         "health waited {took:?} behind the reconnecting publisher"
     );
-    assert!(bouncer.await.unwrap().success());
+    assert!(bouncer.await.unwrap(), "bounce command failed");
     // Back: health recovers and the publish that waited went through.
     let deadline = Instant::now() + Duration::from_secs(60);
     while !adapter.health().await.healthy {

@@ -606,11 +606,33 @@ impl KafkaConsumer {
             .unwrap_or_else(|| Arc::from(topic))
     }
 
-    /// Registers a received record; returns it as a delivery now, or holds
-    /// it (detached) until due.
-    fn accept(&self, m: &rdkafka::message::BorrowedMessage<'_>, out: &mut Vec<Delivery>) {
-        let tp = (self.topic_name(m.topic()), m.partition());
-        let generation = self.context.lock().tracker.deliver(&tp, m.offset());
+    /// Registers received records (one lock for the batch); each becomes a
+    /// delivery now, or is held (detached) until due.
+    fn accept_all(&self, batch: &[rdkafka::message::BorrowedMessage<'_>], out: &mut Vec<Delivery>) {
+        let tps: Vec<Tp> = batch
+            .iter()
+            .map(|m| (self.topic_name(m.topic()), m.partition()))
+            .collect();
+        let generations: Vec<u64> = {
+            let mut shared = self.context.lock();
+            batch
+                .iter()
+                .zip(&tps)
+                .map(|(m, tp)| shared.tracker.deliver(tp, m.offset()))
+                .collect()
+        };
+        for ((m, tp), generation) in batch.iter().zip(tps).zip(generations) {
+            self.accept(m, tp, generation, out);
+        }
+    }
+
+    fn accept(
+        &self,
+        m: &rdkafka::message::BorrowedMessage<'_>,
+        tp: Tp,
+        generation: u64,
+        out: &mut Vec<Delivery>,
+    ) {
         match Self::not_before(m) {
             Some(due) if due > now_ms() => {
                 let seq = self.seq.fetch_add(1, Ordering::Relaxed);
@@ -757,14 +779,15 @@ impl Consumer for KafkaConsumer {
                 Err(_) => continue, // a held record is due, or the wait is over
                 Ok(Err(e)) => return Err(kafka_error(&e)),
                 Ok(Ok(m)) => {
-                    self.accept(&m, &mut out);
-                    drop(m);
-                    while out.len() < max {
+                    let mut batch = vec![m];
+                    while batch.len() < max {
                         match consumer.recv().now_or_never() {
-                            Some(Ok(m)) => self.accept(&m, &mut out),
+                            Some(Ok(m)) => batch.push(m),
                             _ => break,
                         }
                     }
+                    self.accept_all(&batch, &mut out);
+                    drop(batch);
                     if !out.is_empty() {
                         return Ok(out);
                     }

@@ -3,7 +3,7 @@
 //! however many later offsets were acked (Vector lost data by committing past
 //! an unfinished offset; we do not).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// (topic, partition). Topics are interned: one allocation per topic, not
@@ -26,7 +26,13 @@ struct Partition {
 /// Offsets delivered and settled, per partition.
 #[derive(Debug, Default)]
 pub(crate) struct Tracker {
-    parts: HashMap<Tp, Partition>,
+    /// A consumer holds a handful of partitions: a linear scan comparing
+    /// interned topic pointers beats hashing the topic name per record.
+    parts: Vec<(Tp, Partition)>,
+}
+
+fn same(a: &Tp, b: &Tp) -> bool {
+    a.1 == b.1 && (Arc::ptr_eq(&a.0, &b.0) || a.0 == b.0)
 }
 
 /// A settle that no longer applies: the partition was revoked.
@@ -34,16 +40,34 @@ pub(crate) struct Tracker {
 pub(crate) struct Stale;
 
 impl Tracker {
+    fn part(&mut self, tp: &Tp) -> Option<&mut Partition> {
+        self.parts
+            .iter_mut()
+            .find(|(t, _)| same(t, tp))
+            .map(|(_, p)| p)
+    }
+
+    fn part_or_insert(&mut self, tp: &Tp) -> &mut Partition {
+        let i = match self.parts.iter().position(|(t, _)| same(t, tp)) {
+            Some(i) => i,
+            None => {
+                self.parts.push((tp.clone(), Partition::default()));
+                self.parts.len() - 1
+            }
+        };
+        &mut self.parts[i].1
+    }
+
     /// Records a delivered offset; returns the partition's generation.
     pub(crate) fn deliver(&mut self, tp: &Tp, offset: i64) -> u64 {
-        let p = self.parts.entry(tp.clone()).or_default();
+        let p = self.part_or_insert(tp);
         p.in_flight.insert(offset, false);
         p.generation
     }
 
     /// Marks an offset settled and advances the contiguous prefix.
     pub(crate) fn settle(&mut self, tp: &Tp, offset: i64, generation: u64) -> Result<(), Stale> {
-        let p = self.parts.get_mut(tp).ok_or(Stale)?;
+        let p = self.part(tp).ok_or(Stale)?;
         if p.generation != generation {
             return Err(Stale);
         }
@@ -79,7 +103,7 @@ impl Tracker {
     pub(crate) fn committable_for(&mut self, tps: &[Tp]) -> Vec<(String, i32, i64)> {
         let mut out = Vec::new();
         for tp in tps {
-            if let Some(p) = self.parts.get_mut(tp) {
+            if let Some(p) = self.part(tp) {
                 if let Some(next) = p.next {
                     if p.committed.is_none_or(|c| next > c) {
                         out.push((tp.0.to_string(), tp.1, next));
@@ -95,7 +119,7 @@ impl Tracker {
     /// owner, and late settles report [`Stale`].
     pub(crate) fn revoke(&mut self, tps: &[Tp]) {
         for tp in tps {
-            if let Some(p) = self.parts.get_mut(tp) {
+            if let Some(p) = self.part(tp) {
                 p.generation += 1;
                 p.in_flight.clear();
                 p.next = None;
@@ -108,8 +132,9 @@ impl Tracker {
     #[cfg(test)]
     pub(crate) fn unsettled(&self, tp: &Tp) -> usize {
         self.parts
-            .get(tp)
-            .map_or(0, |p| p.in_flight.values().filter(|d| !**d).count())
+            .iter()
+            .find(|(t, _)| same(t, tp))
+            .map_or(0, |(_, p)| p.in_flight.values().filter(|d| !**d).count())
     }
 }
 
