@@ -18,14 +18,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
 use ojs_adapter_memory::MemoryAdapter;
-use ojs_bridge::config::BridgeConfig;
-use ojs_bridge::daemon::Daemon;
 use ojs_bridge::metrics::Metrics;
 use ojs_core::{grpcq, OutgoingMessage, QueueAdapter};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
@@ -84,16 +85,9 @@ fn ms(v: Option<f64>) -> String {
 }
 
 async fn run_bridge(toml: &str, n: usize) -> Measured {
-    let config = BridgeConfig::parse(toml, "bench", &[]).unwrap();
-    let daemon = Daemon::start_with(config, BTreeMap::new()).await.unwrap();
-    let metrics = daemon.metrics();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(daemon.run(async move {
-        let _ = stopped.await;
-    }));
-    let m = watch(&metrics, n as u64).await;
-    let _ = stop.send(());
-    task.await.unwrap();
+    let daemon = support::start(toml, BTreeMap::new()).await;
+    let m = watch(&daemon.metrics, n as u64).await;
+    daemon.shutdown().await;
     m
 }
 

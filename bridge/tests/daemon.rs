@@ -23,6 +23,26 @@ fn broker_name() -> String {
 
 const IDLE: Duration = Duration::from_secs(3);
 
+/// The smallest useful daemon: memory broker `name`, its queue `calls` to its
+/// queue `default`, health and metrics on an ephemeral loopback port.
+fn one_route_config(name: &str) -> String {
+    format!(
+        r#"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        mem = "memory://{name}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        [[routes]]
+        name = "all"
+        sink = "mem"
+        "#
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcq_calls_become_ojs_jobs_with_binding_headers_and_deterministic_ids() {
     let name = broker_name();
@@ -565,21 +585,7 @@ async fn a_stalled_sink_holds_back_consumption_and_shutdown_is_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_is_200_when_every_adapter_is_healthy_and_503_naming_the_one_that_is_not() {
     let name = broker_name();
-    let toml = format!(
-        r#"
-        [http]
-        listen = "127.0.0.1:0"
-        [adapters]
-        mem = "memory://{name}"
-        [[sources]]
-        name = "calls"
-        adapter = "mem"
-        queue = "calls"
-        [[routes]]
-        name = "all"
-        sink = "mem"
-        "#
-    );
+    let toml = one_route_config(&name);
     let daemon = start(&toml, BTreeMap::new()).await;
     let addr = daemon.http.unwrap();
     let (status, body) = http_get(addr, "/ojs/v1/health").await;
@@ -740,21 +746,7 @@ async fn a_federated_sink_routes_by_region_meta_and_reports_its_state() {
 async fn the_http_health_probe_reads_a_daemons_health_endpoint() {
     use ojs_core::federation::HealthProbe;
     let name = broker_name();
-    let toml = format!(
-        r#"
-        [http]
-        listen = "127.0.0.1:0"
-        [adapters]
-        mem = "memory://{name}"
-        [[sources]]
-        name = "calls"
-        adapter = "mem"
-        queue = "calls"
-        [[routes]]
-        name = "all"
-        sink = "mem"
-        "#
-    );
+    let toml = one_route_config(&name);
     let daemon = start(&toml, BTreeMap::new()).await;
     let url = format!("http://{}/ojs/v1/health", daemon.http.unwrap());
     let probe = ojs_bridge::probe::HttpHealthProbe::new(&url, Duration::from_secs(2)).unwrap();
