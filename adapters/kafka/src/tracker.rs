@@ -170,6 +170,26 @@ mod tests {
     }
 
     #[test]
+    fn gaps_and_redeliveries_keep_the_prefix_rule() {
+        let mut t = Tracker::default();
+        // Offsets with gaps (compaction, transaction markers).
+        let g = [5, 7, 10].map(|o| t.deliver(&tp(), o))[2];
+        t.settle(&tp(), 10, g).unwrap();
+        t.settle(&tp(), 7, g).unwrap();
+        assert_eq!(t.committable(), vec![], "5 is not settled");
+        // 7 delivered again (a seek): unsettled again, order kept.
+        t.deliver(&tp(), 7);
+        t.deliver(&tp(), 6);
+        t.settle(&tp(), 5, g).unwrap();
+        assert_eq!(t.committable(), vec![("t".into(), 0, 6)]);
+        t.settle(&tp(), 6, g).unwrap();
+        t.settle(&tp(), 7, g).unwrap();
+        assert_eq!(t.committable(), vec![("t".into(), 0, 11)]);
+        assert_eq!(t.unsettled(&tp()), 0);
+        assert_eq!(t.settle(&tp(), 8, g), Err(Stale), "never delivered");
+    }
+
+    #[test]
     fn revocation_makes_late_settles_stale() {
         let mut t = Tracker::default();
         let g = t.deliver(&tp(), 5);
