@@ -18,6 +18,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+// The allocator the ojs-bridge binary ships with; raw and bridge share it.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

@@ -10,6 +10,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+// The allocator the ojs-bridge binary ships with; raw and adapter share it.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::time::{Duration, Instant};
 
 use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
