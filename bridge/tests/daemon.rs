@@ -770,3 +770,110 @@ async fn the_http_health_probe_reads_a_daemons_health_endpoint() {
     )
     .is_err());
 }
+
+/// A sink whose first publish takes longer than the source's visibility
+/// timeout: the source lease expires, the call is delivered again, and both
+/// copies reach the sink (at least once). Wraps a real in-memory broker.
+#[derive(Debug)]
+struct SlowFirstPublish {
+    inner: MemoryAdapter,
+    delay: Duration,
+    first: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl QueueAdapter for SlowFirstPublish {
+    fn kind(&self) -> &'static str {
+        "slow-first-publish"
+    }
+    fn max_message_bytes(&self) -> usize {
+        self.inner.max_message_bytes()
+    }
+    async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> ojs_core::Result<()> {
+        if self.first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(self.delay).await;
+        }
+        self.inner.publish(queue, messages).await
+    }
+    async fn consumer(
+        &self,
+        queue: &str,
+        options: ojs_core::ConsumerOptions,
+    ) -> ojs_core::Result<Box<dyn ojs_core::Consumer>> {
+        self.inner.consumer(queue, options).await
+    }
+    async fn health(&self) -> ojs_core::Health {
+        self.inner.health().await
+    }
+    async fn depth(&self, queue: &str) -> ojs_core::Result<Option<u64>> {
+        self.inner.depth(queue).await
+    }
+    async fn close(&self) -> ojs_core::Result<()> {
+        self.inner.close().await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_delivered_twice_becomes_the_same_job_id_twice() {
+    let name = broker_name();
+    let sink_name = broker_name();
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        mem = "memory://{name}"
+        sink = "memory://{sink_name}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        visibility_timeout = "300ms"
+        [[routes]]
+        name = "all"
+        sink = "sink"
+        "#
+    );
+    let sink: Arc<dyn QueueAdapter> = Arc::new(SlowFirstPublish {
+        inner: MemoryAdapter::named(&sink_name),
+        delay: Duration::from_millis(900),
+        first: std::sync::atomic::AtomicBool::new(true),
+    });
+    let broker = MemoryAdapter::named(&name);
+    let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
+    let c = call(0, "payment.PaymentService", "Pay");
+    broker
+        .publish("calls", vec![OutgoingMessage::from_grpcq(&c)])
+        .await
+        .unwrap();
+    let jobs = collect(
+        &MemoryAdapter::named(&sink_name),
+        "default",
+        Source::Queue,
+        2,
+        IDLE,
+    )
+    .await;
+    let summary = daemon.shutdown().await;
+    assert_eq!(
+        jobs.len(),
+        2,
+        "the redelivered call was published again (at least once)"
+    );
+    let ids: Vec<String> = jobs
+        .iter()
+        .map(|d| {
+            Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0]
+                .id
+                .clone()
+        })
+        .collect();
+    assert_eq!(ids[0], ids[1], "both copies carry one job id");
+    assert_eq!(ids[0], call_job_id(&c.message_id, c.timestamp_ms));
+    assert_eq!(summary.sources[0].1, 2, "received twice");
+    assert_eq!(
+        broker.depth("calls").await.unwrap(),
+        Some(0),
+        "the second copy was acked"
+    );
+}
