@@ -295,7 +295,7 @@ impl Route {
             (Incoming::Call(call), OutputFormat::Ojs) => self.call_to_job(call, source_queue),
             (Incoming::Call(call), OutputFormat::Grpcq) => {
                 let vars = call_vars(&call, source_queue);
-                let queue = self.render_queue(&vars, "{topic}")?;
+                let queue = self.render_queue(&vars, vars.topic)?;
                 Ok((queue, OutgoingMessage::from_grpcq(&call)))
             }
             (Incoming::Job(job), OutputFormat::Ojs) => self.job_to_job(*job),
@@ -303,12 +303,12 @@ impl Route {
         }
     }
 
+    /// The route's queue template rendered, or `default` (already resolved
+    /// by the caller) when the route names no queue.
     fn render_queue(&self, vars: &Vars<'_>, default: &str) -> Result<String, DeadLetterReason> {
         let queue = match &self.queue {
             Some(t) => t.render(vars),
-            None => Template::parse(default, TemplateVar::ALL)
-                .map(|t| t.render(vars))
-                .unwrap_or_else(|_| default.to_owned()),
+            None => default.to_owned(),
         };
         if queue.is_empty() {
             return Err(unmappable(format!(
@@ -350,7 +350,12 @@ impl Route {
         &self,
         mut job: JobEnvelope,
     ) -> Result<(String, OutgoingMessage), DeadLetterReason> {
-        let (topic, action) = mapping::job_topic_action(&job).unwrap_or_default();
+        // Topic and action only matter to templates; the defaults need neither.
+        let (topic, action) = if self.queue.is_some() || self.type_template.is_some() {
+            mapping::job_topic_action(&job).unwrap_or_default()
+        } else {
+            (String::new(), String::new())
+        };
         let vars = Vars {
             topic: &topic,
             action: &action,
@@ -358,7 +363,7 @@ impl Route {
             queue: &job.queue,
             originator: job.meta_str(mapping::META_ORIGINATOR).unwrap_or_default(),
         };
-        let queue = self.render_queue(&vars, "{queue}")?;
+        let queue = self.render_queue(&vars, vars.queue)?;
         if let Some(t) = &self.type_template {
             job.job_type = t.render(&vars);
         }
@@ -421,7 +426,7 @@ impl Route {
         };
         let call = mapping::job_to_call(job, topic, action, payload);
         let vars = call_vars(&call, &job.queue);
-        let queue = self.render_queue(&vars, "{topic}")?;
+        let queue = self.render_queue(&vars, vars.topic)?;
         Ok((queue, OutgoingMessage::from_grpcq(&call)))
     }
 }

@@ -259,6 +259,12 @@ fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_fi
     );
 
     let dir = TempDir::new("bad-config");
+    let garbage = dir.path().join("garbage.binpb");
+    std::fs::write(&garbage, b"\xff\xff not a descriptor set").unwrap();
+    let garbage_case = format!(
+        "[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\ndescriptor_set = \"{}\"\n",
+        garbage.display()
+    );
     let cases = [
         ("adapters = [", "bad.toml"),
         ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\nbatchsize = 5\n", "unknown field `batchsize`"),
@@ -266,9 +272,13 @@ fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_fi
         ("[adapters]\nlocal = \"gopher://x\"\n", "adapters.local"),
         ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\ndescriptor_set = \"/nonexistent.binpb\"\n", "routes[0].descriptor_set"),
     ];
+    let cases = cases
+        .iter()
+        .map(|(t, e)| (t.to_string(), *e))
+        .chain([(garbage_case, "is not a protobuf FileDescriptorSet")]);
     for (text, expected) in cases {
         let path = dir.path().join("bad.toml");
-        std::fs::write(&path, text).unwrap();
+        std::fs::write(&path, &text).unwrap();
         for args in [
             vec!["check-config", path.to_str().unwrap()],
             vec!["run", "--config", path.to_str().unwrap()],

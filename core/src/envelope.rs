@@ -244,9 +244,18 @@ impl JobEnvelope {
     /// A new job of `job_type` with `args`: fresh UUIDv7 id, `specversion`
     /// 1.0, queue `default`, `created_at` now.
     pub fn new(job_type: impl Into<String>, args: Vec<Value>) -> Self {
+        let mut job = JobEnvelope::with_id(new_job_id(), job_type, args);
+        job.created_at = Some(now_millis());
+        job
+    }
+
+    /// A job with a given id (e.g. one derived from a grpcq call) and every
+    /// other attribute at its default; `created_at` unset. Unlike
+    /// [`JobEnvelope::new`] it reads neither the clock nor the RNG.
+    pub fn with_id(id: String, job_type: impl Into<String>, args: Vec<Value>) -> Self {
         JobEnvelope {
             specversion: SPEC_VERSION.to_owned(),
-            id: new_job_id(),
+            id,
             job_type: job_type.into(),
             queue: DEFAULT_QUEUE.to_owned(),
             args,
@@ -260,7 +269,7 @@ impl JobEnvelope {
             schema: None,
             state: None,
             attempt: 0,
-            created_at: Some(now_millis()),
+            created_at: None,
             enqueued_at: None,
             started_at: None,
             completed_at: None,

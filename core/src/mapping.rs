@@ -14,7 +14,7 @@ use chrono::{DateTime, TimeZone, Utc};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::envelope::{JobEnvelope, SPEC_VERSION};
+use crate::envelope::JobEnvelope;
 use crate::error::{Error, Result};
 use crate::grpcq::Message;
 
@@ -106,9 +106,11 @@ pub fn call_to_job(
             t.json
         }
     };
-    let mut job = JobEnvelope::new(job_type, vec![arg]);
-    job.specversion = SPEC_VERSION.to_owned();
-    job.id = call_job_id(&msg.message_id, msg.timestamp_ms);
+    let mut job = JobEnvelope::with_id(
+        call_job_id(&msg.message_id, msg.timestamp_ms),
+        job_type,
+        vec![arg],
+    );
     job.queue = queue;
     job.created_at = millis_to_time(msg.timestamp_ms);
     job.expires_at = msg
