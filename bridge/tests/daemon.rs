@@ -97,7 +97,7 @@ async fn grpcq_calls_become_ojs_jobs_with_binding_headers_and_deterministic_ids(
         let msg = &sent[&job.id];
         tally.received(job.id.clone());
         assert_eq!(job.job_type, format!("{}.{}", msg.topic, msg.action));
-        assert_eq!(job.queue, d.queue);
+        assert_eq!(job.queue, *d.queue);
         assert_eq!(d.headers[header::ID], job.id);
         assert_eq!(d.headers[header::TYPE], job.job_type);
         assert_eq!(d.headers[header::QUEUE], job.queue);

@@ -20,6 +20,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -340,6 +341,12 @@ impl DeliveryRef<'_> {
 pub trait Acknowledger: Send + Sync + fmt::Debug {
     /// The message was handled; remove it.
     async fn ack(&self) -> Result<()>;
+    /// Acknowledges without waiting, when the adapter's ack is bookkeeping
+    /// in this process (Kafka's offset tracker): saves the boxed future of
+    /// [`Acknowledger::ack`] on the hot path. `None` means "call `ack`".
+    fn ack_now(&self) -> Option<Result<()>> {
+        None
+    }
     /// The message was not handled. `delivery` is the message as received.
     async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()>;
     /// Keeps the message invisible to others for `by` more (heartbeat).
@@ -368,8 +375,9 @@ pub struct Delivery {
     pub key: Option<String>,
     /// Broker message id.
     pub message_id: Option<String>,
-    /// Queue it came from (the OJS queue name, not the broker's).
-    pub queue: String,
+    /// Queue it came from (the OJS queue name, not the broker's); shared, as
+    /// every delivery of a consumer names the same queue.
+    pub queue: Arc<str>,
     acker: Box<dyn Acknowledger>,
     state: AtomicU8,
 }
@@ -380,7 +388,7 @@ impl Delivery {
         payload: Bytes,
         headers: Headers,
         attempt: u32,
-        queue: String,
+        queue: impl Into<Arc<str>>,
         acker: Box<dyn Acknowledger>,
     ) -> Self {
         Delivery {
@@ -389,7 +397,7 @@ impl Delivery {
             attempt,
             key: None,
             message_id: None,
-            queue,
+            queue: queue.into(),
             acker,
             state: AtomicU8::new(PENDING),
         }
@@ -446,7 +454,10 @@ impl Delivery {
     /// Acknowledges: the message is done. A second settle is an error.
     pub async fn ack(&self) -> Result<()> {
         self.begin()?;
-        let result = self.acker.ack().await;
+        let result = match self.acker.ack_now() {
+            Some(result) => result,
+            None => self.acker.ack().await,
+        };
         self.finish(&result, ACKED);
         result
     }

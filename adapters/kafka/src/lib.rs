@@ -46,7 +46,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
 use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::{
     header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
@@ -508,17 +508,29 @@ fn commit_pending(consumer: &StreamConsumer<Context>, context: &Context, mode: C
     }
 }
 
+/// What every delivery of one consumer needs to settle itself: shared
+/// behind one `Arc`, so a delivery costs one reference count, not one per
+/// field.
+#[derive(Debug)]
+struct Settler {
+    inner: Arc<Inner>,
+    context: Context,
+    /// The OJS queue name.
+    queue: Arc<str>,
+    source: Source,
+    max_deliveries: Option<u32>,
+}
+
 /// A consumer-group member reading one queue (its topic and retry topic) or
 /// its dead letters.
 pub struct KafkaConsumer {
     inner: Arc<Inner>,
     queue: String,
-    queue_name: Arc<str>,
     /// Subscribed topic names, interned for the offset tracker.
     topics: Vec<Arc<str>>,
-    options: ConsumerOptions,
     consumer: Arc<StreamConsumer<Context>>,
     context: Context,
+    settler: Arc<Settler>,
     seq: AtomicU64,
 }
 
@@ -573,14 +585,20 @@ impl KafkaConsumer {
             }
         });
         let interned = topics.iter().map(|t| Arc::from(t.as_str())).collect();
+        let settler = Arc::new(Settler {
+            inner: inner.clone(),
+            context: context.clone(),
+            queue: Arc::from(queue),
+            source: options.source,
+            max_deliveries: options.max_deliveries,
+        });
         Ok(KafkaConsumer {
             inner,
             queue: queue.to_owned(),
-            queue_name: Arc::from(queue),
             topics: interned,
-            options,
             consumer,
             context,
+            settler,
             seq: AtomicU64::new(0),
         })
     }
@@ -728,21 +746,17 @@ impl KafkaConsumer {
         let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
         let message_id = headers.get(header::ID).cloned();
         let acker = KafkaAcker {
-            inner: self.inner.clone(),
-            context: self.context.clone(),
+            settler: self.settler.clone(),
             tp,
             offset: m.offset(),
             generation,
-            queue: self.queue_name.clone(),
-            source: self.options.source,
-            max_deliveries: self.options.max_deliveries,
             attempt,
         };
         let mut d = Delivery::new(
             payload,
             headers,
             attempt,
-            self.queue.clone(),
+            self.settler.queue.clone(),
             Box::new(acker),
         );
         d.key = key;
@@ -774,15 +788,20 @@ impl Consumer for KafkaConsumer {
                 deadline.min(now + until)
             });
             let consumer = self.consumer.clone();
-            let first = tokio::time::timeout_at(wake, consumer.recv()).await;
+            // One stream for the whole batch: each `recv` would register and
+            // unregister a waker (two lock round trips per record).
+            let mut stream = consumer.stream();
+            let first = tokio::time::timeout_at(wake, stream.next()).await;
             match first {
-                Err(_) => continue, // a held record is due, or the wait is over
-                Ok(Err(e)) => return Err(kafka_error(&e)),
-                Ok(Ok(m)) => {
-                    let mut batch = vec![m];
+                Err(_) => continue,         // a held record is due, or the wait is over
+                Ok(None) => return Ok(out), // rdkafka streams never end
+                Ok(Some(Err(e))) => return Err(kafka_error(&e)),
+                Ok(Some(Ok(m))) => {
+                    let mut batch = Vec::with_capacity(max.min(1024));
+                    batch.push(m);
                     while batch.len() < max {
-                        match consumer.recv().now_or_never() {
-                            Some(Ok(m)) => batch.push(m),
+                        match stream.next().now_or_never() {
+                            Some(Some(Ok(m))) => batch.push(m),
                             _ => break,
                         }
                     }
@@ -822,20 +841,19 @@ impl Drop for KafkaConsumer {
 
 #[derive(Debug)]
 struct KafkaAcker {
-    inner: Arc<Inner>,
-    context: Context,
+    settler: Arc<Settler>,
     tp: Tp,
     offset: i64,
     generation: u64,
-    queue: Arc<str>,
-    source: Source,
-    max_deliveries: Option<u32>,
     attempt: u32,
 }
 
 impl KafkaAcker {
+    /// Marks the offset settled: bookkeeping only (the background committer
+    /// commits the contiguous prefix), so it never waits.
     fn settle(&self) -> Result<()> {
-        self.context
+        self.settler
+            .context
             .lock()
             .tracker
             .settle(&self.tp, self.offset, self.generation)
@@ -847,8 +865,9 @@ impl KafkaAcker {
     /// so it is delivered again after a restart: never lost.
     async fn move_to(&self, topic: String, copy: OutgoingMessage) -> Result<()> {
         let failed = self
+            .settler
             .inner
-            .produce(&self.queue, vec![(0, topic, copy)])
+            .produce(&self.settler.queue, vec![(0, topic, copy)])
             .await;
         if let Some(f) = failed.into_iter().next() {
             return Err(f.error);
@@ -863,12 +882,23 @@ impl Acknowledger for KafkaAcker {
         self.settle()
     }
 
+    fn ack_now(&self) -> Option<Result<()>> {
+        Some(self.settle())
+    }
+
     async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()> {
-        let config = &self.inner.config;
+        let Settler {
+            inner,
+            queue,
+            source,
+            max_deliveries,
+            ..
+        } = &*self.settler;
+        let config = &inner.config;
         let mut copy = delivery.to_outgoing();
         match action {
-            Nack::Retry { delay } if self.source == Source::Queue => {
-                if self.max_deliveries.is_some_and(|m| self.attempt >= m) {
+            Nack::Retry { delay } if *source == Source::Queue => {
+                if max_deliveries.is_some_and(|m| self.attempt >= m) {
                     DeadLetterReason::new(
                         "max_deliveries",
                         format!(
@@ -877,7 +907,7 @@ impl Acknowledger for KafkaAcker {
                         ),
                     )
                     .write_headers(&mut copy.headers);
-                    return self.move_to(config.dead_topic_of(&self.queue), copy).await;
+                    return self.move_to(config.dead_topic_of(queue), copy).await;
                 }
                 copy.headers
                     .insert(header::ATTEMPT.into(), (self.attempt + 1).to_string());
@@ -886,13 +916,13 @@ impl Acknowledger for KafkaAcker {
                 let due = now_ms().saturating_add(delay.as_micros().div_ceil(1000) as i64 + 1);
                 copy.headers
                     .insert(NOT_BEFORE_HEADER.into(), due.to_string());
-                self.move_to(config.retry_topic_of(&self.queue), copy).await
+                self.move_to(config.retry_topic_of(queue), copy).await
             }
             // A dead letter that is retried goes to the back of the dead topic.
-            Nack::Retry { .. } => self.move_to(config.dead_topic_of(&self.queue), copy).await,
+            Nack::Retry { .. } => self.move_to(config.dead_topic_of(queue), copy).await,
             Nack::DeadLetter(reason) => {
                 reason.write_headers(&mut copy.headers);
-                self.move_to(config.dead_topic_of(&self.queue), copy).await
+                self.move_to(config.dead_topic_of(queue), copy).await
             }
         }
     }

@@ -216,7 +216,7 @@ impl QueueAdapter for LocalAdapter {
         }
         Ok(Box::new(LocalConsumer {
             inner: self.inner.clone(),
-            queue: queue.to_owned(),
+            queue: Arc::from(queue),
             options,
             held: Arc::new(Mutex::new(HashSet::new())),
         }))
@@ -257,7 +257,7 @@ fn lock_held(held: &Held) -> MutexGuard<'_, HashSet<(i64, i64)>> {
 #[derive(Debug)]
 pub struct LocalConsumer {
     inner: Arc<Inner>,
-    queue: String,
+    queue: Arc<str>,
     options: ConsumerOptions,
     /// Leases this consumer holds, released when it is dropped.
     held: Held,

@@ -302,7 +302,7 @@ impl QueueAdapter for MemoryAdapter {
         self.check_open()?;
         Ok(Box::new(MemoryConsumer {
             id: self.broker.ids.fetch_add(1, Ordering::Relaxed),
-            queue_name: queue.to_owned(),
+            queue_name: Arc::from(queue),
             queue: self.broker.queue(queue),
             broker: self.broker.clone(),
             options,
@@ -334,7 +334,7 @@ impl QueueAdapter for MemoryAdapter {
 #[derive(Debug)]
 pub struct MemoryConsumer {
     id: u64,
-    queue_name: String,
+    queue_name: Arc<str>,
     queue: Arc<Queue>,
     broker: Arc<Broker>,
     options: ConsumerOptions,
@@ -445,15 +445,26 @@ struct MemoryAcker {
     tag: u64,
 }
 
-#[async_trait]
-impl Acknowledger for MemoryAcker {
-    async fn ack(&self) -> Result<()> {
+impl MemoryAcker {
+    /// Removes the message for good: an in-process step that never waits.
+    fn settle(&self) -> Result<()> {
         let mut state = self.queue.lock();
         state
             .in_flight
             .remove(&self.tag)
             .map(|_| ())
             .ok_or(Error::DeliveryExpired)
+    }
+}
+
+#[async_trait]
+impl Acknowledger for MemoryAcker {
+    async fn ack(&self) -> Result<()> {
+        self.settle()
+    }
+
+    fn ack_now(&self) -> Option<Result<()>> {
+        Some(self.settle())
     }
 
     async fn nack(&self, action: Nack, _delivery: ojs_core::DeliveryRef<'_>) -> Result<()> {

@@ -676,7 +676,7 @@ impl QueueAdapter for RabbitAdapter {
         }
         let mut consumer = RabbitConsumer {
             inner: self.inner.clone(),
-            queue: queue.to_owned(),
+            queue: Arc::from(queue),
             options,
             live: None,
         };
@@ -749,7 +749,7 @@ struct Live {
 #[derive(Debug)]
 pub struct RabbitConsumer {
     inner: Arc<Inner>,
-    queue: String,
+    queue: Arc<str>,
     options: ConsumerOptions,
     live: Option<Live>,
 }
@@ -899,7 +899,7 @@ impl Drop for RabbitConsumer {
 struct RabbitAcker {
     inner: Arc<Inner>,
     acker: lapin::Acker,
-    queue: String,
+    queue: Arc<str>,
     source: Source,
     max_deliveries: Option<u32>,
     /// Priority as received (the neutral delivery does not carry it).

@@ -482,7 +482,7 @@ impl QueueAdapter for SqsAdapter {
         };
         Ok(Box::new(SqsConsumer {
             inner: self.inner.clone(),
-            queue: queue.to_owned(),
+            queue: Arc::from(queue),
             url: source_url,
             dlq,
             options,
@@ -526,7 +526,7 @@ impl QueueAdapter for SqsAdapter {
 #[derive(Debug)]
 pub struct SqsConsumer {
     inner: Arc<Inner>,
-    queue: String,
+    queue: Arc<str>,
     url: String,
     dlq: String,
     options: ConsumerOptions,
