@@ -112,14 +112,27 @@ impl std::fmt::Debug for Inner {
     }
 }
 
+/// Which of a queue's three topics a record goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    Queue = 0,
+    Retry = 1,
+    Dead = 2,
+}
+
 impl Inner {
-    /// Creates the queue's three topics if this process has not seen them.
-    async fn ensure_topics(&self, queue: &str) -> Result<()> {
-        let names = [
+    /// The queue's topics, indexed by [`Lane`].
+    fn topic_names(&self, queue: &str) -> [String; 3] {
+        [
             self.config.topic_of(queue),
             self.config.retry_topic_of(queue),
             self.config.dead_topic_of(queue),
-        ];
+        ]
+    }
+
+    /// Creates the queue's three topics if this process has not seen them.
+    async fn ensure_topics(&self, queue: &str) -> Result<()> {
+        let names = self.topic_names(queue);
         let missing: Vec<&String> = {
             let known = self.topics.lock().unwrap_or_else(|e| e.into_inner());
             names.iter().filter(|n| !known.contains(*n)).collect()
@@ -179,20 +192,18 @@ impl Inner {
 
     fn forget_topics(&self, queue: &str) {
         let mut known = self.topics.lock().unwrap_or_else(|e| e.into_inner());
-        for t in [
-            self.config.topic_of(queue),
-            self.config.retry_topic_of(queue),
-            self.config.dead_topic_of(queue),
-        ] {
+        for t in self.topic_names(queue) {
             known.remove(&t);
         }
     }
 
-    /// Produces each message to `topic` and waits for every delivery report.
+    /// Produces each message to its lane's topic and waits for every
+    /// delivery report. Topic names are rendered once per call, not per
+    /// record.
     async fn produce(
         &self,
         queue: &str,
-        items: Vec<(usize, String, OutgoingMessage)>,
+        items: Vec<(usize, Lane, OutgoingMessage)>,
     ) -> Vec<FailedPublish> {
         if let Err(e) = self.ensure_topics(queue).await {
             let (text, retryable) = (e.to_string(), e.is_retryable());
@@ -207,7 +218,8 @@ impl Inner {
         }
         let timeout = self.config.publish_timeout();
         let producer = self.producer();
-        let sends = items.iter().map(|(_, topic, m)| {
+        let topics = self.topic_names(queue);
+        let sends = items.iter().map(|(_, lane, m)| {
             let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
             for (k, v) in &m.headers {
                 headers = headers.insert(Header {
@@ -215,7 +227,7 @@ impl Inner {
                     value: Some(v.as_bytes()),
                 });
             }
-            let mut record = FutureRecord::to(topic)
+            let mut record = FutureRecord::to(&topics[*lane as usize])
                 .payload(m.payload.as_ref())
                 .headers(headers);
             if let Some(key) = &m.key {
@@ -330,14 +342,14 @@ impl QueueAdapter for KafkaAdapter {
             .into_iter()
             .map(|(i, mut m)| {
                 // Scheduled jobs wait in the retry topic like delayed retries.
-                let topic = match m.deliver_at.map(|t| t.timestamp_millis()) {
+                let lane = match m.deliver_at.map(|t| t.timestamp_millis()) {
                     Some(at) if at > now => {
                         m.headers.insert(NOT_BEFORE_HEADER.into(), at.to_string());
-                        self.inner.config.retry_topic_of(queue)
+                        Lane::Retry
                     }
-                    _ => self.inner.config.topic_of(queue),
+                    _ => Lane::Queue,
                 };
-                (i, topic, m)
+                (i, lane, m)
             })
             .collect();
         failed.extend(self.inner.produce(queue, items).await);
@@ -863,11 +875,11 @@ impl KafkaAcker {
     /// Produces `copy` to `topic`, then settles the original offset. When
     /// the copy is not confirmed the original stays unsettled (uncommitted),
     /// so it is delivered again after a restart: never lost.
-    async fn move_to(&self, topic: String, copy: OutgoingMessage) -> Result<()> {
+    async fn move_to(&self, lane: Lane, copy: OutgoingMessage) -> Result<()> {
         let failed = self
             .settler
             .inner
-            .produce(&self.settler.queue, vec![(0, topic, copy)])
+            .produce(&self.settler.queue, vec![(0, lane, copy)])
             .await;
         if let Some(f) = failed.into_iter().next() {
             return Err(f.error);
@@ -888,13 +900,10 @@ impl Acknowledger for KafkaAcker {
 
     async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()> {
         let Settler {
-            inner,
-            queue,
             source,
             max_deliveries,
             ..
         } = &*self.settler;
-        let config = &inner.config;
         let mut copy = delivery.to_outgoing();
         match action {
             Nack::Retry { delay } if *source == Source::Queue => {
@@ -907,7 +916,7 @@ impl Acknowledger for KafkaAcker {
                         ),
                     )
                     .write_headers(&mut copy.headers);
-                    return self.move_to(config.dead_topic_of(queue), copy).await;
+                    return self.move_to(Lane::Dead, copy).await;
                 }
                 copy.headers
                     .insert(header::ATTEMPT.into(), (self.attempt + 1).to_string());
@@ -916,13 +925,13 @@ impl Acknowledger for KafkaAcker {
                 let due = now_ms().saturating_add(delay.as_micros().div_ceil(1000) as i64 + 1);
                 copy.headers
                     .insert(NOT_BEFORE_HEADER.into(), due.to_string());
-                self.move_to(config.retry_topic_of(queue), copy).await
+                self.move_to(Lane::Retry, copy).await
             }
             // A dead letter that is retried goes to the back of the dead topic.
-            Nack::Retry { .. } => self.move_to(config.dead_topic_of(queue), copy).await,
+            Nack::Retry { .. } => self.move_to(Lane::Dead, copy).await,
             Nack::DeadLetter(reason) => {
                 reason.write_headers(&mut copy.headers);
-                self.move_to(config.dead_topic_of(queue), copy).await
+                self.move_to(Lane::Dead, copy).await
             }
         }
     }
