@@ -1,0 +1,62 @@
+//! The bridge's per-message work without any broker: a grpcq call's bytes
+//! decoded, mapped to an OJS job (deterministic id, meta, base64url
+//! payload) and encoded as an outgoing message with its binding headers —
+//! stage by stage and all together. With the broker clients' own cost this
+//! is what a bridged message costs beyond a raw copy.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
+use ojs_core::{grpcq, mapping, Encoding, OutgoingMessage};
+
+fn call() -> grpcq::Message {
+    let mut m = grpcq::Message {
+        originator: "bench-service".into(),
+        topic: "payment.PaymentService".into(),
+        action: "ProcessPayment".into(),
+        payload: vec![b'x'; 96],
+        message_id: "5f0c6a1e-9a53-4c8e-8c3a-2f7d1e0b9a41".into(),
+        timestamp_ms: 1_763_700_000_000,
+        metadata: Default::default(),
+    };
+    m.metadata.insert("tenant".into(), "t7".into());
+    m
+}
+
+fn to_job(call: &grpcq::Message) -> ojs_core::JobEnvelope {
+    let job_type = format!("{}.{}", call.topic, call.action);
+    mapping::call_to_job(call, job_type, "default".into(), None)
+}
+
+fn stages(c: &mut Criterion) {
+    let call = call();
+    let bytes = grpcq::encode(&call);
+    let job = to_job(&call);
+    let mut group = c.benchmark_group("call_to_job");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("decode_call", |b| {
+        b.iter(|| black_box(grpcq::decode_lenient(black_box(&bytes)).unwrap()))
+    });
+    group.bench_function("job_id", |b| {
+        b.iter(|| black_box(mapping::call_job_id(&call.message_id, call.timestamp_ms)))
+    });
+    group.bench_function("map", |b| b.iter(|| black_box(to_job(black_box(&call)))));
+    group.bench_function("encode_message", |b| {
+        b.iter(|| black_box(OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap()))
+    });
+    group.bench_function("all", |b| {
+        b.iter(|| {
+            let call = grpcq::decode_lenient(black_box(&bytes)).unwrap();
+            let job = to_job(&call);
+            black_box(OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap())
+        })
+    });
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2)).warm_up_time(std::time::Duration::from_millis(500));
+    targets = stages
+}
+criterion_main!(benches);
