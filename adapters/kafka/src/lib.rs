@@ -899,7 +899,7 @@ impl KafkaAcker {
             .map_err(|Stale| Error::DeliveryExpired)
     }
 
-    /// Produces `copy` to `topic`, then settles the original offset. When
+    /// Produces `copy` to the lane's topic, then settles the original offset. When
     /// the copy is not confirmed the original stays unsettled (uncommitted),
     /// so it is delivered again after a restart: never lost.
     async fn move_to(&self, lane: Lane, copy: OutgoingMessage) -> Result<()> {
