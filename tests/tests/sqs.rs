@@ -21,15 +21,8 @@ async fn setup(query: &str) -> Option<(SqsAdapter, SqsConfig, aws_sdk_sqs::Clien
     let url = find(Broker::Sqs).await?.url;
     let config = SqsConfig::from_url(&format!("{url}{query}")).unwrap();
     let adapter = SqsAdapter::connect(config.clone()).await.unwrap();
-    let shared = aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .region(aws_config::Region::new(config.region.clone()))
-        .load()
-        .await;
-    let mut b = aws_sdk_sqs::config::Builder::from(&shared);
-    if let Some(ep) = &config.endpoint {
-        b = b.endpoint_url(ep);
-    }
-    Some((adapter, config, aws_sdk_sqs::Client::from_conf(b.build())))
+    let client = ojs_adapter_sqs::sdk_client(&config).await;
+    Some((adapter, config, client))
 }
 
 #[tokio::test]

@@ -125,15 +125,7 @@ async fn main() {
         .unwrap_or_else(|_| "sqs://us-east-1?endpoint=http://127.0.0.1:4566".into());
     let config = SqsConfig::from_url(&url).unwrap();
     let a = SqsAdapter::connect(config.clone()).await.unwrap();
-    let shared = aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .region(aws_config::Region::new(config.region.clone()))
-        .load()
-        .await;
-    let mut b = aws_sdk_sqs::config::Builder::from(&shared);
-    if let Some(ep) = &config.endpoint {
-        b = b.endpoint_url(ep);
-    }
-    let client = aws_sdk_sqs::Client::from_conf(b.build());
+    let client = ojs_adapter_sqs::sdk_client(&config).await;
     let id = std::process::id();
     let (raw_q, ojs_q) = (format!("bench-raw-{id}"), format!("bench-ojs-{id}"));
     a.depth(&raw_q).await.unwrap(); // creates both queues the same way

@@ -409,21 +409,28 @@ pub struct SqsAdapter {
     inner: Arc<Inner>,
 }
 
+/// An aws-sdk-sqs client for these settings (region, endpoint, credentials
+/// from the standard chain): the one the adapter uses, and the one tools and
+/// benchmarks need to talk to the same server directly.
+pub async fn sdk_client(config: &SqsConfig) -> Client {
+    let shared = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .region(aws_config::Region::new(config.region.clone()))
+        .load()
+        .await;
+    let mut b = aws_sdk_sqs::config::Builder::from(&shared);
+    if let Some(ep) = &config.endpoint {
+        b = b.endpoint_url(ep);
+    }
+    Client::from_conf(b.build())
+}
+
 impl SqsAdapter {
     /// Loads credentials from the standard chain and builds the client.
     pub async fn connect(config: SqsConfig) -> Result<Self> {
         config.validate()?;
-        let shared = aws_config::defaults(aws_config::BehaviorVersion::latest())
-            .region(aws_config::Region::new(config.region.clone()))
-            .load()
-            .await;
-        let mut b = aws_sdk_sqs::config::Builder::from(&shared);
-        if let Some(ep) = &config.endpoint {
-            b = b.endpoint_url(ep);
-        }
         Ok(SqsAdapter {
             inner: Arc::new(Inner {
-                client: Client::from_conf(b.build()),
+                client: sdk_client(&config).await,
                 config,
                 urls: Mutex::new(HashMap::new()),
                 deleters: Mutex::new(HashMap::new()),
