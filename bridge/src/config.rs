@@ -13,7 +13,8 @@ use crate::routes::{Glob, Template, TemplateVar};
 
 /// The configuration `ojs-bridge run` uses without `--config`: the embedded
 /// broker in `./ojs-bridge-data`, grpcq calls from its `calls` queue become
-/// OJS jobs of type `{topic}.{action}` on its `default` queue.
+/// OJS jobs of type `{topic}.{action}` (snake_case segments) on its
+/// `default` queue.
 pub const EMBEDDED_DEFAULT: &str = include_str!("../../examples/embedded.toml");
 
 /// Prefix of every environment override.
@@ -66,9 +67,11 @@ pub struct BridgeConfig {
     /// The health and metrics endpoint.
     #[serde(default)]
     pub http: HttpConfig,
-    /// Brokers by name: `name = "URL"` (DESIGN §7 URLs).
+    /// Brokers by name: `name = "URL"` (DESIGN §7 URLs, settings as query
+    /// items), or a table `[adapters.NAME]` with `url` and the adapter's
+    /// settings.
     #[serde(default)]
-    pub adapters: BTreeMap<String, String>,
+    pub adapters: BTreeMap<String, AdapterEntry>,
     /// Queues the daemon consumes.
     #[serde(default)]
     pub sources: Vec<SourceConfig>,
@@ -78,6 +81,142 @@ pub struct BridgeConfig {
     /// Federated sinks by name: a route's `sink` may name one.
     #[serde(default)]
     pub federations: BTreeMap<String, FederationConfig>,
+}
+
+/// One `[adapters]` entry: `name = "URL"`, or `[adapters.NAME]` with `url`
+/// and settings (typed as the adapter's README table says; a string is read
+/// according to its setting's type, as URL query items and environment
+/// variables are).
+#[derive(Clone, PartialEq, Default)]
+pub struct AdapterEntry {
+    /// The broker URL (query items are settings too).
+    pub url: String,
+    /// Settings from the table, as TOML wrote them.
+    pub settings: toml::Table,
+}
+
+impl AdapterEntry {
+    /// An entry of the `name = "URL"` form.
+    pub fn url(url: impl Into<String>) -> Self {
+        AdapterEntry {
+            url: url.into(),
+            settings: toml::Table::new(),
+        }
+    }
+
+    /// The typed, validated settings of adapter `name`.
+    pub fn compile(&self, name: &str) -> Result<crate::endpoint::AdapterConfig, ConfigError> {
+        use ojs_core::settings::SettingValue;
+        let at = |field: &str| {
+            if field == "url" {
+                format!("adapters.{name}")
+            } else {
+                format!("adapters.{name}.{field}")
+            }
+        };
+        if self.url.is_empty() {
+            return Err(invalid(
+                at("url"),
+                "needs a url (`name = \"URL\"`, or `url = \"URL\"` in [adapters.NAME])",
+            ));
+        }
+        let known = crate::endpoint::AdapterConfig::setting_names(&self.url)
+            .map_err(|e| core_invalid(&at, e))?;
+        let mut items = Vec::new();
+        for (key, value) in &self.settings {
+            if !known.contains(key) {
+                return Err(invalid(
+                    at(key),
+                    format!(
+                        "unknown setting {key:?} for this adapter; known settings: url, {}",
+                        known.join(", ")
+                    ),
+                ));
+            }
+            let value = match value {
+                toml::Value::String(text) => SettingValue::Text(text.clone()),
+                other => SettingValue::Typed(
+                    serde_json::to_value(other).map_err(|e| invalid(at(key), e.to_string()))?,
+                ),
+            };
+            items.push((key.clone(), value));
+        }
+        crate::endpoint::AdapterConfig::from_url_with(&self.url, items)
+            .map_err(|e| core_invalid(&at, e))
+    }
+}
+
+fn core_invalid(at: &dyn Fn(&str) -> String, e: ojs_core::Error) -> ConfigError {
+    match e {
+        ojs_core::Error::InvalidConfig { field, reason } => invalid(at(&field), reason),
+        other => invalid(at("url"), other.to_string()),
+    }
+}
+
+impl std::fmt::Debug for AdapterEntry {
+    // The URL and settings may carry credentials.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let settings: BTreeMap<&str, String> = self
+            .settings
+            .iter()
+            .map(|(k, v)| {
+                let shown = if ojs_core::redact::is_secret_name(k) {
+                    ojs_core::redact::MASK.to_owned()
+                } else if let toml::Value::Table(t) = v {
+                    // librdkafka_options and the like: mask secret keys.
+                    let inner: Vec<String> = t
+                        .iter()
+                        .map(|(ik, iv)| {
+                            if ojs_core::redact::is_secret_name(ik) {
+                                format!("{ik} = {}", ojs_core::redact::MASK)
+                            } else {
+                                format!("{ik} = {iv}")
+                            }
+                        })
+                        .collect();
+                    format!("{{ {} }}", inner.join(", "))
+                } else {
+                    v.to_string()
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("AdapterEntry")
+            .field("url", &ojs_core::redact::url(&self.url))
+            .field("settings", &settings)
+            .finish()
+    }
+}
+
+impl Serialize for AdapterEntry {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.settings.is_empty() {
+            return s.serialize_str(&self.url);
+        }
+        let mut table = self.settings.clone();
+        table.insert("url".into(), toml::Value::String(self.url.clone()));
+        table.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for AdapterEntry {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match toml::Value::deserialize(d)? {
+            toml::Value::String(url) => Ok(AdapterEntry::url(url)),
+            toml::Value::Table(mut settings) => {
+                let url = match settings.remove("url") {
+                    Some(toml::Value::String(u)) => u,
+                    Some(_) => return Err(serde::de::Error::custom("`url` must be a string")),
+                    // Reported by `compile`, which knows the adapter's name.
+                    None => String::new(),
+                };
+                Ok(AdapterEntry { url, settings })
+            }
+            _ => Err(serde::de::Error::custom(
+                "an adapter is `name = \"URL\"` or a table [adapters.NAME] with `url` and settings",
+            )),
+        }
+    }
 }
 
 /// `[federations.NAME]`: regions over adapters, routed per job
@@ -187,14 +326,58 @@ pub struct HttpConfig {
     /// endpoint. Default `127.0.0.1:9464` (loopback only).
     #[serde(default = "default_listen")]
     pub listen: String,
+    /// A file holding a bearer token both paths then require
+    /// (`Authorization: Bearer …`). Default: none (no token).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// A connection must send its request head within this. Default `5s`.
+    #[serde(default = "default_header_read_timeout", with = "duration_text")]
+    pub header_read_timeout: Duration,
+    /// A connection is closed after this, whatever it does (one request per
+    /// connection). Default `30s`.
+    #[serde(default = "default_idle_timeout", with = "duration_text")]
+    pub idle_timeout: Duration,
+    /// Connections open at once; beyond it a new connection evicts the
+    /// oldest one that has not sent a request yet. Default 256.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// How often adapter health is probed in the background (health
+    /// requests read the last probe). Default `5s`.
+    #[serde(default = "default_http_health_interval", with = "duration_text")]
+    pub health_interval: Duration,
+    /// Longest wait for one adapter's health answer. Default `3s`.
+    #[serde(default = "default_http_health_timeout", with = "duration_text")]
+    pub health_timeout: Duration,
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             listen: default_listen(),
+            token_file: None,
+            header_read_timeout: default_header_read_timeout(),
+            idle_timeout: default_idle_timeout(),
+            max_connections: default_max_connections(),
+            health_interval: default_http_health_interval(),
+            health_timeout: default_http_health_timeout(),
         }
     }
+}
+
+fn default_header_read_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_idle_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_max_connections() -> usize {
+    256
+}
+fn default_http_health_interval() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_http_health_timeout() -> Duration {
+    Duration::from_secs(3)
 }
 
 fn default_listen() -> String {
@@ -331,7 +514,8 @@ pub struct RouteConfig {
     /// `{topic}` for grpcq output (grpcq's Kafka/RabbitMQ convention).
     #[serde(default)]
     pub queue: Option<String>,
-    /// OJS job type template. Default `{topic}.{action}` for calls and
+    /// OJS job type template; placeholders are inserted as lowercase
+    /// snake_case segments. Default `{topic}.{action}` for calls and
     /// `{type}` (unchanged) for jobs.
     #[serde(default, rename = "type")]
     pub job_type: Option<String>,
@@ -355,6 +539,23 @@ pub struct RouteConfig {
     /// of method `{action}` of service `{topic}`.
     #[serde(default)]
     pub message_type: Option<String>,
+    /// Globs (`*` = any run of characters) a destination chosen by the
+    /// message (a `{queue}`/`{topic}`/… template, a call's topic) must
+    /// match; anything else is dead-lettered `forbidden_destination`.
+    /// Default: a literal `queue` allows itself only; a template is bounded
+    /// by the route's `match` globs (and refused at config check when a
+    /// placeholder has none); a job keeping its own queue is bounded only
+    /// by the sink's reserved names and `max_destinations`.
+    #[serde(default)]
+    pub allowed_queues: Vec<String>,
+    /// Distinct destinations this route may publish to; messages for more
+    /// are dead-lettered `too_many_destinations`. Default 100.
+    #[serde(default = "default_max_destinations")]
+    pub max_destinations: usize,
+}
+
+fn default_max_destinations() -> usize {
+    100
 }
 
 impl BridgeConfig {
@@ -406,15 +607,27 @@ impl BridgeConfig {
                 ),
             ));
         }
+        if self.http.max_connections == 0 {
+            return Err(invalid("http.max_connections", "must be at least 1"));
+        }
+        for (field, d) in [
+            ("http.header_read_timeout", self.http.header_read_timeout),
+            ("http.idle_timeout", self.http.idle_timeout),
+            ("http.health_interval", self.http.health_interval),
+            ("http.health_timeout", self.http.health_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(invalid(field, "must be longer than 0"));
+            }
+        }
         if self.adapters.is_empty() {
             return Err(invalid(
                 "adapters",
                 "no adapter is defined; add e.g. local = \"local:./ojs-bridge-data\"",
             ));
         }
-        for (name, url) in &self.adapters {
-            crate::endpoint::validate_url(url)
-                .map_err(|e| invalid(format!("adapters.{name}"), e.to_string()))?;
+        for (name, entry) in &self.adapters {
+            entry.compile(name)?;
         }
         let adapter = |field: String, name: &str| {
             if self.adapters.contains_key(name) {
@@ -568,6 +781,35 @@ impl BridgeConfig {
                     Template::parse(t, TemplateVar::ALL).map_err(|e| invalid(at(field), e))?;
                 }
             }
+            if let Some(t) = &r.job_type {
+                // Placeholders render in type form; the literal text must
+                // be type text too, or every job would be unmappable.
+                let template =
+                    Template::parse(t, TemplateVar::ALL).map_err(|e| invalid(at("type"), e))?;
+                for text in template.literal_pieces() {
+                    if !text.bytes().all(|b| {
+                        b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'.'
+                    }) {
+                        return Err(invalid(
+                            at("type"),
+                            format!("{t:?}: the text {text:?} cannot be part of an OJS type (^[a-z][a-z0-9_]*(\\.[a-z][a-z0-9_]*)*$); placeholders are inserted as lowercase snake_case"),
+                        ));
+                    }
+                }
+                if template.literal_pieces().next().is_none() || template.as_literal().is_some() {
+                    if let Some(literal) = template.as_literal() {
+                        ojs_core::envelope::validate_job_type(&literal)
+                            .map_err(|e| invalid(at("type"), e.to_string()))?;
+                    }
+                }
+            }
+            for (j, g) in r.allowed_queues.iter().enumerate() {
+                Glob::new(g).map_err(|e| invalid(format!("routes[{i}].allowed_queues[{j}]"), e))?;
+            }
+            crate::routes::allowed_destinations(r).map_err(|e| invalid(at("allowed_queues"), e))?;
+            if r.max_destinations == 0 {
+                return Err(invalid(at("max_destinations"), "must be at least 1"));
+            }
             if r.message_type.is_some() && r.descriptor_set.is_none() {
                 return Err(invalid(at("message_type"), "needs descriptor_set"));
             }
@@ -579,10 +821,15 @@ impl BridgeConfig {
 /// Applies `OJS_BRIDGE_…` overrides to the parsed table:
 /// `OJS_BRIDGE_HTTP_LISTEN` → `http.listen`,
 /// `OJS_BRIDGE_SHUTDOWN_TIMEOUT` → `shutdown_timeout`,
-/// `OJS_BRIDGE_ADAPTER_<NAME>` → `adapters.<name>` (the name compared
-/// case-insensitively with `-` and `_` alike; a new adapter otherwise).
+/// `OJS_BRIDGE_ADAPTER_<NAME>` → the URL of `adapters.<name>` (the name
+/// compared case-insensitively with `-` and `_` alike; a new adapter
+/// otherwise), `OJS_BRIDGE_ADAPTER_<NAME>__<SETTING>` → one setting of it
+/// (`OJS_BRIDGE_ADAPTER_EVENTS__REPLICATION=3`); for Kafka a name that is not
+/// a setting is a librdkafka option with `_` as `.`
+/// (`…__SASL_PASSWORD` → `sasl.password`).
 /// Other `OJS_BRIDGE_` variables belong to the CLI and tests and are ignored.
 fn apply_env(table: &mut toml::Table, env: &[(String, String)]) -> Result<(), ConfigError> {
+    let mut settings = Vec::new();
     for (key, value) in env {
         let Some(name) = key.strip_prefix(ENV_PREFIX) else {
             continue;
@@ -600,23 +847,74 @@ fn apply_env(table: &mut toml::Table, env: &[(String, String)]) -> Result<(), Co
                 "shutdown_timeout".into(),
                 toml::Value::String(value.clone()),
             );
-        } else if let Some(adapter) = name.strip_prefix("ADAPTER_") {
-            let adapters = table
-                .entry("adapters")
+        } else if let Some(rest) = name.strip_prefix("ADAPTER_") {
+            match rest.split_once("__") {
+                Some((adapter, setting)) => settings.push((adapter, setting, value)),
+                None => {
+                    let entry = adapter_entry(table, rest)?;
+                    match entry {
+                        toml::Value::Table(t) => {
+                            t.insert("url".into(), toml::Value::String(value.clone()));
+                        }
+                        other => *other = toml::Value::String(value.clone()),
+                    }
+                }
+            }
+        }
+    }
+    // Settings after URLs, so a URL override does not drop them.
+    for (adapter, setting, value) in settings {
+        let entry = adapter_entry(table, adapter)?;
+        if let toml::Value::String(url) = entry {
+            let mut t = toml::Table::new();
+            t.insert("url".into(), toml::Value::String(url.clone()));
+            *entry = toml::Value::Table(t);
+        }
+        let toml::Value::Table(t) = entry else {
+            return Err(invalid(
+                format!("adapters.{}", adapter.to_ascii_lowercase()),
+                "must be a URL or a table",
+            ));
+        };
+        let setting = setting.to_ascii_lowercase();
+        let url = t.get("url").and_then(|u| u.as_str()).unwrap_or_default();
+        let is_kafka = url.starts_with("kafka:");
+        let known = crate::endpoint::AdapterConfig::setting_names(url).unwrap_or_default();
+        if is_kafka && !known.contains(&setting) {
+            let options = t
+                .entry("librdkafka_options")
                 .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-            let toml::Value::Table(adapters) = adapters else {
-                return Err(invalid("adapters", "must be a table of name = \"URL\""));
-            };
-            let normal = |s: &str| s.to_ascii_lowercase().replace('-', "_");
-            let existing = adapters
-                .keys()
-                .find(|k| normal(k) == normal(adapter))
-                .cloned();
-            let key = existing.unwrap_or_else(|| adapter.to_ascii_lowercase());
-            adapters.insert(key, toml::Value::String(value.clone()));
+            if let toml::Value::Table(o) = options {
+                o.insert(
+                    setting.replace('_', "."),
+                    toml::Value::String(value.clone()),
+                );
+            }
+        } else {
+            t.insert(setting, toml::Value::String(value.clone()));
         }
     }
     Ok(())
+}
+
+/// The `[adapters]` entry an environment variable names (created as an
+/// empty URL when missing).
+fn adapter_entry<'t>(
+    table: &'t mut toml::Table,
+    name: &str,
+) -> Result<&'t mut toml::Value, ConfigError> {
+    let adapters = table
+        .entry("adapters")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let toml::Value::Table(adapters) = adapters else {
+        return Err(invalid("adapters", "must be a table of adapters"));
+    };
+    let normal = |s: &str| s.to_ascii_lowercase().replace('-', "_");
+    let existing = adapters.keys().find(|k| normal(k) == normal(name)).cloned();
+    let key = existing.unwrap_or_else(|| name.to_ascii_lowercase());
+    Ok(adapters
+        .entry(key)
+        .or_insert_with(|| toml::Value::String(String::new())))
 }
 
 /// Parses `250ms`, `30s`, `5m`, `1h` or a bare number of seconds.
@@ -696,7 +994,7 @@ mod tests {
         let c = BridgeConfig::embedded_default(&[]).unwrap();
         assert_eq!(c.http.listen, "127.0.0.1:9464");
         assert_eq!(
-            c.adapters.get("local").map(String::as_str),
+            c.adapters.get("local").map(|a| a.url.as_str()),
             Some("local:./ojs-bridge-data")
         );
         assert_eq!(c.sources[0].queue, "calls");
@@ -738,7 +1036,7 @@ mod tests {
         assert_eq!(c.http.listen, "127.0.0.1:19464");
         assert_eq!(c.shutdown_timeout, Duration::from_secs(5));
         assert_eq!(
-            c.adapters.get("local").map(String::as_str),
+            c.adapters.get("local").map(|a| a.url.as_str()),
             Some("local:./elsewhere")
         );
         assert_eq!(c.adapters.len(), 1);
@@ -855,5 +1153,249 @@ mod tests {
         assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
         assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
         assert!(parse_duration("").is_err());
+    }
+}
+
+#[cfg(test)]
+mod documented_settings {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::endpoint::AdapterConfig;
+
+    /// The setting names of each adapter section's table in README.md.
+    fn readme_settings() -> BTreeMap<&'static str, BTreeSet<String>> {
+        let readme = include_str!("../../README.md");
+        let sections = [
+            ("## The memory adapter", "memory"),
+            ("## The embedded broker", "local"),
+            ("## RabbitMQ", "rabbitmq"),
+            ("## Kafka", "kafka"),
+            ("## SQS", "sqs"),
+        ];
+        let mut out = BTreeMap::new();
+        for (heading, kind) in sections {
+            let start = readme.find(heading).expect(heading);
+            let rest = &readme[start + heading.len()..];
+            let section = &rest[..rest.find("\n## ").unwrap_or(rest.len())];
+            let table = section
+                .split("| setting | default | meaning |")
+                .nth(1)
+                .expect("a settings table");
+            let mut names = BTreeSet::new();
+            for row in table.lines().skip(2) {
+                let Some(cell) = row.strip_prefix('|').and_then(|r| r.split('|').next()) else {
+                    break;
+                };
+                // Backticked words of the first cell; `(URL …)` notes aside.
+                let cell = cell.split("(URL").next().unwrap_or(cell);
+                for name in cell.split('`').skip(1).step_by(2) {
+                    if name.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                        names.insert(name.to_owned());
+                    }
+                }
+            }
+            names.remove("url");
+            out.insert(kind, names);
+        }
+        out
+    }
+
+    #[test]
+    fn every_documented_setting_is_reachable_from_a_config_file() {
+        let documented = readme_settings();
+        let text = include_str!("../../examples/all-adapter-settings.toml");
+        let config = BridgeConfig::parse(text, "all-adapter-settings.toml", &[]).unwrap();
+        let mut kinds = BTreeSet::new();
+        for (name, entry) in &config.adapters {
+            let compiled = entry.compile(name).unwrap();
+            let kind = compiled.kind();
+            kinds.insert(kind);
+            let names = &documented[kind];
+            // The README documents exactly the settings the adapter has.
+            let actual: BTreeSet<String> = AdapterConfig::setting_names(&entry.url)
+                .unwrap()
+                .into_iter()
+                .collect();
+            assert_eq!(names, &actual, "README table of {kind}");
+            // The file sets each of them, and each arrived (differs from
+            // the default of the same URL).
+            let set: BTreeSet<String> = entry.settings.keys().cloned().collect();
+            assert_eq!(names, &set, "settings the example sets for {kind}");
+            let base = AdapterConfig::from_url(&entry.url).unwrap();
+            let as_json = |c: &AdapterConfig| {
+                match c {
+                    AdapterConfig::Memory { config, .. } => serde_json::to_value(config),
+                    AdapterConfig::Local(c) => serde_json::to_value(c),
+                    AdapterConfig::Rabbit(c) => serde_json::to_value(c),
+                    AdapterConfig::Kafka(c) => serde_json::to_value(c),
+                    AdapterConfig::Sqs(c) => serde_json::to_value(c),
+                }
+                .unwrap()
+            };
+            let (got, default) = (as_json(&compiled), as_json(&base));
+            for setting in names {
+                assert_ne!(
+                    got[setting.as_str()],
+                    default[setting.as_str()],
+                    "{kind}.{setting} did not arrive"
+                );
+            }
+        }
+        assert_eq!(kinds.len(), documented.len(), "one adapter of each kind");
+    }
+
+    #[test]
+    fn settings_come_from_urls_tables_and_the_environment_in_that_order() {
+        let text = r#"
+            [adapters.events]
+            url = "kafka://h:9092?replication=2&partitions=4&linger.ms=5"
+            replication = 3
+            [adapters.rabbit]
+            url = "amqp://u@h/%2f"
+            [[sources]]
+            name = "s"
+            adapter = "rabbit"
+            queue = "q"
+            [[routes]]
+            name = "r"
+            sink = "events"
+        "#;
+        let env = vec![
+            (
+                "OJS_BRIDGE_ADAPTER_EVENTS__PARTITIONS".to_owned(),
+                "8".to_owned(),
+            ),
+            (
+                "OJS_BRIDGE_ADAPTER_EVENTS__SASL_PASSWORD".to_owned(),
+                "pw-1".to_owned(),
+            ),
+            (
+                "OJS_BRIDGE_ADAPTER_RABBIT__TOPOLOGY".to_owned(),
+                "existing".to_owned(),
+            ),
+            (
+                "OJS_BRIDGE_ADAPTER_RABBIT__QUEUE_TEMPLATE".to_owned(),
+                "{queue}".to_owned(),
+            ),
+        ];
+        let config = BridgeConfig::parse(text, "t", &env).unwrap();
+        let AdapterConfig::Kafka(k) = config.adapters["events"].compile("events").unwrap() else {
+            panic!()
+        };
+        assert_eq!((k.replication, k.partitions), (3, 8));
+        assert_eq!(k.librdkafka_options["linger.ms"], "5");
+        assert_eq!(k.librdkafka_options["sasl.password"], "pw-1");
+        assert!(!format!("{:?} {k:?}", config.adapters["events"]).contains("pw-1"));
+        let AdapterConfig::Rabbit(r) = config.adapters["rabbit"].compile("rabbit").unwrap() else {
+            panic!()
+        };
+        assert_eq!(r.topology, ojs_core::settings::Topology::Existing);
+        assert_eq!(r.queue_name_of("orders"), "orders");
+    }
+
+    #[test]
+    fn bad_settings_name_the_adapter_and_the_setting() {
+        for (table, field) in [
+            ("replication = \"many\"", "adapters.events.replication"),
+            ("bogus = 1", "adapters.events.bogus"),
+            ("topology = \"create\"", "adapters.events.topology"),
+            ("partitions = 0", "adapters.events.partitions"),
+        ] {
+            let text = format!(
+                "[adapters.events]\nurl = \"kafka://h:9092\"\n{table}\n[[sources]]\nname = \"s\"\nadapter = \"events\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"events\"\n"
+            );
+            let e = BridgeConfig::parse(&text, "t", &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with(field), "{table}: {e}");
+        }
+        let e = BridgeConfig::parse(
+            "[adapters.x]\nqueue_template = \"{queue}\"\n[[sources]]\nname = \"s\"\nadapter = \"x\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"x\"\n",
+            "t",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("adapters.x") && e.contains("url"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod type_templates {
+    use super::*;
+
+    fn with_type(t: &str) -> Result<BridgeConfig, ConfigError> {
+        BridgeConfig::parse(
+            &format!(
+                "[adapters]\nm = \"memory://x\"\n[[sources]]\nname = \"s\"\nadapter = \"m\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"m\"\ntype = \"{t}\"\n"
+            ),
+            "t",
+            &[],
+        )
+    }
+
+    #[test]
+    fn a_type_template_must_render_an_ojs_type() {
+        assert!(with_type("{topic}.{action}").is_ok());
+        assert!(with_type("billing.{action}").is_ok());
+        assert!(with_type("billing.invoice.generate").is_ok());
+        for bad in [
+            "Billing.{action}",
+            "billing-{action}",
+            "Billing.Invoice",
+            "2fa.send",
+        ] {
+            let e = with_type(bad).unwrap_err().to_string();
+            assert!(e.starts_with("routes[0].type"), "{bad}: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod destinations {
+    use super::*;
+
+    fn route(extra: &str) -> Result<BridgeConfig, ConfigError> {
+        BridgeConfig::parse(
+            &format!(
+                "[adapters]\nm = \"memory://x\"\n[[sources]]\nname = \"s\"\nadapter = \"m\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"m\"\n{extra}\n"
+            ),
+            "t",
+            &[],
+        )
+    }
+
+    #[test]
+    fn a_message_chosen_destination_must_be_bounded_by_the_config() {
+        // Literal, match-bounded and explicitly allowed destinations are fine.
+        for ok in [
+            "queue = \"jobs\"",
+            "to = \"grpcq\"\nmatch = { topic = \"payment.*\" }",
+            "queue = \"calls.{topic}\"\nmatch = { topic = \"payment.*\" }",
+            "queue = \"{queue}\"\nallowed_queues = [\"orders\", \"billing.*\"]",
+            "",
+        ] {
+            let c = route(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+            crate::routes::Route::compile(&c.routes[0], 0).unwrap();
+        }
+        assert_eq!(
+            crate::routes::allowed_destinations(
+                &route("queue = \"calls.{topic}\"\nmatch = { topic = \"payment.*\" }")
+                    .unwrap()
+                    .routes[0]
+            )
+            .unwrap(),
+            vec!["calls.payment.*".to_owned()]
+        );
+        // Unbounded: grpcq output to any topic, a job's queue, the originator.
+        for bad in [
+            "to = \"grpcq\"",
+            "queue = \"{queue}\"",
+            "queue = \"x.{originator}\"\nmatch = { topic = \"a.*\" }",
+        ] {
+            let e = route(bad).unwrap_err().to_string();
+            assert!(e.starts_with("routes[0].allowed_queues"), "{bad}: {e}");
+        }
     }
 }

@@ -26,8 +26,9 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
+use crate::alarm::Alarm;
 use crate::config::{BridgeConfig, ConfigError, InputFormat, SourceConfig};
-use crate::http::{self, HttpState};
+use crate::http::{self, HealthBoard, HttpState, Limits};
 use crate::metrics::Metrics;
 use crate::probe::HttpHealthProbe;
 use crate::routes::{Incoming, Route};
@@ -49,6 +50,19 @@ pub enum DaemonError {
         /// Why.
         source: Error,
     },
+    /// A queue the daemon reads or writes is not usable (with
+    /// `topology = "existing"`: it does not exist).
+    #[error("{field} (adapter `{adapter}`, queue {queue:?}): {source}")]
+    Prepare {
+        /// The config field that names the queue.
+        field: String,
+        /// Adapter name.
+        adapter: String,
+        /// The OJS queue.
+        queue: String,
+        /// Why.
+        source: Error,
+    },
     /// The HTTP endpoint could not listen.
     #[error("http.listen {addr}: {source}")]
     Listen {
@@ -59,16 +73,10 @@ pub enum DaemonError {
     },
 }
 
-/// A URL without its password, for messages and logs.
+/// A URL without its credentials, for messages and logs (one rule for the
+/// whole program: [`ojs_core::redact::url`]).
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let userinfo = &url[scheme_end + 3..at];
-            let user = userinfo.split(':').next().unwrap_or_default();
-            format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..])
-        }
-        _ => url.to_owned(),
-    }
+    ojs_core::redact::url(url)
 }
 
 /// Longest wait between two attempts at a failing sink or consumer.
@@ -89,6 +97,8 @@ pub struct Daemon {
     sinks: Arc<Vec<Arc<dyn QueueAdapter>>>,
     metrics: Arc<Metrics>,
     listener: Option<TcpListener>,
+    /// The bearer token of the HTTP endpoint (`http.token_file`).
+    http_token: Option<ojs_core::redact::Secret>,
 }
 
 /// What a run did, per source: received and acked.
@@ -119,20 +129,56 @@ impl Daemon {
             .map(|(i, r)| Route::compile(r, i))
             .collect::<Result<Vec<_>, _>>()?;
         let mut adapters = BTreeMap::new();
-        for (name, url) in &config.adapters {
+        for (name, entry) in &config.adapters {
             if let Some(adapter) = provided.remove(name) {
                 adapters.insert(name.clone(), adapter);
                 continue;
             }
             let adapter =
-                crate::endpoint::connect(url)
+                entry
+                    .compile(name)?
+                    .connect()
                     .await
                     .map_err(|source| DaemonError::Connect {
                         name: name.clone(),
-                        url: redact(url),
+                        url: redact(&entry.url),
                         source,
                     })?;
             adapters.insert(name.clone(), adapter);
+        }
+        // Every queue the config names literally must be usable before the
+        // first message: declared where the adapter may declare, checked
+        // where the topology is `existing` (a missing one stops the start,
+        // named, with nothing created).
+        let mut named: Vec<(String, &str, String)> = Vec::new();
+        for (i, s) in config.sources.iter().enumerate() {
+            named.push((format!("sources[{i}].queue"), &s.adapter, s.queue.clone()));
+            if let Some(dl) = &s.dead_letter {
+                named.push((
+                    format!("sources[{i}].dead_letter.queue"),
+                    &dl.adapter,
+                    dl.queue.clone(),
+                ));
+            }
+        }
+        for (i, r) in routes.iter().enumerate() {
+            if let Some(queue) = r.literal_queue() {
+                named.push((format!("routes[{i}].queue"), &r.sink, queue.to_owned()));
+            }
+        }
+        for (field, adapter_name, queue) in named {
+            let Some(adapter) = adapters.get(adapter_name) else {
+                continue; // a federation: its regions are prepared per job
+            };
+            adapter
+                .prepare(&queue)
+                .await
+                .map_err(|source| DaemonError::Prepare {
+                    field,
+                    adapter: adapter_name.to_owned(),
+                    queue,
+                    source,
+                })?;
         }
         let mut federations = Vec::new();
         for (name, f) in &config.federations {
@@ -172,6 +218,15 @@ impl Daemon {
                 })?;
             federations.push((name.clone(), Arc::new(federation)));
         }
+        for (i, route) in routes.iter().enumerate() {
+            if !route.is_bounded() {
+                tracing::warn!(
+                    route = %route.name,
+                    max_destinations = config.routes[i].max_destinations,
+                    "jobs on this route keep their own queue, which the config does not bound; bound it with allowed_queues"
+                );
+            }
+        }
         let mut sinks = Vec::with_capacity(routes.len());
 
         for (i, route) in routes.iter().enumerate() {
@@ -190,6 +245,24 @@ impl Daemon {
                 })?;
             sinks.push(sink);
         }
+        let http_token = match &config.http.token_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Invalid {
+                    field: "http.token_file".into(),
+                    reason: format!("cannot read {}: {e}", path.display()),
+                })?;
+                let token = text.trim().to_owned();
+                if token.is_empty() {
+                    return Err(ConfigError::Invalid {
+                        field: "http.token_file".into(),
+                        reason: format!("{} is empty", path.display()),
+                    }
+                    .into());
+                }
+                Some(ojs_core::redact::Secret::new(token))
+            }
+            None => None,
+        };
         let listener = if config.http.listen == "off" {
             None
         } else {
@@ -230,6 +303,7 @@ impl Daemon {
             sinks: Arc::new(sinks),
             metrics,
             listener,
+            http_token,
         })
     }
 
@@ -249,28 +323,55 @@ impl Daemon {
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> RunSummary {
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut http_task = None;
+        let mut monitors = Vec::new();
+        let source_alarms: Vec<Arc<Alarm>> = self
+            .config
+            .sources
+            .iter()
+            .map(|s| Arc::new(Alarm::new("source", &s.name, &s.adapter)))
+            .collect();
         if let Some(listener) = self.listener {
+            let adapters = self
+                .adapters
+                .iter()
+                .map(|(n, a)| (n.clone(), a.clone()))
+                .chain(
+                    self.federations
+                        .iter()
+                        .map(|(n, f)| (n.clone(), f.clone() as Arc<dyn QueueAdapter>)),
+                )
+                .collect();
+            let http_config = &self.config.http;
+            let board = Arc::new(HealthBoard::new(adapters, http_config.health_timeout));
+            // The first probe before the first request, then every interval.
+            board.probe().await;
+            monitors.push(tokio::spawn(
+                board
+                    .clone()
+                    .run(http_config.health_interval, stop_rx.clone()),
+            ));
             let state = Arc::new(HttpState {
-                adapters: self
-                    .adapters
+                health: board,
+                alarms: self
+                    .routes
                     .iter()
-                    .map(|(n, a)| (n.clone(), a.clone()))
-                    .chain(
-                        self.federations
-                            .iter()
-                            .map(|(n, f)| (n.clone(), f.clone() as Arc<dyn QueueAdapter>)),
-                    )
+                    .map(|r| r.sink_alarm.clone())
+                    .chain(source_alarms.iter().cloned())
                     .collect(),
                 metrics: self.metrics.clone(),
-                health_timeout: Duration::from_secs(5),
+                token: self.http_token.clone(),
+                limits: Limits {
+                    header_read_timeout: http_config.header_read_timeout,
+                    idle_timeout: http_config.idle_timeout,
+                    max_connections: http_config.max_connections,
+                },
             });
             if let Ok(addr) = listener.local_addr() {
-                tracing::info!(%addr, "health on /ojs/v1/health, metrics on /metrics");
+                tracing::info!(%addr, token = state.token.is_some(), "health on /ojs/v1/health, metrics on /metrics");
             }
             http_task = Some(tokio::spawn(http::serve(listener, state, stop_rx.clone())));
         }
         let sinks = self.sinks.clone();
-        let mut monitors = Vec::new();
         for (name, federation) in &self.federations {
             let mut stop = stop_rx.clone();
             tracing::info!(federation = %name, "federation monitor started");
@@ -300,6 +401,7 @@ impl Daemon {
                 sinks: sinks.clone(),
                 dead_letter,
                 metrics: self.metrics.clone(),
+                alarm: source_alarms[index].clone(),
             });
             tracing::info!(source = %source.name, queue = %source.queue, adapter = %source.adapter, "consuming");
             sources.spawn(run_source(
@@ -354,6 +456,9 @@ struct SourceCtx {
     sinks: Arc<Vec<Arc<dyn QueueAdapter>>>,
     dead_letter: Option<(Arc<dyn QueueAdapter>, String)>,
     metrics: Arc<Metrics>,
+    /// Logs when consuming starts failing and when it recovers; health
+    /// reads it.
+    alarm: Arc<Alarm>,
 }
 
 impl SourceCtx {
@@ -397,7 +502,12 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
                     failures += 1;
                     ctx.metrics.error(ctx.name(), "consumer");
                     let delay = reconnect_delay(failures, MAX_BACKOFF);
-                    tracing::warn!(source = %ctx.name(), error = %e, delay_ms = delay.as_millis() as u64, "cannot open the consumer; retrying");
+                    tracing::debug!(source = %ctx.name(), error = %e, delay_ms = delay.as_millis() as u64, "cannot open the consumer; retrying");
+                    ctx.alarm.failing(
+                        &ctx.config.queue,
+                        &format!("cannot open the consumer: {e}"),
+                        delay,
+                    );
                     tokio::select! {
                         _ = stop.wait_for(|s| *s) => break,
                         () = tokio::time::sleep(delay) => continue,
@@ -420,9 +530,10 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
             received = c.receive(want, RECEIVE_WAIT) => received,
         };
         match received {
-            Ok(batch) if batch.is_empty() => {}
+            Ok(batch) if batch.is_empty() => ctx.alarm.ok(),
             Ok(batch) => {
                 failures = 0;
+                ctx.alarm.ok();
                 let n = batch.len();
                 let counters = ctx.counters();
                 counters.received.fetch_add(n as u64, Ordering::Relaxed);
@@ -444,7 +555,9 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
                 failures += 1;
                 ctx.metrics.error(ctx.name(), "receive");
                 let delay = reconnect_delay(failures, MAX_BACKOFF);
-                tracing::warn!(source = %ctx.name(), error = %e, delay_ms = delay.as_millis() as u64, "receive failed; retrying");
+                tracing::debug!(source = %ctx.name(), error = %e, delay_ms = delay.as_millis() as u64, "receive failed; retrying");
+                ctx.alarm
+                    .failing(&ctx.config.queue, &format!("receive failed: {e}"), delay);
                 tokio::select! {
                     _ = stop.wait_for(|s| *s) => break,
                     () = tokio::time::sleep(delay) => {}
@@ -468,23 +581,17 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
 /// Decodes a delivery by its content type (the source's format when it has
 /// none).
 pub fn decode(d: &Delivery, default: Encoding) -> Result<Incoming, DeadLetterReason> {
-    let encoding = match d.content_type() {
-        Some(ct) => {
-            Encoding::from_content_type(ct).map_err(|e| DeadLetterReason::from_error(&e))?
-        }
-        None => default,
-    };
+    let encoding = d
+        .encoding(Some(default))
+        .map_err(|e| DeadLetterReason::from_error(&e))?;
     match encoding {
         Encoding::GrpcqProto => grpcq::decode_lenient(&d.payload)
             .map(Incoming::Call)
             .map_err(|e| DeadLetterReason::new("undecodable", format!("not a grpcq.Message: {e}"))),
         envelope => {
-            let mut jobs = envelope.decode_envelopes(&d.payload).map_err(|e| {
-                DeadLetterReason::new(
-                    "undecodable",
-                    format!("not an OJS envelope ({envelope}): {e}"),
-                )
-            })?;
+            let mut jobs = envelope
+                .decode_envelopes(&d.payload)
+                .map_err(|e| DeadLetterReason::for_envelope(&e))?;
             if jobs.len() != 1 {
                 return Err(DeadLetterReason::new(
                     "unsupported_batch",
@@ -554,6 +661,7 @@ fn plan(
     let created = msg.created_ms();
     let (queue, out) = ctx.routes[route].map(msg, &ctx.config.queue)?;
     if let Some(sink) = ctx.sinks.get(route) {
+        ctx.routes[route].admit_destination(&queue, |q| sink.is_reserved(q))?;
         out.check_size(sink.max_message_bytes())
             .map_err(|e| DeadLetterReason::from_error(&e))?;
     }
@@ -586,6 +694,7 @@ async fn publish_group(
     loop {
         match sink.publish(&group.queue, pending).await {
             Ok(()) => {
+                route.sink_alarm.ok();
                 confirmed(ctx, group.route, waiting, received_at).await;
                 return;
             }
@@ -626,7 +735,19 @@ async fn publish_group(
                 let reason = last_error.as_ref().map_or("publish", Error::kind);
                 ctx.metrics.error(&route.name, reason);
                 let delay = reconnect_delay(attempt, MAX_BACKOFF);
-                tracing::warn!(route = %route.name, sink = %route.sink, queue = %group.queue, messages = waiting.len(), attempt, delay_ms = delay.as_millis() as u64, error = ?last_error.map(|e| e.to_string()), "sink did not confirm; retrying");
+                // The source must not hand these out again (or count a
+                // receive towards its redrive policy) while we wait for the
+                // sink: their leases cover the wait and the next attempt.
+                let lease = delay + ctx.config.visibility_timeout;
+                let extended = join_all(waiting.iter().map(|(d, _)| d.extend(lease))).await;
+                let failed_extends = extended.iter().filter(|r| r.is_err()).count();
+                if failed_extends > 0 {
+                    tracing::debug!(source = %ctx.name(), failed_extends, "could not extend some source leases while the sink is retried");
+                }
+                let error =
+                    last_error.map_or_else(|| "not confirmed".to_owned(), |e| e.to_string());
+                tracing::debug!(route = %route.name, sink = %route.sink, queue = %group.queue, messages = waiting.len(), attempt, delay_ms = delay.as_millis() as u64, %error, "sink did not confirm; retrying");
+                route.sink_alarm.failing(&group.queue, &error, delay);
                 tokio::time::sleep(delay).await;
             }
             Err(e) => {
@@ -634,7 +755,12 @@ async fn publish_group(
                 // other error leaves nothing to retry here, so the source
                 // redelivers them.
                 ctx.metrics.error(&route.name, e.kind());
-                tracing::warn!(route = %route.name, error = %e, "publish failed; the source will deliver these messages again");
+                tracing::debug!(route = %route.name, error = %e, "publish failed; the source will deliver these messages again");
+                route.sink_alarm.failing(
+                    &group.queue,
+                    &e.to_string(),
+                    reconnect_delay(1, MAX_BACKOFF),
+                );
                 let delay = reconnect_delay(1, MAX_BACKOFF);
                 join_all(
                     waiting

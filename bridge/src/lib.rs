@@ -3,6 +3,7 @@
 //! The binary is thin; each subcommand lives in its own module here so it can
 //! be tested without spawning processes.
 
+pub mod alarm;
 pub mod config;
 pub mod convert;
 pub mod daemon;

@@ -47,10 +47,13 @@ enum Command {
     },
     /// Publish NDJSON lines (OJS envelopes or grpcq messages) to a queue.
     Send {
-        /// Destination adapter URL (memory://, local:, kafka://, amqp://, sqs://).
+        /// Destination adapter URL (memory://, local:, kafka://, amqp://,
+        /// sqs://), settings as query items (`?topology=existing`).
         #[arg(long, env = "OJS_BRIDGE_SEND_TO")]
         to: String,
-        /// Queue; for OJS, overrides each envelope's queue.
+        /// Queue; for OJS, overrides each envelope's queue. grpcq calls
+        /// without it go to the queue named by their topic (grpcq's
+        /// convention; add `?topic_template={queue}` on Kafka).
         #[arg(long)]
         queue: Option<String>,
         /// What the lines are.
@@ -74,7 +77,8 @@ enum Command {
     },
     /// Print messages of a queue as NDJSON.
     Tail {
-        /// Source adapter URL.
+        /// Source adapter URL, settings as query items
+        /// (`kafka://h:9092?topic_template={queue}`).
         #[arg(long, env = "OJS_BRIDGE_TAIL_FROM")]
         from: String,
         /// Queue to read.
@@ -124,11 +128,22 @@ fn read_input(file: &Option<PathBuf>) -> anyhow::Result<Vec<u8>> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Visible by default: the daemon logs at info (a failing sink or source
+    // is a warning an operator sees); the one-shot commands only warn.
+    // lapin reports every channel the broker closes at ERROR, including the
+    // scratch channels of passive declares that find nothing; the adapter
+    // reports what matters itself.
+    let default_filter = match cli.command {
+        Command::Run { .. } => "info,lapin::channel=off",
+        _ => "warn,lapin::channel=off",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OJS_BRIDGE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("OJS_BRIDGE_LOG"))
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     match cli.command {
         Command::Convert { from, to, file } => match run_convert(from, to, file) {
             Ok(()) => ExitCode::SUCCESS,

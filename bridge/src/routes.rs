@@ -79,7 +79,8 @@ impl TemplateVar {
         TemplateVar::Originator,
     ];
 
-    fn name(self) -> &'static str {
+    /// The placeholder's name, without braces.
+    pub fn name(self) -> &'static str {
         match self {
             TemplateVar::Topic => "topic",
             TemplateVar::Action => "action",
@@ -152,6 +153,76 @@ impl Template {
         Ok(Template { pieces })
     }
 
+    /// The text, when the template has no placeholder.
+    pub fn as_literal(&self) -> Option<String> {
+        let mut out = String::new();
+        for piece in &self.pieces {
+            match piece {
+                Piece::Text(t) => out.push_str(t),
+                Piece::Var(_) => return None,
+            }
+        }
+        Some(out)
+    }
+
+    /// The text with each placeholder replaced by `f(placeholder)`.
+    pub fn render_with(&self, f: impl Fn(TemplateVar) -> String) -> String {
+        let mut out = String::new();
+        for piece in &self.pieces {
+            match piece {
+                Piece::Text(t) => out.push_str(t),
+                Piece::Var(v) => out.push_str(&f(*v)),
+            }
+        }
+        out
+    }
+
+    /// The placeholders it uses.
+    pub fn vars(&self) -> impl Iterator<Item = TemplateVar> + '_ {
+        self.pieces.iter().filter_map(|p| match p {
+            Piece::Var(v) => Some(*v),
+            Piece::Text(_) => None,
+        })
+    }
+
+    /// The literal text between placeholders.
+    pub fn literal_pieces(&self) -> impl Iterator<Item = &str> {
+        self.pieces.iter().filter_map(|p| match p {
+            Piece::Text(t) => Some(t.as_str()),
+            Piece::Var(_) => None,
+        })
+    }
+
+    /// The text for one message as an OJS job type: grpcq names (`{topic}`,
+    /// `{action}`, `{originator}`) go in as lowercase snake_case segments
+    /// (`payment.PaymentService` → `payment.payment_service`), so a type
+    /// template of valid literal text renders a valid type.
+    pub fn render_type(&self, vars: &Vars<'_>) -> String {
+        let mut out = String::new();
+        let snake = |out: &mut String, name: &str| {
+            for (i, seg) in name.split('.').enumerate() {
+                if i > 0 {
+                    out.push('.');
+                }
+                envelope::push_snake_segment(out, seg);
+            }
+        };
+        for piece in &self.pieces {
+            match piece {
+                Piece::Text(t) => out.push_str(t),
+                Piece::Var(TemplateVar::Topic) => snake(&mut out, vars.topic),
+                Piece::Var(TemplateVar::Action) => snake(&mut out, vars.action),
+                Piece::Var(TemplateVar::Originator) => snake(&mut out, vars.originator),
+                Piece::Var(TemplateVar::Type) if vars.job_type.is_empty() => {
+                    out.push_str(&envelope::type_from_topic_action(vars.topic, vars.action));
+                }
+                Piece::Var(TemplateVar::Type) => out.push_str(vars.job_type),
+                Piece::Var(TemplateVar::Queue) => out.push_str(vars.queue),
+            }
+        }
+        out
+    }
+
     /// The text for one message.
     pub fn render(&self, vars: &Vars<'_>) -> String {
         let mut out = String::new();
@@ -161,9 +232,7 @@ impl Template {
                 Piece::Var(TemplateVar::Topic) => out.push_str(vars.topic),
                 Piece::Var(TemplateVar::Action) => out.push_str(vars.action),
                 Piece::Var(TemplateVar::Type) if vars.job_type.is_empty() => {
-                    out.push_str(vars.topic);
-                    out.push('.');
-                    out.push_str(vars.action);
+                    out.push_str(&envelope::type_from_topic_action(vars.topic, vars.action));
                 }
                 Piece::Var(TemplateVar::Type) => out.push_str(vars.job_type),
                 Piece::Var(TemplateVar::Queue) => out.push_str(vars.queue),
@@ -211,6 +280,63 @@ pub struct Route {
     topic_template: Option<Template>,
     action_template: Option<Template>,
     transcoder: Option<Transcoder>,
+    /// Globs a destination must match (empty: see `literal_queue`).
+    allowed: Vec<Glob>,
+    /// The destination when it does not depend on the message (computed
+    /// once: the per-message check only compares against it).
+    literal: Option<String>,
+    max_destinations: usize,
+    /// Destinations published to so far (bounded by `max_destinations`).
+    destinations: std::sync::Mutex<BTreeSet<String>>,
+    /// Logs when the sink starts failing and when it recovers; health
+    /// reads it.
+    pub sink_alarm: std::sync::Arc<crate::alarm::Alarm>,
+}
+
+/// The destination template of a route whose messages choose their
+/// destination: its `queue` template, or `{topic}` for grpcq output without
+/// one. `None` for a literal queue and for OJS output without a queue (each
+/// job keeps its queue; calls go to `default`).
+fn destination_template(config: &RouteConfig) -> Option<String> {
+    match (&config.queue, config.to) {
+        (Some(q), _) => Some(q.clone()),
+        (None, OutputFormat::Grpcq) => Some("{topic}".to_owned()),
+        (None, OutputFormat::Ojs) => None,
+    }
+}
+
+/// The globs a route's destination must match: `allowed_queues` when set;
+/// otherwise, for a destination template, the template with each
+/// placeholder replaced by the route's `match` glob for it (`{topic}` with
+/// `match.topic = "payment.*"` allows `payment.*`) — and an error when a
+/// placeholder has no such glob (`{queue}`, `{originator}`, or an unmatched
+/// `{topic}`), because then any message could choose any destination.
+/// Empty: no bound beyond reserved names and `max_destinations`.
+pub fn allowed_destinations(config: &RouteConfig) -> Result<Vec<String>, String> {
+    if !config.allowed_queues.is_empty() {
+        return Ok(config.allowed_queues.clone());
+    }
+    let Some(text) = destination_template(config) else {
+        return Ok(Vec::new());
+    };
+    let template = Template::parse(&text, TemplateVar::ALL)?;
+    if template.as_literal().is_some() {
+        return Ok(Vec::new());
+    }
+    let bound = |v: TemplateVar| match v {
+        TemplateVar::Topic => config.matcher.topic.clone(),
+        TemplateVar::Action => config.matcher.action.clone(),
+        TemplateVar::Type => config.matcher.job_type.clone(),
+        TemplateVar::Queue | TemplateVar::Originator => None,
+    };
+    if let Some(free) = template.vars().find(|v| bound(*v).is_none()) {
+        return Err(format!(
+            "messages choose this route's destination through {{{}}} in {text:?}, and nothing bounds it: list the queues they may choose (allowed_queues = [\"orders\", \"payment.*\"]), or match the {} this placeholder takes",
+            free.name(),
+            free.name()
+        ));
+    }
+    Ok(vec![template.render_with(|v| bound(v).unwrap_or_default())])
 }
 
 fn unmappable(reason: impl Into<String>) -> DeadLetterReason {
@@ -264,7 +390,95 @@ impl Route {
             topic_template: template("topic", &config.topic)?,
             action_template: template("action", &config.action)?,
             transcoder,
+            allowed: match allowed_destinations(config) {
+                Ok(globs) => globs
+                    .iter()
+                    .map(|g| Glob::new(g).map_err(|e| err("allowed_queues", e)))
+                    .collect::<Result<_, _>>()?,
+                Err(reason) => return Err(err("allowed_queues", reason)),
+            },
+            literal: config
+                .queue
+                .as_deref()
+                .and_then(|q| Template::parse(q, TemplateVar::ALL).ok())
+                .and_then(|t| t.as_literal()),
+            max_destinations: config.max_destinations,
+            destinations: std::sync::Mutex::new(BTreeSet::new()),
+            sink_alarm: std::sync::Arc::new(crate::alarm::Alarm::new(
+                "sink",
+                &config.name,
+                &config.sink,
+            )),
         })
+    }
+
+    /// The destination queue when it does not depend on the message (the
+    /// daemon prepares it at start).
+    pub fn literal_queue(&self) -> Option<&str> {
+        // Without a template the queue comes from the message (a job's own
+        // queue, a call's topic) or its kind (calls → `default`).
+        self.literal.as_deref()
+    }
+
+    /// Whether the messages of this route choose their destination (no
+    /// literal `queue`): what the start-up log warns about when
+    /// `allowed_queues` does not bound it.
+    pub fn message_chooses_destination(&self) -> bool {
+        self.literal.is_none()
+    }
+
+    /// Whether `queue` may be published to on this route: the config bounds
+    /// it (literal queue, `allowed_queues`), the sink does not reserve it
+    /// (dead-letter and retry names), and the route is within
+    /// `max_destinations`.
+    pub fn admit_destination(
+        &self,
+        queue: &str,
+        reserved: impl Fn(&str) -> bool,
+    ) -> Result<(), DeadLetterReason> {
+        let forbidden = |why: &str| {
+            Err(DeadLetterReason::new(
+                "forbidden_destination",
+                format!("route {} may not publish to {queue:?}: {why}", self.name),
+            ))
+        };
+        if let Some(literal) = &self.literal {
+            // One destination, named by the config: nothing to count.
+            if queue == literal && self.allowed.iter().all(|g| g.matches(queue)) {
+                return Ok(());
+            }
+            return forbidden(if queue == literal {
+                "not in allowed_queues"
+            } else {
+                "not the route's queue"
+            });
+        }
+        if !self.allowed.is_empty() && !self.allowed.iter().any(|g| g.matches(queue)) {
+            return forbidden("not in allowed_queues");
+        }
+        if reserved(queue) {
+            return forbidden("a dead-letter or retry destination of the sink");
+        }
+        let mut seen = self.destinations.lock().unwrap_or_else(|e| e.into_inner());
+        if !seen.contains(queue) {
+            if seen.len() >= self.max_destinations {
+                return Err(DeadLetterReason::new(
+                    "too_many_destinations",
+                    format!(
+                        "route {} already publishes to {} destinations (max_destinations); {queue:?} would be one more",
+                        self.name, self.max_destinations
+                    ),
+                ));
+            }
+            seen.insert(queue.to_owned());
+        }
+        Ok(())
+    }
+
+    /// Whether the config bounds this route's destinations (a literal
+    /// queue, `allowed_queues`, or globs derived from its `match`).
+    pub fn is_bounded(&self) -> bool {
+        !self.allowed.is_empty() || self.literal.is_some()
     }
 
     /// Whether this route takes `msg` from `source`.
@@ -326,8 +540,8 @@ impl Route {
     ) -> Result<(String, OutgoingMessage), DeadLetterReason> {
         let vars = call_vars(&call, source_queue);
         let job_type = match &self.type_template {
-            Some(t) => t.render(&vars),
-            None => format!("{}.{}", call.topic, call.action),
+            Some(t) => t.render_type(&vars),
+            None => envelope::type_from_topic_action(&call.topic, &call.action),
         };
         envelope::validate_job_type(&job_type)
             .map_err(|e| unmappable(format!("job type {job_type:?}: {e}")))?;
@@ -365,7 +579,9 @@ impl Route {
         };
         let queue = self.render_queue(&vars, vars.queue)?;
         if let Some(t) = &self.type_template {
-            job.job_type = t.render(&vars);
+            job.job_type = t.render_type(&vars);
+            envelope::validate_job_type(&job.job_type)
+                .map_err(|e| unmappable(format!("job type {:?}: {e}", job.job_type)))?;
         }
         job.queue = queue.clone();
         let out = OutgoingMessage::from_envelope(&job, self.encoding)

@@ -75,12 +75,25 @@ pub async fn send(
                 (job.queue, msg)
             }
             MessageFormat::Grpcq => {
-                let q = queue.ok_or_else(|| {
-                    SendError::Usage("--queue is required with --format grpcq".into())
-                })?;
                 let m = grpcq::message_from_json(value)
                     .map_err(|error| SendError::Line { line, error })?;
-                (q.to_owned(), OutgoingMessage::from_grpcq(&m))
+                // grpcq's own convention: without --queue a call goes to the
+                // queue named by its topic (with `topic_template={queue}` the
+                // Kafka topic is the grpcq topic, the key its action).
+                let q = match queue {
+                    Some(q) => q.to_owned(),
+                    None if !m.topic.is_empty() => m.topic.clone(),
+                    None => return Err(SendError::Line {
+                        line,
+                        error: Error::InvalidAttribute {
+                            attribute: "topic".into(),
+                            reason:
+                                "a call without --queue goes to its topic, and this one has none"
+                                    .into(),
+                        },
+                    }),
+                };
+                (q, OutgoingMessage::from_grpcq(&m))
             }
         };
         messages.push((line, q, msg));

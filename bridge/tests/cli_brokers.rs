@@ -2,23 +2,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
-
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use serde_json::Value;
 
-fn run(args: &[&str], stdin: &[u8]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(stdin).unwrap();
-    child.wait_with_output().unwrap()
-}
+mod support;
+
+use support::ojs_bridge as run;
 
 /// `patience_secs`: how long a `tail` may wait for its first message; Kafka
 /// consumers first join their group, which takes seconds on a loaded machine.

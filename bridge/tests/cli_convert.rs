@@ -2,22 +2,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
+mod support;
+
+use std::process::Output;
 
 const MINIMAL: &str = r#"{"specversion":"1.0","id":"019539a4-b68c-7def-8000-1a2b3c4d5e6f","type":"email.send","queue":"default","args":["user@example.com","welcome"]}"#;
 
 fn convert(args: &[&str], stdin: &[u8]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
-        .arg("convert")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(stdin).unwrap();
-    child.wait_with_output().unwrap()
+    let mut all = vec!["convert"];
+    all.extend_from_slice(args);
+    support::ojs_bridge(&all, stdin)
 }
 
 #[test]

@@ -15,7 +15,7 @@ use ojs_core::mapping::{self, call_job_id};
 use ojs_core::{grpcq, header, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter, Source};
 use prost::Message as _;
 use serde_json::json;
-use support::{call, collect, http_get, metric, start};
+use support::{call, collect, http_get, metric, start, TestSink};
 
 fn broker_name() -> String {
     format!("daemon-{}", uuid::Uuid::new_v4().simple())
@@ -96,7 +96,10 @@ async fn grpcq_calls_become_ojs_jobs_with_binding_headers_and_deterministic_ids(
         let job = &Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0];
         let msg = &sent[&job.id];
         tally.received(job.id.clone());
-        assert_eq!(job.job_type, format!("{}.{}", msg.topic, msg.action));
+        assert_eq!(
+            job.job_type,
+            ojs_core::envelope::type_from_topic_action(&msg.topic, &msg.action)
+        );
         assert_eq!(job.queue, *d.queue);
         assert_eq!(d.headers[header::ID], job.id);
         assert_eq!(d.headers[header::TYPE], job.job_type);
@@ -272,6 +275,14 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_the_daemon_goes
             "unknown_route",
         ),
         (OutgoingMessage::from_grpcq(&nameless), "unmappable"),
+        // Parses, but the official schema refuses an uppercase type.
+        (
+            OutgoingMessage::new(
+                br#"{"specversion":"1.0","id":"019461a8-1a2b-7c3d-8e4f-5a6b7c8d9e0f","type":"Email.Send","queue":"default","args":[]}"#.to_vec(),
+                "application/openjobspec+json",
+            ),
+            "invalid_envelope",
+        ),
         (OutgoingMessage::from_grpcq(&big), "payload_too_large"),
     ];
     let mut expected: HashMap<Vec<u8>, &str> = HashMap::new();
@@ -309,6 +320,13 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_the_daemon_goes
             d.headers["case"], reason.message
         );
         assert!(!reason.message.is_empty());
+        if reason.error_type == "invalid_envelope" {
+            assert!(
+                reason.message.contains("`type`") && reason.message.contains("pattern"),
+                "names the attribute and the rule: {}",
+                reason.message
+            );
+        }
     }
     assert_eq!(
         daemon.metrics.dead_lettered_count("calls"),
@@ -771,48 +789,6 @@ async fn the_http_health_probe_reads_a_daemons_health_endpoint() {
     .is_err());
 }
 
-/// A sink whose first publish takes longer than the source's visibility
-/// timeout: the source lease expires, the call is delivered again, and both
-/// copies reach the sink (at least once). Wraps a real in-memory broker.
-#[derive(Debug)]
-struct SlowFirstPublish {
-    inner: MemoryAdapter,
-    delay: Duration,
-    first: std::sync::atomic::AtomicBool,
-}
-
-#[async_trait::async_trait]
-impl QueueAdapter for SlowFirstPublish {
-    fn kind(&self) -> &'static str {
-        "slow-first-publish"
-    }
-    fn max_message_bytes(&self) -> usize {
-        self.inner.max_message_bytes()
-    }
-    async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> ojs_core::Result<()> {
-        if self.first.swap(false, std::sync::atomic::Ordering::SeqCst) {
-            tokio::time::sleep(self.delay).await;
-        }
-        self.inner.publish(queue, messages).await
-    }
-    async fn consumer(
-        &self,
-        queue: &str,
-        options: ojs_core::ConsumerOptions,
-    ) -> ojs_core::Result<Box<dyn ojs_core::Consumer>> {
-        self.inner.consumer(queue, options).await
-    }
-    async fn health(&self) -> ojs_core::Health {
-        self.inner.health().await
-    }
-    async fn depth(&self, queue: &str) -> ojs_core::Result<Option<u64>> {
-        self.inner.depth(queue).await
-    }
-    async fn close(&self) -> ojs_core::Result<()> {
-        self.inner.close().await
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_delivered_twice_becomes_the_same_job_id_twice() {
     let name = broker_name();
@@ -834,11 +810,10 @@ async fn a_call_delivered_twice_becomes_the_same_job_id_twice() {
         sink = "sink"
         "#
     );
-    let sink: Arc<dyn QueueAdapter> = Arc::new(SlowFirstPublish {
-        inner: MemoryAdapter::named(&sink_name),
-        delay: Duration::from_millis(900),
-        first: std::sync::atomic::AtomicBool::new(true),
-    });
+    // The first publish outlasts the source lease (300 ms): the call is
+    // delivered again while it is still being published.
+    let sink: Arc<dyn QueueAdapter> =
+        Arc::new(TestSink::new(&sink_name).slow_first_publish(Duration::from_millis(900)));
     let broker = MemoryAdapter::named(&name);
     let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
     let c = call(0, "payment.PaymentService", "Pay");
@@ -876,4 +851,162 @@ async fn a_call_delivered_twice_becomes_the_same_job_id_twice() {
         Some(0),
         "the second copy was acked"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_cannot_choose_destinations_the_config_does_not_allow() {
+    let name = broker_name();
+    let sink_name = broker_name();
+    // grpcq calls go to the queue named by their topic (message-chosen):
+    // only payment.* is allowed, the sink's dead-letter names never are,
+    // and at most two destinations are created.
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        mem = "memory://{name}"
+        sink = "memory://{sink_name}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        dead_letter = {{ adapter = "mem", queue = "bridge-dead" }}
+        [[routes]]
+        name = "calls"
+        sink = "sink"
+        to = "grpcq"
+        allowed_queues = ["payment.*", "*.dlq"]
+        max_destinations = 2
+        "#
+    );
+    let sink: Arc<dyn QueueAdapter> = Arc::new(TestSink::new(&sink_name).reserving(".dlq"));
+    let broker = MemoryAdapter::named(&name);
+    let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
+    let calls = [
+        call(0, "payment.A", "Pay"),      // allowed
+        call(1, "admin.Secrets", "Dump"), // not in allowed_queues
+        call(2, "orders.dlq", "Poke"),    // allowed by glob, but reserved by the sink
+        call(3, "payment.B", "Pay"),      // second destination
+        call(4, "payment.C", "Pay"),      // third: over max_destinations
+    ];
+    broker
+        .publish(
+            "calls",
+            calls.iter().map(OutgoingMessage::from_grpcq).collect(),
+        )
+        .await
+        .unwrap();
+    let dead = collect(&broker, "bridge-dead", Source::Queue, 3, IDLE).await;
+    let sink = MemoryAdapter::named(&sink_name);
+    let a = collect(&sink, "payment.A", Source::Queue, 1, IDLE).await;
+    let b = collect(&sink, "payment.B", Source::Queue, 1, IDLE).await;
+    daemon.shutdown().await;
+    assert_eq!((a.len(), b.len()), (1, 1));
+    assert_eq!(sink.depth("admin.Secrets").await.unwrap(), Some(0));
+    assert_eq!(sink.depth("orders.dlq").await.unwrap(), Some(0));
+    let mut reasons: Vec<(String, String)> = dead
+        .iter()
+        .map(|d| {
+            (
+                grpcq::decode(&d.payload).unwrap().topic,
+                d.headers[header::ERROR_TYPE].clone(),
+            )
+        })
+        .collect();
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        vec![
+            (
+                "admin.Secrets".to_owned(),
+                "forbidden_destination".to_owned()
+            ),
+            ("orders.dlq".to_owned(), "forbidden_destination".to_owned()),
+            ("payment.C".to_owned(), "too_many_destinations".to_owned()),
+        ]
+    );
+    assert!(dead
+        .iter()
+        .any(|d| d.headers[header::ERROR_MESSAGE].contains("\"admin.Secrets\"")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_leases_are_extended_while_the_sink_is_down_for_many_visibility_timeouts() {
+    let name = broker_name();
+    let sink_name = broker_name();
+    // The source's lease is 300 ms; the sink is down for ~10 of them. Without
+    // extending, every call would be received again and again (on SQS each
+    // receive counts towards the redrive policy's max_receive_count).
+    let toml = format!(
+        r#"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        mem = "memory://{name}"
+        sink = "memory://{sink_name}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        visibility_timeout = "300ms"
+        [[routes]]
+        name = "all"
+        sink = "sink"
+        "#
+    );
+    let sink = TestSink::new(&sink_name).starting_down();
+    let down = sink.down.clone();
+    let sink: Arc<dyn QueueAdapter> = Arc::new(sink);
+    let broker = MemoryAdapter::named(&name);
+    let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
+    let calls: Vec<_> = (0..5)
+        .map(|i| call(i, "payment.PaymentService", "Pay"))
+        .collect();
+    broker
+        .publish(
+            "calls",
+            calls.iter().map(OutgoingMessage::from_grpcq).collect(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Health says so while the sink refuses to work, naming the route.
+    let (status, body) = http_get(daemon.http.unwrap(), "/ojs/v1/health").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("\"sink all\""), "{body}");
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let jobs = collect(
+        &MemoryAdapter::named(&sink_name),
+        "default",
+        Source::Queue,
+        5,
+        Duration::from_secs(40),
+    )
+    .await;
+    let (status, body) = http_get(daemon.http.unwrap(), "/ojs/v1/health").await;
+    assert_eq!(status, 200, "healthy again once the sink works: {body}");
+    let summary = daemon.shutdown().await;
+    let dead = collect(
+        &broker,
+        "calls",
+        Source::DeadLetters,
+        1,
+        Duration::from_millis(300),
+    )
+    .await
+    .len();
+    println!(
+        "sink down 3 s, lease 300 ms: sent 5 received {} duplicated {} lost {} (source received {})",
+        jobs.len(),
+        jobs.len().saturating_sub(5),
+        5usize.saturating_sub(jobs.len()),
+        summary.sources[0].1
+    );
+    assert_eq!(jobs.len(), 5);
+    assert_eq!(
+        summary.sources[0].1, 5,
+        "each call was received once: its lease was extended"
+    );
+    assert_eq!(dead, 0, "nothing was dead-lettered");
 }

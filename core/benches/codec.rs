@@ -29,7 +29,7 @@ fn typical() -> JobEnvelope {
     job.priority = 5;
     job.timeout = 3600;
     job.retry = Some(RetryPolicy {
-        max_attempts: 3,
+        max_attempts: Some(3),
         initial_interval: "PT10S".into(),
         backoff_coefficient: 2.0,
         jitter: true,

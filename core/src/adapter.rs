@@ -266,6 +266,18 @@ impl DeadLetterReason {
         }
     }
 
+    /// Why an envelope read from a broker is refused: `invalid_envelope`
+    /// (with the attribute and the rule) when it parsed but breaks the OJS
+    /// schema, `undecodable` when it did not parse.
+    pub fn for_envelope(error: &Error) -> Self {
+        let kind = if error.is_schema_violation() {
+            "invalid_envelope"
+        } else {
+            "undecodable"
+        };
+        DeadLetterReason::new(kind, error.to_string())
+    }
+
     /// A reason from an error: its kind and its message.
     pub fn from_error(error: &Error) -> Self {
         DeadLetterReason::new(error.kind(), error.to_string())
@@ -408,11 +420,18 @@ impl Delivery {
         self.headers.get(header::CONTENT_TYPE).map(String::as_str)
     }
 
-    /// The encoding named by `content-type`, or `default` when there is none.
+    /// The encoding named by `content-type`, or `default` when there is
+    /// none. An OJS default reads a body that starts with `{` as OJS JSON:
+    /// the OJS project's own Kafka and SQS backends write JSON envelopes
+    /// without a content type, and no binary `JobEnvelope` starts with that
+    /// byte (it would open a protobuf group, which the schema never uses).
     pub fn encoding(&self, default: Option<Encoding>) -> Result<Encoding> {
-        match self.content_type() {
-            Some(ct) => Encoding::from_content_type(ct),
-            None => default.ok_or_else(|| Error::UnknownContentType(String::new())),
+        match (self.content_type(), default) {
+            (Some(ct), _) => Encoding::from_content_type(ct),
+            (None, Some(Encoding::OjsProto)) if looks_like_json_object(&self.payload) => {
+                Ok(Encoding::OjsJson)
+            }
+            (None, default) => default.ok_or_else(|| Error::UnknownContentType(String::new())),
         }
     }
 
@@ -581,6 +600,23 @@ pub trait QueueAdapter: Send + Sync + fmt::Debug {
     /// Opens a consumer on `queue`.
     async fn consumer(&self, queue: &str, options: ConsumerOptions) -> Result<Box<dyn Consumer>>;
 
+    /// Makes `queue` ready to publish to, before the first publish: with
+    /// `topology = "declare"` its broker resources are created when
+    /// missing; with `existing` an error names what is missing (and nothing
+    /// is created). Adapters without topology have nothing to do.
+    async fn prepare(&self, queue: &str) -> Result<()> {
+        let _ = queue;
+        Ok(())
+    }
+
+    /// Whether `queue` names one of the adapter's own internal destinations
+    /// (a dead-letter queue or topic, a retry queue or topic) once mapped
+    /// to a broker name. The daemon never lets a message choose one.
+    fn is_reserved(&self, queue: &str) -> bool {
+        let _ = queue;
+        false
+    }
+
     /// Checks the connection to the broker.
     async fn health(&self) -> Health;
 
@@ -590,6 +626,14 @@ pub trait QueueAdapter: Send + Sync + fmt::Debug {
     /// Flushes what was accepted and releases connections. Publishing after
     /// close is [`Error::Closed`].
     async fn close(&self) -> Result<()>;
+}
+
+/// Whether `payload` starts (after white space) with `{`.
+fn looks_like_json_object(payload: &[u8]) -> bool {
+    payload
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_some_and(|b| *b == b'{')
 }
 
 /// Splits a batch into messages small enough for `limit` and the oversized

@@ -78,18 +78,23 @@ pub struct JobEnvelope {
     pub result_ttl: i32,
     /// Custom extensions, keys `x-{vendor}-{name}`.
     pub extensions: Map<String, Value>,
+    /// The error history (`errors`): one JSON object per failed attempt
+    /// (`code`, `message`, `type`, `attempt`, `occurred_at`, and whatever
+    /// else the producer wrote). Protobuf field 23.
+    pub errors: Vec<Value>,
     /// Protobuf fields this build does not know, as raw wire bytes.
     pub unknown_fields: Vec<u8>,
-    /// JSON attributes this build does not know (kept for JSON output; they
-    /// have no protobuf field, see [`Error::Unrepresentable`]).
+    /// Top-level JSON attributes OJS does not define, kept as they are (OJS:
+    /// unknown attributes MUST be preserved). Protobuf field 22.
     pub unknown_attributes: Map<String, Value>,
 }
 
 /// OJS retry policy (proto `RetryPolicy`). Empty strings and zeros are unset.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
-    /// Attempts in total, including the first; 0 = default (3).
-    pub max_attempts: i32,
+    /// Attempts in total, including the first; `None` = default (3),
+    /// `Some(0)` = never retry (protobuf `optional`, so 0 survives).
+    pub max_attempts: Option<i32>,
     /// ISO 8601 duration before the first retry.
     pub initial_interval: String,
     /// Multiplier between retries; 0 = default (2.0).
@@ -110,7 +115,7 @@ pub struct RetryPolicy {
 impl Default for RetryPolicy {
     fn default() -> Self {
         RetryPolicy {
-            max_attempts: 0,
+            max_attempts: None,
             initial_interval: String::new(),
             backoff_coefficient: 0.0,
             max_interval: String::new(),
@@ -125,12 +130,21 @@ impl Default for RetryPolicy {
 /// OJS uniqueness policy (proto `UniquePolicy`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct UniquePolicy {
-    /// Attributes that make up the uniqueness key.
+    /// Attributes that make up the uniqueness key: `type`, `queue`, `args`,
+    /// `meta`.
     pub keys: Vec<String>,
     /// ISO 8601 duration of the uniqueness window.
     pub period: String,
-    /// `reject`, `replace` or `reschedule`.
+    /// `reject`, `replace`, `replace_except_schedule` or `ignore`
+    /// (`reschedule`, from the protobuf binding, is read too).
     pub on_conflict: String,
+    /// Top-level `args` keys of the fingerprint (protobuf field 4).
+    pub args_keys: Vec<String>,
+    /// Top-level `meta` keys of the fingerprint; required with `meta` in
+    /// `keys` (protobuf field 5).
+    pub meta_keys: Vec<String>,
+    /// States checked for duplicates (protobuf field 6).
+    pub states: Vec<String>,
     /// Unknown protobuf fields of this message.
     pub unknown_fields: Vec<u8>,
 }
@@ -281,6 +295,7 @@ impl JobEnvelope {
             heartbeat_timeout: 0,
             result_ttl: 0,
             extensions: Map::new(),
+            errors: Vec::new(),
             unknown_fields: Vec::new(),
             unknown_attributes: Map::new(),
         }
@@ -391,22 +406,160 @@ impl JobEnvelope {
             retry.validate()?;
         }
         if let Some(unique) = &self.unique {
-            if !unique.period.is_empty() {
-                parse_iso8601_duration(&unique.period)
-                    .map_err(|reason| Error::invalid("unique.period", reason))?;
-            }
-            if !matches!(
-                unique.on_conflict.as_str(),
-                "" | "reject" | "replace" | "reschedule"
-            ) {
+            unique.validate()?;
+        }
+        if let Some(error) = &self.error {
+            error.validate("error")?;
+        }
+        for (i, entry) in self.errors.iter().enumerate() {
+            validate_history_entry(i, entry)?;
+        }
+        Ok(())
+    }
+}
+
+/// One `errors[i]` entry: an object with `code`, `message` (non-empty
+/// strings), `attempt` (≥ 1) and `occurred_at` (RFC 3339); more is allowed.
+fn validate_history_entry(i: usize, entry: &Value) -> Result<()> {
+    let at = |k: &str| format!("errors[{i}].{k}");
+    let Some(map) = entry.as_object() else {
+        return Err(Error::invalid(format!("errors[{i}]"), "must be an object"));
+    };
+    for k in ["code", "message"] {
+        match map.get(k) {
+            Some(Value::String(s)) if !s.is_empty() => {}
+            Some(_) => return Err(Error::invalid(at(k), "must be a non-empty string")),
+            None => return Err(Error::invalid(at(k), "is required (schema: required)")),
+        }
+    }
+    if let Some(t) = map.get("type") {
+        if !t.is_string() {
+            return Err(Error::invalid(at("type"), "must be a string"));
+        }
+    }
+    match map.get("attempt").and_then(Value::as_i64) {
+        Some(n) if n >= 1 => {}
+        Some(_) => {
+            return Err(Error::invalid(
+                at("attempt"),
+                "must be 1 or more (schema: minimum 1)",
+            ))
+        }
+        None => return Err(Error::invalid(at("attempt"), "is required: an integer ≥ 1")),
+    }
+    match map.get("occurred_at").and_then(Value::as_str) {
+        Some(t) if DateTime::parse_from_rfc3339(t).is_ok() => Ok(()),
+        Some(t) => Err(Error::invalid(
+            at("occurred_at"),
+            format!("{t:?} is not an RFC 3339 date-time"),
+        )),
+        None => Err(Error::invalid(
+            at("occurred_at"),
+            "is required: an RFC 3339 date-time",
+        )),
+    }
+}
+
+/// `unique.keys` values (schema: enum).
+const UNIQUE_KEYS: [&str; 4] = ["type", "queue", "args", "meta"];
+/// `unique.on_conflict` values: the schema's, plus the protobuf binding's
+/// `reschedule`.
+const ON_CONFLICT: [&str; 5] = [
+    "reject",
+    "replace",
+    "replace_except_schedule",
+    "ignore",
+    "reschedule",
+];
+
+fn no_duplicates(name: &str, items: &[String]) -> Result<()> {
+    for (i, item) in items.iter().enumerate() {
+        if items[..i].contains(item) {
+            return Err(Error::invalid(
+                name,
+                format!("{item:?} appears twice (schema: uniqueItems)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl UniquePolicy {
+    fn validate(&self) -> Result<()> {
+        if !self.period.is_empty() {
+            parse_iso8601_duration(&self.period)
+                .map_err(|reason| Error::invalid("unique.period", reason))?;
+        }
+        if !self.on_conflict.is_empty() && !ON_CONFLICT.contains(&self.on_conflict.as_str()) {
+            return Err(Error::invalid(
+                "unique.on_conflict",
+                format!(
+                    "{:?} is not one of reject, replace, replace_except_schedule, ignore (schema: enum)",
+                    self.on_conflict
+                ),
+            ));
+        }
+        for (i, k) in self.keys.iter().enumerate() {
+            if !UNIQUE_KEYS.contains(&k.as_str()) {
                 return Err(Error::invalid(
-                    "unique.on_conflict",
-                    format!(
-                        "{:?} is not one of reject, replace, reschedule",
-                        unique.on_conflict
-                    ),
+                    format!("unique.keys[{i}]"),
+                    format!("{k:?} is not one of type, queue, args, meta (schema: enum)"),
                 ));
             }
+        }
+        no_duplicates("unique.keys", &self.keys)?;
+        if self.keys.iter().any(|k| k == "meta") && self.meta_keys.is_empty() {
+            return Err(Error::invalid(
+                "unique.meta_keys",
+                "is required when unique.keys contains \"meta\" (schema: if/then required)",
+            ));
+        }
+        for (name, list) in [
+            ("unique.args_keys", &self.args_keys),
+            ("unique.meta_keys", &self.meta_keys),
+        ] {
+            if list.iter().any(String::is_empty) {
+                return Err(Error::invalid(
+                    name,
+                    "entries must not be empty (schema: minLength 1)",
+                ));
+            }
+            no_duplicates(name, list)?;
+        }
+        for (i, state) in self.states.iter().enumerate() {
+            if JobState::parse(state).is_none() {
+                return Err(Error::invalid(
+                    format!("unique.states[{i}]"),
+                    format!("{state:?} is not an OJS state (schema: enum)"),
+                ));
+            }
+        }
+        no_duplicates("unique.states", &self.states)
+    }
+}
+
+impl JobError {
+    fn validate(&self, at: &str) -> Result<()> {
+        if self.error_type.is_empty() {
+            return Err(Error::invalid(
+                format!("{at}.type"),
+                "is required (schema: required, minLength 1)",
+            ));
+        }
+        if self.message.is_empty() {
+            return Err(Error::invalid(
+                format!("{at}.message"),
+                "is required (schema: required, minLength 1)",
+            ));
+        }
+        if self.backtrace.len() > 50 {
+            return Err(Error::invalid(
+                format!("{at}.backtrace"),
+                format!(
+                    "has {} frames; at most 50 (schema: maxItems)",
+                    self.backtrace.len()
+                ),
+            ));
         }
         Ok(())
     }
@@ -414,8 +567,11 @@ impl JobEnvelope {
 
 impl RetryPolicy {
     fn validate(&self) -> Result<()> {
-        if self.max_attempts < 0 {
-            return Err(Error::invalid("retry.max_attempts", "must not be negative"));
+        if self.max_attempts.is_some_and(|n| n < 0) {
+            return Err(Error::invalid(
+                "retry.max_attempts",
+                "must be 0 or more (schema: minimum 0)",
+            ));
         }
         for (name, v) in [
             ("retry.initial_interval", &self.initial_interval),
@@ -425,10 +581,16 @@ impl RetryPolicy {
                 parse_iso8601_duration(v).map_err(|reason| Error::invalid(name, reason))?;
             }
         }
-        if !self.backoff_coefficient.is_finite() || self.backoff_coefficient < 0.0 {
+        // 0 is protobuf's "unset" (the default, 2.0); anything set is ≥ 1.
+        if !self.backoff_coefficient.is_finite()
+            || (self.backoff_coefficient != 0.0 && self.backoff_coefficient < 1.0)
+        {
             return Err(Error::invalid(
                 "retry.backoff_coefficient",
-                "must be a finite, non-negative number",
+                format!(
+                    "{} must be 1.0 or more (schema: minimum 1.0)",
+                    self.backoff_coefficient
+                ),
             ));
         }
         if !matches!(self.on_exhaustion.as_str(), "" | "discard" | "dead_letter") {
@@ -474,30 +636,52 @@ pub fn validate_job_id(id: &str) -> Result<()> {
     Ok(())
 }
 
-/// `type`: dot-separated segments of letters, digits, `_` and `-`.
+/// Longest `type` (schema: `maxLength` 255).
+pub const MAX_TYPE_LEN: usize = 255;
+/// Longest `queue` (schema: `maxLength` 128).
+pub const MAX_QUEUE_LEN: usize = 128;
+
+/// `type`: `^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$`, 1..=255 characters (the
+/// official JSON Schema).
 pub fn validate_job_type(job_type: &str) -> Result<()> {
-    let ok = job_type.len() <= MAX_NAME_LEN
-        && job_type.split('.').all(|seg| {
-            !seg.is_empty()
-                && seg
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-        });
-    if ok {
+    let segment_ok = |seg: &str| {
+        let mut bytes = seg.bytes();
+        bytes.next().is_some_and(|b| b.is_ascii_lowercase())
+            && bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    };
+    if job_type.len() > MAX_TYPE_LEN {
+        return Err(Error::invalid(
+            "type",
+            format!(
+                "is {} characters; at most {MAX_TYPE_LEN} (schema: maxLength)",
+                job_type.len()
+            ),
+        ));
+    }
+    if job_type.split('.').all(segment_ok) {
         Ok(())
     } else {
         Err(Error::invalid(
             "type",
-            format!("{job_type:?} is not a dot-namespaced type (segments of [A-Za-z0-9_-], at most {MAX_NAME_LEN} bytes)"),
+            format!("{job_type:?} does not match ^[a-z][a-z0-9_]*(\\.[a-z][a-z0-9_]*)*$ (dot-separated lowercase segments, each starting with a letter; schema: pattern)"),
         ))
     }
 }
 
-/// `queue`: `[a-z0-9][a-z0-9.-]*`, at most 255 bytes.
+/// `queue`: `^[a-z0-9][a-z0-9\-\.]*$`, at most 128 characters (the official
+/// JSON Schema).
 pub fn validate_queue_name(queue: &str) -> Result<()> {
     let bytes = queue.as_bytes();
+    if bytes.len() > MAX_QUEUE_LEN {
+        return Err(Error::invalid(
+            "queue",
+            format!(
+                "is {} characters; at most {MAX_QUEUE_LEN} (schema: maxLength)",
+                bytes.len()
+            ),
+        ));
+    }
     let ok = !bytes.is_empty()
-        && bytes.len() <= MAX_NAME_LEN
         && (bytes[0].is_ascii_lowercase() || bytes[0].is_ascii_digit())
         && bytes
             .iter()
@@ -507,8 +691,52 @@ pub fn validate_queue_name(queue: &str) -> Result<()> {
     } else {
         Err(Error::invalid(
             "queue",
-            format!("{queue:?} does not match [a-z0-9][a-z0-9.-]* (at most {MAX_NAME_LEN} bytes)"),
+            format!("{queue:?} does not match ^[a-z0-9][a-z0-9\\-\\.]*$ (schema: pattern)"),
         ))
+    }
+}
+
+/// The OJS type for a grpcq topic and action (DESIGN §5): each segment of
+/// `{topic}.{action}` in lowercase snake_case (`payment.PaymentService` /
+/// `ProcessPayment` → `payment.payment_service.process_payment`), so that a
+/// conformant OJS server accepts it. Characters outside `[a-z0-9_]` become
+/// `_`; a segment that would start with a digit or `_` gets an `x` in front.
+pub fn type_from_topic_action(topic: &str, action: &str) -> String {
+    let mut out = String::with_capacity(topic.len() + action.len() + 8);
+    for (i, segment) in topic.split('.').chain(std::iter::once(action)).enumerate() {
+        if i > 0 {
+            out.push('.');
+        }
+        push_snake_segment(&mut out, segment);
+    }
+    out
+}
+
+/// Appends `segment` in lowercase snake_case: `ProcessPayment` →
+/// `process_payment`, `HTTPServer` → `http_server`, `v2Api` → `v2_api`.
+pub fn push_snake_segment(out: &mut String, segment: &str) {
+    let start = out.len();
+    let chars: Vec<char> = segment.chars().collect();
+    for (i, &c) in chars.iter().enumerate() {
+        if c.is_ascii_uppercase() {
+            let prev = i.checked_sub(1).map(|p| chars[p]);
+            let next = chars.get(i + 1);
+            let boundary = prev.is_some_and(|p| p.is_ascii_lowercase() || p.is_ascii_digit())
+                || (prev.is_some_and(|p| p.is_ascii_uppercase())
+                    && next.is_some_and(|n| n.is_ascii_lowercase()));
+            if boundary && !out[start..].ends_with('_') {
+                out.push('_');
+            }
+            out.push(c.to_ascii_lowercase());
+        } else if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' {
+            out.push(c);
+        } else if !out[start..].ends_with('_') {
+            out.push('_');
+        }
+    }
+    // An empty name stays empty (and the type is refused as such).
+    if out.len() > start && !out[start..].starts_with(|c: char| c.is_ascii_lowercase()) {
+        out.insert(start, 'x');
     }
 }
 
@@ -542,9 +770,43 @@ mod tests {
         for bad in ["", "Default", "-x", "a_b", "a b"] {
             assert!(validate_queue_name(bad).is_err(), "{bad:?}");
         }
-        assert!(validate_job_type("payment.PaymentService.ProcessPayment").is_ok());
-        for bad in ["", ".a", "a.", "a..b", "a b"] {
+        assert!(validate_queue_name(&"q".repeat(128)).is_ok());
+        assert!(validate_queue_name(&"q".repeat(129)).is_err());
+        assert!(validate_job_type("payment.payment_service.process_payment").is_ok());
+        for bad in [
+            "",
+            ".a",
+            "a.",
+            "a..b",
+            "a b",
+            "Email.send",
+            "email-send",
+            "2fa.send",
+            "a._b",
+            "payment.PaymentService.ProcessPayment",
+        ] {
             assert!(validate_job_type(bad).is_err(), "{bad:?}");
+        }
+        assert!(validate_job_type(&"a".repeat(255)).is_ok());
+        assert!(validate_job_type(&"a".repeat(256)).is_err());
+    }
+
+    #[test]
+    fn grpcq_names_become_valid_types() {
+        for (topic, action, want) in [
+            (
+                "payment.PaymentService",
+                "ProcessPayment",
+                "payment.payment_service.process_payment",
+            ),
+            ("api.v2.HTTPServer", "GetURL", "api.v2.http_server.get_url"),
+            ("email-svc.Mailer", "send_now", "email_svc.mailer.send_now"),
+            ("a.B", "C", "a.b.c"),
+            ("2fa.Codes", "Issue", "x2fa.codes.issue"),
+        ] {
+            let t = type_from_topic_action(topic, action);
+            assert_eq!(t, want);
+            validate_job_type(&t).unwrap();
         }
     }
 

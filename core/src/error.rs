@@ -41,7 +41,7 @@ pub enum Error {
         reason: String,
     },
     /// `specversion` names a version this build does not speak.
-    #[error("unsupported specversion {0:?} (supported: \"1.0\", \"1.0.0-rc.1\")")]
+    #[error("invalid attribute `specversion`: {0:?} is not supported (schema: const \"1.0\"; \"1.0.0-rc.1\" is read too)")]
     UnsupportedSpecVersion(String),
     /// A JSON number that a double cannot represent exactly.
     #[error("number at `{path}` ({value}) is beyond ±2^53 and cannot be carried exactly; send it as a string")]
@@ -195,6 +195,18 @@ impl Error {
             Error::Timeout(_) => "timeout",
             Error::Io(_) => "io",
         }
+    }
+
+    /// Whether the input parsed but breaks a rule of the OJS schema (a
+    /// missing or invalid attribute, an unsupported specversion), as
+    /// opposed to bytes that do not parse at all.
+    pub fn is_schema_violation(&self) -> bool {
+        matches!(
+            self,
+            Error::MissingAttribute(_)
+                | Error::InvalidAttribute { .. }
+                | Error::UnsupportedSpecVersion(_)
+        )
     }
 
     /// Whether the same operation may succeed if tried again later.

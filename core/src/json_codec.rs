@@ -118,6 +118,39 @@ fn want_timestamp(name: &str, v: Value) -> Result<Option<DateTime<Utc>>> {
     Ok(Some(t))
 }
 
+/// The attributes the codec reads into fields; every other top-level
+/// attribute is kept as it is, `null` included.
+const KNOWN_ATTRIBUTES: [&str; 28] = [
+    "specversion",
+    "id",
+    "type",
+    "queue",
+    "args",
+    "meta",
+    "priority",
+    "timeout",
+    "scheduled_at",
+    "expires_at",
+    "retry",
+    "unique",
+    "schema",
+    "state",
+    "attempt",
+    "created_at",
+    "enqueued_at",
+    "started_at",
+    "completed_at",
+    "error",
+    "result",
+    "total_timeout",
+    "enqueue_ttl",
+    "grace_period",
+    "heartbeat_timeout",
+    "result_ttl",
+    "extensions",
+    "errors",
+];
+
 fn decode_object(map: Map<String, Value>) -> Result<JobEnvelope> {
     let mut job = JobEnvelope::new("x", Vec::new());
     job.specversion.clear();
@@ -127,8 +160,8 @@ fn decode_object(map: Map<String, Value>) -> Result<JobEnvelope> {
     job.created_at = None;
     let mut saw_args = false;
     for (key, v) in map {
-        if v.is_null() {
-            continue; // null = absent
+        if v.is_null() && KNOWN_ATTRIBUTES.contains(&key.as_str()) {
+            continue; // null = absent (an unknown attribute keeps its null)
         }
         match key.as_str() {
             "specversion" => job.specversion = want_string(&key, v)?,
@@ -188,7 +221,21 @@ fn decode_object(map: Map<String, Value>) -> Result<JobEnvelope> {
                 job.extensions = want_object(&key, v)?;
                 job.extensions.values_mut().for_each(normalize_value);
             }
+            "errors" => match v {
+                Value::Array(mut items) => {
+                    items.iter_mut().for_each(normalize_value);
+                    job.errors = items;
+                }
+                other => {
+                    return Err(Error::invalid(
+                        "errors",
+                        format!("must be an array, got {}", kind_of(&other)),
+                    ))
+                }
+            },
             _ => {
+                let mut v = v;
+                normalize_value(&mut v);
                 job.unknown_attributes.insert(key, v);
             }
         }
@@ -211,7 +258,7 @@ fn decode_retry(map: Map<String, Value>) -> Result<RetryPolicy> {
         }
         let name = format!("retry.{key}");
         match key.as_str() {
-            "max_attempts" => p.max_attempts = want_i32(&name, &v)?,
+            "max_attempts" => p.max_attempts = Some(want_i32(&name, &v)?),
             "initial_interval" => p.initial_interval = want_string(&name, v)?,
             "backoff_coefficient" => {
                 p.backoff_coefficient = v
@@ -243,6 +290,9 @@ fn decode_unique(map: Map<String, Value>) -> Result<UniquePolicy> {
             "keys" => p.keys = want_string_list(&name, v)?,
             "period" => p.period = want_string(&name, v)?,
             "on_conflict" => p.on_conflict = want_string(&name, v)?,
+            "args_keys" => p.args_keys = want_string_list(&name, v)?,
+            "meta_keys" => p.meta_keys = want_string_list(&name, v)?,
+            "states" => p.states = want_string_list(&name, v)?,
             _ => return Err(unknown_key("unique", &key)),
         }
     }
@@ -372,6 +422,9 @@ impl Serialize for JsonView<'_> {
         if !j.extensions.is_empty() {
             m.serialize_entry("extensions", &j.extensions)?;
         }
+        if !j.errors.is_empty() {
+            m.serialize_entry("errors", &j.errors)?;
+        }
         for (k, v) in &j.unknown_attributes {
             m.serialize_entry(k, v)?;
         }
@@ -383,7 +436,9 @@ impl Serialize for RetryView<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         let p = self.0;
         let mut m = s.serialize_map(None)?;
-        put_i32(&mut m, "max_attempts", p.max_attempts)?;
+        if let Some(n) = p.max_attempts {
+            m.serialize_entry("max_attempts", &n)?;
+        }
         put_str(&mut m, "initial_interval", &p.initial_interval)?;
         if p.backoff_coefficient != 0.0 {
             m.serialize_entry("backoff_coefficient", &p.backoff_coefficient)?;
@@ -408,6 +463,15 @@ impl Serialize for UniqueView<'_> {
         }
         put_str(&mut m, "period", &p.period)?;
         put_str(&mut m, "on_conflict", &p.on_conflict)?;
+        for (k, list) in [
+            ("args_keys", &p.args_keys),
+            ("meta_keys", &p.meta_keys),
+            ("states", &p.states),
+        ] {
+            if !list.is_empty() {
+                m.serialize_entry(k, list)?;
+            }
+        }
         m.end()
     }
 }

@@ -68,6 +68,25 @@ pub fn call_job_id(message_id: &str, timestamp_ms: i64) -> String {
         .to_string()
 }
 
+/// The job id of a call: [`call_job_id`] of its `message_id`, or — for a
+/// call without one — of a digest of the whole encoded call (`content:` +
+/// SHA-256 hex). A call redelivered byte for byte keeps its id; two
+/// different calls without ids never share one, even in the same
+/// millisecond (hashing the empty id would have collapsed them, and
+/// downstream dedup would drop all but one).
+pub fn call_job_id_of(msg: &Message) -> String {
+    if !msg.message_id.is_empty() {
+        return call_job_id(&msg.message_id, msg.timestamp_ms);
+    }
+    let digest = Sha256::digest(crate::grpcq::encode(msg));
+    let mut key = String::with_capacity(8 + 64);
+    key.push_str("content:");
+    for b in digest {
+        key.push_str(&format!("{b:02x}"));
+    }
+    call_job_id(&key, msg.timestamp_ms)
+}
+
 /// A payload the caller transcoded into proto3 JSON.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TranscodedPayload {
@@ -106,11 +125,7 @@ pub fn call_to_job(
             t.json
         }
     };
-    let mut job = JobEnvelope::with_id(
-        call_job_id(&msg.message_id, msg.timestamp_ms),
-        job_type,
-        vec![arg],
-    );
+    let mut job = JobEnvelope::with_id(call_job_id_of(msg), job_type, vec![arg]);
     job.queue = queue;
     job.created_at = millis_to_time(msg.timestamp_ms);
     job.expires_at = msg
@@ -265,14 +280,30 @@ mod tests {
     }
 
     #[test]
+    fn calls_without_a_message_id_get_distinct_stable_ids() {
+        let mut a = call();
+        a.message_id = String::new();
+        let mut b = a.clone();
+        b.payload = vec![9, 9];
+        let id = |m: &Message| call_to_job(m, "a.b".into(), "q".into(), None).id;
+        assert_ne!(id(&a), id(&b), "two calls in one millisecond");
+        assert_eq!(id(&a), id(&a.clone()), "a redelivered call keeps its id");
+        assert_eq!(id(&a), call_job_id_of(&a));
+        // With a message id nothing changes.
+        let c = call();
+        assert_eq!(id(&c), call_job_id(&c.message_id, c.timestamp_ms));
+    }
+
+    #[test]
     fn a_call_maps_to_a_job_per_design_section_5() {
         let msg = call();
         let job = call_to_job(
             &msg,
-            "payment.PaymentService.ProcessPayment".into(),
+            crate::envelope::type_from_topic_action(&msg.topic, &msg.action),
             "payments".into(),
             None,
         );
+        assert_eq!(job.job_type, "payment.payment_service.process_payment");
         job.validate().unwrap();
         assert_eq!(job.id, call_job_id(&msg.message_id, msg.timestamp_ms));
         assert_eq!(job.queue, "payments");

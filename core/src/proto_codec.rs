@@ -32,9 +32,6 @@ impl JobEnvelope {
     /// Validates and appends the binary encoding to `out`.
     pub fn encode_proto_into(&self, out: &mut Vec<u8>) -> Result<()> {
         self.validate()?;
-        if let Some(key) = self.unknown_attributes.keys().next() {
-            return Err(Error::Unrepresentable(key.clone()));
-        }
         out.reserve(envelope_len(self));
         put_envelope(out, self);
         Ok(())
@@ -77,6 +74,7 @@ fn decode_envelope(r: &mut Reader<'_>) -> Result<JobEnvelope> {
         heartbeat_timeout: 0,
         result_ttl: 0,
         extensions: Map::new(),
+        errors: Vec::new(),
         unknown_fields: Vec::new(),
         unknown_attributes: Map::new(),
     };
@@ -133,6 +131,14 @@ fn decode_envelope(r: &mut Reader<'_>) -> Result<JobEnvelope> {
                 let v = value::read_value(&mut r.sub()?, &Path::Root("result"), 0)?;
                 // JSON cannot tell null from absent; neither do we.
                 job.result = (!v.is_null()).then_some(v);
+            }
+            22 => read_map_field(r, "attributes", wt, &mut job.unknown_attributes)?,
+            23 => {
+                r.expect("errors", wt, WT_LEN)?;
+                let mut sub = r.sub()?;
+                let errors_path = Path::Root("errors");
+                let p = Path::Index(&errors_path, job.errors.len());
+                job.errors.push(value::read_value(&mut sub, &p, 1)?);
             }
             100 => job.total_timeout = read_int32(r, "total_timeout", wt)?,
             101 => job.enqueue_ttl = read_int32(r, "enqueue_ttl", wt)?,
@@ -226,7 +232,7 @@ fn decode_retry(r: &mut Reader<'_>, p: &mut RetryPolicy) -> Result<()> {
         let start = r.pos();
         let (field, wt) = r.key()?;
         match field {
-            1 => p.max_attempts = read_int32(r, "retry.max_attempts", wt)?,
+            1 => p.max_attempts = Some(read_int32(r, "retry.max_attempts", wt)?),
             2 => p.initial_interval = read_string(r, "retry.initial_interval", wt)?,
             3 => {
                 r.expect("retry.backoff_coefficient", wt, WT_I64)?;
@@ -258,6 +264,9 @@ fn decode_unique(r: &mut Reader<'_>, p: &mut UniquePolicy) -> Result<()> {
             1 => p.keys.push(read_string(r, "unique.keys", wt)?),
             2 => p.period = read_string(r, "unique.period", wt)?,
             3 => p.on_conflict = read_string(r, "unique.on_conflict", wt)?,
+            4 => p.args_keys.push(read_string(r, "unique.args_keys", wt)?),
+            5 => p.meta_keys.push(read_string(r, "unique.meta_keys", wt)?),
+            6 => p.states.push(read_string(r, "unique.states", wt)?),
             _ => {
                 r.skip(field, wt)?;
                 p.unknown_fields.extend_from_slice(r.slice(start, r.pos()));
@@ -324,7 +333,7 @@ fn map_len(field: u32, map: &Map<String, Value>) -> usize {
 }
 
 fn retry_body_len(p: &RetryPolicy) -> usize {
-    wire::int32_len(1, p.max_attempts)
+    wire::optional_int32_len(1, p.max_attempts)
         + wire::string_len(2, &p.initial_interval)
         + wire::double_len(3, p.backoff_coefficient)
         + wire::string_len(4, &p.max_interval)
@@ -337,13 +346,27 @@ fn retry_body_len(p: &RetryPolicy) -> usize {
         + p.unknown_fields.len()
 }
 
-fn unique_body_len(p: &UniquePolicy) -> usize {
-    p.keys
+fn strings_len(field: u32, items: &[String]) -> usize {
+    items
         .iter()
-        .map(|s| wire::len_field_len(1, s.len()))
-        .sum::<usize>()
+        .map(|s| wire::len_field_len(field, s.len()))
+        .sum()
+}
+
+fn put_strings(out: &mut Vec<u8>, field: u32, items: &[String]) {
+    for s in items {
+        wire::put_len_header(out, field, s.len());
+        out.extend_from_slice(s.as_bytes());
+    }
+}
+
+fn unique_body_len(p: &UniquePolicy) -> usize {
+    strings_len(1, &p.keys)
         + wire::string_len(2, &p.period)
         + wire::string_len(3, &p.on_conflict)
+        + strings_len(4, &p.args_keys)
+        + strings_len(5, &p.meta_keys)
+        + strings_len(6, &p.states)
         + p.unknown_fields.len()
 }
 
@@ -403,6 +426,11 @@ fn envelope_len(j: &JobEnvelope) -> usize {
         + j.result
             .as_ref()
             .map_or(0, |v| wire::len_field_len(21, value::value_body_len(v)))
+        + map_len(22, &j.unknown_attributes)
+        + j.errors
+            .iter()
+            .map(|v| wire::len_field_len(23, value::value_body_len(v)))
+            .sum::<usize>()
         + wire::int32_len(100, j.total_timeout)
         + wire::int32_len(101, j.enqueue_ttl)
         + wire::int32_len(102, j.grace_period)
@@ -429,7 +457,7 @@ fn put_envelope(out: &mut Vec<u8>, j: &JobEnvelope) {
     put_timestamp(out, 10, &j.expires_at);
     if let Some(p) = &j.retry {
         wire::put_len_header(out, 11, retry_body_len(p));
-        wire::put_int32(out, 1, p.max_attempts);
+        wire::put_optional_int32(out, 1, p.max_attempts);
         wire::put_string(out, 2, &p.initial_interval);
         wire::put_double(out, 3, p.backoff_coefficient);
         wire::put_string(out, 4, &p.max_interval);
@@ -443,12 +471,12 @@ fn put_envelope(out: &mut Vec<u8>, j: &JobEnvelope) {
     }
     if let Some(p) = &j.unique {
         wire::put_len_header(out, 12, unique_body_len(p));
-        for s in &p.keys {
-            wire::put_len_header(out, 1, s.len());
-            out.extend_from_slice(s.as_bytes());
-        }
+        put_strings(out, 1, &p.keys);
         wire::put_string(out, 2, &p.period);
         wire::put_string(out, 3, &p.on_conflict);
+        put_strings(out, 4, &p.args_keys);
+        put_strings(out, 5, &p.meta_keys);
+        put_strings(out, 6, &p.states);
         out.extend_from_slice(&p.unknown_fields);
     }
     if let Some(s) = &j.schema {
@@ -481,6 +509,12 @@ fn put_envelope(out: &mut Vec<u8>, j: &JobEnvelope) {
     }
     if let Some(v) = &j.result {
         value::put_value_field(out, 21, v);
+    }
+    for (k, v) in &j.unknown_attributes {
+        value::put_map_entry(out, 22, k, v);
+    }
+    for v in &j.errors {
+        value::put_value_field(out, 23, v);
     }
     wire::put_int32(out, 100, j.total_timeout);
     wire::put_int32(out, 101, j.enqueue_ttl);

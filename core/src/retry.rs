@@ -75,10 +75,10 @@ impl ResolvedRetry {
             }
         };
         ResolvedRetry {
-            max_attempts: if p.max_attempts > 0 {
-                p.max_attempts as u32
-            } else {
-                defaults.max_attempts
+            max_attempts: match p.max_attempts {
+                // 0 disables retries: one run, like 1.
+                Some(n) => n.max(0) as u32,
+                None => defaults.max_attempts,
             },
             initial_interval: duration(&p.initial_interval, defaults.initial_interval),
             backoff_coefficient: if p.backoff_coefficient > 0.0 {
@@ -165,7 +165,7 @@ mod tests {
     #[test]
     fn job_policies_override_defaults_and_name_permanent_errors() {
         let p = RetryPolicy {
-            max_attempts: 5,
+            max_attempts: Some(5),
             initial_interval: "PT10S".into(),
             jitter: false,
             non_retryable_errors: vec!["ValidationError".into()],

@@ -257,6 +257,19 @@ pub(crate) fn put_int32(out: &mut Vec<u8>, field: u32, v: i32) {
     }
 }
 
+/// An `optional int32`: present (even 0) or absent.
+pub(crate) fn optional_int32_len(field: u32, v: Option<i32>) -> usize {
+    v.map_or(0, |v| key_len(field) + varint_len(i64::from(v) as u64))
+}
+
+/// Writes an `optional int32` when present, 0 included.
+pub(crate) fn put_optional_int32(out: &mut Vec<u8>, field: u32, v: Option<i32>) {
+    if let Some(v) = v {
+        put_key(out, field, WT_VARINT);
+        put_varint(out, i64::from(v) as u64);
+    }
+}
+
 pub(crate) fn int64_len(field: u32, v: i64) -> usize {
     if v == 0 {
         0

@@ -9,6 +9,7 @@
 //! | handler failed, attempts exhausted or error non-retryable | dead-letter with the error (or ack, with `on_exhaustion: discard`) |
 //! | unknown topic/action or job type | dead-letter `unknown_route` |
 //! | unknown content type, undecodable body | dead-letter with the decode error |
+//! | an envelope that breaks the OJS schema | dead-letter `invalid_envelope` naming the attribute and the rule |
 //!
 //! Concurrency is bounded; a panicking or hanging handler fails only its own
 //! message; consume errors are retried with backoff (the worker does not die
@@ -392,12 +393,7 @@ impl Shared {
             envelope => {
                 let mut jobs = match envelope.decode_envelopes(&d.payload) {
                     Ok(j) => j,
-                    Err(e) => {
-                        return Work::DeadLetter(DeadLetterReason::new(
-                            "undecodable",
-                            e.to_string(),
-                        ))
-                    }
+                    Err(e) => return Work::DeadLetter(DeadLetterReason::for_envelope(&e)),
                 };
                 if jobs.len() != 1 {
                     return Work::DeadLetter(DeadLetterReason::new(

@@ -119,7 +119,7 @@ fn unknown_top_level_and_nested_fields_survive_byte_for_byte() {
 
     // Unknown field inside RetryPolicy (field 9 of retry) survives too.
     let mut inner = pb::RetryPolicy {
-        max_attempts: 4,
+        max_attempts: Some(4),
         ..Default::default()
     }
     .encode_to_vec();
@@ -263,16 +263,18 @@ fn null_is_absent_and_absent_attributes_are_omitted() {
 }
 
 #[test]
-fn unknown_json_attributes_are_kept_in_json_and_refused_for_protobuf() {
+fn unknown_json_attributes_survive_protobuf_in_field_22() {
     let mut doc = serde_json::from_str::<serde_json::Value>(MINIMAL).unwrap();
     doc["tags"] = json!(["a"]);
+    doc["x_hint"] = json!({"shard": 3, "none": null});
+    doc["x_null"] = json!(null);
     let job = JobEnvelope::from_json_value(doc.clone()).unwrap();
     assert_eq!(job.to_json_value().unwrap(), doc);
-    let err = job.to_proto_bytes().unwrap_err();
-    assert!(
-        matches!(err, Error::Unrepresentable(ref k) if k == "tags"),
-        "{err}"
-    );
+    let back = JobEnvelope::from_proto_bytes(&job.to_proto_bytes().unwrap()).unwrap();
+    assert_eq!(back.to_json_value().unwrap(), doc);
+    // A prost peer sees field 22 as the `attributes` map.
+    let generated = pb::JobEnvelope::decode(job.to_proto_bytes().unwrap().as_slice()).unwrap();
+    assert_eq!(generated.attributes.len(), 3);
 }
 
 #[test]
@@ -511,5 +513,5 @@ fn batches_validate_each_job_on_its_own() {
 fn retry_policy_defaults_are_what_protobuf_can_carry() {
     let p = RetryPolicy::default();
     assert!(p.jitter);
-    assert_eq!(p.max_attempts, 0);
+    assert_eq!(p.max_attempts, None);
 }

@@ -43,6 +43,10 @@ fn small_int() -> impl Strategy<Value = i32> {
     prop_oneof![Just(0), 1..i32::MAX]
 }
 
+fn type_name() -> impl Strategy<Value = String> {
+    "[a-z][a-z0-9_]{0,8}(\\.[a-z][a-z0-9_]{0,8}){0,2}"
+}
+
 fn name() -> impl Strategy<Value = String> {
     "[a-z0-9][a-z0-9-]{0,8}(\\.[a-z0-9][a-z0-9-]{0,8}){0,2}"
 }
@@ -50,7 +54,7 @@ fn name() -> impl Strategy<Value = String> {
 fn retry() -> impl Strategy<Value = Option<RetryPolicy>> {
     proptest::option::of(
         (
-            small_int(),
+            proptest::option::of(small_int()),
             prop_oneof![
                 Just(String::new()),
                 Just("PT1S".to_owned()),
@@ -79,7 +83,7 @@ fn retry() -> impl Strategy<Value = Option<RetryPolicy>> {
 prop_compose! {
     fn envelope()(
         specversion in prop_oneof![Just("1.0"), Just("1.0.0-rc.1")],
-        job_type in name(),
+        job_type in type_name(),
         queue in name(),
         args in prop::collection::vec(json_value(), 0..5),
         meta in prop::collection::btree_map("[a-z_.]{1,10}", json_value(), 0..4),
@@ -87,11 +91,18 @@ prop_compose! {
         timeout in small_int(),
         ts in prop::collection::vec(timestamp(), 6),
         retry in retry(),
-        unique in proptest::option::of((prop::collection::vec("[a-z]{1,5}", 0..3), prop_oneof![Just(""), Just("reject"), Just("replace")])),
+        unique in proptest::option::of((
+            prop::sample::subsequence(vec!["type", "queue", "args", "meta"], 0..=4),
+            prop_oneof![Just(""), Just("reject"), Just("replace"), Just("ignore"), Just("replace_except_schedule")],
+            prop::collection::vec("[a-z_]{1,6}", 0..3),
+            prop::sample::subsequence(vec!["available", "active", "scheduled"], 0..=3),
+        )),
+        history in prop::collection::vec(("[A-Z_]{1,12}", "\\PC{1,20}", 1i64..20, timestamp()), 0..3),
+        extra in prop::collection::btree_map("x_[a-z]{1,6}", json_value(), 0..3),
         schema in proptest::option::of("https://[a-z]{1,8}\\.example/s"),
         state in proptest::option::of(1i32..=8),
         attempt in small_int(),
-        error in proptest::option::of(("[A-Za-z]{1,8}", "\\PC{0,20}", prop::collection::vec("[a-z :.()0-9]{1,20}", 0..3), small_int())),
+        error in proptest::option::of(("[A-Za-z]{1,8}", "\\PC{1,20}", prop::collection::vec("[a-z :.()0-9]{1,20}", 0..3), small_int())),
         result in proptest::option::of(json_value().prop_filter("null is absent", |v| !v.is_null())),
         ext_ints in prop::collection::vec(small_int(), 5),
         extensions in prop::collection::btree_map("x-[a-z]{1,5}-[a-z]{1,5}", json_value(), 0..3),
@@ -109,9 +120,34 @@ prop_compose! {
         job.started_at = ts[4];
         job.completed_at = ts[5];
         job.retry = retry;
-        job.unique = unique.map(|(keys, on_conflict)| UniquePolicy {
-            keys, period: "PT1H".into(), on_conflict: on_conflict.to_owned(), unknown_fields: Vec::new(),
+        job.unique = unique.map(|(keys, on_conflict, meta_keys, states)| {
+            let keys: Vec<String> = keys.into_iter().map(str::to_owned).collect();
+            let mut meta_keys: Vec<String> = meta_keys;
+            meta_keys.dedup();
+            meta_keys.sort();
+            meta_keys.dedup();
+            if keys.iter().any(|k| k == "meta") && meta_keys.is_empty() {
+                meta_keys.push("tenant_id".into());
+            }
+            UniquePolicy {
+                keys, period: "PT1H".into(), on_conflict: on_conflict.to_owned(),
+                args_keys: vec!["month".into()], meta_keys,
+                states: states.into_iter().map(str::to_owned).collect(),
+                unknown_fields: Vec::new(),
+            }
         });
+        job.errors = history
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, (code, message, attempt, at))| {
+                let at = at?;
+                Some(serde_json::json!({
+                    "code": code, "message": message, "attempt": attempt + i as i64,
+                    "occurred_at": at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
+                }))
+            })
+            .collect();
+        job.unknown_attributes = extra.into_iter().collect();
         job.schema = schema;
         job.state = state.and_then(JobState::from_i32);
         job.attempt = attempt;

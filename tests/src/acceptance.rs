@@ -70,6 +70,12 @@ pub trait AdapterFactory: Send + Sync {
     fn consumer_options(&self) -> ConsumerOptions {
         ConsumerOptions::default()
     }
+    /// A fresh queue for one case. Adapters that declare their own topology
+    /// just name one; factories for `topology = "existing"` create it (and
+    /// its dead-letter wiring) here with an independent client first.
+    async fn queue(&self, prefix: &str) -> Result<String> {
+        Ok(unique_queue(prefix))
+    }
 }
 
 fn job(queue: &str, i: usize) -> JobEnvelope {
@@ -139,7 +145,7 @@ async fn drain_acking(
 pub async fn publish_consume_intact(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let adapter = f.connect().await?;
-    let queue = unique_queue("acc-intact");
+    let queue = f.queue("acc-intact").await?;
     let n = features.scaled(100);
     let mut tally = Tally::new();
     let mut expected = HashMap::new();
@@ -193,7 +199,7 @@ pub async fn publish_consume_intact(f: &dyn AdapterFactory) -> Result<()> {
 pub async fn concurrent_publishers_and_consumers(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let adapter = f.connect().await?;
-    let queue = unique_queue("acc-concurrent");
+    let queue = f.queue("acc-concurrent").await?;
     let publishers = 20;
     let per_publisher = features.scaled(100);
     let mut ids = Vec::new();
@@ -268,7 +274,10 @@ pub async fn queues_are_isolated(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let adapter = f.connect().await?;
     let n = features.scaled(50);
-    let queues: Vec<String> = (0..3).map(|_| unique_queue("acc-isolated")).collect();
+    let mut queues = Vec::new();
+    for _ in 0..3 {
+        queues.push(f.queue("acc-isolated").await?);
+    }
     let mut tallies = Vec::new();
     for q in &queues {
         let mut t = Tally::new();
@@ -294,7 +303,7 @@ pub async fn queues_are_isolated(f: &dyn AdapterFactory) -> Result<()> {
 pub async fn nacked_messages_are_redelivered(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let adapter = f.connect().await?;
-    let queue = unique_queue("acc-nack");
+    let queue = f.queue("acc-nack").await?;
     let n = features.scaled(50);
     let mut sent = Tally::new();
     publish_all(&*adapter, &queue, n, &mut sent).await?;
@@ -323,7 +332,7 @@ pub async fn nacked_messages_are_redelivered(f: &dyn AdapterFactory) -> Result<(
 pub async fn delayed_nack_waits(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let adapter = f.connect().await?;
-    let queue = unique_queue("acc-delay");
+    let queue = f.queue("acc-delay").await?;
     let mut sent = Tally::new();
     publish_all(&*adapter, &queue, 3, &mut sent).await?;
     let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
@@ -361,7 +370,7 @@ pub async fn delayed_nack_waits(f: &dyn AdapterFactory) -> Result<()> {
 pub async fn unacked_messages_come_back(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let adapter = f.connect().await?;
-    let queue = unique_queue("acc-unacked");
+    let queue = f.queue("acc-unacked").await?;
     let n = features.scaled(10);
     let mut sent = Tally::new();
     publish_all(&*adapter, &queue, n, &mut sent).await?;
@@ -410,7 +419,7 @@ pub async fn unacked_messages_come_back(f: &dyn AdapterFactory) -> Result<()> {
 pub async fn consumer_restarts_lose_nothing(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let publisher = f.connect().await?;
-    let queue = unique_queue("acc-restart");
+    let queue = f.queue("acc-restart").await?;
     let n = features.scaled(200);
     let mut sent = Tally::new();
     publish_all(&*publisher, &queue, n, &mut sent).await?;
@@ -448,7 +457,7 @@ pub async fn consumer_restarts_lose_nothing(f: &dyn AdapterFactory) -> Result<()
 /// an acked delivery.
 pub async fn ack_twice_is_an_error(f: &dyn AdapterFactory) -> Result<()> {
     let adapter = f.connect().await?;
-    let queue = unique_queue("acc-acktwice");
+    let queue = f.queue("acc-acktwice").await?;
     let mut sent = Tally::new();
     publish_all(&*adapter, &queue, 1, &mut sent).await?;
     let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
@@ -478,7 +487,7 @@ pub async fn ack_twice_is_an_error(f: &dyn AdapterFactory) -> Result<()> {
 pub async fn close_loses_nothing_accepted(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let publisher = f.connect().await?;
-    let queue = unique_queue("acc-close");
+    let queue = f.queue("acc-close").await?;
     let n = features.scaled(100);
     let mut tally = Tally::new();
     publish_all(&*publisher, &queue, n, &mut tally).await?;
@@ -507,7 +516,7 @@ pub async fn order_within_a_key(f: &dyn AdapterFactory) -> Result<()> {
         );
     }
     let adapter = f.connect().await?;
-    let queue = unique_queue("acc-order");
+    let queue = f.queue("acc-order").await?;
     let n = features.scaled(100);
     let mut tally = Tally::new();
     let mut batch = Vec::new();
@@ -568,7 +577,7 @@ async fn read_dead_letters(
 pub async fn dead_letter_with_reason(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let adapter = f.connect().await?;
-    let queue = unique_queue("acc-dlq");
+    let queue = f.queue("acc-dlq").await?;
     let mut sent = Tally::new();
     publish_all(&*adapter, &queue, 3, &mut sent).await?;
     let mut options = f.consumer_options();
@@ -626,7 +635,7 @@ pub async fn dead_letter_with_reason(f: &dyn AdapterFactory) -> Result<()> {
     );
 
     // An explicit dead-letter carries the caller's reason verbatim.
-    let queue = unique_queue("acc-dlq-explicit");
+    let queue = f.queue("acc-dlq-explicit").await?;
     let mut sent = Tally::new();
     publish_all(&*adapter, &queue, 1, &mut sent).await?;
     let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
@@ -665,7 +674,7 @@ fn attempts_keys(t: &Tally) -> Vec<String> {
 pub async fn oversized_message_is_rejected(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
     let adapter = f.connect().await?;
-    let queue = unique_queue("acc-oversize");
+    let queue = f.queue("acc-oversize").await?;
     let limit = adapter.max_message_bytes();
     let (id_a, a) = message(&queue, 0);
     let (id_c, c) = message(&queue, 2);
@@ -704,7 +713,7 @@ pub async fn health_and_depth(f: &dyn AdapterFactory) -> Result<()> {
     let adapter = f.connect().await?;
     let health = adapter.health().await;
     assert!(health.healthy, "{}", health.detail);
-    let queue = unique_queue("acc-depth");
+    let queue = f.queue("acc-depth").await?;
     let mut sent = Tally::new();
     publish_all(&*adapter, &queue, 5, &mut sent).await?;
     if let Some(depth) = adapter.depth(&queue).await? {

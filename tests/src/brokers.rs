@@ -34,6 +34,23 @@ pub fn missing<T>(what: &str, reason: &str) -> Option<T> {
     None
 }
 
+/// Runs `rabbitmqctl ARGS` against the node the suites use
+/// (`OJS_BRIDGE_TEST_RABBITMQCTL`, which `scripts/brokers.sh env` sets);
+/// whether it succeeded.
+pub fn rabbitmqctl(args: &[&str]) -> bool {
+    let command =
+        std::env::var("OJS_BRIDGE_TEST_RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
+    let mut parts = command.split_whitespace();
+    let Some(program) = parts.next() else {
+        return false;
+    };
+    std::process::Command::new(program)
+        .args(parts)
+        .args(args)
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
 /// A fresh, valid OJS queue name for one test.
 pub fn unique_queue(prefix: &str) -> String {
     let id = uuid::Uuid::new_v4().simple().to_string();

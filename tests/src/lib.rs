@@ -9,6 +9,8 @@
 
 pub mod acceptance;
 pub mod brokers;
+pub mod consume;
+pub mod independent;
 pub mod kafka;
 pub mod tally;
 pub mod tempdir;

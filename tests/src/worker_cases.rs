@@ -96,7 +96,7 @@ pub async fn outcome_table(adapter: Arc<dyn QueueAdapter>, group: &str) -> Resul
     })?;
 
     let fast = |attempts: i32, exhaustion: &str| RetryPolicy {
-        max_attempts: attempts,
+        max_attempts: Some(attempts),
         initial_interval: "PT0.1S".into(),
         jitter: false,
         on_exhaustion: exhaustion.into(),

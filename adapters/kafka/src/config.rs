@@ -3,15 +3,23 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use ojs_core::settings::{self, SettingValue, Topology};
 use ojs_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// Settings of a `kafka://` adapter.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaConfig {
     /// Bootstrap servers, `host:port[,host:port]`.
     pub brokers: String,
+    /// `declare` creates missing topics (`partitions`, `replication`) and
+    /// uses existing ones as they are; `existing` creates nothing: a missing
+    /// queue topic is an error naming it, a missing retry topic sends
+    /// retries back to the queue topic, a missing dead topic makes
+    /// dead-lettering fail (the record stays uncommitted).
+    #[serde(default)]
+    pub topology: Topology,
     /// Topic of a queue; `{queue}` is replaced by the OJS queue name.
     #[serde(default = "default_topic_template")]
     pub topic_template: String,
@@ -49,6 +57,10 @@ pub struct KafkaConfig {
     /// Consumer group whose lag `depth` reports.
     #[serde(default = "default_depth_group")]
     pub depth_group: String,
+    /// A file holding the SASL password (librdkafka `sasl.password`), read
+    /// when the clients are created, so it need not sit in the config.
+    #[serde(default)]
+    pub sasl_password_file: Option<std::path::PathBuf>,
     /// Any librdkafka option, passed through (SASL, SSL, tuning), e.g.
     /// `security.protocol = "SASL_SSL"`. Applied to producer and consumers,
     /// after ours, so they win.
@@ -102,6 +114,7 @@ impl KafkaConfig {
     pub fn new(brokers: impl Into<String>) -> Self {
         KafkaConfig {
             brokers: brokers.into(),
+            topology: Topology::Declare,
             topic_template: default_topic_template(),
             retry_topic_template: default_retry_topic_template(),
             dead_topic_template: default_dead_topic_template(),
@@ -113,34 +126,74 @@ impl KafkaConfig {
             max_delayed_in_memory: default_max_delayed_in_memory(),
             commit_interval_ms: default_commit_interval_ms(),
             depth_group: default_depth_group(),
+            sasl_password_file: None,
             librdkafka_options: BTreeMap::new(),
         }
     }
 
-    /// Parses `kafka://host:port[,host:port][?librdkafka.option=value…]`.
+    /// Parses `kafka://host:port[,host:port][?item=value…]`: items named
+    /// like a setting (`topic_template`, `replication`, `topology`, …) set
+    /// it; every other item is a librdkafka option (`security.protocol=ssl`).
     pub fn from_url(url: &str) -> Result<Self> {
-        let rest = url
+        Self::from_url_with(url, Vec::new())
+    }
+
+    /// [`Self::from_url`], then `settings` over it (a config file's table,
+    /// environment overrides). Names that are not settings are librdkafka
+    /// options here too.
+    pub fn from_url_with(url: &str, settings: Vec<(String, SettingValue)>) -> Result<Self> {
+        let bad = |reason: String| Error::InvalidConfig {
+            field: "url".into(),
+            reason,
+        };
+        let (base, query) = settings::split_query(url)?;
+        let brokers = base
             .strip_prefix("kafka://")
-            .ok_or_else(|| Error::InvalidConfig {
-                field: "url".into(),
-                reason: format!("{url:?} must start with kafka://"),
-            })?;
-        let (brokers, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let brokers = brokers.trim_end_matches('/');
+            .ok_or_else(|| {
+                bad(format!(
+                    "{:?} must start with kafka://",
+                    ojs_core::redact::url(url)
+                ))
+            })?
+            .trim_end_matches('/');
         if brokers.is_empty() {
-            return Err(Error::InvalidConfig {
-                field: "url".into(),
-                reason: format!("{url:?} names no broker (kafka://host:port)"),
-            });
+            return Err(bad(format!(
+                "{:?} names no broker (kafka://host:port)",
+                ojs_core::redact::url(url)
+            )));
         }
         let mut config = KafkaConfig::new(brokers);
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=').ok_or_else(|| Error::InvalidConfig {
-                field: "url".into(),
-                reason: format!("query item {pair:?} is not option=value"),
-            })?;
-            config.librdkafka_options.insert(k.to_owned(), v.to_owned());
+        let known = settings::setting_names(&config);
+        let mut ours = Vec::new();
+        let items = query
+            .into_iter()
+            .map(|(k, v)| (k, SettingValue::Text(v)))
+            .chain(settings);
+        for (name, value) in items {
+            if name == "librdkafka_options" {
+                // Merged with the URL's options rather than replacing them.
+                let options: BTreeMap<String, SettingValue> = match value {
+                    SettingValue::Typed(serde_json::Value::Object(map)) => map
+                        .into_iter()
+                        .map(|(k, v)| (k, SettingValue::Typed(v)))
+                        .collect(),
+                    _ => {
+                        return Err(Error::InvalidConfig {
+                            field: name,
+                            reason: "must be a table of librdkafka option = \"value\"".into(),
+                        })
+                    }
+                };
+                for (k, v) in options {
+                    config.librdkafka_options.insert(k, v.into_text());
+                }
+            } else if known.contains(&name) {
+                ours.push((name, value));
+            } else {
+                config.librdkafka_options.insert(name, value.into_text());
+            }
         }
+        config = settings::overlay(&config, ours)?;
         config.validate()?;
         Ok(config)
     }
@@ -205,6 +258,42 @@ impl KafkaConfig {
     }
 }
 
+impl std::fmt::Debug for KafkaConfig {
+    // librdkafka options carry SASL passwords and key material: values of
+    // secret-looking names are masked.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let options: BTreeMap<&str, &str> = self
+            .librdkafka_options
+            .iter()
+            .map(|(k, v)| {
+                let shown = if ojs_core::redact::is_secret_name(k) {
+                    ojs_core::redact::MASK
+                } else {
+                    v.as_str()
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("topology", &self.topology)
+            .field("topic_template", &self.topic_template)
+            .field("retry_topic_template", &self.retry_topic_template)
+            .field("dead_topic_template", &self.dead_topic_template)
+            .field("partitions", &self.partitions)
+            .field("replication", &self.replication)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("publish_timeout_ms", &self.publish_timeout_ms)
+            .field("session_timeout_ms", &self.session_timeout_ms)
+            .field("max_delayed_in_memory", &self.max_delayed_in_memory)
+            .field("commit_interval_ms", &self.commit_interval_ms)
+            .field("depth_group", &self.depth_group)
+            .field("sasl_password_file", &self.sasl_password_file)
+            .field("librdkafka_options", &options)
+            .finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,6 +310,23 @@ mod tests {
         assert_eq!(c.dead_topic_of("mail"), "ojs.dead.mail");
         assert!(KafkaConfig::from_url("kafka://").is_err());
         assert!(KafkaConfig::from_url("kafka://h:1?novalue").is_err());
+        let c = KafkaConfig::from_url(
+            "kafka://h:1?topic_template={queue}&replication=3&topology=existing&sasl.password=pw",
+        )
+        .unwrap();
+        assert_eq!(
+            c.topic_of("payment.PaymentService"),
+            "payment.PaymentService"
+        );
+        assert_eq!(c.replication, 3);
+        assert_eq!(c.topology, Topology::Existing);
+        assert_eq!(c.librdkafka_options["sasl.password"], "pw");
+        assert!(!c.librdkafka_options.contains_key("replication"));
+        assert!(!format!("{c:?}").contains("pw"), "{c:?}");
+        match KafkaConfig::from_url("kafka://h:1?replication=many") {
+            Err(Error::InvalidConfig { field, .. }) => assert_eq!(field, "replication"),
+            other => panic!("{other:?}"),
+        }
         let mut c = KafkaConfig::new("h:1");
         c.topic_template = "fixed".into();
         assert!(

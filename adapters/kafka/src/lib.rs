@@ -39,7 +39,7 @@
 mod config;
 mod tracker;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -67,6 +67,7 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::time::Instant;
 
 pub use config::KafkaConfig;
+pub use ojs_core::settings::Topology;
 use tracker::{Stale, Tp, Tracker};
 
 /// Header with the earliest delivery time (Unix ms) of a retry record.
@@ -87,13 +88,27 @@ fn now_ms() -> i64 {
 fn client_config(config: &KafkaConfig) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &config.brokers);
+    if config.topology == Topology::Existing {
+        // Not even a metadata request may create a topic.
+        c.set("allow.auto.create.topics", "false");
+    }
     c
 }
 
-fn apply_overrides(c: &mut ClientConfig, config: &KafkaConfig) {
+/// Our librdkafka options, then the user's (they win), then the SASL
+/// password from `sasl_password_file`.
+fn apply_overrides(c: &mut ClientConfig, config: &KafkaConfig) -> Result<()> {
     for (k, v) in &config.librdkafka_options {
         c.set(k, v);
     }
+    if let Some(path) = &config.sasl_password_file {
+        let password = std::fs::read_to_string(path).map_err(|e| Error::InvalidConfig {
+            field: "sasl_password_file".into(),
+            reason: format!("cannot read {}: {e}", path.display()),
+        })?;
+        c.set("sasl.password", password.trim_end_matches(['\r', '\n']));
+    }
+    Ok(())
 }
 
 struct Inner {
@@ -103,6 +118,8 @@ struct Inner {
     admin: AdminClient<DefaultClientContext>,
     /// Topics known to exist (created or found).
     topics: Mutex<HashSet<String>>,
+    /// `topology = "existing"`: each queue's lanes as found on the broker.
+    resolved: Mutex<HashMap<String, Lanes>>,
     closed: AtomicBool,
 }
 
@@ -113,6 +130,10 @@ impl std::fmt::Debug for Inner {
             .finish_non_exhaustive()
     }
 }
+
+/// The topic of each [`Lane`] of a queue; `None` where the broker has none
+/// (only with `topology = "existing"`).
+type Lanes = [Option<String>; 3];
 
 /// Which of a queue's three topics a record goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,6 +151,74 @@ impl Inner {
             self.config.retry_topic_of(queue),
             self.config.dead_topic_of(queue),
         ]
+    }
+
+    /// The topics a queue's records go to: with `declare` its three topics,
+    /// created when missing; with `existing` those the broker has — the
+    /// queue topic must exist (an error names it otherwise), retries go
+    /// back to the queue topic when there is no retry topic, and a missing
+    /// dead topic is `None`.
+    async fn lanes(&self, queue: &str) -> Result<Lanes> {
+        if self.config.topology == Topology::Declare {
+            self.ensure_topics(queue).await?;
+            return Ok(self.topic_names(queue).map(Some));
+        }
+        if let Some(l) = self
+            .resolved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(queue)
+        {
+            return Ok(l.clone());
+        }
+        let [main, retry, dead] = self.topic_names(queue);
+        let mut found = Vec::new();
+        for topic in [&main, &retry, &dead] {
+            found.push(self.topic_exists(topic).await?);
+        }
+        if !found[0] {
+            return Err(Error::broker(
+                "kafka",
+                format!("topic {main:?} does not exist (topology = \"existing\" creates nothing; create it, or use topology = \"declare\")"),
+                true,
+            ));
+        }
+        if !found[1] {
+            tracing::info!(queue, topic = %main, "no retry topic; delayed retries go back to the queue topic");
+        }
+        if !found[2] {
+            tracing::warn!(queue, topic = %dead, "no dead-letter topic; dead-lettering from this queue fails until it exists");
+        }
+        let lanes = [
+            Some(main.clone()),
+            Some(if found[1] { retry } else { main }),
+            found[2].then_some(dead),
+        ];
+        self.resolved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(queue.to_owned(), lanes.clone());
+        Ok(lanes)
+    }
+
+    /// Whether the broker has `topic` (a metadata request for it alone;
+    /// auto-creation is off with `topology = "existing"`).
+    async fn topic_exists(&self, topic: &str) -> Result<bool> {
+        let producer = self.producer();
+        let name = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            use rdkafka::producer::Producer as _;
+            let md = producer
+                .client()
+                .fetch_metadata(Some(&name), Duration::from_secs(10))
+                .map_err(|e| kafka_error(&e))?;
+            Ok(md
+                .topics()
+                .iter()
+                .any(|t| t.name() == name && t.error().is_none() && !t.partitions().is_empty()))
+        })
+        .await
+        .map_err(|e| Error::broker("kafka", e.to_string(), true))?
     }
 
     /// Creates the queue's three topics if this process has not seen them.
@@ -160,7 +249,21 @@ impl Inner {
             .map_err(|e| kafka_error(&e))?;
         for r in results {
             match r {
+                // An existing topic is used with the settings it has.
                 Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, code @ RDKafkaErrorCode::TopicAuthorizationFailed))
+                | Err((name, code @ RDKafkaErrorCode::ClusterAuthorizationFailed)) => {
+                    // No CreateTopics ACL: a topic created by someone else
+                    // still works.
+                    if !self.topic_exists(&name).await? {
+                        return Err(Error::broker(
+                            "kafka",
+                            format!("creating topic {name}: {code} (the principal may not create topics; create it beforehand and set topology = \"existing\")"),
+                            // The cluster's ACLs, not the message, are at fault.
+                            true,
+                        ));
+                    }
+                }
                 Err((name, code)) => {
                     return Err(Error::broker(
                         "kafka",
@@ -197,6 +300,10 @@ impl Inner {
         for t in self.topic_names(queue) {
             known.remove(&t);
         }
+        self.resolved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(queue);
     }
 
     /// Produces each message to its lane's topic and waits for every
@@ -207,21 +314,31 @@ impl Inner {
         queue: &str,
         items: Vec<(usize, Lane, OutgoingMessage)>,
     ) -> Vec<FailedPublish> {
-        if let Err(e) = self.ensure_topics(queue).await {
-            let (text, retryable) = (e.to_string(), e.is_retryable());
-            return items
-                .into_iter()
-                .map(|(index, _, message)| FailedPublish {
-                    index,
-                    message,
-                    error: Error::broker("kafka", text.clone(), retryable),
-                })
-                .collect();
-        }
+        let topics = match self.lanes(queue).await {
+            Ok(t) => t,
+            Err(e) => {
+                let (text, retryable) = (e.to_string(), e.is_retryable());
+                return items
+                    .into_iter()
+                    .map(|(index, _, message)| FailedPublish {
+                        index,
+                        message,
+                        error: Error::broker("kafka", text.clone(), retryable),
+                    })
+                    .collect();
+            }
+        };
         let timeout = self.config.publish_timeout();
         let producer = self.producer();
-        let topics = self.topic_names(queue);
         let sends = items.iter().map(|(_, lane, m)| {
+            let Some(topic) = &topics[*lane as usize] else {
+                return Either::Right(
+                    futures::future::ready(Err(KafkaError::MessageProduction(
+                        RDKafkaErrorCode::UnknownTopic,
+                    )))
+                    .boxed(),
+                );
+            };
             let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
             for (k, v) in &m.headers {
                 headers = headers.insert(Header {
@@ -229,7 +346,7 @@ impl Inner {
                     value: Some(v.as_bytes()),
                 });
             }
-            let mut record = FutureRecord::to(&topics[*lane as usize])
+            let mut record = FutureRecord::to(topic)
                 .payload(m.payload.as_ref())
                 .headers(headers);
             if let Some(key) = &m.key {
@@ -254,7 +371,22 @@ impl Inner {
         let results = futures::future::join_all(sends).await;
         let mut failed = Vec::new();
         let mut timed_out = 0;
-        for ((index, _, message), result) in items.into_iter().zip(results) {
+        for ((index, lane, message), result) in items.into_iter().zip(results) {
+            if topics[lane as usize].is_none() {
+                failed.push(FailedPublish {
+                    index,
+                    message,
+                    error: Error::broker(
+                        "kafka",
+                        format!(
+                            "topic {:?} does not exist (topology = \"existing\" creates nothing)",
+                            self.topic_names(queue)[lane as usize]
+                        ),
+                        true,
+                    ),
+                });
+                continue;
+            }
             if let Err(e) = result {
                 timed_out += usize::from(matches!(
                     e.rdkafka_error_code(),
@@ -312,7 +444,7 @@ fn make_producer(config: &KafkaConfig) -> Result<FutureProducer> {
             (config.max_message_bytes + 64 * 1024).to_string(),
         )
         .set("linger.ms", "5");
-    apply_overrides(&mut p, config);
+    apply_overrides(&mut p, config)?;
     p.create().map_err(|e| kafka_error(&e))
 }
 
@@ -328,7 +460,7 @@ impl KafkaAdapter {
         config.validate()?;
         let producer = make_producer(&config)?;
         let mut a = client_config(&config);
-        apply_overrides(&mut a, &config);
+        apply_overrides(&mut a, &config)?;
         let admin: AdminClient<DefaultClientContext> = a.create().map_err(|e| kafka_error(&e))?;
         Ok(KafkaAdapter {
             inner: Arc::new(Inner {
@@ -336,6 +468,7 @@ impl KafkaAdapter {
                 producer: std::sync::RwLock::new(Arc::new(producer)),
                 admin,
                 topics: Mutex::new(HashSet::new()),
+                resolved: Mutex::new(HashMap::new()),
                 closed: AtomicBool::new(false),
             }),
         })
@@ -387,12 +520,41 @@ impl QueueAdapter for KafkaAdapter {
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
-        self.inner.ensure_topics(queue).await?;
+        let [main, retry, dead] = self.inner.lanes(queue).await?;
+        let topics: Vec<String> = match options.source {
+            Source::Queue => {
+                let mut t: Vec<String> = main.into_iter().collect();
+                t.extend(retry.filter(|r| !t.contains(r)));
+                t
+            }
+            Source::DeadLetters => vec![dead.ok_or_else(|| {
+                Error::broker(
+                    "kafka",
+                    format!(
+                        "dead-letter topic {:?} does not exist (topology = \"existing\")",
+                        self.inner.config.dead_topic_of(queue)
+                    ),
+                    true,
+                )
+            })?],
+        };
         Ok(Box::new(KafkaConsumer::new(
             self.inner.clone(),
             queue,
+            topics,
             options,
         )?))
+    }
+
+    async fn prepare(&self, queue: &str) -> Result<()> {
+        self.inner.lanes(queue).await.map(|_| ())
+    }
+
+    fn is_reserved(&self, queue: &str) -> bool {
+        let c = &self.inner.config;
+        let topic = c.topic_of(queue);
+        ojs_core::settings::matches_template(&c.retry_topic_template, &topic)
+            || ojs_core::settings::matches_template(&c.dead_topic_template, &topic)
     }
 
     async fn health(&self) -> Health {
@@ -422,7 +584,7 @@ impl QueueAdapter for KafkaAdapter {
             let mut c = client_config(&config);
             c.set("group.id", &config.depth_group)
                 .set("enable.auto.commit", "false");
-            apply_overrides(&mut c, &config);
+            apply_overrides(&mut c, &config)?;
             let consumer: BaseConsumer = c.create().map_err(|e| kafka_error(&e))?;
             let timeout = Duration::from_secs(5);
             let mut total = 0u64;
@@ -582,7 +744,12 @@ impl std::fmt::Debug for KafkaConsumer {
 }
 
 impl KafkaConsumer {
-    fn new(inner: Arc<Inner>, queue: &str, options: ConsumerOptions) -> Result<Self> {
+    fn new(
+        inner: Arc<Inner>,
+        queue: &str,
+        topics: Vec<String>,
+        options: ConsumerOptions,
+    ) -> Result<Self> {
         let config = &inner.config;
         // Dead-letter readers get their own group so they never rebalance
         // the workers of the queue.
@@ -597,15 +764,11 @@ impl KafkaConsumer {
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", "false")
             .set("session.timeout.ms", config.session_timeout_ms.to_string());
-        apply_overrides(&mut c, config);
+        apply_overrides(&mut c, config)?;
         let context = Context::default();
         let consumer: StreamConsumer<Context> = c
             .create_with_context(context.clone())
             .map_err(|e| kafka_error(&e))?;
-        let topics = match options.source {
-            Source::Queue => vec![config.topic_of(queue), config.retry_topic_of(queue)],
-            Source::DeadLetters => vec![config.dead_topic_of(queue)],
-        };
         let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
         consumer.subscribe(&refs).map_err(|e| kafka_error(&e))?;
         let consumer = Arc::new(consumer);
@@ -713,12 +876,20 @@ impl KafkaConsumer {
     }
 
     fn set_retry_paused(&self, pause: bool) {
-        let retry = self.inner.config.retry_topic_of(&self.queue);
+        // The retry topic, or the queue topic where retries go back to it
+        // (topology = "existing" without a retry topic): the last subscribed.
+        let Some(retry) = self.topics.last() else {
+            return;
+        };
         let Ok(assignment) = self.consumer.assignment() else {
             return;
         };
         let mut tpl = TopicPartitionList::new();
-        for e in assignment.elements().iter().filter(|e| e.topic() == retry) {
+        for e in assignment
+            .elements()
+            .iter()
+            .filter(|e| e.topic() == &**retry)
+        {
             tpl.add_partition(e.topic(), e.partition());
         }
         let r = if pause {
@@ -961,5 +1132,26 @@ impl Acknowledger for KafkaAcker {
                 self.move_to(Lane::Dead, copy).await
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn dead_letter_and_retry_topics_are_reserved() {
+        // librdkafka connects lazily: no broker needed.
+        let adapter = KafkaAdapter::connect(KafkaConfig::new("127.0.0.1:1"))
+            .await
+            .unwrap();
+        assert!(adapter.is_reserved("orders.retry"));
+        assert!(!adapter.is_reserved("orders"));
+        let mut c = KafkaConfig::new("127.0.0.1:1");
+        c.topic_template = "{queue}".into();
+        c.dead_topic_template = "{queue}.dlq".into();
+        let adapter = KafkaAdapter::connect(c).await.unwrap();
+        assert!(adapter.is_reserved("orders.dlq"));
+        assert!(!adapter.is_reserved("orders"));
     }
 }

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ojs_core::settings::{self, SettingValue};
 use ojs_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -72,8 +73,16 @@ impl LocalConfig {
         }
     }
 
-    /// Parses `local:///abs/dir`, `local:./relative/dir` or `local:dir`.
+    /// Parses `local:///abs/dir`, `local:./relative/dir` or `local:dir`,
+    /// with settings as query items (`local:./data?durability=power`).
     pub fn from_url(url: &str) -> Result<Self> {
+        Self::from_url_with(url, Vec::new())
+    }
+
+    /// [`Self::from_url`], then `settings` over it (a config file's table,
+    /// environment overrides).
+    pub fn from_url_with(url: &str, settings: Vec<(String, SettingValue)>) -> Result<Self> {
+        let (url, query) = settings::split_query(url)?;
         let rest = url
             .strip_prefix("local:")
             .ok_or_else(|| Error::InvalidConfig {
@@ -98,7 +107,11 @@ impl LocalConfig {
                 reason: format!("{url:?} names no directory"),
             });
         }
-        Ok(LocalConfig::new(path))
+        let items = query
+            .into_iter()
+            .map(|(k, v)| (k, SettingValue::Text(v)))
+            .chain(settings);
+        settings::overlay(&LocalConfig::new(path), items)
     }
 
     /// The database file.
@@ -129,7 +142,10 @@ mod tests {
             LocalConfig::from_url("local:data").unwrap().path,
             PathBuf::from("data")
         );
-        for bad in ["local:", "local://host/x", "file:///x"] {
+        let c = LocalConfig::from_url("local:./d?durability=power&poll_interval_ms=5").unwrap();
+        assert_eq!(c.durability, Durability::Power);
+        assert_eq!(c.poll_interval_ms, 5);
+        for bad in ["local:", "local://host/x", "file:///x", "local:./d?bogus=1"] {
             assert!(
                 matches!(LocalConfig::from_url(bad), Err(Error::InvalidConfig { .. })),
                 "{bad}"

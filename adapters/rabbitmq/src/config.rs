@@ -1,18 +1,81 @@
 //! RabbitMQ adapter settings (serde data; the runtime lives in `lib.rs`).
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
+use ojs_core::settings::{self, SettingValue, Topology};
 use ojs_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 
+/// Query items of an AMQP URL that belong to the AMQP client (lapin), not to
+/// the adapter.
+pub const CLIENT_URL_OPTIONS: &[&str] = &[
+    "heartbeat",
+    "connection_timeout",
+    "channel_max",
+    "frame_max",
+    "auth_mechanism",
+];
+
 /// Settings of an `amqp://` / `amqps://` adapter.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RabbitConfig {
     /// `amqp://user:pass@host:port/vhost` or `amqps://…` (vhost URL-encoded,
     /// `%2f` for `/`).
     pub url: String,
+    /// `declare` (default) declares what is missing and uses what exists as
+    /// it is (a queue declared elsewhere with other arguments is used via a
+    /// passive declare, with a warning); `existing` declares nothing at all
+    /// (no exchange, queue or binding): a missing queue is an error naming it.
+    #[serde(default)]
+    pub topology: Topology,
+    /// Queue of an OJS queue; `{queue}` is the OJS queue name. `{queue}`
+    /// alone reads and writes queues named like the OJS queue (`orders`).
+    #[serde(default = "default_queue_template")]
+    pub queue_template: String,
+    /// Exchange messages are published to, with routing key
+    /// `routing_key_template`. `""` is the default exchange: it routes
+    /// straight to the queue named by `queue_template` (no binding needed).
+    #[serde(default = "default_exchange")]
+    pub exchange: String,
+    /// Routing key for `exchange` (ignored for the default exchange, whose
+    /// routing key is the queue name).
+    #[serde(default = "default_routing_key_template")]
+    pub routing_key_template: String,
+    /// Exchange dead letters are published to (routing key = OJS queue).
+    /// Default with `topology = "declare"`: `ojs.exchange.dlx`, declared.
+    /// Default with `existing`: none — a dead letter is rejected without
+    /// requeue, so RabbitMQ routes it by the queue's own
+    /// `x-dead-letter-exchange` (and discards it when the queue has none).
+    #[serde(default)]
+    pub dead_letter_exchange: Option<String>,
+    /// Queue dead letters land in (declared and bound with `declare`; read by
+    /// `tail --dead-letters`).
+    #[serde(default = "default_dead_letter_queue_template")]
+    pub dead_letter_queue_template: String,
+    /// Exchange of delayed retries (`declare` only; `existing` holds a
+    /// delayed retry unacknowledged for its delay, then publishes it again).
+    #[serde(default = "default_retry_exchange")]
+    pub retry_exchange: String,
+    /// Per-delay TTL queue of delayed retries; `{queue}` and `{delay_ms}`.
+    #[serde(default = "default_retry_queue_template")]
+    pub retry_queue_template: String,
+    /// PEM file of the CA(s) that signed the broker's certificate
+    /// (`amqps://`). Default: the system's roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate for mutual TLS (with `key_file`).
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// PEM (PKCS#8) private key of `cert_file`.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// A file holding the password of the URL's user (read at each
+    /// connect), so it need not sit in the config or the process list.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
     /// Unacknowledged messages a consumer holds at once (`basic.qos`).
     #[serde(default = "default_prefetch")]
     pub prefetch: u16,
@@ -79,6 +142,25 @@ impl GrpcqBinding {
     }
 }
 
+fn default_queue_template() -> String {
+    "ojs.queue.{queue}".into()
+}
+fn default_exchange() -> String {
+    DIRECT_EXCHANGE.into()
+}
+fn default_routing_key_template() -> String {
+    "{queue}".into()
+}
+fn default_dead_letter_queue_template() -> String {
+    "ojs.queue.dlx.{queue}".into()
+}
+fn default_retry_exchange() -> String {
+    RETRY_EXCHANGE.into()
+}
+fn default_retry_queue_template() -> String {
+    "ojs.queue.retry.{queue}.{delay_ms}".into()
+}
+
 /// 100: a few batches in flight without hoarding work from other consumers.
 fn default_prefetch() -> u16 {
     100
@@ -115,6 +197,18 @@ impl RabbitConfig {
     pub fn new(url: impl Into<String>) -> Self {
         RabbitConfig {
             url: url.into(),
+            topology: Topology::Declare,
+            queue_template: default_queue_template(),
+            exchange: default_exchange(),
+            routing_key_template: default_routing_key_template(),
+            dead_letter_exchange: None,
+            dead_letter_queue_template: default_dead_letter_queue_template(),
+            retry_exchange: default_retry_exchange(),
+            retry_queue_template: default_retry_queue_template(),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            password_file: None,
             prefetch: default_prefetch(),
             quorum_queues: false,
             max_priority: default_max_priority(),
@@ -127,21 +221,29 @@ impl RabbitConfig {
         }
     }
 
-    /// Parses an `amqp://` / `amqps://` URL. Query items of this adapter are
-    /// taken out: `grpcq_bind.QUEUE=TOPIC[:ACTION][,…]` (repeatable) and
-    /// `grpcq_exchanges=true`; the rest (`heartbeat`, `connection_timeout`…)
-    /// stays for the AMQP client.
+    /// Parses an `amqp://` / `amqps://` URL. Query items naming a setting
+    /// (`queue_template`, `exchange`, `topology`, `prefetch`, …) set it;
+    /// `grpcq_bind.QUEUE=TOPIC[:ACTION][,…]` (repeatable) adds grpcq
+    /// bindings; the AMQP client's own items ([`CLIENT_URL_OPTIONS`]) stay in
+    /// the URL; anything else is an error naming the known items.
     pub fn from_url(url: &str) -> Result<Self> {
-        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        Self::from_url_with(url, Vec::new())
+    }
+
+    /// [`Self::from_url`], then `settings` over it (a config file's table,
+    /// environment overrides).
+    pub fn from_url_with(url: &str, settings: Vec<(String, SettingValue)>) -> Result<Self> {
+        let (base, query) = settings::split_query(url)?;
         let mut config = RabbitConfig::new(base);
-        let mut rest = Vec::new();
-        for item in query.split('&').filter(|i| !i.is_empty()) {
-            let (key, value) = item.split_once('=').unwrap_or((item, ""));
+        let known = settings::setting_names(&config);
+        let mut client = Vec::new();
+        let mut ours = Vec::new();
+        for (key, value) in query {
             if let Some(queue) = key.strip_prefix("grpcq_bind.") {
                 if queue.is_empty() {
                     return Err(Error::InvalidConfig {
                         field: "url".into(),
-                        reason: format!("{item:?}: grpcq_bind.QUEUE=TOPIC[:ACTION] names no queue"),
+                        reason: format!("{key:?}: grpcq_bind.QUEUE=TOPIC[:ACTION] names no queue"),
                     });
                 }
                 let entries = config.grpcq_bindings.entry(queue.to_owned()).or_default();
@@ -149,24 +251,30 @@ impl RabbitConfig {
                     GrpcqBinding::parse(binding)?;
                     entries.push(binding.to_owned());
                 }
-            } else if key == "grpcq_exchanges" {
-                config.grpcq_exchanges = match value {
-                    "true" | "1" => true,
-                    "false" | "0" => false,
-                    other => {
-                        return Err(Error::InvalidConfig {
-                            field: "url".into(),
-                            reason: format!("grpcq_exchanges={other:?}: use true or false"),
-                        })
-                    }
-                };
+            } else if CLIENT_URL_OPTIONS.contains(&key.as_str()) {
+                client.push(format!("{key}={value}"));
+            } else if known.contains(&key) && key != "url" && key != "grpcq_bindings" {
+                ours.push((key, SettingValue::Text(value)));
             } else {
-                rest.push(item);
+                return Err(Error::InvalidConfig {
+                    field: "url".into(),
+                    reason: format!(
+                        "unknown query item {key:?}; known: {}, grpcq_bind.QUEUE, and the AMQP client's {}",
+                        known
+                            .iter()
+                            .filter(|k| *k != "url" && *k != "grpcq_bindings")
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        CLIENT_URL_OPTIONS.join(", ")
+                    ),
+                });
             }
         }
-        if !rest.is_empty() {
-            config.url = format!("{base}?{}", rest.join("&"));
+        if !client.is_empty() {
+            config.url = format!("{base}?{}", client.join("&"));
         }
+        config = settings::overlay(&config, ours.into_iter().chain(settings))?;
         config.validate()?;
         Ok(config)
     }
@@ -186,7 +294,47 @@ impl RabbitConfig {
         if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {
             return Err(Error::InvalidConfig {
                 field: "url".into(),
-                reason: format!("{:?} must start with amqp:// or amqps://", self.url),
+                reason: format!(
+                    "{:?} must start with amqp:// or amqps://",
+                    ojs_core::redact::url(&self.url)
+                ),
+            });
+        }
+        for (field, template, vars) in [
+            ("queue_template", &self.queue_template, &["{queue}"][..]),
+            (
+                "dead_letter_queue_template",
+                &self.dead_letter_queue_template,
+                &["{queue}"][..],
+            ),
+            (
+                "retry_queue_template",
+                &self.retry_queue_template,
+                &["{queue}", "{delay_ms}"][..],
+            ),
+        ] {
+            if let Some(missing) = vars.iter().find(|v| !template.contains(**v)) {
+                return Err(Error::InvalidConfig {
+                    field: field.into(),
+                    reason: format!("{template:?} must contain {missing}"),
+                });
+            }
+        }
+        if self.queue_name_of("q") == self.dead_letter_queue_of("q") {
+            return Err(Error::InvalidConfig {
+                field: "dead_letter_queue_template".into(),
+                reason: "a queue and its dead-letter queue must differ".into(),
+            });
+        }
+        if self.cert_file.is_some() != self.key_file.is_some() {
+            return Err(Error::InvalidConfig {
+                field: if self.cert_file.is_some() {
+                    "key_file"
+                } else {
+                    "cert_file"
+                }
+                .into(),
+                reason: "mutual TLS needs both cert_file and key_file".into(),
             });
         }
         if self.prefetch == 0 {
@@ -223,6 +371,106 @@ impl RabbitConfig {
     pub(crate) fn publish_timeout(&self) -> Duration {
         Duration::from_secs(self.publish_timeout_secs.max(1))
     }
+
+    /// The URL to connect with: `url`, with the password from
+    /// `password_file` when one is set.
+    pub fn connect_url(&self) -> Result<String> {
+        let Some(path) = &self.password_file else {
+            return Ok(self.url.clone());
+        };
+        let password = std::fs::read_to_string(path).map_err(|e| Error::InvalidConfig {
+            field: "password_file".into(),
+            reason: format!("cannot read {}: {e}", path.display()),
+        })?;
+        let password = password.trim_end_matches(['\r', '\n']);
+        let (scheme, rest) = self.url.split_once("://").unwrap_or(("amqp", &self.url));
+        let (userinfo, host) = match rest.split_once('@') {
+            Some((u, h)) if !u.contains('/') => (u, h),
+            _ => {
+                return Err(Error::InvalidConfig {
+                    field: "password_file".into(),
+                    reason: "the URL names no user (amqp://USER@host/vhost)".into(),
+                })
+            }
+        };
+        let user = userinfo.split(':').next().unwrap_or(userinfo);
+        Ok(format!(
+            "{scheme}://{user}:{}@{host}",
+            ojs_core::settings::percent_encode(password)
+        ))
+    }
+
+    /// The RabbitMQ queue of an OJS queue.
+    pub fn queue_name_of(&self, queue: &str) -> String {
+        self.queue_template.replace("{queue}", queue)
+    }
+
+    /// The dead-letter queue of an OJS queue.
+    pub fn dead_letter_queue_of(&self, queue: &str) -> String {
+        self.dead_letter_queue_template.replace("{queue}", queue)
+    }
+
+    /// The TTL queue of an OJS queue's retries delayed by `delay_ms`.
+    pub fn retry_queue_of(&self, queue: &str, delay_ms: u64) -> String {
+        self.retry_queue_template
+            .replace("{queue}", queue)
+            .replace("{delay_ms}", &delay_ms.to_string())
+    }
+
+    /// Exchange and routing key a message for `queue` is published with.
+    pub fn publish_route_of(&self, queue: &str) -> (String, String) {
+        if self.exchange.is_empty() {
+            (String::new(), self.queue_name_of(queue))
+        } else {
+            (
+                self.exchange.clone(),
+                self.routing_key_template.replace("{queue}", queue),
+            )
+        }
+    }
+
+    /// The exchange dead letters are published to, if any (see
+    /// `dead_letter_exchange`).
+    pub fn dead_letter_exchange_in_force(&self) -> Option<&str> {
+        match (&self.dead_letter_exchange, self.topology) {
+            (Some(x), _) => Some(x),
+            (None, Topology::Declare) => Some(DLX_EXCHANGE),
+            (None, Topology::Existing) => None,
+        }
+    }
+}
+
+impl std::fmt::Debug for RabbitConfig {
+    // The URL carries the password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitConfig")
+            .field("url", &ojs_core::redact::url(&self.url))
+            .field("topology", &self.topology)
+            .field("queue_template", &self.queue_template)
+            .field("exchange", &self.exchange)
+            .field("routing_key_template", &self.routing_key_template)
+            .field("dead_letter_exchange", &self.dead_letter_exchange)
+            .field(
+                "dead_letter_queue_template",
+                &self.dead_letter_queue_template,
+            )
+            .field("retry_exchange", &self.retry_exchange)
+            .field("retry_queue_template", &self.retry_queue_template)
+            .field("ca_file", &self.ca_file)
+            .field("cert_file", &self.cert_file)
+            .field("key_file", &self.key_file)
+            .field("password_file", &self.password_file)
+            .field("prefetch", &self.prefetch)
+            .field("quorum_queues", &self.quorum_queues)
+            .field("max_priority", &self.max_priority)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("publish_timeout_secs", &self.publish_timeout_secs)
+            .field("max_backoff_secs", &self.max_backoff_secs)
+            .field("retry_queue_expiry_secs", &self.retry_queue_expiry_secs)
+            .field("grpcq_bindings", &self.grpcq_bindings)
+            .field("grpcq_exchanges", &self.grpcq_exchanges)
+            .finish()
+    }
 }
 
 /// Exchange that routes jobs to their queue (routing key = OJS queue).
@@ -232,7 +480,7 @@ pub const DLX_EXCHANGE: &str = "ojs.exchange.dlx";
 /// Exchange for delayed retries (routing key = `{queue}.{delay_ms}`).
 pub const RETRY_EXCHANGE: &str = "ojs.exchange.retry";
 
-/// `ojs.queue.{queue}`.
+/// `ojs.queue.{queue}` (the default `queue_template`).
 pub fn queue_name(queue: &str) -> String {
     format!("ojs.queue.{queue}")
 }
@@ -320,6 +568,25 @@ mod tests {
             ]
         );
         assert!(RabbitConfig::from_url("amqp://h/%2f?grpcq_bind.q=:x").is_err());
+        match RabbitConfig::from_url("amqp://h/%2f?bogus=1") {
+            Err(Error::InvalidConfig { reason, .. }) => {
+                assert!(
+                    reason.contains("queue_template") && reason.contains("heartbeat"),
+                    "{reason}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        let c = RabbitConfig::from_url(
+            "amqp://u:pw@h/%2f?queue_template={queue}&exchange=&topology=existing&prefetch=7",
+        )
+        .unwrap();
+        assert_eq!(c.queue_name_of("orders"), "orders");
+        assert_eq!(c.publish_route_of("orders"), ("".into(), "orders".into()));
+        assert_eq!(c.topology, Topology::Existing);
+        assert_eq!(c.prefetch, 7);
+        assert_eq!(c.dead_letter_exchange_in_force(), None);
+        assert!(!format!("{c:?}").contains("pw"));
         assert!(RabbitConfig::from_url("amqp://h/%2f?grpcq_exchanges=maybe").is_err());
         assert_eq!(
             RabbitConfig::from_url("amqp://h/%2f").unwrap().url,

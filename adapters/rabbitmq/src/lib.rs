@@ -29,6 +29,7 @@
 
 mod config;
 mod headers;
+mod topology;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,7 +41,7 @@ use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
@@ -54,9 +55,10 @@ use tokio::time::Instant;
 
 pub use config::{
     bucket_delay_ms, dead_letter_queue_name, queue_name, retry_queue_name, RabbitConfig,
-    DIRECT_EXCHANGE, DLX_EXCHANGE, RETRY_EXCHANGE,
+    CLIENT_URL_OPTIONS, DIRECT_EXCHANGE, DLX_EXCHANGE, RETRY_EXCHANGE,
 };
 pub use headers::{properties, KEY_HEADER};
+pub use ojs_core::settings::Topology;
 
 /// Runs a broker call no longer than `deadline`. lapin's RPCs have no
 /// timeout of their own, and on a half-open connection (a broker that went
@@ -180,10 +182,49 @@ impl Inner {
         }
     }
 
+    /// The TLS settings of an `amqps://` connection (CA and client
+    /// identity read from their files at each connect).
+    fn tls(&self) -> Result<lapin::tcp::OwnedTLSConfig> {
+        let read = |field: &str, path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| Error::InvalidConfig {
+                field: field.into(),
+                reason: format!("cannot read {}: {e}", path.display()),
+            })
+        };
+        let cert_chain =
+            match &self.config.ca_file {
+                Some(p) => Some(String::from_utf8(read("ca_file", p)?).map_err(|_| {
+                    Error::InvalidConfig {
+                        field: "ca_file".into(),
+                        reason: format!("{} is not a PEM file", p.display()),
+                    }
+                })?),
+                None => None,
+            };
+        let identity = match (&self.config.cert_file, &self.config.key_file) {
+            (Some(cert), Some(key)) => Some(lapin::tcp::OwnedIdentity::PKCS8 {
+                pem: read("cert_file", cert)?,
+                key: read("key_file", key)?,
+            }),
+            _ => None,
+        };
+        Ok(lapin::tcp::OwnedTLSConfig {
+            identity,
+            cert_chain,
+        })
+    }
+
     async fn open_session(&self) -> Result<Session> {
-        let connection = Connection::connect(&self.config.url, ConnectionProperties::default())
-            .await
-            .map_err(|e| amqp_error(&e))?;
+        let runtime = lapin::runtime::default_runtime().map_err(|e| amqp_error(&e))?;
+        let url = self.config.connect_url()?;
+        let connection = Connection::connect_with_config(
+            &url,
+            ConnectionProperties::default(),
+            self.tls()?,
+            runtime,
+        )
+        .await
+        .map_err(|e| connect_error(&self.config.url, &e))?;
         let publisher = connection
             .create_channel()
             .await
@@ -192,23 +233,22 @@ impl Inner {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|e| amqp_error(&e))?;
-        for (name, kind) in [
-            (DIRECT_EXCHANGE, ExchangeKind::Direct),
-            (DLX_EXCHANGE, ExchangeKind::Direct),
-            (RETRY_EXCHANGE, ExchangeKind::Direct),
-        ] {
-            publisher
-                .exchange_declare(
-                    name.into(),
-                    kind,
-                    ExchangeDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| amqp_error(&e))?;
+        let c = &self.config;
+        match c.topology {
+            Topology::Declare => {
+                let mut exchanges = vec![c.exchange.as_str(), c.retry_exchange.as_str()];
+                exchanges.extend(c.dead_letter_exchange_in_force());
+                for name in exchanges {
+                    topology::declare_exchange(&connection, name, ExchangeKind::Direct).await?;
+                }
+            }
+            Topology::Existing => {
+                let mut exchanges = vec![c.exchange.as_str()];
+                exchanges.extend(c.dead_letter_exchange.as_deref());
+                for name in exchanges.into_iter().filter(|n| !n.is_empty()) {
+                    topology::check_exchange(&connection, name).await?;
+                }
+            }
         }
         Ok(Session {
             connection,
@@ -239,67 +279,69 @@ impl Inner {
         args
     }
 
-    /// Declares `ojs.queue.{queue}` and its dead-letter queue (idempotent,
-    /// cached per connection; a reconnect starts with an empty cache).
-    async fn declare_queue(&self, s: &Session, queue: &str) -> Result<()> {
-        if s.declared().contains(queue) {
+    /// Makes the OJS queue usable (idempotent, cached per connection; a
+    /// reconnect starts with an empty cache). `declare`: the queue and its
+    /// dead-letter queue are declared (or used as they exist) and bound;
+    /// `existing`: the queue (or, for a dead-letter reader, its dead-letter
+    /// queue) must exist, nothing is declared.
+    async fn declare_queue(&self, s: &Session, queue: &str, source: Source) -> Result<()> {
+        let key = match source {
+            Source::Queue => queue.to_owned(),
+            Source::DeadLetters => format!("dead:{queue}"),
+        };
+        if s.declared().contains(&key) || s.declared().contains(queue) {
             return Ok(());
         }
-        let main = queue_name(queue);
-        let dlq = dead_letter_queue_name(queue);
-        let mut extra = vec![
-            (
+        let c = &self.config;
+        let main = c.queue_name_of(queue);
+        let dlq = c.dead_letter_queue_of(queue);
+        if c.topology == Topology::Existing {
+            let name = match source {
+                Source::Queue => &main,
+                Source::DeadLetters => &dlq,
+            };
+            topology::check_queue(&s.connection, name).await?;
+            s.declared().insert(key);
+            return Ok(());
+        }
+        let mut extra = Vec::new();
+        if let Some(dlx) = c.dead_letter_exchange_in_force() {
+            extra.push((
                 "x-dead-letter-exchange",
-                AMQPValue::LongString(LongString::from(DLX_EXCHANGE)),
-            ),
-            (
+                AMQPValue::LongString(LongString::from(dlx)),
+            ));
+            extra.push((
                 "x-dead-letter-routing-key",
                 AMQPValue::LongString(LongString::from(queue)),
-            ),
-        ];
-        if let (false, Some(max)) = (self.config.quorum_queues, self.config.max_priority) {
+            ));
+        }
+        if let (false, Some(max)) = (c.quorum_queues, c.max_priority) {
             extra.push(("x-max-priority", AMQPValue::ShortShortUInt(max)));
         }
-        let durable = QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
-        let ch = &s.publisher;
-        let declare = async {
-            ch.queue_declare(main.as_str().into(), durable, self.queue_args(&extra))
-                .await?;
-            ch.queue_bind(
-                main.as_str().into(),
-                DIRECT_EXCHANGE.into(),
-                queue.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
+        topology::declare_queue(&s.connection, &main, self.queue_args(&extra)).await?;
+        let (exchange, routing_key) = c.publish_route_of(queue);
+        topology::bind(&s.connection, &main, &exchange, &routing_key).await?;
+        if let Some(dlx) = c.dead_letter_exchange_in_force() {
+            match topology::try_declare_queue(&s.connection, &dlq, self.queue_args(&[])).await? {
+                topology::Declared::Usable => {
+                    topology::bind(&s.connection, &dlq, dlx, queue).await?;
+                }
+                // Refused (no `configure` permission): the queue itself works;
+                // dead-lettering fails, named, until someone creates the DLQ.
+                topology::Declared::Refused(e) => {
+                    tracing::warn!(queue = %main, dead_letter_queue = %dlq, error = %e, "cannot declare the dead-letter queue; dead-lettering from this queue will fail until it exists");
+                }
+            }
+        }
+        for binding in c.grpcq_bindings_of(queue) {
+            self.ensure_grpcq_exchange(s, &binding.exchange).await?;
+            topology::bind(
+                &s.connection,
+                &main,
+                &binding.exchange,
+                &binding.routing_key,
             )
             .await?;
-            ch.queue_declare(dlq.as_str().into(), durable, self.queue_args(&[]))
-                .await?;
-            ch.queue_bind(
-                dlq.as_str().into(),
-                DLX_EXCHANGE.into(),
-                queue.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-        };
-        declare.await.map_err(|e| topology_error(&main, &e))?;
-        for binding in self.config.grpcq_bindings_of(queue) {
-            self.ensure_grpcq_exchange(s, &binding.exchange).await?;
-            s.publisher
-                .queue_bind(
-                    main.as_str().into(),
-                    binding.exchange.as_str().into(),
-                    binding.routing_key.as_str().into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| topology_error(&main, &e))?;
         }
         s.declared().insert(queue.to_owned());
         Ok(())
@@ -312,6 +354,11 @@ impl Inner {
     async fn ensure_grpcq_exchange(&self, s: &Session, topic: &str) -> Result<()> {
         let key = format!("exchange:{topic}");
         if s.declared().contains(&key) {
+            return Ok(());
+        }
+        if self.config.topology == Topology::Existing {
+            topology::check_exchange(&s.connection, topic).await?;
+            s.declared().insert(key);
             return Ok(());
         }
         let probe = s
@@ -360,8 +407,16 @@ impl Inner {
     /// Declares the TTL queue for `delay_ms`, re-declaring it well within its
     /// `x-expires` so it never expires with messages due.
     async fn declare_retry(&self, s: &Session, queue: &str, delay_ms: u64) -> Result<()> {
-        let name = retry_queue_name(queue, delay_ms);
-        let expiry = Duration::from_secs(self.config.retry_queue_expiry_secs.max(60));
+        let c = &self.config;
+        if c.topology == Topology::Existing {
+            return Err(Error::broker(
+                "rabbitmq",
+                "a delayed publish needs per-delay TTL queues, which topology = \"existing\" does not declare",
+                false,
+            ));
+        }
+        let name = c.retry_queue_of(queue, delay_ms);
+        let expiry = Duration::from_secs(c.retry_queue_expiry_secs.max(60));
         let fresh = s
             .retry_declared
             .lock()
@@ -373,22 +428,25 @@ impl Inner {
         }
         let ttl = i64::try_from(delay_ms).unwrap_or(i64::MAX);
         let expires = ttl.saturating_add(expiry.as_millis() as i64);
+        // Due messages dead-letter back the way a publish goes.
+        let (exchange, routing_key) = c.publish_route_of(queue);
         let args = self.queue_args(&[
             ("x-message-ttl", AMQPValue::LongLongInt(ttl)),
             (
                 "x-dead-letter-exchange",
-                AMQPValue::LongString(LongString::from(DIRECT_EXCHANGE)),
+                AMQPValue::LongString(LongString::from(exchange.as_str())),
             ),
             (
                 "x-dead-letter-routing-key",
-                AMQPValue::LongString(LongString::from(queue)),
+                AMQPValue::LongString(LongString::from(routing_key.as_str())),
             ),
             ("x-expires", AMQPValue::LongLongInt(expires)),
         ]);
-        let ch = &s.publisher;
-        let routing_key = format!("{queue}.{delay_ms}");
-        let declare = async {
-            ch.queue_declare(
+        // A TTL queue's expiry restarts with every declaration, so it is
+        // declared again rather than used as found.
+        let declared = s
+            .publisher
+            .queue_declare(
                 name.as_str().into(),
                 QueueDeclareOptions {
                     durable: true,
@@ -396,17 +454,15 @@ impl Inner {
                 },
                 args,
             )
-            .await?;
-            ch.queue_bind(
-                name.as_str().into(),
-                RETRY_EXCHANGE.into(),
-                routing_key.as_str().into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-        };
-        declare.await.map_err(|e| topology_error(&name, &e))?;
+            .await;
+        declared.map_err(|e| topology_error(&name, &e))?;
+        topology::bind(
+            &s.connection,
+            &name,
+            &c.retry_exchange,
+            &format!("{queue}.{delay_ms}"),
+        )
+        .await?;
         s.retry_declared
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -447,7 +503,9 @@ impl Inner {
                         }
                         return Ok(());
                     }
-                    self.declare_queue(&session, queue).await?;
+                    if route != Route::DeadLetters {
+                        self.declare_queue(&session, queue, Source::Queue).await?;
+                    }
                     if let Route::Delayed(ms) = route {
                         self.declare_retry(&session, queue, ms).await?;
                     }
@@ -467,13 +525,19 @@ impl Inner {
                     }
                     continue;
                 }
+                let c = &self.config;
                 let (exchange, routing_key) = match route {
-                    Route::Queue => (DIRECT_EXCHANGE.to_owned(), queue.to_owned()),
-                    Route::Delayed(ms) => (RETRY_EXCHANGE.to_owned(), format!("{queue}.{ms}")),
-                    Route::DeadLetters => (DLX_EXCHANGE.to_owned(), queue.to_owned()),
+                    Route::Queue => c.publish_route_of(queue),
+                    Route::Delayed(ms) => (c.retry_exchange.clone(), format!("{queue}.{ms}")),
+                    Route::DeadLetters => (
+                        c.dead_letter_exchange_in_force()
+                            .unwrap_or_default()
+                            .to_owned(),
+                        queue.to_owned(),
+                    ),
                     Route::Grpcq => grpcq_route(&message)
                         .map(|(t, a)| (t.to_owned(), a.to_owned()))
-                        .unwrap_or_else(|| (DIRECT_EXCHANGE.to_owned(), queue.to_owned())),
+                        .unwrap_or_else(|| c.publish_route_of(queue)),
                 };
                 let props = headers::properties(
                     &message,
@@ -496,6 +560,14 @@ impl Inner {
                     .await;
                 match published {
                     Ok(confirm) => in_flight.push((index, route, message, confirm)),
+                    Err(e) if topology::amqp_code(&e) == Some(403) => {
+                        broken = true;
+                        failed.push(FailedPublish {
+                            index,
+                            message,
+                            error: write_refused(&exchange, &e),
+                        });
+                    }
                     Err(_) => {
                         broken = true;
                         again.push((index, route, message));
@@ -510,7 +582,11 @@ impl Inner {
                             (Route::Grpcq, Some((topic, action))) => format!(
                                 "is a queue bound to exchange {topic} for routing key {action}?"
                             ),
-                            _ => format!("is queue {} missing?", queue_name(queue)),
+                            _ => format!(
+                                "is queue {} missing, or exchange {:?} not bound to it?",
+                                self.config.queue_name_of(queue),
+                                self.config.publish_route_of(queue).0
+                            ),
                         };
                         failed.push(FailedPublish {
                             index,
@@ -544,6 +620,22 @@ impl Inner {
                             false,
                         ),
                     }),
+                    Ok(Err(e)) if topology::amqp_code(&e) == Some(403) => {
+                        broken = true;
+                        let exchange = match route {
+                            Route::DeadLetters => self
+                                .config
+                                .dead_letter_exchange_in_force()
+                                .unwrap_or_default()
+                                .to_owned(),
+                            _ => self.config.publish_route_of(queue).0,
+                        };
+                        failed.push(FailedPublish {
+                            index,
+                            message,
+                            error: write_refused(&exchange, &e),
+                        });
+                    }
                     // The connection went away before the confirm: publish again.
                     Ok(Err(_)) => {
                         broken = true;
@@ -588,23 +680,38 @@ fn fail_all(
 }
 
 fn topology_error(name: &str, e: &lapin::Error) -> Error {
+    Error::broker("rabbitmq", format!("declaring {name}: {e}"), true)
+}
+
+/// A publish the broker refused for want of permission: reported once per
+/// message, named, instead of a reconnect loop (retryable: granting the
+/// permission fixes it, the message is not at fault).
+fn write_refused(exchange: &str, e: &lapin::Error) -> Error {
     Error::broker(
         "rabbitmq",
-        format!("declaring {name}: {e} (an existing queue with other arguments — priority, quorum — cannot be re-declared; delete it or match the settings)"),
-        false,
+        format!("publishing to exchange {exchange:?}: access refused — the user lacks the `write` permission on it ({e})"),
+        // The sink's fault, not the message's: a daemon waits for the
+        // permission instead of dead-lettering good messages.
+        true,
+    )
+}
+
+/// A failed connect, naming the broker without its credentials.
+fn connect_error(url: &str, e: &lapin::Error) -> Error {
+    let hint = match topology::amqp_code(e) {
+        Some(403) => " (user, password or vhost permission refused)",
+        _ => "",
+    };
+    Error::broker(
+        "rabbitmq",
+        format!("connecting to {}: {e}{hint}", redact(url)),
+        true,
     )
 }
 
 /// The URL without its password, for logs.
 fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            let user = creds.split(':').next().unwrap_or("");
-            format!("{}{}:***{}", &url[..s + 3], user, &url[at..])
-        }
-        _ => url.to_owned(),
-    }
+    ojs_core::redact::url(url)
 }
 
 /// A connection to RabbitMQ.
@@ -686,6 +793,23 @@ impl QueueAdapter for RabbitAdapter {
         Ok(Box::new(consumer))
     }
 
+    fn is_reserved(&self, queue: &str) -> bool {
+        let c = &self.inner.config;
+        let name = c.queue_name_of(queue);
+        ojs_core::settings::matches_template(&c.dead_letter_queue_template, &name)
+            || ojs_core::settings::matches_template(&c.retry_queue_template, &name)
+    }
+
+    async fn prepare(&self, queue: &str) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let session = self.inner.session(deadline).await?;
+        within(
+            deadline,
+            self.inner.declare_queue(&session, queue, Source::Queue),
+        )
+        .await
+    }
+
     async fn health(&self) -> Health {
         match self
             .inner
@@ -709,7 +833,7 @@ impl QueueAdapter for RabbitAdapter {
                 .map_err(|e| amqp_error(&e))?;
             let result = ch
                 .queue_declare(
-                    queue_name(queue).as_str().into(),
+                    self.inner.config.queue_name_of(queue).as_str().into(),
                     QueueDeclareOptions {
                         passive: true,
                         ..Default::default()
@@ -773,7 +897,9 @@ impl RabbitConsumer {
     }
 
     async fn open_stream(&self, session: &Session) -> Result<Live> {
-        self.inner.declare_queue(session, &self.queue).await?;
+        self.inner
+            .declare_queue(session, &self.queue, self.options.source)
+            .await?;
         let channel = session
             .connection
             .create_channel()
@@ -784,8 +910,8 @@ impl RabbitConsumer {
             .await
             .map_err(|e| amqp_error(&e))?;
         let source = match self.options.source {
-            Source::Queue => queue_name(&self.queue),
-            Source::DeadLetters => dead_letter_queue_name(&self.queue),
+            Source::Queue => self.inner.config.queue_name_of(&self.queue),
+            Source::DeadLetters => self.inner.config.dead_letter_queue_of(&self.queue),
         };
         let tag = format!("ojs-bridge-{}", uuid::Uuid::new_v4().simple());
         let stream = channel
@@ -796,7 +922,19 @@ impl RabbitConsumer {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| amqp_error(&e))?;
+            .map_err(|e| match topology::amqp_code(&e) {
+                Some(403) => Error::broker(
+                    "rabbitmq",
+                    format!("consuming from queue {source:?}: access refused — the user lacks the `read` permission on it ({e})"),
+                    false,
+                ),
+                Some(404) => Error::broker(
+                    "rabbitmq",
+                    format!("queue {source:?} does not exist ({e})"),
+                    true,
+                ),
+                _ => amqp_error(&e),
+            })?;
         Ok(Live { channel, stream })
     }
 
@@ -840,7 +978,7 @@ impl Consumer for RabbitConsumer {
                     .subscribe(deadline.max(Instant::now() + Duration::from_secs(1)))
                     .await
                 {
-                    if Instant::now() >= deadline {
+                    if Instant::now() >= deadline || !e.is_retryable() {
                         return Err(e);
                     }
                     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -954,6 +1092,25 @@ impl RabbitAcker {
         reason: &DeadLetterReason,
         delivery: &DeliveryRef<'_>,
     ) -> Result<()> {
+        if self.inner.config.dead_letter_exchange_in_force().is_none() {
+            // topology = "existing" without a dead-letter exchange: the
+            // queue's own dead-letter wiring takes it (x-death records why
+            // RabbitMQ moved it; our reason is logged, without the payload).
+            tracing::warn!(
+                queue = %self.queue,
+                reason = %reason.error_type,
+                "dead-lettering by rejecting without requeue: RabbitMQ routes it by the queue's x-dead-letter-exchange, or discards it when the queue has none"
+            );
+            return self
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: false,
+                    ..Default::default()
+                })
+                .await
+                .map(|_| ())
+                .map_err(|_| Error::DeliveryExpired);
+        }
         let mut copy = self.copy_of(delivery);
         reason.write_headers(&mut copy.headers);
         self.move_to(Route::DeadLetters, copy).await
@@ -995,6 +1152,12 @@ impl Acknowledger for RabbitAcker {
                 copy.headers
                     .insert(header::ATTEMPT.into(), (self.attempt + 1).to_string());
                 let route = if delay.is_zero() {
+                    Route::Queue
+                } else if self.inner.config.topology == Topology::Existing {
+                    // No TTL queues to wait in: the original is held
+                    // unacknowledged for the delay (a crash redelivers it),
+                    // then the copy goes to the back of the queue.
+                    tokio::time::sleep(delay).await;
                     Route::Queue
                 } else {
                     Route::Delayed(bucket_delay_ms(delay))

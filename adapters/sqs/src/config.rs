@@ -1,5 +1,6 @@
 //! SQS adapter settings (serde data; the runtime lives in `lib.rs`).
 
+use ojs_core::settings::{self, SettingValue, Topology};
 use ojs_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -29,6 +30,18 @@ pub struct SqsConfig {
     /// Prepended to every queue name.
     #[serde(default)]
     pub prefix: String,
+    /// `declare` (default): an existing queue is used as it is (GetQueueUrl;
+    /// its own RedrivePolicy and DLQ kept), a missing one is created with a
+    /// DLQ and a RedrivePolicy. `existing`: nothing is created; a missing
+    /// queue is an error naming it, and dead letters go to the queue's own
+    /// redrive target, else to `dead_letter_queue_template`'s queue if it
+    /// exists, else dead-lettering fails (the message stays in the queue).
+    #[serde(default)]
+    pub topology: Topology,
+    /// Dead-letter queue of a queue; `{queue}` is the queue's SQS name
+    /// (prefix applied, `.` as `_`, without `.fifo`).
+    #[serde(default = "default_dead_letter_queue_template")]
+    pub dead_letter_queue_template: String,
     /// FIFO queues (`.fifo`; message group = queue, dedup id = message id).
     #[serde(default)]
     pub fifo: bool,
@@ -41,6 +54,10 @@ pub struct SqsConfig {
     /// Attempts at a batch entry SQS reported failed before giving up on it.
     #[serde(default = "default_send_attempts")]
     pub send_attempts: u32,
+}
+
+fn default_dead_letter_queue_template() -> String {
+    "{queue}_dlq".into()
 }
 
 /// 10: SQS's console default for redrive.
@@ -62,6 +79,8 @@ impl SqsConfig {
             region: region.into(),
             endpoint: None,
             prefix: String::new(),
+            topology: Topology::Declare,
+            dead_letter_queue_template: default_dead_letter_queue_template(),
             fifo: false,
             max_receive_count: default_max_receive_count(),
             max_message_bytes: default_max_message_bytes(),
@@ -69,41 +88,42 @@ impl SqsConfig {
         }
     }
 
-    /// Parses `sqs://REGION[?endpoint=URL&prefix=P&fifo=true&max_receive_count=N]`.
+    /// Parses `sqs://REGION[?setting=value…]`: every query item is a setting
+    /// (`endpoint`, `prefix`, `fifo`, `topology`, `max_receive_count`, …);
+    /// an unknown one is an error naming the known ones.
     pub fn from_url(url: &str) -> Result<Self> {
+        Self::from_url_with(url, Vec::new())
+    }
+
+    /// [`Self::from_url`], then `settings` over it (a config file's table,
+    /// environment overrides).
+    pub fn from_url_with(url: &str, settings: Vec<(String, SettingValue)>) -> Result<Self> {
         let bad = |reason: String| Error::InvalidConfig {
             field: "url".into(),
             reason,
         };
-        let rest = url
+        let (base, query) = settings::split_query(url)?;
+        let region = base
             .strip_prefix("sqs://")
-            .ok_or_else(|| bad(format!("{url:?} must start with sqs://")))?;
-        let (region, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let region = region.trim_end_matches('/');
+            .ok_or_else(|| {
+                bad(format!(
+                    "{:?} must start with sqs://",
+                    ojs_core::redact::url(url)
+                ))
+            })?
+            .trim_end_matches('/');
         if region.is_empty() {
-            return Err(bad(format!("{url:?} names no region (sqs://us-east-1)")));
+            return Err(bad(format!(
+                "{:?} names no region (sqs://us-east-1)",
+                ojs_core::redact::url(url)
+            )));
         }
-        let mut c = SqsConfig::new(region);
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (k, v) = pair
-                .split_once('=')
-                .ok_or_else(|| bad(format!("query item {pair:?} is not key=value")))?;
-            match k {
-                "endpoint" => c.endpoint = Some(v.to_owned()),
-                "prefix" => c.prefix = v.to_owned(),
-                "fifo" => c.fifo = v == "true",
-                "max_receive_count" => {
-                    c.max_receive_count = v
-                        .parse()
-                        .map_err(|_| bad(format!("max_receive_count {v:?} is not a number")))?
-                }
-                other => {
-                    return Err(bad(format!(
-                        "unknown query item {other:?} (endpoint, prefix, fifo, max_receive_count)"
-                    )))
-                }
-            }
-        }
+        let c = SqsConfig::new(region);
+        let items = query
+            .into_iter()
+            .map(|(k, v)| (k, SettingValue::Text(v)))
+            .chain(settings);
+        let c = settings::overlay(&c, items)?;
         c.validate()?;
         Ok(c)
     }
@@ -114,6 +134,21 @@ impl SqsConfig {
             return Err(Error::InvalidConfig {
                 field: "max_message_bytes".into(),
                 reason: format!("SQS accepts at most {SQS_MAX_MESSAGE_BYTES} bytes"),
+            });
+        }
+        if !self.dead_letter_queue_template.contains("{queue}") {
+            return Err(Error::InvalidConfig {
+                field: "dead_letter_queue_template".into(),
+                reason: format!(
+                    "{:?} must contain {{queue}}",
+                    self.dead_letter_queue_template
+                ),
+            });
+        }
+        if self.dead_letter_queue_template == "{queue}" {
+            return Err(Error::InvalidConfig {
+                field: "dead_letter_queue_template".into(),
+                reason: "a queue and its dead-letter queue must differ".into(),
             });
         }
         if !(1..=1000).contains(&self.max_receive_count) {
@@ -136,9 +171,10 @@ impl SqsConfig {
         }
     }
 
-    /// Its dead-letter queue: `{name}_dlq`.
+    /// Its dead-letter queue: `dead_letter_queue_template` (`{name}_dlq`).
     pub fn dead_letter_queue_name(&self, queue: &str) -> String {
-        let base = format!("{}{}_dlq", self.prefix, queue.replace('.', "_"));
+        let name = format!("{}{}", self.prefix, queue.replace('.', "_"));
+        let base = self.dead_letter_queue_template.replace("{queue}", &name);
         if self.fifo {
             format!("{base}.fifo")
         } else {
@@ -163,5 +199,16 @@ mod tests {
         assert!(SqsConfig::from_url("sqs://").is_err());
         assert!(SqsConfig::from_url("sqs://r?bogus=1").is_err());
         assert!(SqsConfig::from_url("sqs://r?max_receive_count=0").is_err());
+        let e =
+            SqsConfig::from_url("sqs://r?topology=existing&dead_letter_queue_template=dlq-{queue}")
+                .unwrap();
+        assert_eq!(e.topology, Topology::Existing);
+        assert_eq!(e.dead_letter_queue_name("a.b"), "dlq-a_b");
+        match SqsConfig::from_url("sqs://r?bogus=1") {
+            Err(Error::InvalidConfig { reason, .. }) => {
+                assert!(reason.contains("endpoint"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

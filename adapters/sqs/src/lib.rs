@@ -53,6 +53,7 @@ use ojs_core::{
 };
 
 pub use config::*;
+pub use ojs_core::settings::Topology;
 
 /// Attribute carrying the ordering key (SQS has no key outside FIFO groups).
 pub const KEY_ATTRIBUTE: &str = "ojs-key";
@@ -79,6 +80,8 @@ struct Inner {
     client: Client,
     /// Queue name → URL.
     urls: Mutex<HashMap<String, String>>,
+    /// OJS queue → its URL and its dead-letter queue's URL, if any.
+    resolved: Mutex<HashMap<String, (String, Option<String>)>>,
     /// Queue URL → its delete batcher.
     deleters: Mutex<HashMap<String, tokio::sync::mpsc::UnboundedSender<DeleteRequest>>>,
     closed: AtomicBool,
@@ -205,31 +208,130 @@ impl Inner {
         Ok(url)
     }
 
-    /// URLs of the queue and its DLQ, creating both (DLQ first) on first use.
-    async fn urls(&self, queue: &str) -> Result<(String, String)> {
+    /// The URL of queue `name`, or `None` when SQS has no such queue.
+    async fn lookup(&self, name: &str) -> Result<Option<String>> {
+        if let Some(url) = self.cached(name) {
+            return Ok(Some(url));
+        }
+        match self.client.get_queue_url().queue_name(name).send().await {
+            Ok(out) => {
+                let url = out
+                    .queue_url()
+                    .ok_or_else(|| sqs_error("GetQueueUrl returned no URL"))?
+                    .to_owned();
+                self.urls
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(name.to_owned(), url.clone());
+                Ok(Some(url))
+            }
+            Err(e) => {
+                let missing = e
+                    .as_service_error()
+                    .is_some_and(|se| se.is_queue_does_not_exist())
+                    || aws_sdk_sqs::error::ProvideErrorMetadata::code(&e).is_some_and(|c| {
+                        c.contains("NonExistentQueue") || c.contains("QueueDoesNotExist")
+                    });
+                if missing {
+                    Ok(None)
+                } else {
+                    Err(sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))
+                }
+            }
+        }
+    }
+
+    /// The dead-letter queue SQS's own RedrivePolicy of `url` names, if any.
+    async fn redrive_target(&self, url: &str) -> Result<Option<String>> {
+        let attrs = self
+            .client
+            .get_queue_attributes()
+            .queue_url(url)
+            .attribute_names(QueueAttributeName::RedrivePolicy)
+            .send()
+            .await
+            .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
+        let Some(policy) = attrs
+            .attributes()
+            .and_then(|a| a.get(&QueueAttributeName::RedrivePolicy))
+        else {
+            return Ok(None);
+        };
+        let arn = serde_json::from_str::<serde_json::Value>(policy)
+            .ok()
+            .and_then(|p| p.get("deadLetterTargetArn")?.as_str().map(str::to_owned));
+        // arn:aws:sqs:REGION:ACCOUNT:NAME
+        match arn.as_deref().and_then(|a| a.rsplit(':').next()) {
+            Some(name) if !name.is_empty() => self.lookup(name).await,
+            _ => Ok(None),
+        }
+    }
+
+    /// URLs of the queue and of where its dead letters go.
+    ///
+    /// `declare`: an existing queue is used as it is, its own redrive target
+    /// as its DLQ (else the template's DLQ, created if missing); a missing
+    /// queue is created after its DLQ, with a RedrivePolicy.
+    /// `existing`: nothing is created; the queue must exist; its DLQ is its
+    /// redrive target, else the template's queue if that exists, else none.
+    async fn urls(&self, queue: &str) -> Result<(String, Option<String>)> {
         let (name, dlq) = (
             self.config.queue_name(queue),
             self.config.dead_letter_queue_name(queue),
         );
-        if let (Some(u), Some(d)) = (self.cached(&name), self.cached(&dlq)) {
-            return Ok((u, d));
+        if let Some(known) = self
+            .resolved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(queue)
+        {
+            return Ok(known.clone());
         }
-        let dlq_url = self.create(&dlq, None).await?;
-        let attrs = self
-            .client
-            .get_queue_attributes()
-            .queue_url(&dlq_url)
-            .attribute_names(QueueAttributeName::QueueArn)
-            .send()
-            .await
-            .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
-        let arn = attrs
-            .attributes()
-            .and_then(|a| a.get(&QueueAttributeName::QueueArn))
-            .ok_or_else(|| sqs_error("the DLQ has no QueueArn"))?
-            .clone();
-        let url = self.create(&name, Some(&arn)).await?;
-        Ok((url, dlq_url))
+        let resolved = match (self.lookup(&name).await?, self.config.topology) {
+            (Some(url), topology) => {
+                let dead = match self.redrive_target(&url).await? {
+                    Some(d) => Some(d),
+                    None => match (self.lookup(&dlq).await?, topology) {
+                        (Some(d), _) => Some(d),
+                        (None, Topology::Declare) => Some(self.create(&dlq, None).await?),
+                        (None, Topology::Existing) => None,
+                    },
+                };
+                (url, dead)
+            }
+            (None, Topology::Existing) => {
+                return Err(Error::broker(
+                    "sqs",
+                    format!("queue {name:?} does not exist (topology = \"existing\" creates nothing; create it, or use topology = \"declare\")"),
+                    true,
+                ))
+            }
+            (None, Topology::Declare) => {
+                let dlq_url = match self.lookup(&dlq).await? {
+                    Some(u) => u,
+                    None => self.create(&dlq, None).await?,
+                };
+                let attrs = self
+                    .client
+                    .get_queue_attributes()
+                    .queue_url(&dlq_url)
+                    .attribute_names(QueueAttributeName::QueueArn)
+                    .send()
+                    .await
+                    .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
+                let arn = attrs
+                    .attributes()
+                    .and_then(|a| a.get(&QueueAttributeName::QueueArn))
+                    .ok_or_else(|| sqs_error("the DLQ has no QueueArn"))?
+                    .clone();
+                (self.create(&name, Some(&arn)).await?, Some(dlq_url))
+            }
+        };
+        self.resolved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(queue.to_owned(), resolved.clone());
+        Ok(resolved)
     }
 
     fn entry(&self, id: usize, m: &OutgoingMessage) -> Result<SendMessageBatchRequestEntry> {
@@ -433,6 +535,7 @@ impl SqsAdapter {
                 client: sdk_client(&config).await,
                 config,
                 urls: Mutex::new(HashMap::new()),
+                resolved: Mutex::new(HashMap::new()),
                 deleters: Mutex::new(HashMap::new()),
                 closed: AtomicBool::new(false),
             }),
@@ -485,7 +588,17 @@ impl QueueAdapter for SqsAdapter {
         let (url, dlq) = self.inner.urls(queue).await?;
         let source_url = match options.source {
             Source::Queue => url,
-            Source::DeadLetters => dlq.clone(),
+            Source::DeadLetters => dlq.clone().ok_or_else(|| {
+                Error::broker(
+                    "sqs",
+                    format!(
+                        "queue {:?} has no dead-letter queue (no RedrivePolicy, and {:?} does not exist)",
+                        self.inner.config.queue_name(queue),
+                        self.inner.config.dead_letter_queue_name(queue)
+                    ),
+                    true,
+                )
+            })?,
         };
         Ok(Box::new(SqsConsumer {
             inner: self.inner.clone(),
@@ -494,6 +607,18 @@ impl QueueAdapter for SqsAdapter {
             dlq,
             options,
         }))
+    }
+
+    fn is_reserved(&self, queue: &str) -> bool {
+        let c = &self.inner.config;
+        let name = c.queue_name(queue);
+        let name = name.strip_suffix(".fifo").unwrap_or(&name);
+        let template = format!("{}{}", c.prefix, c.dead_letter_queue_template);
+        ojs_core::settings::matches_template(&template, name)
+    }
+
+    async fn prepare(&self, queue: &str) -> Result<()> {
+        self.inner.urls(queue).await.map(|_| ())
     }
 
     async fn health(&self) -> Health {
@@ -535,7 +660,7 @@ pub struct SqsConsumer {
     inner: Arc<Inner>,
     queue: Arc<str>,
     url: String,
-    dlq: String,
+    dlq: Option<String>,
     options: ConsumerOptions,
 }
 
@@ -620,7 +745,7 @@ impl Consumer for SqsConsumer {
 struct SqsAcker {
     inner: Arc<Inner>,
     url: String,
-    dlq: String,
+    dlq: Option<String>,
     receipt: String,
     attempt: u32,
     max_deliveries: Option<u32>,
@@ -648,7 +773,14 @@ impl SqsAcker {
         let mut copy = delivery.to_outgoing();
         copy.message_id = None;
         reason.write_headers(&mut copy.headers);
-        let failed = self.inner.send(&self.dlq, vec![(0, copy)]).await;
+        let Some(dlq) = &self.dlq else {
+            return Err(Error::broker(
+                "sqs",
+                "this queue has no dead-letter queue (no RedrivePolicy and no queue named by dead_letter_queue_template); the message stays in its queue",
+                true,
+            ));
+        };
+        let failed = self.inner.send(dlq, vec![(0, copy)]).await;
         if let Some(f) = failed.into_iter().next() {
             return Err(f.error);
         }

@@ -129,3 +129,115 @@ pub fn metric(text: &str, sample: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
 }
+
+/// Runs the `ojs-bridge` binary with `args`, `stdin` written to it, as a
+/// user runs it.
+pub fn ojs_bridge(args: &[&str], stdin: &[u8]) -> std::process::Output {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// A real in-memory broker behind a sink with the knobs tests turn: an
+/// outage (every publish fails with a retryable broker error), a slow first
+/// publish, names it reserves (as broker adapters reserve their dead-letter
+/// and retry names), and counted health checks.
+#[derive(Debug)]
+pub struct TestSink {
+    pub inner: ojs_adapter_memory::MemoryAdapter,
+    pub down: Arc<std::sync::atomic::AtomicBool>,
+    pub health_probes: Arc<std::sync::atomic::AtomicUsize>,
+    first_publish_delay: Option<Duration>,
+    first: std::sync::atomic::AtomicBool,
+    reserved_suffix: Option<&'static str>,
+}
+
+impl TestSink {
+    /// The memory broker called `name`, working.
+    pub fn new(name: &str) -> Self {
+        TestSink {
+            inner: ojs_adapter_memory::MemoryAdapter::named(name),
+            down: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            health_probes: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            first_publish_delay: None,
+            first: std::sync::atomic::AtomicBool::new(true),
+            reserved_suffix: None,
+        }
+    }
+
+    /// Its first publish waits `delay` before it goes through.
+    pub fn slow_first_publish(mut self, delay: Duration) -> Self {
+        self.first_publish_delay = Some(delay);
+        self
+    }
+
+    /// Names ending in `suffix` are reserved.
+    pub fn reserving(mut self, suffix: &'static str) -> Self {
+        self.reserved_suffix = Some(suffix);
+        self
+    }
+
+    /// Starts down (publishes fail until `down` is cleared).
+    pub fn starting_down(self) -> Self {
+        self.down.store(true, std::sync::atomic::Ordering::SeqCst);
+        self
+    }
+}
+
+#[async_trait::async_trait]
+impl QueueAdapter for TestSink {
+    fn kind(&self) -> &'static str {
+        "test-sink"
+    }
+    fn max_message_bytes(&self) -> usize {
+        self.inner.max_message_bytes()
+    }
+    async fn publish(
+        &self,
+        queue: &str,
+        messages: Vec<ojs_core::OutgoingMessage>,
+    ) -> ojs_core::Result<()> {
+        use std::sync::atomic::Ordering;
+        if self.down.load(Ordering::SeqCst) {
+            return Err(ojs_core::Error::Publish(ojs_core::PublishFailure::all(
+                messages,
+                || ojs_core::Error::broker("test-sink", "sink is down", true),
+            )));
+        }
+        if let Some(delay) = self.first_publish_delay {
+            if self.first.swap(false, Ordering::SeqCst) {
+                tokio::time::sleep(delay).await;
+            }
+        }
+        self.inner.publish(queue, messages).await
+    }
+    async fn consumer(
+        &self,
+        queue: &str,
+        options: ConsumerOptions,
+    ) -> ojs_core::Result<Box<dyn ojs_core::Consumer>> {
+        self.inner.consumer(queue, options).await
+    }
+    fn is_reserved(&self, queue: &str) -> bool {
+        self.reserved_suffix.is_some_and(|s| queue.ends_with(s))
+    }
+    async fn health(&self) -> ojs_core::Health {
+        self.health_probes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.health().await
+    }
+    async fn depth(&self, queue: &str) -> ojs_core::Result<Option<u64>> {
+        self.inner.depth(queue).await
+    }
+    async fn close(&self) -> ojs_core::Result<()> {
+        self.inner.close().await
+    }
+}

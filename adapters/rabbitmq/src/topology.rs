@@ -1,0 +1,228 @@
+//! Declaring and checking exchanges and queues on a broker the adapter may
+//! not own.
+//!
+//! Every declaration runs on a scratch channel: a refused declare closes its
+//! channel, and the publishing channel must survive it. With
+//! `topology = "declare"` what exists is used as it is — a queue or exchange
+//! declared elsewhere with other arguments (406 PRECONDITION_FAILED) is
+//! checked with a passive declare and used, with a warning — and only what is
+//! missing is created. With `existing` only passive declares are made.
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ErrorKind, ExchangeKind};
+use ojs_core::{Error, Result};
+
+/// AMQP reply codes this module tells apart.
+const ACCESS_REFUSED: u16 = 403;
+const NOT_FOUND: u16 = 404;
+const PRECONDITION_FAILED: u16 = 406;
+
+/// The AMQP reply code of a broker error, if it is one.
+pub(crate) fn amqp_code(e: &lapin::Error) -> Option<u16> {
+    match e.kind() {
+        ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
+        _ => None,
+    }
+}
+
+fn amqp_error(e: &lapin::Error) -> Error {
+    Error::broker("rabbitmq", e.to_string(), true)
+}
+
+/// What went wrong with `name`, worded for the operator.
+fn refused(what: &str, name: &str, e: &lapin::Error) -> Error {
+    match amqp_code(e) {
+        Some(ACCESS_REFUSED) => Error::broker(
+            "rabbitmq",
+            format!(
+                "{what} {name:?}: access refused — the user lacks the `configure` permission needed to declare it ({e}); grant it, or create it beforehand and set topology = \"existing\""
+            ),
+            // The broker's configuration, not the message, is at fault.
+            true,
+        ),
+        Some(NOT_FOUND) => Error::broker(
+            "rabbitmq",
+            format!("{what} {name:?} does not exist ({e})"),
+            true,
+        ),
+        _ => Error::broker("rabbitmq", format!("{what} {name:?}: {e}"), true),
+    }
+}
+
+async fn scratch<T>(
+    connection: &Connection,
+    call: impl AsyncFnOnce(&lapin::Channel) -> lapin::Result<T>,
+) -> Result<lapin::Result<T>> {
+    let ch = connection
+        .create_channel()
+        .await
+        .map_err(|e| amqp_error(&e))?;
+    let result = call(&ch).await;
+    if ch.status().connected() {
+        let _ = ch.close(200, "ok".into()).await;
+    }
+    Ok(result)
+}
+
+/// Checks that queue `name` exists (a passive declare, which needs no
+/// permission); its message count when it does.
+pub(crate) async fn check_queue(connection: &Connection, name: &str) -> Result<u32> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    match scratch(connection, async |ch| {
+        ch.queue_declare(name.into(), passive, FieldTable::default())
+            .await
+    })
+    .await?
+    {
+        Ok(q) => Ok(q.message_count()),
+        Err(e) if amqp_code(&e) == Some(NOT_FOUND) => Err(Error::broker(
+            "rabbitmq",
+            format!("queue {name:?} does not exist (topology = \"existing\" declares nothing; create it, or use topology = \"declare\")"),
+            true,
+        )),
+        Err(e) => Err(refused("queue", name, &e)),
+    }
+}
+
+/// Checks that exchange `name` exists.
+pub(crate) async fn check_exchange(connection: &Connection, name: &str) -> Result<()> {
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    match scratch(connection, async |ch| {
+        ch.exchange_declare(
+            name.into(),
+            ExchangeKind::Direct,
+            passive,
+            FieldTable::default(),
+        )
+        .await
+    })
+    .await?
+    {
+        Ok(()) => Ok(()),
+        Err(e) if amqp_code(&e) == Some(NOT_FOUND) => Err(Error::broker(
+            "rabbitmq",
+            format!("exchange {name:?} does not exist (topology = \"existing\" declares nothing)"),
+            true,
+        )),
+        Err(e) => Err(refused("exchange", name, &e)),
+    }
+}
+
+/// Declares a durable queue with `args`; one that exists with other
+/// arguments is used as it is.
+pub(crate) async fn declare_queue(
+    connection: &Connection,
+    name: &str,
+    args: FieldTable,
+) -> Result<()> {
+    match try_declare_queue(connection, name, args).await? {
+        Declared::Usable => Ok(()),
+        Declared::Refused(e) => Err(e),
+    }
+}
+
+/// What a declaration came to.
+pub(crate) enum Declared {
+    /// The queue exists now (declared, or found and used as it is).
+    Usable,
+    /// It does not exist and the user may not create it (no `configure`).
+    Refused(Error),
+}
+
+/// [`declare_queue`], telling a refusal (missing permission) apart from
+/// other failures, which are errors.
+pub(crate) async fn try_declare_queue(
+    connection: &Connection,
+    name: &str,
+    args: FieldTable,
+) -> Result<Declared> {
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    match scratch(connection, async |ch| {
+        ch.queue_declare(name.into(), durable, args).await
+    })
+    .await?
+    {
+        Ok(_) => Ok(Declared::Usable),
+        Err(e) if amqp_code(&e) == Some(PRECONDITION_FAILED) => {
+            check_queue(connection, name).await?;
+            tracing::warn!(queue = %name, reason = %e, "queue exists with other arguments; using it as it is");
+            Ok(Declared::Usable)
+        }
+        Err(e) if amqp_code(&e) == Some(ACCESS_REFUSED) => {
+            // No `configure` permission: an existing queue is still usable.
+            if check_queue(connection, name).await.is_err() {
+                return Ok(Declared::Refused(refused("queue", name, &e)));
+            }
+            tracing::warn!(queue = %name, "no permission to declare the queue; using the existing one as it is");
+            Ok(Declared::Usable)
+        }
+        Err(e) => Err(refused("queue", name, &e)),
+    }
+}
+
+/// Declares a durable exchange of `kind`; one that exists with another
+/// type or other settings is used as it is. `""`, the default exchange,
+/// always exists.
+pub(crate) async fn declare_exchange(
+    connection: &Connection,
+    name: &str,
+    kind: ExchangeKind,
+) -> Result<()> {
+    if name.is_empty() {
+        return Ok(());
+    }
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    match scratch(connection, async |ch| {
+        ch.exchange_declare(name.into(), kind, durable, FieldTable::default())
+            .await
+    })
+    .await?
+    {
+        Ok(()) => Ok(()),
+        Err(e) if matches!(amqp_code(&e), Some(PRECONDITION_FAILED | ACCESS_REFUSED)) => {
+            check_exchange(connection, name)
+                .await
+                .map_err(|_| refused("exchange", name, &e))?;
+            tracing::warn!(exchange = %name, reason = %e, "exchange exists with other settings or cannot be declared; using it as it is");
+            Ok(())
+        }
+        Err(e) => Err(refused("exchange", name, &e)),
+    }
+}
+
+/// Binds queue `queue` to `exchange` with `routing_key`.
+pub(crate) async fn bind(
+    connection: &Connection,
+    queue: &str,
+    exchange: &str,
+    routing_key: &str,
+) -> Result<()> {
+    if exchange.is_empty() {
+        return Ok(());
+    }
+    scratch(connection, async |ch| {
+        ch.queue_bind(
+            queue.into(),
+            exchange.into(),
+            routing_key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    })
+    .await?
+    .map_err(|e| refused("binding of queue", &format!("{queue} to {exchange}"), &e))
+}

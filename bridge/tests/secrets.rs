@@ -1,0 +1,322 @@
+//! No secret in any output: a secret placed in each kind of place (URL
+//! userinfo, a URL query item, an environment variable, a `*_file`, the
+//! HTTP token) never appears in stdout, stderr with logs at `trace`,
+//! `/metrics`, `/ojs/v1/health` or a `Debug` string — when things work and
+//! when they fail.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ojs_bridge::config::BridgeConfig;
+use ojs_bridge_tests::brokers::{find, missing, rabbitmqctl, unique_queue, Broker};
+use ojs_bridge_tests::tempdir::TempDir;
+use support::http_get;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const USERINFO: &str = "Sec1-userinfo-p4ss";
+const QUERY: &str = "Sec2-query-p4ss";
+const ENV: &str = "Sec3-env-p4ss";
+const FILE: &str = "Sec4-file-p4ss";
+const TOKEN: &str = "Sec5-token-t0k3n";
+const SCHEME: &str = "Sec6-scheme-p4ss";
+/// Not secrets, but never to be logged either.
+const PAYLOAD: &str = "payload-marker-1b2c";
+const METADATA: &str = "metadata-marker-3d4e";
+
+async fn get_with_token(addr: std::net::SocketAddr, path: &str) -> String {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.unwrap();
+    String::from_utf8_lossy(&raw).into_owned()
+}
+
+fn assert_clean(what: &str, text: &str) {
+    for secret in [USERINFO, QUERY, ENV, FILE, TOKEN, SCHEME] {
+        assert!(!text.contains(secret), "{what} shows {secret}:\n{text}");
+    }
+}
+
+#[test]
+fn bad_configs_and_unreachable_brokers_never_echo_a_secret() {
+    let dir = TempDir::new("secrets-fail");
+    let cases = [
+        // A mistyped scheme.
+        format!("[adapters]\nk = \"kafkx://u:{SCHEME}@127.0.0.1:9\"\n"),
+        // A bad setting next to a secret query item.
+        format!("[adapters]\nk = \"kafka://127.0.0.1:9?sasl.password={QUERY}&replication=x\"\n"),
+        // Userinfo of a RabbitMQ URL with a bad setting.
+        format!("[adapters]\nr = \"amqp://u:{USERINFO}@127.0.0.1:9/%2f?prefetch=0\"\n"),
+    ];
+    for (i, text) in cases.iter().enumerate() {
+        let file = dir.path().join(format!("bad{i}.toml"));
+        std::fs::write(&file, format!("{text}[[sources]]\nname = \"s\"\nadapter = \"k\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"k\"\n")).unwrap();
+        for command in ["check-config", "run"] {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"));
+            if command == "run" {
+                cmd.args(["run", "--config"]);
+            } else {
+                cmd.arg("check-config");
+            }
+            let out = cmd
+                .arg(&file)
+                .env("OJS_BRIDGE_LOG", "trace")
+                .output()
+                .unwrap();
+            assert!(!out.status.success());
+            assert_clean(
+                &format!("{command} case {i} stdout"),
+                &String::from_utf8_lossy(&out.stdout),
+            );
+            assert_clean(
+                &format!("{command} case {i} stderr"),
+                &String::from_utf8_lossy(&out.stderr),
+            );
+        }
+    }
+    // A broker that refuses the credentials: the connect error is printed.
+    let file = dir.path().join("refused.toml");
+    std::fs::write(
+        &file,
+        format!("[http]\nlisten = \"off\"\n[adapters]\nr = \"amqp://nobody:{USERINFO}@127.0.0.1:1/%2f?publish_timeout_secs=1\"\n[[sources]]\nname = \"s\"\nadapter = \"r\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"r\"\n"),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args(["run", "--config"])
+        .arg(&file)
+        .env("OJS_BRIDGE_LOG", "trace")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("nobody:***@127.0.0.1:1"), "{stderr}");
+    assert_clean("unreachable broker stderr", &stderr);
+    // The CLI, with the secret on its command line.
+    let out = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args([
+            "tail",
+            "--from",
+            &format!("amqp://nobody:{USERINFO}@127.0.0.1:1/%2f"),
+            "--queue",
+            "q",
+            "--timeout-secs",
+            "1",
+        ])
+        .env("OJS_BRIDGE_LOG", "trace")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_clean("tail stderr", &String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn debug_of_a_config_shows_no_secret() {
+    let text = format!(
+        r#"
+        [adapters.kafka]
+        url = "kafka://127.0.0.1:9092?sasl.password={QUERY}"
+        librdkafka_options = {{ "sasl.username" = "{ENV}" }}
+        [adapters]
+        rabbit = "amqp://u:{USERINFO}@h/%2f"
+        [[sources]]
+        name = "s"
+        adapter = "rabbit"
+        queue = "q"
+        [[routes]]
+        name = "r"
+        sink = "kafka"
+        "#
+    );
+    let config = BridgeConfig::parse(&text, "t", &[]).unwrap();
+    assert_clean("Debug of BridgeConfig", &format!("{config:?} {config:#?}"));
+    for (name, entry) in &config.adapters {
+        let compiled = entry.compile(name).unwrap();
+        assert_clean(
+            "Debug of an AdapterConfig",
+            &format!("{compiled:?} {compiled:#?}"),
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_daemon_logs_serves_and_exits_without_a_secret() {
+    let (Some(rabbit), Some(kafka)) = (find(Broker::RabbitMq).await, find(Broker::Kafka).await)
+    else {
+        return;
+    };
+    // A RabbitMQ user whose password lives only in a file.
+    let user = unique_queue("secrets-user");
+    if !rabbitmqctl(&["add_user", &user, FILE]) {
+        missing::<()>(
+            "rabbitmqctl",
+            "cannot add a user (set OJS_BRIDGE_TEST_RABBITMQCTL)",
+        );
+        return;
+    }
+    assert!(rabbitmqctl(&[
+        "set_permissions",
+        "-p",
+        "/",
+        &user,
+        ".*",
+        ".*",
+        ".*"
+    ]));
+    let dir = TempDir::new("secrets-run");
+    let password_file = dir.path().join("rabbit-password");
+    std::fs::write(&password_file, format!("{FILE}\n")).unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let host = rabbit.url.rsplit('@').next().unwrap();
+    let queue = unique_queue("secrets");
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let config = dir.path().join("bridge.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+            [http]
+            listen = "127.0.0.1:{port}"
+            token_file = "{}"
+            [adapters.rabbit]
+            url = "amqp://{user}@{host}"
+            password_file = "{}"
+            [adapters]
+            kafka = "kafka://{}?sasl.password={QUERY}"
+            [[sources]]
+            name = "calls"
+            adapter = "rabbit"
+            queue = "{queue}"
+            [[routes]]
+            name = "jobs"
+            sink = "kafka"
+            queue = "{queue}"
+            "#,
+            token_file.display(),
+            password_file.display(),
+            kafka.url.trim_start_matches("kafka://"),
+        ),
+    )
+    .unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .env("OJS_BRIDGE_LOG", "trace")
+        .env("OJS_BRIDGE_ADAPTER_KAFKA__SASL_USERNAME", ENV)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // Read both pipes from the start: trace logs would fill a pipe nobody reads.
+    let mut stdout_pipe = child.stdout.take().unwrap();
+    let mut stderr_pipe = child.stderr.take().unwrap();
+    let stdout_task = tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = stdout_pipe.read_to_string(&mut text).await;
+        text
+    });
+    let stderr_task = tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = stderr_pipe.read_to_string(&mut text).await;
+        text
+    });
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < deadline, "the daemon did not start");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Without the token: 401; with it: health and metrics, free of secrets.
+    assert_eq!(http_get(addr, "/metrics").await.0, 401);
+    // A call flows through at trace level: its payload and metadata values
+    // are never logged either.
+    use base64::Engine as _;
+    let payload = base64::engine::general_purpose::STANDARD.encode(PAYLOAD);
+    let call = format!(
+        r#"{{"originator":"o","topic":"a.B","action":"C","payload":"{payload}","message_id":"m-1","timestamp_ms":1704067200000,"metadata":{{"tenant":"{METADATA}"}}}}"#
+    );
+    let mut send = tokio::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args([
+            "send",
+            "--to",
+            &rabbit.url,
+            "--queue",
+            &queue,
+            "--format",
+            "grpcq",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = send.stdin.take().unwrap();
+    stdin.write_all(call.as_bytes()).await.unwrap();
+    drop(stdin);
+    assert!(send.wait().await.unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = get_with_token(addr, "/metrics").await;
+        if text.contains("ojs_bridge_acked_total{source=\"calls\"} 1") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the call was not bridged: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for path in ["/ojs/v1/health", "/metrics"] {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request =
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.unwrap();
+        let text = String::from_utf8_lossy(&raw);
+        assert!(
+            text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.1 503"),
+            "{text}"
+        );
+        assert_clean(path, &text);
+    }
+    // SIGTERM: a clean exit, and everything it printed is clean too.
+    let pid = child.id().unwrap();
+    let _ = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let out = tokio::time::timeout(Duration::from_secs(60), async {
+        let status = child.wait().await.unwrap();
+        (
+            status,
+            stdout_task.await.unwrap(),
+            stderr_task.await.unwrap(),
+        )
+    })
+    .await
+    .expect("the daemon exits after SIGTERM");
+    let (status, stdout, stderr) = out;
+    println!(
+        "daemon exited {status}; {} lines of trace-level logs",
+        stderr.lines().count()
+    );
+    assert!(
+        stderr.lines().count() > 20,
+        "trace logging was on: {stderr}"
+    );
+    assert_clean("stdout", &stdout);
+    assert_clean("stderr at trace", &stderr);
+    for marker in [PAYLOAD, METADATA] {
+        assert!(!stderr.contains(marker), "logs show {marker}");
+    }
+    rabbitmqctl(&["delete_user", &user]);
+}
