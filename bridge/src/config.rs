@@ -49,6 +49,10 @@ pub enum ConfigError {
     },
 }
 
+fn default_true() -> bool {
+    true
+}
+
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
@@ -64,6 +68,12 @@ pub struct BridgeConfig {
     /// SIGTERM; what is left is delivered again later. Default `30s`.
     #[serde(default = "default_shutdown_timeout", with = "duration_text")]
     pub shutdown_timeout: Duration,
+    /// Start while a broker is unreachable (connect it in the background,
+    /// health 503 naming it) instead of exiting. Default `true`; `false`
+    /// (or `run --wait-for-brokers=false`) exits at once, as supervisors
+    /// that restart on failure may prefer.
+    #[serde(default = "default_true")]
+    pub wait_for_brokers: bool,
     /// The health and metrics endpoint.
     #[serde(default)]
     pub http: HttpConfig,

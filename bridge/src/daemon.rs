@@ -28,6 +28,7 @@ use tokio::task::JoinSet;
 
 use crate::alarm::Alarm;
 use crate::config::{BridgeConfig, ConfigError, InputFormat, SourceConfig};
+use crate::connecting::Connecting;
 use crate::http::{self, HealthBoard, HttpState, Limits};
 use crate::metrics::Metrics;
 use crate::probe::HttpHealthProbe;
@@ -79,6 +80,11 @@ pub fn redact(url: &str) -> String {
     ojs_core::redact::url(url)
 }
 
+/// How long the first attempt to connect an adapter and prepare its queues
+/// may take before the broker counts as unreachable (librdkafka, say, waits
+/// a minute for metadata by itself).
+const START_ATTEMPT: Duration = Duration::from_secs(10);
+
 /// Longest wait between two attempts at a failing sink or consumer.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Longest wait of one receive: bounds how long an idle source takes to
@@ -128,24 +134,6 @@ impl Daemon {
             .enumerate()
             .map(|(i, r)| Route::compile(r, i))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut adapters = BTreeMap::new();
-        for (name, entry) in &config.adapters {
-            if let Some(adapter) = provided.remove(name) {
-                adapters.insert(name.clone(), adapter);
-                continue;
-            }
-            let adapter =
-                entry
-                    .compile(name)?
-                    .connect()
-                    .await
-                    .map_err(|source| DaemonError::Connect {
-                        name: name.clone(),
-                        url: redact(&entry.url),
-                        source,
-                    })?;
-            adapters.insert(name.clone(), adapter);
-        }
         // Every queue the config names literally must be usable before the
         // first message: declared where the adapter may declare, checked
         // where the topology is `existing` (a missing one stops the start,
@@ -166,19 +154,67 @@ impl Daemon {
                 named.push((format!("routes[{i}].queue"), &r.sink, queue.to_owned()));
             }
         }
-        for (field, adapter_name, queue) in named {
-            let Some(adapter) = adapters.get(adapter_name) else {
-                continue; // a federation: its regions are prepared per job
+        let mut adapters = BTreeMap::new();
+        for (name, entry) in &config.adapters {
+            let queues: Vec<&(String, &str, String)> =
+                named.iter().filter(|(_, a, _)| a == name).collect();
+            if let Some(adapter) = provided.remove(name) {
+                for (field, _, queue) in &queues {
+                    adapter
+                        .prepare(queue)
+                        .await
+                        .map_err(|source| DaemonError::Prepare {
+                            field: field.clone(),
+                            adapter: name.clone(),
+                            queue: queue.clone(),
+                            source,
+                        })?;
+                }
+                adapters.insert(name.clone(), adapter);
+                continue;
+            }
+            let compiled = entry.compile(name)?;
+            // An unreachable broker is waited for (in the background, health
+            // naming it); a bad setting or a missing queue on a reachable
+            // broker stops the start.
+            let attempt = tokio::time::timeout(START_ATTEMPT, async {
+                let adapter = compiled.connect().await.map_err(|e| (None, e))?;
+                for (field, _, queue) in &queues {
+                    if let Err(e) = adapter.prepare(queue).await {
+                        let _ = adapter.close().await;
+                        return Err((Some((field.clone(), queue.clone())), e));
+                    }
+                }
+                Ok(adapter)
+            })
+            .await
+            .unwrap_or(Err((None, Error::Timeout(START_ATTEMPT))));
+            let unreachable = match attempt {
+                Ok(adapter) => {
+                    adapters.insert(name.clone(), adapter);
+                    continue;
+                }
+                Err((_, source)) if config.wait_for_brokers && source.is_unreachable() => source,
+                Err((None, source)) => {
+                    return Err(DaemonError::Connect {
+                        name: name.clone(),
+                        url: redact(&entry.url),
+                        source,
+                    })
+                }
+                Err((Some((field, queue)), source)) => {
+                    return Err(DaemonError::Prepare {
+                        field,
+                        adapter: name.clone(),
+                        queue,
+                        source,
+                    })
+                }
             };
-            adapter
-                .prepare(&queue)
-                .await
-                .map_err(|source| DaemonError::Prepare {
-                    field,
-                    adapter: adapter_name.to_owned(),
-                    queue,
-                    source,
-                })?;
+            let queues = queues.iter().map(|(_, _, q)| q.clone()).collect();
+            let waiting: Arc<dyn QueueAdapter> =
+                Connecting::start(name, compiled, queues, &unreachable);
+            adapters.insert(name.clone(), waiting);
         }
         let mut federations = Vec::new();
         for (name, f) in &config.federations {
@@ -489,11 +525,10 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
         }
         let c = match consumer.as_mut() {
             Some(c) => c,
-            None => match ctx
-                .adapter
-                .consumer(&ctx.config.queue, options.clone())
-                .await
-            {
+            None => match tokio::select! {
+                _ = stop.wait_for(|s| *s) => break,
+                c = ctx.adapter.consumer(&ctx.config.queue, options.clone()) => c,
+            } {
                 Ok(c) => {
                     failures = 0;
                     consumer.insert(c)

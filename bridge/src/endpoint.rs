@@ -102,6 +102,27 @@ impl AdapterConfig {
         }
     }
 
+    /// The largest message the adapter accepts (known before it connects).
+    pub fn max_message_bytes(&self) -> usize {
+        match self {
+            AdapterConfig::Memory { config, .. } => config.max_message_bytes,
+            AdapterConfig::Local(c) => c.max_message_bytes,
+            AdapterConfig::Rabbit(c) => c.max_message_bytes,
+            AdapterConfig::Kafka(c) => c.max_message_bytes,
+            AdapterConfig::Sqs(c) => c.max_message_bytes,
+        }
+    }
+
+    /// [`QueueAdapter::is_reserved`], from the settings alone.
+    pub fn is_reserved(&self, queue: &str) -> bool {
+        match self {
+            AdapterConfig::Memory { .. } | AdapterConfig::Local(_) => false,
+            AdapterConfig::Rabbit(c) => c.is_reserved(queue),
+            AdapterConfig::Kafka(c) => c.is_reserved(queue),
+            AdapterConfig::Sqs(c) => c.is_reserved(queue),
+        }
+    }
+
     /// Opens the adapter.
     pub async fn connect(&self) -> Result<Arc<dyn QueueAdapter>> {
         Ok(match self {

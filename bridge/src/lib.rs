@@ -5,6 +5,7 @@
 
 pub mod alarm;
 pub mod config;
+pub mod connecting;
 pub mod convert;
 pub mod daemon;
 pub mod endpoint;

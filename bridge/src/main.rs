@@ -69,6 +69,11 @@ enum Command {
         /// TOML configuration file (see examples/embedded.toml).
         #[arg(long, env = "OJS_BRIDGE_CONFIG")]
         config: Option<PathBuf>,
+        /// Start while a broker is unreachable and connect in the background
+        /// (default; the config's `wait_for_brokers` unless given), or exit
+        /// at once with `false`.
+        #[arg(long, env = "OJS_BRIDGE_WAIT_FOR_BROKERS", num_args = 0..=1, default_missing_value = "true")]
+        wait_for_brokers: Option<bool>,
     },
     /// Validate a configuration file without connecting to anything.
     CheckConfig {
@@ -167,7 +172,10 @@ async fn main() -> ExitCode {
                 ExitCode::from(EXIT_FAILED)
             }
         },
-        Command::Run { config } => run_daemon(config.as_deref()).await,
+        Command::Run {
+            config,
+            wait_for_brokers,
+        } => run_daemon(config.as_deref(), wait_for_brokers).await,
         Command::CheckConfig { file } => match check_config(&file) {
             Ok(summary) => {
                 println!("{summary}");
@@ -294,14 +302,17 @@ async fn shutdown_signal() {
     }
 }
 
-async fn run_daemon(path: Option<&std::path::Path>) -> ExitCode {
-    let config = match load_config(path) {
+async fn run_daemon(path: Option<&std::path::Path>, wait_for_brokers: Option<bool>) -> ExitCode {
+    let mut config = match load_config(path) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("ojs-bridge run: {e}");
             return ExitCode::from(EXIT_INVALID_INPUT);
         }
     };
+    if let Some(wait) = wait_for_brokers {
+        config.wait_for_brokers = wait;
+    }
     let daemon = match Daemon::start(config).await {
         Ok(d) => d,
         Err(e) => {

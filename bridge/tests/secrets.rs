@@ -88,7 +88,7 @@ fn bad_configs_and_unreachable_brokers_never_echo_a_secret() {
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
-        .args(["run", "--config"])
+        .args(["run", "--wait-for-brokers=false", "--config"])
         .arg(&file)
         .env("OJS_BRIDGE_LOG", "trace")
         .output()
@@ -97,6 +97,23 @@ fn bad_configs_and_unreachable_brokers_never_echo_a_secret() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("nobody:***@127.0.0.1:1"), "{stderr}");
     assert_clean("unreachable broker stderr", &stderr);
+    // Waiting for it (the default): the wait is logged, never with the
+    // secret. Stopped after the first attempts.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args(["run", "--config"])
+        .arg(&file)
+        .env("OJS_BRIDGE_LOG", "trace")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(12));
+    child.kill().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("connecting in the background"), "{stderr}");
+    assert!(stderr.contains("nobody:***@127.0.0.1:1"), "{stderr}");
+    assert_clean("waiting for a broker stderr", &stderr);
     // The CLI, with the secret on its command line.
     let out = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
         .args([

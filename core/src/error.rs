@@ -125,6 +125,15 @@ pub enum Error {
         /// Whether retrying the same call may succeed.
         retryable: bool,
     },
+    /// The broker could not be reached at all (connection refused or reset,
+    /// DNS, TLS handshake, no answer): nothing about the request was judged.
+    #[error("{broker} unreachable: {message}")]
+    Unreachable {
+        /// Which adapter.
+        broker: &'static str,
+        /// What failed, credentials removed.
+        message: String,
+    },
     /// An operation did not finish in time.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
@@ -192,9 +201,19 @@ impl Error {
             Error::Closed => "closed",
             Error::InvalidConfig { .. } => "invalid_config",
             Error::Broker { .. } => "broker",
+            Error::Unreachable { .. } => "unreachable",
             Error::Timeout(_) => "timeout",
             Error::Io(_) => "io",
         }
+    }
+
+    /// Whether the broker was not there (or did not answer) rather than
+    /// there and refusing: worth waiting for at start.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            Error::Unreachable { .. } | Error::Timeout(_) | Error::Io(_)
+        )
     }
 
     /// Whether the input parsed but breaks a rule of the OJS schema (a
@@ -213,7 +232,10 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Broker { retryable, .. } => *retryable,
-            Error::Timeout(_) | Error::Io(_) | Error::RegionUnavailable { .. } => true,
+            Error::Timeout(_)
+            | Error::Io(_)
+            | Error::Unreachable { .. }
+            | Error::RegionUnavailable { .. } => true,
             _ => false,
         }
     }

@@ -38,17 +38,48 @@ pub fn missing<T>(what: &str, reason: &str) -> Option<T> {
 /// (`OJS_BRIDGE_TEST_RABBITMQCTL`, which `scripts/brokers.sh env` sets);
 /// whether it succeeded.
 pub fn rabbitmqctl(args: &[&str]) -> bool {
+    rabbitmqctl_output(args).is_some()
+}
+
+/// [`rabbitmqctl`], returning what it printed when it succeeded.
+pub fn rabbitmqctl_output(args: &[&str]) -> Option<String> {
     let command =
         std::env::var("OJS_BRIDGE_TEST_RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
     let mut parts = command.split_whitespace();
-    let Some(program) = parts.next() else {
-        return false;
-    };
-    std::process::Command::new(program)
+    let program = parts.next()?;
+    let out = std::process::Command::new(program)
         .args(parts)
         .args(args)
         .output()
-        .is_ok_and(|o| o.status.success())
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A RabbitMQ memory alarm for as long as it lives: the node's memory high
+/// watermark set near zero, restored on drop (a panicking test too).
+#[derive(Debug)]
+pub struct MemoryAlarm {
+    restore: String,
+}
+
+impl MemoryAlarm {
+    /// Raises the alarm; `None` when `rabbitmqctl` cannot.
+    pub fn raise() -> Option<MemoryAlarm> {
+        let current =
+            rabbitmqctl_output(&["eval", "vm_memory_monitor:get_vm_memory_high_watermark()."])?;
+        let restore = current.trim().to_owned();
+        // A fraction, or {absolute, N} on nodes configured that way.
+        restore.parse::<f64>().ok()?;
+        rabbitmqctl(&["set_vm_memory_high_watermark", "0.00001"]).then_some(MemoryAlarm { restore })
+    }
+}
+
+impl Drop for MemoryAlarm {
+    fn drop(&mut self) {
+        rabbitmqctl(&["set_vm_memory_high_watermark", &self.restore]);
+    }
 }
 
 /// A fresh, valid OJS queue name for one test.

@@ -198,6 +198,14 @@ impl KafkaConfig {
         Ok(config)
     }
 
+    /// Whether `queue` maps to one of the adapter's own retry or dead-letter
+    /// topics (a job must not pick it as its destination).
+    pub fn is_reserved(&self, queue: &str) -> bool {
+        let topic = self.topic_of(queue);
+        ojs_core::settings::matches_template(&self.retry_topic_template, &topic)
+            || ojs_core::settings::matches_template(&self.dead_topic_template, &topic)
+    }
+
     /// Checks the settings once, naming the field to change.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, reason: String| {

@@ -551,10 +551,7 @@ impl QueueAdapter for KafkaAdapter {
     }
 
     fn is_reserved(&self, queue: &str) -> bool {
-        let c = &self.inner.config;
-        let topic = c.topic_of(queue);
-        ojs_core::settings::matches_template(&c.retry_topic_template, &topic)
-            || ojs_core::settings::matches_template(&c.dead_topic_template, &topic)
+        self.inner.config.is_reserved(queue)
     }
 
     async fn health(&self) -> Health {

@@ -289,6 +289,14 @@ impl RabbitConfig {
             .collect()
     }
 
+    /// Whether `queue` maps to one of the adapter's own dead-letter or retry
+    /// queues (a job must not pick it as its destination).
+    pub fn is_reserved(&self, queue: &str) -> bool {
+        let name = self.queue_name_of(queue);
+        ojs_core::settings::matches_template(&self.dead_letter_queue_template, &name)
+            || ojs_core::settings::matches_template(&self.retry_queue_template, &name)
+    }
+
     /// Checks the settings once, naming the field to change.
     pub fn validate(&self) -> Result<()> {
         if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {

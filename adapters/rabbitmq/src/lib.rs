@@ -488,6 +488,12 @@ impl Inner {
                     break;
                 }
             };
+            if session.connection.status().blocked() {
+                // A resource alarm: the broker reads nothing we publish until
+                // it clears. Say so now instead of waiting out the deadline.
+                fail_all(&mut failed, pending, &blocked_error());
+                break;
+            }
             let mut in_flight = Vec::with_capacity(pending.len());
             let mut again = Vec::new();
             let mut broken = false;
@@ -696,17 +702,38 @@ fn write_refused(exchange: &str, e: &lapin::Error) -> Error {
     )
 }
 
-/// A failed connect, naming the broker without its credentials.
-fn connect_error(url: &str, e: &lapin::Error) -> Error {
-    let hint = match topology::amqp_code(e) {
-        Some(403) => " (user, password or vhost permission refused)",
-        _ => "",
-    };
+/// Publishing while RabbitMQ blocks the connection (`connection.blocked`:
+/// a memory or disk alarm). The sink's fault: retry later.
+fn blocked_error() -> Error {
     Error::broker(
         "rabbitmq",
-        format!("connecting to {}: {e}{hint}", redact(url)),
+        "the broker blocks publishing on this connection (a memory or disk alarm); waiting for it to clear",
         true,
     )
+}
+
+/// A failed connect, naming the broker without its credentials.
+fn connect_error(url: &str, e: &lapin::Error) -> Error {
+    match topology::amqp_code(e) {
+        // The broker answered and refused: credentials, vhost.
+        Some(code) => {
+            let hint = if code == 403 {
+                " (user, password or vhost permission refused)"
+            } else {
+                ""
+            };
+            Error::broker(
+                "rabbitmq",
+                format!("connecting to {}: {e}{hint}", redact(url)),
+                true,
+            )
+        }
+        // No answer: refused, reset, TLS, DNS.
+        None => Error::Unreachable {
+            broker: "rabbitmq",
+            message: format!("connecting to {}: {e}", redact(url)),
+        },
+    }
 }
 
 /// The URL without its password, for logs.
@@ -794,10 +821,7 @@ impl QueueAdapter for RabbitAdapter {
     }
 
     fn is_reserved(&self, queue: &str) -> bool {
-        let c = &self.inner.config;
-        let name = c.queue_name_of(queue);
-        ojs_core::settings::matches_template(&c.dead_letter_queue_template, &name)
-            || ojs_core::settings::matches_template(&c.retry_queue_template, &name)
+        self.inner.config.is_reserved(queue)
     }
 
     async fn prepare(&self, queue: &str) -> Result<()> {
@@ -816,6 +840,7 @@ impl QueueAdapter for RabbitAdapter {
             .session(Instant::now() + Duration::from_secs(2))
             .await
         {
+            Ok(s) if s.connection.status().blocked() => Health::down(blocked_error().to_string()),
             Ok(_) => Health::ok(format!("connected to {}", redact(&self.inner.config.url))),
             Err(e) => Health::down(e.to_string()),
         }

@@ -54,6 +54,11 @@ pub struct SqsConfig {
     /// Attempts at a batch entry SQS reported failed before giving up on it.
     #[serde(default = "default_send_attempts")]
     pub send_attempts: u32,
+    /// Longest one SQS call (one HTTP attempt) may take, seconds; a receive
+    /// gets its long-poll wait on top. A hung call fails as retryable
+    /// instead of stalling the queue's acks.
+    #[serde(default = "default_call_timeout_secs")]
+    pub call_timeout_secs: u64,
 }
 
 fn default_dead_letter_queue_template() -> String {
@@ -71,6 +76,10 @@ fn default_max_message_bytes() -> usize {
 fn default_send_attempts() -> u32 {
     3
 }
+/// 10 s: an SQS call answers in milliseconds; ten seconds is an outage.
+fn default_call_timeout_secs() -> u64 {
+    10
+}
 
 impl SqsConfig {
     /// Defaults for a region.
@@ -85,6 +94,7 @@ impl SqsConfig {
             max_receive_count: default_max_receive_count(),
             max_message_bytes: default_max_message_bytes(),
             send_attempts: default_send_attempts(),
+            call_timeout_secs: default_call_timeout_secs(),
         }
     }
 
@@ -126,6 +136,20 @@ impl SqsConfig {
         let c = settings::overlay(&c, items)?;
         c.validate()?;
         Ok(c)
+    }
+
+    /// Whether `queue` maps to one of the adapter's own dead-letter queues (a
+    /// job must not pick it as its destination).
+    pub fn is_reserved(&self, queue: &str) -> bool {
+        let name = self.queue_name(queue);
+        let name = name.strip_suffix(".fifo").unwrap_or(&name);
+        let template = format!("{}{}", self.prefix, self.dead_letter_queue_template);
+        ojs_core::settings::matches_template(&template, name)
+    }
+
+    /// [`Self::call_timeout_secs`] as a duration.
+    pub fn call_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.call_timeout_secs.max(1))
     }
 
     /// Checks the settings once, naming the field to change.

@@ -62,6 +62,26 @@ fn sqs_error(e: impl std::fmt::Display) -> Error {
     Error::broker("sqs", e.to_string(), true)
 }
 
+/// A failed SQS call: no answer (dispatch failure, timeout) is
+/// [`Error::Unreachable`], an answer is what SQS said.
+fn call_error<E, R>(e: aws_sdk_sqs::error::SdkError<E, R>) -> Error
+where
+    E: std::error::Error + Send + Sync + 'static,
+    R: std::fmt::Debug,
+{
+    use aws_sdk_sqs::error::SdkError;
+    let unreachable = matches!(e, SdkError::DispatchFailure(_) | SdkError::TimeoutError(_));
+    let message = aws_sdk_sqs::error::DisplayErrorContext(e).to_string();
+    if unreachable {
+        Error::Unreachable {
+            broker: "sqs",
+            message,
+        }
+    } else {
+        Error::broker("sqs", message, true)
+    }
+}
+
 /// Encoded size as SQS counts it: body plus each attribute's name, type
 /// ("String") and value.
 pub fn encoded_size(body_len: usize, headers: &Headers) -> usize {
@@ -193,10 +213,7 @@ impl Inner {
             });
             req = req.attributes(QueueAttributeName::RedrivePolicy, policy.to_string());
         }
-        let out = req
-            .send()
-            .await
-            .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
+        let out = req.send().await.map_err(call_error)?;
         let url = out
             .queue_url()
             .ok_or_else(|| sqs_error("CreateQueue returned no URL"))?
@@ -235,7 +252,7 @@ impl Inner {
                 if missing {
                     Ok(None)
                 } else {
-                    Err(sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))
+                    Err(call_error(e))
                 }
             }
         }
@@ -250,7 +267,7 @@ impl Inner {
             .attribute_names(QueueAttributeName::RedrivePolicy)
             .send()
             .await
-            .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
+            .map_err(call_error)?;
         let Some(policy) = attrs
             .attributes()
             .and_then(|a| a.get(&QueueAttributeName::RedrivePolicy))
@@ -318,7 +335,7 @@ impl Inner {
                     .attribute_names(QueueAttributeName::QueueArn)
                     .send()
                     .await
-                    .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
+                    .map_err(call_error)?;
                 let arn = attrs
                     .attributes()
                     .and_then(|a| a.get(&QueueAttributeName::QueueArn))
@@ -519,7 +536,12 @@ pub async fn sdk_client(config: &SqsConfig) -> Client {
         .region(aws_config::Region::new(config.region.clone()))
         .load()
         .await;
-    let mut b = aws_sdk_sqs::config::Builder::from(&shared);
+    let mut b = aws_sdk_sqs::config::Builder::from(&shared).timeout_config(
+        aws_sdk_sqs::config::timeout::TimeoutConfig::builder()
+            .connect_timeout(config.call_timeout())
+            .operation_attempt_timeout(config.call_timeout())
+            .build(),
+    );
     if let Some(ep) = &config.endpoint {
         b = b.endpoint_url(ep);
     }
@@ -610,11 +632,7 @@ impl QueueAdapter for SqsAdapter {
     }
 
     fn is_reserved(&self, queue: &str) -> bool {
-        let c = &self.inner.config;
-        let name = c.queue_name(queue);
-        let name = name.strip_suffix(".fifo").unwrap_or(&name);
-        let template = format!("{}{}", c.prefix, c.dead_letter_queue_template);
-        ojs_core::settings::matches_template(&template, name)
+        self.inner.config.is_reserved(queue)
     }
 
     async fn prepare(&self, queue: &str) -> Result<()> {
@@ -639,7 +657,7 @@ impl QueueAdapter for SqsAdapter {
             .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
             .send()
             .await
-            .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
+            .map_err(call_error)?;
         let n = out
             .attributes()
             .map(|a| a.values().filter_map(|v| v.parse::<u64>().ok()).sum())
@@ -672,20 +690,29 @@ impl Consumer for SqsConsumer {
             .visibility_timeout
             .as_secs()
             .clamp(0, SQS_MAX_VISIBILITY_SECS);
+        // Rounded up: a sub-second wait must still long-poll, not spin.
+        let wait_secs = (wait.as_secs_f64().ceil() as u64).min(SQS_MAX_WAIT_SECS);
+        // The long poll is not a hang: the call's timeout starts after it.
+        let timeouts = aws_sdk_sqs::config::timeout::TimeoutConfig::builder()
+            .operation_attempt_timeout(
+                Duration::from_secs(wait_secs) + self.inner.config.call_timeout(),
+            )
+            .build();
         let out = self
             .inner
             .client
             .receive_message()
             .queue_url(&self.url)
             .max_number_of_messages(max.clamp(1, SQS_BATCH_LIMIT) as i32)
-            // Rounded up: a sub-second wait must still long-poll, not spin.
-            .wait_time_seconds((wait.as_secs_f64().ceil() as u64).min(SQS_MAX_WAIT_SECS) as i32)
+            .wait_time_seconds(wait_secs as i32)
             .visibility_timeout(visibility as i32)
             .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
             .message_attribute_names("All")
+            .customize()
+            .config_override(aws_sdk_sqs::config::Builder::default().timeout_config(timeouts))
             .send()
             .await
-            .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
+            .map_err(call_error)?;
         let mut deliveries = Vec::new();
         for m in out.messages() {
             let Some(receipt) = m.receipt_handle() else {
@@ -762,7 +789,7 @@ impl SqsAcker {
             .send()
             .await
             .map(|_| ())
-            .map_err(|e| sqs_error(aws_sdk_sqs::error::DisplayErrorContext(e)))
+            .map_err(call_error)
     }
 
     async fn dead_letter(
