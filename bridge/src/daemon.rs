@@ -850,7 +850,26 @@ async fn dead_letter(ctx: &SourceCtx, d: Delivery, reason: DeadLetterReason) {
     ctx.metrics.dead_lettered(ctx.name(), &reason.error_type);
     tracing::warn!(source = %ctx.name(), reason = %reason.error_type, message_id = ?d.message_id, detail = %reason.message, "dead-lettering");
     let result = match &ctx.dead_letter {
-        None => d.nack(Nack::DeadLetter(reason)).await,
+        // The adapter's own dead-letter destination. A failure there is the
+        // destination's, not the message's: retried while the source lease
+        // is kept (on Kafka an unsettled record holds its partition's commit
+        // point, so giving up is not an option either).
+        None => {
+            let mut attempt = 0;
+            loop {
+                match d.nack(Nack::DeadLetter(reason.clone())).await {
+                    Err(e) if e.is_retryable() => {
+                        attempt += 1;
+                        ctx.metrics.error(ctx.name(), "dead_letter");
+                        let delay = reconnect_delay(attempt, MAX_BACKOFF);
+                        let _ = d.extend(delay + ctx.config.visibility_timeout).await;
+                        tracing::warn!(source = %ctx.name(), error = %e, attempt, "dead-letter destination did not confirm; retrying");
+                        tokio::time::sleep(delay).await;
+                    }
+                    other => break other,
+                }
+            }
+        }
         Some((adapter, queue)) => {
             let mut copy = OutgoingMessage {
                 payload: d.payload.clone(),

@@ -438,3 +438,85 @@ async fn a_rabbitmq_memory_alarm_holds_the_sink_and_loses_nothing() {
     assert_eq!(summary.sources[0].2, 220, "every call acked at the source");
     direct.close().await.unwrap();
 }
+
+/// The embedded broker as a sink runs out of room (its `max_size_bytes`
+/// quota, as a full disk would): publishes fail as the sink's fault, health
+/// turns 503, source messages wait and nothing is dead-lettered; once a
+/// consumer drains the sink and frees room, everything arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_embedded_sink_holds_the_source_until_room_is_freed() {
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("faults-full");
+    let sink_url = format!(
+        "local:{}?max_size_bytes=262144",
+        dir.path().join("sink").display()
+    );
+    let memory = format!("faults-{}", uuid::Uuid::new_v4().simple());
+    let toml = format!(
+        r#"
+        shutdown_timeout = "5s"
+        [http]
+        listen = "127.0.0.1:0"
+        health_interval = "200ms"
+        [adapters]
+        memory = "memory://{memory}"
+        sink = "{sink_url}"
+        [[sources]]
+        name = "calls"
+        adapter = "memory"
+        queue = "calls"
+        batch_size = 20
+        [[routes]]
+        name = "to-local"
+        sink = "sink"
+        queue = "jobs"
+        "#
+    );
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let memory_adapter = MemoryAdapter::named(&memory);
+    let sent: HashMap<String, grpcq::Message> = (0..400)
+        .map(|i| {
+            let mut c = call(i, "faults.full", "Run");
+            c.payload = vec![b'p'; 2048];
+            (call_job_id(&c.message_id, c.timestamp_ms), c)
+        })
+        .collect();
+    memory_adapter
+        .publish(
+            "calls",
+            sent.values().map(OutgoingMessage::from_grpcq).collect(),
+        )
+        .await
+        .unwrap();
+    let body = wait_for_health(&daemon, 503, Duration::from_secs(30)).await;
+    assert!(
+        body.contains("to-local"),
+        "the failing sink is named: {body}"
+    );
+
+    let sink = AdapterConfig::from_url(&format!("local:{}", dir.path().join("sink").display()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let jobs = collect(
+        sink.as_ref(),
+        "jobs",
+        Source::Queue,
+        sent.len(),
+        Duration::from_secs(30),
+    )
+    .await;
+    tally(&sent, &jobs).assert_none_lost("embedded sink full, then room freed");
+    let dead = collect(
+        &memory_adapter,
+        "calls",
+        Source::DeadLetters,
+        1,
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(dead.is_empty(), "nothing dead-lettered");
+    let summary = daemon.shutdown().await;
+    assert_eq!(summary.sources[0].2, 400, "every call acked at the source");
+    sink.close().await.unwrap();
+}

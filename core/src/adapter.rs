@@ -57,6 +57,10 @@ pub mod header {
     pub const ERROR_TYPE: &str = "ojs-error-type";
     /// Dead-letter reason: message.
     pub const ERROR_MESSAGE: &str = "ojs-error-message";
+    /// A dead letter too large for its destination went without its body;
+    /// this is the body's size in bytes (the original stays where it was
+    /// read: Kafka `ojs-source-topic`/`-partition`/`-offset`).
+    pub const PAYLOAD_OMITTED: &str = "ojs-payload-omitted";
     /// grpcq topic (grpcq's SQS attribute name).
     pub const GRPCQ_TOPIC: &str = "topic";
     /// grpcq action.

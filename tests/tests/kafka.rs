@@ -351,3 +351,55 @@ async fn records_from_native_grpcq_publishers_are_handled() {
         vec![("m-native".to_string(), vec![8, 9])]
     );
 }
+
+/// A record whose dead-letter copy is too large for the dead topic (the
+/// reason headers push it over `max_message_bytes`) goes there without its
+/// body, saying where the original is, and is settled: the partition's
+/// commit point moves past it, so a restarted consumer does not replay it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_dead_letter_goes_without_its_body_and_never_holds_the_commit_point() {
+    let Some(url) = find(Broker::Kafka).await.map(|e| e.url) else {
+        return;
+    };
+    let mut config = test_config(&url);
+    config.partitions = 1;
+    config.max_message_bytes = 4096;
+    let kafka = KafkaAdapter::connect(config).await.unwrap();
+    let queue = unique_queue("k-dead-big");
+    let g = unique_queue("g");
+    let big = OutgoingMessage::new(vec![b'x'; 4000], "application/octet-stream");
+    let after = OutgoingMessage::new(b"next".to_vec(), "application/octet-stream");
+    kafka.publish(&queue, vec![big, after]).await.unwrap();
+
+    let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
+    let got = receive_n(&mut c, 2, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 2);
+    let reason = ojs_core::DeadLetterReason::new("sink_rejected", "r".repeat(500));
+    got[0]
+        .nack(ojs_core::Nack::DeadLetter(reason))
+        .await
+        .unwrap();
+    got[1].ack().await.unwrap();
+    c.close().await.unwrap();
+
+    let dead_options = ConsumerOptions {
+        source: ojs_core::Source::DeadLetters,
+        ..group(&unique_queue("g-dead"))
+    };
+    let mut dead = kafka.consumer(&queue, dead_options).await.unwrap();
+    let stubs = receive_n(&mut dead, 1, Duration::from_secs(30)).await;
+    assert_eq!(stubs.len(), 1, "the dead letter arrived");
+    let stub = &stubs[0];
+    assert!(stub.payload.is_empty());
+    assert_eq!(stub.headers[ojs_core::header::PAYLOAD_OMITTED], "4000");
+    assert_eq!(stub.headers[ojs_core::header::ERROR_TYPE], "sink_rejected");
+    assert_eq!(stub.headers["ojs-source-offset"], "0");
+    assert_eq!(stub.headers["ojs-source-partition"], "0");
+    dead.close().await.unwrap();
+
+    // Both offsets were committed: the group has nothing left to read.
+    let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
+    let replayed = receive_n(&mut c, 1, Duration::from_secs(8)).await;
+    assert!(replayed.is_empty(), "{} records replayed", replayed.len());
+    c.close().await.unwrap();
+}

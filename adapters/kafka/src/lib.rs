@@ -1071,15 +1071,54 @@ impl KafkaAcker {
     /// the copy is not confirmed the original stays unsettled (uncommitted),
     /// so it is delivered again after a restart: never lost.
     async fn move_to(&self, lane: Lane, copy: OutgoingMessage) -> Result<()> {
+        // A dead letter too large for the dead topic (the reason headers
+        // pushed it over, or the topic takes less than the source) would
+        // hold the partition's commit point for good: it goes without its
+        // body, saying where the original is.
+        let limit = self.settler.inner.config.max_message_bytes;
+        let dead = matches!(lane, Lane::Dead);
+        let copy = if dead && copy.check_size(limit).is_err() {
+            self.without_body(copy)
+        } else {
+            copy
+        };
         let failed = self
             .settler
             .inner
             .produce(&self.settler.queue, vec![(0, lane, copy)])
             .await;
-        if let Some(f) = failed.into_iter().next() {
+        let Some(f) = failed.into_iter().next() else {
+            return self.settle();
+        };
+        if !(dead && !f.error.is_retryable() && !f.message.payload.is_empty()) {
             return Err(f.error);
         }
-        self.settle()
+        // The broker refused the record itself (its topic's
+        // max.message.bytes): the same, without the body.
+        let stub = self.without_body(f.message);
+        let failed = self
+            .settler
+            .inner
+            .produce(&self.settler.queue, vec![(0, lane, stub)])
+            .await;
+        match failed.into_iter().next() {
+            Some(f) => Err(f.error),
+            None => self.settle(),
+        }
+    }
+
+    fn without_body(&self, mut copy: OutgoingMessage) -> OutgoingMessage {
+        let size = copy.payload.len();
+        copy.payload = bytes::Bytes::new();
+        copy.headers
+            .insert(header::PAYLOAD_OMITTED.into(), size.to_string());
+        copy.headers
+            .insert("ojs-source-topic".into(), self.tp.0.to_string());
+        copy.headers
+            .insert("ojs-source-partition".into(), self.tp.1.to_string());
+        copy.headers
+            .insert("ojs-source-offset".into(), self.offset.to_string());
+        copy
     }
 }
 

@@ -43,6 +43,11 @@ pub struct LocalConfig {
     /// How long to wait for another process's lock before failing.
     #[serde(default = "default_busy_timeout_ms")]
     pub busy_timeout_ms: u64,
+    /// A quota for the database file, bytes (SQLite `max_page_count`); `0`
+    /// = only the disk's. A full store refuses publishes as retryable
+    /// (the daemon holds its source and waits) until consumers free room.
+    #[serde(default)]
+    pub max_size_bytes: u64,
 }
 
 /// 8 MiB: well above the 1 MiB envelopes must carry, bounded so a runaway
@@ -68,6 +73,7 @@ impl LocalConfig {
             path: path.into(),
             max_message_bytes: default_max_message_bytes(),
             durability: Durability::default(),
+            max_size_bytes: 0,
             poll_interval_ms: default_poll_interval_ms(),
             busy_timeout_ms: default_busy_timeout_ms(),
         }

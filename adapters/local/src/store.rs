@@ -51,11 +51,15 @@ pub(crate) fn now_ms() -> i64 {
 }
 
 fn db_error(e: rusqlite::Error) -> Error {
-    let busy = matches!(
+    use rusqlite::ErrorCode;
+    // Almost nothing the store fails on is the message's fault: a full disk
+    // or quota, an I/O error, a read-only file, a lock are the store's, and
+    // a daemon waits them out instead of dead-lettering good messages.
+    let about_the_message = matches!(
         e.sqlite_error_code(),
-        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+        Some(ErrorCode::TooBig | ErrorCode::ConstraintViolation | ErrorCode::TypeMismatch)
     );
-    Error::broker("local", e.to_string(), busy)
+    Error::broker("local", e.to_string(), !about_the_message)
 }
 
 fn foreign(path: &Path, why: &str) -> Error {
@@ -113,6 +117,14 @@ pub(crate) fn open(config: &LocalConfig) -> Result<Connection> {
         .map_err(db_error)?;
     conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
         .map_err(db_error)?;
+    if config.max_size_bytes > 0 {
+        let page: i64 = conn
+            .query_row("PRAGMA page_size", [], |r| r.get(0))
+            .map_err(db_error)?;
+        let pages = (config.max_size_bytes / page.max(1) as u64).max(1);
+        conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |_| Ok(()))
+            .map_err(db_error)?;
+    }
     let sync = match config.durability {
         Durability::Process => "NORMAL",
         Durability::Power => "FULL",
