@@ -431,6 +431,11 @@ pub struct SourceConfig {
     /// consumption instead of growing memory. Default 2048.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: usize,
+    /// Payload bytes received but not yet acked, at most (plus the one batch
+    /// that crossed the line): memory is bounded by size, not only by count,
+    /// when messages are large. Default 256 MiB.
+    #[serde(default = "default_max_in_flight_bytes")]
+    pub max_in_flight_bytes: usize,
     /// How long a received message stays invisible to other consumers
     /// (SQS, local, memory). Default `60s`.
     #[serde(default = "default_visibility_timeout", with = "duration_text")]
@@ -449,6 +454,9 @@ fn default_batch_size() -> usize {
 }
 fn default_max_in_flight() -> usize {
     2048
+}
+fn default_max_in_flight_bytes() -> usize {
+    256 * 1024 * 1024
 }
 fn default_visibility_timeout() -> Duration {
     Duration::from_secs(60)
@@ -721,6 +729,12 @@ impl BridgeConfig {
             }
             if s.batch_size == 0 {
                 return Err(invalid(at("batch_size"), "must be at least 1"));
+            }
+            if s.max_in_flight_bytes == 0 {
+                return Err(invalid(
+                    at("max_in_flight_bytes"),
+                    "must be at least 1 (it bounds the payload bytes held at once)",
+                ));
             }
             if s.max_in_flight < s.batch_size {
                 return Err(invalid(
@@ -1086,6 +1100,10 @@ mod tests {
                     "queue = \"calls\"\nmax_in_flight = 2\nbatch_size = 10",
                 ),
                 "sources[0].max_in_flight",
+            ),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nmax_in_flight_bytes = 0"),
+                "sources[0].max_in_flight_bytes",
             ),
             (
                 &MINIMAL.replace(

@@ -515,6 +515,10 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
         ..ConsumerOptions::default()
     };
     let permits = Arc::new(Semaphore::new(ctx.config.max_in_flight));
+    // Payload bytes, as permits. A batch takes at most the whole budget, so
+    // one larger than it still runs (alone).
+    let byte_budget = ctx.config.max_in_flight_bytes.min(Semaphore::MAX_PERMITS);
+    let bytes = Arc::new(Semaphore::new(byte_budget));
     let mut tasks: JoinSet<()> = JoinSet::new();
     let mut consumer = None;
     let mut failures = 0u32;
@@ -551,7 +555,7 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
             },
         };
         let free = permits.available_permits();
-        if free == 0 {
+        if free == 0 || bytes.available_permits() == 0 {
             // Backpressure: wait for a batch to finish before fetching more.
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => break,
@@ -570,20 +574,35 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
                 failures = 0;
                 ctx.alarm.ok();
                 let n = batch.len();
+                let size: usize = batch.iter().map(|d| d.payload.len()).sum();
                 let counters = ctx.counters();
                 counters.received.fetch_add(n as u64, Ordering::Relaxed);
                 counters.in_flight.fetch_add(n as i64, Ordering::Relaxed);
+                counters
+                    .in_flight_bytes
+                    .fetch_add(size as i64, Ordering::Relaxed);
                 // Capacity was checked above: this does not wait.
                 let Ok(permit) = permits.clone().acquire_many_owned(n as u32).await else {
                     break;
                 };
+                // Bytes may exceed what is free: the batch is in memory
+                // already, so it runs; the next receive waits until the
+                // budget has room again.
+                let want = u32::try_from(size.min(byte_budget)).unwrap_or(u32::MAX);
+                let byte_permit = bytes.clone().try_acquire_many_owned(want).ok().or_else(|| {
+                    let free = u32::try_from(bytes.available_permits()).unwrap_or(u32::MAX);
+                    bytes.clone().try_acquire_many_owned(free).ok()
+                });
                 let ctx = ctx.clone();
                 tasks.spawn(async move {
                     process_batch(&ctx, batch).await;
-                    ctx.counters()
-                        .in_flight
-                        .fetch_sub(n as i64, Ordering::Relaxed);
+                    let counters = ctx.counters();
+                    counters.in_flight.fetch_sub(n as i64, Ordering::Relaxed);
+                    counters
+                        .in_flight_bytes
+                        .fetch_sub(size as i64, Ordering::Relaxed);
                     drop(permit);
+                    drop(byte_permit);
                 });
             }
             Err(e) => {

@@ -83,6 +83,8 @@ pub struct SourceMetrics {
     pub acked: AtomicU64,
     /// Messages received and not yet settled.
     pub in_flight: AtomicI64,
+    /// Their payload bytes.
+    pub in_flight_bytes: AtomicI64,
 }
 
 /// Counters of one route.
@@ -212,6 +214,15 @@ impl Metrics {
                 "ojs_bridge_in_flight{{source=\"{}\"}} {}",
                 label(s),
                 m.in_flight.load(Ordering::Relaxed)
+            );
+        }
+        let _ = writeln!(out, "# HELP ojs_bridge_in_flight_bytes Payload bytes received and not yet settled.\n# TYPE ojs_bridge_in_flight_bytes gauge");
+        for (s, m) in &self.sources {
+            let _ = writeln!(
+                out,
+                "ojs_bridge_in_flight_bytes{{source=\"{}\"}} {}",
+                label(s),
+                m.in_flight_bytes.load(Ordering::Relaxed)
             );
         }
         counter(

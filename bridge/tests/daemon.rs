@@ -1010,3 +1010,104 @@ async fn source_leases_are_extended_while_the_sink_is_down_for_many_visibility_t
     );
     assert_eq!(dead, 0, "nothing was dead-lettered");
 }
+
+/// Large messages and a sink that holds them: the bytes in flight stop at
+/// `max_in_flight_bytes` (plus the one batch that crossed it), far below
+/// what the message count alone would let in; nothing is lost once the
+/// sink works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_byte_budget_bounds_what_a_held_source_takes_in() {
+    let name = broker_name();
+    let sink_name = broker_name();
+    const BUDGET: i64 = 1024 * 1024;
+    const BATCH: i64 = 2;
+    let toml = format!(
+        r#"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        mem = "memory://{name}"
+        sink = "memory://{sink_name}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        batch_size = {BATCH}
+        max_in_flight = 100
+        max_in_flight_bytes = {BUDGET}
+        [[routes]]
+        name = "all"
+        sink = "sink"
+        "#
+    );
+    let sink = TestSink::new(&sink_name).starting_down();
+    let down = sink.down.clone();
+    let sink: Arc<dyn QueueAdapter> = Arc::new(sink);
+    let broker = MemoryAdapter::named(&name);
+    let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
+    let sent: HashMap<String, grpcq::Message> = (0..20)
+        .map(|i| {
+            let mut c = call(i, "payment.PaymentService", "Pay");
+            c.payload = vec![b'x'; 256 * 1024];
+            (call_job_id(&c.message_id, c.timestamp_ms), c)
+        })
+        .collect();
+    let largest = sent
+        .values()
+        .map(|c| c.encode_to_vec().len() as i64)
+        .max()
+        .unwrap();
+    broker
+        .publish(
+            "calls",
+            sent.values().map(OutgoingMessage::from_grpcq).collect(),
+        )
+        .await
+        .unwrap();
+    let source = &daemon.metrics.sources[0].1;
+    let mut peak_bytes = 0;
+    let mut peak_count = 0;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        peak_bytes = peak_bytes.max(
+            source
+                .in_flight_bytes
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
+        peak_count = peak_count.max(source.in_flight.load(std::sync::atomic::Ordering::Relaxed));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    println!(
+        "held sink: peak in flight {peak_count} messages, {peak_bytes} bytes (budget {BUDGET})"
+    );
+    assert!(peak_bytes > 0, "the source took messages in");
+    assert!(
+        peak_bytes <= BUDGET + BATCH * largest,
+        "{peak_bytes} bytes in flight, budget {BUDGET} + one batch"
+    );
+    assert!(
+        peak_count < 20,
+        "the count alone (100) would have taken all 20"
+    );
+
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let jobs = collect(
+        &MemoryAdapter::named(&sink_name),
+        "default",
+        Source::Queue,
+        sent.len(),
+        Duration::from_secs(40),
+    )
+    .await;
+    let mut tally = Tally::new();
+    sent.keys().for_each(|id| tally.sent(id.clone()));
+    for d in &jobs {
+        tally.received(
+            Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0]
+                .id
+                .clone(),
+        );
+    }
+    tally.assert_none_lost("byte budget with a held sink");
+    daemon.shutdown().await;
+}
