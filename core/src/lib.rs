@@ -19,6 +19,8 @@ pub mod duration;
 pub mod envelope;
 mod error;
 pub mod federation;
+#[doc(hidden)]
+pub mod fuzz_targets;
 pub mod grpcq;
 mod json_codec;
 pub mod mapping;
