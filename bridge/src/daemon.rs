@@ -746,7 +746,13 @@ async fn publish_group(
     }
     let mut attempt = 0u32;
     loop {
-        match sink.publish(&group.queue, pending).await {
+        let published = hold_leases(
+            ctx,
+            &waiting,
+            sink.publish(&group.queue, std::mem::take(&mut pending)),
+        )
+        .await;
+        match published {
             Ok(()) => {
                 route.sink_alarm.ok();
                 confirmed(ctx, group.route, waiting, received_at).await;
@@ -823,6 +829,27 @@ async fn publish_group(
                 )
                 .await;
                 return;
+            }
+        }
+    }
+}
+
+/// Runs `publish` while keeping the source leases of `held` alive: a
+/// publish that waits longer than the visibility timeout (a blocked broker,
+/// a slow confirm) must not let the source hand the messages out again.
+async fn hold_leases<T>(
+    ctx: &SourceCtx,
+    held: &[(Delivery, Option<i64>)],
+    publish: impl Future<Output = T>,
+) -> T {
+    let lease = ctx.config.visibility_timeout;
+    let every = (lease / 2).max(Duration::from_millis(50));
+    tokio::pin!(publish);
+    loop {
+        tokio::select! {
+            done = &mut publish => return done,
+            () = tokio::time::sleep(every) => {
+                join_all(held.iter().map(|(d, _)| d.extend(lease))).await;
             }
         }
     }

@@ -810,17 +810,18 @@ async fn a_call_delivered_twice_becomes_the_same_job_id_twice() {
         sink = "sink"
         "#
     );
-    // The first publish outlasts the source lease (300 ms): the call is
-    // delivered again while it is still being published.
-    let sink: Arc<dyn QueueAdapter> =
-        Arc::new(TestSink::new(&sink_name).slow_first_publish(Duration::from_millis(900)));
+    // The same call arrives twice (a producer that retried its send; a
+    // source lease that ran out is held off by the daemon, see
+    // publishes_that_outlast_the_lease_are_not_delivered_twice).
     let broker = MemoryAdapter::named(&name);
-    let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
+    let daemon = start(&toml, BTreeMap::new()).await;
     let c = call(0, "payment.PaymentService", "Pay");
-    broker
-        .publish("calls", vec![OutgoingMessage::from_grpcq(&c)])
-        .await
-        .unwrap();
+    for _ in 0..2 {
+        broker
+            .publish("calls", vec![OutgoingMessage::from_grpcq(&c)])
+            .await
+            .unwrap();
+    }
     let jobs = collect(
         &MemoryAdapter::named(&sink_name),
         "default",
@@ -1110,4 +1111,51 @@ async fn the_byte_budget_bounds_what_a_held_source_takes_in() {
     }
     tally.assert_none_lost("byte budget with a held sink");
     daemon.shutdown().await;
+}
+
+/// A publish that outlasts the source lease (a slow confirm, a blocked
+/// broker) keeps the lease alive: the call is not handed out again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishes_that_outlast_the_lease_are_not_delivered_twice() {
+    let name = broker_name();
+    let sink_name = broker_name();
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        mem = "memory://{name}"
+        sink = "memory://{sink_name}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        visibility_timeout = "300ms"
+        [[routes]]
+        name = "all"
+        sink = "sink"
+        "#
+    );
+    // The first publish takes three leases' time.
+    let sink: Arc<dyn QueueAdapter> =
+        Arc::new(TestSink::new(&sink_name).slow_first_publish(Duration::from_millis(900)));
+    let broker = MemoryAdapter::named(&name);
+    let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
+    let c = call(0, "payment.PaymentService", "Pay");
+    broker
+        .publish("calls", vec![OutgoingMessage::from_grpcq(&c)])
+        .await
+        .unwrap();
+    let jobs = collect(
+        &MemoryAdapter::named(&sink_name),
+        "default",
+        Source::Queue,
+        2,
+        IDLE,
+    )
+    .await;
+    let summary = daemon.shutdown().await;
+    assert_eq!(jobs.len(), 1, "published once");
+    assert_eq!(summary.sources[0].1, 1, "received once");
+    assert_eq!(summary.sources[0].2, 1, "acked");
 }

@@ -7,9 +7,8 @@
 mod support;
 
 use std::collections::{BTreeSet, HashMap};
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
@@ -17,7 +16,7 @@ use ojs_bridge_tests::tally::Tally;
 use ojs_bridge_tests::tempdir::TempDir;
 use ojs_core::mapping::{self, call_job_id};
 use ojs_core::{Encoding, OutgoingMessage, QueueAdapter, Source};
-use support::{call, collect};
+use support::{call, collect, spawn_daemon};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
@@ -49,37 +48,6 @@ fn config_file(dir: &Path, data: &Path) -> PathBuf {
     )
     .unwrap();
     path
-}
-
-/// Starts the daemon and waits for its "running" line.
-fn spawn_daemon(config: &Path) -> Child {
-    let mut child = bin()
-        .args(["run", "--config", config.to_str().unwrap()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("[daemon] {line}");
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
-            let _ = child.kill();
-            let status = child.wait();
-            panic!("the daemon did not report running (exit: {status:?})");
-        };
-        if line.contains("running") {
-            // Keep draining stderr in the thread; lines go to our stderr.
-            std::thread::spawn(move || while rx.recv().is_ok() {});
-            return child;
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

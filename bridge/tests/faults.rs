@@ -520,3 +520,127 @@ async fn a_full_embedded_sink_holds_the_source_until_room_is_freed() {
     assert_eq!(summary.sources[0].2, 400, "every call acked at the source");
     sink.close().await.unwrap();
 }
+
+/// The daemon process SIGKILLed once 30 % of the calls on a broker source
+/// reached the sink (an embedded broker), then restarted: every call
+/// arrives, duplicates keep their job id.
+async fn sigkill_at_30_percent(broker: Broker, tag: &str, n: usize) {
+    let Some(endpoint) = find(broker).await else {
+        return;
+    };
+    let dir = ojs_bridge_tests::tempdir::TempDir::new(&format!("faults-kill-{tag}"));
+    let data = dir.path().join("sink");
+    let queue = unique_queue(&format!("faults-kill-{tag}"));
+    let config = dir.path().join("bridge.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+            shutdown_timeout = "10s"
+            [http]
+            listen = "off"
+            [adapters]
+            broker = "{url}"
+            sink = "local:{data}"
+            [[sources]]
+            name = "calls"
+            adapter = "broker"
+            queue = "{queue}"
+            group = "faults-kill-{tag}"
+            visibility_timeout = "5s"
+            [[routes]]
+            name = "to-local"
+            sink = "sink"
+            queue = "jobs"
+            "#,
+            url = endpoint.url,
+            data = data.display()
+        ),
+    )
+    .unwrap();
+    let source = AdapterConfig::from_url(&endpoint.url)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    source.prepare(&queue).await.unwrap();
+    let sent = calls(n, &format!("kill.{tag}"));
+    let messages: Vec<OutgoingMessage> = sent.values().map(OutgoingMessage::from_grpcq).collect();
+    for chunk in messages.chunks(500) {
+        source.publish(&queue, chunk.to_vec()).await.unwrap();
+    }
+    let sink = AdapterConfig::from_url(&format!("local:{}", data.display()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+
+    let mut daemon = support::spawn_daemon(&config);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let done = sink.depth("jobs").await.unwrap().unwrap_or(0) as usize;
+        if done >= n * 3 / 10 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "only {done} of {n} in 120 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    daemon.kill().unwrap(); // SIGKILL
+    daemon.wait().unwrap();
+    let at_kill = sink.depth("jobs").await.unwrap().unwrap_or(0);
+
+    let mut daemon = support::spawn_daemon(&config);
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut jobs = Vec::new();
+    let mut t = tally(&sent, &jobs);
+    while !t.complete() {
+        assert!(Instant::now() < deadline, "not complete after 180 s: {t}");
+        jobs.extend(
+            collect(
+                sink.as_ref(),
+                "jobs",
+                Source::Queue,
+                n,
+                Duration::from_secs(2),
+            )
+            .await,
+        );
+        t = tally(&sent, &jobs);
+    }
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(daemon.wait().unwrap().success(), "SIGTERM exits 0");
+    jobs.extend(
+        collect(
+            sink.as_ref(),
+            "jobs",
+            Source::Queue,
+            usize::MAX,
+            Duration::from_secs(2),
+        )
+        .await,
+    );
+    println!("{tag}: killed with {at_kill} of {n} at the sink");
+    tally(&sent, &jobs).assert_none_lost(&format!("{tag} source: SIGKILL at 30 %, restart"));
+    source.close().await.unwrap();
+    sink.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_30_percent_with_a_rabbitmq_source() {
+    sigkill_at_30_percent(Broker::RabbitMq, "rabbitmq", 10_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_30_percent_with_a_kafka_source() {
+    sigkill_at_30_percent(Broker::Kafka, "kafka", 10_000).await;
+}
+
+/// 1,000, not 10,000: moto serves about twenty messages a second here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_30_percent_with_an_sqs_source() {
+    sigkill_at_30_percent(Broker::Sqs, "sqs", 1_000).await;
+}

@@ -241,3 +241,34 @@ impl QueueAdapter for TestSink {
         self.inner.close().await
     }
 }
+
+/// Starts the daemon and waits for its "running" line.
+pub fn spawn_daemon(config: &std::path::Path) -> std::process::Child {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args(["run", "--config", config.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
+            eprintln!("[daemon] {line}");
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
+            let _ = child.kill();
+            let status = child.wait();
+            panic!("the daemon did not report running (exit: {status:?})");
+        };
+        if line.contains("running") {
+            // Keep draining stderr in the thread; lines go to our stderr.
+            std::thread::spawn(move || while rx.recv().is_ok() {});
+            return child;
+        }
+    }
+}
