@@ -515,10 +515,10 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
         ..ConsumerOptions::default()
     };
     let permits = Arc::new(Semaphore::new(ctx.config.max_in_flight));
-    // Payload bytes, as permits. A batch takes at most the whole budget, so
-    // one larger than it still runs (alone).
-    let byte_budget = ctx.config.max_in_flight_bytes.min(Semaphore::MAX_PERMITS);
-    let bytes = Arc::new(Semaphore::new(byte_budget));
+    // Payload bytes, as permits.
+    let bytes = Arc::new(Semaphore::new(
+        ctx.config.max_in_flight_bytes.min(Semaphore::MAX_PERMITS),
+    ));
     let mut tasks: JoinSet<()> = JoinSet::new();
     let mut consumer = None;
     let mut failures = 0u32;
@@ -585,14 +585,14 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
                 let Ok(permit) = permits.clone().acquire_many_owned(n as u32).await else {
                     break;
                 };
-                // Bytes may exceed what is free: the batch is in memory
-                // already, so it runs; the next receive waits until the
-                // budget has room again.
-                let want = u32::try_from(size.min(byte_budget)).unwrap_or(u32::MAX);
-                let byte_permit = bytes.clone().try_acquire_many_owned(want).ok().or_else(|| {
-                    let free = u32::try_from(bytes.available_permits()).unwrap_or(u32::MAX);
-                    bytes.clone().try_acquire_many_owned(free).ok()
-                });
+                // The batch is in memory already, so it runs even when it
+                // is larger than what is free: it takes what is free and
+                // the next receive waits until the budget has room again.
+                let take = size.min(bytes.available_permits());
+                let byte_permit = bytes
+                    .clone()
+                    .try_acquire_many_owned(u32::try_from(take).unwrap_or(u32::MAX))
+                    .ok();
                 let ctx = ctx.clone();
                 tasks.spawn(async move {
                     process_batch(&ctx, batch).await;

@@ -52,6 +52,20 @@ fn tally(sent: &HashMap<String, grpcq::Message>, jobs: &[ojs_core::Delivery]) ->
     t
 }
 
+/// The source queue's dead letters are empty: a fault of the sink or the
+/// network is never the message's.
+async fn assert_nothing_dead_lettered(source: &MemoryAdapter, queue: &str) {
+    let dead = collect(
+        source,
+        queue,
+        Source::DeadLetters,
+        1,
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(dead.is_empty(), "{} dead-lettered", dead.len());
+}
+
 async fn health(daemon: &Running) -> (u16, String) {
     http_get(daemon.http.unwrap(), "/ojs/v1/health").await
 }
@@ -189,15 +203,7 @@ async fn starts_before_the_broker(broker: Broker, tag: &str) {
     );
     let t = tally(&from_source, &jobs);
     t.assert_none_lost(&format!("{tag}: source unreachable at start"));
-    let dead = collect(
-        &memory_adapter,
-        "calls",
-        Source::DeadLetters,
-        1,
-        Duration::from_millis(500),
-    )
-    .await;
-    assert!(dead.is_empty(), "nothing dead-lettered");
+    assert_nothing_dead_lettered(&memory_adapter, "calls").await;
     let metrics = daemon.metrics.clone();
     let summary = daemon.shutdown().await;
     assert_eq!(
@@ -425,15 +431,7 @@ async fn a_rabbitmq_memory_alarm_holds_the_sink_and_loses_nothing() {
     )
     .await;
     tally(&during, &after).assert_none_lost("RabbitMQ memory alarm 30 s at the sink");
-    let dead = collect(
-        &memory_adapter,
-        "calls",
-        Source::DeadLetters,
-        1,
-        Duration::from_millis(500),
-    )
-    .await;
-    assert!(dead.is_empty(), "nothing dead-lettered");
+    assert_nothing_dead_lettered(&memory_adapter, "calls").await;
     let summary = daemon.shutdown().await;
     assert_eq!(summary.sources[0].2, 220, "every call acked at the source");
     direct.close().await.unwrap();
@@ -507,15 +505,7 @@ async fn a_full_embedded_sink_holds_the_source_until_room_is_freed() {
     )
     .await;
     tally(&sent, &jobs).assert_none_lost("embedded sink full, then room freed");
-    let dead = collect(
-        &memory_adapter,
-        "calls",
-        Source::DeadLetters,
-        1,
-        Duration::from_millis(500),
-    )
-    .await;
-    assert!(dead.is_empty(), "nothing dead-lettered");
+    assert_nothing_dead_lettered(&memory_adapter, "calls").await;
     let summary = daemon.shutdown().await;
     assert_eq!(summary.sources[0].2, 400, "every call acked at the source");
     sink.close().await.unwrap();

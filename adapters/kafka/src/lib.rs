@@ -1090,11 +1090,12 @@ impl KafkaAcker {
         let Some(f) = failed.into_iter().next() else {
             return self.settle();
         };
-        if !(dead && !f.error.is_retryable() && !f.message.payload.is_empty()) {
+        // The broker refused the dead letter itself (its topic's
+        // max.message.bytes: a permanent error): the same, without the body.
+        let refused_as_too_large = dead && !f.error.is_retryable() && !f.message.payload.is_empty();
+        if !refused_as_too_large {
             return Err(f.error);
         }
-        // The broker refused the record itself (its topic's
-        // max.message.bytes): the same, without the body.
         let stub = self.without_body(f.message);
         let failed = self
             .settler
