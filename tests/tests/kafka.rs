@@ -403,3 +403,146 @@ async fn an_oversized_dead_letter_goes_without_its_body_and_never_holds_the_comm
     assert!(replayed.is_empty(), "{} records replayed", replayed.len());
     c.close().await.unwrap();
 }
+
+/// A reader that holds back (the daemon under backpressure) for more than
+/// three times `max.poll.interval.ms`: without the adapter's keep-alive,
+/// librdkafka takes the consumer out of its group (the next poll fails with
+/// "maximum poll interval exceeded", the partitions are revoked and the held
+/// records' acks are stale, so they come again). With it: the acks count,
+/// the rest follows in order, nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_held_back_past_max_poll_interval_stays_in_its_group() {
+    let Some(url) = find(Broker::Kafka).await.map(|e| e.url) else {
+        return;
+    };
+    let mut config = test_config(&url);
+    config.partitions = 1;
+    config
+        .librdkafka_options
+        .insert("max.poll.interval.ms".into(), "3000".into());
+    let kafka = KafkaAdapter::connect(config).await.unwrap();
+    let queue = unique_queue("k-held");
+    let (ids, msgs) = jobs(&queue, 20);
+    kafka.publish(&queue, msgs).await.unwrap();
+    let mut c = kafka
+        .consumer(&queue, group(&unique_queue("g")))
+        .await
+        .unwrap();
+    let mut first = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while first.len() < 5 && Instant::now() < deadline {
+        first.extend(
+            c.receive(5 - first.len(), Duration::from_millis(500))
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(first.len(), 5);
+    // Held back for 10 s > 3 × max.poll.interval.ms.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    for d in &first {
+        d.ack().await.unwrap();
+    }
+    let mut rest = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rest.len() < 15 && Instant::now() < deadline {
+        let got = c
+            .receive(15, Duration::from_millis(500))
+            .await
+            .expect("the consumer is still in its group");
+        for d in &got {
+            d.ack().await.unwrap();
+        }
+        rest.extend(got);
+    }
+    // Anything coming again would show up now.
+    let late = c.receive(20, Duration::from_secs(3)).await.unwrap();
+    let mut tally = Tally::new();
+    ids.iter().for_each(|i| tally.sent(i.clone()));
+    first
+        .iter()
+        .chain(&rest)
+        .chain(&late)
+        .for_each(|d| tally.received(id(d)));
+    println!(
+        "kafka held back 10 s (max.poll.interval.ms 3000): sent {} received {} duplicated {} lost {}",
+        tally.sent_count(),
+        tally.distinct_received(),
+        tally.duplicates(),
+        tally.lost().len()
+    );
+    tally.assert_none_lost("kafka consumer held back");
+    assert_eq!(tally.duplicates(), 0, "nothing delivered twice");
+    let order: Vec<u64> = first.iter().chain(&rest).map(index).collect();
+    assert_eq!(order, (0..20).collect::<Vec<_>>(), "in order");
+    c.close().await.unwrap();
+}
+
+/// One record left unsettled while later ones are acked: the partition
+/// pauses once `max_uncommitted_per_partition` offsets are tracked (memory
+/// stays bounded), and resumes, skipping nothing, once the hole is settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_offset_tracker_is_bounded_per_partition() {
+    let Some(url) = find(Broker::Kafka).await.map(|e| e.url) else {
+        return;
+    };
+    let mut config = test_config(&url);
+    config.partitions = 1;
+    config.max_uncommitted_per_partition = 10;
+    let kafka = KafkaAdapter::connect(config).await.unwrap();
+    let queue = unique_queue("k-bound");
+    let (ids, msgs) = jobs(&queue, 60);
+    kafka.publish(&queue, msgs).await.unwrap();
+    let mut c = kafka
+        .consumer(&queue, group(&unique_queue("g")))
+        .await
+        .unwrap();
+    let mut hole = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while hole.is_empty() && Instant::now() < deadline {
+        hole = c.receive(1, Duration::from_millis(500)).await.unwrap();
+    }
+    assert_eq!(hole.len(), 1);
+    // Everything after the hole is acked as it comes, for 4 s.
+    let mut behind = Vec::new();
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        let got = c.receive(5, Duration::from_millis(300)).await.unwrap();
+        for d in &got {
+            d.ack().await.unwrap();
+        }
+        behind.extend(got);
+    }
+    println!(
+        "kafka bound 10: {} records delivered behind an unsettled one",
+        behind.len()
+    );
+    assert!(
+        behind.len() >= 9 && behind.len() <= 10 + 5,
+        "paused at the bound (10 tracked, batches of 5): {} delivered",
+        behind.len()
+    );
+    hole[0].ack().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while 1 + behind.len() < 60 && Instant::now() < deadline {
+        let got = c.receive(20, Duration::from_millis(500)).await.unwrap();
+        for d in &got {
+            d.ack().await.unwrap();
+        }
+        behind.extend(got);
+    }
+    let mut tally = Tally::new();
+    ids.iter().for_each(|i| tally.sent(i.clone()));
+    hole.iter()
+        .chain(&behind)
+        .for_each(|d| tally.received(id(d)));
+    tally.assert_none_lost("kafka bounded tracker");
+    assert_eq!(tally.duplicates(), 0);
+    let order: Vec<u64> = hole.iter().chain(&behind).map(index).collect();
+    assert_eq!(
+        order,
+        (0..60).collect::<Vec<_>>(),
+        "in order, nothing skipped"
+    );
+    c.close().await.unwrap();
+}

@@ -54,6 +54,12 @@ pub struct KafkaConfig {
     /// offsets (only when it advanced).
     #[serde(default = "default_commit_interval_ms")]
     pub commit_interval_ms: u64,
+    /// Offsets of one partition delivered but not yet committable (an
+    /// unsettled offset holds back every later one) before that partition
+    /// is paused: bounds the offset tracker's memory whatever one stuck
+    /// record does.
+    #[serde(default = "default_max_uncommitted_per_partition")]
+    pub max_uncommitted_per_partition: usize,
     /// Consumer group whose lag `depth` reports.
     #[serde(default = "default_depth_group")]
     pub depth_group: String,
@@ -105,6 +111,10 @@ fn default_max_delayed_in_memory() -> usize {
 fn default_commit_interval_ms() -> u64 {
     200
 }
+/// 100,000 offsets: a few MiB per partition at worst.
+fn default_max_uncommitted_per_partition() -> usize {
+    100_000
+}
 fn default_depth_group() -> String {
     "ojs-bridge".into()
 }
@@ -125,6 +135,7 @@ impl KafkaConfig {
             session_timeout_ms: default_session_timeout_ms(),
             max_delayed_in_memory: default_max_delayed_in_memory(),
             commit_interval_ms: default_commit_interval_ms(),
+            max_uncommitted_per_partition: default_max_uncommitted_per_partition(),
             depth_group: default_depth_group(),
             sasl_password_file: None,
             librdkafka_options: BTreeMap::new(),
@@ -243,7 +254,27 @@ impl KafkaConfig {
                 format!("must be at least 1, got {}", self.replication),
             );
         }
+        if self.max_uncommitted_per_partition < 2 {
+            return bad(
+                "max_uncommitted_per_partition",
+                format!(
+                    "must be at least 2, got {}",
+                    self.max_uncommitted_per_partition
+                ),
+            );
+        }
         Ok(())
+    }
+
+    /// librdkafka's `max.poll.interval.ms` as configured (its default is
+    /// 300,000): a consumer that does not poll for that long leaves its group.
+    pub fn max_poll_interval(&self) -> std::time::Duration {
+        let ms = self
+            .librdkafka_options
+            .get("max.poll.interval.ms")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(300_000);
+        std::time::Duration::from_millis(ms)
     }
 
     /// Topic of `queue`.
@@ -295,6 +326,10 @@ impl std::fmt::Debug for KafkaConfig {
             .field("session_timeout_ms", &self.session_timeout_ms)
             .field("max_delayed_in_memory", &self.max_delayed_in_memory)
             .field("commit_interval_ms", &self.commit_interval_ms)
+            .field(
+                "max_uncommitted_per_partition",
+                &self.max_uncommitted_per_partition,
+            )
             .field("depth_group", &self.depth_group)
             .field("sasl_password_file", &self.sasl_password_file)
             .field("librdkafka_options", &options)

@@ -39,7 +39,7 @@
 mod config;
 mod tracker;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -644,6 +644,49 @@ struct Shared {
     /// Retry records not yet due, by (due ms, sequence).
     delayed: BTreeMap<(i64, u64), Held>,
     paused: bool,
+    /// Records polled while nobody was receiving (see [`keep_alive`]),
+    /// handed out first, in order, by the next `receive`.
+    parked: VecDeque<OwnedMessage>,
+    /// Partitions [`keep_alive`] paused because nobody is receiving (only
+    /// these are resumed: resuming a partition that is not paused still
+    /// makes librdkafka drop what it had fetched for it).
+    idle_paused: Vec<Tp>,
+    /// Partitions paused because `max_uncommitted_per_partition` offsets
+    /// wait behind an unsettled one.
+    over_bound: Vec<Tp>,
+}
+
+impl Shared {
+    /// Forgets what belonged to revoked partitions: their next owner reads
+    /// it again from the committed offset.
+    fn forget(&mut self, tps: &[Tp]) {
+        let revoked =
+            |topic: &str, partition: i32| tps.iter().any(|(t, p)| topic == &**t && partition == *p);
+        self.tracker.revoke(tps);
+        self.delayed
+            .retain(|_, h| !revoked(h.message.topic(), h.message.partition()));
+        self.parked.retain(|m| !revoked(m.topic(), m.partition()));
+        self.over_bound.retain(|(t, p)| !revoked(t, *p));
+        self.idle_paused.retain(|(t, p)| !revoked(t, *p));
+    }
+}
+
+/// A record as received or as held: turned into an owned copy only when it
+/// must outlive the poll that returned it.
+trait Detach: rdkafka::Message {
+    fn owned(&self) -> OwnedMessage;
+}
+
+impl Detach for rdkafka::message::BorrowedMessage<'_> {
+    fn owned(&self) -> OwnedMessage {
+        self.detach()
+    }
+}
+
+impl Detach for OwnedMessage {
+    fn owned(&self) -> OwnedMessage {
+        self.clone()
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -678,13 +721,9 @@ impl ConsumerContext for Context {
             let offsets = {
                 let mut shared = self.lock();
                 let offsets = shared.tracker.committable_for(&tps);
-                shared.tracker.revoke(&tps);
-                // Held retries of revoked partitions are uncommitted: the new
-                // owner reads them again.
-                shared.delayed.retain(|_, h| {
-                    !tps.iter()
-                        .any(|(t, p)| h.message.topic() == &**t && h.message.partition() == *p)
-                });
+                // Held retries and parked records of revoked partitions are
+                // uncommitted: the new owner reads them again.
+                shared.forget(&tps);
                 offsets
             };
             if !offsets.is_empty() {
@@ -702,6 +741,85 @@ fn commit_pending(consumer: &StreamConsumer<Context>, context: &Context, mode: C
     if !offsets.is_empty() {
         if let Err(e) = consumer.commit(&commit_list(&offsets), mode) {
             tracing::warn!(error = %e, "offset commit failed; later offsets will cover it");
+        }
+    }
+}
+
+/// How long a consumer may go without a `receive` before [`keep_alive`]
+/// serves it: a fifth of `max.poll.interval.ms`, between 200 ms and 10 s.
+fn keep_alive_after(config: &KafkaConfig) -> Duration {
+    (config.max_poll_interval() / 5).clamp(Duration::from_millis(200), Duration::from_secs(10))
+}
+
+/// Serves a consumer that nobody is receiving from (its caller holds back
+/// under backpressure: a slow sink, a full in-flight budget). librdkafka
+/// takes a consumer that does not poll for `max.poll.interval.ms` out of its
+/// group, and a rebalance waits for every member to poll: so every assigned
+/// partition is paused (fetching stops; what was fetched and not handed out
+/// is fetched again on resume) and the consumer is polled, which serves
+/// rebalances and keeps its membership. A record that still comes out is
+/// parked for the next `receive`. `receive` resumes the partitions.
+fn keep_alive(
+    consumer: &StreamConsumer<Context>,
+    context: &Context,
+    poll_lock: &tokio::sync::Mutex<std::time::Instant>,
+    idle_after: Duration,
+) {
+    // Held by `receive` while it polls: nothing to do then.
+    let Ok(last_poll) = poll_lock.try_lock() else {
+        return;
+    };
+    if last_poll.elapsed() < idle_after {
+        return;
+    }
+    // Checked every time: a rebalance may have assigned partitions, which
+    // start unpaused.
+    if let Ok(assignment) = consumer.assignment() {
+        let mut tpl = TopicPartitionList::new();
+        let mut newly = Vec::new();
+        {
+            let shared = context.lock();
+            for e in assignment.elements() {
+                let paused = shared
+                    .idle_paused
+                    .iter()
+                    .any(|(t, p)| e.topic() == &**t && e.partition() == *p);
+                if !paused {
+                    tpl.add_partition(e.topic(), e.partition());
+                    newly.push((Arc::<str>::from(e.topic()), e.partition()));
+                }
+            }
+        }
+        if !newly.is_empty() {
+            match consumer.pause(&tpl) {
+                Ok(()) => {
+                    tracing::debug!(
+                        partitions = newly.len(),
+                        idle_ms = last_poll.elapsed().as_millis() as u64,
+                        "no receive for a while: partitions paused, consumer kept alive"
+                    );
+                    context.lock().idle_paused.extend(newly);
+                }
+                Err(e) => tracing::warn!(error = %e, "pausing an idle consumer failed"),
+            }
+        }
+    }
+    let mut stream = consumer.stream();
+    let mut quiet = 0;
+    for _ in 0..256 {
+        match stream.next().now_or_never() {
+            Some(Some(Ok(m))) => context.lock().parked.push_back(m.detach()),
+            Some(Some(Err(e))) => {
+                tracing::warn!(error = %e, "kafka consumer error while receives are held back");
+            }
+            Some(None) => break,
+            // Nothing ready (or an event such as a rebalance was served).
+            None => {
+                quiet += 1;
+                if quiet >= 2 {
+                    break;
+                }
+            }
         }
     }
 }
@@ -730,6 +848,8 @@ pub struct KafkaConsumer {
     context: Context,
     settler: Arc<Settler>,
     seq: AtomicU64,
+    /// Held by `receive` while it polls; holds when it last returned.
+    poll_lock: Arc<tokio::sync::Mutex<std::time::Instant>>,
 }
 
 impl std::fmt::Debug for KafkaConsumer {
@@ -770,17 +890,29 @@ impl KafkaConsumer {
         consumer.subscribe(&refs).map_err(|e| kafka_error(&e))?;
         let consumer = Arc::new(consumer);
         // Commits settled offsets in the background, so acks made after the
-        // last `receive` are committed too. It stops with the consumer.
-        let interval = Duration::from_millis(inner.config.commit_interval_ms.max(10));
+        // last `receive` are committed too, and keeps the consumer in its
+        // group while nobody receives. It stops with the consumer.
+        let commit_every = Duration::from_millis(inner.config.commit_interval_ms.max(10));
+        let idle_after = keep_alive_after(&inner.config);
+        let tick = commit_every
+            .min(idle_after / 2)
+            .max(Duration::from_millis(10));
+        let poll_lock = Arc::new(tokio::sync::Mutex::new(std::time::Instant::now()));
         let weak = Arc::downgrade(&consumer);
         let ticker_context = context.clone();
+        let ticker_lock = poll_lock.clone();
         tokio::spawn(async move {
+            let mut last_commit = std::time::Instant::now();
             loop {
-                tokio::time::sleep(interval).await;
+                tokio::time::sleep(tick).await;
                 let Some(consumer) = weak.upgrade() else {
                     break;
                 };
-                commit_pending(&consumer, &ticker_context, CommitMode::Async);
+                if last_commit.elapsed() >= commit_every {
+                    commit_pending(&consumer, &ticker_context, CommitMode::Async);
+                    last_commit = std::time::Instant::now();
+                }
+                keep_alive(&consumer, &ticker_context, &ticker_lock, idle_after);
             }
         });
         let interned = topics.iter().map(|t| Arc::from(t.as_str())).collect();
@@ -799,7 +931,94 @@ impl KafkaConsumer {
             context,
             settler,
             seq: AtomicU64::new(0),
+            poll_lock,
         })
+    }
+
+    /// Resumes what [`keep_alive`] paused, except partitions held for their
+    /// own reasons (retry backlog, uncommitted bound).
+    fn wake_up(&self) {
+        let retry = self.topics.last();
+        let mut tpl = TopicPartitionList::new();
+        {
+            let mut shared = self.context.lock();
+            if shared.idle_paused.is_empty() {
+                return;
+            }
+            let paused = std::mem::take(&mut shared.idle_paused);
+            for (topic, partition) in paused {
+                let held_retry = shared.paused && retry.is_some_and(|r| *r == topic);
+                let held_bound = shared.over_bound.contains(&(topic.clone(), partition));
+                if !held_retry && !held_bound {
+                    tpl.add_partition(&topic, partition);
+                }
+            }
+        }
+        if tpl.count() > 0 {
+            if let Err(e) = self.consumer.resume(&tpl) {
+                tracing::warn!(error = %e, "resuming partitions failed");
+            }
+        }
+    }
+
+    /// Pauses a partition whose tracked offsets reached
+    /// `max_uncommitted_per_partition` (one unsettled record holds back
+    /// every later one, and each is remembered until it is), and resumes it
+    /// once it is under half of that.
+    fn bound_partitions(&self) {
+        let limit = self.inner.config.max_uncommitted_per_partition;
+        let (pause, resume) = {
+            let mut guard = self.context.lock();
+            let shared = &mut *guard;
+            let pause: Vec<Tp> = shared
+                .tracker
+                .tracked()
+                .filter(|(tp, n)| *n >= limit && !shared.over_bound.contains(tp))
+                .map(|(tp, _)| tp.clone())
+                .collect();
+            let mut resume = Vec::new();
+            let retry = self.topics.last();
+            shared.over_bound.retain(|tp| {
+                let n = shared
+                    .tracker
+                    .tracked()
+                    .find(|(t, _)| *t == tp)
+                    .map_or(0, |(_, n)| n);
+                let keep = n >= limit / 2;
+                let retry_held = shared.paused && retry.is_some_and(|r| *r == tp.0);
+                if !keep && !retry_held {
+                    resume.push(tp.clone());
+                }
+                keep
+            });
+            shared.over_bound.extend(pause.iter().cloned());
+            (pause, resume)
+        };
+        for (tps, pausing) in [(&pause, true), (&resume, false)] {
+            if tps.is_empty() {
+                continue;
+            }
+            let mut tpl = TopicPartitionList::new();
+            for (topic, partition) in tps {
+                tpl.add_partition(topic, *partition);
+                if pausing {
+                    tracing::warn!(
+                        topic = &**topic,
+                        partition,
+                        limit,
+                        "partition paused: max_uncommitted_per_partition offsets wait behind an unsettled record"
+                    );
+                }
+            }
+            let r = if pausing {
+                self.consumer.pause(&tpl)
+            } else {
+                self.consumer.resume(&tpl)
+            };
+            if let Err(e) = r {
+                tracing::warn!(error = %e, pausing, "pausing/resuming partitions failed");
+            }
+        }
     }
 
     fn commit_pending(&self, mode: CommitMode) {
@@ -825,7 +1044,7 @@ impl KafkaConsumer {
 
     /// Registers received records (one lock for the batch); each becomes a
     /// delivery now, or is held (detached) until due.
-    fn accept_all(&self, batch: &[rdkafka::message::BorrowedMessage<'_>], out: &mut Vec<Delivery>) {
+    fn accept_all<M: Detach>(&self, batch: &[M], out: &mut Vec<Delivery>) {
         let tps: Vec<Tp> = batch
             .iter()
             .map(|m| (self.topic_name(m.topic()), m.partition()))
@@ -843,13 +1062,7 @@ impl KafkaConsumer {
         }
     }
 
-    fn accept(
-        &self,
-        m: &rdkafka::message::BorrowedMessage<'_>,
-        tp: Tp,
-        generation: u64,
-        out: &mut Vec<Delivery>,
-    ) {
+    fn accept<M: Detach>(&self, m: &M, tp: Tp, generation: u64, out: &mut Vec<Delivery>) {
         match Self::not_before(m) {
             Some(due) if due > now_ms() => {
                 let seq = self.seq.fetch_add(1, Ordering::Relaxed);
@@ -857,7 +1070,7 @@ impl KafkaConsumer {
                 shared.delayed.insert(
                     (due, seq),
                     Held {
-                        message: m.detach(),
+                        message: m.owned(),
                         generation,
                     },
                 );
@@ -970,11 +1183,9 @@ impl KafkaConsumer {
         d.message_id = message_id;
         d
     }
-}
-
-#[async_trait]
-impl Consumer for KafkaConsumer {
-    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
+    /// One batch: held retries that are due, parked records, then what
+    /// librdkafka has, waiting up to `wait`.
+    async fn poll_batch(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
         let deadline = Instant::now() + wait;
         let max = max.max(1);
         loop {
@@ -985,6 +1196,17 @@ impl Consumer for KafkaConsumer {
             let next_due = self.take_due(max, &mut out);
             if !out.is_empty() {
                 return Ok(out);
+            }
+            let parked: Vec<OwnedMessage> = {
+                let mut shared = self.context.lock();
+                let n = shared.parked.len().min(max);
+                shared.parked.drain(..n).collect()
+            };
+            if !parked.is_empty() {
+                self.accept_all(&parked, &mut out);
+                if !out.is_empty() {
+                    return Ok(out);
+                }
             }
             let now = Instant::now();
             if now >= deadline {
@@ -1020,6 +1242,19 @@ impl Consumer for KafkaConsumer {
                 }
             }
         }
+    }
+}
+
+#[async_trait]
+impl Consumer for KafkaConsumer {
+    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
+        let poll_lock = self.poll_lock.clone();
+        let mut last_poll = poll_lock.lock().await;
+        self.wake_up();
+        self.bound_partitions();
+        let received = self.poll_batch(max, wait).await;
+        *last_poll = std::time::Instant::now();
+        received
     }
 
     async fn close(self: Box<Self>) -> Result<()> {

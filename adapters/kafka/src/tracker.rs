@@ -128,6 +128,12 @@ impl Tracker {
         }
     }
 
+    /// Per partition, how many offsets are tracked (delivered and not yet
+    /// behind the commit point): what one unsettled offset makes grow.
+    pub(crate) fn tracked(&self) -> impl Iterator<Item = (&Tp, usize)> + '_ {
+        self.parts.iter().map(|(tp, p)| (tp, p.in_flight.len()))
+    }
+
     /// Partitions with unsettled offsets (for tests and metrics).
     #[cfg(test)]
     pub(crate) fn unsettled(&self, tp: &Tp) -> usize {
@@ -202,6 +208,20 @@ mod tests {
         assert_ne!(g, g2);
         t.settle(&tp(), 6, g2).unwrap();
         assert_eq!(t.committable(), vec![("t".into(), 0, 7)]);
+    }
+
+    #[test]
+    fn tracked_counts_what_a_hole_holds_back() {
+        let mut t = Tracker::default();
+        let g = (0..10).map(|o| t.deliver(&tp(), o)).last().unwrap();
+        for o in 1..10 {
+            t.settle(&tp(), o, g).unwrap();
+        }
+        let counts: Vec<usize> = t.tracked().map(|(_, n)| n).collect();
+        assert_eq!(counts, vec![10], "offset 0 holds back nine settled ones");
+        t.settle(&tp(), 0, g).unwrap();
+        let counts: Vec<usize> = t.tracked().map(|(_, n)| n).collect();
+        assert_eq!(counts, vec![0]);
     }
 
     #[test]

@@ -835,13 +835,30 @@ impl QueueAdapter for RabbitAdapter {
     }
 
     async fn health(&self) -> Health {
-        match self
-            .inner
-            .session(Instant::now() + Duration::from_secs(2))
-            .await
-        {
-            Ok(s) if s.connection.status().blocked() => Health::down(blocked_error().to_string()),
-            Ok(_) => Health::ok(format!("connected to {}", redact(&self.inner.config.url))),
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let s = match self.inner.session(deadline).await {
+            Ok(s) => s,
+            Err(e) => return Health::down(e.to_string()),
+        };
+        if s.connection.status().blocked() {
+            return Health::down(blocked_error().to_string());
+        }
+        // A socket that is open says nothing about a broker that stopped
+        // answering (a frozen node, a link that black-holes: heartbeats
+        // notice only after twice their interval). One round trip does:
+        // basic.qos on the publishing channel needs no permission and
+        // changes nothing for a channel that never consumes; a late answer
+        // is consumed by lapin like any other.
+        let probe = within(deadline, async {
+            s.publisher
+                .basic_qos(0, BasicQosOptions::default())
+                .await
+                .map_err(|e| amqp_error(&e))
+        })
+        .await;
+        match probe {
+            Ok(()) => Health::ok(format!("connected to {}", redact(&self.inner.config.url))),
+            Err(Error::Timeout(_)) => Health::down("connected, but no answer within 2s"),
             Err(e) => Health::down(e.to_string()),
         }
     }

@@ -244,6 +244,17 @@ impl QueueAdapter for TestSink {
 
 /// Starts the daemon and waits for its "running" line.
 pub fn spawn_daemon(config: &std::path::Path) -> std::process::Child {
+    let (child, rx) = spawn_daemon_watched(config);
+    // Keep draining stderr in the thread; lines go to our stderr.
+    std::thread::spawn(move || while rx.recv().is_ok() {});
+    child
+}
+
+/// [`spawn_daemon`], handing back the daemon's later stderr lines (they
+/// are echoed to ours too).
+pub fn spawn_daemon_watched(
+    config: &std::path::Path,
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
         .args(["run", "--config", config.to_str().unwrap()])
         .stdout(std::process::Stdio::null())
@@ -266,9 +277,7 @@ pub fn spawn_daemon(config: &std::path::Path) -> std::process::Child {
             panic!("the daemon did not report running (exit: {status:?})");
         };
         if line.contains("running") {
-            // Keep draining stderr in the thread; lines go to our stderr.
-            std::thread::spawn(move || while rx.recv().is_ok() {});
-            return child;
+            return (child, rx);
         }
     }
 }
