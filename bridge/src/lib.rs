@@ -9,6 +9,7 @@ pub mod connecting;
 pub mod convert;
 pub mod daemon;
 pub mod endpoint;
+pub mod fuzz_targets;
 pub mod http;
 pub mod metrics;
 pub mod probe;

@@ -21,20 +21,35 @@ impl Transcoder {
     pub fn load(path: &Path, message_type: Option<&str>) -> Result<Self, String> {
         let bytes =
             std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let pool = DescriptorPool::decode(bytes.as_slice()).map_err(|e| {
-            format!(
-                "{} is not a protobuf FileDescriptorSet: {e}",
-                path.display()
-            )
-        })?;
+        Self::from_bytes(&bytes, message_type).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// A FileDescriptorSet's bytes; `message_type`, when given, must be in
+    /// it.
+    pub fn from_bytes(bytes: &[u8], message_type: Option<&str>) -> Result<Self, String> {
+        let pool = DescriptorPool::decode(bytes)
+            .map_err(|e| format!("not a protobuf FileDescriptorSet: {e}"))?;
         let fixed = match message_type {
             Some(name) => Some(
                 pool.get_message_by_name(name)
-                    .ok_or_else(|| format!("message type {name:?} is not in {}", path.display()))?,
+                    .ok_or_else(|| format!("message type {name:?} is not in the descriptor set"))?,
             ),
             None => None,
         };
         Ok(Transcoder { pool, fixed })
+    }
+
+    /// The same set with `message_type` as the fixed request type.
+    pub fn for_type(&self, message_type: &str) -> Option<Self> {
+        Some(Transcoder {
+            pool: self.pool.clone(),
+            fixed: Some(self.pool.get_message_by_name(message_type)?),
+        })
+    }
+
+    /// Full names of the message types in the set, in pool order.
+    pub fn message_types(&self) -> impl Iterator<Item = String> + '_ {
+        self.pool.all_messages().map(|m| m.full_name().to_owned())
     }
 
     /// The request type of a call: the configured one, else the input of

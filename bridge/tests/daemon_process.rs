@@ -243,7 +243,7 @@ fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_fi
     let cases = cases
         .iter()
         .map(|(t, e)| (t.to_string(), *e))
-        .chain([(garbage_case, "is not a protobuf FileDescriptorSet")]);
+        .chain([(garbage_case, "not a protobuf FileDescriptorSet")]);
     for (text, expected) in cases {
         let path = dir.path().join("bad.toml");
         std::fs::write(&path, &text).unwrap();

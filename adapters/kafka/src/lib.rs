@@ -1145,24 +1145,17 @@ impl KafkaConsumer {
 
     /// One copy of the payload, straight from librdkafka's buffer.
     fn delivery<M: rdkafka::Message>(&self, m: &M, tp: Tp, generation: u64) -> Delivery {
-        let mut headers = Headers::new();
-        if let Some(h) = m.headers() {
-            for i in 0..h.count() {
-                let hdr = h.get(i);
-                if hdr.key == NOT_BEFORE_HEADER {
-                    continue;
-                }
-                if let Some(v) = hdr.value {
-                    headers.insert(hdr.key.to_owned(), String::from_utf8_lossy(v).into_owned());
-                }
-            }
-        }
-        let attempt = headers
-            .get(header::ATTEMPT)
-            .and_then(|a| a.parse::<u32>().ok())
-            .filter(|a| *a > 0)
-            .unwrap_or(1);
-        let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
+        let ReceivedRecord {
+            headers,
+            key,
+            attempt,
+        } = match m.headers() {
+            Some(h) => received_record(
+                (0..h.count()).map(|i| h.get(i)).map(|h| (h.key, h.value)),
+                m.key(),
+            ),
+            None => received_record(std::iter::empty(), m.key()),
+        };
         let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
         let message_id = headers.get(header::ID).cloned();
         let acker = KafkaAcker {
@@ -1404,6 +1397,45 @@ impl Acknowledger for KafkaAcker {
                 self.move_to(Lane::Dead, copy).await
             }
         }
+    }
+}
+
+/// What a record's headers and key carry, in neutral form.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReceivedRecord {
+    /// Headers with a value (the adapter's own `ojs-not-before` left out).
+    pub headers: Headers,
+    /// The record key.
+    pub key: Option<String>,
+    /// 1-based attempt from `ojs-attempt`.
+    pub attempt: u32,
+}
+
+/// Reads a record's headers and key as librdkafka hands them over. Values
+/// and keys that are not UTF-8 are read lossily (binary keys and values are
+/// the pipeline issue's to keep). The Kafka header fuzz target starts here.
+pub fn received_record<'a>(
+    headers: impl Iterator<Item = (&'a str, Option<&'a [u8]>)>,
+    key: Option<&[u8]>,
+) -> ReceivedRecord {
+    let mut map = Headers::new();
+    for (name, value) in headers {
+        if name == NOT_BEFORE_HEADER {
+            continue;
+        }
+        if let Some(v) = value {
+            map.insert(name.to_owned(), String::from_utf8_lossy(v).into_owned());
+        }
+    }
+    let attempt = map
+        .get(header::ATTEMPT)
+        .and_then(|a| a.parse::<u32>().ok())
+        .filter(|a| *a > 0)
+        .unwrap_or(1);
+    ReceivedRecord {
+        headers: map,
+        key: key.map(|k| String::from_utf8_lossy(k).into_owned()),
+        attempt,
     }
 }
 

@@ -159,6 +159,22 @@ pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
     }
 }
 
+/// Reads a content header's property list as it comes off the wire, the
+/// way lapin does before it hands properties over, then like a delivery.
+/// `None` when the bytes are not a property list. The AMQP header fuzz
+/// target starts here.
+pub fn received_from_wire(bytes: &[u8], redelivered: bool) -> Option<Received> {
+    let (_, props) = lapin::protocol::basic::parse_properties(bytes).ok()?;
+    Some(received(&props, redelivered))
+}
+
+/// A property list as it goes on the wire; an error when a value does not
+/// fit its AMQP type (a short string over 255 bytes).
+pub fn to_wire(props: &BasicProperties) -> Result<Vec<u8>, String> {
+    cookie_factory::gen_simple(lapin::protocol::basic::gen_properties(props), Vec::new())
+        .map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -57,7 +57,7 @@ pub use config::{
     bucket_delay_ms, dead_letter_queue_name, queue_name, retry_queue_name, RabbitConfig,
     CLIENT_URL_OPTIONS, DIRECT_EXCHANGE, DLX_EXCHANGE, RETRY_EXCHANGE,
 };
-pub use headers::{properties, KEY_HEADER};
+pub use headers::{properties, received, received_from_wire, to_wire, Received, KEY_HEADER};
 pub use ojs_core::settings::Topology;
 
 /// Runs a broker call no longer than `deadline`. lapin's RPCs have no

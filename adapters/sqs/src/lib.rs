@@ -52,6 +52,8 @@ use ojs_core::{
     Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
 };
 
+/// The SDK types [`received_message`] takes.
+pub use aws_sdk_sqs::{primitives::Blob, types::MessageAttributeValue as AttributeValue};
 pub use config::*;
 pub use ojs_core::settings::Topology;
 
@@ -79,6 +81,49 @@ where
         }
     } else {
         Error::broker("sqs", message, true)
+    }
+}
+
+/// What an SQS message carries, in neutral form.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReceivedMessage {
+    /// The body, base64-decoded (a body that is not base64 is a legacy raw
+    /// body, handed over as it is).
+    pub payload: Bytes,
+    /// String attributes (binary ones are not ours and are left out).
+    pub headers: Headers,
+    /// The `ojs-key` attribute.
+    pub key: Option<String>,
+    /// `ApproximateReceiveCount`, 1 when absent or unreadable.
+    pub attempt: u32,
+}
+
+/// Reads a received message's body and attributes. The SQS attribute fuzz
+/// target starts here.
+pub fn received_message(
+    body: &str,
+    attributes: Option<&HashMap<String, MessageAttributeValue>>,
+    receive_count: Option<&str>,
+) -> ReceivedMessage {
+    let payload = match STANDARD.decode(body.trim()) {
+        Ok(raw) => Bytes::from(raw),
+        Err(_) => Bytes::copy_from_slice(body.as_bytes()),
+    };
+    let mut headers = Headers::new();
+    for (k, v) in attributes.into_iter().flatten() {
+        if let Some(s) = v.string_value() {
+            headers.insert(k.clone(), s.to_owned());
+        }
+    }
+    let key = headers.remove(KEY_ATTRIBUTE);
+    ReceivedMessage {
+        payload,
+        headers,
+        key,
+        attempt: receive_count
+            .and_then(|c| c.parse::<u32>().ok())
+            .filter(|c| *c > 0)
+            .unwrap_or(1),
     }
 }
 
@@ -718,25 +763,18 @@ impl Consumer for SqsConsumer {
             let Some(receipt) = m.receipt_handle() else {
                 continue;
             };
-            let body = m.body().unwrap_or_default();
-            let payload = match STANDARD.decode(body.trim()) {
-                Ok(raw) => Bytes::from(raw),
-                // Not base64: a legacy raw body; handed over as it is.
-                Err(_) => Bytes::copy_from_slice(body.as_bytes()),
-            };
-            let mut headers = Headers::new();
-            if let Some(attrs) = m.message_attributes() {
-                for (k, v) in attrs {
-                    if let Some(s) = v.string_value() {
-                        headers.insert(k.clone(), s.to_owned());
-                    }
-                }
-            }
-            let attempt = m
-                .attributes()
-                .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
-                .and_then(|c| c.parse::<u32>().ok())
-                .unwrap_or(1);
+            let ReceivedMessage {
+                payload,
+                headers,
+                key,
+                attempt,
+            } = received_message(
+                m.body().unwrap_or_default(),
+                m.message_attributes(),
+                m.attributes()
+                    .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
+                    .map(String::as_str),
+            );
             let acker = SqsAcker {
                 inner: self.inner.clone(),
                 url: self.url.clone(),
@@ -748,7 +786,6 @@ impl Consumer for SqsConsumer {
                     Source::DeadLetters => None,
                 },
             };
-            let key = headers.remove(KEY_ATTRIBUTE);
             let mut d = Delivery::new(
                 payload,
                 headers,
