@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use ojs_core::backoff::reconnect_delay;
 use ojs_core::{
-    grpcq, ConsumerOptions, DeadLetterReason, Delivery, Encoding, Error, Nack, OutgoingMessage,
+    ConsumerOptions, DeadLetterReason, Delivery, Encoding, Error, Nack, OutgoingMessage,
     QueueAdapter,
 };
 use tokio::net::TcpListener;
@@ -632,34 +632,6 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
     }
 }
 
-/// Decodes a delivery by its content type (the source's format when it has
-/// none).
-pub fn decode(d: &Delivery, default: Encoding) -> Result<Incoming, DeadLetterReason> {
-    let encoding = d
-        .encoding(Some(default))
-        .map_err(|e| DeadLetterReason::from_error(&e))?;
-    match encoding {
-        Encoding::GrpcqProto => grpcq::decode_lenient(&d.payload)
-            .map(Incoming::Call)
-            .map_err(|e| DeadLetterReason::new("undecodable", format!("not a grpcq.Message: {e}"))),
-        envelope => {
-            let mut jobs = envelope
-                .decode_envelopes(&d.payload)
-                .map_err(|e| DeadLetterReason::for_envelope(&e))?;
-            if jobs.len() != 1 {
-                return Err(DeadLetterReason::new(
-                    "unsupported_batch",
-                    format!(
-                        "a message must carry one envelope, this one has {}",
-                        jobs.len()
-                    ),
-                ));
-            }
-            Ok(Incoming::Job(Box::new(jobs.remove(0))))
-        }
-    }
-}
-
 /// Messages of one batch bound for one (route, queue).
 struct Group {
     route: usize,
@@ -702,7 +674,7 @@ fn plan(
     ctx: &SourceCtx,
     d: &Delivery,
 ) -> Result<(usize, String, OutgoingMessage, Option<i64>), DeadLetterReason> {
-    let msg = decode(d, ctx.default_encoding)?;
+    let msg = d.decode(Some(ctx.default_encoding))?;
     let Some(route) = ctx.routes.iter().position(|r| r.matches(ctx.name(), &msg)) else {
         return Err(DeadLetterReason::new(
             "unknown_route",

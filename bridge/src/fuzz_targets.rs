@@ -16,7 +16,6 @@ use bytes::Bytes;
 use ojs_core::{Acknowledger, Delivery, DeliveryRef, Encoding, Nack, OutgoingMessage};
 
 use crate::config::BridgeConfig;
-use crate::daemon::decode;
 use crate::routes::Route;
 use crate::transcode::Transcoder;
 
@@ -104,8 +103,9 @@ fn decode_like_the_daemon(
     let mut d = Delivery::new(payload, headers, attempt, "fuzz", Box::new(Unsettled));
     d.key = key;
     for default in [Encoding::OjsProto, Encoding::OjsJson, Encoding::GrpcqProto] {
-        let _ = decode(&d, default);
+        let _ = d.decode(Some(default));
     }
+    let _ = d.decode_all(None);
     let _ = d.dead_letter_reason();
 }
 

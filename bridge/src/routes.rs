@@ -243,24 +243,8 @@ impl Template {
     }
 }
 
-/// A decoded source message.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Incoming {
-    /// A grpcq call.
-    Call(grpcq::Message),
-    /// An OJS job (boxed: it is several times the size of a call).
-    Job(Box<JobEnvelope>),
-}
-
-impl Incoming {
-    /// When the message was created, Unix ms (for end-to-end latency).
-    pub fn created_ms(&self) -> Option<i64> {
-        match self {
-            Incoming::Call(m) => (m.timestamp_ms > 0).then_some(m.timestamp_ms),
-            Incoming::Job(j) => j.enqueued_at.or(j.created_at).map(|t| t.timestamp_millis()),
-        }
-    }
-}
+/// A decoded source message (defined in core, where it is decoded).
+pub use ojs_core::Incoming;
 
 /// A compiled `[[routes]]` entry.
 #[derive(Debug)]

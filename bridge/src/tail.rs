@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::time::Duration;
 
-use ojs_core::{grpcq, ConsumerOptions, Delivery, Encoding, QueueAdapter, Result};
+use ojs_core::{grpcq, ConsumerOptions, Decoded, Delivery, Encoding, QueueAdapter, Result};
 use serde_json::{json, Value};
 
 use crate::send::MessageFormat;
@@ -32,22 +32,21 @@ pub fn render(d: &Delivery, format: MessageFormat) -> (Value, bool) {
         MessageFormat::Grpcq => Encoding::GrpcqProto,
     };
     let headers = serde_json::to_value(&d.headers).unwrap_or(Value::Null);
-    let decoded = d.encoding(Some(default)).and_then(|enc| match enc {
-        Encoding::GrpcqProto => {
-            grpcq::decode_lenient(&d.payload).map(|m| grpcq::message_to_json(&m))
-        }
-        other => {
-            let jobs = other.decode_envelopes(&d.payload)?;
-            let values: Result<Vec<Value>> = jobs.iter().map(|j| j.to_json_value()).collect();
-            values.map(|mut v| {
-                if v.len() == 1 {
-                    v.remove(0)
-                } else {
-                    Value::Array(v)
-                }
-            })
-        }
-    });
+    let decoded = d
+        .decode_all(Some(default))
+        .and_then(|decoded| match decoded {
+            Decoded::Call(m) => Ok(grpcq::message_to_json(&m)),
+            Decoded::Jobs(jobs) => {
+                let values: Result<Vec<Value>> = jobs.iter().map(|j| j.to_json_value()).collect();
+                values.map(|mut v| {
+                    if v.len() == 1 {
+                        v.remove(0)
+                    } else {
+                        Value::Array(v)
+                    }
+                })
+            }
+        });
     match decoded {
         Ok(message) => (
             json!({"headers": headers, "attempt": d.attempt, "message": message}),

@@ -15,6 +15,7 @@
 
 pub mod adapter;
 pub mod backoff;
+pub mod decode;
 pub mod duration;
 pub mod envelope;
 mod error;
@@ -41,6 +42,7 @@ pub use adapter::{
     header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
     FailedPublish, Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Source,
 };
+pub use decode::{Decoded, Incoming};
 pub use envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
 pub use error::{Error, Result};
 pub use media::Encoding;

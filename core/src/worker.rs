@@ -31,8 +31,8 @@ use tracing::Instrument;
 
 use crate::adapter::{ConsumerOptions, DeadLetterReason, Delivery, Nack, QueueAdapter};
 use crate::backoff::reconnect_delay;
+use crate::decode::Incoming;
 use crate::error::Result;
-use crate::grpcq;
 use crate::media::Encoding;
 use crate::registry::{CallContext, HandlerError, HandlerResult, Registry};
 use crate::retry::{OnExhaustion, ResolvedRetry, RetryDecision};
@@ -347,21 +347,12 @@ enum Work {
 
 impl Shared {
     fn plan(&self, d: &Delivery) -> Work {
-        let encoding = match d.encoding(self.config.default_encoding) {
-            Ok(e) => e,
-            Err(e) => return Work::DeadLetter(DeadLetterReason::from_error(&e)),
+        let msg = match d.decode(self.config.default_encoding) {
+            Ok(m) => m,
+            Err(reason) => return Work::DeadLetter(reason),
         };
-        match encoding {
-            Encoding::GrpcqProto => {
-                let msg = match grpcq::decode_lenient(&d.payload) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        return Work::DeadLetter(DeadLetterReason::new(
-                            "undecodable",
-                            e.to_string(),
-                        ))
-                    }
-                };
+        match msg {
+            Incoming::Call(msg) => {
                 let Some(handler) = self.registry.call(&msg.topic, &msg.action) else {
                     return Work::DeadLetter(DeadLetterReason::new(
                         "unknown_route",
@@ -390,21 +381,8 @@ impl Shared {
                     policy: self.config.retry.clone(),
                 }
             }
-            envelope => {
-                let mut jobs = match envelope.decode_envelopes(&d.payload) {
-                    Ok(j) => j,
-                    Err(e) => return Work::DeadLetter(DeadLetterReason::for_envelope(&e)),
-                };
-                if jobs.len() != 1 {
-                    return Work::DeadLetter(DeadLetterReason::new(
-                        "unsupported_batch",
-                        format!(
-                            "a message must carry one envelope, this one has {}",
-                            jobs.len()
-                        ),
-                    ));
-                }
-                let job = jobs.remove(0);
+            Incoming::Job(job) => {
+                let job = *job;
                 let Some(handler) = self.registry.job(&job.job_type) else {
                     return Work::DeadLetter(DeadLetterReason::new(
                         "unknown_route",
