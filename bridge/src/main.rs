@@ -153,7 +153,7 @@ async fn main() -> ExitCode {
         Command::Convert { from, to, file } => match run_convert(from, to, file) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("ojs-bridge convert: {e:#}");
+                eprintln!("ojs-bridge convert: {}", chain(e.as_ref()));
                 ExitCode::from(EXIT_INVALID_INPUT)
             }
         },
@@ -168,7 +168,7 @@ async fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("ojs-bridge send: {e:#}");
+                eprintln!("ojs-bridge send: {}", chain(e.as_ref()));
                 ExitCode::from(EXIT_FAILED)
             }
         },
@@ -217,7 +217,7 @@ async fn main() -> ExitCode {
             match run_tail(&from, opts).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("ojs-bridge tail: {e:#}");
+                    eprintln!("ojs-bridge tail: {}", chain(e.as_ref()));
                     ExitCode::from(EXIT_FAILED)
                 }
             }
@@ -276,6 +276,24 @@ fn check_config(path: &std::path::Path) -> Result<String, ConfigError> {
         config.sources.len(),
         config.routes.len()
     ))
+}
+
+/// An error and its causes, `: `-separated, leaving out a cause whose text
+/// is already there (a broker error's message includes its source's).
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = String::new();
+    let mut next = Some(e);
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        next = cause.source();
+    }
+    out
 }
 
 /// Resolves on SIGINT or SIGTERM.

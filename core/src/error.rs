@@ -2,6 +2,29 @@
 
 use std::time::Duration;
 
+/// A client library's error kept as the source of [`Error::Broker`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What kind of broker failure an [`Error::Broker`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BrokerErrorKind {
+    /// The queue, topic or exchange does not exist.
+    NotFound,
+    /// The credentials may not do this.
+    AccessDenied,
+    /// Something exists with other settings (AMQP 406 PRECONDITION_FAILED,
+    /// a topic or queue that exists already).
+    Conflict,
+    /// The broker would not take this message (too large, invalid, nacked).
+    Rejected,
+    /// The broker cannot serve right now (alarm, leader election,
+    /// throttling, a full queue or disk, a closed channel).
+    Unavailable,
+    /// Anything else.
+    Other,
+}
+
 /// Result alias used throughout `ojs-core`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -120,10 +143,16 @@ pub enum Error {
     Broker {
         /// Which adapter (`kafka`, `rabbitmq`, `sqs`, `local`, `memory`).
         broker: &'static str,
-        /// What the broker said.
+        /// What kind of failure: match on this, never on `message`.
+        kind: BrokerErrorKind,
+        /// What the broker said, for people (it includes the source's text).
         message: String,
         /// Whether retrying the same call may succeed.
         retryable: bool,
+        /// The client library's own error (lapin, rdkafka, aws-sdk,
+        /// rusqlite), for callers that want its details.
+        #[source]
+        source: Option<BoxError>,
     },
     /// The broker could not be reached at all (connection refused or reset,
     /// DNS, TLS handshake, no answer): nothing about the request was judged.
@@ -168,12 +197,42 @@ impl Error {
         }
     }
 
-    /// A broker error helper for adapter crates.
+    /// A broker error helper for adapter crates (kind `Other`, no source;
+    /// see [`Error::with_broker_kind`] and [`Error::with_source`]).
     pub fn broker(broker: &'static str, message: impl Into<String>, retryable: bool) -> Self {
         Error::Broker {
             broker,
+            kind: BrokerErrorKind::Other,
             message: message.into(),
             retryable,
+            source: None,
+        }
+    }
+
+    /// The same broker error with its kind set (other errors unchanged).
+    #[must_use]
+    pub fn with_broker_kind(mut self, new: BrokerErrorKind) -> Self {
+        if let Error::Broker { kind, .. } = &mut self {
+            *kind = new;
+        }
+        self
+    }
+
+    /// The same broker error with the client library's error as its
+    /// source (other errors unchanged).
+    #[must_use]
+    pub fn with_source(mut self, error: impl Into<BoxError>) -> Self {
+        if let Error::Broker { source, .. } = &mut self {
+            *source = Some(error.into());
+        }
+        self
+    }
+
+    /// The kind of a broker error; `None` for other errors.
+    pub fn broker_kind(&self) -> Option<BrokerErrorKind> {
+        match self {
+            Error::Broker { kind, .. } => Some(*kind),
+            _ => None,
         }
     }
 

@@ -44,6 +44,6 @@ pub use adapter::{
 };
 pub use decode::{Decoded, Incoming};
 pub use envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
-pub use error::{Error, Result};
+pub use error::{BoxError, BrokerErrorKind, Error, Result};
 pub use media::Encoding;
 pub use value::MAX_VALUE_DEPTH;

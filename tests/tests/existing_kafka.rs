@@ -96,6 +96,11 @@ async fn existing_topology_creates_nothing_and_names_the_missing_topic() {
     let Err(err) = adapter.consumer(&queue, f.consumer_options()).await else {
         panic!("a missing topic must be an error");
     };
+    assert_eq!(
+        err.broker_kind(),
+        Some(ojs_core::BrokerErrorKind::NotFound),
+        "{err}"
+    );
     let err = err.to_string();
     assert!(
         err.contains(&queue) && err.contains("does not exist"),

@@ -101,6 +101,17 @@ async fn existing_topology_never_declares_and_names_what_is_missing() {
     let Err(err) = adapter.consumer(&queue, ConsumerOptions::default()).await else {
         panic!("a missing queue must be an error");
     };
+    // Callers match on the kind, and lapin's own error is the source.
+    assert_eq!(
+        err.broker_kind(),
+        Some(ojs_core::BrokerErrorKind::NotFound),
+        "{err}"
+    );
+    let source = std::error::Error::source(&err).expect("lapin's error is kept");
+    assert!(
+        source.downcast_ref::<lapin::Error>().is_some(),
+        "{source:?}"
+    );
     let err = err.to_string();
     assert!(
         err.contains(&queue) && err.contains("does not exist"),
@@ -289,8 +300,13 @@ async fn a_user_without_configure_permission_reads_and_writes_existing_queues() 
     let err = adapter
         .prepare(&unique_queue("lp-missing"))
         .await
-        .unwrap_err()
-        .to_string();
+        .unwrap_err();
+    assert_eq!(
+        err.broker_kind(),
+        Some(ojs_core::BrokerErrorKind::AccessDenied),
+        "{err}"
+    );
+    let err = err.to_string();
     assert!(err.contains("configure"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(10));
     adapter.close().await.unwrap();

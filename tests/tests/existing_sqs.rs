@@ -85,6 +85,11 @@ async fn existing_topology_creates_nothing_and_names_the_missing_queue() {
     let Err(err) = adapter.consumer(&queue, ConsumerOptions::default()).await else {
         panic!("a missing queue must be an error");
     };
+    assert_eq!(
+        err.broker_kind(),
+        Some(ojs_core::BrokerErrorKind::NotFound),
+        "{err}"
+    );
     let err = err.to_string();
     assert!(
         err.contains(&queue) && err.contains("does not exist"),

@@ -50,8 +50,9 @@ use futures::future::Either;
 use futures::{FutureExt, StreamExt};
 use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::{
-    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
-    Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
+    header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
+    DeliveryRef, Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, QueueAdapter,
+    Result, Source,
 };
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -79,6 +80,46 @@ fn kafka_error(e: &KafkaError) -> Error {
         Some(RDKafkaErrorCode::MessageSizeTooLarge | RDKafkaErrorCode::InvalidMessage)
     );
     Error::broker("kafka", e.to_string(), retryable)
+        .with_broker_kind(broker_kind(e.rdkafka_error_code()))
+        .with_source(e.clone())
+}
+
+/// The kind of a librdkafka error code.
+fn broker_kind(code: Option<RDKafkaErrorCode>) -> BrokerErrorKind {
+    use RDKafkaErrorCode as C;
+    match code {
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition) => {
+            BrokerErrorKind::NotFound
+        }
+        Some(
+            C::TopicAuthorizationFailed
+            | C::GroupAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::SaslAuthenticationFailed
+            | C::Authentication,
+        ) => BrokerErrorKind::AccessDenied,
+        Some(C::TopicAlreadyExists) => BrokerErrorKind::Conflict,
+        Some(
+            C::MessageSizeTooLarge | C::InvalidMessage | C::InvalidMessageSize | C::InvalidRecord,
+        ) => BrokerErrorKind::Rejected,
+        Some(
+            C::QueueFull
+            | C::LeaderNotAvailable
+            | C::NotLeaderForPartition
+            | C::BrokerNotAvailable
+            | C::AllBrokersDown
+            | C::BrokerTransportFailure
+            | C::RequestTimedOut
+            | C::MessageTimedOut
+            | C::NotEnoughReplicas
+            | C::NotEnoughReplicasAfterAppend
+            | C::NotCoordinator
+            | C::CoordinatorNotAvailable
+            | C::CoordinatorLoadInProgress
+            | C::ThrottlingQuotaExceeded,
+        ) => BrokerErrorKind::Unavailable,
+        _ => BrokerErrorKind::Other,
+    }
 }
 
 fn now_ms() -> i64 {
@@ -181,7 +222,8 @@ impl Inner {
                 "kafka",
                 format!("topic {main:?} does not exist (topology = \"existing\" creates nothing; create it, or use topology = \"declare\")"),
                 true,
-            ));
+            )
+.with_broker_kind(BrokerErrorKind::NotFound));
         }
         if !found[1] {
             tracing::info!(queue, topic = %main, "no retry topic; delayed retries go back to the queue topic");
@@ -383,7 +425,8 @@ impl Inner {
                             self.topic_names(queue)[lane as usize]
                         ),
                         true,
-                    ),
+                    )
+                    .with_broker_kind(BrokerErrorKind::NotFound),
                 });
                 continue;
             }
@@ -536,6 +579,7 @@ impl QueueAdapter for KafkaAdapter {
                     ),
                     true,
                 )
+                .with_broker_kind(BrokerErrorKind::NotFound)
             })?],
         };
         Ok(Box::new(KafkaConsumer::new(

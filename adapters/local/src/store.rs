@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ojs_core::{DeadLetterReason, Error, Headers, OutgoingMessage, Result};
+use ojs_core::{BrokerErrorKind, DeadLetterReason, Error, Headers, OutgoingMessage, Result};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use crate::config::{Durability, LocalConfig};
@@ -59,7 +59,21 @@ fn db_error(e: rusqlite::Error) -> Error {
         e.sqlite_error_code(),
         Some(ErrorCode::TooBig | ErrorCode::ConstraintViolation | ErrorCode::TypeMismatch)
     );
+    let kind = match e.sqlite_error_code() {
+        _ if about_the_message => BrokerErrorKind::Rejected,
+        Some(ErrorCode::PermissionDenied | ErrorCode::ReadOnly) => BrokerErrorKind::AccessDenied,
+        Some(
+            ErrorCode::DiskFull
+            | ErrorCode::SystemIoFailure
+            | ErrorCode::DatabaseBusy
+            | ErrorCode::DatabaseLocked
+            | ErrorCode::OutOfMemory,
+        ) => BrokerErrorKind::Unavailable,
+        _ => BrokerErrorKind::Other,
+    };
     Error::broker("local", e.to_string(), !about_the_message)
+        .with_broker_kind(kind)
+        .with_source(e)
 }
 
 fn foreign(path: &Path, why: &str) -> Error {

@@ -48,8 +48,8 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKin
 use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::backoff::reconnect_delay;
 use ojs_core::{
-    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
-    Error, FailedPublish, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
+    header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
+    DeliveryRef, Error, FailedPublish, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
 };
 use tokio::time::Instant;
 
@@ -75,9 +75,7 @@ async fn within<T>(
         .unwrap_or(Err(Error::Timeout(budget)))
 }
 
-fn amqp_error(e: &lapin::Error) -> Error {
-    Error::broker("rabbitmq", e.to_string(), true)
-}
+use topology::amqp_error;
 
 /// One connection with its confirm-mode publishing channel, and what has
 /// been declared on it.
@@ -605,7 +603,8 @@ impl Inner {
                                     returned.reply_text.as_str(),
                                 ),
                                 false,
-                            ),
+                            )
+                            .with_broker_kind(BrokerErrorKind::NotFound),
                         })
                     }
                     Ok(Ok(Confirmation::Nack(_))) => failed.push(FailedPublish {
@@ -615,7 +614,8 @@ impl Inner {
                             "rabbitmq",
                             "broker nacked the message (not stored)",
                             true,
-                        ),
+                        )
+                        .with_broker_kind(BrokerErrorKind::Rejected),
                     }),
                     Ok(Ok(Confirmation::NotRequested)) => failed.push(FailedPublish {
                         index,
@@ -686,19 +686,25 @@ fn fail_all(
 }
 
 fn topology_error(name: &str, e: &lapin::Error) -> Error {
-    Error::broker("rabbitmq", format!("declaring {name}: {e}"), true)
+    topology::with_kind(
+        Error::broker("rabbitmq", format!("declaring {name}: {e}"), true),
+        e,
+    )
 }
 
 /// A publish the broker refused for want of permission: reported once per
 /// message, named, instead of a reconnect loop (retryable: granting the
 /// permission fixes it, the message is not at fault).
 fn write_refused(exchange: &str, e: &lapin::Error) -> Error {
-    Error::broker(
-        "rabbitmq",
-        format!("publishing to exchange {exchange:?}: access refused — the user lacks the `write` permission on it ({e})"),
-        // The sink's fault, not the message's: a daemon waits for the
-        // permission instead of dead-lettering good messages.
-        true,
+    topology::with_kind(
+        Error::broker(
+            "rabbitmq",
+            format!("publishing to exchange {exchange:?}: access refused — the user lacks the `write` permission on it ({e})"),
+            // The sink's fault, not the message's: a daemon waits for the
+            // permission instead of dead-lettering good messages.
+            true,
+        ),
+        e,
     )
 }
 
@@ -710,6 +716,7 @@ fn blocked_error() -> Error {
         "the broker blocks publishing on this connection (a memory or disk alarm); waiting for it to clear",
         true,
     )
+    .with_broker_kind(BrokerErrorKind::Unavailable)
 }
 
 /// A failed connect, naming the broker without its credentials.
@@ -722,10 +729,13 @@ fn connect_error(url: &str, e: &lapin::Error) -> Error {
             } else {
                 ""
             };
-            Error::broker(
-                "rabbitmq",
-                format!("connecting to {}: {e}{hint}", redact(url)),
-                true,
+            topology::with_kind(
+                Error::broker(
+                    "rabbitmq",
+                    format!("connecting to {}: {e}{hint}", redact(url)),
+                    true,
+                ),
+                e,
             )
         }
         // No answer: refused, reset, TLS, DNS.
@@ -886,7 +896,7 @@ impl QueueAdapter for RabbitAdapter {
             let _ = ch.close(200, "depth".into()).await;
             match result {
                 Ok(q) => Ok(Some(u64::from(q.message_count()))),
-                Err(e) if e.to_string().contains("NOT_FOUND") => Ok(Some(0)),
+                Err(e) if topology::amqp_code(&e) == Some(404) => Ok(Some(0)),
                 Err(e) => Err(amqp_error(&e)),
             }
         })
@@ -964,7 +974,7 @@ impl RabbitConsumer {
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| match topology::amqp_code(&e) {
+            .map_err(|e| topology::with_kind(match topology::amqp_code(&e) {
                 Some(403) => Error::broker(
                     "rabbitmq",
                     format!("consuming from queue {source:?}: access refused — the user lacks the `read` permission on it ({e})"),
@@ -976,7 +986,7 @@ impl RabbitConsumer {
                     true,
                 ),
                 _ => amqp_error(&e),
-            })?;
+            }, &e))?;
         Ok(Live { channel, stream })
     }
 

@@ -11,7 +11,7 @@
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ErrorKind, ExchangeKind};
-use ojs_core::{Error, Result};
+use ojs_core::{BrokerErrorKind, Error, Result};
 
 /// AMQP reply codes this module tells apart.
 const ACCESS_REFUSED: u16 = 403;
@@ -26,13 +26,31 @@ pub(crate) fn amqp_code(e: &lapin::Error) -> Option<u16> {
     }
 }
 
-fn amqp_error(e: &lapin::Error) -> Error {
-    Error::broker("rabbitmq", e.to_string(), true)
+/// A lapin error as ours: its kind from the AMQP reply code, lapin's error
+/// kept as the source.
+pub(crate) fn amqp_error(e: &lapin::Error) -> Error {
+    with_kind(Error::broker("rabbitmq", e.to_string(), true), e)
+}
+
+/// Sets kind and source of a broker error made from `e`.
+pub(crate) fn with_kind(error: Error, e: &lapin::Error) -> Error {
+    let kind = match amqp_code(e) {
+        Some(ACCESS_REFUSED) => BrokerErrorKind::AccessDenied,
+        Some(NOT_FOUND) => BrokerErrorKind::NotFound,
+        Some(PRECONDITION_FAILED) => BrokerErrorKind::Conflict,
+        // Connection forced, resource locked, resource error: the broker's
+        // state, not the request.
+        Some(320 | 405 | 506) => BrokerErrorKind::Unavailable,
+        Some(_) => BrokerErrorKind::Other,
+        // No reply code: the connection or channel is gone.
+        None => BrokerErrorKind::Unavailable,
+    };
+    error.with_broker_kind(kind).with_source(e.clone())
 }
 
 /// What went wrong with `name`, worded for the operator.
 fn refused(what: &str, name: &str, e: &lapin::Error) -> Error {
-    match amqp_code(e) {
+    let error = match amqp_code(e) {
         Some(ACCESS_REFUSED) => Error::broker(
             "rabbitmq",
             format!(
@@ -47,7 +65,8 @@ fn refused(what: &str, name: &str, e: &lapin::Error) -> Error {
             true,
         ),
         _ => Error::broker("rabbitmq", format!("{what} {name:?}: {e}"), true),
-    }
+    };
+    with_kind(error, e)
 }
 
 async fn scratch<T>(
@@ -79,11 +98,11 @@ pub(crate) async fn check_queue(connection: &Connection, name: &str) -> Result<u
     .await?
     {
         Ok(q) => Ok(q.message_count()),
-        Err(e) if amqp_code(&e) == Some(NOT_FOUND) => Err(Error::broker(
+        Err(e) if amqp_code(&e) == Some(NOT_FOUND) => Err(with_kind(Error::broker(
             "rabbitmq",
             format!("queue {name:?} does not exist (topology = \"existing\" declares nothing; create it, or use topology = \"declare\")"),
             true,
-        )),
+        ), &e)),
         Err(e) => Err(refused("queue", name, &e)),
     }
 }
@@ -106,10 +125,15 @@ pub(crate) async fn check_exchange(connection: &Connection, name: &str) -> Resul
     .await?
     {
         Ok(()) => Ok(()),
-        Err(e) if amqp_code(&e) == Some(NOT_FOUND) => Err(Error::broker(
-            "rabbitmq",
-            format!("exchange {name:?} does not exist (topology = \"existing\" declares nothing)"),
-            true,
+        Err(e) if amqp_code(&e) == Some(NOT_FOUND) => Err(with_kind(
+            Error::broker(
+                "rabbitmq",
+                format!(
+                    "exchange {name:?} does not exist (topology = \"existing\" declares nothing)"
+                ),
+                true,
+            ),
+            &e,
         )),
         Err(e) => Err(refused("exchange", name, &e)),
     }

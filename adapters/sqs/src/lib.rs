@@ -48,8 +48,9 @@ use bytes::Bytes;
 use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::backoff::reconnect_delay;
 use ojs_core::{
-    header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
-    Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
+    header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
+    DeliveryRef, Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, QueueAdapter,
+    Result, Source,
 };
 
 /// The SDK types [`received_message`] takes.
@@ -68,19 +69,53 @@ fn sqs_error(e: impl std::fmt::Display) -> Error {
 /// [`Error::Unreachable`], an answer is what SQS said.
 fn call_error<E, R>(e: aws_sdk_sqs::error::SdkError<E, R>) -> Error
 where
-    E: std::error::Error + Send + Sync + 'static,
-    R: std::fmt::Debug,
+    E: std::error::Error + aws_sdk_sqs::error::ProvideErrorMetadata + Send + Sync + 'static,
+    R: std::fmt::Debug + Send + Sync + 'static,
 {
-    use aws_sdk_sqs::error::SdkError;
+    use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
     let unreachable = matches!(e, SdkError::DispatchFailure(_) | SdkError::TimeoutError(_));
-    let message = aws_sdk_sqs::error::DisplayErrorContext(e).to_string();
+    let message = aws_sdk_sqs::error::DisplayErrorContext(&e).to_string();
     if unreachable {
         Error::Unreachable {
             broker: "sqs",
             message,
         }
     } else {
+        let kind = error_kind(e.code());
         Error::broker("sqs", message, true)
+            .with_broker_kind(kind)
+            .with_source(e)
+    }
+}
+
+/// The kind of an SQS error code.
+fn error_kind(code: Option<&str>) -> BrokerErrorKind {
+    match code {
+        Some("AWS.SimpleQueueService.NonExistentQueue" | "QueueDoesNotExist") => {
+            BrokerErrorKind::NotFound
+        }
+        Some(
+            "AccessDenied"
+            | "AccessDeniedException"
+            | "InvalidClientTokenId"
+            | "UnrecognizedClientException"
+            | "SignatureDoesNotMatch"
+            | "KmsAccessDenied",
+        ) => BrokerErrorKind::AccessDenied,
+        Some("QueueAlreadyExists" | "QueueNameExists") => BrokerErrorKind::Conflict,
+        Some("InvalidMessageContents" | "MessageTooLong" | "BatchRequestTooLong") => {
+            BrokerErrorKind::Rejected
+        }
+        Some(
+            "ThrottlingException"
+            | "RequestThrottled"
+            | "ServiceUnavailable"
+            | "InternalError"
+            | "InternalFailure"
+            | "OverLimit"
+            | "KmsThrottled",
+        ) => BrokerErrorKind::Unavailable,
+        _ => BrokerErrorKind::Other,
     }
 }
 
@@ -366,7 +401,8 @@ impl Inner {
                     "sqs",
                     format!("queue {name:?} does not exist (topology = \"existing\" creates nothing; create it, or use topology = \"declare\")"),
                     true,
-                ))
+                )
+.with_broker_kind(BrokerErrorKind::NotFound))
             }
             (None, Topology::Declare) => {
                 let dlq_url = match self.lookup(&dlq).await? {
@@ -665,6 +701,7 @@ impl QueueAdapter for SqsAdapter {
                     ),
                     true,
                 )
+.with_broker_kind(BrokerErrorKind::NotFound)
             })?,
         };
         Ok(Box::new(SqsConsumer {
