@@ -13,9 +13,12 @@
 //! # Ok::<(), ojs_core::Error>(())
 //! ```
 
+// The architecture, one folder each: `envelope/` (the OJS envelope, its
+// codecs and media types), `adapter/` (the contract every broker adapter
+// implements, its settings, decoding a delivery), `grpcq/` (the grpcq
+// message and the runtime: publisher, registry, worker, retries, trace
+// context), then the mapping between the two and federation.
 pub mod adapter;
-pub mod backoff;
-pub mod decode;
 pub mod duration;
 pub mod envelope;
 mod error;
@@ -23,27 +26,20 @@ pub mod federation;
 #[doc(hidden)]
 pub mod fuzz_targets;
 pub mod grpcq;
-mod json_codec;
 pub mod mapping;
-pub mod media;
-mod proto_codec;
-pub mod publisher;
 pub mod redact;
-pub mod registry;
-pub mod retry;
-pub mod settings;
-pub mod stream;
-pub mod trace;
-mod value;
-mod wire;
-pub mod worker;
+
+// The paths these modules had before the folders, kept for users.
+pub use adapter::{backoff, decode, settings};
+pub use envelope::{media, stream};
+pub use grpcq::{publisher, registry, retry, trace, worker};
 
 pub use adapter::{
     header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
     FailedPublish, Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Source,
 };
 pub use decode::{Decoded, Incoming};
+pub use envelope::value::MAX_VALUE_DEPTH;
 pub use envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
 pub use error::{BoxError, BrokerErrorKind, Error, Result};
 pub use media::Encoding;
-pub use value::MAX_VALUE_DEPTH;

@@ -4,9 +4,9 @@
 //! Each envelope is prefixed by its length as a protobuf varint: the standard
 //! "delimited" format that protobuf libraries read and write (DESIGN §2).
 
+use crate::envelope::wire::{self, Reader, WT_LEN};
 use crate::envelope::JobEnvelope;
 use crate::error::{Error, Result};
-use crate::wire::{self, Reader, WT_LEN};
 
 /// Appends one envelope, varint-length-prefixed.
 pub fn write_delimited(out: &mut Vec<u8>, job: &JobEnvelope) -> Result<()> {

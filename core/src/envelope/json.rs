@@ -10,10 +10,10 @@ use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use crate::envelope::proto::split_backtrace;
+use crate::envelope::value::normalize_value;
 use crate::envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy, DEFAULT_QUEUE};
 use crate::error::{Error, Result};
-use crate::proto_codec::split_backtrace;
-use crate::value::normalize_value;
 
 impl JobEnvelope {
     /// Decodes and validates one JSON envelope.

@@ -17,6 +17,10 @@
 //! * A delivery that is neither acked nor nacked comes back once its
 //!   consumer goes away or its visibility timeout ends.
 
+pub mod backoff;
+pub mod decode;
+pub mod settings;
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU8, Ordering};

@@ -9,10 +9,10 @@
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
 
+use crate::envelope::value::{self, Path};
+use crate::envelope::wire::{self, Reader, WT_I64, WT_LEN, WT_VARINT};
 use crate::envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy, DEFAULT_QUEUE};
 use crate::error::{Error, Result};
-use crate::value::{self, Path};
-use crate::wire::{self, Reader, WT_I64, WT_LEN, WT_VARINT};
 
 impl JobEnvelope {
     /// Decodes and validates one binary `JobEnvelope`.

@@ -1,11 +1,18 @@
 //! The OJS job envelope (ojs-core "Job Envelope"), independent of any encoding.
 
+pub(crate) mod json;
+pub mod media;
+pub(crate) mod proto;
+pub mod stream;
+pub(crate) mod value;
+pub(crate) mod wire;
+
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
 
 use crate::duration::parse_iso8601_duration;
+use crate::envelope::value::{check_value, Path};
 use crate::error::{Error, Result};
-use crate::value::{check_value, Path};
 
 /// `specversion` written by this build.
 pub const SPEC_VERSION: &str = "1.0";

@@ -5,8 +5,8 @@
 
 use serde_json::{Map, Number, Value};
 
+use crate::envelope::wire::{self, Reader, WT_I64, WT_LEN, WT_VARINT};
 use crate::error::{Error, Result};
-use crate::wire::{self, Reader, WT_I64, WT_LEN, WT_VARINT};
 
 /// Deepest nesting of arrays/objects accepted inside `args`, `meta`, `result`
 /// and `extensions`. serde_json stops at 128; we stop earlier so that every

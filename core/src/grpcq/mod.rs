@@ -2,6 +2,12 @@
 //! accepts both binary and base64 bodies (grpcq's SQS adapter sends base64;
 //! legacy publishers sent raw bytes).
 
+pub mod publisher;
+pub mod registry;
+pub mod retry;
+pub mod trace;
+pub mod worker;
+
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
 pub use ojs_proto::grpcq::Message;
