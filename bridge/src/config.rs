@@ -444,6 +444,43 @@ pub struct SourceConfig {
     /// destination (`ojs-bridge tail --dead-letters` reads it).
     #[serde(default)]
     pub dead_letter: Option<DeadLetterConfig>,
+    /// `none` (default): batches run side by side, up to
+    /// `max_in_flight / batch_size` at once, so a later batch may reach the
+    /// sink before an earlier one. `per_key`: messages with the same key
+    /// (Kafka record key, RabbitMQ `x-ojs-key`, SQS `ojs-key`) reach the
+    /// sink in the order they were received, across batches and retries.
+    #[serde(default)]
+    pub ordering: OrderingMode,
+    /// With `ordering = "per_key"`: keys are spread over this many lanes,
+    /// each publishing one batch at a time. Default `max_in_flight /
+    /// batch_size`.
+    #[serde(default)]
+    pub lanes: Option<usize>,
+}
+
+/// What order a source keeps; see [`SourceConfig::ordering`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OrderingMode {
+    /// No order across batches.
+    #[default]
+    None,
+    /// Per-key order across batches and retries.
+    PerKey,
+}
+
+impl SourceConfig {
+    /// Ordered lanes in force: `None` without `ordering = "per_key"`.
+    pub fn ordered_lanes(&self) -> Option<usize> {
+        match self.ordering {
+            OrderingMode::None => None,
+            OrderingMode::PerKey => Some(
+                self.lanes
+                    .unwrap_or(self.max_in_flight / self.batch_size.max(1))
+                    .max(1),
+            ),
+        }
+    }
 }
 
 fn default_group() -> String {
@@ -734,6 +771,15 @@ impl BridgeConfig {
                 return Err(invalid(
                     at("max_in_flight_bytes"),
                     "must be at least 1 (it bounds the payload bytes held at once)",
+                ));
+            }
+            if s.lanes == Some(0) {
+                return Err(invalid(at("lanes"), "must be at least 1"));
+            }
+            if s.lanes.is_some() && s.ordering == OrderingMode::None {
+                return Err(invalid(
+                    at("lanes"),
+                    "only means something with ordering = \"per_key\"",
                 ));
             }
             if s.max_in_flight < s.batch_size {
@@ -1104,6 +1150,21 @@ mod tests {
             (
                 &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nmax_in_flight_bytes = 0"),
                 "sources[0].max_in_flight_bytes",
+            ),
+            (
+                &MINIMAL.replace(
+                    "queue = \"calls\"",
+                    "queue = \"calls\"\nordering = \"per_key\"\nlanes = 0",
+                ),
+                "sources[0].lanes",
+            ),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nlanes = 4"),
+                "sources[0].lanes",
+            ),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nordering = \"by_key\""),
+                "ordering",
             ),
             (
                 &MINIMAL.replace(

@@ -9,7 +9,7 @@
 //! (undecodable, unknown content type, unmappable, no route, too large) are
 //! dead-lettered with their reason and the daemon goes on.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -23,7 +23,7 @@ use ojs_core::{
     QueueAdapter,
 };
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::alarm::Alarm;
@@ -520,6 +520,48 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
         ctx.config.max_in_flight_bytes.min(Semaphore::MAX_PERMITS),
     ));
     let mut tasks: JoinSet<()> = JoinSet::new();
+    // With per-key ordering, each lane publishes one batch at a time, in
+    // the order it was handed them; a key always takes the same lane.
+    let mut lanes: Vec<mpsc::UnboundedSender<(Vec<Delivery>, Arc<Held>)>> = Vec::new();
+    for _ in 0..ctx.config.ordered_lanes().unwrap_or(0) {
+        let (tx, mut rx) = mpsc::unbounded_channel::<(Vec<Delivery>, Arc<Held>)>();
+        let ctx = ctx.clone();
+        tasks.spawn(async move {
+            let lease = ctx.config.visibility_timeout;
+            let every = (lease / 2).max(Duration::from_millis(50));
+            let mut queued: VecDeque<(Vec<Delivery>, Arc<Held>)> = VecDeque::new();
+            loop {
+                if queued.is_empty() {
+                    match rx.recv().await {
+                        Some(next) => queued.push_back(next),
+                        None => break,
+                    }
+                }
+                let Some((batch, held)) = queued.pop_front() else {
+                    continue;
+                };
+                let work = process_batch(&ctx, batch);
+                tokio::pin!(work);
+                loop {
+                    tokio::select! {
+                        () = &mut work => break,
+                        // Batches waiting behind a slow one keep their
+                        // source leases, or they would be handed out again.
+                        () = tokio::time::sleep(every) => {
+                            while let Ok(next) = rx.try_recv() {
+                                queued.push_back(next);
+                            }
+                            let waiting = queued.iter().flat_map(|(b, _)| b.iter());
+                            join_all(waiting.map(|d| d.extend(lease))).await;
+                        }
+                    }
+                }
+                drop(held);
+            }
+        });
+        lanes.push(tx);
+    }
+    let mut keyless = 0usize;
     let mut consumer = None;
     let mut failures = 0u32;
     loop {
@@ -559,7 +601,7 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
             // Backpressure: wait for a batch to finish before fetching more.
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => break,
-                _ = tasks.join_next() => continue,
+                () = capacity(&permits, &bytes) => continue,
             }
         }
         let want = free.min(ctx.config.batch_size);
@@ -593,17 +635,40 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
                     .clone()
                     .try_acquire_many_owned(u32::try_from(take).unwrap_or(u32::MAX))
                     .ok();
-                let ctx = ctx.clone();
-                tasks.spawn(async move {
-                    process_batch(&ctx, batch).await;
-                    let counters = ctx.counters();
-                    counters.in_flight.fetch_sub(n as i64, Ordering::Relaxed);
-                    counters
-                        .in_flight_bytes
-                        .fetch_sub(size as i64, Ordering::Relaxed);
-                    drop(permit);
-                    drop(byte_permit);
-                });
+                let held = Held {
+                    ctx: ctx.clone(),
+                    n,
+                    size,
+                    _permits: (permit, byte_permit),
+                };
+                if lanes.is_empty() {
+                    let ctx = ctx.clone();
+                    tasks.spawn(async move {
+                        process_batch(&ctx, batch).await;
+                        drop(held);
+                    });
+                } else {
+                    let held = Arc::new(held);
+                    let mut by_lane: Vec<Vec<Delivery>> =
+                        (0..lanes.len()).map(|_| Vec::new()).collect();
+                    for d in batch {
+                        let lane = match &d.key {
+                            Some(key) => lane_of(key, lanes.len()),
+                            // No key, no order to keep: spread them.
+                            None => {
+                                keyless = keyless.wrapping_add(1);
+                                keyless % lanes.len()
+                            }
+                        };
+                        by_lane[lane].push(d);
+                    }
+                    for (lane, part) in lanes.iter().zip(by_lane) {
+                        if !part.is_empty() {
+                            // A lane ends only when `lanes` is dropped.
+                            let _ = lane.send((part, held.clone()));
+                        }
+                    }
+                }
             }
             Err(e) => {
                 failures += 1;
@@ -619,6 +684,8 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
             }
         }
     }
+    // Lanes finish what they were handed, then end.
+    drop(lanes);
     let drained =
         tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await;
     if drained.is_err() {
@@ -630,6 +697,42 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
             tracing::warn!(source = %ctx.name(), error = %e, "closing the consumer failed");
         }
     }
+}
+
+/// What a received batch holds until every part of it is settled: its
+/// share of `max_in_flight` and of the byte budget, and the in-flight
+/// gauges.
+struct Held {
+    ctx: Arc<SourceCtx>,
+    n: usize,
+    size: usize,
+    _permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let counters = self.ctx.counters();
+        counters
+            .in_flight
+            .fetch_sub(self.n as i64, Ordering::Relaxed);
+        counters
+            .in_flight_bytes
+            .fetch_sub(self.size as i64, Ordering::Relaxed);
+    }
+}
+
+/// Resolves once a message and a byte of budget are free.
+async fn capacity(permits: &Semaphore, bytes: &Semaphore) {
+    let _ = permits.acquire().await;
+    let _ = bytes.acquire().await;
+}
+
+/// The lane of a key: the same key, the same lane.
+fn lane_of(key: &str, lanes: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    (h.finish() % lanes as u64) as usize
 }
 
 /// Messages of one batch bound for one (route, queue).

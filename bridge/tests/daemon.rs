@@ -1159,3 +1159,80 @@ async fn publishes_that_outlast_the_lease_are_not_delivered_twice() {
     assert_eq!(summary.sources[0].1, 1, "received once");
     assert_eq!(summary.sources[0].2, 1, "acked");
 }
+
+/// Per-key order across batches: the sink's first publish is slow, so
+/// without ordered lanes the later batches overtake the first one (shown
+/// below, so this test would fail without `ordering = "per_key"`); with
+/// them, each key's messages reach the sink in the order they were sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_key_ordering_keeps_each_keys_order_across_batches_and_a_slow_publish() {
+    async fn sink_order(ordering: &str) -> BTreeMap<String, Vec<usize>> {
+        let name = broker_name();
+        let sink_name = broker_name();
+        let toml = format!(
+            r#"
+            [http]
+            listen = "off"
+            [adapters]
+            mem = "memory://{name}"
+            sink = "memory://{sink_name}"
+            [[sources]]
+            name = "calls"
+            adapter = "mem"
+            queue = "calls"
+            batch_size = 10
+            max_in_flight = 100
+            {ordering}
+            [[routes]]
+            name = "all"
+            sink = "sink"
+            "#
+        );
+        let sink: Arc<dyn QueueAdapter> =
+            Arc::new(TestSink::new(&sink_name).slow_first_publish(Duration::from_millis(500)));
+        let broker = MemoryAdapter::named(&name);
+        let n = 200;
+        let mut of_id = HashMap::new();
+        let mut messages = Vec::new();
+        for i in 0..n {
+            let c = call(i, "payment.PaymentService", "Pay");
+            let key = ["a", "b", "c"][i % 3];
+            of_id.insert(call_job_id(&c.message_id, c.timestamp_ms), (key, i));
+            messages.push(OutgoingMessage::from_grpcq(&c).with_key(key));
+        }
+        // Queued before the daemon starts, so batches are full and many
+        // run at once.
+        broker.publish("calls", messages).await.unwrap();
+        let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
+        let jobs = collect(
+            &MemoryAdapter::named(&sink_name),
+            "default",
+            Source::Queue,
+            n,
+            IDLE,
+        )
+        .await;
+        daemon.shutdown().await;
+        assert_eq!(jobs.len(), n, "every call arrives ({ordering})");
+        let mut order: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for d in &jobs {
+            let (key, i) = of_id[d.headers.get(header::ID).unwrap()];
+            order.entry(key.to_owned()).or_default().push(i);
+        }
+        order
+    }
+    let in_order = |order: &BTreeMap<String, Vec<usize>>| {
+        order
+            .values()
+            .all(|seq| seq.windows(2).all(|w| w[0] < w[1]))
+    };
+    let unordered = sink_order("").await;
+    assert!(
+        !in_order(&unordered),
+        "the slow first batch should have been overtaken without ordered lanes"
+    );
+    let ordered = sink_order("ordering = \"per_key\"\n            lanes = 3").await;
+    assert!(in_order(&ordered), "{ordered:?}");
+    let ordered = sink_order("ordering = \"per_key\"").await;
+    assert!(in_order(&ordered), "{ordered:?}");
+}
