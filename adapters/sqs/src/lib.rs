@@ -662,7 +662,7 @@ impl QueueAdapter for SqsAdapter {
         self.inner.config.max_message_bytes / 4 * 3
     }
 
-    #[tracing::instrument(skip_all, fields(queue, count = messages.len()))]
+    #[tracing::instrument(skip_all, fields(queue = %queue, count = messages.len()))]
     async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> Result<()> {
         let (total, accepted, mut failed) = admit(
             messages,
