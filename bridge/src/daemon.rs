@@ -728,7 +728,7 @@ async fn capacity(permits: &Semaphore, bytes: &Semaphore) {
 }
 
 /// The lane of a key: the same key, the same lane.
-fn lane_of(key: &str, lanes: usize) -> usize {
+fn lane_of(key: &[u8], lanes: usize) -> usize {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     key.hash(&mut h);

@@ -97,7 +97,7 @@ fn decode_like_the_daemon(
     payload: Bytes,
     headers: ojs_core::Headers,
     attempt: u32,
-    key: Option<String>,
+    key: Option<Bytes>,
 ) {
     assert!(attempt >= 1, "attempts are 1-based");
     let mut d = Delivery::new(payload, headers, attempt, "fuzz", Box::new(Unsettled));

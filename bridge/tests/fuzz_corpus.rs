@@ -122,7 +122,7 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
             .iter()
             .map(|m| {
                 let key = m.key.clone().unwrap_or_default();
-                let mut parts: Vec<&[u8]> = vec![key.as_bytes(), &m.payload];
+                let mut parts: Vec<&[u8]> = vec![&key[..], &m.payload];
                 for (name, value) in &m.headers {
                     parts.push(name.as_bytes());
                     parts.push(value.as_bytes());
@@ -139,8 +139,7 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
             .map(|m| {
                 let body = base64::engine::general_purpose::STANDARD.encode(&m.payload);
                 let key = m.key.clone().unwrap_or_default();
-                let mut parts: Vec<&[u8]> =
-                    vec![body.as_bytes(), b"3", b"ojs-key", &[0], key.as_bytes()];
+                let mut parts: Vec<&[u8]> = vec![body.as_bytes(), b"3", b"ojs-key", &[0], &key[..]];
                 for (name, value) in &m.headers {
                     parts.push(name.as_bytes());
                     parts.push(&[0]);
@@ -198,7 +197,7 @@ fn the_seeds_decode_into_what_they_were_made_from() {
 
     let seed = &seeds("kafka_headers")[0];
     let mut parts = Parts::new(seed);
-    assert_eq!(parts.next_part(), m.key.as_deref().unwrap().as_bytes());
+    assert_eq!(parts.next_part(), m.key.as_deref().unwrap());
     assert_eq!(parts.next_part(), &m.payload[..]);
     let record = ojs_adapter_kafka::received_record(
         [
@@ -210,7 +209,7 @@ fn the_seeds_decode_into_what_they_were_made_from() {
         Some(b"k"),
     );
     assert_eq!(record.attempt, 2);
-    assert_eq!(record.key.as_deref(), Some("k"));
+    assert_eq!(record.key.as_deref(), Some(&b"k"[..]));
     assert_eq!(
         record.headers.len(),
         1,
@@ -229,7 +228,7 @@ fn the_seeds_decode_into_what_they_were_made_from() {
     let sqs = ojs_adapter_sqs::received_message("aGk=", Some(&attrs), Some("0"));
     assert_eq!(
         (&sqs.payload[..], sqs.key.as_deref(), sqs.attempt),
-        (&b"hi"[..], Some("k"), 1)
+        (&b"hi"[..], Some(&b"k"[..]), 1)
     );
 
     let set = &seeds("descriptor_transcode")[0];

@@ -534,7 +534,7 @@ pub async fn order_within_a_key(f: &dyn AdapterFactory) -> Result<()> {
     while !tally.complete() && Instant::now() < deadline {
         for d in consumer.receive(50, Duration::from_millis(500)).await? {
             let job = &d.encoding(None)?.decode_envelopes(&d.payload)?[0];
-            assert_eq!(d.key.as_deref(), Some("one-key"), "key kept");
+            assert_eq!(d.key.as_deref(), Some(&b"one-key"[..]), "key kept");
             order.push(job.args[0].as_u64().context("index")?);
             tally.received(job.id.clone());
             d.ack().await?;
@@ -545,6 +545,60 @@ pub async fn order_within_a_key(f: &dyn AdapterFactory) -> Result<()> {
         let expected: Vec<u64> = (0..n as u64).collect();
         assert_eq!(order, expected, "per-key order");
     }
+    Ok(())
+}
+
+/// A key that is not UTF-8 (a Kafka producer's binary key) comes back byte
+/// for byte: on delivery, after a retry and in the dead letters, so the copy
+/// lands in the same partition as the original.
+pub async fn binary_keys_survive_retries_and_dead_letters(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = f.queue("acc-binkey").await?;
+    let key: &'static [u8] = b"\xff\x00\xfek\x80";
+    let (id, msg) = message(&queue, 0);
+    adapter.publish(&queue, vec![msg.with_key(key)]).await?;
+    let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+    let deadline = Instant::now() + features.patience;
+    let mut seen = 0;
+    while seen < 2 && Instant::now() < deadline {
+        for d in consumer.receive(1, Duration::from_millis(500)).await? {
+            assert_eq!(id_of(&d)?, id);
+            assert_eq!(
+                d.key.as_deref(),
+                Some(key),
+                "key kept (delivery {})",
+                seen + 1
+            );
+            seen += 1;
+            let action = if seen == 1 {
+                Nack::requeue()
+            } else {
+                Nack::DeadLetter(DeadLetterReason::new("test", "binary key"))
+            };
+            d.nack(action).await?;
+        }
+    }
+    assert_eq!(seen, 2, "{}: delivered, then retried", features.name);
+    consumer.close().await?;
+    let mut options = f.consumer_options();
+    options.source = Source::DeadLetters;
+    let mut dlq = adapter.consumer(&queue, options).await?;
+    let deadline = Instant::now() + features.patience;
+    let mut dead = None;
+    while dead.is_none() && Instant::now() < deadline {
+        for d in dlq.receive(1, Duration::from_millis(500)).await? {
+            dead = Some(d.key.clone());
+            d.ack().await?;
+        }
+    }
+    dlq.close().await?;
+    assert_eq!(
+        dead.context("the dead letter arrives")?.as_deref(),
+        Some(key),
+        "{}: key kept in the dead letters",
+        features.name
+    );
     Ok(())
 }
 
@@ -751,6 +805,7 @@ macro_rules! acceptance_tests {
             ack_twice_is_an_error,
             close_loses_nothing_accepted,
             order_within_a_key,
+            binary_keys_survive_retries_and_dead_letters,
             dead_letter_with_reason,
             oversized_message_is_rejected,
             health_and_depth,

@@ -73,7 +73,7 @@ async fn raw_produce(producer: &FutureProducer, topic: &str, msgs: &[OutgoingMes
             }
             let record = FutureRecord::to(topic)
                 .payload(m.payload.as_ref())
-                .key(m.key.as_deref().unwrap_or_default().as_bytes())
+                .key(m.key.as_deref().unwrap_or_default())
                 .headers(headers);
             producer.send(record, Duration::from_secs(30))
         });

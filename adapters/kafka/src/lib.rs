@@ -392,7 +392,7 @@ impl Inner {
                 .payload(m.payload.as_ref())
                 .headers(headers);
             if let Some(key) = &m.key {
-                record = record.key(key.as_bytes());
+                record = record.key(&key[..]);
             }
             // Enqueue now, without a future per record that owns the
             // record (moving hundreds of those into `join_all` showed in
@@ -1449,15 +1449,15 @@ impl Acknowledger for KafkaAcker {
 pub struct ReceivedRecord {
     /// Headers with a value (the adapter's own `ojs-not-before` left out).
     pub headers: Headers,
-    /// The record key.
-    pub key: Option<String>,
+    /// The record key, as bytes: a retry or dead-letter copy keeps it.
+    pub key: Option<Bytes>,
     /// 1-based attempt from `ojs-attempt`.
     pub attempt: u32,
 }
 
-/// Reads a record's headers and key as librdkafka hands them over. Values
-/// and keys that are not UTF-8 are read lossily (binary keys and values are
-/// the pipeline issue's to keep). The Kafka header fuzz target starts here.
+/// Reads a record's headers and key as librdkafka hands them over. Header
+/// values that are not UTF-8 are read lossily; the key is kept as bytes.
+/// The Kafka header fuzz target starts here.
 pub fn received_record<'a>(
     headers: impl Iterator<Item = (&'a str, Option<&'a [u8]>)>,
     key: Option<&[u8]>,
@@ -1478,7 +1478,7 @@ pub fn received_record<'a>(
         .unwrap_or(1);
     ReceivedRecord {
         headers: map,
-        key: key.map(|k| String::from_utf8_lossy(k).into_owned()),
+        key: key.map(Bytes::copy_from_slice),
         attempt,
     }
 }

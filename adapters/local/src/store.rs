@@ -50,6 +50,15 @@ pub(crate) fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
 }
 
+/// A key as stored: UTF-8 as text (what a reader of the file expects),
+/// anything else as a blob, so its bytes come back as they went in.
+fn key_value(key: Option<&[u8]>) -> Option<rusqlite::types::Value> {
+    key.map(|k| match std::str::from_utf8(k) {
+        Ok(text) => rusqlite::types::Value::Text(text.to_owned()),
+        Err(_) => rusqlite::types::Value::Blob(k.to_vec()),
+    })
+}
+
 fn db_error(e: rusqlite::Error) -> Error {
     use rusqlite::ErrorCode;
     // Almost nothing the store fails on is the message's fault: a full disk
@@ -178,7 +187,7 @@ pub(crate) fn insert(
                 visible_at,
                 m.payload.as_ref(),
                 headers,
-                m.key,
+                key_value(m.key.as_deref()),
                 m.message_id,
                 now
             ])
@@ -194,7 +203,7 @@ pub(crate) struct Claimed {
     pub priority: i64,
     pub payload: Bytes,
     pub headers: Headers,
-    pub key: Option<String>,
+    pub key: Option<Bytes>,
     pub message_id: Option<String>,
     pub deliveries: u32,
 }
@@ -256,7 +265,11 @@ pub(crate) fn claim(
                         priority: r.get(1)?,
                         payload: Bytes::from(r.get::<_, Vec<u8>>(2)?),
                         headers: parse_headers(&r.get::<_, String>(3)?),
-                        key: r.get(4)?,
+                        key: match r.get_ref(4)? {
+                            rusqlite::types::ValueRef::Text(b)
+                            | rusqlite::types::ValueRef::Blob(b) => Some(Bytes::copy_from_slice(b)),
+                            _ => None,
+                        },
                         message_id: r.get(5)?,
                         deliveries: u32::try_from(r.get::<_, i64>(6)?).unwrap_or(u32::MAX),
                     })

@@ -97,7 +97,7 @@ struct Stored {
     seq: u64,
     payload: Bytes,
     headers: Headers,
-    key: Option<String>,
+    key: Option<Bytes>,
     message_id: Option<String>,
     priority: i32,
     /// Deliveries so far.

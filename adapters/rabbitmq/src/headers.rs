@@ -11,6 +11,7 @@
 //!
 //! The ordering key travels in `x-ojs-key`.
 
+use bytes::Bytes;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
 use ojs_core::{header, Headers, OutgoingMessage};
@@ -93,7 +94,7 @@ pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> BasicPropert
     if let Some(key) = &m.key {
         table.insert(
             KEY_HEADER.into(),
-            AMQPValue::LongString(LongString::from(key.as_bytes())),
+            AMQPValue::LongString(LongString::from(key.to_vec())),
         );
     }
     if let Some(max) = max_priority {
@@ -108,7 +109,8 @@ pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> BasicPropert
 #[derive(Debug, Clone)]
 pub struct Received {
     pub headers: Headers,
-    pub key: Option<String>,
+    /// The ordering key, as bytes (a long string carries any).
+    pub key: Option<Bytes>,
     pub message_id: Option<String>,
     pub priority: i32,
     /// 1-based attempt: `x-ojs-attempt` (set when a retry was republished),
@@ -125,7 +127,11 @@ pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
         for (name, value) in table.inner() {
             let name = name.as_str();
             if name == KEY_HEADER {
-                key = text(value);
+                key = match value {
+                    AMQPValue::LongString(s) => Some(Bytes::copy_from_slice(s.as_bytes())),
+                    AMQPValue::ByteArray(b) => Some(Bytes::copy_from_slice(b.as_slice())),
+                    other => text(other).map(Bytes::from),
+                };
             } else if name == DELIVERY_COUNT {
                 delivery_count = text(value).and_then(|t| t.parse::<u32>().ok());
             } else if let (Some(n), Some(v)) = (neutral_name(name), text(value)) {
@@ -212,7 +218,7 @@ mod tests {
             back.headers.get("x-custom").map(String::as_str),
             Some("kept")
         );
-        assert_eq!(back.key.as_deref(), Some(job.id.as_str()));
+        assert_eq!(back.key.as_deref(), Some(job.id.as_bytes()));
         assert_eq!(back.attempt, 4, "3 from the header + 1 broker redelivery");
     }
 }

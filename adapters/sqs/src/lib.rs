@@ -127,8 +127,8 @@ pub struct ReceivedMessage {
     pub payload: Bytes,
     /// String attributes (binary ones are not ours and are left out).
     pub headers: Headers,
-    /// The `ojs-key` attribute.
-    pub key: Option<String>,
+    /// The `ojs-key` attribute (String or Binary).
+    pub key: Option<Bytes>,
     /// `ApproximateReceiveCount`, 1 when absent or unreadable.
     pub attempt: u32,
 }
@@ -145,12 +145,18 @@ pub fn received_message(
         Err(_) => Bytes::copy_from_slice(body.as_bytes()),
     };
     let mut headers = Headers::new();
+    let mut key = None;
     for (k, v) in attributes.into_iter().flatten() {
-        if let Some(s) = v.string_value() {
+        if k == KEY_ATTRIBUTE {
+            key = match (v.string_value(), v.binary_value()) {
+                (Some(s), _) => Some(Bytes::copy_from_slice(s.as_bytes())),
+                (None, Some(b)) => Some(Bytes::copy_from_slice(b.as_ref())),
+                (None, None) => None,
+            };
+        } else if let Some(s) = v.string_value() {
             headers.insert(k.clone(), s.to_owned());
         }
     }
-    let key = headers.remove(KEY_ATTRIBUTE);
     ReceivedMessage {
         payload,
         headers,
@@ -434,20 +440,32 @@ impl Inner {
 
     fn entry(&self, id: usize, m: &OutgoingMessage) -> Result<SendMessageBatchRequestEntry> {
         let mut attributes = m.headers.clone();
-        if let Some(key) = &m.key {
-            attributes.insert(KEY_ATTRIBUTE.into(), key.clone());
-        }
-        if attributes.len() > SQS_MAX_ATTRIBUTES {
+        // A UTF-8 key travels as a String attribute (what other readers
+        // expect), any other key as a Binary one: its bytes come back.
+        let key = m.key.as_ref().map(|k| match std::str::from_utf8(k) {
+            Ok(text) => MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(text),
+            Err(_) => MessageAttributeValue::builder()
+                .data_type("Binary")
+                .binary_value(Blob::new(k.to_vec())),
+        });
+        attributes.remove(KEY_ATTRIBUTE);
+        let key_size = m
+            .key
+            .as_ref()
+            .map_or(0, |k| KEY_ATTRIBUTE.len() + "Binary".len() + k.len());
+        if attributes.len() + usize::from(key.is_some()) > SQS_MAX_ATTRIBUTES {
             return Err(Error::InvalidConfig {
                 field: "headers".into(),
                 reason: format!(
                     "SQS allows at most {SQS_MAX_ATTRIBUTES} message attributes; this message needs {} (headers and ordering key)",
-                    attributes.len()
+                    attributes.len() + usize::from(key.is_some())
                 ),
             });
         }
         let body = STANDARD.encode(&m.payload);
-        let size = encoded_size(body.len(), &attributes);
+        let size = encoded_size(body.len(), &attributes) + key_size;
         if size > self.config.max_message_bytes {
             return Err(Error::PayloadTooLarge {
                 size,
@@ -464,6 +482,9 @@ impl Inner {
                 .build()
                 .map_err(sqs_error)?;
             e = e.message_attributes(k, value);
+        }
+        if let Some(key) = key {
+            e = e.message_attributes(KEY_ATTRIBUTE, key.build().map_err(sqs_error)?);
         }
         if let Some(at) = m.deliver_at {
             let secs = (at - chrono::Utc::now()).num_seconds().max(0) as u64;

@@ -82,7 +82,7 @@ pub struct OutgoingMessage {
     pub headers: Headers,
     /// Ordering key: messages with the same key keep their order where the
     /// broker can (Kafka partition key, SQS FIFO group).
-    pub key: Option<String>,
+    pub key: Option<Bytes>,
     /// Stable id (job id / grpcq message id): broker message id, dedup id.
     pub message_id: Option<String>,
     /// Higher is delivered first where the broker supports priorities.
@@ -135,10 +135,10 @@ impl OutgoingMessage {
                 h.insert(key.into(), v.to_owned());
             }
         }
-        msg.key = Some(
+        msg.key = Some(Bytes::from(
             job.meta_str("partition_key")
                 .map_or_else(|| job.id.clone(), str::to_owned),
-        );
+        ));
         msg.message_id = Some(job.id.clone());
         msg.priority = job.priority;
         msg.deliver_at = job.scheduled_at;
@@ -158,7 +158,7 @@ impl OutgoingMessage {
             out.headers
                 .insert(header::GRPCQ_ORIGINATOR.into(), msg.originator.clone());
         }
-        out.key = Some(msg.action.clone());
+        out.key = Some(Bytes::from(msg.action.clone()));
         out.message_id = Some(msg.message_id.clone());
         out
     }
@@ -169,8 +169,9 @@ impl OutgoingMessage {
         self
     }
 
-    /// Sets the ordering key (builder style).
-    pub fn with_key(mut self, key: impl Into<String>) -> Self {
+    /// Sets the ordering key (builder style). Keys are bytes: a binary
+    /// Kafka key goes out again exactly as it came in.
+    pub fn with_key(mut self, key: impl Into<Bytes>) -> Self {
         self.key = Some(key.into());
         self
     }
@@ -335,7 +336,7 @@ pub struct DeliveryRef<'a> {
     /// Headers.
     pub headers: &'a Headers,
     /// Ordering key.
-    pub key: Option<&'a str>,
+    pub key: Option<&'a [u8]>,
     /// Broker message id.
     pub message_id: Option<&'a str>,
     /// Attempt of this delivery.
@@ -348,7 +349,7 @@ impl DeliveryRef<'_> {
         OutgoingMessage {
             payload: self.payload.clone(),
             headers: self.headers.clone(),
-            key: self.key.map(str::to_owned),
+            key: self.key.map(Bytes::copy_from_slice),
             message_id: self.message_id.map(str::to_owned),
             priority: 0,
             deliver_at: None,
@@ -392,7 +393,7 @@ pub struct Delivery {
     /// 1 on first delivery, counted up on every redelivery and retry.
     pub attempt: u32,
     /// Ordering key, when the broker keeps one.
-    pub key: Option<String>,
+    pub key: Option<Bytes>,
     /// Broker message id.
     pub message_id: Option<String>,
     /// Queue it came from (the OJS queue name, not the broker's); shared, as
