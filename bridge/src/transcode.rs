@@ -15,6 +15,26 @@ pub struct Transcoder {
     fixed: Option<MessageDescriptor>,
 }
 
+/// The key types protobuf allows in a map.
+fn valid_map_key(kind: &prost_reflect::Kind) -> bool {
+    use prost_reflect::Kind as K;
+    matches!(
+        kind,
+        K::Int32
+            | K::Sint32
+            | K::Sfixed32
+            | K::Int64
+            | K::Sint64
+            | K::Sfixed64
+            | K::Uint32
+            | K::Fixed32
+            | K::Uint64
+            | K::Fixed64
+            | K::Bool
+            | K::String
+    )
+}
+
 impl Transcoder {
     /// Loads a FileDescriptorSet file; `message_type`, when given, must be
     /// in it.
@@ -47,14 +67,16 @@ impl Transcoder {
         let pool = DescriptorPool::decode(bytes)
             .map_err(|e| format!("not a protobuf FileDescriptorSet: {e}"))?;
         // prost-reflect 0.16 accepts a map entry type without its key or
-        // value field, then panics decoding any payload that uses the map
-        // (found by the same fuzz target): refused here, by name.
-        if let Some(entry) = pool
-            .all_messages()
-            .find(|m| m.is_map_entry() && (m.get_field(1).is_none() || m.get_field(2).is_none()))
-        {
+        // value field, or with a key type protobuf does not allow (a float,
+        // bytes, a message), then panics decoding any payload that uses the
+        // map (found by the same fuzz target): refused here, by name.
+        if let Some(entry) = pool.all_messages().find(|m| {
+            m.is_map_entry()
+                && (m.get_field(2).is_none()
+                    || !m.get_field(1).is_some_and(|key| valid_map_key(&key.kind())))
+        }) {
             return Err(format!(
-                "map entry type {} lacks its key (1) or value (2) field",
+                "map entry type {} lacks its value field (2) or a key field (1) of an integer, bool or string type",
                 entry.full_name()
             ));
         }
@@ -210,6 +232,26 @@ mod tests {
             // not get as far as decoding.
             Ok(_) => panic!("a map entry without a value field was accepted"),
         }
+        // A map entry whose key is bytes (protobuf forbids it).
+        let mut bytes_key = set.clone();
+        bytes_key.file[0].message_type[0].nested_type[0].field = vec![
+            field("key", 1, Type::Bytes, Label::Optional, None),
+            field("value", 2, Type::String, Label::Optional, None),
+        ];
+        match Transcoder::from_bytes(&bytes_key.encode_to_vec(), None) {
+            Err(err) => assert!(err.contains("p.M.MetaEntry"), "{err}"),
+            Ok(_) => panic!("a map entry with a bytes key was accepted"),
+        }
+        // The same entry with a string key is fine.
+        let mut good = bytes_key.clone();
+        good.file[0].message_type[0].nested_type[0].field[0] =
+            field("key", 1, Type::String, Label::Optional, None);
+        let t = Transcoder::from_bytes(&good.encode_to_vec(), Some("p.M")).unwrap();
+        let json = t
+            .to_json("", "", &[0x0A, 6, 0x0A, 1, b'k', 0x12, 1, b'v'])
+            .unwrap()
+            .unwrap();
+        assert_eq!(json.json["meta"]["k"], "v");
         assert!(Transcoder::from_bytes(b"\xff\xff", None).is_err());
     }
 }
