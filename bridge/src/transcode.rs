@@ -4,7 +4,7 @@ use std::path::Path;
 
 use ojs_core::mapping::TranscodedPayload;
 use prost::Message as _;
-use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
+use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, ReflectMessage};
 use serde_json::Value;
 
 /// Transcodes payloads of one route.
@@ -13,6 +13,55 @@ pub struct Transcoder {
     pool: DescriptorPool,
     /// The configured request type; otherwise looked up per call.
     fixed: Option<MessageDescriptor>,
+    /// Whether the set defines google.protobuf.Any (see [`too_deep`]).
+    has_any: bool,
+}
+
+/// Deepest message nesting a payload may have to be carried as JSON: the
+/// recursion limit protobuf decoders (prost among them) apply.
+const MAX_NESTING: usize = 100;
+
+/// Whether `msg` nests messages deeper than `budget`, counting the message
+/// packed in each google.protobuf.Any as the levels it holds. prost-reflect
+/// decodes an Any's value afresh while it writes JSON, so protobuf's
+/// recursion limit does not bound an Any in an Any in an Any…: a payload of
+/// a few hundred KiB of them overflowed a thread's stack (found by the
+/// descriptor_transcode fuzz target). This walk is itself bounded by
+/// `budget`.
+fn too_deep(msg: &DynamicMessage, budget: usize) -> bool {
+    use prost_reflect::{MapKey, Value as V};
+    let Some(budget) = budget.checked_sub(1) else {
+        return true;
+    };
+    let desc = msg.descriptor();
+    if desc.full_name() == "google.protobuf.Any" {
+        let (Some(V::String(url)), Some(V::Bytes(value))) = (
+            msg.get_field_by_number(1).map(|v| v.into_owned()),
+            msg.get_field_by_number(2).map(|v| v.into_owned()),
+        ) else {
+            return false;
+        };
+        let name = url.rsplit('/').next().unwrap_or_default();
+        let Some(packed) = desc.parent_pool().get_message_by_name(name) else {
+            return false;
+        };
+        // Undecodable: prost-reflect's JSON fails the same way, no deeper.
+        return match DynamicMessage::decode(packed, value) {
+            Ok(inner) => too_deep(&inner, budget),
+            Err(_) => false,
+        };
+    }
+    let nested = |v: &V| match v {
+        V::Message(m) => too_deep(m, budget),
+        V::List(items) => items
+            .iter()
+            .any(|i| matches!(i, V::Message(m) if too_deep(m, budget))),
+        V::Map(entries) => entries
+            .iter()
+            .any(|(_, i): (&MapKey, &V)| matches!(i, V::Message(m) if too_deep(m, budget))),
+        _ => false,
+    };
+    msg.fields().any(|(_, v)| nested(v))
 }
 
 /// The key types protobuf allows in a map.
@@ -87,7 +136,12 @@ impl Transcoder {
             ),
             None => None,
         };
-        Ok(Transcoder { pool, fixed })
+        let has_any = pool.get_message_by_name("google.protobuf.Any").is_some();
+        Ok(Transcoder {
+            pool,
+            fixed,
+            has_any,
+        })
     }
 
     /// The same set with `message_type` as the fixed request type.
@@ -95,6 +149,7 @@ impl Transcoder {
         Some(Transcoder {
             pool: self.pool.clone(),
             fixed: Some(self.pool.get_message_by_name(message_type)?),
+            has_any: self.has_any,
         })
     }
 
@@ -132,6 +187,10 @@ impl Transcoder {
         let desc = self.request_type(topic, action)?;
         let msg = DynamicMessage::decode(desc.clone(), payload)
             .map_err(|e| format!("payload is not a {}: {e}", desc.full_name()))?;
+        if self.has_any && too_deep(&msg, MAX_NESTING) {
+            // Carried as bytes (lossless), never expanded.
+            return Ok(None);
+        }
         let json = serde_json::to_value(&msg).map_err(|e| format!("{}: {e}", desc.full_name()))?;
         // Proof of losslessness: the JSON must give back the same bytes.
         let back = DynamicMessage::deserialize(desc.clone(), &json)
@@ -253,5 +312,72 @@ mod tests {
             .unwrap();
         assert_eq!(json.json["meta"]["k"], "v");
         assert!(Transcoder::from_bytes(b"\xff\xff", None).is_err());
+    }
+
+    /// A google.protobuf.Any nested in Any thousands deep: prost-reflect
+    /// decodes each Any's value afresh while it writes JSON, so protobuf's
+    /// recursion limit does not bound the depth.
+    #[test]
+    fn any_nested_thousands_deep_is_not_a_stack_overflow() {
+        use prost_types::field_descriptor_proto::{Label, Type};
+        let field = |name: &str, number: i32, kind: Type| prost_types::FieldDescriptorProto {
+            name: Some(name.into()),
+            number: Some(number),
+            label: Some(Label::Optional as i32),
+            r#type: Some(kind as i32),
+            json_name: Some(name.into()),
+            ..Default::default()
+        };
+        let set = prost_types::FileDescriptorSet {
+            file: vec![prost_types::FileDescriptorProto {
+                name: Some("google/protobuf/any.proto".into()),
+                package: Some("google.protobuf".into()),
+                syntax: Some("proto3".into()),
+                message_type: vec![
+                    prost_types::DescriptorProto {
+                        name: Some("Any".into()),
+                        field: vec![
+                            field("type_url", 1, Type::String),
+                            field("value", 2, Type::Bytes),
+                        ],
+                        ..Default::default()
+                    },
+                    prost_types::DescriptorProto {
+                        name: Some("Leaf".into()),
+                        field: vec![field("name", 1, Type::String)],
+                        ..Default::default()
+                    },
+                ],
+                ..Default::default()
+            }],
+        };
+        let t = Transcoder::from_bytes(&set.encode_to_vec(), Some("google.protobuf.Any")).unwrap();
+        // `depth` Anys around a Leaf: depth + 1 levels of messages.
+        let nested = |depth: usize| {
+            let mut payload = vec![0x0A, 1, b'x'];
+            let mut url = "type.googleapis.com/google.protobuf.Leaf";
+            for _ in 0..depth {
+                payload = prost_types::Any {
+                    type_url: url.into(),
+                    value: payload,
+                }
+                .encode_to_vec();
+                url = "type.googleapis.com/google.protobuf.Any";
+            }
+            payload
+        };
+        // Too deep: carried as bytes (the caller base64s them), no crash.
+        assert!(t.to_json("", "", &nested(3000)).unwrap().is_none());
+        assert!(t.to_json("", "", &nested(MAX_NESTING)).unwrap().is_none());
+        // As deep as protobuf allows: JSON, on a test thread's 2 MiB stack
+        // (a tokio worker thread's size).
+        let json = t
+            .to_json("", "", &nested(MAX_NESTING - 1))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            json.json["@type"],
+            "type.googleapis.com/google.protobuf.Any"
+        );
     }
 }
