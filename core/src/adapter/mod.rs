@@ -618,6 +618,24 @@ pub trait QueueAdapter: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Creates a private reply queue for one client instance
+    /// (request/response calls, `ojs-grpc`): named by the caller, used by
+    /// nobody else, removed by [`delete_reply_queue`](Self::delete_reply_queue).
+    /// Adapters that can tie it to their connection (RabbitMQ: exclusive,
+    /// auto-delete) do, so a crashed client leaves nothing behind. The
+    /// default prepares it like any queue.
+    async fn open_reply_queue(&self, queue: &str) -> Result<()> {
+        self.prepare(queue).await
+    }
+
+    /// Removes a reply queue made by
+    /// [`open_reply_queue`](Self::open_reply_queue) and what is left in it.
+    /// The default does nothing (queues without broker resources).
+    async fn delete_reply_queue(&self, queue: &str) -> Result<()> {
+        let _ = queue;
+        Ok(())
+    }
+
     /// Whether `queue` names one of the adapter's own internal destinations
     /// (a dead-letter queue or topic, a retry queue or topic) once mapped
     /// to a broker name. The daemon never lets a message choose one.

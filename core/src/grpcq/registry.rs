@@ -73,6 +73,12 @@ pub struct CallContext {
     pub timestamp_ms: i64,
     /// 1-based delivery attempt.
     pub attempt: u32,
+    /// Whether a failure of this attempt is final (the retry policy has no
+    /// attempt left): the last chance to tell a waiting caller.
+    pub final_attempt: bool,
+    /// Time the handler has before it is cancelled (the worker's
+    /// `handler_timeout`).
+    pub timeout: std::time::Duration,
 }
 
 /// Result of a handler.
@@ -90,6 +96,9 @@ pub type JobHandler =
 #[derive(Default, Clone)]
 pub struct Registry {
     calls: BTreeMap<String, BTreeMap<String, CallHandler>>,
+    /// Whole services: one handler for every action of a topic (a served
+    /// tonic service), used when the action has no handler of its own.
+    services: BTreeMap<String, CallHandler>,
     jobs: BTreeMap<String, JobHandler>,
 }
 
@@ -156,6 +165,27 @@ impl Registry {
         })
     }
 
+    /// Registers one handler for every action of `topic` (a whole service,
+    /// e.g. a tonic server; the action is in [`CallContext::action`]).
+    /// Handlers registered for single actions of the topic win.
+    pub fn on_service<F, Fut>(&mut self, topic: &str, handler: F) -> Result<&mut Self>
+    where
+        F: Fn(CallContext, Bytes) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = HandlerResult> + Send + 'static,
+    {
+        if self.services.contains_key(topic) {
+            return Err(Error::InvalidConfig {
+                field: format!("service {topic}"),
+                reason: "registered twice".into(),
+            });
+        }
+        self.services.insert(
+            topic.to_owned(),
+            Arc::new(move |ctx, payload| handler(ctx, payload).boxed()),
+        );
+        Ok(self)
+    }
+
     /// Registers a handler for OJS jobs of `job_type`.
     pub fn on_job<F, Fut>(&mut self, job_type: &str, handler: F) -> Result<&mut Self>
     where
@@ -177,7 +207,11 @@ impl Registry {
 
     /// The call handler of `topic`/`action`.
     pub fn call(&self, topic: &str, action: &str) -> Option<CallHandler> {
-        self.calls.get(topic)?.get(action).cloned()
+        self.calls
+            .get(topic)
+            .and_then(|actions| actions.get(action))
+            .or_else(|| self.services.get(topic))
+            .cloned()
     }
 
     /// The job handler of `job_type`.
@@ -191,8 +225,9 @@ impl Registry {
             .calls
             .iter()
             .flat_map(|(t, actions)| actions.keys().map(move |a| format!("call {t}/{a}")));
+        let services = self.services.keys().map(|t| format!("call {t}/*"));
         let jobs = self.jobs.keys().map(|t| format!("job {t}"));
-        calls.chain(jobs).collect()
+        calls.chain(services).chain(jobs).collect()
     }
 }
 
@@ -212,6 +247,13 @@ mod tests {
         assert!(r.on_job("email.send", |_, _| async { Ok(()) }).is_err());
         assert_eq!(r.routes(), ["call pay.Svc/Charge", "job email.send"]);
         assert!(r.call("pay.Svc", "Refund").is_none());
+        r.on_service("pay.Svc", |_, _| async { Ok(()) }).unwrap();
+        assert!(r.on_service("pay.Svc", |_, _| async { Ok(()) }).is_err());
+        assert!(r.call("pay.Svc", "Refund").is_some());
+        assert_eq!(
+            r.routes(),
+            ["call pay.Svc/Charge", "call pay.Svc/*", "job email.send"]
+        );
         assert!(r.job("email.send").is_some());
     }
 }

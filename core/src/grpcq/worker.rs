@@ -374,6 +374,8 @@ impl Shared {
                     metadata: msg.metadata,
                     timestamp_ms: msg.timestamp_ms,
                     attempt: d.attempt,
+                    final_attempt: d.attempt >= self.config.retry.max_attempts,
+                    timeout: self.config.handler_timeout,
                 };
                 Work::Run {
                     info,
