@@ -791,6 +791,10 @@ pub async fn health_and_depth(f: &dyn AdapterFactory) -> Result<()> {
 /// `$factory` is an async fn returning `Option<impl AdapterFactory>`; `None`
 /// means the broker is unavailable and the skip (or failure, under
 /// `OJS_BRIDGE_REQUIRE_BROKERS=1`) was already reported.
+pub use crate::tonic_cases::{
+    tonic_calls_over_the_queue_run_once_each, tonic_lost_reply_is_a_timeout, tonic_status_table,
+};
+
 #[macro_export]
 macro_rules! acceptance_tests {
     ($factory:path) => {
@@ -809,6 +813,9 @@ macro_rules! acceptance_tests {
             dead_letter_with_reason,
             oversized_message_is_rejected,
             health_and_depth,
+            tonic_calls_over_the_queue_run_once_each,
+            tonic_status_table,
+            tonic_lost_reply_is_a_timeout,
         );
     };
     ($factory:path => $($case:ident),+ $(,)?) => {

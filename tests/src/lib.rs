@@ -16,4 +16,5 @@ pub mod kafka;
 pub mod processes;
 pub mod tally;
 pub mod tempdir;
+pub mod tonic_cases;
 pub mod worker_cases;
