@@ -179,9 +179,12 @@ impl QueueServer {
             timestamp_ms: chrono::Utc::now().timestamp_millis(),
             metadata,
         };
-        self.replies
-            .publish(queue, vec![OutgoingMessage::from_grpcq(&reply)])
-            .await
+        let mut out = OutgoingMessage::from_grpcq(&reply);
+        // A reply is addressed to its queue, never routed by service name
+        // (RabbitMQ's `grpcq_exchanges` routes grpcq calls by these).
+        out.headers.remove(ojs_core::header::GRPCQ_TOPIC);
+        out.headers.remove(ojs_core::header::GRPCQ_ACTION);
+        self.replies.publish(queue, vec![out]).await
     }
 }
 

@@ -44,6 +44,9 @@ pub struct Features {
     /// `depth` is exact. False only for test brokers known to report
     /// approximate watermarks (tansu reports a batch's base offset + 1).
     pub exact_depth: bool,
+    /// The adapter may create broker resources (`topology = "declare"`, or
+    /// no broker). False for the `existing` suites, where it creates nothing.
+    pub creates_resources: bool,
     /// How long a new consumer may take before its first delivery (Kafka:
     /// joining the group).
     pub consumer_startup: Duration,
@@ -792,7 +795,8 @@ pub async fn health_and_depth(f: &dyn AdapterFactory) -> Result<()> {
 /// means the broker is unavailable and the skip (or failure, under
 /// `OJS_BRIDGE_REQUIRE_BROKERS=1`) was already reported.
 pub use crate::tonic_cases::{
-    tonic_calls_over_the_queue_run_once_each, tonic_lost_reply_is_a_timeout, tonic_status_table,
+    tonic_calls_over_the_queue_run_once_each, tonic_lost_reply_is_a_timeout,
+    tonic_reply_queue_of_its_own, tonic_status_table,
 };
 
 #[macro_export]
@@ -816,6 +820,7 @@ macro_rules! acceptance_tests {
             tonic_calls_over_the_queue_run_once_each,
             tonic_status_table,
             tonic_lost_reply_is_a_timeout,
+            tonic_reply_queue_of_its_own,
         );
     };
     ($factory:path => $($case:ident),+ $(,)?) => {

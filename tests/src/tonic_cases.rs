@@ -384,3 +384,91 @@ pub async fn tonic_lost_reply_is_a_timeout(f: &dyn AdapterFactory) -> Result<()>
     channel.close().await?;
     Ok(())
 }
+
+/// Whether the broker still has something of reply queue `queue`; `None`
+/// where there is no broker resource to look at (memory, embedded).
+fn broker_has(features_name: &str, queue: &str) -> Result<Option<bool>> {
+    Ok(match features_name {
+        "rabbitmq" => Some(crate::independent::rabbit_exists(
+            &format!("ojs.queue.{queue}"),
+            false,
+        )?),
+        "kafka" => Some(
+            crate::independent::kafka_topics("ojs.")?
+                .iter()
+                .any(|t| t.contains(queue)),
+        ),
+        "sqs" => Some(
+            crate::independent::sqs_queues("")?
+                .iter()
+                .any(|q| q.contains(queue)),
+        ),
+        _ => None,
+    })
+}
+
+/// A channel that may create its reply queue makes its own
+/// (`grpcq-reply-<uuid>`), gets its replies there, and removes it on
+/// `close()`; where the adapter may create nothing (`topology =
+/// "existing"`), asking for one is a clear error, not a hang, and nothing
+/// is created.
+pub async fn tonic_reply_queue_of_its_own(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = f.queue("tonic-own").await?;
+    let options = ReplyOptions {
+        timeout: features.patience,
+        consumer: ConsumerOptions {
+            group: format!("reply-{}", uuid::Uuid::new_v4().simple()),
+            ..f.consumer_options()
+        },
+        ..ReplyOptions::default()
+    };
+    if !features.creates_resources {
+        let err = QueueChannel::with_replies(adapter.clone(), &queue, options)
+            .await
+            .err()
+            .context("a reply queue was created where the adapter may create nothing")?;
+        ensure!(err.to_string().contains("existing"), "{err}");
+        return Ok(());
+    }
+    let broker_checks = crate::independent::available().is_some()
+        && matches!(features.name, "rabbitmq" | "kafka" | "sqs");
+    let service = TestInvoices::default();
+    let (stop, task) = serve(f, &queue, service.clone(), quick_retry(3)).await?;
+    let channel = QueueChannel::with_replies(adapter.clone(), &queue, options).await?;
+    let reply_queue = channel.reply_queue().context("no reply queue")?.to_owned();
+    ensure!(
+        reply_queue.starts_with(ojs_grpc::DEFAULT_REPLY_PREFIX),
+        "{reply_queue}"
+    );
+    let mut client = InvoicesClient::new(channel.clone());
+    for i in 0..3 {
+        let invoice = client
+            .create(create("own", &format!("own-{i}")))
+            .await?
+            .into_inner();
+        ensure!(invoice.customer == "own", "{invoice:?}");
+    }
+    if broker_checks {
+        ensure!(
+            broker_has(features.name, &reply_queue)? == Some(true),
+            "the reply queue is not on the broker"
+        );
+    }
+    channel.close().await?;
+    if broker_checks {
+        // Topic deletion is asynchronous on Kafka brokers.
+        let deadline = Instant::now() + features.patience;
+        while broker_has(features.name, &reply_queue)? == Some(true) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        ensure!(
+            broker_has(features.name, &reply_queue)? == Some(false),
+            "the reply queue {reply_queue} is still on the broker after close()"
+        );
+    }
+    let _ = stop.send(());
+    task.await?;
+    Ok(())
+}

@@ -37,6 +37,7 @@ impl AdapterFactory for Kafka {
             max_deliveries: true,
             counts_redeliveries: false,
             exact_depth: std::env::var("OJS_BRIDGE_TEST_KAFKA_FLAVOR").as_deref() != Ok("tansu"),
+            creates_resources: true,
             consumer_startup: Duration::from_secs(15),
             volume: 1.0,
             patience: Duration::from_secs(60),

@@ -33,6 +33,7 @@ impl AdapterFactory for Sqs {
             max_deliveries: true,
             counts_redeliveries: true,
             exact_depth: true,
+            creates_resources: true,
             consumer_startup: Duration::from_secs(2),
             // moto answers a few hundred requests a second.
             volume: 0.2,

@@ -52,6 +52,7 @@ impl AdapterFactory for ExistingRabbit {
             max_deliveries: true,
             counts_redeliveries: true,
             exact_depth: true,
+            creates_resources: false,
             consumer_startup: Duration::from_secs(1),
             volume: 1.0,
             patience: Duration::from_secs(30),

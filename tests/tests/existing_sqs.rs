@@ -44,6 +44,7 @@ impl AdapterFactory for ExistingSqs {
             max_deliveries: true,
             counts_redeliveries: true,
             exact_depth: true,
+            creates_resources: false,
             consumer_startup: Duration::from_secs(2),
             volume: 0.2,
             patience: Duration::from_secs(60),

@@ -594,6 +594,57 @@ impl QueueAdapter for KafkaAdapter {
         self.inner.lanes(queue).await.map(|_| ())
     }
 
+    async fn open_reply_queue(&self, queue: &str) -> Result<()> {
+        // A per-instance topic (its retry and dead topics too: the
+        // consumer's contract needs them), created like any queue's.
+        if self.inner.config.topology == Topology::Existing {
+            return Err(Error::InvalidConfig {
+                field: "reply queue".into(),
+                reason: format!(
+                    "topology = \"existing\" creates nothing: provision a reply topic for this client and name it instead of letting {queue:?} be created"
+                ),
+            });
+        }
+        self.prepare(queue).await
+    }
+
+    async fn delete_reply_queue(&self, queue: &str) -> Result<()> {
+        let names = self.inner.topic_names(queue);
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let results = self
+            .inner
+            .admin
+            .delete_topics(&refs, &opts)
+            .await
+            .map_err(|e| kafka_error(&e))?;
+        {
+            let mut known = self.inner.topics.lock().unwrap_or_else(|e| e.into_inner());
+            for n in &names {
+                known.remove(n);
+            }
+        }
+        self.inner
+            .resolved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(queue);
+        for r in results {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+                Err((name, code)) => {
+                    return Err(Error::broker(
+                        "kafka",
+                        format!("deleting reply topic {name:?}: {code}"),
+                        true,
+                    )
+                    .with_broker_kind(broker_kind(Some(code))))
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn is_reserved(&self, queue: &str) -> bool {
         self.inner.config.is_reserved(queue)
     }

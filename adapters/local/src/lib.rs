@@ -235,6 +235,14 @@ impl QueueAdapter for LocalAdapter {
         }
     }
 
+    async fn delete_reply_queue(&self, queue: &str) -> Result<()> {
+        let q = queue.to_owned();
+        blocking(&self.inner, move |_, conn| {
+            store::delete_queue(conn, &q).map(|_| ())
+        })
+        .await
+    }
+
     async fn depth(&self, queue: &str) -> Result<Option<u64>> {
         let q = queue.to_owned();
         blocking(&self.inner, move |_, conn| store::depth(conn, &q).map(Some)).await

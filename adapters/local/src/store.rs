@@ -448,6 +448,15 @@ pub(crate) fn depth(conn: &Connection, queue: &str) -> Result<u64> {
     .map_err(db_error)
 }
 
+/// Removes everything in `queue`, dead letters and leased messages too (a
+/// reply queue its client is done with).
+pub(crate) fn delete_queue(conn: &Connection, queue: &str) -> Result<u64> {
+    conn.prepare_cached("DELETE FROM messages WHERE queue = ?1")
+        .and_then(|mut s| s.execute(params![queue]))
+        .map(|n| n as u64)
+        .map_err(db_error)
+}
+
 /// Returns free pages to the file system and folds the WAL back, so that
 /// acked messages do not leave the files growing.
 pub(crate) fn housekeeping(conn: &Connection) -> Result<()> {

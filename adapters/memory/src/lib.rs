@@ -215,6 +215,11 @@ impl Broker {
         let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
         queues.entry(name.to_owned()).or_default().clone()
     }
+
+    fn remove(&self, name: &str) {
+        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        queues.remove(name);
+    }
 }
 
 fn registry() -> &'static Mutex<HashMap<String, Arc<Broker>>> {
@@ -345,6 +350,11 @@ impl QueueAdapter for MemoryAdapter {
             Ok(()) => Health::ok("in-process broker"),
             Err(e) => Health::down(e.to_string()),
         }
+    }
+
+    async fn delete_reply_queue(&self, queue: &str) -> Result<()> {
+        self.broker.remove(queue);
+        Ok(())
     }
 
     async fn depth(&self, queue: &str) -> Result<Option<u64>> {

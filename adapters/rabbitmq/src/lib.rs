@@ -844,6 +844,38 @@ impl QueueAdapter for RabbitAdapter {
         .await
     }
 
+    async fn open_reply_queue(&self, queue: &str) -> Result<()> {
+        if self.inner.config.topology == Topology::Existing {
+            return Err(Error::InvalidConfig {
+                field: "reply queue".into(),
+                reason: format!(
+                    "topology = \"existing\" creates nothing: provision a reply queue for this client and name it instead of letting {queue:?} be created"
+                ),
+            });
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let session = self.inner.session(deadline).await?;
+        let name = self.inner.config.queue_name_of(queue);
+        let (exchange, routing_key) = self.inner.config.publish_route_of(queue);
+        within(deadline, async {
+            topology::declare_reply_queue(&session.connection, &name).await?;
+            topology::bind(&session.connection, &name, &exchange, &routing_key).await
+        })
+        .await?;
+        // The consumer must not declare it again with the queue arguments.
+        session.declared().insert(queue.to_owned());
+        Ok(())
+    }
+
+    async fn delete_reply_queue(&self, queue: &str) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let session = self.inner.session(deadline).await?;
+        let name = self.inner.config.queue_name_of(queue);
+        within(deadline, topology::delete_queue(&session.connection, &name)).await?;
+        session.declared().remove(queue);
+        Ok(())
+    }
+
     async fn health(&self) -> Health {
         let deadline = Instant::now() + Duration::from_secs(2);
         let s = match self.inner.session(deadline).await {

@@ -8,8 +8,10 @@
 //! checked with a passive declare and used, with a warning — and only what is
 //! missing is created. With `existing` only passive declares are made.
 
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::options::{
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ErrorKind, ExchangeKind};
 use ojs_core::{BrokerErrorKind, Error, Result};
 
@@ -136,6 +138,46 @@ pub(crate) async fn check_exchange(connection: &Connection, name: &str) -> Resul
             &e,
         )),
         Err(e) => Err(refused("exchange", name, &e)),
+    }
+}
+
+/// How long a reply queue outlives its last consumer (`x-expires`).
+pub(crate) const REPLY_QUEUE_EXPIRES_MS: i32 = 60_000;
+
+/// Declares a client instance's reply queue: not durable, and removed by
+/// the broker once unused for [`REPLY_QUEUE_EXPIRES_MS`] (`x-expires`), so
+/// a client that crashed leaves nothing behind. Not `exclusive`: an
+/// exclusive queue dies with the connection that declared it, and a
+/// reconnect would then lose the replies in flight.
+pub(crate) async fn declare_reply_queue(connection: &Connection, name: &str) -> Result<()> {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-expires".into(),
+        AMQPValue::LongInt(REPLY_QUEUE_EXPIRES_MS),
+    );
+    match scratch(connection, async |ch| {
+        ch.queue_declare(name.into(), QueueDeclareOptions::default(), args)
+            .await
+    })
+    .await?
+    {
+        Ok(_) => Ok(()),
+        Err(e) => Err(refused("reply queue", name, &e)),
+    }
+}
+
+/// Deletes queue `name` with what is in it; one that is gone already is
+/// fine.
+pub(crate) async fn delete_queue(connection: &Connection, name: &str) -> Result<()> {
+    match scratch(connection, async |ch| {
+        ch.queue_delete(name.into(), QueueDeleteOptions::default())
+            .await
+    })
+    .await?
+    {
+        Ok(_) => Ok(()),
+        Err(e) if amqp_code(&e) == Some(NOT_FOUND) => Ok(()),
+        Err(e) => Err(refused("queue", name, &e)),
     }
 }
 

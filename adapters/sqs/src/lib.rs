@@ -742,6 +742,49 @@ impl QueueAdapter for SqsAdapter {
         self.inner.urls(queue).await.map(|_| ())
     }
 
+    async fn open_reply_queue(&self, queue: &str) -> Result<()> {
+        if self.inner.config.topology == Topology::Existing {
+            return Err(Error::InvalidConfig {
+                field: "reply queue".into(),
+                reason: format!(
+                    "topology = \"existing\" creates nothing: provision a reply queue for this client and name it instead of letting {queue:?} be created"
+                ),
+            });
+        }
+        self.prepare(queue).await
+    }
+
+    async fn delete_reply_queue(&self, queue: &str) -> Result<()> {
+        // The queue and the dead-letter queue made with it.
+        let (url, dead) = self.inner.urls(queue).await?;
+        for url in std::iter::once(url).chain(dead) {
+            if let Err(e) = self
+                .inner
+                .client
+                .delete_queue()
+                .queue_url(&url)
+                .send()
+                .await
+            {
+                let e = call_error(e);
+                if e.broker_kind() != Some(BrokerErrorKind::NotFound) {
+                    return Err(e);
+                }
+            }
+        }
+        {
+            let mut urls = self.inner.urls.lock().unwrap_or_else(|e| e.into_inner());
+            urls.remove(&self.inner.config.queue_name(queue));
+            urls.remove(&self.inner.config.dead_letter_queue_name(queue));
+        }
+        self.inner
+            .resolved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(queue);
+        Ok(())
+    }
+
     async fn health(&self) -> Health {
         match self.inner.client.list_queues().max_results(1).send().await {
             Ok(_) => Health::ok(format!("sqs {}", self.inner.config.region)),
