@@ -205,10 +205,19 @@ async fn sigterm_finishes_in_flight_work_and_exits_0() {
 fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_field() {
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
     let mut checked = 0;
+    // Run where a user runs them: relative paths (the embedded broker's
+    // directory, the example service's descriptor set) from there.
+    let cwd = TempDir::new("examples-cwd");
+    std::fs::write(
+        cwd.path().join("invoices.binpb"),
+        ojs_example_invoices::FILE_DESCRIPTOR_SET,
+    )
+    .unwrap();
     for entry in std::fs::read_dir(&examples).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "toml") {
             let out = bin()
+                .current_dir(cwd.path())
                 .args(["check-config", path.to_str().unwrap()])
                 .output()
                 .unwrap();

@@ -242,6 +242,68 @@ impl QueueAdapter for TestSink {
     }
 }
 
+/// Runs the `ojs-bridge` binary in `dir` (relative paths in its arguments
+/// and configuration are from there), `stdin` written to it.
+#[allow(dead_code)]
+pub fn ojs_bridge_in(dir: &std::path::Path, args: &[&str], stdin: &[u8]) -> std::process::Output {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .current_dir(dir)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// Starts the daemon in `dir` with `config` (a path from there) and waits
+/// for its "running" line.
+#[allow(dead_code)]
+pub fn spawn_daemon_in(dir: &std::path::Path, config: &str) -> std::process::Child {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .current_dir(dir)
+        .args(["run", "--config", config])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
+            eprintln!("[daemon] {line}");
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
+            let _ = child.kill();
+            let status = child.wait();
+            panic!("the daemon did not report running (exit: {status:?})");
+        };
+        if line.contains("running") {
+            std::thread::spawn(move || while rx.recv().is_ok() {});
+            return child;
+        }
+    }
+}
+
+/// SIGTERM to the daemon (by its PID); it must exit 0.
+#[allow(dead_code)]
+pub fn stop_daemon(child: &mut std::process::Child) {
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(child.wait().unwrap().success(), "SIGTERM must exit 0");
+}
+
 /// Starts the daemon and waits for its "running" line.
 pub fn spawn_daemon(config: &std::path::Path) -> std::process::Child {
     let (child, rx) = spawn_daemon_watched(config);

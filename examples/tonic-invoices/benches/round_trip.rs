@@ -33,7 +33,12 @@ struct Figures {
 
 /// Runs `calls` creates, `concurrency` at a time, after a warm-up; every
 /// call must succeed.
-async fn measure<T>(path: &'static str, client: InvoicesClient<T>, calls: usize, concurrency: usize) -> Figures
+async fn measure<T>(
+    path: &'static str,
+    client: InvoicesClient<T>,
+    calls: usize,
+    concurrency: usize,
+) -> Figures
 where
     T: tonic::client::GrpcService<tonic::body::Body> + Clone + Send + 'static,
     T::Future: Send,
@@ -47,7 +52,11 @@ where
         idempotency_key: format!("{path}-{i}"),
     };
     for i in 0..100 {
-        client.clone().create(request(usize::MAX - i)).await.expect("warm-up call");
+        client
+            .clone()
+            .create(request(usize::MAX - i))
+            .await
+            .expect("warm-up call");
     }
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -94,7 +103,13 @@ async fn direct(calls: usize, concurrency: usize) -> Figures {
         .connect()
         .await
         .unwrap();
-    measure("direct HTTP/2", InvoicesClient::new(channel), calls, concurrency).await
+    measure(
+        "direct HTTP/2",
+        InvoicesClient::new(channel),
+        calls,
+        concurrency,
+    )
+    .await
 }
 
 async fn queued(
@@ -125,7 +140,13 @@ async fn queued(
     let channel = QueueChannel::with_replies(adapter.clone(), queue, ReplyOptions::default())
         .await
         .unwrap();
-    let figures = measure(path, InvoicesClient::new(channel.clone()), calls, concurrency).await;
+    let figures = measure(
+        path,
+        InvoicesClient::new(channel.clone()),
+        calls,
+        concurrency,
+    )
+    .await;
     channel.close().await.unwrap();
     let _ = stop.send(());
     let _ = served.await;
@@ -133,7 +154,10 @@ async fn queued(
 }
 
 fn uuid_like() -> String {
-    format!("{:x}", std::process::id() as u128 * 1_000_003 + Instant::now().elapsed().as_nanos())
+    format!(
+        "{:x}",
+        std::process::id() as u128 * 1_000_003 + Instant::now().elapsed().as_nanos()
+    )
 }
 
 fn main() {

@@ -13,6 +13,10 @@ pub mod pb {
     tonic::include_proto!("invoices.v1");
 }
 
+/// `proto/invoices.proto` as a FileDescriptorSet (what a daemon route's
+/// `descriptor_set` reads).
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/invoices.binpb"));
+
 pub use pb::invoices_client::InvoicesClient;
 pub use pb::invoices_server::{Invoices, InvoicesServer};
 

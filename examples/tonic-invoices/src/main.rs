@@ -1,6 +1,8 @@
 //! `invoices serve` runs the Invoices service from a queue; `invoices
 //! create` calls it through the queue, fire-and-forget or (`--wait`)
-//! waiting for the reply. Both use the embedded broker by default.
+//! waiting for the reply; `invoices descriptor-set FILE` writes the
+//! service's FileDescriptorSet (for a daemon route that turns OJS jobs into
+//! calls of it). All use the daemon's default embedded broker.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,14 +13,14 @@ use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_core::registry::Registry;
 use ojs_core::worker::{Worker, WorkerConfig};
 use ojs_core::{Encoding, QueueAdapter};
-use ojs_example_invoices::pb::CreateInvoiceRequest;
-use ojs_example_invoices::{InvoiceBook, InvoicesClient, InvoicesServer};
+use ojs_example_invoices::pb::{CreateInvoiceRequest, GetInvoiceRequest, Invoice};
+use ojs_example_invoices::{InvoiceBook, Invoices, InvoicesClient, InvoicesServer};
 use ojs_grpc::{QueueChannel, QueueServer, ReplyOptions};
 
 #[derive(Parser)]
 struct Cli {
     /// Embedded broker URL.
-    #[arg(long, default_value = "local:./data/bridge.db")]
+    #[arg(long, default_value = "local:./ojs-bridge-data")]
     broker: String,
     /// Queue the calls go through.
     #[arg(long, default_value = "invoices")]
@@ -31,6 +33,8 @@ struct Cli {
 enum Command {
     /// Serve the Invoices service from the queue until Ctrl-C.
     Serve,
+    /// Write the service's FileDescriptorSet to FILE.
+    DescriptorSet { file: std::path::PathBuf },
     /// Create an invoice through the queue.
     Create {
         #[arg(long)]
@@ -48,13 +52,20 @@ enum Command {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
+    if let Command::DescriptorSet { file } = &cli.command {
+        std::fs::write(file, ojs_example_invoices::FILE_DESCRIPTOR_SET)
+            .with_context(|| format!("writing {}", file.display()))?;
+        return Ok(());
+    }
     let config = LocalConfig::from_url(&cli.broker).context("broker URL")?;
     let adapter: Arc<dyn QueueAdapter> = Arc::new(LocalAdapter::open(config).await?);
     match cli.command {
         Command::Serve => {
             let mut registry = Registry::new();
-            QueueServer::new(adapter.clone())
-                .add_service(&mut registry, InvoicesServer::new(InvoiceBook::default()))?;
+            QueueServer::new(adapter.clone()).add_service(
+                &mut registry,
+                InvoicesServer::new(Logged(InvoiceBook::default())),
+            )?;
             let mut config = WorkerConfig::new(cli.queue);
             config.default_encoding = Some(Encoding::GrpcqProto);
             println!("serving invoices.v1.Invoices from queue {:?}", config.queue);
@@ -64,6 +75,7 @@ async fn main() -> Result<()> {
                 })
                 .await?;
         }
+        Command::DescriptorSet { .. } => {}
         Command::Create {
             customer,
             amount_cents,
@@ -96,4 +108,29 @@ async fn main() -> Result<()> {
     }
     adapter.close().await?;
     Ok(())
+}
+
+/// The book, printing what it creates.
+struct Logged(InvoiceBook);
+
+#[tonic::async_trait]
+impl Invoices for Logged {
+    async fn create(
+        &self,
+        request: tonic::Request<CreateInvoiceRequest>,
+    ) -> Result<tonic::Response<Invoice>, tonic::Status> {
+        let result = self.0.create(request).await;
+        match &result {
+            Ok(r) => println!("created {:?}", r.get_ref()),
+            Err(s) => println!("refused: {:?} {}", s.code(), s.message()),
+        }
+        result
+    }
+
+    async fn get(
+        &self,
+        request: tonic::Request<GetInvoiceRequest>,
+    ) -> Result<tonic::Response<Invoice>, tonic::Status> {
+        self.0.get(request).await
+    }
 }
