@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::routes::{Glob, Template, TemplateVar};
+use crate::template::{Glob, Template, TemplateVar};
 
 /// The configuration `ojs-bridge run` uses without `--config`: the embedded
 /// broker in `./ojs-bridge-data`, grpcq calls from its `calls` queue become
@@ -876,7 +876,7 @@ impl BridgeConfig {
             for (j, g) in r.allowed_queues.iter().enumerate() {
                 Glob::new(g).map_err(|e| invalid(format!("routes[{i}].allowed_queues[{j}]"), e))?;
             }
-            crate::routes::allowed_destinations(r).map_err(|e| invalid(at("allowed_queues"), e))?;
+            allowed_destinations(r).map_err(|e| invalid(at("allowed_queues"), e))?;
             if r.max_destinations == 0 {
                 return Err(invalid(at("max_destinations"), "must be at least 1"));
             }
@@ -1009,6 +1009,52 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     per_unit
         .checked_mul(u32::try_from(n).map_err(|_| format!("{text:?} is too long"))?)
         .ok_or_else(|| format!("{text:?} is too long"))
+}
+
+/// The destination template of a route whose messages choose their
+/// destination: its `queue` template, or `{topic}` for grpcq output without
+/// one. `None` for a literal queue and for OJS output without a queue (each
+/// job keeps its queue; calls go to `default`).
+fn destination_template(config: &RouteConfig) -> Option<String> {
+    match (&config.queue, config.to) {
+        (Some(q), _) => Some(q.clone()),
+        (None, OutputFormat::Grpcq) => Some("{topic}".to_owned()),
+        (None, OutputFormat::Ojs) => None,
+    }
+}
+
+/// The globs a route's destination must match: `allowed_queues` when set;
+/// otherwise, for a destination template, the template with each
+/// placeholder replaced by the route's `match` glob for it (`{topic}` with
+/// `match.topic = "payment.*"` allows `payment.*`) — and an error when a
+/// placeholder has no such glob (`{queue}`, `{originator}`, or an unmatched
+/// `{topic}`), because then any message could choose any destination.
+/// Empty: no bound beyond reserved names and `max_destinations`.
+pub fn allowed_destinations(config: &RouteConfig) -> Result<Vec<String>, String> {
+    if !config.allowed_queues.is_empty() {
+        return Ok(config.allowed_queues.clone());
+    }
+    let Some(text) = destination_template(config) else {
+        return Ok(Vec::new());
+    };
+    let template = Template::parse(&text, TemplateVar::ALL)?;
+    if template.as_literal().is_some() {
+        return Ok(Vec::new());
+    }
+    let bound = |v: TemplateVar| match v {
+        TemplateVar::Topic => config.matcher.topic.clone(),
+        TemplateVar::Action => config.matcher.action.clone(),
+        TemplateVar::Type => config.matcher.job_type.clone(),
+        TemplateVar::Queue | TemplateVar::Originator => None,
+    };
+    if let Some(free) = template.vars().find(|v| bound(*v).is_none()) {
+        return Err(format!(
+            "messages choose this route's destination through {{{}}} in {text:?}, and nothing bounds it: list the queues they may choose (allowed_queues = [\"orders\", \"payment.*\"]), or match the {} this placeholder takes",
+            free.name(),
+            free.name()
+        ));
+    }
+    Ok(vec![template.render_with(|v| bound(v).unwrap_or_default())])
 }
 
 /// Durations as text (`"30s"`) or a number of seconds.
@@ -1469,7 +1515,7 @@ mod destinations {
             crate::routes::Route::compile(&c.routes[0], 0).unwrap();
         }
         assert_eq!(
-            crate::routes::allowed_destinations(
+            crate::config::allowed_destinations(
                 &route("queue = \"calls.{topic}\"\nmatch = { topic = \"payment.*\" }")
                     .unwrap()
                     .routes[0]

@@ -30,7 +30,7 @@ use crate::alarm::Alarm;
 use crate::config::{BridgeConfig, ConfigError, InputFormat, SourceConfig};
 use crate::connecting::Connecting;
 use crate::http::{self, HealthBoard, HttpState, Limits};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RouteMetrics};
 use crate::probe::HttpHealthProbe;
 use crate::routes::{Incoming, Route};
 use ojs_core::federation::{AdapterProbe, Federation, HealthProbe, RegionSpec};
@@ -96,15 +96,25 @@ const RECEIVE_WAIT: Duration = Duration::from_secs(1);
 pub struct Daemon {
     config: BridgeConfig,
     adapters: BTreeMap<String, Arc<dyn QueueAdapter>>,
-    routes: Arc<Vec<Route>>,
+    /// Routes in configuration order (first match wins), each with its
+    /// sink and counters.
+    routes: Arc<Vec<RoutePlan>>,
     /// Federated sinks, by name.
     federations: Vec<(String, Arc<Federation>)>,
-    /// The sink of each route, by route index.
-    sinks: Arc<Vec<Arc<dyn QueueAdapter>>>,
     metrics: Arc<Metrics>,
     listener: Option<TcpListener>,
     /// The bearer token of the HTTP endpoint (`http.token_file`).
     http_token: Option<ojs_core::redact::Secret>,
+}
+
+/// A route compiled with what it needs at run time: its matcher and
+/// mapper, the sink it publishes to (an adapter or a federation) and its
+/// counters. One owner of each, built once at start.
+#[derive(Debug)]
+struct RoutePlan {
+    route: Route,
+    sink: Arc<dyn QueueAdapter>,
+    metrics: Arc<RouteMetrics>,
 }
 
 /// What a run did, per source: received and acked.
@@ -264,7 +274,6 @@ impl Daemon {
             }
         }
         let mut sinks = Vec::with_capacity(routes.len());
-
         for (i, route) in routes.iter().enumerate() {
             let federated = federations
                 .iter()
@@ -331,12 +340,21 @@ impl Daemon {
                 }));
             }
         }
+        let plans = routes
+            .into_iter()
+            .zip(sinks)
+            .zip(&metrics.routes)
+            .map(|((route, sink), (_, counters))| RoutePlan {
+                route,
+                sink,
+                metrics: counters.clone(),
+            })
+            .collect();
         Ok(Daemon {
             federations,
             config,
             adapters,
-            routes: Arc::new(routes),
-            sinks: Arc::new(sinks),
+            routes: Arc::new(plans),
             metrics,
             listener,
             http_token,
@@ -391,7 +409,7 @@ impl Daemon {
                 alarms: self
                     .routes
                     .iter()
-                    .map(|r| r.sink_alarm.clone())
+                    .map(|p| p.route.sink_alarm.clone())
                     .chain(source_alarms.iter().cloned())
                     .collect(),
                 metrics: self.metrics.clone(),
@@ -407,7 +425,6 @@ impl Daemon {
             }
             http_task = Some(tokio::spawn(http::serve(listener, state, stop_rx.clone())));
         }
-        let sinks = self.sinks.clone();
         for (name, federation) in &self.federations {
             let mut stop = stop_rx.clone();
             tracing::info!(federation = %name, "federation monitor started");
@@ -434,7 +451,6 @@ impl Daemon {
                     InputFormat::Ojs => Encoding::OjsProto,
                 },
                 routes: self.routes.clone(),
-                sinks: sinks.clone(),
                 dead_letter,
                 metrics: self.metrics.clone(),
                 alarm: source_alarms[index].clone(),
@@ -487,9 +503,7 @@ struct SourceCtx {
     config: SourceConfig,
     adapter: Arc<dyn QueueAdapter>,
     default_encoding: Encoding,
-    routes: Arc<Vec<Route>>,
-    /// The sink of each route, by route index.
-    sinks: Arc<Vec<Arc<dyn QueueAdapter>>>,
+    routes: Arc<Vec<RoutePlan>>,
     dead_letter: Option<(Arc<dyn QueueAdapter>, String)>,
     metrics: Arc<Metrics>,
     /// Logs when consuming starts failing and when it recovers; health
@@ -778,7 +792,11 @@ fn plan(
     d: &Delivery,
 ) -> Result<(usize, String, OutgoingMessage, Option<i64>), DeadLetterReason> {
     let msg = d.decode(Some(ctx.default_encoding))?;
-    let Some(route) = ctx.routes.iter().position(|r| r.matches(ctx.name(), &msg)) else {
+    let Some(route) = ctx
+        .routes
+        .iter()
+        .position(|p| p.route.matches(ctx.name(), &msg))
+    else {
         return Err(DeadLetterReason::new(
             "unknown_route",
             match &msg {
@@ -788,12 +806,12 @@ fn plan(
         ));
     };
     let created = msg.created_ms();
-    let (queue, out) = ctx.routes[route].map(msg, &ctx.config.queue)?;
-    if let Some(sink) = ctx.sinks.get(route) {
-        ctx.routes[route].admit_destination(&queue, |q| sink.is_reserved(q))?;
-        out.check_size(sink.max_message_bytes())
-            .map_err(|e| DeadLetterReason::from_error(&e))?;
-    }
+    let plan = &ctx.routes[route];
+    let (queue, out) = plan.route.map(msg, &ctx.config.queue)?;
+    plan.route
+        .admit_destination(&queue, |q| plan.sink.is_reserved(q))?;
+    out.check_size(plan.sink.max_message_bytes())
+        .map_err(|e| DeadLetterReason::from_error(&e))?;
     Ok((route, queue, out, created))
 }
 
@@ -809,10 +827,8 @@ async fn publish_group(
     received_at: Instant,
     dead: &mut Vec<(Delivery, DeadLetterReason)>,
 ) {
-    let route = &ctx.routes[group.route];
-    let Some(sink) = ctx.sinks.get(group.route) else {
-        return;
-    };
+    let plan = &ctx.routes[group.route];
+    let (route, sink) = (&plan.route, &plan.sink);
     let mut waiting: Vec<(Delivery, Option<i64>)> = Vec::with_capacity(group.items.len());
     let mut pending: Vec<OutgoingMessage> = Vec::with_capacity(group.items.len());
     for (d, out, created) in group.items {
@@ -940,7 +956,7 @@ async fn confirmed(
     if done.is_empty() {
         return;
     }
-    let route_metrics = &ctx.metrics.routes[route].1;
+    let route_metrics = &ctx.routes[route].metrics;
     route_metrics
         .published
         .fetch_add(done.len() as u64, Ordering::Relaxed);

@@ -16,4 +16,5 @@ pub mod probe;
 pub mod routes;
 pub mod send;
 pub mod tail;
+pub mod template;
 pub mod transcode;

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -107,7 +108,8 @@ pub struct Metrics {
     /// Per source, in configuration order.
     pub sources: Vec<(String, SourceMetrics)>,
     /// Per route, in configuration order.
-    pub routes: Vec<(String, RouteMetrics)>,
+    /// Per route, in configuration order; each compiled route holds its own.
+    pub routes: Vec<(String, Arc<RouteMetrics>)>,
     dead_lettered: Mutex<BTreeMap<(String, String), u64>>,
     errors: Mutex<BTreeMap<(String, String), u64>>,
     /// Extra text appended to the rendering (federation state).
@@ -146,7 +148,7 @@ impl Metrics {
                 .collect(),
             routes: routes
                 .iter()
-                .map(|r| (r.clone(), RouteMetrics::default()))
+                .map(|r| (r.clone(), Arc::new(RouteMetrics::default())))
                 .collect(),
             ..Metrics::default()
         }
