@@ -138,7 +138,7 @@ impl Daemon {
         mut provided: BTreeMap<String, Arc<dyn QueueAdapter>>,
     ) -> Result<Daemon, DaemonError> {
         config.validate()?;
-        let routes = config
+        let mut routes = config
             .routes
             .iter()
             .enumerate()
@@ -274,11 +274,14 @@ impl Daemon {
             }
         }
         let mut sinks = Vec::with_capacity(routes.len());
-        for (i, route) in routes.iter().enumerate() {
+        for (i, route) in routes.iter_mut().enumerate() {
             let federated = federations
                 .iter()
                 .find(|(n, _)| *n == route.sink)
                 .map(|(_, f)| f.clone() as Arc<dyn QueueAdapter>);
+            if federated.is_some() {
+                route.keep_envelopes();
+            }
             let sink = federated
                 .or_else(|| adapters.get(&route.sink).cloned())
                 .ok_or_else(|| ConfigError::Invalid {
@@ -1015,6 +1018,7 @@ async fn dead_letter(ctx: &SourceCtx, d: Delivery, reason: DeadLetterReason) {
                 message_id: d.message_id.clone(),
                 priority: 0,
                 deliver_at: None,
+                envelope: None,
             };
             reason.write_headers(&mut copy.headers);
             let mut attempt = 0;

@@ -46,6 +46,9 @@ pub struct Route {
     /// Logs when the sink starts failing and when it recovers; health
     /// reads it.
     pub sink_alarm: std::sync::Arc<crate::alarm::Alarm>,
+    /// Jobs keep their envelope on the message (a federated sink works on
+    /// the job: it then does not parse the payload again).
+    keep_envelope: bool,
 }
 
 fn unmappable(reason: impl Into<String>) -> DeadLetterReason {
@@ -83,6 +86,7 @@ impl Route {
             None => None,
         };
         Ok(Route {
+            keep_envelope: false,
             name: config.name.clone(),
             sink: config.sink.clone(),
             sources: (!config.sources.is_empty()).then(|| config.sources.iter().cloned().collect()),
@@ -208,6 +212,12 @@ impl Route {
         }
     }
 
+    /// Jobs this route makes carry their envelope to the sink
+    /// ([`OutgoingMessage::envelope`]): for a sink that works on the job.
+    pub fn keep_envelopes(&mut self) {
+        self.keep_envelope = true;
+    }
+
     /// What `msg` becomes on this route: the sink queue and the message.
     pub fn map(
         &self,
@@ -264,9 +274,7 @@ impl Route {
             None => None,
         };
         let job = mapping::call_to_job(&call, job_type, queue.clone(), payload);
-        let out = OutgoingMessage::from_envelope(&job, self.encoding)
-            .map_err(|e| unmappable(e.to_string()))?;
-        Ok((queue, out))
+        Ok((queue, self.encode(job)?))
     }
 
     fn job_to_job(
@@ -293,9 +301,18 @@ impl Route {
                 .map_err(|e| unmappable(format!("job type {:?}: {e}", job.job_type)))?;
         }
         job.queue = queue.clone();
+        Ok((queue, self.encode(job)?))
+    }
+
+    /// The job as the message to publish, keeping the envelope when asked.
+    fn encode(&self, job: JobEnvelope) -> Result<OutgoingMessage, DeadLetterReason> {
         let out = OutgoingMessage::from_envelope(&job, self.encoding)
             .map_err(|e| unmappable(e.to_string()))?;
-        Ok((queue, out))
+        Ok(if self.keep_envelope {
+            out.with_envelope(job)
+        } else {
+            out
+        })
     }
 
     fn job_to_call(

@@ -593,7 +593,12 @@ impl Federation {
         let mut message = message;
         let (mut strategy, mut pinned) = (self.settings.default_strategy, None);
         if let Some(encoding) = encoding {
-            match encoding.decode_envelopes(&message.payload) {
+            // The producer's envelope, when it kept it: no second parse.
+            let decoded = match message.envelope.take() {
+                Some(job) => Ok(vec![std::sync::Arc::unwrap_or_clone(job)]),
+                None => encoding.decode_envelopes(&message.payload),
+            };
+            match decoded {
                 Ok(mut jobs) if jobs.len() == 1 => {
                     let mut j = jobs.remove(0);
                     if j.meta_str(META_FEDERATION_ID).is_none() {

@@ -474,6 +474,35 @@ async fn federation_meta_is_added_and_other_messages_pass_untouched() {
     assert_eq!(j.meta_str(META_FEDERATION_ID), Some(fixed));
 }
 
+/// A message that carries the envelope it was encoded from (the daemon's
+/// routes to a federated sink keep it) is federated from that envelope:
+/// the payload is not parsed again. Here the payload is not an envelope at
+/// all, so only the kept envelope can be what arrives, with its meta.
+#[tokio::test(start_paused = true)]
+async fn a_kept_envelope_is_used_and_the_payload_not_parsed_again() {
+    let f = fixture(&[("us", 1)], |_| {});
+    let kept = JobEnvelope::new("report.build", vec![json!("kept")]);
+    let mut message = OutgoingMessage::from_envelope(&kept, Encoding::OjsProto).unwrap();
+    message.payload = bytes::Bytes::from_static(b"\xff not protobuf");
+    f.federation
+        .publish("kept", vec![message.with_envelope(kept.clone())])
+        .await
+        .unwrap();
+    let mut c = f
+        .region("us")
+        .consumer("kept", ConsumerOptions::default())
+        .await
+        .unwrap();
+    let d = c
+        .receive(1, Duration::from_secs(1))
+        .await
+        .unwrap()
+        .remove(0);
+    let j = &Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0];
+    assert_eq!((j.id.as_str(), &j.args), (kept.id.as_str(), &kept.args));
+    assert!(j.meta_str(META_FEDERATION_ID).is_some());
+}
+
 #[tokio::test(start_paused = true)]
 async fn replicas_are_marked_and_never_replicated_again() {
     let f = fixture(&[("us", 1), ("eu", 1), ("ap", 1)], |s| s.replicate = true);

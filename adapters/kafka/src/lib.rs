@@ -1434,6 +1434,7 @@ impl KafkaAcker {
     fn without_body(&self, mut copy: OutgoingMessage) -> OutgoingMessage {
         let size = copy.payload.len();
         copy.payload = bytes::Bytes::new();
+        copy.envelope = None;
         copy.headers
             .insert(header::PAYLOAD_OMITTED.into(), size.to_string());
         copy.headers

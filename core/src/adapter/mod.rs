@@ -89,6 +89,11 @@ pub struct OutgoingMessage {
     pub priority: i32,
     /// Not to be delivered before this time.
     pub deliver_at: Option<DateTime<Utc>>,
+    /// The envelope `payload` was encoded from, when its producer kept it
+    /// for a sink that works on the job itself (a federation): that sink
+    /// then never parses the payload again. It must describe `payload`;
+    /// whatever changes the payload drops it. Adapters ignore it.
+    pub envelope: Option<std::sync::Arc<JobEnvelope>>,
 }
 
 impl OutgoingMessage {
@@ -103,7 +108,15 @@ impl OutgoingMessage {
             message_id: None,
             priority: 0,
             deliver_at: None,
+            envelope: None,
         }
+    }
+
+    /// Keeps `job`, the envelope the payload was encoded from (see
+    /// [`OutgoingMessage::envelope`]).
+    pub fn with_envelope(mut self, job: JobEnvelope) -> Self {
+        self.envelope = Some(std::sync::Arc::new(job));
+        self
     }
 
     /// Encodes an envelope and fills the binding headers of DESIGN §4:
@@ -353,6 +366,7 @@ impl DeliveryRef<'_> {
             message_id: self.message_id.map(str::to_owned),
             priority: 0,
             deliver_at: None,
+            envelope: None,
         }
     }
 }
