@@ -24,7 +24,8 @@ fn call() -> grpcq::Message {
 }
 
 fn to_job(call: &grpcq::Message) -> ojs_core::JobEnvelope {
-    let job_type = format!("{}.{}", call.topic, call.action);
+    // As the daemon names it: snake_case segments the schema accepts.
+    let job_type = ojs_core::envelope::type_from_topic_action(&call.topic, &call.action);
     mapping::call_to_job(call, job_type, "default".into(), None)
 }
 
