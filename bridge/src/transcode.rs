@@ -35,10 +35,15 @@ fn too_deep(msg: &DynamicMessage, budget: usize) -> bool {
     };
     let desc = msg.descriptor();
     if desc.full_name() == "google.protobuf.Any" {
-        let (Some(V::String(url)), Some(V::Bytes(value))) = (
-            msg.get_field_by_number(1).map(|v| v.into_owned()),
-            msg.get_field_by_number(2).map(|v| v.into_owned()),
-        ) else {
+        // Read as prost-reflect's JSON writer reads it (re-encoded and
+        // decoded as prost_types::Any, whatever the set declares the fields
+        // as): a set whose "Any" declares `value` as a message or
+        // `type_url` as bytes gets expanded all the same.
+        let Ok(prost_types::Any {
+            type_url: url,
+            value,
+        }) = msg.transcode_to::<prost_types::Any>()
+        else {
             return false;
         };
         let name = url.rsplit('/').next().unwrap_or_default();
@@ -46,7 +51,7 @@ fn too_deep(msg: &DynamicMessage, budget: usize) -> bool {
             return false;
         };
         // Undecodable: prost-reflect's JSON fails the same way, no deeper.
-        return match DynamicMessage::decode(packed, value) {
+        return match DynamicMessage::decode(packed, value.as_slice()) {
             Ok(inner) => too_deep(&inner, budget),
             Err(_) => false,
         };
@@ -314,6 +319,40 @@ mod tests {
         assert!(Transcoder::from_bytes(b"\xff\xff", None).is_err());
     }
 
+    /// A proto2 group field of its own message type, nested thousands
+    /// deep (two bytes a level).
+    #[test]
+    fn groups_nested_thousands_deep_are_not_a_stack_overflow() {
+        use prost_types::field_descriptor_proto::{Label, Type};
+        let set = prost_types::FileDescriptorSet {
+            file: vec![prost_types::FileDescriptorProto {
+                name: Some("g.proto".into()),
+                package: Some("p".into()),
+                syntax: Some("proto2".into()),
+                message_type: vec![prost_types::DescriptorProto {
+                    name: Some("G".into()),
+                    field: vec![prost_types::FieldDescriptorProto {
+                        name: Some("g".into()),
+                        number: Some(1),
+                        label: Some(Label::Optional as i32),
+                        r#type: Some(Type::Group as i32),
+                        type_name: Some(".p.G".into()),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+        };
+        let t = Transcoder::from_bytes(&set.encode_to_vec(), Some("p.G")).unwrap();
+        let depth = 30_000;
+        let mut payload = vec![0x0B; depth];
+        payload.extend(std::iter::repeat_n(0x0C, depth));
+        // prost's recursion limit covers known groups: an error, no crash.
+        let err = t.to_json("", "", &payload).unwrap_err();
+        assert!(err.contains("recursion limit"), "{err}");
+    }
+
     /// A google.protobuf.Any nested in Any thousands deep: prost-reflect
     /// decodes each Any's value afresh while it writes JSON, so protobuf's
     /// recursion limit does not bound the depth.
@@ -379,5 +418,16 @@ mod tests {
             json.json["@type"],
             "type.googleapis.com/google.protobuf.Any"
         );
+        // A set whose "Any" declares type_url as bytes: prost-reflect's JSON
+        // writer reads it as an Any all the same (the fuzz target's second
+        // find); so does the depth check.
+        let mut bytes_url = set.clone();
+        bytes_url.file[0].message_type[0].field[0] = field("type_url", 1, Type::Bytes);
+        let t = Transcoder::from_bytes(&bytes_url.encode_to_vec(), Some("google.protobuf.Any"))
+            .unwrap();
+        assert!(matches!(
+            t.to_json("", "", &nested(3000)),
+            Ok(None) | Err(_)
+        ));
     }
 }
