@@ -123,7 +123,7 @@ async fn memory_to_memory(n: usize) {
     let m = run_bridge(&toml, n).await;
     assert_eq!(broker.depth("jobs").await.unwrap(), Some(n as u64));
     println!(
-        "memory → memory  {n} calls: {:>9.0} msg/s (target ≥ 150000); bridge latency p50 {} ms, p99 {} ms",
+        "memory → memory  {n} calls: {:>9.0} msg/s (target ≥ 800000); bridge latency p50 {} ms, p99 {} ms",
         m.rate,
         ms(m.p50_ms),
         ms(m.p99_ms)
@@ -297,7 +297,7 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
     adapter.close().await.unwrap();
     let (raw_rate, bridge_rate) = (median(raw.clone()), median(bridged.clone()));
     println!(
-        "kafka → kafka    {n} calls, median of {rounds}: raw copy {raw_rate:>9.0} msg/s, bridge {bridge_rate:>9.0} msg/s, ratio {:.2} (target ≥ 0.8); bridge latency p50 {} ms, p99 {} ms",
+        "kafka → kafka    {n} calls, median of {rounds}: raw copy {raw_rate:>9.0} msg/s, bridge {bridge_rate:>9.0} msg/s, ratio {:.2} (target ≥ 0.9); bridge latency p50 {} ms, p99 {} ms",
         bridge_rate / raw_rate,
         ms(Some(median(p50))),
         ms(Some(median(p99))),
