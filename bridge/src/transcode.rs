@@ -89,6 +89,50 @@ fn valid_map_key(kind: &prost_reflect::Kind) -> bool {
     )
 }
 
+/// A file of `set` that imports itself, directly or through others. protoc
+/// refuses import cycles; prost-reflect 0.16 follows a cycle of public
+/// imports until the stack overflows (found by the descriptor_transcode fuzz
+/// target). Iterative, so the check itself cannot overflow.
+fn import_cycle(set: &prost_types::FileDescriptorSet) -> Option<&str> {
+    use std::collections::HashMap;
+    let index: HashMap<&str, usize> = set
+        .file
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.name(), i))
+        .collect();
+    let deps = |i: usize| {
+        set.file[i]
+            .dependency
+            .iter()
+            .filter_map(|d| index.get(d.as_str()).copied())
+    };
+    // 0 unvisited, 1 on the current path, 2 done.
+    let mut state = vec![0u8; set.file.len()];
+    for start in 0..set.file.len() {
+        if state[start] != 0 {
+            continue;
+        }
+        let mut stack = vec![(start, deps(start).collect::<Vec<_>>())];
+        state[start] = 1;
+        while let Some((node, pending)) = stack.last_mut() {
+            match pending.pop() {
+                Some(next) if state[next] == 1 => return Some(set.file[next].name()),
+                Some(next) if state[next] == 0 => {
+                    state[next] = 1;
+                    stack.push((next, deps(next).collect()));
+                }
+                Some(_) => {}
+                None => {
+                    state[*node] = 2;
+                    stack.pop();
+                }
+            }
+        }
+    }
+    None
+}
+
 impl Transcoder {
     /// Loads a FileDescriptorSet file; `message_type`, when given, must be
     /// in it.
@@ -116,6 +160,11 @@ impl Transcoder {
                 "file {:?} has syntax {:?}; only proto2 and proto3 descriptor sets are supported",
                 file.name(),
                 file.syntax()
+            ));
+        }
+        if let Some(name) = import_cycle(&set) {
+            return Err(format!(
+                "file {name:?} imports itself, directly or through other files (an import cycle)"
             ));
         }
         let pool = DescriptorPool::decode(bytes)
@@ -317,6 +366,44 @@ mod tests {
             .unwrap();
         assert_eq!(json.json["meta"]["k"], "v");
         assert!(Transcoder::from_bytes(b"\xff\xff", None).is_err());
+    }
+
+    /// Files that import themselves, directly or in a ring, publicly: an
+    /// error naming the file, not a stack overflow.
+    #[test]
+    fn import_cycles_are_refused_by_name() {
+        let file = |name: &str, dep: &str| prost_types::FileDescriptorProto {
+            name: Some(name.into()),
+            dependency: vec![dep.into()],
+            public_dependency: vec![0],
+            ..Default::default()
+        };
+        for files in [
+            vec![file("a.proto", "a.proto")],
+            vec![
+                file("a.proto", "b.proto"),
+                file("b.proto", "c.proto"),
+                file("c.proto", "a.proto"),
+            ],
+        ] {
+            let set = prost_types::FileDescriptorSet { file: files };
+            let err = Transcoder::from_bytes(&set.encode_to_vec(), None).unwrap_err();
+            assert!(
+                err.contains("import cycle") && err.contains(".proto"),
+                "{err}"
+            );
+        }
+        // A chain is fine.
+        let set = prost_types::FileDescriptorSet {
+            file: vec![
+                file("a.proto", "b.proto"),
+                prost_types::FileDescriptorProto {
+                    name: Some("b.proto".into()),
+                    ..Default::default()
+                },
+            ],
+        };
+        assert!(Transcoder::from_bytes(&set.encode_to_vec(), None).is_ok());
     }
 
     /// A proto2 group field of its own message type, nested thousands
