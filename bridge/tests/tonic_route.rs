@@ -53,7 +53,7 @@ async fn a_job_becomes_a_call_of_the_served_tonic_service() {
         let _ = stopped.await;
     }));
 
-    let mut daemon = support::spawn_daemon_in(dir.path(), "jobs-to-invoices.toml");
+    let daemon = support::spawn_daemon_in(dir.path(), "jobs-to-invoices.toml");
     let job = br#"{"specversion":"1.0","id":"01966f3e-8a2b-7c3d-9e4f-0a1b2c3d4e5f","type":"invoices.create","queue":"invoice-jobs","args":[{"customer":"acme","amountCents":"1200"}],"meta":{"grpcq.topic":"invoices.v1.Invoices","grpcq.action":"Create"}}"#;
     let out = support::ojs_bridge_in(
         dir.path(),
@@ -90,7 +90,7 @@ async fn a_job_becomes_a_call_of_the_served_tonic_service() {
         ("acme", 1200)
     );
 
-    support::stop_daemon(&mut daemon);
+    daemon.stop();
     let _ = stop.send(());
     worker.await.unwrap().unwrap();
 }

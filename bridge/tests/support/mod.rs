@@ -260,10 +260,36 @@ pub fn ojs_bridge_in(dir: &std::path::Path, args: &[&str], stdin: &[u8]) -> std:
     child.wait_with_output().unwrap()
 }
 
+/// A daemon process that is killed (by its PID) when dropped, so that a
+/// failing test leaves no daemon behind.
+#[allow(dead_code)]
+pub struct DaemonProcess(std::process::Child);
+
+impl DaemonProcess {
+    /// SIGTERM (by PID); the daemon must exit 0.
+    pub fn stop(mut self) {
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        assert!(self.0.wait().unwrap().success(), "SIGTERM must exit 0");
+    }
+}
+
+impl Drop for DaemonProcess {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// Starts the daemon in `dir` with `config` (a path from there) and waits
 /// for its "running" line.
 #[allow(dead_code)]
-pub fn spawn_daemon_in(dir: &std::path::Path, config: &str) -> std::process::Child {
+pub fn spawn_daemon_in(dir: &std::path::Path, config: &str) -> DaemonProcess {
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
         .current_dir(dir)
         .args(["run", "--config", config])
@@ -288,20 +314,9 @@ pub fn spawn_daemon_in(dir: &std::path::Path, config: &str) -> std::process::Chi
         };
         if line.contains("running") {
             std::thread::spawn(move || while rx.recv().is_ok() {});
-            return child;
+            return DaemonProcess(child);
         }
     }
-}
-
-/// SIGTERM to the daemon (by its PID); it must exit 0.
-#[allow(dead_code)]
-pub fn stop_daemon(child: &mut std::process::Child) {
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    assert!(child.wait().unwrap().success(), "SIGTERM must exit 0");
 }
 
 /// Starts the daemon and waits for its "running" line.
