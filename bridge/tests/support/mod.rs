@@ -133,17 +133,7 @@ pub fn metric(text: &str, sample: &str) -> Option<f64> {
 /// Runs the `ojs-bridge` binary with `args`, `stdin` written to it, as a
 /// user runs it.
 pub fn ojs_bridge(args: &[&str], stdin: &[u8]) -> std::process::Output {
-    use std::io::Write as _;
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(stdin).unwrap();
-    child.wait_with_output().unwrap()
+    ojs_bridge_in(&std::env::current_dir().unwrap(), args, stdin)
 }
 
 /// A real in-memory broker behind a sink with the knobs tests turn: an
@@ -290,33 +280,11 @@ impl Drop for DaemonProcess {
 /// for its "running" line.
 #[allow(dead_code)]
 pub fn spawn_daemon_in(dir: &std::path::Path, config: &str) -> DaemonProcess {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
-        .current_dir(dir)
-        .args(["run", "--config", config])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok) {
-            eprintln!("[daemon] {line}");
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
-            let _ = child.kill();
-            let status = child.wait();
-            panic!("the daemon did not report running (exit: {status:?})");
-        };
-        if line.contains("running") {
-            std::thread::spawn(move || while rx.recv().is_ok() {});
-            return DaemonProcess(child);
-        }
-    }
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"));
+    command.current_dir(dir).args(["run", "--config", config]);
+    let (child, rx) = start_watched(command);
+    std::thread::spawn(move || while rx.recv().is_ok() {});
+    DaemonProcess(child)
 }
 
 /// Starts the daemon and waits for its "running" line.
@@ -332,8 +300,17 @@ pub fn spawn_daemon(config: &std::path::Path) -> std::process::Child {
 pub fn spawn_daemon_watched(
     config: &std::path::Path,
 ) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
-        .args(["run", "--config", config.to_str().unwrap()])
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"));
+    command.args(["run", "--config", config.to_str().unwrap()]);
+    start_watched(command)
+}
+
+/// Runs a daemon `command`, echoes its stderr, and waits for its "running"
+/// line; the daemon's later stderr lines.
+fn start_watched(
+    mut command: std::process::Command,
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    let mut child = command
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
