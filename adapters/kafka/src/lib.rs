@@ -597,14 +597,7 @@ impl QueueAdapter for KafkaAdapter {
     async fn open_reply_queue(&self, queue: &str) -> Result<()> {
         // A per-instance topic (its retry and dead topics too: the
         // consumer's contract needs them), created like any queue's.
-        if self.inner.config.topology == Topology::Existing {
-            return Err(Error::InvalidConfig {
-                field: "reply queue".into(),
-                reason: format!(
-                    "topology = \"existing\" creates nothing: provision a reply topic for this client and name it instead of letting {queue:?} be created"
-                ),
-            });
-        }
+        self.inner.config.topology.may_create_reply_queue(queue)?;
         self.prepare(queue).await
     }
 

@@ -743,14 +743,7 @@ impl QueueAdapter for SqsAdapter {
     }
 
     async fn open_reply_queue(&self, queue: &str) -> Result<()> {
-        if self.inner.config.topology == Topology::Existing {
-            return Err(Error::InvalidConfig {
-                field: "reply queue".into(),
-                reason: format!(
-                    "topology = \"existing\" creates nothing: provision a reply queue for this client and name it instead of letting {queue:?} be created"
-                ),
-            });
-        }
+        self.inner.config.topology.may_create_reply_queue(queue)?;
         self.prepare(queue).await
     }
 

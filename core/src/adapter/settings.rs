@@ -406,6 +406,23 @@ pub enum Topology {
     Existing,
 }
 
+impl Topology {
+    /// Under `existing`, the error for a client that asked the adapter to
+    /// create its private reply `queue` (`QueueAdapter::open_reply_queue`);
+    /// `Ok` under `declare`.
+    pub fn may_create_reply_queue(self, queue: &str) -> Result<()> {
+        match self {
+            Topology::Declare => Ok(()),
+            Topology::Existing => Err(Error::InvalidConfig {
+                field: "reply queue".into(),
+                reason: format!(
+                    "topology = \"existing\" creates nothing: provision a reply queue for this client and name it instead of letting {queue:?} be created"
+                ),
+            }),
+        }
+    }
+}
+
 impl std::fmt::Display for Topology {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
