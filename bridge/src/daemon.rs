@@ -813,8 +813,9 @@ fn plan(
     let (queue, out) = plan.route.map(msg, &ctx.config.queue)?;
     plan.route
         .admit_destination(&queue, |q| plan.sink.is_reserved(q))?;
-    out.check_size(plan.sink.max_message_bytes())
-        .map_err(|e| DeadLetterReason::from_error(&e))?;
+    // No size check here: the sink's `publish` makes the one check (its
+    // limit, its way of counting) and hands an oversized message back as
+    // `PayloadTooLarge`, which `publish_group` dead-letters.
     Ok((route, queue, out, created))
 }
 

@@ -45,7 +45,26 @@ fn stages(c: &mut Criterion) {
     group.bench_function("encode_message", |b| {
         b.iter(|| black_box(OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap()))
     });
+    group.bench_function("direct_encode", |b| {
+        b.iter(|| {
+            black_box(mapping::call_to_job_message(
+                black_box(&call),
+                "payment.payment_service.process_payment",
+                "default",
+            ))
+        })
+    });
+    // What the daemon does per call on a route to OJS protobuf: decode,
+    // name the job type, encode the job straight from the call.
     group.bench_function("all", |b| {
+        b.iter(|| {
+            let call = grpcq::decode_lenient(black_box(&bytes)).unwrap();
+            let job_type = ojs_core::envelope::type_from_topic_action(&call.topic, &call.action);
+            black_box(mapping::call_to_job_message(&call, &job_type, "default"))
+        })
+    });
+    // The same through a JobEnvelope (routes that keep it or transcode).
+    group.bench_function("all_via_envelope", |b| {
         b.iter(|| {
             let call = grpcq::decode_lenient(black_box(&bytes)).unwrap();
             let job = to_job(&call);

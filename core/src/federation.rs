@@ -619,10 +619,9 @@ impl Federation {
                     match OutgoingMessage::from_envelope(&j, encoding) {
                         Ok(mut rebuilt) => {
                             for (k, v) in &message.headers {
-                                rebuilt
-                                    .headers
-                                    .entry(k.clone())
-                                    .or_insert_with(|| v.clone());
+                                if !rebuilt.headers.contains_key(k) {
+                                    rebuilt.headers.insert(k.clone(), v.clone());
+                                }
                             }
                             rebuilt.key = message.key.clone().or(rebuilt.key);
                             message = rebuilt;

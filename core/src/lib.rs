@@ -36,7 +36,8 @@ pub use grpcq::{publisher, registry, retry, trace, worker};
 
 pub use adapter::{
     header, Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, DeliveryRef,
-    FailedPublish, Headers, Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Source,
+    FailedPublish, HeaderName, HeaderValue, Headers, Health, Nack, OutgoingMessage, PublishFailure,
+    QueueAdapter, Source,
 };
 pub use decode::{Decoded, Incoming};
 pub use envelope::value::MAX_VALUE_DEPTH;

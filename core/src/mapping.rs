@@ -14,7 +14,10 @@ use chrono::{DateTime, TimeZone, Utc};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::envelope::JobEnvelope;
+use bytes::Bytes;
+
+use crate::adapter::{header, HeaderValue, OutgoingMessage};
+use crate::envelope::{proto, value, wire, JobEnvelope, SPEC_VERSION};
 use crate::error::{Error, Result};
 use crate::grpcq::Message;
 
@@ -140,6 +143,103 @@ pub fn call_to_job(
         .unwrap_or(0);
     job.meta = meta;
     job
+}
+
+/// The job of a call carried as base64url, encoded straight into an OJS
+/// protobuf message with its binding headers: byte for byte what
+/// [`call_to_job`] (payload `None`) and then
+/// [`OutgoingMessage::from_envelope`] with [`Encoding::OjsProto`] give, but
+/// without the envelope in between (no meta map of `serde_json` values, no
+/// base64 `String`, no per-field copies): the bridge's hot path. `job_type`
+/// and `queue` must already be valid (the caller checks them; everything
+/// else a call can hold makes a valid job).
+pub fn call_to_job_message(msg: &Message, job_type: &str, queue: &str) -> OutgoingMessage {
+    let id = call_job_id_of(msg);
+    // meta: the call's metadata, then the mapping's own keys over it, in
+    // key order (a `serde_json::Map` is sorted, so the envelope path
+    // writes them sorted too).
+    let own = [
+        (META_ACTION, msg.action.as_str()),
+        (META_MESSAGE_ID, msg.message_id.as_str()),
+        (META_ORIGINATOR, msg.originator.as_str()),
+        (META_PAYLOAD_ENCODING, PAYLOAD_BASE64URL),
+        (META_TOPIC, msg.topic.as_str()),
+    ];
+    let mut meta: Vec<(&str, &str)> = Vec::with_capacity(msg.metadata.len() + own.len());
+    meta.extend(
+        msg.metadata
+            .iter()
+            .filter(|(k, _)| !own.iter().any(|(o, _)| o == k))
+            .map(|(k, v)| (k.as_str(), v.as_str())),
+    );
+    meta.extend(own);
+    meta.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let created_at = millis_to_time(msg.timestamp_ms);
+    let expires_at = msg
+        .metadata
+        .get("deadline_ms")
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .and_then(millis_to_time);
+    let priority = msg
+        .metadata
+        .get("priority")
+        .and_then(|v| v.trim().parse::<i32>().ok())
+        .unwrap_or(0);
+    let arg_len = base64::encoded_len(msg.payload.len(), false).unwrap_or(usize::MAX);
+    let arg_body = wire::len_field_len(3, arg_len);
+
+    let size = wire::string_len(1, SPEC_VERSION)
+        + wire::string_len(2, &id)
+        + wire::string_len(3, job_type)
+        + wire::string_len(4, queue)
+        + wire::len_field_len(5, arg_body)
+        + meta
+            .iter()
+            .map(|(k, v)| value::string_map_entry_len(6, k, v))
+            .sum::<usize>()
+        + wire::int32_len(7, priority)
+        + proto::timestamp_len(10, &expires_at)
+        + proto::timestamp_len(16, &created_at);
+    let mut out = Vec::with_capacity(size);
+    wire::put_string(&mut out, 1, SPEC_VERSION);
+    wire::put_string(&mut out, 2, &id);
+    wire::put_string(&mut out, 3, job_type);
+    wire::put_string(&mut out, 4, queue);
+    wire::put_len_header(&mut out, 5, arg_body);
+    wire::put_len_header(&mut out, 3, arg_len);
+    let start = out.len();
+    out.resize(start + arg_len, 0);
+    let written = URL_SAFE_NO_PAD
+        .encode_slice(&msg.payload, &mut out[start..])
+        .unwrap_or(0);
+    debug_assert_eq!(written, arg_len);
+    for (k, v) in &meta {
+        value::put_string_map_entry(&mut out, 6, k, v);
+    }
+    wire::put_int32(&mut out, 7, priority);
+    proto::put_timestamp(&mut out, 10, &expires_at);
+    proto::put_timestamp(&mut out, 16, &created_at);
+    debug_assert_eq!(out.len(), size);
+
+    let mut message = OutgoingMessage::new(out, crate::media::OJS_PROTO);
+    let h = &mut message.headers;
+    h.insert(header::SPECVERSION, HeaderValue::from_static(SPEC_VERSION));
+    h.insert(header::ID, id.as_str());
+    h.insert(header::TYPE, job_type);
+    h.insert(header::QUEUE, queue);
+    for key in [header::TRACEPARENT, header::TRACESTATE] {
+        if let Some(v) = meta.iter().find(|(k, _)| *k == key) {
+            h.insert(key, v.1);
+        }
+    }
+    let key = meta
+        .iter()
+        .find(|(k, _)| *k == "partition_key")
+        .map_or(id.as_str(), |(_, v)| v);
+    message.key = Some(Bytes::copy_from_slice(key.as_bytes()));
+    message.priority = priority;
+    message.message_id = Some(id);
+    message
 }
 
 fn millis_to_time(ms: i64) -> Option<DateTime<Utc>> {
@@ -277,6 +377,68 @@ mod tests {
         msg.metadata
             .insert("deadline_ms".into(), "1763700060000".into());
         msg
+    }
+
+    fn via_envelope(msg: &Message, job_type: &str, queue: &str) -> OutgoingMessage {
+        let job = call_to_job(msg, job_type.into(), queue.into(), None);
+        OutgoingMessage::from_envelope(&job, crate::Encoding::OjsProto).unwrap()
+    }
+
+    #[test]
+    fn the_direct_encoder_writes_what_the_envelope_path_writes() {
+        let mut calls = vec![call()];
+        let mut plain = call();
+        plain.metadata.clear();
+        plain.payload.clear();
+        plain.originator.clear();
+        plain.timestamp_ms = 0;
+        calls.push(plain);
+        let mut odd = call();
+        // Metadata that collides with the mapping's own keys loses to them;
+        // keys sorting before and after them; a partition key; odd values.
+        odd.metadata.insert(META_TOPIC.into(), "spoofed".into());
+        odd.metadata.insert("a".into(), String::new());
+        odd.metadata.insert("zz".into(), "é".repeat(200));
+        odd.metadata
+            .insert("partition_key".into(), "tenant-7".into());
+        odd.metadata.insert("tracestate".into(), "k=v".into());
+        odd.metadata.insert("priority".into(), "-3".into());
+        odd.metadata
+            .insert("deadline_ms".into(), "not a number".into());
+        odd.payload = vec![7; 300];
+        odd.message_id = String::new();
+        calls.push(odd);
+        for msg in &calls {
+            let direct = call_to_job_message(msg, "payment.process_payment", "payments");
+            let slow = via_envelope(msg, "payment.process_payment", "payments");
+            assert_eq!(direct, slow);
+            assert!(JobEnvelope::from_proto_bytes(&direct.payload).is_ok());
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_direct_encoder_matches_for_any_call(
+            originator in ".{0,20}",
+            message_id in "[a-z0-9-]{0,40}",
+            payload in proptest::collection::vec(proptest::num::u8::ANY, 0..400),
+            timestamp_ms in proptest::num::i64::ANY,
+            metadata in proptest::collection::btree_map("[a-z_.]{0,16}", ".{0,30}", 0..8),
+        ) {
+            let msg = Message {
+                originator,
+                topic: "t.S".into(),
+                action: "Do".into(),
+                payload,
+                message_id,
+                timestamp_ms,
+                metadata,
+            };
+            proptest::prop_assert_eq!(
+                call_to_job_message(&msg, "t.do", "q"),
+                via_envelope(&msg, "t.do", "q")
+            );
+        }
     }
 
     #[test]

@@ -185,7 +185,10 @@ pub async fn publish_consume_intact(f: &dyn AdapterFactory) -> Result<()> {
             ] {
                 assert_eq!(d.headers.get(name), sent.headers.get(name), "header {name}");
             }
-            assert_eq!(d.headers.get("x-test-index"), Some(&i.to_string()));
+            assert_eq!(
+                d.headers.get_str("x-test-index"),
+                Some(i.to_string().as_str())
+            );
             assert_eq!(job.args[0], json!(*i));
             assert_eq!(job.args[1], json!("payload-ü-✓"));
             tally.received(job.id.clone());
@@ -551,16 +554,23 @@ pub async fn order_within_a_key(f: &dyn AdapterFactory) -> Result<()> {
     Ok(())
 }
 
-/// A key that is not UTF-8 (a Kafka producer's binary key) comes back byte
-/// for byte: on delivery, after a retry and in the dead letters, so the copy
-/// lands in the same partition as the original.
-pub async fn binary_keys_survive_retries_and_dead_letters(f: &dyn AdapterFactory) -> Result<()> {
+/// A key and a header value that are not UTF-8 (a Kafka producer's binary
+/// key and headers) come back byte for byte: on delivery, after a retry and
+/// in the dead letters, so the copy lands in the same partition as the
+/// original and carries what it carried.
+pub async fn binary_keys_and_header_values_survive_retries_and_dead_letters(
+    f: &dyn AdapterFactory,
+) -> Result<()> {
     let features = f.features();
     let adapter = f.connect().await?;
     let queue = f.queue("acc-binkey").await?;
     let key: &'static [u8] = b"\xff\x00\xfek\x80";
+    // A header value that is not UTF-8 (a Kafka header can hold any
+    // bytes): it must come back as the same bytes, never "repaired".
+    let value: &'static [u8] = b"\x00\xc3(\xff";
     let (id, msg) = message(&queue, 0);
-    adapter.publish(&queue, vec![msg.with_key(key)]).await?;
+    let msg = msg.with_key(key).with_header("x-binary", value);
+    adapter.publish(&queue, vec![msg]).await?;
     let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
     let deadline = Instant::now() + features.patience;
     let mut seen = 0;
@@ -571,6 +581,12 @@ pub async fn binary_keys_survive_retries_and_dead_letters(f: &dyn AdapterFactory
                 d.key.as_deref(),
                 Some(key),
                 "key kept (delivery {})",
+                seen + 1
+            );
+            assert_eq!(
+                d.headers.get("x-binary").map(|v| v.as_bytes()),
+                Some(value),
+                "binary header value kept (delivery {})",
                 seen + 1
             );
             seen += 1;
@@ -591,15 +607,22 @@ pub async fn binary_keys_survive_retries_and_dead_letters(f: &dyn AdapterFactory
     let mut dead = None;
     while dead.is_none() && Instant::now() < deadline {
         for d in dlq.receive(1, Duration::from_millis(500)).await? {
-            dead = Some(d.key.clone());
+            dead = Some((d.key.clone(), d.headers.get("x-binary").cloned()));
             d.ack().await?;
         }
     }
     dlq.close().await?;
+    let (dead_key, dead_value) = dead.context("the dead letter arrives")?;
     assert_eq!(
-        dead.context("the dead letter arrives")?.as_deref(),
+        dead_key.as_deref(),
         Some(key),
         "{}: key kept in the dead letters",
+        features.name
+    );
+    assert_eq!(
+        dead_value.as_ref().map(|v| v.as_bytes()),
+        Some(value),
+        "{}: binary header value kept in the dead letters",
         features.name
     );
     Ok(())
@@ -813,7 +836,7 @@ macro_rules! acceptance_tests {
             ack_twice_is_an_error,
             close_loses_nothing_accepted,
             order_within_a_key,
-            binary_keys_survive_retries_and_dead_letters,
+            binary_keys_and_header_values_survive_retries_and_dead_letters,
             dead_letter_with_reason,
             oversized_message_is_rejected,
             health_and_depth,

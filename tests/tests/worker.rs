@@ -281,7 +281,7 @@ async fn grpcq_sqs_style_bodies_are_handled() {
         ("action", "Charge"),
         ("originator", "legacy-go"),
     ] {
-        sqs_style.headers.insert(k.into(), v.into());
+        sqs_style.headers.insert(k, v);
     }
     let mut legacy = OutgoingMessage::new(raw, "x");
     legacy.headers.clear();
@@ -604,8 +604,8 @@ async fn calls_and_jobs_published_by_a_handler_continue_its_trace() {
     for d in next_jobs.receive(10, Duration::from_secs(1)).await.unwrap() {
         let job = &Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0];
         assert_eq!(
-            d.headers.get("traceparent"),
-            job.meta_str("traceparent").map(str::to_owned).as_ref()
+            d.headers.get_str("traceparent"),
+            job.meta_str("traceparent")
         );
         traced.push(job.meta_str("traceparent").map(str::to_owned));
     }

@@ -51,8 +51,8 @@ use futures::{FutureExt, StreamExt};
 use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::{
     header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
-    DeliveryRef, Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, QueueAdapter,
-    Result, Source,
+    DeliveryRef, Error, FailedPublish, HeaderName, Headers, Health, Nack, OutgoingMessage,
+    QueueAdapter, Result, Source,
 };
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -384,7 +384,7 @@ impl Inner {
             let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
             for (k, v) in &m.headers {
                 headers = headers.insert(Header {
-                    key: k,
+                    key: k.as_str(),
                     value: Some(v.as_bytes()),
                 });
             }
@@ -547,7 +547,7 @@ impl QueueAdapter for KafkaAdapter {
                 // Scheduled jobs wait in the retry topic like delayed retries.
                 let lane = match m.deliver_at.map(|t| t.timestamp_millis()) {
                     Some(at) if at > now => {
-                        m.headers.insert(NOT_BEFORE_HEADER.into(), at.to_string());
+                        m.headers.insert(NOT_BEFORE_HEADER, at.to_string());
                         Lane::Retry
                     }
                     _ => Lane::Queue,
@@ -1245,7 +1245,7 @@ impl KafkaConsumer {
             None => received_record(std::iter::empty(), m.key()),
         };
         let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
-        let message_id = headers.get(header::ID).cloned();
+        let message_id = headers.get_str(header::ID).map(str::to_owned);
         let acker = KafkaAcker {
             settler: self.settler.clone(),
             tp,
@@ -1429,13 +1429,13 @@ impl KafkaAcker {
         copy.payload = bytes::Bytes::new();
         copy.envelope = None;
         copy.headers
-            .insert(header::PAYLOAD_OMITTED.into(), size.to_string());
+            .insert(header::PAYLOAD_OMITTED, size.to_string());
         copy.headers
-            .insert("ojs-source-topic".into(), self.tp.0.to_string());
+            .insert("ojs-source-topic", self.tp.0.to_string());
         copy.headers
-            .insert("ojs-source-partition".into(), self.tp.1.to_string());
+            .insert("ojs-source-partition", self.tp.1.to_string());
         copy.headers
-            .insert("ojs-source-offset".into(), self.offset.to_string());
+            .insert("ojs-source-offset", self.offset.to_string());
         copy
     }
 }
@@ -1471,12 +1471,11 @@ impl Acknowledger for KafkaAcker {
                     return self.move_to(Lane::Dead, copy).await;
                 }
                 copy.headers
-                    .insert(header::ATTEMPT.into(), (self.attempt + 1).to_string());
+                    .insert(header::ATTEMPT, (self.attempt + 1).to_string());
                 // Whole milliseconds, rounded up: the clock read here is
                 // truncated, so +1 keeps the record from coming back early.
                 let due = now_ms().saturating_add(delay.as_micros().div_ceil(1000) as i64 + 1);
-                copy.headers
-                    .insert(NOT_BEFORE_HEADER.into(), due.to_string());
+                copy.headers.insert(NOT_BEFORE_HEADER, due.to_string());
                 self.move_to(Lane::Retry, copy).await
             }
             // A dead letter that is retried goes to the back of the dead topic.
@@ -1501,23 +1500,25 @@ pub struct ReceivedRecord {
 }
 
 /// Reads a record's headers and key as librdkafka hands them over. Header
-/// values that are not UTF-8 are read lossily; the key is kept as bytes.
+/// values and the key are kept as bytes (a binary value goes out again
+/// exactly as it came in); the names of `ojs_core::header` are not
+/// allocated.
 /// The Kafka header fuzz target starts here.
 pub fn received_record<'a>(
     headers: impl Iterator<Item = (&'a str, Option<&'a [u8]>)>,
     key: Option<&[u8]>,
 ) -> ReceivedRecord {
-    let mut map = Headers::new();
+    let mut map = Headers::with_capacity(8);
     for (name, value) in headers {
         if name == NOT_BEFORE_HEADER {
             continue;
         }
         if let Some(v) = value {
-            map.insert(name.to_owned(), String::from_utf8_lossy(v).into_owned());
+            map.insert(HeaderName::new(name), v);
         }
     }
     let attempt = map
-        .get(header::ATTEMPT)
+        .get_str(header::ATTEMPT)
         .and_then(|a| a.parse::<u32>().ok())
         .filter(|a| *a > 0)
         .unwrap_or(1);

@@ -14,7 +14,7 @@
 use bytes::Bytes;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
-use ojs_core::{header, Headers, OutgoingMessage};
+use ojs_core::{header, HeaderName, HeaderValue, Headers, OutgoingMessage};
 
 /// AMQP header carrying the ordering key.
 pub const KEY_HEADER: &str = "x-ojs-key";
@@ -36,14 +36,24 @@ fn amqp_name(name: &str) -> String {
     }
 }
 
-fn neutral_name(name: &str) -> Option<String> {
+fn neutral_name(name: &str) -> Option<HeaderName> {
     if let Some(rest) = name.strip_prefix("x-ojs-") {
-        (name != KEY_HEADER).then(|| format!("ojs-{rest}"))
+        (name != KEY_HEADER).then(|| HeaderName::with_prefix("ojs-", rest))
     } else if BROKER_HEADERS.iter().any(|p| name.starts_with(p)) {
         // Broker bookkeeping is not part of the message.
         None
     } else {
-        Some(name.to_owned())
+        Some(HeaderName::new(name))
+    }
+}
+
+/// A header's value: long strings (what this adapter writes) and byte
+/// arrays as the bytes they are, numbers and booleans as text.
+fn value_of(v: &AMQPValue) -> Option<HeaderValue> {
+    match v {
+        AMQPValue::LongString(s) => Some(HeaderValue::from(s.as_bytes())),
+        AMQPValue::ByteArray(b) => Some(HeaderValue::from(b.as_slice())),
+        other => text(other).map(HeaderValue::from),
     }
 }
 
@@ -72,10 +82,10 @@ pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> BasicPropert
     for (name, value) in &m.headers {
         match name.as_str() {
             header::CONTENT_TYPE => {
-                props = props.with_content_type(ShortString::from(value.as_str()))
+                props = props.with_content_type(ShortString::from(&*value.to_str_lossy()))
             }
             header::ID => {}
-            header::TYPE => props = props.with_type(ShortString::from(value.as_str())),
+            header::TYPE => props = props.with_type(ShortString::from(&*value.to_str_lossy())),
             _ => {
                 table.insert(
                     amqp_name(name).into(),
@@ -84,10 +94,7 @@ pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> BasicPropert
             }
         }
     }
-    let id = m
-        .message_id
-        .as_deref()
-        .or(m.headers.get(header::ID).map(String::as_str));
+    let id = m.message_id.as_deref().or(m.headers.get_str(header::ID));
     if let Some(id) = id {
         props = props.with_message_id(ShortString::from(id));
     }
@@ -134,23 +141,23 @@ pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
                 };
             } else if name == DELIVERY_COUNT {
                 delivery_count = text(value).and_then(|t| t.parse::<u32>().ok());
-            } else if let (Some(n), Some(v)) = (neutral_name(name), text(value)) {
+            } else if let (Some(n), Some(v)) = (neutral_name(name), value_of(value)) {
                 headers.insert(n, v);
             }
         }
     }
     if let Some(ct) = props.content_type() {
-        headers.insert(header::CONTENT_TYPE.into(), ct.as_str().to_owned());
+        headers.insert(header::CONTENT_TYPE, ct.as_str());
     }
     let message_id = props.message_id().as_ref().map(|s| s.as_str().to_owned());
     if let Some(kind) = props.kind() {
-        headers.insert(header::TYPE.into(), kind.as_str().to_owned());
+        headers.insert(header::TYPE, kind.as_str());
         if let Some(id) = &message_id {
-            headers.insert(header::ID.into(), id.clone());
+            headers.insert(header::ID, id.as_str());
         }
     }
     let base: u32 = headers
-        .get(header::ATTEMPT)
+        .get_str(header::ATTEMPT)
         .and_then(|a| a.parse().ok())
         .filter(|a| *a > 0)
         .unwrap_or(1);
@@ -193,8 +200,8 @@ mod tests {
             .with_priority(50)
             .with_meta("traceparent", "00-abc-def-01");
         let mut m = OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap();
-        m.headers.insert("x-custom".into(), "kept".into());
-        m.headers.insert(header::ATTEMPT.into(), "3".into());
+        m.headers.insert("x-custom", "kept");
+        m.headers.insert(header::ATTEMPT, "3");
         let props = properties(&m, Some(10));
         assert_eq!(props.message_id().as_ref().unwrap().as_str(), job.id);
         assert_eq!(props.kind().as_ref().unwrap().as_str(), "email.send");
@@ -214,10 +221,7 @@ mod tests {
         ] {
             assert_eq!(back.headers.get(name), m.headers.get(name), "{name}");
         }
-        assert_eq!(
-            back.headers.get("x-custom").map(String::as_str),
-            Some("kept")
-        );
+        assert_eq!(back.headers.get_str("x-custom"), Some("kept"));
         assert_eq!(back.key.as_deref(), Some(job.id.as_bytes()));
         assert_eq!(back.attempt, 4, "3 from the header + 1 broker redelivery");
     }

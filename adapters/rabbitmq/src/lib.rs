@@ -118,9 +118,9 @@ fn grpcq_route(message: &OutgoingMessage) -> Option<(&str, &str)> {
     if message.content_type() != Some(ojs_core::media::GRPCQ_PROTO) {
         return None;
     }
-    let topic = message.headers.get(ojs_core::header::GRPCQ_TOPIC)?;
-    let action = message.headers.get(ojs_core::header::GRPCQ_ACTION)?;
-    Some((topic.as_str(), action.as_str()))
+    let topic = message.headers.get_str(ojs_core::header::GRPCQ_TOPIC)?;
+    let action = message.headers.get_str(ojs_core::header::GRPCQ_ACTION)?;
+    Some((topic, action))
 }
 
 #[derive(Debug)]
@@ -1227,7 +1227,7 @@ impl Acknowledger for RabbitAcker {
             Nack::Retry { delay } => {
                 let mut copy = self.copy_of(&delivery);
                 copy.headers
-                    .insert(header::ATTEMPT.into(), (self.attempt + 1).to_string());
+                    .insert(header::ATTEMPT, (self.attempt + 1).to_string());
                 let route = if delay.is_zero() {
                     Route::Queue
                 } else if self.inner.config.topology == Topology::Existing {

@@ -47,10 +47,10 @@ async fn raw(
                     .message_body(base64::engine::general_purpose::STANDARD.encode(&m.payload));
                 for (k, v) in &m.headers {
                     e = e.message_attributes(
-                        k,
+                        k.as_str(),
                         MessageAttributeValue::builder()
                             .data_type("String")
-                            .string_value(v)
+                            .string_value(v.to_str_lossy())
                             .build()
                             .unwrap(),
                     );

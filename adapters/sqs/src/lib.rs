@@ -49,8 +49,8 @@ use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::backoff::reconnect_delay;
 use ojs_core::{
     header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
-    DeliveryRef, Error, FailedPublish, Headers, Health, Nack, OutgoingMessage, QueueAdapter,
-    Result, Source,
+    DeliveryRef, Error, FailedPublish, HeaderName, Headers, Health, Nack, OutgoingMessage,
+    QueueAdapter, Result, Source,
 };
 
 /// The SDK types [`received_message`] takes.
@@ -125,7 +125,7 @@ pub struct ReceivedMessage {
     /// The body, base64-decoded (a body that is not base64 is a legacy raw
     /// body, handed over as it is).
     pub payload: Bytes,
-    /// String attributes (binary ones are not ours and are left out).
+    /// Attributes: String ones as text, Binary ones as their bytes.
     pub headers: Headers,
     /// The `ojs-key` attribute (String or Binary).
     pub key: Option<Bytes>,
@@ -144,7 +144,7 @@ pub fn received_message(
         Ok(raw) => Bytes::from(raw),
         Err(_) => Bytes::copy_from_slice(body.as_bytes()),
     };
-    let mut headers = Headers::new();
+    let mut headers = Headers::with_capacity(8);
     let mut key = None;
     for (k, v) in attributes.into_iter().flatten() {
         if k == KEY_ATTRIBUTE {
@@ -154,7 +154,9 @@ pub fn received_message(
                 (None, None) => None,
             };
         } else if let Some(s) = v.string_value() {
-            headers.insert(k.clone(), s.to_owned());
+            headers.insert(HeaderName::new(k), s);
+        } else if let Some(b) = v.binary_value() {
+            headers.insert(HeaderName::new(k), b.as_ref());
         }
     }
     ReceivedMessage {
@@ -168,8 +170,33 @@ pub fn received_message(
     }
 }
 
+/// Binding headers a dead letter can go without: an OJS body holds each
+/// of them, in this order of need.
+const REDUNDANT_IN_DEAD_LETTERS: [&str; 3] = [header::SPECVERSION, header::QUEUE, header::TYPE];
+
+/// A dead letter carries its reason in two attributes; a message that
+/// already used most of SQS's 10 would not fit any more and could never be
+/// dead-lettered. Binding headers the body repeats make room, in the order
+/// of [`REDUNDANT_IN_DEAD_LETTERS`]; the reason and everything else stay.
+fn make_room_for_the_reason(copy: &mut OutgoingMessage) {
+    let needed = |m: &OutgoingMessage| {
+        m.headers.len() + usize::from(m.key.is_some() && !m.headers.contains_key(KEY_ATTRIBUTE))
+    };
+    for name in REDUNDANT_IN_DEAD_LETTERS {
+        if needed(copy) <= SQS_MAX_ATTRIBUTES {
+            return;
+        }
+        if copy.headers.remove(name).is_some() {
+            tracing::debug!(
+                header = name,
+                "dead letter over SQS's attribute limit: left out a header its body repeats"
+            );
+        }
+    }
+}
+
 /// Encoded size as SQS counts it: body plus each attribute's name, type
-/// ("String") and value.
+/// ("String" or "Binary", the same length) and value.
 pub fn encoded_size(body_len: usize, headers: &Headers) -> usize {
     body_len
         + headers
@@ -476,12 +503,17 @@ impl Inner {
             .id(id.to_string())
             .message_body(body);
         for (k, v) in &attributes {
-            let value = MessageAttributeValue::builder()
-                .data_type("String")
-                .string_value(v)
-                .build()
-                .map_err(sqs_error)?;
-            e = e.message_attributes(k, value);
+            // Text as a String attribute; other bytes (a binary Kafka header
+            // bridged here) as a Binary one, so they arrive unchanged.
+            let value = match v.to_str() {
+                Some(text) => MessageAttributeValue::builder()
+                    .data_type("String")
+                    .string_value(text),
+                None => MessageAttributeValue::builder()
+                    .data_type("Binary")
+                    .binary_value(Blob::new(v.as_bytes().to_vec())),
+            };
+            e = e.message_attributes(k.as_str(), value.build().map_err(sqs_error)?);
         }
         if let Some(key) = key {
             e = e.message_attributes(KEY_ATTRIBUTE, key.build().map_err(sqs_error)?);
@@ -504,12 +536,7 @@ impl Inner {
                 .clone()
                 .unwrap_or_else(|| uuid_like(&m.payload));
             e = e
-                .message_group_id(
-                    m.headers
-                        .get(header::QUEUE)
-                        .cloned()
-                        .unwrap_or_else(|| "default".into()),
-                )
+                .message_group_id(m.headers.get_str(header::QUEUE).unwrap_or("default"))
                 .message_deduplication_id(id);
         }
         e.build().map_err(sqs_error)
@@ -931,6 +958,7 @@ impl SqsAcker {
         let mut copy = delivery.to_outgoing();
         copy.message_id = None;
         reason.write_headers(&mut copy.headers);
+        make_room_for_the_reason(&mut copy);
         let Some(dlq) = &self.dlq else {
             return Err(Error::broker(
                 "sqs",

@@ -19,9 +19,9 @@
 
 pub mod backoff;
 pub mod decode;
+mod headers;
 pub mod settings;
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -35,9 +35,7 @@ use crate::envelope::JobEnvelope;
 use crate::error::{Error, Result};
 use crate::media::Encoding;
 
-/// Message headers. Adapters map them onto broker properties and back, so the
-/// names below mean the same thing on every broker.
-pub type Headers = BTreeMap<String, String>;
+pub use headers::{HeaderName, HeaderValue, Headers};
 
 /// Header names shared by all adapters (DESIGN §4).
 pub mod header {
@@ -99,8 +97,8 @@ pub struct OutgoingMessage {
 impl OutgoingMessage {
     /// A message with a body and its content type.
     pub fn new(payload: impl Into<Bytes>, content_type: &str) -> Self {
-        let mut headers = Headers::new();
-        headers.insert(header::CONTENT_TYPE.to_owned(), content_type.to_owned());
+        let mut headers = Headers::with_capacity(8);
+        headers.insert(header::CONTENT_TYPE, content_type);
         OutgoingMessage {
             payload: payload.into(),
             headers,
@@ -136,16 +134,16 @@ impl OutgoingMessage {
         };
         let mut msg = OutgoingMessage::new(payload, encoding.media_type());
         let h = &mut msg.headers;
-        h.insert(header::SPECVERSION.into(), job.specversion.clone());
-        h.insert(header::ID.into(), job.id.clone());
-        h.insert(header::TYPE.into(), job.job_type.clone());
-        h.insert(header::QUEUE.into(), job.queue.clone());
+        h.insert(header::SPECVERSION, job.specversion.as_str());
+        h.insert(header::ID, job.id.as_str());
+        h.insert(header::TYPE, job.job_type.as_str());
+        h.insert(header::QUEUE, job.queue.as_str());
         if job.attempt > 0 {
-            h.insert(header::ATTEMPT.into(), job.attempt.to_string());
+            h.insert(header::ATTEMPT, job.attempt.to_string());
         }
         for key in [header::TRACEPARENT, header::TRACESTATE] {
             if let Some(v) = job.meta_str(key) {
-                h.insert(key.into(), v.to_owned());
+                h.insert(key, v);
             }
         }
         msg.key = Some(Bytes::from(
@@ -163,13 +161,12 @@ impl OutgoingMessage {
     /// key = action (grpcq's Kafka convention), id = message id.
     pub fn from_grpcq(msg: &crate::grpcq::Message) -> Self {
         let mut out = OutgoingMessage::new(crate::grpcq::encode(msg), crate::media::GRPCQ_PROTO);
+        out.headers.insert(header::GRPCQ_TOPIC, msg.topic.as_str());
         out.headers
-            .insert(header::GRPCQ_TOPIC.into(), msg.topic.clone());
-        out.headers
-            .insert(header::GRPCQ_ACTION.into(), msg.action.clone());
+            .insert(header::GRPCQ_ACTION, msg.action.as_str());
         if !msg.originator.is_empty() {
             out.headers
-                .insert(header::GRPCQ_ORIGINATOR.into(), msg.originator.clone());
+                .insert(header::GRPCQ_ORIGINATOR, msg.originator.as_str());
         }
         out.key = Some(Bytes::from(msg.action.clone()));
         out.message_id = Some(msg.message_id.clone());
@@ -177,8 +174,12 @@ impl OutgoingMessage {
     }
 
     /// Sets one header (builder style).
-    pub fn with_header(mut self, name: &str, value: impl Into<String>) -> Self {
-        self.headers.insert(name.to_owned(), value.into());
+    pub fn with_header(
+        mut self,
+        name: impl Into<HeaderName>,
+        value: impl Into<HeaderValue>,
+    ) -> Self {
+        self.headers.insert(name, value);
         self
     }
 
@@ -191,17 +192,12 @@ impl OutgoingMessage {
 
     /// The `content-type` header.
     pub fn content_type(&self) -> Option<&str> {
-        self.headers.get(header::CONTENT_TYPE).map(String::as_str)
+        self.headers.get_str(header::CONTENT_TYPE)
     }
 
     /// Bytes on the wire for size limits: body plus header names and values.
     pub fn encoded_size(&self) -> usize {
-        self.payload.len()
-            + self
-                .headers
-                .iter()
-                .map(|(k, v)| k.len() + v.len())
-                .sum::<usize>()
+        self.payload.len() + self.headers.encoded_size()
     }
 
     /// [`Error::PayloadTooLarge`] when over `limit`.
@@ -307,8 +303,8 @@ impl DeadLetterReason {
 
     /// Writes the reason into headers.
     pub fn write_headers(&self, headers: &mut Headers) {
-        headers.insert(header::ERROR_TYPE.into(), self.error_type.clone());
-        headers.insert(header::ERROR_MESSAGE.into(), self.message.clone());
+        headers.insert(header::ERROR_TYPE, self.error_type.as_str());
+        headers.insert(header::ERROR_MESSAGE, self.message.as_str());
     }
 }
 
@@ -440,7 +436,7 @@ impl Delivery {
 
     /// The `content-type` header.
     pub fn content_type(&self) -> Option<&str> {
-        self.headers.get(header::CONTENT_TYPE).map(String::as_str)
+        self.headers.get_str(header::CONTENT_TYPE)
     }
 
     /// The encoding named by `content-type`, or `default` when there is
@@ -462,10 +458,10 @@ impl Delivery {
     pub fn dead_letter_reason(&self) -> Option<DeadLetterReason> {
         let error_type = self.headers.get(header::ERROR_TYPE)?;
         Some(DeadLetterReason::new(
-            error_type.clone(),
+            error_type.to_str_lossy(),
             self.headers
                 .get(header::ERROR_MESSAGE)
-                .cloned()
+                .map(|m| m.to_str_lossy().into_owned())
                 .unwrap_or_default(),
         ))
     }

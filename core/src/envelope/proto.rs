@@ -313,12 +313,12 @@ fn timestamp_body_len(t: &DateTime<Utc>) -> usize {
     wire::int64_len(1, t.timestamp()) + wire::int32_len(2, t.timestamp_subsec_nanos() as i32)
 }
 
-fn timestamp_len(field: u32, t: &Option<DateTime<Utc>>) -> usize {
+pub(crate) fn timestamp_len(field: u32, t: &Option<DateTime<Utc>>) -> usize {
     t.as_ref()
         .map_or(0, |t| wire::len_field_len(field, timestamp_body_len(t)))
 }
 
-fn put_timestamp(out: &mut Vec<u8>, field: u32, t: &Option<DateTime<Utc>>) {
+pub(crate) fn put_timestamp(out: &mut Vec<u8>, field: u32, t: &Option<DateTime<Utc>>) {
     if let Some(t) = t {
         wire::put_len_header(out, field, timestamp_body_len(t));
         wire::put_int64(out, 1, t.timestamp());

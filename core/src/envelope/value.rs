@@ -160,6 +160,29 @@ pub(crate) fn put_value_field(out: &mut Vec<u8>, field: u32, value: &Value) {
     put_value_body(out, value);
 }
 
+/// Length of one `map<string, Value>` entry holding a string, as field
+/// `field` (what [`put_string_map_entry`] writes).
+pub(crate) fn string_map_entry_len(field: u32, key: &str, value: &str) -> usize {
+    let body =
+        wire::string_len(1, key) + wire::len_field_len(2, wire::len_field_len(3, value.len()));
+    wire::len_field_len(field, body)
+}
+
+/// Writes one `map<string, Value>` entry holding a string, byte for byte
+/// what [`put_map_entry`] writes for `Value::String` (without building it).
+pub(crate) fn put_string_map_entry(out: &mut Vec<u8>, field: u32, key: &str, value: &str) {
+    let string_body = wire::len_field_len(3, value.len());
+    wire::put_len_header(
+        out,
+        field,
+        wire::string_len(1, key) + wire::len_field_len(2, string_body),
+    );
+    wire::put_string(out, 1, key);
+    wire::put_len_header(out, 2, string_body);
+    wire::put_len_header(out, 3, value.len());
+    out.extend_from_slice(value.as_bytes());
+}
+
 /// Writes one `map<string, Value>` entry as field `field`.
 pub(crate) fn put_map_entry(out: &mut Vec<u8>, field: u32, key: &str, value: &Value) {
     wire::put_len_header(out, field, map_entry_body_len(key, value));
