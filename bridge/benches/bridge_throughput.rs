@@ -8,14 +8,26 @@
 //!    report awaited, offsets committed per batch after its reports) and
 //!    bridged by the daemon (which also maps each call to a job), on the
 //!    same broker. Prints both rates and the ratio.
+//! 3. RabbitMQ → RabbitMQ: the same with a raw lapin copy loop (consume
+//!    with the daemon's prefetch, publish each body with its properties,
+//!    publisher confirms awaited per batch, then each delivery acked;
+//!    batches pipelined as the daemon does) against the daemon, same
+//!    broker, same run.
+//! 4. Peak RSS of the `ojs-bridge` process (the release binary, run as a
+//!    user runs it) holding 10,000 messages in flight: a RabbitMQ source
+//!    preloaded with 12,000 calls, `max_in_flight = 10000`, and a sink
+//!    queue whose policy (`max-length` 0, `reject-publish`) makes the broker
+//!    nack every publish, so the daemon keeps its 10,000 and retries.
 //!
 //! Rates count from the first message received to the last one confirmed,
 //! so consumer-group joins (seconds on the test broker) are left out of both.
 //! p50/p99 are the latency the bridge adds (receive → sink confirmed), as
 //! histogram bucket bounds.
 //!
-//! `cargo bench -p ojs-bridge --bench bridge_throughput [-- MEMORY_N [KAFKA_N [ROUNDS]]]`
-//! (Kafka from `OJS_BRIDGE_TEST_KAFKA_URL`, default kafka://127.0.0.1:9092).
+//! `cargo bench -p ojs-bridge --bench bridge_throughput [-- MEMORY_N [KAFKA_N [ROUNDS [RABBITMQ_N]]]]`
+//! (Kafka from `OJS_BRIDGE_TEST_KAFKA_URL`, default kafka://127.0.0.1:9092;
+//! RabbitMQ from `OJS_BRIDGE_TEST_AMQP_URL`, default the local guest
+//! account). A count of 0 skips that case.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -32,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
 use ojs_adapter_memory::MemoryAdapter;
+use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_bridge::metrics::Metrics;
 use ojs_core::{grpcq, OutgoingMessage, QueueAdapter};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
@@ -231,6 +244,279 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize) -> f64 {
     n as f64 / took.as_secs_f64()
 }
 
+/// Raw lapin copy loop, written as a careful hand-rolled bridge would be:
+/// one consumer with the daemon's prefetch (`max_in_flight`), batches of
+/// up to 512 taken as they arrive, each delivery republished with its own
+/// properties through the route the adapter uses, up to
+/// [`RAW_BATCHES_IN_FLIGHT`] batches awaiting their publisher confirms,
+/// and each delivery acked once its batch is confirmed. Returns msg/s.
+async fn raw_rabbit_copy(
+    url: &str,
+    from: &str,
+    exchange: &str,
+    routing_key: &str,
+    n: usize,
+) -> f64 {
+    use futures::stream::{FuturesUnordered, StreamExt};
+    use futures::FutureExt;
+    use lapin::options::{
+        BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+        ConfirmSelectOptions,
+    };
+    use lapin::types::FieldTable;
+
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let consume = conn.create_channel().await.unwrap();
+    consume
+        .basic_qos(4096, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let publish = conn.create_channel().await.unwrap();
+    publish
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut consumer = consume
+        .basic_consume(
+            from.into(),
+            "bench-raw-copy".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut in_flight = FuturesUnordered::new();
+    let (mut received, mut copied) = (0, 0);
+    let mut started = None;
+    while copied < n {
+        if received < n && in_flight.len() < RAW_BATCHES_IN_FLIGHT {
+            let mut batch = vec![consumer.next().await.unwrap().unwrap()];
+            started.get_or_insert_with(Instant::now);
+            while batch.len() < 512 {
+                match consumer.next().now_or_never() {
+                    Some(Some(d)) => batch.push(d.unwrap()),
+                    _ => break,
+                }
+            }
+            received += batch.len();
+            let mut confirms = Vec::with_capacity(batch.len());
+            for d in &batch {
+                confirms.push(
+                    publish
+                        .basic_publish(
+                            exchange.into(),
+                            routing_key.into(),
+                            BasicPublishOptions {
+                                mandatory: true,
+                                ..Default::default()
+                            },
+                            &d.data,
+                            d.properties.clone(),
+                        )
+                        .await
+                        .unwrap(),
+                );
+            }
+            in_flight.push(async move {
+                for c in futures::future::join_all(confirms).await {
+                    assert!(c.unwrap().is_ack());
+                }
+                futures::future::join_all(batch.iter().map(|d| d.ack(BasicAckOptions::default())))
+                    .await
+                    .into_iter()
+                    .for_each(|r| {
+                        r.unwrap();
+                    });
+                batch.len()
+            });
+        } else if let Some(count) = in_flight.next().await {
+            copied += count;
+        }
+    }
+    let took = started.map_or(Duration::ZERO, |s| s.elapsed());
+    let _ = conn.close(200, "done".into()).await;
+    n as f64 / took.as_secs_f64()
+}
+
+/// RabbitMQ: preloaded calls copied by raw lapin, then bridged by the
+/// daemon into OJS jobs, each from a queue of its own holding the same
+/// calls.
+async fn rabbit_to_rabbit(url: &str, n: usize) {
+    let config = RabbitConfig::from_url(url).unwrap();
+    let adapter = RabbitAdapter::connect(config.clone()).await.unwrap();
+    let short = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let (raw_src, raw_dst, src, dst) = (
+        format!("bench-raw-src-{short}"),
+        format!("bench-raw-dst-{short}"),
+        format!("bench-src-{short}"),
+        format!("bench-dst-{short}"),
+    );
+    for queue in [&raw_src, &src] {
+        for chunk in calls(n).chunks(5_000) {
+            adapter.publish(queue, chunk.to_vec()).await.unwrap();
+        }
+    }
+    // The raw sink is declared the adapter's way (same arguments).
+    adapter.prepare(&raw_dst).await.unwrap();
+    let (exchange, routing_key) = config.publish_route_of(&raw_dst);
+    let raw = raw_rabbit_copy(
+        url,
+        &config.queue_name_of(&raw_src),
+        &exchange,
+        &routing_key,
+        n,
+    )
+    .await;
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        rabbit = "{url}"
+        [[sources]]
+        name = "calls"
+        adapter = "rabbit"
+        queue = "{src}"
+        batch_size = 512
+        max_in_flight = 4096
+        [[routes]]
+        name = "jobs"
+        sink = "rabbit"
+        queue = "{dst}"
+        "#
+    );
+    let m = run_bridge(&toml, n).await;
+    adapter.close().await.unwrap();
+    // The bench's queues go (both sinks hold n messages).
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    for queue in [&raw_src, &raw_dst, &src, &dst] {
+        let _ = ch
+            .queue_delete(
+                config.queue_name_of(queue).as_str().into(),
+                lapin::options::QueueDeleteOptions::default(),
+            )
+            .await;
+    }
+    let _ = conn.close(200, "done".into()).await;
+    println!(
+        "rabbitmq → rabbitmq {n} calls: raw copy {raw:>9.0} msg/s, bridge {:>9.0} msg/s, ratio {:.2} (target ≥ 0.9); bridge latency p50 {} ms, p99 {} ms",
+        m.rate,
+        m.rate / raw,
+        ms(m.p50_ms),
+        ms(m.p99_ms)
+    );
+}
+
+/// `VmRSS` / `VmHWM` of a process, in MiB.
+fn rss_mib(pid: u32, field: &str) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+async fn peak_rss_at_10k_in_flight(url: &str) {
+    const IN_FLIGHT: usize = 10_000;
+    let config = RabbitConfig::from_url(url).unwrap();
+    let adapter = RabbitAdapter::connect(config.clone()).await.unwrap();
+    let short = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let (src, dst) = (
+        format!("bench-rss-src-{short}"),
+        format!("bench-rss-dst-{short}"),
+    );
+    for chunk in calls(IN_FLIGHT + 2_000).chunks(5_000) {
+        adapter.publish(&src, chunk.to_vec()).await.unwrap();
+    }
+    let policy = format!("bench-rss-{short}");
+    let pattern = format!("^{}$", config.queue_name_of(&dst).replace('.', "\\."));
+    assert!(
+        ojs_bridge_tests::brokers::rabbitmqctl(&[
+            "set_policy",
+            &policy,
+            &pattern,
+            r#"{"max-length":0,"overflow":"reject-publish"}"#,
+            "--apply-to",
+            "queues",
+        ]),
+        "rabbitmqctl set_policy (OJS_BRIDGE_TEST_RABBITMQCTL)"
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = std::env::temp_dir().join(format!("ojs-bench-rss-{short}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("bridge.toml"),
+        format!(
+            r#"
+            [http]
+            listen = "127.0.0.1:{port}"
+            [adapters]
+            source = "{url}"
+            sink = "{url}"
+            [[sources]]
+            name = "calls"
+            adapter = "source"
+            queue = "{src}"
+            batch_size = 500
+            max_in_flight = {IN_FLIGHT}
+            [[routes]]
+            name = "jobs"
+            sink = "sink"
+            queue = "{dst}"
+            "#
+        ),
+    )
+    .unwrap();
+    let daemon = support::spawn_daemon_in(&dir, "bridge.toml");
+    let pid = daemon.pid();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let started_rss = rss_mib(pid, "VmRSS:");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut held = 0.0;
+    while held < IN_FLIGHT as f64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (_, text) = support::http_get(addr, "/metrics").await;
+        held = support::metric(&text, "ojs_bridge_in_flight{source=\"calls\"}").unwrap_or(0.0);
+    }
+    // Retries go on for a while with everything held.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (peak, now) = (rss_mib(pid, "VmHWM:"), rss_mib(pid, "VmRSS:"));
+    daemon.stop();
+    assert!(ojs_bridge_tests::brokers::rabbitmqctl(&[
+        "clear_policy",
+        &policy
+    ]));
+    let _ = std::fs::remove_dir_all(&dir);
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    for queue in [&src, &dst] {
+        let _ = ch
+            .queue_delete(
+                config.queue_name_of(queue).as_str().into(),
+                lapin::options::QueueDeleteOptions::default(),
+            )
+            .await;
+    }
+    let _ = conn.close(200, "done".into()).await;
+    adapter.close().await.unwrap();
+    println!(
+        "ojs-bridge process, {held:.0} messages in flight (RabbitMQ → RabbitMQ, sink nacking): peak RSS {peak:.1} MiB (RSS {now:.1} MiB; {started_rss:.1} MiB when it started)"
+    );
+}
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
@@ -318,12 +604,15 @@ fn main() {
     let memory_n = numbers.first().copied().unwrap_or(200_000);
     let kafka_n = numbers.get(1).copied().unwrap_or(50_000);
     let kafka_rounds = numbers.get(2).copied().unwrap_or(3).max(1);
+    let rabbit_n = numbers.get(3).copied().unwrap_or(50_000);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
-        memory_to_memory(memory_n).await;
+        if memory_n > 0 {
+            memory_to_memory(memory_n).await;
+        }
         let url = std::env::var("OJS_BRIDGE_TEST_KAFKA_URL")
             .unwrap_or_else(|_| "kafka://127.0.0.1:9092".to_owned());
         let probe = url
@@ -332,12 +621,22 @@ fn main() {
             .next()
             .unwrap_or_default()
             .to_owned();
-        if std::net::TcpStream::connect(&probe).is_ok() {
+        if kafka_n == 0 {
+        } else if std::net::TcpStream::connect(&probe).is_ok() {
             kafka_to_kafka(&url, kafka_n, kafka_rounds).await;
         } else {
             println!(
                 "kafka → kafka skipped: nothing listens on {probe} (scripts/brokers.sh up kafka)"
             );
+        }
+        let amqp = std::env::var("OJS_BRIDGE_TEST_AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+        if rabbit_n == 0 {
+        } else if std::net::TcpStream::connect("127.0.0.1:5672").is_ok() || !amqp.contains("127.0.0.1:5672") {
+            rabbit_to_rabbit(&amqp, rabbit_n).await;
+            peak_rss_at_10k_in_flight(&amqp).await;
+        } else {
+            println!("rabbitmq → rabbitmq skipped: nothing listens on 127.0.0.1:5672 (scripts/brokers.sh up rabbitmq)");
         }
     });
 }

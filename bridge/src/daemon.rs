@@ -761,6 +761,7 @@ struct Group {
 
 async fn process_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) {
     let received_at = Instant::now();
+    let n = deliveries.len();
     let mut groups: Vec<Group> = Vec::new();
     let mut dead: Vec<(Delivery, DeadLetterReason)> = Vec::new();
     for d in deliveries {
@@ -771,11 +772,18 @@ async fn process_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) {
                     .find(|g| g.route == route && g.queue == queue)
                 {
                     Some(g) => g.items.push((d, out, created)),
-                    None => groups.push(Group {
-                        route,
-                        queue,
-                        items: vec![(d, out, created)],
-                    }),
+                    None => {
+                        // Most batches have one destination: room for the
+                        // whole batch up front, not a regrowth (and a copy
+                        // of every message) at each doubling.
+                        let mut items = Vec::with_capacity(if groups.is_empty() { n } else { 4 });
+                        items.push((d, out, created));
+                        groups.push(Group {
+                            route,
+                            queue,
+                            items,
+                        });
+                    }
                 }
             }
             Err(reason) => dead.push((d, reason)),

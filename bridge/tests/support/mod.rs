@@ -256,6 +256,12 @@ pub fn ojs_bridge_in(dir: &std::path::Path, args: &[&str], stdin: &[u8]) -> std:
 pub struct DaemonProcess(std::process::Child);
 
 impl DaemonProcess {
+    /// The daemon's process id.
+    #[allow(dead_code)]
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
     /// SIGTERM (by PID); the daemon must exit 0.
     pub fn stop(mut self) {
         let status = std::process::Command::new("kill")

@@ -45,6 +45,14 @@ impl Encoding {
     /// case-insensitive; `charset` is ignored; anything else is
     /// [`Error::UnknownContentType`].
     pub fn from_content_type(content_type: &str) -> Result<Encoding> {
+        // What this bridge writes, as it writes it: no parsing, no
+        // lowercased copy (this runs for every message).
+        match content_type {
+            OJS_PROTO => return Ok(Encoding::OjsProto),
+            GRPCQ_PROTO => return Ok(Encoding::GrpcqProto),
+            OJS_JSON => return Ok(Encoding::OjsJson),
+            _ => {}
+        }
         let unknown = || Error::UnknownContentType(content_type.to_owned());
         let mut parts = content_type.split(';');
         let essence = parts.next().unwrap_or("").trim().to_ascii_lowercase();
