@@ -275,7 +275,7 @@ impl Route {
         };
         if payload.is_none() && self.encoding == Encoding::OjsProto && !self.keep_envelope {
             // The common case, written straight to protobuf: no envelope.
-            let out = mapping::call_to_job_message(&call, &job_type, &queue);
+            let out = mapping::call_to_job_message(&call, job_type, &queue);
             return Ok((queue, out));
         }
         let job = mapping::call_to_job(&call, job_type, queue.clone(), payload);

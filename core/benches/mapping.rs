@@ -6,6 +6,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+// The allocator the ojs-bridge binary ships with: what the daemon pays.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use ojs_core::{grpcq, mapping, Encoding, OutgoingMessage};
 
@@ -49,7 +53,7 @@ fn stages(c: &mut Criterion) {
         b.iter(|| {
             black_box(mapping::call_to_job_message(
                 black_box(&call),
-                "payment.payment_service.process_payment",
+                "payment.payment_service.process_payment".to_owned(),
                 "default",
             ))
         })
@@ -60,7 +64,7 @@ fn stages(c: &mut Criterion) {
         b.iter(|| {
             let call = grpcq::decode_lenient(black_box(&bytes)).unwrap();
             let job_type = ojs_core::envelope::type_from_topic_action(&call.topic, &call.action);
-            black_box(mapping::call_to_job_message(&call, &job_type, "default"))
+            black_box(mapping::call_to_job_message(&call, job_type, "default"))
         })
     });
     // The same through a JobEnvelope (routes that keep it or transcode).

@@ -153,11 +153,12 @@ pub fn call_to_job(
 /// base64 `String`, no per-field copies): the bridge's hot path. `job_type`
 /// and `queue` must already be valid (the caller checks them; everything
 /// else a call can hold makes a valid job).
-pub fn call_to_job_message(msg: &Message, job_type: &str, queue: &str) -> OutgoingMessage {
+pub fn call_to_job_message(msg: &Message, job_type: String, queue: &str) -> OutgoingMessage {
     let id = call_job_id_of(msg);
     // meta: the call's metadata, then the mapping's own keys over it, in
     // key order (a `serde_json::Map` is sorted, so the envelope path
-    // writes them sorted too).
+    // writes them sorted too). Both lists are sorted already: merged as
+    // they are read, never collected.
     let own = [
         (META_ACTION, msg.action.as_str()),
         (META_MESSAGE_ID, msg.message_id.as_str()),
@@ -165,24 +166,30 @@ pub fn call_to_job_message(msg: &Message, job_type: &str, queue: &str) -> Outgoi
         (META_PAYLOAD_ENCODING, PAYLOAD_BASE64URL),
         (META_TOPIC, msg.topic.as_str()),
     ];
-    let mut meta: Vec<(&str, &str)> = Vec::with_capacity(msg.metadata.len() + own.len());
-    meta.extend(
-        msg.metadata
-            .iter()
-            .filter(|(k, _)| !own.iter().any(|(o, _)| o == k))
-            .map(|(k, v)| (k.as_str(), v.as_str())),
-    );
-    meta.extend(own);
-    meta.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let meta = || MergedMeta {
+        metadata: msg.metadata.iter().peekable(),
+        own: own.iter().peekable(),
+    };
+    // The metadata the job's attributes and headers come from, found in
+    // one pass rather than a map lookup each. None of these is one of the
+    // mapping's own keys.
+    let (mut deadline, mut priority, mut traceparent, mut tracestate, mut partition_key) =
+        (None, None, None, None, None);
+    for (k, v) in &msg.metadata {
+        match k.as_str() {
+            "deadline_ms" => deadline = Some(v.as_str()),
+            "priority" => priority = Some(v.as_str()),
+            header::TRACEPARENT => traceparent = Some(v.as_str()),
+            header::TRACESTATE => tracestate = Some(v.as_str()),
+            "partition_key" => partition_key = Some(v.as_str()),
+            _ => {}
+        }
+    }
     let created_at = millis_to_time(msg.timestamp_ms);
-    let expires_at = msg
-        .metadata
-        .get("deadline_ms")
+    let expires_at = deadline
         .and_then(|v| v.trim().parse::<i64>().ok())
         .and_then(millis_to_time);
-    let priority = msg
-        .metadata
-        .get("priority")
+    let priority = priority
         .and_then(|v| v.trim().parse::<i32>().ok())
         .unwrap_or(0);
     let arg_len = base64::encoded_len(msg.payload.len(), false).unwrap_or(usize::MAX);
@@ -190,11 +197,10 @@ pub fn call_to_job_message(msg: &Message, job_type: &str, queue: &str) -> Outgoi
 
     let size = wire::string_len(1, SPEC_VERSION)
         + wire::string_len(2, &id)
-        + wire::string_len(3, job_type)
+        + wire::string_len(3, &job_type)
         + wire::string_len(4, queue)
         + wire::len_field_len(5, arg_body)
-        + meta
-            .iter()
+        + meta()
             .map(|(k, v)| value::string_map_entry_len(6, k, v))
             .sum::<usize>()
         + wire::int32_len(7, priority)
@@ -203,7 +209,7 @@ pub fn call_to_job_message(msg: &Message, job_type: &str, queue: &str) -> Outgoi
     let mut out = Vec::with_capacity(size);
     wire::put_string(&mut out, 1, SPEC_VERSION);
     wire::put_string(&mut out, 2, &id);
-    wire::put_string(&mut out, 3, job_type);
+    wire::put_string(&mut out, 3, &job_type);
     wire::put_string(&mut out, 4, queue);
     wire::put_len_header(&mut out, 5, arg_body);
     wire::put_len_header(&mut out, 3, arg_len);
@@ -213,7 +219,7 @@ pub fn call_to_job_message(msg: &Message, job_type: &str, queue: &str) -> Outgoi
         .encode_slice(&msg.payload, &mut out[start..])
         .unwrap_or(0);
     debug_assert_eq!(written, arg_len);
-    for (k, v) in &meta {
+    for (k, v) in meta() {
         value::put_string_map_entry(&mut out, 6, k, v);
     }
     wire::put_int32(&mut out, 7, priority);
@@ -227,19 +233,49 @@ pub fn call_to_job_message(msg: &Message, job_type: &str, queue: &str) -> Outgoi
     h.insert(header::ID, id.as_str());
     h.insert(header::TYPE, job_type);
     h.insert(header::QUEUE, queue);
-    for key in [header::TRACEPARENT, header::TRACESTATE] {
-        if let Some(v) = meta.iter().find(|(k, _)| *k == key) {
-            h.insert(key, v.1);
-        }
+    if let Some(v) = traceparent {
+        h.insert(header::TRACEPARENT, v);
     }
-    let key = meta
-        .iter()
-        .find(|(k, _)| *k == "partition_key")
-        .map_or(id.as_str(), |(_, v)| v);
+    if let Some(v) = tracestate {
+        h.insert(header::TRACESTATE, v);
+    }
+    let key = partition_key.unwrap_or(id.as_str());
     message.key = Some(Bytes::copy_from_slice(key.as_bytes()));
     message.priority = priority;
     message.message_id = Some(id);
     message
+}
+
+/// Two key-sorted lists of meta entries read as one, `own` winning a key
+/// both have.
+struct MergedMeta<'a, M: Iterator<Item = (&'a String, &'a String)>> {
+    metadata: std::iter::Peekable<M>,
+    own: std::iter::Peekable<std::slice::Iter<'a, (&'static str, &'a str)>>,
+}
+
+impl<'a, M: Iterator<Item = (&'a String, &'a String)>> Iterator for MergedMeta<'a, M> {
+    type Item = (&'a str, &'a str);
+    fn next(&mut self) -> Option<(&'a str, &'a str)> {
+        let take_own = match (self.metadata.peek(), self.own.peek()) {
+            (None, None) => return None,
+            (Some(_), None) => false,
+            (None, Some(_)) => true,
+            (Some((m, _)), Some((o, _))) => match m.as_str().cmp(o) {
+                std::cmp::Ordering::Less => false,
+                std::cmp::Ordering::Greater => true,
+                std::cmp::Ordering::Equal => {
+                    // The call's entry is overwritten by the mapping's.
+                    self.metadata.next();
+                    true
+                }
+            },
+        };
+        if take_own {
+            self.own.next().map(|(k, v)| (*k, *v))
+        } else {
+            self.metadata.next().map(|(k, v)| (k.as_str(), v.as_str()))
+        }
+    }
 }
 
 fn millis_to_time(ms: i64) -> Option<DateTime<Utc>> {
@@ -409,7 +445,7 @@ mod tests {
         odd.message_id = String::new();
         calls.push(odd);
         for msg in &calls {
-            let direct = call_to_job_message(msg, "payment.process_payment", "payments");
+            let direct = call_to_job_message(msg, "payment.process_payment".into(), "payments");
             let slow = via_envelope(msg, "payment.process_payment", "payments");
             assert_eq!(direct, slow);
             assert!(JobEnvelope::from_proto_bytes(&direct.payload).is_ok());
@@ -435,7 +471,7 @@ mod tests {
                 metadata,
             };
             proptest::prop_assert_eq!(
-                call_to_job_message(&msg, "t.do", "q"),
+                call_to_job_message(&msg, "t.do".into(), "q"),
                 via_envelope(&msg, "t.do", "q")
             );
         }

@@ -183,6 +183,19 @@ impl HeaderValue {
         HeaderValue(Bytes::from_static(value.as_bytes()))
     }
 
+    /// A content type: the media types of [`crate::media`] are static (no
+    /// allocation), any other is copied.
+    pub fn media_type(content_type: &str) -> Self {
+        use crate::media::{GRPCQ_PROTO, JSON, OJS_JSON, OJS_PROTO, OJS_PROTO_DELIMITED};
+        match [OJS_PROTO, GRPCQ_PROTO, OJS_JSON, OJS_PROTO_DELIMITED, JSON]
+            .into_iter()
+            .find(|m| *m == content_type)
+        {
+            Some(known) => HeaderValue::from_static(known),
+            None => HeaderValue::from(content_type),
+        }
+    }
+
     /// The value as text, when it is UTF-8.
     pub fn to_str(&self) -> Option<&str> {
         std::str::from_utf8(&self.0).ok()
@@ -353,6 +366,15 @@ impl Headers {
     ) -> Option<HeaderValue> {
         let name = name.into();
         let value = value.into();
+        // Headers are mostly written in name order: one comparison then.
+        if self
+            .entries
+            .last()
+            .is_none_or(|(last, _)| last.as_str() < name.as_str())
+        {
+            self.entries.push((name, value));
+            return None;
+        }
         match self.find(&name) {
             Ok(i) => Some(std::mem::replace(&mut self.entries[i].1, value)),
             Err(i) => {

@@ -98,7 +98,7 @@ impl OutgoingMessage {
     /// A message with a body and its content type.
     pub fn new(payload: impl Into<Bytes>, content_type: &str) -> Self {
         let mut headers = Headers::with_capacity(8);
-        headers.insert(header::CONTENT_TYPE, content_type);
+        headers.insert(header::CONTENT_TYPE, HeaderValue::media_type(content_type));
         OutgoingMessage {
             payload: payload.into(),
             headers,

@@ -723,11 +723,13 @@ pub fn type_from_topic_action(topic: &str, action: &str) -> String {
 /// `process_payment`, `HTTPServer` → `http_server`, `v2Api` → `v2_api`.
 pub fn push_snake_segment(out: &mut String, segment: &str) {
     let start = out.len();
-    let chars: Vec<char> = segment.chars().collect();
-    for (i, &c) in chars.iter().enumerate() {
+    // Walked with one character of look-behind and one of look-ahead, no
+    // buffer (this runs for every bridged call).
+    let mut prev: Option<char> = None;
+    let mut chars = segment.chars().peekable();
+    while let Some(c) = chars.next() {
+        let next = chars.peek();
         if c.is_ascii_uppercase() {
-            let prev = i.checked_sub(1).map(|p| chars[p]);
-            let next = chars.get(i + 1);
             let boundary = prev.is_some_and(|p| p.is_ascii_lowercase() || p.is_ascii_digit())
                 || (prev.is_some_and(|p| p.is_ascii_uppercase())
                     && next.is_some_and(|n| n.is_ascii_lowercase()));
@@ -740,6 +742,7 @@ pub fn push_snake_segment(out: &mut String, segment: &str) {
         } else if !out[start..].ends_with('_') {
             out.push('_');
         }
+        prev = Some(c);
     }
     // An empty name stays empty (and the type is refused as such).
     if out.len() > start && !out[start..].starts_with(|c: char| c.is_ascii_lowercase()) {
