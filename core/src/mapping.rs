@@ -65,10 +65,13 @@ pub fn call_job_id(message_id: &str, timestamp_ms: i64) -> String {
     // Out-of-range timestamps (negative, beyond 10889 AD) are clamped: the
     // id stays a valid, deterministic UUIDv7.
     let millis = timestamp_ms.clamp(0, MAX_UUID_MILLIS) as u64;
+    let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    // Written into a stack buffer: `to_string` goes through the formatter.
     uuid::Builder::from_unix_timestamp_millis(millis, &tail)
         .into_uuid()
         .hyphenated()
-        .to_string()
+        .encode_lower(&mut text)
+        .to_owned()
 }
 
 /// The job id of a call: [`call_job_id`] of its `message_id`, or — for a
