@@ -102,6 +102,50 @@ fn ms(v: Option<f64>) -> String {
     v.map_or_else(|| "> 10000".to_owned(), |v| format!("≤ {v}"))
 }
 
+/// The daemon's config in every case: one source read by `group` (when
+/// the broker has groups), one route writing `to` (`ojs` or `grpcq`), the
+/// same batch settings as the raw loops.
+fn bridge_toml(url: &str, src: &str, group: Option<&str>, to: &str, dst: &str) -> String {
+    let group = group.map_or_else(String::new, |g| format!("group = \"{g}\""));
+    format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        broker = "{url}"
+        [[sources]]
+        name = "calls"
+        adapter = "broker"
+        queue = "{src}"
+        {group}
+        batch_size = 512
+        max_in_flight = 4096
+        [[routes]]
+        name = "out"
+        sink = "broker"
+        to = "{to}"
+        queue = "{dst}"
+        "#
+    )
+}
+
+/// Deletes the bench's RabbitMQ queues (its sinks keep what they got).
+async fn delete_rabbit_queues(url: &str, config: &RabbitConfig, queues: &[&String]) {
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    for queue in queues {
+        let _ = ch
+            .queue_delete(
+                config.queue_name_of(queue).as_str().into(),
+                lapin::options::QueueDeleteOptions::default(),
+            )
+            .await;
+    }
+    let _ = conn.close(200, "done".into()).await;
+}
+
 async fn run_bridge(toml: &str, n: usize) -> Measured {
     let daemon = support::start(toml, BTreeMap::new()).await;
     let m = watch(&daemon.metrics, n as u64).await;
@@ -115,24 +159,7 @@ async fn memory_to_memory(n: usize) {
     for chunk in calls(n).chunks(10_000) {
         broker.publish("calls", chunk.to_vec()).await.unwrap();
     }
-    let toml = format!(
-        r#"
-        [http]
-        listen = "off"
-        [adapters]
-        mem = "memory://{name}"
-        [[sources]]
-        name = "calls"
-        adapter = "mem"
-        queue = "calls"
-        batch_size = 512
-        max_in_flight = 4096
-        [[routes]]
-        name = "jobs"
-        sink = "mem"
-        queue = "jobs"
-        "#
-    );
+    let toml = bridge_toml(&format!("memory://{name}"), "calls", None, "ojs", "jobs");
     let m = run_bridge(&toml, n).await;
     assert_eq!(broker.depth("jobs").await.unwrap(), Some(n as u64));
     println!(
@@ -369,40 +396,10 @@ async fn rabbit_to_rabbit(url: &str, n: usize) {
         n,
     )
     .await;
-    let toml = format!(
-        r#"
-        [http]
-        listen = "off"
-        [adapters]
-        rabbit = "{url}"
-        [[sources]]
-        name = "calls"
-        adapter = "rabbit"
-        queue = "{src}"
-        batch_size = 512
-        max_in_flight = 4096
-        [[routes]]
-        name = "jobs"
-        sink = "rabbit"
-        queue = "{dst}"
-        "#
-    );
+    let toml = bridge_toml(url, &src, None, "ojs", &dst);
     let m = run_bridge(&toml, n).await;
     adapter.close().await.unwrap();
-    // The bench's queues go (both sinks hold n messages).
-    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    for queue in [&raw_src, &raw_dst, &src, &dst] {
-        let _ = ch
-            .queue_delete(
-                config.queue_name_of(queue).as_str().into(),
-                lapin::options::QueueDeleteOptions::default(),
-            )
-            .await;
-    }
-    let _ = conn.close(200, "done".into()).await;
+    delete_rabbit_queues(url, &config, &[&raw_src, &raw_dst, &src, &dst]).await;
     println!(
         "rabbitmq → rabbitmq {n} calls: raw copy {raw:>9.0} msg/s, bridge {:>9.0} msg/s, ratio {:.2} (target ≥ 0.9); bridge latency p50 {} ms, p99 {} ms",
         m.rate,
@@ -498,19 +495,7 @@ async fn peak_rss_at_10k_in_flight(url: &str) {
         &policy
     ]));
     let _ = std::fs::remove_dir_all(&dir);
-    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    for queue in [&src, &dst] {
-        let _ = ch
-            .queue_delete(
-                config.queue_name_of(queue).as_str().into(),
-                lapin::options::QueueDeleteOptions::default(),
-            )
-            .await;
-    }
-    let _ = conn.close(200, "done".into()).await;
+    delete_rabbit_queues(url, &config, &[&src, &dst]).await;
     adapter.close().await.unwrap();
     println!(
         "ojs-bridge process, {held:.0} messages in flight (RabbitMQ → RabbitMQ, sink nacking): peak RSS {peak:.1} MiB (RSS {now:.1} MiB; {started_rss:.1} MiB when it started)"
@@ -557,24 +542,12 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
             )
             .await,
         );
-        let toml = format!(
-            r#"
-            [http]
-            listen = "off"
-            [adapters]
-            kafka = "{url}"
-            [[sources]]
-            name = "calls"
-            adapter = "kafka"
-            queue = "{src}"
-            group = "bench-bridge-{run}-{round}"
-            batch_size = 512
-            max_in_flight = 4096
-            [[routes]]
-            name = "jobs"
-            sink = "kafka"
-            queue = "bench-dst-{short}-{round}"
-            "#
+        let toml = bridge_toml(
+            url,
+            &src,
+            Some(&format!("bench-bridge-{run}-{round}")),
+            "ojs",
+            &format!("bench-dst-{short}-{round}"),
         );
         let m = run_bridge(&toml, n).await;
         bridged.push(m.rate);
@@ -584,25 +557,12 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
         // same headers): the raw loop's work, to tell the pipeline's cost
         // from that of writing a job (about twice the bytes and headers
         // of the call it came from).
-        let toml = format!(
-            r#"
-            [http]
-            listen = "off"
-            [adapters]
-            kafka = "{url}"
-            [[sources]]
-            name = "calls"
-            adapter = "kafka"
-            queue = "{src}"
-            group = "bench-copy-{run}-{round}"
-            batch_size = 512
-            max_in_flight = 4096
-            [[routes]]
-            name = "calls"
-            sink = "kafka"
-            to = "grpcq"
-            queue = "bench-copy-{short}-{round}"
-            "#
+        let toml = bridge_toml(
+            url,
+            &src,
+            Some(&format!("bench-copy-{run}-{round}")),
+            "grpcq",
+            &format!("bench-copy-{short}-{round}"),
         );
         like_for_like.push(run_bridge(&toml, n).await.rate);
     }

@@ -568,4 +568,19 @@ mod tests {
         assert_eq!(back.get_str("bin"), None);
         assert_eq!(back.get("bin").unwrap().as_bytes(), [0xff, 0x00, 0x80]);
     }
+
+    #[test]
+    fn stored_headers_of_another_shape_are_an_error_not_a_guess() {
+        // The embedded broker reads its rows with this: a value that is
+        // neither text nor bytes is refused (the row then delivers its body
+        // without headers), never turned into something else.
+        for bad in [
+            r#"{"a":5}"#,
+            r#"{"a":[256]}"#,
+            r#"{"a":{"b":"c"}}"#,
+            r#"["a"]"#,
+        ] {
+            assert!(serde_json::from_str::<Headers>(bad).is_err(), "{bad}");
+        }
+    }
 }
