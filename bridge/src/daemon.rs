@@ -811,7 +811,9 @@ fn plan(
         return Err(DeadLetterReason::new(
             "unknown_route",
             match &msg {
-                Incoming::Call(c) => format!("no route takes grpcq call {}/{}", c.topic, c.action),
+                Incoming::Call(c) => {
+                    format!("no route takes grpcq call {}/{}", c.topic(), c.action())
+                }
                 Incoming::Job(j) => format!("no route takes job type {}", j.job_type),
             },
         ));

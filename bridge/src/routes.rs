@@ -204,7 +204,9 @@ impl Route {
         let ok = |g: &Option<Glob>, text: &str| g.as_ref().is_none_or(|g| g.matches(text));
         match msg {
             Incoming::Call(m) => {
-                self.job_type.is_none() && ok(&self.topic, &m.topic) && ok(&self.action, &m.action)
+                self.job_type.is_none()
+                    && ok(&self.topic, m.topic())
+                    && ok(&self.action, m.action())
             }
             Incoming::Job(j) => {
                 self.topic.is_none() && self.action.is_none() && ok(&self.job_type, &j.job_type)
@@ -227,9 +229,9 @@ impl Route {
         match (msg, self.to) {
             (Incoming::Call(call), OutputFormat::Ojs) => self.call_to_job(call, source_queue),
             (Incoming::Call(call), OutputFormat::Grpcq) => {
-                let vars = call_vars(&call, source_queue);
+                let vars = incoming_call_vars(&call, source_queue);
                 let queue = self.render_queue(&vars, vars.topic)?;
-                Ok((queue, OutgoingMessage::from_grpcq(&call)))
+                Ok((queue, OutgoingMessage::from_call(&call)))
             }
             (Incoming::Job(job), OutputFormat::Ojs) => self.job_to_job(*job),
             (Incoming::Job(job), OutputFormat::Grpcq) => self.job_to_call(&job),
@@ -254,13 +256,13 @@ impl Route {
 
     fn call_to_job(
         &self,
-        call: grpcq::Message,
+        call: grpcq::Call,
         source_queue: &str,
     ) -> Result<(String, OutgoingMessage), DeadLetterReason> {
-        let vars = call_vars(&call, source_queue);
+        let vars = incoming_call_vars(&call, source_queue);
         let job_type = match &self.type_template {
             Some(t) => t.render_type(&vars),
-            None => envelope::type_from_topic_action(&call.topic, &call.action),
+            None => envelope::type_from_topic_action(call.topic(), call.action()),
         };
         envelope::validate_job_type(&job_type)
             .map_err(|e| unmappable(format!("job type {job_type:?}: {e}")))?;
@@ -269,7 +271,7 @@ impl Route {
             .map_err(|e| unmappable(format!("queue {queue:?}: {e}")))?;
         let payload = match &self.transcoder {
             Some(t) => t
-                .to_json(&call.topic, &call.action, &call.payload)
+                .to_json(call.topic(), call.action(), call.payload())
                 .map_err(|e| DeadLetterReason::new("untranscodable", e))?,
             None => None,
         };
@@ -278,7 +280,7 @@ impl Route {
             let out = mapping::call_to_job_message(&call, job_type, &queue);
             return Ok((queue, out));
         }
-        let job = mapping::call_to_job(&call, job_type, queue.clone(), payload);
+        let job = mapping::call_to_job(&call.to_message(), job_type, queue.clone(), payload);
         Ok((queue, self.encode(job)?))
     }
 
@@ -372,20 +374,30 @@ impl Route {
             },
         };
         let call = mapping::job_to_call(job, topic, action, payload);
-        let vars = call_vars(&call, &job.queue);
+        let vars = call_vars(&call.topic, &call.action, &call.originator, &job.queue);
         let queue = self.render_queue(&vars, vars.topic)?;
         Ok((queue, OutgoingMessage::from_grpcq(&call)))
     }
 }
 
-fn call_vars<'a>(call: &'a grpcq::Message, source_queue: &'a str) -> Vars<'a> {
+/// A call's template variables (read in place or built by a route).
+fn call_vars<'a>(
+    topic: &'a str,
+    action: &'a str,
+    originator: &'a str,
+    source_queue: &'a str,
+) -> Vars<'a> {
     Vars {
-        topic: &call.topic,
-        action: &call.action,
+        topic,
+        action,
         job_type: "",
         queue: source_queue,
-        originator: &call.originator,
+        originator,
     }
+}
+
+fn incoming_call_vars<'a>(call: &'a grpcq::Call, source_queue: &'a str) -> Vars<'a> {
+    call_vars(call.topic(), call.action(), call.originator(), source_queue)
 }
 
 #[cfg(test)]

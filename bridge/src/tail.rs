@@ -35,7 +35,7 @@ pub fn render(d: &Delivery, format: MessageFormat) -> (Value, bool) {
     let decoded = d
         .decode_all(Some(default))
         .and_then(|decoded| match decoded {
-            Decoded::Call(m) => Ok(grpcq::message_to_json(&m)),
+            Decoded::Call(m) => Ok(grpcq::message_to_json(&m.to_message())),
             Decoded::Jobs(jobs) => {
                 let values: Result<Vec<Value>> = jobs.iter().map(|j| j.to_json_value()).collect();
                 values.map(|mut v| {

@@ -479,7 +479,10 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
     let config = ojs_bridge::config::BridgeConfig::parse(&toml, "t", &[]).unwrap();
     let route = ojs_bridge::routes::Route::compile(&config.routes[0], 0).unwrap();
     let (_, out) = route
-        .map(ojs_bridge::routes::Incoming::Call(typed.clone()), "calls")
+        .map(
+            ojs_bridge::routes::Incoming::Call(ojs_core::grpcq::Call::from_message(&typed)),
+            "calls",
+        )
         .unwrap();
     let job = &Encoding::OjsProto.decode_envelopes(&out.payload).unwrap()[0];
     assert_eq!(
@@ -495,7 +498,10 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
         Some("payment.ProcessPaymentRequest")
     );
     let (_, out) = route
-        .map(ojs_bridge::routes::Incoming::Call(unknown.clone()), "calls")
+        .map(
+            ojs_bridge::routes::Incoming::Call(ojs_core::grpcq::Call::from_message(&unknown)),
+            "calls",
+        )
         .unwrap();
     let job = &Encoding::OjsProto.decode_envelopes(&out.payload).unwrap()[0];
     assert_eq!(
@@ -506,7 +512,10 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
     let mut wrong = call(2, "payment.PaymentService", "ProcessPayment");
     wrong.payload = vec![0x0a, 0xff];
     let reason = route
-        .map(ojs_bridge::routes::Incoming::Call(wrong), "calls")
+        .map(
+            ojs_bridge::routes::Incoming::Call(ojs_core::grpcq::Call::from_message(&wrong)),
+            "calls",
+        )
         .unwrap_err();
     assert_eq!(reason.error_type, "untranscodable");
 }

@@ -67,11 +67,24 @@ pub fn delimited_stream(data: &[u8]) {
 
 /// `grpcq.Message` bytes, strict and as the daemon reads them.
 pub fn grpcq_message(data: &[u8]) {
-    let _ = grpcq::decode_lenient(data);
+    // The call read in place must decode exactly what prost decodes.
+    let bytes = bytes::Bytes::copy_from_slice(data);
+    let lenient = grpcq::decode_lenient(data);
+    let in_place = grpcq::Call::decode_lenient(&bytes).map(|c| c.to_message());
+    assert_eq!(lenient.ok(), in_place.ok(), "lenient decoders disagree");
+    let in_place = grpcq::Call::decode(bytes);
     let Ok(msg) = grpcq::decode(data) else {
+        assert!(in_place.is_err(), "a call prost refuses was read in place");
         return;
     };
+    let call = in_place.unwrap_or_else(|e| panic!("a call prost reads was refused in place: {e}"));
+    assert_eq!(call.to_message(), msg, "the call read in place differs");
     let first = grpcq::encode(&msg);
+    assert_eq!(
+        call.encode_to_vec(),
+        first,
+        "the call read in place encodes differently"
+    );
     let again = grpcq::decode(&first)
         .unwrap_or_else(|e| panic!("an encoded grpcq message does not decode: {e}"));
     assert_eq!(msg, again, "grpcq message changed through its encoder");

@@ -8,6 +8,8 @@
 //! mapping reads the same meta back, so call → job → call returns the
 //! original message.
 
+use std::fmt::Write as _;
+
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use chrono::{DateTime, TimeZone, Utc};
@@ -19,7 +21,7 @@ use bytes::Bytes;
 use crate::adapter::{header, HeaderValue, OutgoingMessage};
 use crate::envelope::{proto, value, wire, JobEnvelope, SPEC_VERSION};
 use crate::error::{Error, Result};
-use crate::grpcq::Message;
+use crate::grpcq::{Call, Message};
 
 /// Meta key: the call's originator.
 pub const META_ORIGINATOR: &str = "grpcq.originator";
@@ -84,13 +86,28 @@ pub fn call_job_id_of(msg: &Message) -> String {
     if !msg.message_id.is_empty() {
         return call_job_id(&msg.message_id, msg.timestamp_ms);
     }
-    let digest = Sha256::digest(crate::grpcq::encode(msg));
+    content_job_id(&crate::grpcq::encode(msg), msg.timestamp_ms)
+}
+
+/// [`call_job_id_of`] for a call read in place: the same id (a call
+/// without a message id is hashed in its canonical encoding, which
+/// [`Call::encode_to_vec`] writes as prost does).
+pub fn call_job_id_of_call(call: &Call) -> String {
+    if !call.message_id().is_empty() {
+        return call_job_id(call.message_id(), call.timestamp_ms());
+    }
+    content_job_id(&call.encode_to_vec(), call.timestamp_ms())
+}
+
+fn content_job_id(encoded: &[u8], timestamp_ms: i64) -> String {
+    let digest = Sha256::digest(encoded);
     let mut key = String::with_capacity(8 + 64);
     key.push_str("content:");
     for b in digest {
-        key.push_str(&format!("{b:02x}"));
+        // Writing to a String cannot fail.
+        let _ = write!(key, "{b:02x}");
     }
-    call_job_id(&key, msg.timestamp_ms)
+    call_job_id(&key, timestamp_ms)
 }
 
 /// A payload the caller transcoded into proto3 JSON.
@@ -156,46 +173,58 @@ pub fn call_to_job(
 /// base64 `String`, no per-field copies): the bridge's hot path. `job_type`
 /// and `queue` must already be valid (the caller checks them; everything
 /// else a call can hold makes a valid job).
-pub fn call_to_job_message(msg: &Message, job_type: String, queue: &str) -> OutgoingMessage {
-    let id = call_job_id_of(msg);
+pub fn call_to_job_message(msg: &Call, job_type: String, queue: &str) -> OutgoingMessage {
+    let id = call_job_id_of_call(msg);
+    // Each of the call's strings read once (a `Call` checks a field's
+    // bytes each time it hands it out).
+    let own = [
+        (META_ACTION, msg.action()),
+        (META_MESSAGE_ID, msg.message_id()),
+        (META_ORIGINATOR, msg.originator()),
+        (META_PAYLOAD_ENCODING, PAYLOAD_BASE64URL),
+        (META_TOPIC, msg.topic()),
+    ];
     // meta: the call's metadata, then the mapping's own keys over it, in
     // key order (a `serde_json::Map` is sorted, so the envelope path
-    // writes them sorted too). Both lists are sorted already: merged as
-    // they are read, never collected.
-    let own = [
-        (META_ACTION, msg.action.as_str()),
-        (META_MESSAGE_ID, msg.message_id.as_str()),
-        (META_ORIGINATOR, msg.originator.as_str()),
-        (META_PAYLOAD_ENCODING, PAYLOAD_BASE64URL),
-        (META_TOPIC, msg.topic.as_str()),
-    ];
-    let meta = || MergedMeta {
-        metadata: msg.metadata.iter().peekable(),
-        own: own.iter().peekable(),
+    // writes them sorted too). Both lists are sorted already: merged once,
+    // into the stack when there are few.
+    let mut small = [("", ""); 16];
+    let mut large = Vec::new();
+    let meta: &[(&str, &str)] = if msg.metadata_len() + own.len() <= small.len() {
+        let mut n = 0;
+        for entry in merge_meta(msg.metadata(), &own) {
+            small[n] = entry;
+            n += 1;
+        }
+        &small[..n]
+    } else {
+        large.extend(merge_meta(msg.metadata(), &own));
+        &large
     };
     // The metadata the job's attributes and headers come from, found in
     // one pass rather than a map lookup each. None of these is one of the
     // mapping's own keys.
     let (mut deadline, mut priority, mut traceparent, mut tracestate, mut partition_key) =
         (None, None, None, None, None);
-    for (k, v) in &msg.metadata {
-        match k.as_str() {
-            "deadline_ms" => deadline = Some(v.as_str()),
-            "priority" => priority = Some(v.as_str()),
-            header::TRACEPARENT => traceparent = Some(v.as_str()),
-            header::TRACESTATE => tracestate = Some(v.as_str()),
-            "partition_key" => partition_key = Some(v.as_str()),
+    for &(k, v) in meta {
+        match k {
+            "deadline_ms" => deadline = Some(v),
+            "priority" => priority = Some(v),
+            header::TRACEPARENT => traceparent = Some(v),
+            header::TRACESTATE => tracestate = Some(v),
+            "partition_key" => partition_key = Some(v),
             _ => {}
         }
     }
-    let created_at = millis_to_time(msg.timestamp_ms);
+    let created_at = millis_to_time(msg.timestamp_ms());
     let expires_at = deadline
         .and_then(|v| v.trim().parse::<i64>().ok())
         .and_then(millis_to_time);
     let priority = priority
         .and_then(|v| v.trim().parse::<i32>().ok())
         .unwrap_or(0);
-    let arg_len = base64::encoded_len(msg.payload.len(), false).unwrap_or(usize::MAX);
+    let payload = msg.payload();
+    let arg_len = base64::encoded_len(payload.len(), false).unwrap_or(usize::MAX);
     let arg_body = wire::len_field_len(3, arg_len);
 
     let size = wire::string_len(1, SPEC_VERSION)
@@ -203,7 +232,8 @@ pub fn call_to_job_message(msg: &Message, job_type: String, queue: &str) -> Outg
         + wire::string_len(3, &job_type)
         + wire::string_len(4, queue)
         + wire::len_field_len(5, arg_body)
-        + meta()
+        + meta
+            .iter()
             .map(|(k, v)| value::string_map_entry_len(6, k, v))
             .sum::<usize>()
         + wire::int32_len(7, priority)
@@ -219,10 +249,10 @@ pub fn call_to_job_message(msg: &Message, job_type: String, queue: &str) -> Outg
     let start = out.len();
     out.resize(start + arg_len, 0);
     let written = URL_SAFE_NO_PAD
-        .encode_slice(&msg.payload, &mut out[start..])
+        .encode_slice(payload, &mut out[start..])
         .unwrap_or(0);
     debug_assert_eq!(written, arg_len);
-    for (k, v) in meta() {
+    for (k, v) in meta {
         value::put_string_map_entry(&mut out, 6, k, v);
     }
     wire::put_int32(&mut out, 7, priority);
@@ -230,20 +260,26 @@ pub fn call_to_job_message(msg: &Message, job_type: String, queue: &str) -> Outg
     proto::put_timestamp(&mut out, 16, &created_at);
     debug_assert_eq!(out.len(), size);
 
+    // The id is the `ojs-id` header and, without a partition key, the key:
+    // one copy shared by both.
+    let id_bytes = Bytes::copy_from_slice(id.as_bytes());
     let mut message = OutgoingMessage::new(out, crate::media::OJS_PROTO);
+    // In name order (content-type is there already): each insert is a push.
     let h = &mut message.headers;
-    h.insert(header::SPECVERSION, HeaderValue::from_static(SPEC_VERSION));
-    h.insert(header::ID, id.as_str());
-    h.insert(header::TYPE, job_type);
+    h.insert(header::ID, id_bytes.clone());
     h.insert(header::QUEUE, queue);
+    h.insert(header::SPECVERSION, HeaderValue::from_static(SPEC_VERSION));
+    h.insert(header::TYPE, job_type);
     if let Some(v) = traceparent {
         h.insert(header::TRACEPARENT, v);
     }
     if let Some(v) = tracestate {
         h.insert(header::TRACESTATE, v);
     }
-    let key = partition_key.unwrap_or(id.as_str());
-    message.key = Some(Bytes::copy_from_slice(key.as_bytes()));
+    message.key = Some(match partition_key {
+        Some(key) => Bytes::copy_from_slice(key.as_bytes()),
+        None => id_bytes,
+    });
     message.priority = priority;
     message.message_id = Some(id);
     message
@@ -251,34 +287,33 @@ pub fn call_to_job_message(msg: &Message, job_type: String, queue: &str) -> Outg
 
 /// Two key-sorted lists of meta entries read as one, `own` winning a key
 /// both have.
-struct MergedMeta<'a, M: Iterator<Item = (&'a String, &'a String)>> {
-    metadata: std::iter::Peekable<M>,
-    own: std::iter::Peekable<std::slice::Iter<'a, (&'static str, &'a str)>>,
-}
-
-impl<'a, M: Iterator<Item = (&'a String, &'a String)>> Iterator for MergedMeta<'a, M> {
-    type Item = (&'a str, &'a str);
-    fn next(&mut self) -> Option<(&'a str, &'a str)> {
-        let take_own = match (self.metadata.peek(), self.own.peek()) {
+fn merge_meta<'a>(
+    metadata: impl Iterator<Item = (&'a str, &'a str)>,
+    own: &'a [(&'static str, &'a str)],
+) -> impl Iterator<Item = (&'a str, &'a str)> {
+    let mut metadata = metadata.peekable();
+    let mut own = own.iter().peekable();
+    std::iter::from_fn(move || {
+        let take_own = match (metadata.peek(), own.peek()) {
             (None, None) => return None,
             (Some(_), None) => false,
             (None, Some(_)) => true,
-            (Some((m, _)), Some((o, _))) => match m.as_str().cmp(o) {
+            (Some((m, _)), Some((o, _))) => match (*m).cmp(*o) {
                 std::cmp::Ordering::Less => false,
                 std::cmp::Ordering::Greater => true,
                 std::cmp::Ordering::Equal => {
                     // The call's entry is overwritten by the mapping's.
-                    self.metadata.next();
+                    metadata.next();
                     true
                 }
             },
         };
         if take_own {
-            self.own.next().map(|(k, v)| (*k, *v))
+            own.next().map(|(k, v)| (*k, *v))
         } else {
-            self.metadata.next().map(|(k, v)| (k.as_str(), v.as_str()))
+            metadata.next()
         }
-    }
+    })
 }
 
 fn millis_to_time(ms: i64) -> Option<DateTime<Utc>> {
@@ -448,7 +483,11 @@ mod tests {
         odd.message_id = String::new();
         calls.push(odd);
         for msg in &calls {
-            let direct = call_to_job_message(msg, "payment.process_payment".into(), "payments");
+            let direct = call_to_job_message(
+                &Call::from_message(msg),
+                "payment.process_payment".into(),
+                "payments",
+            );
             let slow = via_envelope(msg, "payment.process_payment", "payments");
             assert_eq!(direct, slow);
             assert!(JobEnvelope::from_proto_bytes(&direct.payload).is_ok());
@@ -474,7 +513,7 @@ mod tests {
                 metadata,
             };
             proptest::prop_assert_eq!(
-                call_to_job_message(&msg, "t.do".into(), "q"),
+                call_to_job_message(&Call::from_message(&msg), "t.do".into(), "q"),
                 via_envelope(&msg, "t.do", "q")
             );
         }

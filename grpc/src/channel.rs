@@ -272,7 +272,7 @@ async fn listen(
         };
         for d in deliveries {
             let reply = match d.decode(Some(Encoding::GrpcqProto)) {
-                Ok(ojs_core::Incoming::Call(m)) => Some(m),
+                Ok(ojs_core::Incoming::Call(m)) => Some(m.to_message()),
                 _ => None,
             };
             match reply {

@@ -11,7 +11,7 @@ use crate::{grpcq, JobEnvelope};
 #[derive(Debug, Clone, PartialEq)]
 pub enum Incoming {
     /// A grpcq call.
-    Call(grpcq::Message),
+    Call(grpcq::Call),
     /// An OJS job (boxed: it is several times the size of a call).
     Job(Box<JobEnvelope>),
 }
@@ -20,7 +20,7 @@ impl Incoming {
     /// When the message was created, Unix ms (for end-to-end latency).
     pub fn created_ms(&self) -> Option<i64> {
         match self {
-            Incoming::Call(m) => (m.timestamp_ms > 0).then_some(m.timestamp_ms),
+            Incoming::Call(m) => (m.timestamp_ms() > 0).then_some(m.timestamp_ms()),
             Incoming::Job(j) => j.enqueued_at.or(j.created_at).map(|t| t.timestamp_millis()),
         }
     }
@@ -31,7 +31,7 @@ impl Incoming {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decoded {
     /// A grpcq call.
-    Call(grpcq::Message),
+    Call(grpcq::Call),
     /// One or more OJS jobs.
     Jobs(Vec<JobEnvelope>),
 }
@@ -48,7 +48,7 @@ enum Failed {
 
 fn decode_parts(d: &Delivery, default: Option<Encoding>) -> Result<Decoded, Failed> {
     match d.encoding(default).map_err(Failed::Encoding)? {
-        Encoding::GrpcqProto => grpcq::decode_lenient(&d.payload)
+        Encoding::GrpcqProto => grpcq::Call::decode_lenient(&d.payload)
             .map(Decoded::Call)
             .map_err(Failed::Call),
         envelope => envelope

@@ -160,16 +160,42 @@ impl OutgoingMessage {
     /// `application/grpcq+proto`, `topic`/`action`/`originator` headers,
     /// key = action (grpcq's Kafka convention), id = message id.
     pub fn from_grpcq(msg: &crate::grpcq::Message) -> Self {
-        let mut out = OutgoingMessage::new(crate::grpcq::encode(msg), crate::media::GRPCQ_PROTO);
-        out.headers.insert(header::GRPCQ_TOPIC, msg.topic.as_str());
-        out.headers
-            .insert(header::GRPCQ_ACTION, msg.action.as_str());
-        if !msg.originator.is_empty() {
-            out.headers
-                .insert(header::GRPCQ_ORIGINATOR, msg.originator.as_str());
+        Self::grpcq(
+            crate::grpcq::encode(msg),
+            &msg.topic,
+            &msg.action,
+            &msg.originator,
+            &msg.message_id,
+        )
+    }
+
+    /// [`OutgoingMessage::from_grpcq`] for a call read in place: the same
+    /// bytes and headers.
+    pub fn from_call(call: &crate::grpcq::Call) -> Self {
+        Self::grpcq(
+            call.encode_to_vec(),
+            call.topic(),
+            call.action(),
+            call.originator(),
+            call.message_id(),
+        )
+    }
+
+    fn grpcq(
+        encoded: Vec<u8>,
+        topic: &str,
+        action: &str,
+        originator: &str,
+        message_id: &str,
+    ) -> Self {
+        let mut out = OutgoingMessage::new(encoded, crate::media::GRPCQ_PROTO);
+        out.headers.insert(header::GRPCQ_TOPIC, topic);
+        out.headers.insert(header::GRPCQ_ACTION, action);
+        if !originator.is_empty() {
+            out.headers.insert(header::GRPCQ_ORIGINATOR, originator);
         }
-        out.key = Some(Bytes::from(msg.action.clone()));
-        out.message_id = Some(msg.message_id.clone());
+        out.key = Some(Bytes::copy_from_slice(action.as_bytes()));
+        out.message_id = Some(message_id.to_owned());
         out
     }
 

@@ -723,26 +723,32 @@ pub fn type_from_topic_action(topic: &str, action: &str) -> String {
 /// `process_payment`, `HTTPServer` → `http_server`, `v2Api` → `v2_api`.
 pub fn push_snake_segment(out: &mut String, segment: &str) {
     let start = out.len();
-    // Walked with one character of look-behind and one of look-ahead, no
-    // buffer (this runs for every bridged call).
-    let mut prev: Option<char> = None;
-    let mut chars = segment.chars().peekable();
-    while let Some(c) = chars.next() {
-        let next = chars.peek();
+    // Walked byte by byte with one of look-behind and one of look-ahead, no
+    // buffer (this runs for every bridged call). Only ASCII letters, digits
+    // and `_` are kept; every byte of any other character asks for one `_`,
+    // and a `_` is never written twice in a row, so a multi-byte character
+    // becomes one `_` as it would walked by `char`.
+    let bytes = segment.as_bytes();
+    let mut last_underscore = false;
+    for (i, &c) in bytes.iter().enumerate() {
+        let prev = i.checked_sub(1).map(|p| bytes[p]);
+        let next = bytes.get(i + 1);
         if c.is_ascii_uppercase() {
             let boundary = prev.is_some_and(|p| p.is_ascii_lowercase() || p.is_ascii_digit())
                 || (prev.is_some_and(|p| p.is_ascii_uppercase())
                     && next.is_some_and(|n| n.is_ascii_lowercase()));
-            if boundary && !out[start..].ends_with('_') {
+            if boundary && !last_underscore {
                 out.push('_');
             }
-            out.push(c.to_ascii_lowercase());
-        } else if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' {
-            out.push(c);
-        } else if !out[start..].ends_with('_') {
+            out.push(char::from(c.to_ascii_lowercase()));
+            last_underscore = false;
+        } else if c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_' {
+            out.push(char::from(c));
+            last_underscore = c == b'_';
+        } else if !last_underscore {
             out.push('_');
+            last_underscore = true;
         }
-        prev = Some(c);
     }
     // An empty name stays empty (and the type is refused as such).
     if out.len() > start && !out[start..].starts_with(|c: char| c.is_ascii_lowercase()) {
@@ -817,6 +823,44 @@ mod tests {
             let t = type_from_topic_action(topic, action);
             assert_eq!(t, want);
             validate_job_type(&t).unwrap();
+        }
+    }
+
+    /// The char-by-char walk the byte walk replaced, kept as its
+    /// reference: a job type must not change with the walk.
+    fn snake_by_chars(segment: &str) -> String {
+        let mut out = String::new();
+        let mut prev: Option<char> = None;
+        let mut chars = segment.chars().peekable();
+        while let Some(c) = chars.next() {
+            let next = chars.peek();
+            if c.is_ascii_uppercase() {
+                let boundary = prev.is_some_and(|p| p.is_ascii_lowercase() || p.is_ascii_digit())
+                    || (prev.is_some_and(|p| p.is_ascii_uppercase())
+                        && next.is_some_and(|n| n.is_ascii_lowercase()));
+                if boundary && !out.ends_with('_') {
+                    out.push('_');
+                }
+                out.push(c.to_ascii_lowercase());
+            } else if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' {
+                out.push(c);
+            } else if !out.ends_with('_') {
+                out.push('_');
+            }
+            prev = Some(c);
+        }
+        if !out.is_empty() && !out.starts_with(|c: char| c.is_ascii_lowercase()) {
+            out.insert(0, 'x');
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn snake_segments_are_what_the_char_walk_gave(segment in "[a-zA-Z0-9_.é€😀 -]{0,12}|.{0,12}") {
+            let mut out = String::from("prefix.");
+            push_snake_segment(&mut out, &segment);
+            proptest::prop_assert_eq!(&out["prefix.".len()..], snake_by_chars(&segment));
         }
     }
 

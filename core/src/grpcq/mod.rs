@@ -2,6 +2,7 @@
 //! accepts both binary and base64 bodies (grpcq's SQS adapter sends base64;
 //! legacy publishers sent raw bytes).
 
+mod call;
 pub mod publisher;
 pub mod registry;
 pub mod retry;
@@ -10,6 +11,7 @@ pub mod worker;
 
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
+pub use call::Call;
 pub use ojs_proto::grpcq::Message;
 use prost::Message as _;
 use serde_json::{json, Map, Value};

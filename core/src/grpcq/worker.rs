@@ -353,33 +353,36 @@ impl Shared {
         };
         match msg {
             Incoming::Call(msg) => {
-                let Some(handler) = self.registry.call(&msg.topic, &msg.action) else {
+                let Some(handler) = self.registry.call(msg.topic(), msg.action()) else {
                     return Work::DeadLetter(DeadLetterReason::new(
                         "unknown_route",
-                        format!("no handler for grpcq call {}/{}", msg.topic, msg.action),
+                        format!("no handler for grpcq call {}/{}", msg.topic(), msg.action()),
                     ));
                 };
                 let info = MessageInfo {
                     kind: "call",
-                    id: msg.message_id.clone(),
-                    route: format!("{}/{}", msg.topic, msg.action),
+                    id: msg.message_id().to_owned(),
+                    route: format!("{}/{}", msg.topic(), msg.action()),
                     attempt: d.attempt,
-                    traceparent: msg.metadata.get("traceparent").cloned(),
+                    traceparent: msg.metadata_value("traceparent").map(str::to_owned),
                 };
                 let ctx = CallContext {
-                    message_id: msg.message_id,
-                    topic: msg.topic,
-                    action: msg.action,
-                    originator: msg.originator,
-                    metadata: msg.metadata,
-                    timestamp_ms: msg.timestamp_ms,
+                    message_id: msg.message_id().to_owned(),
+                    topic: msg.topic().to_owned(),
+                    action: msg.action().to_owned(),
+                    originator: msg.originator().to_owned(),
+                    metadata: msg
+                        .metadata()
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                        .collect(),
+                    timestamp_ms: msg.timestamp_ms(),
                     attempt: d.attempt,
                     final_attempt: d.attempt >= self.config.retry.max_attempts,
                     timeout: self.config.handler_timeout,
                 };
                 Work::Run {
                     info,
-                    call: handler(ctx, msg.payload.into()),
+                    call: handler(ctx, msg.payload_bytes()),
                     policy: self.config.retry.clone(),
                 }
             }
