@@ -940,10 +940,52 @@ impl QueueAdapter for RabbitAdapter {
     }
 }
 
+/// A consumer's channel and its delivery stream.
 #[derive(Debug)]
 struct Live {
     channel: Channel,
     stream: lapin::Consumer,
+}
+
+/// Closes a consumer channel that is still open, without waiting. A channel
+/// nobody reads any more must go: the broker keeps up to `prefetch`
+/// deliveries on it, unacknowledged and never redelivered, for as long as
+/// it is open (the connection lives on for the publisher and the next
+/// subscription).
+fn close_in_background(channel: Channel, why: &'static str) {
+    if !channel.status().connected() {
+        return;
+    }
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(async move {
+            let _ = channel.close(200, why.into()).await;
+        });
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        // Replaced after a stream error, or its consumer dropped.
+        close_in_background(self.channel.clone(), "consumer closed");
+    }
+}
+
+/// A channel being set up for a consumer: closed again unless the
+/// subscription completes. A subscription cut short — its deadline drops
+/// the future between `basic_consume` reaching the broker and its answer —
+/// would otherwise leave a registered consumer behind that holds a prefetch
+/// window of deliveries nobody reads.
+struct PendingChannel {
+    channel: Channel,
+    subscribed: bool,
+}
+
+impl Drop for PendingChannel {
+    fn drop(&mut self) {
+        if !self.subscribed {
+            close_in_background(self.channel.clone(), "subscription abandoned");
+        }
+    }
 }
 
 /// A consumer of `ojs.queue.{queue}` (or its dead letters).
@@ -958,6 +1000,10 @@ pub struct RabbitConsumer {
 impl RabbitConsumer {
     async fn subscribe(&mut self, deadline: Instant) -> Result<()> {
         let session = self.inner.session(deadline).await?;
+        // Reconnecting may have used up the caller's wait: the subscription
+        // still gets a second of its own (a restarted broker answers
+        // slowly, and a subscription given milliseconds only times out).
+        let deadline = deadline.max(Instant::now() + Duration::from_secs(1));
         match within(deadline, self.open_stream(&session)).await {
             Ok(live) => {
                 self.live = Some(live);
@@ -977,11 +1023,15 @@ impl RabbitConsumer {
         self.inner
             .declare_queue(session, &self.queue, self.options.source)
             .await?;
-        let channel = session
-            .connection
-            .create_channel()
-            .await
-            .map_err(|e| amqp_error(&e))?;
+        let mut pending = PendingChannel {
+            channel: session
+                .connection
+                .create_channel()
+                .await
+                .map_err(|e| amqp_error(&e))?,
+            subscribed: false,
+        };
+        let channel = &pending.channel;
         channel
             .basic_qos(self.options.prefetch.max(1), BasicQosOptions::default())
             .await
@@ -1012,7 +1062,11 @@ impl RabbitConsumer {
                 ),
                 _ => amqp_error(&e),
             }, &e))?;
-        Ok(Live { channel, stream })
+        pending.subscribed = true;
+        Ok(Live {
+            channel: pending.channel.clone(),
+            stream,
+        })
     }
 
     fn delivery(&self, d: lapin::message::Delivery) -> Delivery {
@@ -1091,22 +1145,11 @@ impl Consumer for RabbitConsumer {
 
     async fn close(mut self: Box<Self>) -> Result<()> {
         if let Some(live) = self.live.take() {
-            // Closing the channel hands unacknowledged deliveries back.
+            // Closing the channel hands unacknowledged deliveries back
+            // (dropping it would too, without waiting: see `Live`).
             let _ = live.channel.close(200, "consumer closed".into()).await;
         }
         Ok(())
-    }
-}
-
-impl Drop for RabbitConsumer {
-    fn drop(&mut self) {
-        if let Some(live) = self.live.take() {
-            if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                handle.spawn(async move {
-                    let _ = live.channel.close(200, "consumer dropped".into()).await;
-                });
-            }
-        }
     }
 }
 
