@@ -1,5 +1,6 @@
 //! RabbitMQ specifics beyond the shared suite: the wire binding as other AMQP
-//! clients see it, unroutable publishes, and a broker restart mid-stream.
+//! clients see it, unroutable publishes, a broker restart mid-stream, and a
+//! subscription cut short between `basic.consume` and its answer.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -574,4 +575,164 @@ async fn grpcq_exchanges_publish_calls_the_way_grpcq_workers_read_them() {
     ch.exchange_delete(topic.as_str().into(), ExchangeDeleteOptions::default())
         .await
         .unwrap();
+}
+
+/// A TCP proxy to RabbitMQ that forwards everything, except that on the
+/// first connection whose broker side answers a `basic.consume` it drops
+/// that answer and everything the broker sends after it: the client's
+/// subscription never completes (and times out) while the broker has
+/// registered the consumer and delivers to it. The client's own frames
+/// still reach the broker.
+struct ConsumeOkSwallower {
+    addr: std::net::SocketAddr,
+    swallowed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ConsumeOkSwallower {
+    async fn start(broker: &str) -> ConsumeOkSwallower {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let swallowed = Arc::new(AtomicBool::new(false));
+        let broker = broker.to_owned();
+        let flag = swallowed.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(upstream) = tokio::net::TcpStream::connect(&broker).await else {
+                    continue;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut broker_read, mut broker_write) = upstream.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut client_read, &mut broker_write).await;
+                });
+                let flag = flag.clone();
+                tokio::spawn(async move {
+                    // Broker → client is a sequence of frames: type (1),
+                    // channel (2), size (4), payload, 0xCE. A method frame's
+                    // payload starts with class and method: 60/21 is
+                    // basic.consume-ok.
+                    let mut pending = Vec::new();
+                    let mut chunk = vec![0u8; 64 * 1024];
+                    let mut dropping = false;
+                    loop {
+                        let n = match broker_read.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if dropping {
+                            continue;
+                        }
+                        pending.extend_from_slice(&chunk[..n]);
+                        let mut forward = 0;
+                        while pending.len() >= forward + 7 {
+                            let size = u32::from_be_bytes(
+                                pending[forward + 3..forward + 7].try_into().unwrap(),
+                            ) as usize;
+                            let end = forward + 7 + size + 1;
+                            if pending.len() < end {
+                                break;
+                            }
+                            let payload = &pending[forward + 7..forward + 7 + size];
+                            let consume_ok = pending[forward] == 1
+                                && size >= 4
+                                && payload[..4] == [0, 60, 0, 21];
+                            if consume_ok && !flag.swap(true, Ordering::SeqCst) {
+                                dropping = true;
+                                break;
+                            }
+                            forward = end;
+                        }
+                        if client_write.write_all(&pending[..forward]).await.is_err() {
+                            return;
+                        }
+                        pending.drain(..forward);
+                        if dropping {
+                            pending.clear();
+                        }
+                    }
+                });
+            }
+        });
+        ConsumeOkSwallower { addr, swallowed }
+    }
+}
+
+/// A subscription whose `basic.consume` reached the broker but whose answer
+/// did not arrive in time (a slow broker after a restart, a stalled
+/// network) registered a consumer all the same: the broker delivers a
+/// prefetch window to it. The adapter gives up on that channel, and must
+/// close it — else those deliveries wait, unacknowledged and never
+/// redelivered, for as long as the connection lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_cut_short_strands_no_deliveries() {
+    let Some((url, adapter, _raw)) = setup().await else {
+        return;
+    };
+    let queue = unique_queue("rmq-cut-short");
+    let n = 20;
+    let jobs: Vec<JobEnvelope> = (0..n)
+        .map(|i| JobEnvelope::new("cut.short", vec![json!(i)]).with_queue(&queue))
+        .collect();
+    let batch = jobs
+        .iter()
+        .map(|j| OutgoingMessage::from_envelope(j, Encoding::OjsProto).unwrap())
+        .collect();
+    adapter.publish(&queue, batch).await.unwrap();
+
+    // amqp://user:pass@host:port/vhost → host:port
+    let broker = url
+        .rsplit_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .unwrap()
+        .to_owned();
+    let proxy = ConsumeOkSwallower::start(&broker).await;
+    let proxied = url.replacen(&broker, &proxy.addr.to_string(), 1);
+    let consumer_adapter = RabbitAdapter::connect(RabbitConfig::new(&proxied))
+        .await
+        .unwrap();
+    // The first subscription is the one cut short (its 10 s run out);
+    // the caller tries again, as the daemon does.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut consumer = loop {
+        match consumer_adapter
+            .consumer(&queue, ConsumerOptions::default())
+            .await
+        {
+            Ok(c) => break c,
+            Err(e) => {
+                assert!(e.is_retryable(), "{e}");
+                assert!(Instant::now() < deadline, "no subscription: {e}");
+                println!("consumer (retried): {e}");
+            }
+        }
+    };
+
+    let mut received: HashMap<String, u32> = HashMap::new();
+    while received.len() < n && Instant::now() < deadline {
+        match consumer.receive(n, Duration::from_millis(500)).await {
+            Ok(batch) => {
+                for d in batch {
+                    let job = &Encoding::OjsProto.decode_envelopes(&d.payload).unwrap()[0];
+                    *received.entry(job.id.clone()).or_default() += 1;
+                    d.ack().await.unwrap();
+                }
+            }
+            // The cut-short subscription, then whatever its reconnect meets.
+            Err(e) => println!("receive (retried): {e}"),
+        }
+    }
+    assert!(
+        proxy.swallowed.load(std::sync::atomic::Ordering::SeqCst),
+        "the proxy never saw a basic.consume-ok: the test did not cut a subscription short"
+    );
+    let mut tally = Tally::new();
+    jobs.iter().for_each(|j| tally.sent(j.id.clone()));
+    for (id, count) in &received {
+        for _ in 0..*count {
+            tally.received(id.clone());
+        }
+    }
+    tally.assert_none_lost("a subscription cut short");
 }
