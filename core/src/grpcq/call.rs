@@ -277,17 +277,9 @@ impl Call {
     /// convention) or the raw binary message (legacy publishers), as
     /// [`super::decode_lenient`] does.
     pub fn decode_lenient(body: &Bytes) -> Result<Call> {
-        use base64::engine::general_purpose::STANDARD;
-        use base64::Engine as _;
-        // A binary message starts with a field key: never a base64 letter
-        // for fields 1–7 except by accident (`\n`, `\x12`, … are not), so
-        // the base64 attempt is skipped where it cannot succeed.
-        let trimmed = body.trim_ascii();
-        if !trimmed.is_empty() && trimmed.len() % 4 == 0 && looks_like_base64(trimmed) {
-            if let Ok(raw) = STANDARD.decode(trimmed) {
-                if let Ok(call) = Call::decode(Bytes::from(raw)) {
-                    return Ok(call);
-                }
+        if let Some(raw) = super::base64_body(body) {
+            if let Ok(call) = Call::decode(Bytes::from(raw)) {
+                return Ok(call);
             }
         }
         Call::decode(body.clone())
@@ -442,17 +434,6 @@ fn metadata_entry(r: &mut Reader<'_>, whole: &[u8]) -> Result<(Span, Span)> {
         }
     }
     Ok((key, value))
-}
-
-/// Whether `text` holds only standard base64 letters (and padding at the
-/// end): the cheap test before decoding it.
-fn looks_like_base64(text: &[u8]) -> bool {
-    let body = text
-        .strip_suffix(b"==")
-        .or_else(|| text.strip_suffix(b"="))
-        .unwrap_or(text);
-    body.iter()
-        .all(|b| b.is_ascii_alphanumeric() || *b == b'+' || *b == b'/')
 }
 
 #[cfg(test)]

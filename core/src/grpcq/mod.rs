@@ -136,13 +136,32 @@ pub fn decode(bytes: &[u8]) -> Result<Message> {
 /// Decodes a body that is either base64 text of a message (grpcq's SQS
 /// convention) or the raw binary message (legacy publishers).
 pub fn decode_lenient(body: &[u8]) -> Result<Message> {
-    let trimmed = body.trim_ascii();
-    if let Ok(raw) = STANDARD.decode(trimmed) {
+    if let Some(raw) = base64_body(body) {
         if let Ok(msg) = decode(&raw) {
             return Ok(msg);
         }
     }
     decode(body)
+}
+
+/// The bytes a body holds if it is base64 text (surrounding whitespace
+/// allowed): the first reading of [`decode_lenient`] and
+/// [`Call::decode_lenient`]. A binary body is recognised without decoding:
+/// it has bytes no base64 text has, or a length no padded one has.
+fn base64_body(body: &[u8]) -> Option<Vec<u8>> {
+    let text = body.trim_ascii();
+    let letters = text
+        .strip_suffix(b"==")
+        .or_else(|| text.strip_suffix(b"="))
+        .unwrap_or(text);
+    let could_be = text.len() % 4 == 0
+        && letters
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || *b == b'+' || *b == b'/');
+    if !could_be {
+        return None;
+    }
+    STANDARD.decode(text).ok()
 }
 
 #[cfg(test)]
