@@ -230,7 +230,10 @@ impl HeaderValue {
 
 impl From<String> for HeaderValue {
     fn from(v: String) -> Self {
-        HeaderValue(Bytes::from(v))
+        // Trimmed to its length first: `Bytes` takes an exact allocation
+        // as it is, but one with room to spare costs a second allocation
+        // for its bookkeeping (trimming is usually in place).
+        HeaderValue(Bytes::from(v.into_boxed_str().into_boxed_bytes()))
     }
 }
 

@@ -729,12 +729,27 @@ pub fn push_snake_segment(out: &mut String, segment: &str) {
     // and a `_` is never written twice in a row, so a multi-byte character
     // becomes one `_` as it would walked by `char`.
     let bytes = segment.as_bytes();
+    let lower_or_digit = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit();
     let mut last_underscore = false;
-    for (i, &c) in bytes.iter().enumerate() {
-        let prev = i.checked_sub(1).map(|p| bytes[p]);
-        let next = bytes.get(i + 1);
+    let mut i = 0;
+    while let Some(&c) = bytes.get(i) {
+        if lower_or_digit(&c) {
+            // A run of lowercase letters and digits stays as it is: copied
+            // at once. It starts and ends next to ASCII bytes, so the slice
+            // is always there.
+            let end = bytes[i..]
+                .iter()
+                .position(|b| !lower_or_digit(b))
+                .map_or(bytes.len(), |n| i + n);
+            out.push_str(segment.get(i..end).unwrap_or_default());
+            last_underscore = false;
+            i = end;
+            continue;
+        }
         if c.is_ascii_uppercase() {
-            let boundary = prev.is_some_and(|p| p.is_ascii_lowercase() || p.is_ascii_digit())
+            let prev = i.checked_sub(1).map(|p| bytes[p]);
+            let next = bytes.get(i + 1);
+            let boundary = prev.as_ref().is_some_and(lower_or_digit)
                 || (prev.is_some_and(|p| p.is_ascii_uppercase())
                     && next.is_some_and(|n| n.is_ascii_lowercase()));
             if boundary && !last_underscore {
@@ -742,13 +757,12 @@ pub fn push_snake_segment(out: &mut String, segment: &str) {
             }
             out.push(char::from(c.to_ascii_lowercase()));
             last_underscore = false;
-        } else if c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_' {
-            out.push(char::from(c));
-            last_underscore = c == b'_';
-        } else if !last_underscore {
+        } else if c == b'_' || !last_underscore {
+            // A `_` of the name is kept; any other byte asks for one.
             out.push('_');
             last_underscore = true;
         }
+        i += 1;
     }
     // An empty name stays empty (and the type is refused as such).
     if out.len() > start && !out[start..].starts_with(|c: char| c.is_ascii_lowercase()) {

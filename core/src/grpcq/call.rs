@@ -1,7 +1,9 @@
-//! A grpcq call read in place: [`Call`] keeps the bytes it arrived in and
-//! knows where each field is, so decoding allocates nothing per string —
-//! the daemon's hot path reads a call's fields once, to route it and to
-//! write the job, and never needed them as `String`s.
+//! A grpcq call read in place: [`Call`] keeps the bytes it arrived in (the
+//! payload is never copied) and its strings side by side in one `String`,
+//! checked to be UTF-8 once when the call is decoded — one allocation for
+//! all of them instead of one per field, and handing a field out costs a
+//! slice, not a second UTF-8 check (the daemon reads topic and action to
+//! route, to name the job and to write it).
 //!
 //! It decodes exactly what prost's generated `grpcq.Message` decodes and
 //! refuses exactly what it refuses (tested against it, and fuzzed): the
@@ -23,8 +25,13 @@ use crate::error::{Error, Result};
 /// limit; a metadata entry is one level already).
 const GROUP_DEPTH: u32 = 100;
 
-/// Where a field is in the call's bytes. Ranges are checked against the
-/// buffer, and string ranges are UTF-8, when the call is decoded.
+/// The most a call's text reserves up front (its strings are usually far
+/// shorter: a topic, an action, an id and a little metadata).
+const TEXT_RESERVE: usize = 256;
+
+/// Where a field is: the payload in the call's bytes, a string in the
+/// call's text. Ranges are checked when the call is decoded, and a string's
+/// range is a whole UTF-8 string of the text.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Span {
     // u32 keeps a call small (it is moved about per message); a call is
@@ -44,9 +51,12 @@ impl Span {
 }
 
 /// A decoded `grpcq.Message` that shares the bytes it was decoded from.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Call {
+    /// The bytes decoded: the payload is a span of them.
     buf: Bytes,
+    /// Every string field's text, one after another (spans below).
+    text: String,
     originator: Span,
     topic: Span,
     action: Span,
@@ -71,6 +81,21 @@ impl std::fmt::Debug for Call {
             .finish_non_exhaustive()
     }
 }
+
+// Equal calls hold equal fields, however their bytes were laid out (field
+// order, unknown fields, a field given twice).
+impl PartialEq for Call {
+    fn eq(&self, other: &Self) -> bool {
+        self.originator() == other.originator()
+            && self.topic() == other.topic()
+            && self.action() == other.action()
+            && self.payload() == other.payload()
+            && self.message_id() == other.message_id()
+            && self.timestamp_ms == other.timestamp_ms
+            && self.metadata().eq(other.metadata())
+    }
+}
+impl Eq for Call {}
 
 /// Where decoding is, for the offsets errors name.
 struct Reader<'a> {
@@ -129,18 +154,31 @@ impl<'a> Reader<'a> {
         Ok(span)
     }
 
-    /// A string field: length-delimited and UTF-8.
+    /// A string field: length-delimited and UTF-8, appended to `text`; its
+    /// span there.
     #[inline]
-    fn string(&mut self, whole: &[u8], wire_type: WireType, field: u32) -> Result<Span> {
+    fn string(
+        &mut self,
+        whole: &[u8],
+        text: &mut String,
+        wire_type: WireType,
+        field: u32,
+    ) -> Result<Span> {
         self.expect(wire_type, WireType::LengthDelimited, field)?;
         let span = self.len_delimited()?;
-        if std::str::from_utf8(&whole[span.range()]).is_err() {
+        let Ok(s) = std::str::from_utf8(&whole[span.range()]) else {
             return Err(Error::malformed(
                 span.start as usize,
                 format!("grpcq.Message: field {field} is not UTF-8"),
             ));
-        }
-        Ok(span)
+        };
+        // The text is shorter than the buffer, so it is under 4 GiB too.
+        let start = text.len() as u32;
+        text.push_str(s);
+        Ok(Span {
+            start,
+            end: text.len() as u32,
+        })
     }
 
     #[inline]
@@ -203,6 +241,7 @@ impl Call {
     fn empty() -> Call {
         Call {
             buf: Bytes::new(),
+            text: String::new(),
             originator: Span::default(),
             topic: Span::default(),
             action: Span::default(),
@@ -220,19 +259,22 @@ impl Call {
         if u32::try_from(whole.len()).is_err() {
             return Err(Error::malformed(0, "grpcq.Message: 4 GiB or more"));
         }
+        // The strings are part of the bytes: a small call's fit at once, a
+        // large one's (its payload is most of it) grow as they come.
+        let mut text = String::with_capacity(whole.len().min(TEXT_RESERVE));
         let mut r = Reader::new(whole);
         let mut sorted = true;
         while !r.rest.is_empty() {
             let (tag, wire_type) = r.key()?;
             match tag {
-                1 => call.originator = r.string(whole, wire_type, tag)?,
-                2 => call.topic = r.string(whole, wire_type, tag)?,
-                3 => call.action = r.string(whole, wire_type, tag)?,
+                1 => call.originator = r.string(whole, &mut text, wire_type, tag)?,
+                2 => call.topic = r.string(whole, &mut text, wire_type, tag)?,
+                3 => call.action = r.string(whole, &mut text, wire_type, tag)?,
                 4 => {
                     r.expect(wire_type, WireType::LengthDelimited, tag)?;
                     call.payload = r.len_delimited()?;
                 }
-                5 => call.message_id = r.string(whole, wire_type, tag)?,
+                5 => call.message_id = r.string(whole, &mut text, wire_type, tag)?,
                 6 => {
                     r.expect(wire_type, WireType::Varint, tag)?;
                     // int64 is the varint's 64 bits, as prost reads it.
@@ -240,9 +282,9 @@ impl Call {
                 }
                 7 => {
                     r.expect(wire_type, WireType::LengthDelimited, tag)?;
-                    let entry = metadata_entry(&mut r, whole)?;
+                    let entry = metadata_entry(&mut r, whole, &mut text)?;
                     if let Some((last_key, _)) = call.metadata.last() {
-                        sorted &= whole[last_key.range()] < whole[entry.0.range()];
+                        sorted &= text[last_key.range()] < text[entry.0.range()];
                     }
                     call.metadata.push(entry);
                 }
@@ -253,23 +295,23 @@ impl Call {
             // Sorted by key, the last of equal keys kept (a stable sort
             // keeps their order; dedup keeps the first of a run, so the
             // run is reversed first).
-            call.metadata
-                .sort_by(|a, b| whole[a.0.range()].cmp(&whole[b.0.range()]));
+            let key = |span: &Span| &text[span.range()];
+            call.metadata.sort_by(|a, b| key(&a.0).cmp(key(&b.0)));
             let mut i = 0;
             while i < call.metadata.len() {
                 let mut j = i + 1;
                 while j < call.metadata.len()
-                    && whole[call.metadata[j].0.range()] == whole[call.metadata[i].0.range()]
+                    && key(&call.metadata[j].0) == key(&call.metadata[i].0)
                 {
                     j += 1;
                 }
                 call.metadata[i..j].reverse();
                 i = j;
             }
-            call.metadata
-                .dedup_by(|b, a| whole[a.0.range()] == whole[b.0.range()]);
+            call.metadata.dedup_by(|b, a| key(&a.0) == key(&b.0));
         }
         call.buf = buf;
+        call.text = text;
         Ok(call)
     }
 
@@ -309,8 +351,9 @@ impl Call {
     }
 
     fn text(&self, span: Span) -> &str {
-        // Checked to be UTF-8 when decoded: this cannot fall back.
-        std::str::from_utf8(&self.buf[span.range()]).unwrap_or_default()
+        // Spans are whole strings of the text, so the slice is always
+        // there; `get` checks only the two ends, not the UTF-8 again.
+        self.text.get(span.range()).unwrap_or_default()
     }
 
     /// The calling service.
@@ -363,7 +406,7 @@ impl Call {
     /// One metadata value.
     pub fn metadata_value(&self, key: &str) -> Option<&str> {
         self.metadata
-            .binary_search_by(|(k, _)| self.buf[k.range()].cmp(key.as_bytes()))
+            .binary_search_by(|(k, _)| self.text(*k).cmp(key))
             .ok()
             .map(|i| self.text(self.metadata[i].1))
     }
@@ -413,23 +456,20 @@ fn bytes_len(field: u32, b: &[u8]) -> usize {
 }
 
 /// A metadata entry: its own small message with key 1 and value 2.
-fn metadata_entry(r: &mut Reader<'_>, whole: &[u8]) -> Result<(Span, Span)> {
+fn metadata_entry(r: &mut Reader<'_>, whole: &[u8], text: &mut String) -> Result<(Span, Span)> {
     let body = r.len_delimited()?;
     let mut inner = Reader {
         rest: &whole[body.range()],
         total: body.end as usize,
     };
     // Empty unless given, as a map entry's fields default.
-    let mut key = Span {
-        start: body.start,
-        end: body.start,
-    };
+    let mut key = Span::default();
     let mut value = key;
     while !inner.rest.is_empty() {
         let (tag, wire_type) = inner.key()?;
         match tag {
-            1 => key = inner.string(whole, wire_type, tag)?,
-            2 => value = inner.string(whole, wire_type, tag)?,
+            1 => key = inner.string(whole, text, wire_type, tag)?,
+            2 => value = inner.string(whole, text, wire_type, tag)?,
             _ => inner.skip(wire_type, tag, GROUP_DEPTH - 1)?,
         }
     }
