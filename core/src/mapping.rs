@@ -216,10 +216,10 @@ pub fn call_to_job_message(msg: &Call, job_type: String, queue: &str) -> Outgoin
             _ => {}
         }
     }
-    let created_at = millis_to_time(msg.timestamp_ms());
+    let created_at = millis_to_timestamp(msg.timestamp_ms());
     let expires_at = deadline
         .and_then(|v| v.trim().parse::<i64>().ok())
-        .and_then(millis_to_time);
+        .and_then(millis_to_timestamp);
     let priority = priority
         .and_then(|v| v.trim().parse::<i32>().ok())
         .unwrap_or(0);
@@ -237,8 +237,8 @@ pub fn call_to_job_message(msg: &Call, job_type: String, queue: &str) -> Outgoin
             .map(|(k, v)| value::string_map_entry_len(6, k, v))
             .sum::<usize>()
         + wire::int32_len(7, priority)
-        + proto::timestamp_len(10, &expires_at)
-        + proto::timestamp_len(16, &created_at);
+        + proto::timestamp_parts_len(10, expires_at)
+        + proto::timestamp_parts_len(16, created_at);
     let mut out = Vec::with_capacity(size);
     wire::put_string(&mut out, 1, SPEC_VERSION);
     wire::put_string(&mut out, 2, &id);
@@ -248,16 +248,18 @@ pub fn call_to_job_message(msg: &Call, job_type: String, queue: &str) -> Outgoin
     wire::put_len_header(&mut out, 3, arg_len);
     let start = out.len();
     out.resize(start + arg_len, 0);
-    let written = URL_SAFE_NO_PAD
-        .encode_slice(payload, &mut out[start..])
-        .unwrap_or(0);
+    // SIMD base64 (the `base64` crate's encoder was a tenth of the call's
+    // cost); the same alphabet and length, so the same bytes.
+    let written = base64_simd::URL_SAFE_NO_PAD
+        .encode(payload, base64_simd::Out::from_slice(&mut out[start..]))
+        .len();
     debug_assert_eq!(written, arg_len);
     for (k, v) in meta {
         value::put_string_map_entry(&mut out, 6, k, v);
     }
     wire::put_int32(&mut out, 7, priority);
-    proto::put_timestamp(&mut out, 10, &expires_at);
-    proto::put_timestamp(&mut out, 16, &created_at);
+    proto::put_timestamp_parts(&mut out, 10, expires_at);
+    proto::put_timestamp_parts(&mut out, 16, created_at);
     debug_assert_eq!(out.len(), size);
 
     // The id is the `ojs-id` header and, without a partition key, the key:
@@ -321,6 +323,21 @@ fn millis_to_time(ms: i64) -> Option<DateTime<Utc>> {
         return None;
     }
     Utc.timestamp_millis_opt(ms).single()
+}
+
+/// The latest Unix millisecond chrono represents (the end of year 262142):
+/// [`millis_to_time`] gives `None` past it.
+const MAX_TIME_MILLIS: i64 = 8_210_266_876_799_999;
+
+/// [`millis_to_time`] as a protobuf Timestamp's seconds and nanoseconds,
+/// without the calendar (chrono works out the date both ways, which showed
+/// in the per-call profile); the same times, the same bytes.
+fn millis_to_timestamp(ms: i64) -> Option<proto::TimestampParts> {
+    if ms <= 0 || ms > MAX_TIME_MILLIS {
+        return None;
+    }
+    // Positive: the remainder is the sub-second part.
+    Some((ms / 1000, (ms % 1000) as i32 * 1_000_000))
 }
 
 /// Where a job's payload is, for the reverse mapping.
@@ -516,6 +533,30 @@ mod tests {
                 call_to_job_message(&Call::from_message(&msg), "t.do".into(), "q"),
                 via_envelope(&msg, "t.do", "q")
             );
+        }
+    }
+
+    #[test]
+    fn times_without_the_calendar_are_the_calendar_s_times() {
+        assert_eq!(MAX_TIME_MILLIS, DateTime::<Utc>::MAX_UTC.timestamp_millis());
+        for ms in [
+            i64::MIN,
+            -1,
+            0,
+            1,
+            999,
+            1_000,
+            1_001,
+            1_763_700_000_123,
+            MAX_UUID_MILLIS,
+            MAX_TIME_MILLIS - 1,
+            MAX_TIME_MILLIS,
+            MAX_TIME_MILLIS + 1,
+            i64::MAX,
+        ] {
+            let via_chrono =
+                millis_to_time(ms).map(|t| (t.timestamp(), t.timestamp_subsec_nanos() as i32));
+            assert_eq!(millis_to_timestamp(ms), via_chrono, "{ms}");
         }
     }
 

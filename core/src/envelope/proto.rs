@@ -309,20 +309,36 @@ pub(crate) fn split_backtrace(s: &str) -> Vec<String> {
 
 // ---- encoding -----------------------------------------------------------------
 
-fn timestamp_body_len(t: &DateTime<Utc>) -> usize {
-    wire::int64_len(1, t.timestamp()) + wire::int32_len(2, t.timestamp_subsec_nanos() as i32)
+/// A `google.protobuf.Timestamp`'s two fields: seconds and nanoseconds.
+pub(crate) type TimestampParts = (i64, i32);
+
+fn parts(t: &DateTime<Utc>) -> TimestampParts {
+    (t.timestamp(), t.timestamp_subsec_nanos() as i32)
+}
+
+fn timestamp_body_len((seconds, nanos): TimestampParts) -> usize {
+    wire::int64_len(1, seconds) + wire::int32_len(2, nanos)
 }
 
 pub(crate) fn timestamp_len(field: u32, t: &Option<DateTime<Utc>>) -> usize {
-    t.as_ref()
-        .map_or(0, |t| wire::len_field_len(field, timestamp_body_len(t)))
+    timestamp_parts_len(field, t.as_ref().map(parts))
 }
 
 pub(crate) fn put_timestamp(out: &mut Vec<u8>, field: u32, t: &Option<DateTime<Utc>>) {
-    if let Some(t) = t {
+    put_timestamp_parts(out, field, t.as_ref().map(parts));
+}
+
+/// [`timestamp_len`] of a time already in seconds and nanoseconds.
+pub(crate) fn timestamp_parts_len(field: u32, t: Option<TimestampParts>) -> usize {
+    t.map_or(0, |t| wire::len_field_len(field, timestamp_body_len(t)))
+}
+
+/// [`put_timestamp`] of a time already in seconds and nanoseconds.
+pub(crate) fn put_timestamp_parts(out: &mut Vec<u8>, field: u32, t: Option<TimestampParts>) {
+    if let Some(t @ (seconds, nanos)) = t {
         wire::put_len_header(out, field, timestamp_body_len(t));
-        wire::put_int64(out, 1, t.timestamp());
-        wire::put_int32(out, 2, t.timestamp_subsec_nanos() as i32);
+        wire::put_int64(out, 1, seconds);
+        wire::put_int32(out, 2, nanos);
     }
 }
 
