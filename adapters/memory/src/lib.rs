@@ -613,6 +613,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_message_given_back_returns_to_its_place_in_publish_order() {
+        let a = MemoryAdapter::new(MemoryConfig::default());
+        a.publish("q", ["a", "b", "c", "d"].map(msg).to_vec())
+            .await
+            .unwrap();
+        let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let first = c.receive(2, Duration::ZERO).await.unwrap();
+        // Given back in the reverse order, both ahead of c and d.
+        for d in first.iter().rev() {
+            d.nack(Nack::retry_after(Duration::ZERO)).await.unwrap();
+        }
+        let body = |d: &Delivery| String::from_utf8(d.payload.to_vec()).unwrap();
+        let again: Vec<_> = c
+            .receive(10, Duration::ZERO)
+            .await
+            .unwrap()
+            .iter()
+            .map(body)
+            .collect();
+        assert_eq!(again, ["a", "b", "c", "d"]);
+        assert_eq!(a.depth("q").await.unwrap(), Some(0));
+    }
+
+    #[tokio::test]
     async fn scheduled_messages_wait_for_their_time() {
         let a = MemoryAdapter::new(MemoryConfig::default());
         let mut m = msg("later");
