@@ -514,6 +514,69 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
+    /// Two processes on one directory (the daemon and a worker, say): one
+    /// keeps writing while the other retries and dead-letters. A settle
+    /// that read before it wrote used to fail at once with SQLITE_BUSY
+    /// when the other connection committed in between (the busy timeout
+    /// does not cover that), leaving the message leased for its whole
+    /// visibility timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn settles_succeed_while_another_connection_writes() {
+        let dir = temp_dir("two-writers");
+        let writer = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let settler = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let n = 300;
+        let batch = (0..n)
+            .map(|i| OutgoingMessage::new(format!("m{i}"), OJS_PROTO))
+            .collect();
+        settler.publish("q", batch).await.unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let noise = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let batch = (0..5)
+                        .map(|_| OutgoingMessage::new("noise", OJS_PROTO))
+                        .collect();
+                    writer.publish("noise", batch).await.unwrap();
+                }
+            })
+        };
+        let mut c = settler
+            .consumer("q", ConsumerOptions::default())
+            .await
+            .unwrap();
+        let (mut settled, mut failed) = (0, Vec::new());
+        while settled < n {
+            for (i, d) in c
+                .receive(20, Duration::from_secs(1))
+                .await
+                .unwrap()
+                .into_iter()
+                .enumerate()
+            {
+                let nack = if i % 2 == 0 {
+                    Nack::DeadLetter(ojs_core::DeadLetterReason::new("test", "dead"))
+                } else {
+                    Nack::retry_after(Duration::from_secs(3600))
+                };
+                if let Err(e) = d.nack(nack).await {
+                    failed.push(e.to_string());
+                }
+                settled += 1;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        noise.await.unwrap();
+        assert!(
+            failed.is_empty(),
+            "{} of {n} settles failed: {:?}",
+            failed.len(),
+            &failed[..failed.len().min(3)]
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+
     fn file_bytes(dir: &std::path::Path) -> u64 {
         std::fs::read_dir(dir)
             .unwrap()

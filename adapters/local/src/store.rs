@@ -162,6 +162,17 @@ pub(crate) fn open(config: &LocalConfig) -> Result<Connection> {
     Ok(conn)
 }
 
+/// A transaction that writes, holding the write lock from its start. A
+/// deferred one that reads before it writes fails at once with
+/// `SQLITE_BUSY` when another connection (another process on the same
+/// directory) committed in between: the busy timeout does not cover that
+/// upgrade, and a settle lost that way left its message leased for the
+/// whole visibility timeout. Taken at the start, the lock waits out other
+/// writers for up to the busy timeout.
+fn write_transaction(conn: &mut Connection) -> Result<rusqlite::Transaction<'_>> {
+    rusqlite::Transaction::new(conn, rusqlite::TransactionBehavior::Immediate).map_err(db_error)
+}
+
 /// Inserts a batch in one transaction: all on disk, or none.
 pub(crate) fn insert(
     conn: &mut Connection,
@@ -169,7 +180,7 @@ pub(crate) fn insert(
     messages: &[OutgoingMessage],
 ) -> Result<()> {
     let now = now_ms();
-    let tx = conn.transaction().map_err(db_error)?;
+    let tx = write_transaction(conn)?;
     {
         let mut stmt = tx
             .prepare_cached(
@@ -227,8 +238,7 @@ pub(crate) fn claim(
 ) -> Result<(Vec<Claimed>, i64)> {
     let now = now_ms();
     let lease = uuid::Uuid::new_v4().as_u64_pair().0 as i64;
-    let tx = rusqlite::Transaction::new(conn, rusqlite::TransactionBehavior::Immediate)
-        .map_err(db_error)?;
+    let tx = write_transaction(conn)?;
     // Expired leases of messages that reached their consumer's limit go to
     // the dead letters before anything is claimed (from the queue or the
     // dead letters), so neither reader sees them in the wrong place.
@@ -338,7 +348,7 @@ pub(crate) fn next_visible(conn: &Connection, queue: &str, dead: bool) -> Result
 /// Deletes many acked messages in one transaction (group commit); one result
 /// per `(id, lease)`, in order.
 pub(crate) fn ack_many(conn: &mut Connection, acks: &[(i64, i64)]) -> Result<Vec<Result<()>>> {
-    let tx = conn.transaction().map_err(db_error)?;
+    let tx = write_transaction(conn)?;
     let mut results = Vec::with_capacity(acks.len());
     {
         let mut stmt = tx
@@ -358,7 +368,7 @@ pub(crate) fn ack_many(conn: &mut Connection, acks: &[(i64, i64)]) -> Result<Vec
 }
 
 pub(crate) fn retry(conn: &mut Connection, id: i64, lease: i64, delay: Duration) -> Result<()> {
-    let tx = conn.transaction().map_err(db_error)?;
+    let tx = write_transaction(conn)?;
     let row: Option<(String, i64, Option<i64>)> = tx
         .prepare_cached(
             "SELECT headers, deliveries, max_deliveries FROM messages WHERE id = ?1 AND lease = ?2",
@@ -394,7 +404,7 @@ pub(crate) fn dead_letter(
     lease: i64,
     reason: &DeadLetterReason,
 ) -> Result<()> {
-    let tx = conn.transaction().map_err(db_error)?;
+    let tx = write_transaction(conn)?;
     let headers: Option<String> = tx
         .prepare_cached("SELECT headers FROM messages WHERE id = ?1 AND lease = ?2")
         .and_then(|mut s| s.query_row(params![id, lease], |r| r.get(0)).optional())
@@ -423,7 +433,7 @@ pub(crate) fn extend(conn: &Connection, id: i64, lease: i64, by: Duration) -> Re
 
 /// Makes leased messages deliverable now (their consumer went away).
 pub(crate) fn release(conn: &mut Connection, leases: &[(i64, i64)]) -> Result<()> {
-    let tx = conn.transaction().map_err(db_error)?;
+    let tx = write_transaction(conn)?;
     {
         let mut stmt = tx
             .prepare_cached(
