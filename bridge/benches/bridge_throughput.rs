@@ -558,9 +558,18 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
     for chunk in calls(n).chunks(5_000) {
         adapter.publish(&src, chunk.to_vec()).await.unwrap();
     }
-    // Create the raw sink topic through the adapter (same partitions).
+    // Create the sink topics through the adapter (same partitions) before
+    // any clock starts: the raw loops' and each daemon round's, so neither
+    // side times a topic being created.
     let raw_sink = format!("bench-raw-{short}");
+    let bridge_sink = |round: usize| format!("bench-dst-{short}-{round}");
+    let copy_sink = |round: usize| format!("bench-copy-{short}-{round}");
     adapter.publish(&raw_sink, calls(1)).await.unwrap();
+    for round in 0..rounds {
+        for sink in [bridge_sink(round), copy_sink(round)] {
+            adapter.publish(&sink, calls(1)).await.unwrap();
+        }
+    }
     let (mut raw, mut bridged, mut p50, mut p99) = (vec![], vec![], vec![], vec![]);
     let (mut like_for_like, mut raw_mapped) = (vec![], vec![]);
     for round in 0..rounds {
@@ -589,7 +598,7 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
             &src,
             Some(&format!("bench-bridge-{run}-{round}")),
             "ojs",
-            &format!("bench-dst-{short}-{round}"),
+            &bridge_sink(round),
         );
         let m = run_bridge(&toml, n).await;
         bridged.push(m.rate);
@@ -604,7 +613,7 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
             &src,
             Some(&format!("bench-copy-{run}-{round}")),
             "grpcq",
-            &format!("bench-copy-{short}-{round}"),
+            &copy_sink(round),
         );
         like_for_like.push(run_bridge(&toml, n).await.rate);
     }
