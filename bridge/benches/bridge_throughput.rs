@@ -573,26 +573,10 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
     let (mut raw, mut bridged, mut p50, mut p99) = (vec![], vec![], vec![], vec![]);
     let (mut like_for_like, mut raw_mapped) = (vec![], vec![]);
     for round in 0..rounds {
-        raw.push(
-            raw_copy(
-                &brokers,
-                &config.topic_of(&src),
-                &config.topic_of(&raw_sink),
-                n,
-                false,
-            )
-            .await,
-        );
-        raw_mapped.push(
-            raw_copy(
-                &brokers,
-                &config.topic_of(&src),
-                &config.topic_of(&raw_sink),
-                n,
-                true,
-            )
-            .await,
-        );
+        for (rates, map_to_jobs) in [(&mut raw, false), (&mut raw_mapped, true)] {
+            let (from, to) = (config.topic_of(&src), config.topic_of(&raw_sink));
+            rates.push(raw_copy(&brokers, &from, &to, n, map_to_jobs).await);
+        }
         let toml = bridge_toml(
             url,
             &src,

@@ -224,7 +224,8 @@ pub fn call_to_job_message(msg: &Call, job_type: String, queue: &str) -> Outgoin
         .and_then(|v| v.trim().parse::<i32>().ok())
         .unwrap_or(0);
     let payload = msg.payload();
-    let arg_len = base64::encoded_len(payload.len(), false).unwrap_or(usize::MAX);
+    // Sized by the encoder that writes it.
+    let arg_len = base64_simd::URL_SAFE_NO_PAD.encoded_length(payload.len());
     let arg_body = wire::len_field_len(3, arg_len);
 
     let size = wire::string_len(1, SPEC_VERSION)

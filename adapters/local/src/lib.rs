@@ -574,6 +574,26 @@ mod tests {
             failed.len(),
             &failed[..failed.len().min(3)]
         );
+        // Every settle took effect: half are dead letters, half wait for
+        // their retry; none is lost, none is still leased.
+        let mut dead = settler
+            .consumer(
+                "q",
+                ConsumerOptions {
+                    source: Source::DeadLetters,
+                    ..ConsumerOptions::default()
+                },
+            )
+            .await
+            .unwrap();
+        let dead_letters = dead.receive(n, Duration::from_secs(1)).await.unwrap().len();
+        let waiting = settler.depth("q").await.unwrap();
+        println!(
+            "settled {n}: dead letters {dead_letters}, waiting to retry {waiting:?}, lost {}",
+            n - dead_letters - waiting.unwrap_or(0) as usize
+        );
+        assert_eq!(dead_letters, n / 2);
+        assert_eq!(waiting, Some((n / 2) as u64));
         std::fs::remove_dir_all(dir).ok();
     }
 
