@@ -24,6 +24,9 @@
 //!
 //! Rates count from the first message received to the last one confirmed,
 //! so consumer-group joins (seconds on the test broker) are left out of both.
+//! Over the same window the Kafka case prints the CPU time this process
+//! (all its threads) spent per message: the broker runs on the same two
+//! cores, so a side that spends more CPU per message leaves the broker less.
 //! p50/p99 are the latency the bridge adds (receive → sink confirmed), as
 //! histogram bucket bounds.
 //!
@@ -78,6 +81,32 @@ struct Measured {
     rate: f64,
     p50_ms: Option<f64>,
     p99_ms: Option<f64>,
+    /// CPU time of this whole process (every thread: runtime workers and
+    /// librdkafka's) per message, over the same window as `rate`.
+    cpu_us: f64,
+}
+
+/// CPU time (user + system) this process has used so far, from
+/// `/proc/self/stat` in clock ticks of 10 ms (Linux's `USER_HZ`): a window
+/// of 0.3 s or more is within a few per cent.
+fn process_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .collect();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
+        .sum();
+    Duration::from_millis(ticks * 10)
+}
+
+/// CPU microseconds per message since `since`.
+fn cpu_us_per_message(since: Duration, n: usize) -> f64 {
+    process_cpu().saturating_sub(since).as_secs_f64() * 1e6 / n as f64
 }
 
 /// Waits until `n` are acked; times from the first receive.
@@ -86,7 +115,7 @@ async fn watch(metrics: &Metrics, n: u64) -> Measured {
     while source.received.load(Ordering::Relaxed) == 0 {
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
-    let started = Instant::now();
+    let (started, cpu) = (Instant::now(), process_cpu());
     let deadline = started + Duration::from_secs(600);
     while source.acked.load(Ordering::Relaxed) < n {
         assert!(Instant::now() < deadline, "bridge stalled");
@@ -98,6 +127,7 @@ async fn watch(metrics: &Metrics, n: u64) -> Measured {
         rate: n as f64 / took.as_secs_f64(),
         p50_ms: h.quantile_upper_bound(0.5).map(|s| s * 1e3),
         p99_ms: h.quantile_upper_bound(0.99).map(|s| s * 1e3),
+        cpu_us: cpu_us_per_message(cpu, n as usize),
     }
 }
 
@@ -183,7 +213,7 @@ const RAW_BATCHES_IN_FLIGHT: usize = 8;
 /// [`RAW_BATCHES_IN_FLIGHT`] batches' delivery reports outstanding, and
 /// commit each batch's offsets once all its reports are in, in order. The
 /// producer is connected (and has its idempotent producer id) before the
-/// clock starts. Returns msg/s.
+/// clock starts. Returns msg/s and the process's CPU µs per message.
 ///
 /// With `map_to_jobs` the loop does what the daemon's route does to each
 /// record, with the same library calls: decode the call, name the job
@@ -191,7 +221,7 @@ const RAW_BATCHES_IN_FLIGHT: usize = 8;
 /// ([`ojs_core::mapping::call_to_job_message`]), and produce that — a
 /// hand-rolled bridge doing the daemon's work, to tell the cost of the
 /// daemon's pipeline from the cost of writing a job instead of a copy.
-async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bool) -> f64 {
+async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bool) -> (f64, f64) {
     use futures::stream::{FuturesOrdered, StreamExt};
     use futures::FutureExt;
     use rdkafka::{Offset, TopicPartitionList};
@@ -229,7 +259,7 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
     while copied < n {
         if received < n && in_flight.len() < RAW_BATCHES_IN_FLIGHT {
             let mut batch = vec![consumer.recv().await.unwrap()];
-            started.get_or_insert_with(Instant::now);
+            started.get_or_insert_with(|| (Instant::now(), process_cpu()));
             while batch.len() < 512 {
                 match consumer.recv().now_or_never() {
                     Some(m) => batch.push(m.unwrap()),
@@ -298,8 +328,10 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
             copied += count;
         }
     }
-    let took = started.map_or(Duration::ZERO, |s| s.elapsed());
-    n as f64 / took.as_secs_f64()
+    let (took, cpu_us) = started.map_or((Duration::ZERO, 0.0), |(at, cpu)| {
+        (at.elapsed(), cpu_us_per_message(cpu, n))
+    });
+    (n as f64 / took.as_secs_f64(), cpu_us)
 }
 
 /// Raw lapin copy loop, written as a careful hand-rolled bridge would be:
@@ -572,10 +604,18 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
     }
     let (mut raw, mut bridged, mut p50, mut p99) = (vec![], vec![], vec![], vec![]);
     let (mut like_for_like, mut raw_mapped) = (vec![], vec![]);
+    // CPU µs per message of each case.
+    let (mut raw_cpu, mut mapped_cpu, mut bridge_cpu, mut copy_cpu) =
+        (vec![], vec![], vec![], vec![]);
     for round in 0..rounds {
-        for (rates, map_to_jobs) in [(&mut raw, false), (&mut raw_mapped, true)] {
+        for (rates, cpu, map_to_jobs) in [
+            (&mut raw, &mut raw_cpu, false),
+            (&mut raw_mapped, &mut mapped_cpu, true),
+        ] {
             let (from, to) = (config.topic_of(&src), config.topic_of(&raw_sink));
-            rates.push(raw_copy(&brokers, &from, &to, n, map_to_jobs).await);
+            let (rate, cpu_us) = raw_copy(&brokers, &from, &to, n, map_to_jobs).await;
+            rates.push(rate);
+            cpu.push(cpu_us);
         }
         let toml = bridge_toml(
             url,
@@ -586,6 +626,7 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
         );
         let m = run_bridge(&toml, n).await;
         bridged.push(m.rate);
+        bridge_cpu.push(m.cpu_us);
         p50.push(m.p50_ms.unwrap_or(f64::INFINITY));
         p99.push(m.p99_ms.unwrap_or(f64::INFINITY));
         // The daemon forwarding the calls as calls (decoded, re-encoded,
@@ -599,7 +640,9 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
             "grpcq",
             &copy_sink(round),
         );
-        like_for_like.push(run_bridge(&toml, n).await.rate);
+        let m = run_bridge(&toml, n).await;
+        like_for_like.push(m.rate);
+        copy_cpu.push(m.cpu_us);
     }
     adapter.close().await.unwrap();
     let (raw_rate, bridge_rate) = (median(raw.clone()), median(bridged.clone()));
@@ -618,6 +661,13 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
     println!(
         "                 raw loop writing the same jobs {mapped_rate:>9.0} msg/s; bridge / it: ratio {:.2}",
         bridge_rate / mapped_rate
+    );
+    let [raw_cpu, mapped_cpu, bridge_cpu, copy_cpu] =
+        [raw_cpu, mapped_cpu, bridge_cpu, copy_cpu].map(median);
+    // The broker (another process) shares the two cores: CPU this process
+    // spends per message is CPU the broker does not get.
+    println!(
+        "    CPU per message (this process, all threads; median): raw copy {raw_cpu:.1} µs, raw writing jobs {mapped_cpu:.1} µs, bridge {bridge_cpu:.1} µs, bridge calls as calls {copy_cpu:.1} µs"
     );
     println!(
         "    rounds: raw [{}]  bridge [{}]  calls as calls [{}]  raw writing jobs [{}]",
