@@ -11,6 +11,9 @@
 //!    tell where the gap is: the daemon forwarding the calls as calls (the
 //!    raw loop's work through the daemon), and the raw loop writing the
 //!    same jobs the daemon writes (the daemon's work without the daemon).
+//!    The daemon runs on a runtime of its own as `ojs-bridge run` would,
+//!    once with the default size (a worker per core) and once with
+//!    `worker_threads = 1`.
 //! 3. RabbitMQ → RabbitMQ: the same with a raw lapin copy loop (consume
 //!    with the daemon's prefetch, publish each body with its properties,
 //!    publisher confirms awaited per batch, then each delivery acked;
@@ -180,10 +183,30 @@ async fn delete_rabbit_queues(url: &str, config: &RabbitConfig, queues: &[&Strin
 }
 
 async fn run_bridge(toml: &str, n: usize) -> Measured {
-    let daemon = support::start(toml, BTreeMap::new()).await;
-    let m = watch(&daemon.metrics, n as u64).await;
-    daemon.shutdown().await;
-    m
+    run_bridge_on(toml, n, None).await
+}
+
+/// Runs the daemon as `ojs-bridge run` does with `worker_threads`: on a
+/// runtime of its own (`None`: one worker per core), apart from the one the
+/// raw loops run on.
+async fn run_bridge_on(toml: &str, n: usize, worker_threads: Option<usize>) -> Measured {
+    let toml = toml.to_owned();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let mut runtime = tokio::runtime::Builder::new_multi_thread();
+        runtime.enable_all();
+        if let Some(threads) = worker_threads {
+            runtime.worker_threads(threads);
+        }
+        let measured = runtime.build().unwrap().block_on(async {
+            let daemon = support::start(&toml, BTreeMap::new()).await;
+            let m = watch(&daemon.metrics, n as u64).await;
+            daemon.shutdown().await;
+            m
+        });
+        let _ = tx.send(measured);
+    });
+    rx.await.unwrap()
 }
 
 async fn memory_to_memory(n: usize) {
@@ -594,19 +617,32 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
     // any clock starts: the raw loops' and each daemon round's, so neither
     // side times a topic being created.
     let raw_sink = format!("bench-raw-{short}");
-    let bridge_sink = |round: usize| format!("bench-dst-{short}-{round}");
-    let copy_sink = |round: usize| format!("bench-copy-{short}-{round}");
+    // The daemon as `ojs-bridge run` runs it: writing jobs (`ojs`) and,
+    // to tell the pipeline's cost from that of writing a job (about twice
+    // the bytes and headers of the call it came from), forwarding the
+    // calls as calls (`grpcq`: the raw copy loop's work); each with the
+    // runtime's default size (one worker per core) and with
+    // `worker_threads = 1`.
+    let variants: [(&str, Option<usize>); 4] = [
+        ("ojs", None),
+        ("grpcq", None),
+        ("ojs", Some(1)),
+        ("grpcq", Some(1)),
+    ];
+    let sink = |variant: usize, round: usize| format!("bench-dst{variant}-{short}-{round}");
     adapter.publish(&raw_sink, calls(1)).await.unwrap();
     for round in 0..rounds {
-        for sink in [bridge_sink(round), copy_sink(round)] {
-            adapter.publish(&sink, calls(1)).await.unwrap();
+        for variant in 0..variants.len() {
+            adapter
+                .publish(&sink(variant, round), calls(1))
+                .await
+                .unwrap();
         }
     }
-    let (mut raw, mut bridged, mut p50, mut p99) = (vec![], vec![], vec![], vec![]);
-    let (mut like_for_like, mut raw_mapped) = (vec![], vec![]);
-    // CPU µs per message of each case.
-    let (mut raw_cpu, mut mapped_cpu, mut bridge_cpu, mut copy_cpu) =
-        (vec![], vec![], vec![], vec![]);
+    let (mut raw, mut raw_mapped) = (vec![], vec![]);
+    // CPU µs per message of the raw loops.
+    let (mut raw_cpu, mut mapped_cpu) = (vec![], vec![]);
+    let mut daemon: [Vec<Measured>; 4] = Default::default();
     for round in 0..rounds {
         for (rates, cpu, map_to_jobs) in [
             (&mut raw, &mut raw_cpu, false),
@@ -617,64 +653,70 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
             rates.push(rate);
             cpu.push(cpu_us);
         }
-        let toml = bridge_toml(
-            url,
-            &src,
-            Some(&format!("bench-bridge-{run}-{round}")),
-            "ojs",
-            &bridge_sink(round),
-        );
-        let m = run_bridge(&toml, n).await;
-        bridged.push(m.rate);
-        bridge_cpu.push(m.cpu_us);
-        p50.push(m.p50_ms.unwrap_or(f64::INFINITY));
-        p99.push(m.p99_ms.unwrap_or(f64::INFINITY));
-        // The daemon forwarding the calls as calls (decoded, re-encoded,
-        // same headers): the raw loop's work, to tell the pipeline's cost
-        // from that of writing a job (about twice the bytes and headers
-        // of the call it came from).
-        let toml = bridge_toml(
-            url,
-            &src,
-            Some(&format!("bench-copy-{run}-{round}")),
-            "grpcq",
-            &copy_sink(round),
-        );
-        let m = run_bridge(&toml, n).await;
-        like_for_like.push(m.rate);
-        copy_cpu.push(m.cpu_us);
+        for (variant, (to, workers)) in variants.iter().enumerate() {
+            let toml = bridge_toml(
+                url,
+                &src,
+                Some(&format!("bench-bridge{variant}-{run}-{round}")),
+                to,
+                &sink(variant, round),
+            );
+            daemon[variant].push(run_bridge_on(&toml, n, *workers).await);
+        }
     }
     adapter.close().await.unwrap();
-    let (raw_rate, bridge_rate) = (median(raw.clone()), median(bridged.clone()));
+    let rates = |v: &[Measured]| v.iter().map(|m| m.rate).collect::<Vec<_>>();
+    let cpus = |v: &[Measured]| median(v.iter().map(|m| m.cpu_us).collect());
+    let (raw_rate, mapped_rate) = (median(raw.clone()), median(raw_mapped.clone()));
+    let [bridge_rate, copy_rate, bridge1_rate, copy1_rate] =
+        [0, 1, 2, 3].map(|v| median(rates(&daemon[v])));
+    let p = |q: fn(&Measured) -> Option<f64>| {
+        ms(Some(median(
+            daemon[0]
+                .iter()
+                .map(|m| q(m).unwrap_or(f64::INFINITY))
+                .collect(),
+        )))
+    };
     println!(
         "kafka → kafka    {n} calls, median of {rounds}: raw copy {raw_rate:>9.0} msg/s, bridge {bridge_rate:>9.0} msg/s, ratio {:.2} (target ≥ 0.9); bridge latency p50 {} ms, p99 {} ms",
         bridge_rate / raw_rate,
-        ms(Some(median(p50))),
-        ms(Some(median(p99))),
+        p(|m| m.p50_ms),
+        p(|m| m.p99_ms),
     );
-    let copy_rate = median(like_for_like.clone());
     println!(
         "                 bridge forwarding the calls as calls {copy_rate:>9.0} msg/s, ratio {:.2}",
         copy_rate / raw_rate
     );
-    let mapped_rate = median(raw_mapped.clone());
     println!(
         "                 raw loop writing the same jobs {mapped_rate:>9.0} msg/s; bridge / it: ratio {:.2}",
         bridge_rate / mapped_rate
     );
-    let [raw_cpu, mapped_cpu, bridge_cpu, copy_cpu] =
-        [raw_cpu, mapped_cpu, bridge_cpu, copy_cpu].map(median);
+    println!(
+        "                 worker_threads = 1: bridge {bridge1_rate:>9.0} msg/s, ratio {:.2} (raw loop writing the same jobs: {:.2}); calls as calls {copy1_rate:>9.0} msg/s, ratio {:.2}",
+        bridge1_rate / raw_rate,
+        bridge1_rate / mapped_rate,
+        copy1_rate / raw_rate
+    );
     // The broker (another process) shares the two cores: CPU this process
     // spends per message is CPU the broker does not get.
     println!(
-        "    CPU per message (this process, all threads; median): raw copy {raw_cpu:.1} µs, raw writing jobs {mapped_cpu:.1} µs, bridge {bridge_cpu:.1} µs, bridge calls as calls {copy_cpu:.1} µs"
+        "    CPU per message (this process, all threads; median): raw copy {:.1} µs, raw writing jobs {:.1} µs, bridge {:.1} µs, calls as calls {:.1} µs; worker_threads = 1: bridge {:.1} µs, calls as calls {:.1} µs",
+        median(raw_cpu),
+        median(mapped_cpu),
+        cpus(&daemon[0]),
+        cpus(&daemon[1]),
+        cpus(&daemon[2]),
+        cpus(&daemon[3]),
     );
     println!(
-        "    rounds: raw [{}]  bridge [{}]  calls as calls [{}]  raw writing jobs [{}]",
+        "    rounds: raw [{}]  bridge [{}]  calls as calls [{}]  raw writing jobs [{}]  worker_threads = 1: bridge [{}]  calls as calls [{}]",
         thousands(&raw),
-        thousands(&bridged),
-        thousands(&like_for_like),
-        thousands(&raw_mapped)
+        thousands(&rates(&daemon[0])),
+        thousands(&rates(&daemon[1])),
+        thousands(&raw_mapped),
+        thousands(&rates(&daemon[2])),
+        thousands(&rates(&daemon[3])),
     );
 }
 

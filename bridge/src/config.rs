@@ -74,6 +74,13 @@ pub struct BridgeConfig {
     /// that restart on failure may prefer.
     #[serde(default = "default_true")]
     pub wait_for_brokers: bool,
+    /// Threads of the async runtime that runs sources, routes and sinks
+    /// (`ojs-bridge run` only). Default: one per CPU. Broker clients such
+    /// as librdkafka run threads of their own; on a small machine fewer
+    /// runtime threads can leave them, and a broker on the same host, more
+    /// of the CPU (README, Benchmarks).
+    #[serde(default)]
+    pub worker_threads: Option<usize>,
     /// The health and metrics endpoint.
     #[serde(default)]
     pub http: HttpConfig,
@@ -665,6 +672,9 @@ impl BridgeConfig {
         if self.http.max_connections == 0 {
             return Err(invalid("http.max_connections", "must be at least 1"));
         }
+        if self.worker_threads == Some(0) {
+            return Err(invalid("worker_threads", "must be at least 1"));
+        }
         for (field, d) in [
             ("http.header_read_timeout", self.http.header_read_timeout),
             ("http.idle_timeout", self.http.idle_timeout),
@@ -891,6 +901,7 @@ impl BridgeConfig {
 /// Applies `OJS_BRIDGE_…` overrides to the parsed table:
 /// `OJS_BRIDGE_HTTP_LISTEN` → `http.listen`,
 /// `OJS_BRIDGE_SHUTDOWN_TIMEOUT` → `shutdown_timeout`,
+/// `OJS_BRIDGE_WORKER_THREADS` → `worker_threads`,
 /// `OJS_BRIDGE_ADAPTER_<NAME>` → the URL of `adapters.<name>` (the name
 /// compared case-insensitively with `-` and `_` alike; a new adapter
 /// otherwise), `OJS_BRIDGE_ADAPTER_<NAME>__<SETTING>` → one setting of it
@@ -917,6 +928,14 @@ fn apply_env(table: &mut toml::Table, env: &[(String, String)]) -> Result<(), Co
                 "shutdown_timeout".into(),
                 toml::Value::String(value.clone()),
             );
+        } else if name == "WORKER_THREADS" {
+            let threads = value.trim().parse::<i64>().map_err(|_| {
+                invalid(
+                    "worker_threads",
+                    format!("OJS_BRIDGE_WORKER_THREADS={value:?} is not a whole number"),
+                )
+            })?;
+            table.insert("worker_threads".into(), toml::Value::Integer(threads));
         } else if let Some(rest) = name.strip_prefix("ADAPTER_") {
             match rest.split_once("__") {
                 Some((adapter, setting)) => settings.push((adapter, setting, value)),
@@ -1131,6 +1150,22 @@ mod tests {
         assert_eq!(s.visibility_timeout, Duration::from_secs(60));
         assert_eq!(c.routes[0].to, OutputFormat::Ojs);
         assert_eq!(c.routes[0].encoding, EnvelopeEncoding::Proto);
+    }
+
+    #[test]
+    fn worker_threads_from_the_file_or_the_environment_and_never_zero() {
+        assert_eq!(parse(MINIMAL).unwrap().worker_threads, None);
+        let file = format!("worker_threads = 1\n{MINIMAL}");
+        assert_eq!(parse(&file).unwrap().worker_threads, Some(1));
+        let env = |v: &str| vec![("OJS_BRIDGE_WORKER_THREADS".to_owned(), v.to_owned())];
+        let c = BridgeConfig::parse(&file, "t", &env("3")).unwrap();
+        assert_eq!(c.worker_threads, Some(3), "the environment wins");
+        for bad in ["0", "two"] {
+            match BridgeConfig::parse(MINIMAL, "t", &env(bad)) {
+                Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "worker_threads"),
+                other => panic!("{bad}: expected worker_threads refused, got {other:?}"),
+            }
+        }
     }
 
     #[test]

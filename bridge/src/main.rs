@@ -131,8 +131,7 @@ fn read_input(file: &Option<PathBuf>) -> anyhow::Result<Vec<u8>> {
     }
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     // Visible by default: the daemon logs at info (a failing sink or source
     // is a warning an operator sees); the one-shot commands only warn.
@@ -149,7 +148,57 @@ async fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    match cli.command {
+    // `run` reads its configuration before the runtime exists: the
+    // runtime's size (`worker_threads`) is part of it.
+    let work = match cli.command {
+        Command::Run {
+            config,
+            wait_for_brokers,
+        } => match load_config(config.as_deref()) {
+            Ok(mut c) => {
+                if let Some(wait) = wait_for_brokers {
+                    c.wait_for_brokers = wait;
+                }
+                Work::Daemon(Box::new(c))
+            }
+            Err(e) => {
+                eprintln!("ojs-bridge run: {e}");
+                return ExitCode::from(EXIT_INVALID_INPUT);
+            }
+        },
+        other => Work::OneShot(other),
+    };
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    if let Work::Daemon(config) = &work {
+        if let Some(threads) = config.worker_threads {
+            runtime.worker_threads(threads);
+        }
+    }
+    let runtime = match runtime.build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("ojs-bridge: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_FAILED);
+        }
+    };
+    match work {
+        Work::Daemon(config) => runtime.block_on(run_daemon(*config)),
+        Work::OneShot(command) => runtime.block_on(one_shot(command)),
+    }
+}
+
+/// What `main` runs once the runtime is up.
+enum Work {
+    /// `run`, its configuration read and checked.
+    Daemon(Box<BridgeConfig>),
+    /// Any other command.
+    OneShot(Command),
+}
+
+/// Every command but `run`.
+async fn one_shot(command: Command) -> ExitCode {
+    match command {
         Command::Convert { from, to, file } => match run_convert(from, to, file) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -172,10 +221,8 @@ async fn main() -> ExitCode {
                 ExitCode::from(EXIT_FAILED)
             }
         },
-        Command::Run {
-            config,
-            wait_for_brokers,
-        } => run_daemon(config.as_deref(), wait_for_brokers).await,
+        // `main` runs the daemon on a runtime sized by its configuration.
+        Command::Run { .. } => ExitCode::from(EXIT_FAILED),
         Command::CheckConfig { file } => match check_config(&file) {
             Ok(summary) => {
                 println!("{summary}");
@@ -320,17 +367,7 @@ async fn shutdown_signal() {
     }
 }
 
-async fn run_daemon(path: Option<&std::path::Path>, wait_for_brokers: Option<bool>) -> ExitCode {
-    let mut config = match load_config(path) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("ojs-bridge run: {e}");
-            return ExitCode::from(EXIT_INVALID_INPUT);
-        }
-    };
-    if let Some(wait) = wait_for_brokers {
-        config.wait_for_brokers = wait;
-    }
+async fn run_daemon(config: BridgeConfig) -> ExitCode {
     let daemon = match Daemon::start(config).await {
         Ok(d) => d,
         Err(e) => {

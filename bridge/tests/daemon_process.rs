@@ -22,13 +22,15 @@ fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
 }
 
-fn config_file(dir: &Path, data: &Path) -> PathBuf {
+/// The daemon's file; `top` adds top-level settings.
+fn config_file(dir: &Path, data: &Path, top: &str) -> PathBuf {
     let path = dir.join("bridge.toml");
     std::fs::write(
         &path,
         format!(
             r#"
             shutdown_timeout = "10s"
+            {top}
             [http]
             listen = "off"
             [adapters]
@@ -55,7 +57,7 @@ async fn sigkill_while_10000_calls_flow_then_restart_loses_nothing_and_duplicate
 ) {
     let dir = TempDir::new("daemon-kill");
     let data = dir.path().join("data");
-    let config = config_file(dir.path(), &data);
+    let config = config_file(dir.path(), &data, "");
     let broker = LocalAdapter::open(LocalConfig::new(&data)).await.unwrap();
     let n = 10_000;
     let calls: Vec<_> = (0..n)
@@ -172,7 +174,8 @@ async fn sigkill_while_10000_calls_flow_then_restart_loses_nothing_and_duplicate
 async fn sigterm_finishes_in_flight_work_and_exits_0() {
     let dir = TempDir::new("daemon-term");
     let data = dir.path().join("data");
-    let config = config_file(dir.path(), &data);
+    // The smallest runtime the setting allows: the daemon still drains.
+    let config = config_file(dir.path(), &data, "worker_threads = 1");
     let broker = LocalAdapter::open(LocalConfig::new(&data)).await.unwrap();
     let calls: Vec<OutgoingMessage> = (0..2000)
         .map(|i| OutgoingMessage::from_grpcq(&call(i, "a.B", "C")))
@@ -247,6 +250,7 @@ fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_fi
         ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\nbatchsize = 5\n", "unknown field `batchsize`"),
         ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"kafka\"\n", "routes[0].sink"),
         ("[adapters]\nlocal = \"gopher://x\"\n", "adapters.local"),
+        ("worker_threads = 0\n[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\n", "worker_threads"),
         ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\ndescriptor_set = \"/nonexistent.binpb\"\n", "routes[0].descriptor_set"),
     ];
     let cases = cases
