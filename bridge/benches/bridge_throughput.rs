@@ -276,6 +276,7 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
         .await
         .map_err(|(e, _)| e)
         .unwrap();
+    let jobs_queue = ojs_core::HeaderValue::from_static("jobs");
     let mut in_flight = FuturesOrdered::new();
     let (mut received, mut copied) = (0, 0);
     let mut started = None;
@@ -290,6 +291,8 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
                 }
             }
             received += batch.len();
+            // Job types named as the daemon names them: remembered within a batch.
+            let mut job_types = ojs_core::mapping::JobTypes::new();
             let mut offsets = TopicPartitionList::new();
             let sends: Vec<_> = batch
                 .iter()
@@ -302,9 +305,9 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
                     if map_to_jobs {
                         let body = bytes::Bytes::copy_from_slice(m.payload().unwrap_or_default());
                         let call = grpcq::Call::decode_lenient(&body).unwrap();
-                        let job_type =
-                            ojs_core::envelope::type_from_topic_action(call.topic(), call.action());
-                        let job = ojs_core::mapping::call_to_job_message(&call, job_type, "jobs");
+                        let job_type = job_types.of(call.topic(), call.action()).unwrap();
+                        let job =
+                            ojs_core::mapping::call_to_job_message(&call, &job_type, &jobs_queue);
                         let mut headers = OwnedHeaders::new_with_capacity(job.headers.len());
                         for (k, v) in &job.headers {
                             headers = headers.insert(Header {

@@ -9,6 +9,7 @@
 //! (undecodable, unknown content type, unmappable, no route, too large) are
 //! dead-lettered with their reason and the daemon goes on.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -18,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use ojs_core::backoff::reconnect_delay;
+use ojs_core::mapping::JobTypes;
 use ojs_core::{
     ConsumerOptions, DeadLetterReason, Delivery, Encoding, Error, Nack, OutgoingMessage,
     QueueAdapter,
@@ -753,9 +755,10 @@ fn lane_of(key: &[u8], lanes: usize) -> usize {
 }
 
 /// Messages of one batch bound for one (route, queue).
-struct Group {
+struct Group<'a> {
     route: usize,
-    queue: String,
+    /// Borrowed from the route when the route names it.
+    queue: Cow<'a, str>,
     items: Vec<(Delivery, OutgoingMessage, Option<i64>)>,
 }
 
@@ -764,8 +767,9 @@ async fn process_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) {
     let n = deliveries.len();
     let mut groups: Vec<Group> = Vec::new();
     let mut dead: Vec<(Delivery, DeadLetterReason)> = Vec::new();
+    let mut job_types = JobTypes::new();
     for d in deliveries {
-        match plan(ctx, &d) {
+        match plan(ctx, &d, &mut job_types) {
             Ok((route, queue, out, created)) => {
                 match groups
                     .iter_mut()
@@ -798,10 +802,11 @@ async fn process_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) {
 }
 
 /// Route index, sink queue, message, creation time — or why not.
-fn plan(
-    ctx: &SourceCtx,
+fn plan<'a>(
+    ctx: &'a SourceCtx,
     d: &Delivery,
-) -> Result<(usize, String, OutgoingMessage, Option<i64>), DeadLetterReason> {
+    job_types: &mut JobTypes,
+) -> Result<(usize, Cow<'a, str>, OutgoingMessage, Option<i64>), DeadLetterReason> {
     let msg = d.decode(Some(ctx.default_encoding))?;
     let Some(route) = ctx
         .routes
@@ -820,7 +825,7 @@ fn plan(
     };
     let created = msg.created_ms();
     let plan = &ctx.routes[route];
-    let (queue, out) = plan.route.map(msg, &ctx.config.queue)?;
+    let (queue, out) = plan.route.map(msg, &ctx.config.queue, job_types)?;
     plan.route
         .admit_destination(&queue, |q| plan.sink.is_reserved(q))?;
     // No size check here: the sink's `publish` makes the one check (its
@@ -837,7 +842,7 @@ fn is_permanent(e: &Error) -> bool {
 
 async fn publish_group(
     ctx: &SourceCtx,
-    group: Group,
+    group: Group<'_>,
     received_at: Instant,
     dead: &mut Vec<(Delivery, DeadLetterReason)>,
 ) {

@@ -3,10 +3,13 @@
 //! are pure functions of the message, so a redelivered message maps to the
 //! same output.
 
+use std::borrow::Cow;
 use std::collections::BTreeSet;
 
-use ojs_core::mapping::{self, JobPayload};
-use ojs_core::{envelope, grpcq, DeadLetterReason, Encoding, JobEnvelope, OutgoingMessage};
+use ojs_core::mapping::{self, JobPayload, JobTypes};
+use ojs_core::{
+    envelope, grpcq, DeadLetterReason, Encoding, HeaderValue, JobEnvelope, OutgoingMessage,
+};
 use serde_json::Value;
 
 use crate::config::{allowed_destinations, EnvelopeEncoding, OutputFormat, RouteConfig};
@@ -40,6 +43,10 @@ pub struct Route {
     /// The destination when it does not depend on the message (computed
     /// once: the per-message check only compares against it).
     literal: Option<String>,
+    /// The queue of the jobs this route makes from calls when no call
+    /// changes it (no `queue`, or a literal one that is a valid OJS queue
+    /// name), checked once and shared by every job's header.
+    call_job_queue: Option<(String, HeaderValue)>,
     max_destinations: usize,
     /// Destinations published to so far (bounded by `max_destinations`).
     destinations: std::sync::Mutex<BTreeSet<String>>,
@@ -85,6 +92,21 @@ impl Route {
             ),
             None => None,
         };
+        let literal = config
+            .queue
+            .as_deref()
+            .and_then(|q| Template::parse(q, TemplateVar::ALL).ok())
+            .and_then(|t| t.as_literal());
+        let call_job_queue = match (&config.queue, &literal) {
+            (None, _) => Some(envelope::DEFAULT_QUEUE.to_owned()),
+            // An invalid literal is refused per message, with its reason.
+            (Some(_), Some(q)) => envelope::validate_queue_name(q).is_ok().then(|| q.clone()),
+            (Some(_), None) => None,
+        }
+        .map(|q| {
+            let header = HeaderValue::from(q.as_str());
+            (q, header)
+        });
         Ok(Route {
             keep_envelope: false,
             name: config.name.clone(),
@@ -110,11 +132,8 @@ impl Route {
                     .collect::<Result<_, _>>()?,
                 Err(reason) => return Err(err("allowed_queues", reason)),
             },
-            literal: config
-                .queue
-                .as_deref()
-                .and_then(|q| Template::parse(q, TemplateVar::ALL).ok())
-                .and_then(|t| t.as_literal()),
+            literal,
+            call_job_queue,
             max_destinations: config.max_destinations,
             destinations: std::sync::Mutex::new(BTreeSet::new()),
             sink_alarm: std::sync::Arc::new(crate::alarm::Alarm::new(
@@ -221,20 +240,29 @@ impl Route {
     }
 
     /// What `msg` becomes on this route: the sink queue and the message.
+    /// `job_types` names the job types of calls (keep one per batch: it
+    /// remembers the last).
     pub fn map(
         &self,
         msg: Incoming,
         source_queue: &str,
-    ) -> Result<(String, OutgoingMessage), DeadLetterReason> {
+        job_types: &mut JobTypes,
+    ) -> Result<(Cow<'_, str>, OutgoingMessage), DeadLetterReason> {
         match (msg, self.to) {
-            (Incoming::Call(call), OutputFormat::Ojs) => self.call_to_job(call, source_queue),
+            (Incoming::Call(call), OutputFormat::Ojs) => {
+                self.call_to_job(call, source_queue, job_types)
+            }
             (Incoming::Call(call), OutputFormat::Grpcq) => {
                 let vars = incoming_call_vars(&call, source_queue);
                 let queue = self.render_queue(&vars, vars.topic)?;
-                Ok((queue, OutgoingMessage::from_call(&call)))
+                Ok((Cow::Owned(queue), OutgoingMessage::from_call(&call)))
             }
-            (Incoming::Job(job), OutputFormat::Ojs) => self.job_to_job(*job),
-            (Incoming::Job(job), OutputFormat::Grpcq) => self.job_to_call(&job),
+            (Incoming::Job(job), OutputFormat::Ojs) => {
+                self.job_to_job(*job).map(|(q, m)| (Cow::Owned(q), m))
+            }
+            (Incoming::Job(job), OutputFormat::Grpcq) => {
+                self.job_to_call(&job).map(|(q, m)| (Cow::Owned(q), m))
+            }
         }
     }
 
@@ -258,17 +286,30 @@ impl Route {
         &self,
         call: grpcq::Call,
         source_queue: &str,
-    ) -> Result<(String, OutgoingMessage), DeadLetterReason> {
+        job_types: &mut JobTypes,
+    ) -> Result<(Cow<'_, str>, OutgoingMessage), DeadLetterReason> {
         let vars = incoming_call_vars(&call, source_queue);
         let job_type = match &self.type_template {
-            Some(t) => t.render_type(&vars),
-            None => envelope::type_from_topic_action(call.topic(), call.action()),
+            Some(t) => {
+                let job_type = t.render_type(&vars);
+                envelope::validate_job_type(&job_type)
+                    .map_err(|e| unmappable(format!("job type {job_type:?}: {e}")))?;
+                HeaderValue::from(job_type)
+            }
+            None => job_types.of(call.topic(), call.action()).map_err(|e| {
+                let job_type = envelope::type_from_topic_action(call.topic(), call.action());
+                unmappable(format!("job type {job_type:?}: {e}"))
+            })?,
         };
-        envelope::validate_job_type(&job_type)
-            .map_err(|e| unmappable(format!("job type {job_type:?}: {e}")))?;
-        let queue = self.render_queue(&vars, ojs_core::envelope::DEFAULT_QUEUE)?;
-        envelope::validate_queue_name(&queue)
-            .map_err(|e| unmappable(format!("queue {queue:?}: {e}")))?;
+        let (queue, queue_header) = match &self.call_job_queue {
+            Some((queue, header)) => (Cow::Borrowed(queue.as_str()), Some(header)),
+            None => {
+                let queue = self.render_queue(&vars, envelope::DEFAULT_QUEUE)?;
+                envelope::validate_queue_name(&queue)
+                    .map_err(|e| unmappable(format!("queue {queue:?}: {e}")))?;
+                (Cow::Owned(queue), None)
+            }
+        };
         let payload = match &self.transcoder {
             Some(t) => t
                 .to_json(call.topic(), call.action(), call.payload())
@@ -277,10 +318,19 @@ impl Route {
         };
         if payload.is_none() && self.encoding == Encoding::OjsProto && !self.keep_envelope {
             // The common case, written straight to protobuf: no envelope.
-            let out = mapping::call_to_job_message(&call, job_type, &queue);
+            let out = match queue_header {
+                Some(header) => mapping::call_to_job_message(&call, &job_type, header),
+                None => mapping::call_to_job_message(&call, &job_type, &HeaderValue::from(&*queue)),
+            };
             return Ok((queue, out));
         }
-        let job = mapping::call_to_job(&call.to_message(), job_type, queue.clone(), payload);
+        let job = mapping::call_to_job(
+            &call.to_message(),
+            // Checked above: text.
+            job_type.to_str_lossy().into_owned(),
+            queue.clone().into_owned(),
+            payload,
+        );
         Ok((queue, self.encode(job)?))
     }
 
@@ -441,5 +491,103 @@ mod tests {
             .contains("unknown placeholder {nope}"));
         assert!(Template::parse("{topic", TemplateVar::ALL).is_err());
         assert!(Template::parse("topic}", TemplateVar::ALL).is_err());
+    }
+
+    /// The first route of a config with one `local` source of calls.
+    fn route(route_lines: &str) -> Route {
+        let text = format!(
+            r#"
+            [adapters]
+            local = "local:./data"
+            [[sources]]
+            name = "calls"
+            adapter = "local"
+            queue = "calls"
+            [[routes]]
+            name = "r"
+            sink = "local"
+            {route_lines}
+            "#
+        );
+        let config = crate::config::BridgeConfig::parse(&text, "test.toml", &[]).unwrap();
+        Route::compile(&config.routes[0], 0).unwrap()
+    }
+
+    fn call(topic: &str, action: &str) -> Incoming {
+        Incoming::Call(grpcq::Call::from_message(&grpcq::Message {
+            topic: topic.into(),
+            action: action.into(),
+            message_id: format!("{topic}/{action}"),
+            timestamp_ms: 1_763_700_000_000,
+            payload: b"p".to_vec(),
+            ..Default::default()
+        }))
+    }
+
+    /// The job type and queue the job's headers carry, and the sink queue.
+    fn mapped(route: &Route, msg: Incoming, types: &mut JobTypes) -> (String, String, String) {
+        let (queue, out) = route.map(msg, "calls", types).unwrap();
+        let header = |name| out.headers.get_str(name).unwrap().to_owned();
+        let job = &Encoding::OjsProto.decode_envelopes(&out.payload).unwrap()[0];
+        assert_eq!(job.job_type, header(ojs_core::header::TYPE));
+        assert_eq!(job.queue, header(ojs_core::header::QUEUE));
+        assert_eq!(job.queue, queue);
+        (job.job_type.clone(), job.queue.clone(), queue.into_owned())
+    }
+
+    #[test]
+    fn jobs_of_calls_carry_the_route_s_queue_and_each_call_s_own_type() {
+        let mut types = JobTypes::new();
+        // No queue: `default`, named once for the route.
+        let plain = route("");
+        let (job_type, queue, _) = mapped(&plain, call("payment.Pay", "Charge"), &mut types);
+        assert_eq!(
+            (job_type.as_str(), queue.as_str()),
+            ("payment.pay.charge", "default")
+        );
+        // The next call names another method: its own type, not the last one.
+        let (job_type, _, _) = mapped(&plain, call("payment.Pay", "Refund"), &mut types);
+        assert_eq!(job_type, "payment.pay.refund");
+        let (job_type, _, _) = mapped(&plain, call("payment.Pay", "Charge"), &mut types);
+        assert_eq!(job_type, "payment.pay.charge");
+        // A literal queue; a templated one, rendered per call.
+        let literal = route(r#"queue = "payments""#);
+        assert_eq!(mapped(&literal, call("a.B", "C"), &mut types).1, "payments");
+        let templated = route(
+            r#"queue = "{topic}"
+            allowed_queues = ["billing.*"]"#,
+        );
+        let (_, queue, _) = mapped(&templated, call("billing.invoices", "Send"), &mut types);
+        assert_eq!(queue, "billing.invoices");
+        // A type template replaces the named type.
+        let typed = route(r#"type = "jobs.{action}""#);
+        assert_eq!(mapped(&typed, call("a.B", "c"), &mut types).0, "jobs.c");
+    }
+
+    #[test]
+    fn calls_that_make_invalid_job_names_are_unmappable_each_time() {
+        let mut types = JobTypes::new();
+        // An empty segment: no valid job type.
+        let plain = route("");
+        for _ in 0..2 {
+            let reason = plain
+                .map(call("a..b", "Do"), "calls", &mut types)
+                .unwrap_err();
+            assert_eq!(reason.error_type, "unmappable");
+            assert!(reason.message.contains("job type"), "{}", reason.message);
+        }
+        // A literal queue the OJS schema refuses: every call says so.
+        let upper = route(r#"queue = "Payments""#);
+        for _ in 0..2 {
+            let reason = upper
+                .map(call("a.B", "C"), "calls", &mut types)
+                .unwrap_err();
+            assert_eq!(reason.error_type, "unmappable");
+            assert!(
+                reason.message.contains("\"Payments\""),
+                "{}",
+                reason.message
+            );
+        }
     }
 }

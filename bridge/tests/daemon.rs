@@ -478,10 +478,12 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
     // The job in between, as the route builds it.
     let config = ojs_bridge::config::BridgeConfig::parse(&toml, "t", &[]).unwrap();
     let route = ojs_bridge::routes::Route::compile(&config.routes[0], 0).unwrap();
+    let mut job_types = ojs_core::mapping::JobTypes::new();
     let (_, out) = route
         .map(
             ojs_bridge::routes::Incoming::Call(ojs_core::grpcq::Call::from_message(&typed)),
             "calls",
+            &mut job_types,
         )
         .unwrap();
     let job = &Encoding::OjsProto.decode_envelopes(&out.payload).unwrap()[0];
@@ -501,6 +503,7 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
         .map(
             ojs_bridge::routes::Incoming::Call(ojs_core::grpcq::Call::from_message(&unknown)),
             "calls",
+            &mut job_types,
         )
         .unwrap();
     let job = &Encoding::OjsProto.decode_envelopes(&out.payload).unwrap()[0];
@@ -515,6 +518,7 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
         .map(
             ojs_bridge::routes::Incoming::Call(ojs_core::grpcq::Call::from_message(&wrong)),
             "calls",
+            &mut job_types,
         )
         .unwrap_err();
     assert_eq!(reason.error_type, "untranscodable");

@@ -38,6 +38,9 @@ fn stages(c: &mut Criterion) {
     let bytes = bytes::Bytes::from(grpcq::encode(&call));
     let in_place = grpcq::Call::decode(bytes.clone()).unwrap();
     let job = to_job(&call);
+    let job_type = ojs_core::HeaderValue::from("payment.payment_service.process_payment");
+    // A route's queue, named once when the daemon starts.
+    let queue = ojs_core::HeaderValue::from_static("default");
     let mut group = c.benchmark_group("call_to_job");
     group.throughput(Throughput::Elements(1));
     // As the daemon reads a call: in place, sharing the delivery's bytes.
@@ -59,18 +62,33 @@ fn stages(c: &mut Criterion) {
         b.iter(|| {
             black_box(mapping::call_to_job_message(
                 black_box(&in_place),
-                "payment.payment_service.process_payment".to_owned(),
-                "default",
+                &job_type,
+                &queue,
             ))
         })
     });
+    // Naming and checking a job type the first time (what `JobTypes`
+    // remembers for the calls after it).
+    group.bench_function("name_job_type", |b| {
+        b.iter(|| {
+            let name = ojs_core::envelope::type_from_topic_action(
+                black_box(&call.topic),
+                black_box(&call.action),
+            );
+            ojs_core::envelope::validate_job_type(&name).unwrap();
+            black_box(ojs_core::HeaderValue::from(name))
+        })
+    });
     // What the daemon does per call on a route to OJS protobuf: decode,
-    // name the job type, encode the job straight from the call.
+    // name the job type (remembered from the call before, as the daemon
+    // does within a batch; every call here names the same method), encode
+    // the job straight from the call.
+    let mut job_types = mapping::JobTypes::new();
     group.bench_function("all", |b| {
         b.iter(|| {
             let call = grpcq::Call::decode_lenient(black_box(&bytes)).unwrap();
-            let job_type = ojs_core::envelope::type_from_topic_action(call.topic(), call.action());
-            black_box(mapping::call_to_job_message(&call, job_type, "default"))
+            let job_type = job_types.of(call.topic(), call.action()).unwrap();
+            black_box(mapping::call_to_job_message(&call, &job_type, &queue))
         })
     });
     // The same through a JobEnvelope (routes that keep it or transcode).

@@ -171,9 +171,15 @@ pub fn call_to_job(
 /// [`OutgoingMessage::from_envelope`] with [`Encoding::OjsProto`] give, but
 /// without the envelope in between (no meta map of `serde_json` values, no
 /// base64 `String`, no per-field copies): the bridge's hot path. `job_type`
-/// and `queue` must already be valid (the caller checks them; everything
-/// else a call can hold makes a valid job).
-pub fn call_to_job_message(msg: &Call, job_type: String, queue: &str) -> OutgoingMessage {
+/// and `queue` must already be valid OJS names (the caller checks them, for
+/// instance with [`JobTypes`]; everything else a call can hold makes a valid
+/// job). They are shared values: a route's queue and a batch's job type are
+/// named once and referenced by every job's headers, not copied into each.
+pub fn call_to_job_message(
+    msg: &Call,
+    job_type: &HeaderValue,
+    queue: &HeaderValue,
+) -> OutgoingMessage {
     let id = call_job_id_of_call(msg);
     // Each of the call's strings read once (a `Call` checks a field's
     // bytes each time it hands it out).
@@ -230,8 +236,8 @@ pub fn call_to_job_message(msg: &Call, job_type: String, queue: &str) -> Outgoin
 
     let size = wire::string_len(1, SPEC_VERSION)
         + wire::string_len(2, &id)
-        + wire::string_len(3, &job_type)
-        + wire::string_len(4, queue)
+        + wire::bytes_len(3, job_type.as_bytes())
+        + wire::bytes_len(4, queue.as_bytes())
         + wire::len_field_len(5, arg_body)
         + meta
             .iter()
@@ -243,8 +249,8 @@ pub fn call_to_job_message(msg: &Call, job_type: String, queue: &str) -> Outgoin
     let mut out = Vec::with_capacity(size);
     wire::put_string(&mut out, 1, SPEC_VERSION);
     wire::put_string(&mut out, 2, &id);
-    wire::put_string(&mut out, 3, &job_type);
-    wire::put_string(&mut out, 4, queue);
+    wire::put_bytes(&mut out, 3, job_type.as_bytes());
+    wire::put_bytes(&mut out, 4, queue.as_bytes());
     wire::put_len_header(&mut out, 5, arg_body);
     wire::put_len_header(&mut out, 3, arg_len);
     let start = out.len();
@@ -270,9 +276,9 @@ pub fn call_to_job_message(msg: &Call, job_type: String, queue: &str) -> Outgoin
     // In name order (content-type is there already): each insert is a push.
     let h = &mut message.headers;
     h.insert(header::ID, id_bytes.clone());
-    h.insert(header::QUEUE, queue);
+    h.insert(header::QUEUE, queue.clone());
     h.insert(header::SPECVERSION, HeaderValue::from_static(SPEC_VERSION));
-    h.insert(header::TYPE, job_type);
+    h.insert(header::TYPE, job_type.clone());
     if let Some(v) = traceparent {
         h.insert(header::TRACEPARENT, v);
     }
@@ -317,6 +323,54 @@ fn merge_meta<'a>(
             metadata.next()
         }
     })
+}
+
+/// Names and checks the job types of calls ([`type_from_topic_action`],
+/// then [`validate_job_type`]), remembering the last one: the calls of a
+/// batch mostly name one method, and naming it again would cost a walk
+/// over topic and action, a check and an allocation per call, where the
+/// remembered name costs a comparison and a reference count. Keep one per
+/// batch (or per thread): it is not shared.
+///
+/// [`type_from_topic_action`]: crate::envelope::type_from_topic_action
+/// [`validate_job_type`]: crate::envelope::validate_job_type
+#[derive(Debug, Default)]
+pub struct JobTypes {
+    /// Topic, action and their checked job type.
+    last: Option<(String, String, HeaderValue)>,
+}
+
+impl JobTypes {
+    /// Nothing remembered yet.
+    pub fn new() -> Self {
+        JobTypes::default()
+    }
+
+    /// The job type of `topic`/`action`, checked against the OJS schema;
+    /// the schema's error when the name it makes is not a valid job type
+    /// (not remembered: each such call gets its error).
+    pub fn of(&mut self, topic: &str, action: &str) -> Result<HeaderValue> {
+        if let Some((t, a, job_type)) = &self.last {
+            if t == topic && a == action {
+                return Ok(job_type.clone());
+            }
+        }
+        let name = crate::envelope::type_from_topic_action(topic, action);
+        crate::envelope::validate_job_type(&name)?;
+        let job_type = HeaderValue::from(name);
+        match &mut self.last {
+            // The strings' buffers reused.
+            Some((t, a, last)) => {
+                t.clear();
+                t.push_str(topic);
+                a.clear();
+                a.push_str(action);
+                *last = job_type.clone();
+            }
+            None => self.last = Some((topic.to_owned(), action.to_owned(), job_type.clone())),
+        }
+        Ok(job_type)
+    }
 }
 
 fn millis_to_time(ms: i64) -> Option<DateTime<Utc>> {
@@ -503,8 +557,8 @@ mod tests {
         for msg in &calls {
             let direct = call_to_job_message(
                 &Call::from_message(msg),
-                "payment.process_payment".into(),
-                "payments",
+                &"payment.process_payment".into(),
+                &"payments".into(),
             );
             let slow = via_envelope(msg, "payment.process_payment", "payments");
             assert_eq!(direct, slow);
@@ -531,7 +585,7 @@ mod tests {
                 metadata,
             };
             proptest::prop_assert_eq!(
-                call_to_job_message(&Call::from_message(&msg), "t.do".into(), "q"),
+                call_to_job_message(&Call::from_message(&msg), &"t.do".into(), &"q".into()),
                 via_envelope(&msg, "t.do", "q")
             );
         }
@@ -671,5 +725,33 @@ mod tests {
         job.meta
             .insert(META_PAYLOAD_ENCODING.into(), "rot13".into());
         assert!(job_payload(&job).unwrap_err().to_string().contains("rot13"));
+    }
+
+    #[test]
+    fn remembered_job_types_are_the_ones_named_afresh() {
+        let mut types = JobTypes::new();
+        let calls = [
+            ("payment.PaymentService", "ProcessPayment"),
+            ("payment.PaymentService", "ProcessPayment"),
+            ("payment.PaymentService", "Refund"),
+            // The same joined text, split differently: another job type.
+            ("payment", "PaymentServiceRefund"),
+            ("payment.PaymentService", "ProcessPayment"),
+        ];
+        for (topic, action) in calls {
+            let named = crate::envelope::type_from_topic_action(topic, action);
+            assert_eq!(types.of(topic, action).unwrap(), named.as_str());
+        }
+        // A name the schema refuses is refused every time, also right
+        // after a valid one and after itself.
+        let bad = ("a..b", "Do");
+        for _ in 0..2 {
+            let e = types.of(bad.0, bad.1).unwrap_err();
+            assert!(e.to_string().contains("does not match"), "{e}");
+        }
+        assert_eq!(
+            types.of("payment.PaymentService", "Refund").unwrap(),
+            "payment.payment_service.refund"
+        );
     }
 }

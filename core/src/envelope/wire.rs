@@ -226,18 +226,28 @@ pub(crate) fn put_len_header(out: &mut Vec<u8>, field: u32, body: usize) {
 }
 
 pub(crate) fn string_len(field: u32, s: &str) -> usize {
-    if s.is_empty() {
-        0
-    } else {
-        len_field_len(field, s.len())
-    }
+    bytes_len(field, s.as_bytes())
 }
 
 /// proto3 scalar rule: the default value (empty) is not written.
 pub(crate) fn put_string(out: &mut Vec<u8>, field: u32, s: &str) {
-    if !s.is_empty() {
-        put_len_header(out, field, s.len());
-        out.extend_from_slice(s.as_bytes());
+    put_bytes(out, field, s.as_bytes());
+}
+
+/// [`string_len`] of text held as bytes (the wire format is the same).
+pub(crate) fn bytes_len(field: u32, b: &[u8]) -> usize {
+    if b.is_empty() {
+        0
+    } else {
+        len_field_len(field, b.len())
+    }
+}
+
+/// [`put_string`] of text held as bytes.
+pub(crate) fn put_bytes(out: &mut Vec<u8>, field: u32, b: &[u8]) {
+    if !b.is_empty() {
+        put_len_header(out, field, b.len());
+        out.extend_from_slice(b);
     }
 }
 
