@@ -990,7 +990,17 @@ async fn confirmed(
                 .observe(Duration::from_millis(ms));
         }
     }
-    let results = join_all(done.iter().map(|(d, _)| d.ack())).await;
+    // Acks that are bookkeeping (Kafka's offsets, memory) settle here
+    // without a future each; the others (a broker round trip) run together.
+    let mut results = Vec::with_capacity(done.len());
+    let mut waiting = Vec::new();
+    for (d, _) in &done {
+        match d.ack_now() {
+            Some(result) => results.push(result),
+            None => waiting.push(d),
+        }
+    }
+    results.extend(join_all(waiting.into_iter().map(Delivery::ack)).await);
     let acked = results.iter().filter(|r| r.is_ok()).count();
     ctx.counters()
         .acked

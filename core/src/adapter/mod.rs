@@ -515,6 +515,26 @@ impl Delivery {
         self.state.store(next, Ordering::Release);
     }
 
+    /// Acknowledges at once when the adapter's ack is bookkeeping in this
+    /// process ([`Acknowledger::ack_now`]): for acking many deliveries
+    /// without a future each. `None` when the adapter has to wait for its
+    /// broker: the delivery is then as it was, and [`Delivery::ack`] acks it.
+    pub fn ack_now(&self) -> Option<Result<()>> {
+        if let Err(e) = self.begin() {
+            return Some(Err(e));
+        }
+        match self.acker.ack_now() {
+            Some(result) => {
+                self.finish(&result, ACKED);
+                Some(result)
+            }
+            None => {
+                self.state.store(PENDING, Ordering::Release);
+                None
+            }
+        }
+    }
+
     /// Acknowledges: the message is done. A second settle is an error.
     pub async fn ack(&self) -> Result<()> {
         self.begin()?;
