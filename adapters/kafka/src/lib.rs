@@ -372,45 +372,59 @@ impl Inner {
         };
         let timeout = self.config.publish_timeout();
         let producer = self.producer();
-        let sends = items.iter().map(|(_, lane, m)| {
-            let Some(topic) = &topics[*lane as usize] else {
-                return Either::Right(
-                    futures::future::ready(Err(KafkaError::MessageProduction(
-                        RDKafkaErrorCode::UnknownTopic,
-                    )))
-                    .boxed(),
-                );
-            };
-            let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
-            for (k, v) in &m.headers {
-                headers = headers.insert(Header {
-                    key: k.as_str(),
-                    value: Some(v.as_bytes()),
-                });
-            }
-            let mut record = FutureRecord::to(topic)
-                .payload(m.payload.as_ref())
-                .headers(headers);
-            if let Some(key) = &m.key {
-                record = record.key(&key[..]);
-            }
-            // Enqueue now, without a future per record that owns the
-            // record (moving hundreds of those into `join_all` showed in
-            // profiles); only a full local queue waits, up to the timeout.
-            match producer.send_result(record) {
-                Ok(report) => Either::Left(report.map(delivered as fn(_) -> _)),
-                Err((e, record)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => {
-                    Either::Right(
-                        producer
-                            .send(record, timeout)
-                            .map(|r| r.map(|_| ()).map_err(|(e, _)| e))
-                            .boxed(),
-                    )
+        // Every record is enqueued here (collected), before any report is
+        // awaited.
+        let sends: Vec<_> = items
+            .iter()
+            .map(|(_, lane, m)| {
+                let Some(topic) = &topics[*lane as usize] else {
+                    return Either::Right(
+                        futures::future::ready(Err(KafkaError::MessageProduction(
+                            RDKafkaErrorCode::UnknownTopic,
+                        )))
+                        .boxed(),
+                    );
+                };
+                let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
+                for (k, v) in &m.headers {
+                    headers = headers.insert(Header {
+                        key: k.as_str(),
+                        value: Some(v.as_bytes()),
+                    });
                 }
-                Err((e, _)) => Either::Right(futures::future::ready(Err(e)).boxed()),
-            }
-        });
-        let results = futures::future::join_all(sends).await;
+                let mut record = FutureRecord::to(topic)
+                    .payload(m.payload.as_ref())
+                    .headers(headers);
+                if let Some(key) = &m.key {
+                    record = record.key(&key[..]);
+                }
+                // Enqueue now, without a future per record that owns the
+                // record (moving hundreds of those into `join_all` showed in
+                // profiles); only a full local queue waits, up to the timeout.
+                match producer.send_result(record) {
+                    Ok(report) => Either::Left(report.map(delivered as fn(_) -> _)),
+                    Err((e, record))
+                        if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) =>
+                    {
+                        Either::Right(
+                            producer
+                                .send(record, timeout)
+                                .map(|r| r.map(|_| ()).map_err(|(e, _)| e))
+                                .boxed(),
+                        )
+                    }
+                    Err((e, _)) => Either::Right(futures::future::ready(Err(e)).boxed()),
+                }
+            })
+            .collect();
+        // The reports awaited in order: one that came in already is read at
+        // once, and the task sleeps only for the first one it still lacks.
+        // (`join_all` would give every record a task node of its own and
+        // wake for each report; that showed as CPU per message.)
+        let mut results = Vec::with_capacity(sends.len());
+        for send in sends {
+            results.push(send.await);
+        }
         let mut failed = Vec::new();
         let mut timed_out = 0;
         for ((index, lane, message), result) in items.into_iter().zip(results) {
