@@ -120,6 +120,12 @@ struct QueueState {
     delayed: BTreeMap<(Instant, u64), Stored>,
     /// Delivered, not yet settled, by delivery tag.
     in_flight: HashMap<u64, InFlight>,
+    /// No lease in `in_flight` ends before this (it may be earlier than the
+    /// earliest: settles and extends leave it as it was). Every receive
+    /// looks for expired leases and for when to look again; with this it
+    /// walks the leases only when one may have ended, not on every receive
+    /// (thousands of leases for a batch of hundreds).
+    leases_end_after: Option<Instant>,
     /// Dead letters, in arrival order.
     dead: BTreeMap<u64, Stored>,
 }
@@ -164,6 +170,9 @@ impl QueueState {
             let message = entry.remove();
             self.make_ready(message);
         }
+        if self.leases_end_after.is_none_or(|at| at > now) {
+            return;
+        }
         let expired: Vec<u64> = self
             .in_flight
             .iter()
@@ -175,12 +184,21 @@ impl QueueState {
                 self.release(flight, now, Duration::ZERO);
             }
         }
+        self.leases_end_after = self.in_flight.values().map(|f| f.deadline).min();
     }
 
-    /// The next instant at which something becomes ready by itself.
+    /// Holds a delivered message until it is settled or its lease ends.
+    fn lease(&mut self, tag: u64, flight: InFlight) {
+        let end = flight.deadline;
+        self.leases_end_after = Some(self.leases_end_after.map_or(end, |at| at.min(end)));
+        self.in_flight.insert(tag, flight);
+    }
+
+    /// The next instant at which something becomes ready by itself (or
+    /// may: a lease settled or extended since is found then, and skipped).
     fn next_wake(&self) -> Option<Instant> {
         let delayed = self.delayed.keys().next().map(|(at, _)| *at);
-        let lease = self.in_flight.values().map(|f| f.deadline).min();
+        let lease = self.leases_end_after;
         match (delayed, lease) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -411,7 +429,7 @@ impl MemoryConsumer {
                 // Dead letters are never dead-lettered again.
                 Source::DeadLetters => None,
             };
-            state.in_flight.insert(
+            state.lease(
                 tag,
                 InFlight {
                     message,
@@ -589,6 +607,38 @@ mod tests {
         let again = c2.receive(1, Duration::ZERO).await.unwrap();
         assert_eq!(again.len(), 1, "lease over: delivered again");
         assert!(matches!(d.ack().await, Err(Error::DeliveryExpired)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_consumer_gets_a_message_when_its_lease_ends_after_others_settled() {
+        let a = MemoryAdapter::new(MemoryConfig::default());
+        a.publish("q", vec![msg("first"), msg("second")])
+            .await
+            .unwrap();
+        let opts = ConsumerOptions {
+            visibility_timeout: Duration::from_secs(5),
+            ..ConsumerOptions::default()
+        };
+        let mut c1 = a.consumer("q", opts.clone()).await.unwrap();
+        let mut c2 = a.consumer("q", opts).await.unwrap();
+        let start = Instant::now();
+        let first = c1.receive(1, Duration::ZERO).await.unwrap().remove(0);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let _second = c1.receive(1, Duration::ZERO).await.unwrap().remove(0);
+        // The earliest lease is settled: the next one ends at 6 s.
+        first.ack().await.unwrap();
+        let again = c2.receive(1, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(again.len(), 1);
+        assert_eq!(&again[0].payload[..], b"second");
+        let waited = start.elapsed();
+        assert!(
+            (Duration::from_secs(6)..Duration::from_secs(7)).contains(&waited),
+            "delivered again when its lease ended, not at the settled one's end or the wait's: {waited:?}"
+        );
+        assert!(
+            c2.receive(1, Duration::ZERO).await.unwrap().is_empty(),
+            "the first stays acked"
+        );
     }
 
     #[tokio::test]
