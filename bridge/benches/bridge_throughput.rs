@@ -219,8 +219,9 @@ async fn memory_to_memory(n: usize) {
     let m = run_bridge(&toml, n).await;
     assert_eq!(broker.depth("jobs").await.unwrap(), Some(n as u64));
     println!(
-        "memory → memory  {n} calls: {:>9.0} msg/s (target ≥ 800000); bridge latency p50 {} ms, p99 {} ms",
+        "memory → memory  {n} calls: {:>9.0} msg/s (target ≥ 800000), CPU {:.2} µs per message; bridge latency p50 {} ms, p99 {} ms",
         m.rate,
+        m.cpu_us,
         ms(m.p50_ms),
         ms(m.p99_ms)
     );

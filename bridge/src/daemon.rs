@@ -981,15 +981,15 @@ async fn confirmed(
         .fetch_add(done.len() as u64, Ordering::Relaxed);
     let now_ms = chrono::Utc::now().timestamp_millis();
     let bridge = received_at.elapsed();
-    for (_, created) in &done {
-        route_metrics.bridge_latency.observe(bridge);
-        if let Some(c) = created {
-            let ms = u64::try_from(now_ms.saturating_sub(*c)).unwrap_or(0);
-            route_metrics
-                .end_to_end_latency
-                .observe(Duration::from_millis(ms));
-        }
-    }
+    route_metrics
+        .bridge_latency
+        .observe_all(std::iter::repeat_n(bridge, done.len()));
+    route_metrics
+        .end_to_end_latency
+        .observe_all(done.iter().filter_map(|(_, created)| {
+            let ms = u64::try_from(now_ms.saturating_sub((*created)?)).unwrap_or(0);
+            Some(Duration::from_millis(ms))
+        }));
     // Acks that are bookkeeping (Kafka's offsets, memory) settle here
     // without a future each; the others (a broker round trip) run together.
     let mut results = Vec::with_capacity(done.len());

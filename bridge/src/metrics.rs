@@ -27,15 +27,35 @@ pub struct Histogram {
 impl Histogram {
     /// Records one observation.
     pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.observe_all([d]);
+    }
+
+    /// Records a batch's observations, counted here first: the histogram
+    /// is shared by every batch of a route on every runtime thread, and an
+    /// atomic add per message per field made its cache lines travel
+    /// between the cores once per message.
+    pub fn observe_all(&self, durations: impl IntoIterator<Item = Duration>) {
+        let mut buckets = [0u64; BUCKETS.len()];
+        let (mut count, mut sum_micros) = (0u64, 0u64);
+        for d in durations {
+            let secs = d.as_secs_f64();
+            if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
+                buckets[i] += 1;
+            }
+            count += 1;
+            sum_micros =
+                sum_micros.saturating_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
         }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros.fetch_add(
-            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        if count == 0 {
+            return;
+        }
+        for (shared, n) in self.buckets.iter().zip(buckets) {
+            if n > 0 {
+                shared.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(count, Ordering::Relaxed);
+        self.sum_micros.fetch_add(sum_micros, Ordering::Relaxed);
     }
 
     /// Observations so far.
@@ -300,6 +320,30 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_observed_at_once_counts_as_each_observed_alone() {
+        let durations = [0, 1, 2, 2, 40, 700, 3_000, 99_000].map(Duration::from_millis);
+        let (alone, batch) = (Histogram::default(), Histogram::default());
+        for d in durations {
+            alone.observe(d);
+        }
+        batch.observe_all(durations);
+        batch.observe_all([]);
+        let render = |h: &Histogram| {
+            let mut out = String::new();
+            h.render(&mut out, "h", "route=\"r\"");
+            out
+        };
+        assert_eq!(render(&batch), render(&alone));
+        assert_eq!(batch.count(), 8);
+        assert_eq!(batch.quantile_upper_bound(0.5), Some(0.0025));
+        assert_eq!(
+            batch.quantile_upper_bound(1.0),
+            None,
+            "99 s is beyond the last bucket"
+        );
+    }
 
     #[test]
     fn renders_counters_and_cumulative_histograms() {
