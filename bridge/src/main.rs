@@ -3,6 +3,10 @@
 // Every message allocates a few small buffers (headers, envelopes, acks);
 // mimalloc's thread-local free lists make those markedly cheaper than
 // glibc's malloc on the hot path (kafka_throughput: adapter consume +50 %).
+// With its `override` feature it is also the C `malloc` of the process, so
+// librdkafka's per-record allocations (messages, each header) — made on
+// the runtime's threads and freed on librdkafka's — stop taking glibc's
+// arena locks (`_int_free` was 11 % of the workers' samples on Kafka → Kafka).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
