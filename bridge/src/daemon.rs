@@ -983,7 +983,7 @@ async fn confirmed(
     let bridge = received_at.elapsed();
     route_metrics
         .bridge_latency
-        .observe_all(std::iter::repeat_n(bridge, done.len()));
+        .observe_n(bridge, done.len() as u64);
     route_metrics
         .end_to_end_latency
         .observe_all(done.iter().filter_map(|(_, created)| {

@@ -16,6 +16,16 @@ const BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
+/// The bucket a duration falls in; `None` beyond the last.
+fn bucket_of(d: Duration) -> Option<usize> {
+    let secs = d.as_secs_f64();
+    BUCKETS.iter().position(|b| secs <= *b)
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// A cumulative histogram of durations.
 #[derive(Debug, Default)]
 pub struct Histogram {
@@ -27,7 +37,21 @@ pub struct Histogram {
 impl Histogram {
     /// Records one observation.
     pub fn observe(&self, d: Duration) {
-        self.observe_all([d]);
+        self.observe_n(d, 1);
+    }
+
+    /// Records `n` observations of one duration (a batch's bridge latency):
+    /// its bucket found once, not once per message.
+    pub fn observe_n(&self, d: Duration, n: u64) {
+        if n == 0 {
+            return;
+        }
+        if let Some(i) = bucket_of(d) {
+            self.buckets[i].fetch_add(n, Ordering::Relaxed);
+        }
+        self.count.fetch_add(n, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add(micros(d).saturating_mul(n), Ordering::Relaxed);
     }
 
     /// Records a batch's observations, counted here first: the histogram
@@ -38,13 +62,11 @@ impl Histogram {
         let mut buckets = [0u64; BUCKETS.len()];
         let (mut count, mut sum_micros) = (0u64, 0u64);
         for d in durations {
-            let secs = d.as_secs_f64();
-            if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
+            if let Some(i) = bucket_of(d) {
                 buckets[i] += 1;
             }
             count += 1;
-            sum_micros =
-                sum_micros.saturating_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+            sum_micros = sum_micros.saturating_add(micros(d));
         }
         if count == 0 {
             return;
@@ -330,12 +352,25 @@ mod tests {
         }
         batch.observe_all(durations);
         batch.observe_all([]);
+        batch.observe_n(Duration::from_secs(1), 0);
+        let (repeated, one_by_one) = (Histogram::default(), Histogram::default());
+        repeated.observe_n(Duration::from_millis(7), 3);
+        for _ in 0..3 {
+            one_by_one.observe(Duration::from_millis(7));
+        }
         let render = |h: &Histogram| {
             let mut out = String::new();
             h.render(&mut out, "h", "route=\"r\"");
             out
         };
         assert_eq!(render(&batch), render(&alone));
+        assert_eq!(render(&repeated), render(&one_by_one));
+        assert_eq!(repeated.count(), 3);
+        assert!(
+            render(&repeated).contains("h_sum{route=\"r\"} 0.021"),
+            "{}",
+            render(&repeated)
+        );
         assert_eq!(batch.count(), 8);
         assert_eq!(batch.quantile_upper_bound(0.5), Some(0.0025));
         assert_eq!(
