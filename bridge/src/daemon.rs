@@ -990,17 +990,11 @@ async fn confirmed(
             let ms = u64::try_from(now_ms.saturating_sub((*created)?)).unwrap_or(0);
             Some(Duration::from_millis(ms))
         }));
-    // Acks that are bookkeeping (Kafka's offsets, memory) settle here
-    // without a future each; the others (a broker round trip) run together.
-    let mut results = Vec::with_capacity(done.len());
-    let mut waiting = Vec::new();
-    for (d, _) in &done {
-        match d.ack_now() {
-            Some(result) => results.push(result),
-            None => waiting.push(d),
-        }
-    }
-    results.extend(join_all(waiting.into_iter().map(Delivery::ack)).await);
+    // One settle for the batch where the adapter has one (Kafka's offsets
+    // and memory under one lock, the local broker in one commit); the
+    // others' acks run together.
+    let deliveries: Vec<&Delivery> = done.iter().map(|(d, _)| d).collect();
+    let results = Delivery::ack_all(&deliveries).await;
     let acked = results.iter().filter(|r| r.is_ok()).count();
     ctx.counters()
         .acked

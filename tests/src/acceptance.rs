@@ -6,7 +6,7 @@
 //! `lost == 0`. Messages are real OJS envelopes, so "intact" means the
 //! envelope decodes to what was sent.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -503,6 +503,82 @@ pub async fn ack_twice_is_an_error(f: &dyn AdapterFactory) -> Result<()> {
     Ok(())
 }
 
+/// `Delivery::ack_all` settles a batch at once (one lock, one commit, one
+/// request where the adapter can): each member is acked once, a member
+/// acked before gets `AlreadyAcknowledged`, and none of them is delivered
+/// again — not to a new consumer, not after the visibility timeout.
+pub async fn ack_all_settles_each_once(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = f.queue("acc-ackall").await?;
+    let n = features.scaled(20).max(3);
+    let mut sent = Tally::new();
+    publish_all(&*adapter, &queue, n, &mut sent).await?;
+    let mut options = f.consumer_options();
+    options.visibility_timeout = Duration::from_secs(2);
+    let mut consumer = adapter.consumer(&queue, options.clone()).await?;
+    let mut received = Vec::new();
+    let deadline = Instant::now() + features.patience;
+    while received.len() < n && Instant::now() < deadline {
+        received.extend(
+            consumer
+                .receive(n - received.len(), Duration::from_millis(500))
+                .await?,
+        );
+    }
+    if received.len() != n {
+        bail!("received {} of {n}", received.len());
+    }
+    let mut acked = HashSet::new();
+    for d in &received {
+        acked.insert(id_of(d)?);
+    }
+    received[1].ack().await?;
+    let all: Vec<&Delivery> = received.iter().collect();
+    let results = Delivery::ack_all(&all).await;
+    assert_eq!(results.len(), n);
+    for (i, result) in results.iter().enumerate() {
+        if i == 1 {
+            assert!(
+                matches!(result, Err(Error::AlreadyAcknowledged("acked"))),
+                "{}: a member acked before: {result:?}",
+                features.name
+            );
+        } else {
+            assert!(result.is_ok(), "{}: member {i}: {result:?}", features.name);
+        }
+    }
+    assert!(received.iter().all(Delivery::is_settled));
+    let settled_at = Instant::now();
+    consumer.close().await?;
+    // A message published after: once it is through, and the visibility
+    // timeout has passed, anything unsettled would have come back.
+    let (marker, last) = message(&queue, n);
+    adapter.publish(&queue, vec![last]).await?;
+    let mut again = adapter.consumer(&queue, options).await?;
+    let mut marker_seen = false;
+    let deadline = Instant::now() + features.patience + features.consumer_startup;
+    while !(marker_seen && settled_at.elapsed() > Duration::from_secs(3)) {
+        if Instant::now() > deadline {
+            bail!(
+                "{}: the message published after the batch did not arrive",
+                features.name
+            );
+        }
+        for d in again.receive(n + 1, Duration::from_millis(500)).await? {
+            let id = id_of(&d)?;
+            assert!(
+                !acked.contains(&id),
+                "{}: {id} was acked by ack_all and delivered again",
+                features.name
+            );
+            marker_seen |= id == marker;
+            d.ack().await?;
+        }
+    }
+    Ok(())
+}
+
 /// Closing a publisher loses nothing it accepted; publishing after close fails.
 pub async fn close_loses_nothing_accepted(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
@@ -848,6 +924,7 @@ macro_rules! acceptance_tests {
             unacked_messages_come_back,
             consumer_restarts_lose_nothing,
             ack_twice_is_an_error,
+            ack_all_settles_each_once,
             close_loses_nothing_accepted,
             order_within_a_key,
             binary_keys_and_header_values_survive_retries_and_dead_letters,

@@ -1464,6 +1464,25 @@ impl Acknowledger for KafkaAcker {
         Some(self.settle())
     }
 
+    /// A batch of this consumer's records under one lock of its offset
+    /// tracker, not one each.
+    async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
+        let members =
+            ojs_core::batch_of::<KafkaAcker>(batch, |k| Arc::ptr_eq(&k.settler, &self.settler))?;
+        let mut context = self.settler.context.lock();
+        Some(
+            members
+                .iter()
+                .map(|k| {
+                    context
+                        .tracker
+                        .settle(&k.tp, k.offset, k.generation)
+                        .map_err(|Stale| Error::DeliveryExpired)
+                })
+                .collect(),
+        )
+    }
+
     async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()> {
         let Settler {
             source,

@@ -51,7 +51,12 @@ const HOUSEKEEPING_EVERY: u64 = 20_000;
 /// Most acks folded into one commit.
 const MAX_ACKS_PER_COMMIT: usize = 1_000;
 
-type AckRequest = ((i64, i64), tokio::sync::oneshot::Sender<Result<()>>);
+/// Acks to commit together, and where to send their results (one per key,
+/// in order): one request per delivery, or one for a batch of them.
+type AckRequest = (
+    Vec<(i64, i64)>,
+    tokio::sync::oneshot::Sender<Vec<Result<()>>>,
+);
 
 /// Group commit for acks: every ack waiting when a commit starts goes into
 /// it. Each commit writes whole pages to the WAL, so one commit for many acks
@@ -62,18 +67,24 @@ async fn ack_writer(
     mut rx: tokio::sync::mpsc::UnboundedReceiver<AckRequest>,
 ) {
     while let Some(first) = rx.recv().await {
+        let mut count = first.0.len();
         let mut batch = vec![first];
-        while batch.len() < MAX_ACKS_PER_COMMIT {
+        while count < MAX_ACKS_PER_COMMIT {
             match rx.try_recv() {
-                Ok(req) => batch.push(req),
+                Ok(req) => {
+                    count += req.0.len();
+                    batch.push(req);
+                }
                 Err(_) => break,
             }
         }
         let Some(inner) = inner.upgrade() else { break };
-        let (keys, replies): (Vec<(i64, i64)>, Vec<_>) = batch.into_iter().unzip();
-        let count = keys.len() as u64;
+        let sizes: Vec<usize> = batch.iter().map(|(keys, _)| keys.len()).collect();
+        let (keys, replies): (Vec<Vec<(i64, i64)>>, Vec<_>) = batch.into_iter().unzip();
+        let keys: Vec<(i64, i64)> = keys.into_iter().flatten().collect();
         let outcome = blocking(&inner, move |inner, conn| {
             let results = store::ack_many(conn, &keys)?;
+            let count = keys.len() as u64;
             let before = inner.deletes.fetch_add(count, Ordering::Relaxed);
             if (before + count) / HOUSEKEEPING_EVERY > before / HOUSEKEEPING_EVERY {
                 if let Err(e) = store::housekeeping(conn) {
@@ -85,14 +96,18 @@ async fn ack_writer(
         .await;
         match outcome {
             Ok(results) => {
-                for (reply, result) in replies.into_iter().zip(results) {
-                    let _ = reply.send(result);
+                let mut results = results.into_iter();
+                for (reply, size) in replies.into_iter().zip(sizes) {
+                    let _ = reply.send(results.by_ref().take(size).collect());
                 }
             }
             Err(e) => {
                 let (text, retryable) = (e.to_string(), e.is_retryable());
-                for reply in replies {
-                    let _ = reply.send(Err(Error::broker("local", text.clone(), retryable)));
+                for (reply, size) in replies.into_iter().zip(sizes) {
+                    let failed = (0..size)
+                        .map(|_| Err(Error::broker("local", text.clone(), retryable)))
+                        .collect();
+                    let _ = reply.send(failed);
                 }
             }
         }
@@ -380,21 +395,52 @@ impl LocalAcker {
     }
 }
 
+/// Hands `keys` to the ack writer and waits for their commit: one result
+/// per key, in order.
+async fn commit_acks(inner: &Inner, keys: Vec<(i64, i64)>) -> Vec<Result<()>> {
+    let size = keys.len();
+    let (reply, done) = tokio::sync::oneshot::channel();
+    if inner.acks.send((keys, reply)).is_err() {
+        return (0..size).map(|_| Err(Error::Closed)).collect();
+    }
+    done.await.unwrap_or_else(|_| {
+        (0..size)
+            .map(|_| Err(Error::broker("local", "ack writer stopped", true)))
+            .collect()
+    })
+}
+
 #[async_trait]
 impl Acknowledger for LocalAcker {
     async fn ack(&self) -> Result<()> {
-        let (reply, done) = tokio::sync::oneshot::channel();
-        self.inner
-            .acks
-            .send(((self.id, self.lease), reply))
-            .map_err(|_| Error::Closed)?;
-        let result = done
+        let result = commit_acks(&self.inner, vec![(self.id, self.lease)])
             .await
-            .unwrap_or_else(|_| Err(Error::broker("local", "ack writer stopped", true)));
+            .pop()
+            .unwrap_or_else(|| Err(Error::broker("local", "ack writer answered nothing", true)));
         if !matches!(result, Err(ref e) if e.is_retryable()) {
             self.forget();
         }
         result
+    }
+
+    /// A batch of this consumer's deliveries as one request to the ack
+    /// writer (one commit, one reply), not one each.
+    async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
+        let members = ojs_core::batch_of::<LocalAcker>(batch, |l| {
+            Arc::ptr_eq(&l.inner, &self.inner) && Arc::ptr_eq(&l.held, &self.held)
+        })?;
+        let keys = members.iter().map(|l| (l.id, l.lease)).collect();
+        let mut results = commit_acks(&self.inner, keys).await;
+        results.resize_with(members.len(), || {
+            Err(Error::broker("local", "ack writer answered nothing", true))
+        });
+        let mut held = lock_held(&self.held);
+        for (l, result) in members.iter().zip(&results) {
+            if !matches!(result, Err(e) if e.is_retryable()) {
+                held.remove(&(l.id, l.lease));
+            }
+        }
+        Some(results)
     }
 
     async fn nack(&self, action: Nack, _delivery: ojs_core::DeliveryRef<'_>) -> Result<()> {

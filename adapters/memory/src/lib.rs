@@ -526,6 +526,29 @@ impl Acknowledger for MemoryAcker {
         Some(self.settle())
     }
 
+    /// A batch of this queue's deliveries under one lock, not one each.
+    async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
+        let members =
+            ojs_core::batch_of::<MemoryAcker>(batch, |m| Arc::ptr_eq(&m.queue, &self.queue))?;
+        let mut settled = Vec::with_capacity(members.len());
+        let results = {
+            let mut state = self.queue.lock();
+            members
+                .iter()
+                .map(|m| match state.in_flight.remove(&m.tag) {
+                    Some(flight) => {
+                        settled.push(flight);
+                        Ok(())
+                    }
+                    None => Err(Error::DeliveryExpired),
+                })
+                .collect()
+        };
+        // The messages are freed after the lock is let go.
+        drop(settled);
+        Some(results)
+    }
+
     async fn nack(&self, action: Nack, _delivery: ojs_core::DeliveryRef<'_>) -> Result<()> {
         {
             let mut state = self.queue.lock();

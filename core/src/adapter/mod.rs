@@ -22,6 +22,7 @@ pub mod decode;
 mod headers;
 pub mod settings;
 
+use std::any::Any;
 use std::fmt;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -30,6 +31,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
+use futures::future::join_all;
 
 use crate::envelope::JobEnvelope;
 use crate::error::{Error, Result};
@@ -393,15 +395,59 @@ impl DeliveryRef<'_> {
     }
 }
 
+/// A view of an acknowledger as [`Any`], so that an adapter settling a
+/// batch ([`Acknowledger::ack_batch`]) can recognise its own. Implemented
+/// for every `'static` type: adapters write nothing for it.
+pub trait AsAny {
+    /// `self`, as [`Any`].
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl<T: Any> AsAny for T {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The members of an [`Acknowledger::ack_batch`] batch as the adapter's own
+/// acknowledger type `T`, when every one is a `T` for which `same` holds
+/// (of the same consumer); `None` when one is not.
+pub fn batch_of<'a, T: Acknowledger + 'static>(
+    batch: &[&'a dyn Acknowledger],
+    same: impl Fn(&T) -> bool,
+) -> Option<Vec<&'a T>> {
+    batch
+        .iter()
+        .map(|acker| {
+            AsAny::as_any(*acker)
+                .downcast_ref::<T>()
+                .filter(|t| same(t))
+        })
+        .collect()
+}
+
 /// The adapter-specific half of a delivery: how to settle it.
 #[async_trait]
-pub trait Acknowledger: Send + Sync + fmt::Debug {
+pub trait Acknowledger: AsAny + Send + Sync + fmt::Debug {
     /// The message was handled; remove it.
     async fn ack(&self) -> Result<()>;
     /// Acknowledges without waiting, when the adapter's ack is bookkeeping
     /// in this process (Kafka's offset tracker): saves the boxed future of
     /// [`Acknowledger::ack`] on the hot path. `None` means "call `ack`".
     fn ack_now(&self) -> Option<Result<()>> {
+        None
+    }
+    /// Acknowledges `batch` together — one lock, one write, one request —
+    /// where the adapter can: a sink confirms hundreds of messages at once,
+    /// and settling each under its own lock (or its own channel message)
+    /// costs more than the bookkeeping itself. `batch` holds `self` and the
+    /// acknowledgers of other deliveries; an adapter settles them only when
+    /// each is its own kind and of the same consumer (checked through
+    /// [`AsAny::as_any`]), and returns one result per member, in order.
+    /// `None` (the default, or a batch it does not recognise) means "ack
+    /// each": [`Delivery::ack_all`] then does.
+    async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
+        let _ = batch;
         None
     }
     /// The message was not handled. `delivery` is the message as received.
@@ -538,12 +584,56 @@ impl Delivery {
     /// Acknowledges: the message is done. A second settle is an error.
     pub async fn ack(&self) -> Result<()> {
         self.begin()?;
+        self.ack_begun().await
+    }
+
+    /// Acks a delivery whose settle has begun.
+    async fn ack_begun(&self) -> Result<()> {
         let result = match self.acker.ack_now() {
             Some(result) => result,
             None => self.acker.ack().await,
         };
         self.finish(&result, ACKED);
         result
+    }
+
+    /// Acknowledges `deliveries` (of one consumer) together where their
+    /// adapter settles a batch at once ([`Acknowledger::ack_batch`]), and
+    /// otherwise each as [`Delivery::ack`] does, all at the same time. One
+    /// result per delivery, in order; a delivery settled before gets
+    /// [`Error::AlreadyAcknowledged`], as from `ack`.
+    pub async fn ack_all(deliveries: &[&Delivery]) -> Vec<Result<()>> {
+        let mut results: Vec<Option<Result<()>>> = deliveries
+            .iter()
+            .map(|d| d.begin().err().map(Err))
+            .collect();
+        let begun: Vec<usize> = (0..deliveries.len())
+            .filter(|&i| results[i].is_none())
+            .collect();
+        let ackers: Vec<&dyn Acknowledger> = begun.iter().map(|&i| &*deliveries[i].acker).collect();
+        let batched = match ackers.first() {
+            Some(first) if ackers.len() > 1 => first.ack_batch(&ackers).await,
+            _ => None,
+        };
+        // An adapter answers for every member or for none; were it to answer
+        // for fewer, the rest are acked one by one below.
+        let mut answered = 0;
+        for (&i, result) in begun.iter().zip(batched.into_iter().flatten()) {
+            deliveries[i].finish(&result, ACKED);
+            results[i] = Some(result);
+            answered += 1;
+        }
+        let rest = &begun[answered..];
+        let one_by_one = join_all(rest.iter().map(|&i| deliveries[i].ack_begun())).await;
+        for (&i, result) in rest.iter().zip(one_by_one) {
+            results[i] = Some(result);
+        }
+        // Every slot is filled by now: refused at `begin`, batched, or acked
+        // one by one.
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(Error::AlreadyAcknowledged("being settled"))))
+            .collect()
     }
 
     /// Negative acknowledgement: retry later or dead-letter.
