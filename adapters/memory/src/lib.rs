@@ -28,6 +28,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
@@ -112,6 +113,29 @@ struct InFlight {
     max_deliveries: Option<u32>,
 }
 
+/// Hashes delivery tags, which are a counter: one multiply spreads them
+/// over the table's buckets (an odd factor permutes the low bits) and its
+/// per-entry tags (the top bits). SipHash, the default, cost 4–6 % of
+/// memory → memory for the same job.
+#[derive(Debug, Default, Clone, Copy)]
+struct TagHasher(u64);
+
+impl Hasher for TagHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.write_u64(self.0 ^ u64::from(*byte));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
 #[derive(Debug, Default)]
 struct QueueState {
     /// Ready messages: highest priority first, then publish order.
@@ -119,7 +143,7 @@ struct QueueState {
     /// Delayed retries and scheduled messages, by due time.
     delayed: BTreeMap<(Instant, u64), Stored>,
     /// Delivered, not yet settled, by delivery tag.
-    in_flight: HashMap<u64, InFlight>,
+    in_flight: HashMap<u64, InFlight, BuildHasherDefault<TagHasher>>,
     /// No lease in `in_flight` ends before this (it may be earlier than the
     /// earliest: settles and extends leave it as it was). Every receive
     /// looks for expired leases and for when to look again; with this it
