@@ -764,6 +764,15 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
         thousands(&rates(&daemon[2])),
         thousands(&rates(&daemon[3])),
     );
+    let late = daemon
+        .iter()
+        .flatten()
+        .map(|m| m.late_start)
+        .fold(0.0, f64::max);
+    println!(
+        "    the daemon's clock started with at most {:.1} % acked (left out of its rates)",
+        late * 100.0
+    );
 }
 
 fn main() {
