@@ -144,6 +144,28 @@ async fn drain_acking(
     Ok(())
 }
 
+/// Receives until exactly `n` deliveries are held (none settled), or fails
+/// once `patience` runs out.
+async fn receive_exactly(
+    consumer: &mut dyn ojs_core::Consumer,
+    n: usize,
+    patience: Duration,
+) -> Result<Vec<Delivery>> {
+    let deadline = Instant::now() + patience;
+    let mut held = Vec::with_capacity(n);
+    while held.len() < n && Instant::now() < deadline {
+        held.extend(
+            consumer
+                .receive(n - held.len(), Duration::from_millis(500))
+                .await?,
+        );
+    }
+    if held.len() != n {
+        bail!("received {} of {n}", held.len());
+    }
+    Ok(held)
+}
+
 /// 100 messages: body, headers and content type arrive intact.
 pub async fn publish_consume_intact(f: &dyn AdapterFactory) -> Result<()> {
     let features = f.features();
@@ -383,18 +405,9 @@ pub async fn unacked_messages_come_back(f: &dyn AdapterFactory) -> Result<()> {
     let mut options = f.consumer_options();
     options.visibility_timeout = Duration::from_secs(2);
     let mut first = adapter.consumer(&queue, options.clone()).await?;
-    let mut held = Vec::new();
-    let deadline = Instant::now() + features.patience;
-    while held.len() < n && Instant::now() < deadline {
-        held.extend(
-            first
-                .receive(n - held.len(), Duration::from_millis(500))
-                .await?,
-        );
-    }
-    if held.len() != n {
-        bail!("received {} of {n} before going away", held.len());
-    }
+    let held = receive_exactly(&mut *first, n, features.patience)
+        .await
+        .context("before going away")?;
     if features.redelivers_on_consumer_drop {
         drop(first);
     } else if !features.visibility_timeout {
@@ -468,14 +481,7 @@ pub async fn ack_twice_is_an_error(f: &dyn AdapterFactory) -> Result<()> {
     let mut sent = Tally::new();
     publish_all(&*adapter, &queue, 2, &mut sent).await?;
     let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
-    let deadline = Instant::now() + f.features().patience;
-    let mut received = Vec::new();
-    while received.len() < 2 {
-        received.extend(consumer.receive(2, Duration::from_millis(500)).await?);
-        if received.len() < 2 && Instant::now() > deadline {
-            bail!("received {} of 2", received.len());
-        }
-    }
+    let received = receive_exactly(&mut *consumer, 2, f.features().patience).await?;
     let (d, other) = (&received[0], &received[1]);
     match other.ack_now() {
         Some(result) => result?,
@@ -517,21 +523,12 @@ pub async fn ack_all_settles_each_once(f: &dyn AdapterFactory) -> Result<()> {
     let mut options = f.consumer_options();
     options.visibility_timeout = Duration::from_secs(2);
     let mut consumer = adapter.consumer(&queue, options.clone()).await?;
-    let mut received = Vec::new();
-    let deadline = Instant::now() + features.patience;
-    while received.len() < n && Instant::now() < deadline {
-        received.extend(
-            consumer
-                .receive(n - received.len(), Duration::from_millis(500))
-                .await?,
-        );
-    }
-    if received.len() != n {
-        bail!("received {} of {n}", received.len());
-    }
+    let received = receive_exactly(&mut *consumer, n, features.patience).await?;
     let mut acked = HashSet::new();
     for d in &received {
-        acked.insert(id_of(d)?);
+        let id = id_of(d)?;
+        sent.received(id.clone());
+        acked.insert(id);
     }
     received[1].ack().await?;
     let all: Vec<&Delivery> = received.iter().collect();
@@ -554,6 +551,7 @@ pub async fn ack_all_settles_each_once(f: &dyn AdapterFactory) -> Result<()> {
     // A message published after: once it is through, and the visibility
     // timeout has passed, anything unsettled would have come back.
     let (marker, last) = message(&queue, n);
+    sent.sent(marker.clone());
     adapter.publish(&queue, vec![last]).await?;
     let mut again = adapter.consumer(&queue, options).await?;
     let mut marker_seen = false;
@@ -573,9 +571,13 @@ pub async fn ack_all_settles_each_once(f: &dyn AdapterFactory) -> Result<()> {
                 features.name
             );
             marker_seen |= id == marker;
+            sent.received(id);
             d.ack().await?;
         }
     }
+    let context = format!("{} ack_all", features.name);
+    sent.assert_none_lost(&context);
+    assert_eq!(sent.duplicates(), 0, "{context}: {sent}");
     Ok(())
 }
 

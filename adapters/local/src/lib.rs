@@ -395,28 +395,29 @@ impl LocalAcker {
     }
 }
 
-/// Hands `keys` to the ack writer and waits for their commit: one result
-/// per key, in order.
+/// Hands `keys` to the ack writer and waits for their commit: exactly one
+/// result per key, in order.
 async fn commit_acks(inner: &Inner, keys: Vec<(i64, i64)>) -> Vec<Result<()>> {
     let size = keys.len();
     let (reply, done) = tokio::sync::oneshot::channel();
     if inner.acks.send((keys, reply)).is_err() {
         return (0..size).map(|_| Err(Error::Closed)).collect();
     }
-    done.await.unwrap_or_else(|_| {
-        (0..size)
-            .map(|_| Err(Error::broker("local", "ack writer stopped", true)))
-            .collect()
-    })
+    let mut results = done.await.unwrap_or_default();
+    // A writer that stopped (or answered short) leaves these unsettled:
+    // retryable, as the broker will hand them out again.
+    results.resize_with(size, || {
+        Err(Error::broker("local", "ack writer stopped", true))
+    });
+    results
 }
 
 #[async_trait]
 impl Acknowledger for LocalAcker {
     async fn ack(&self) -> Result<()> {
-        let result = commit_acks(&self.inner, vec![(self.id, self.lease)])
-            .await
-            .pop()
-            .unwrap_or_else(|| Err(Error::broker("local", "ack writer answered nothing", true)));
+        let mut results = commit_acks(&self.inner, vec![(self.id, self.lease)]).await;
+        // One key, one result: `commit_acks` answers for each.
+        let result = results.pop().unwrap_or(Err(Error::Closed));
         if !matches!(result, Err(ref e) if e.is_retryable()) {
             self.forget();
         }
@@ -430,10 +431,7 @@ impl Acknowledger for LocalAcker {
             Arc::ptr_eq(&l.inner, &self.inner) && Arc::ptr_eq(&l.held, &self.held)
         })?;
         let keys = members.iter().map(|l| (l.id, l.lease)).collect();
-        let mut results = commit_acks(&self.inner, keys).await;
-        results.resize_with(members.len(), || {
-            Err(Error::broker("local", "ack writer answered nothing", true))
-        });
+        let results = commit_acks(&self.inner, keys).await;
         let mut held = lock_held(&self.held);
         for (l, result) in members.iter().zip(&results) {
             if !matches!(result, Err(e) if e.is_retryable()) {

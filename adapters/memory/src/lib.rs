@@ -608,6 +608,13 @@ impl Acknowledger for MemoryAcker {
 mod tests {
     use super::*;
 
+    fn five_second_lease() -> ConsumerOptions {
+        ConsumerOptions {
+            visibility_timeout: Duration::from_secs(5),
+            ..ConsumerOptions::default()
+        }
+    }
+
     fn msg(body: &str) -> OutgoingMessage {
         OutgoingMessage::new(body.to_owned(), "text/plain")
     }
@@ -632,14 +639,36 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_secs(10));
     }
 
+    /// A batch mixing two queues' deliveries is not one adapter batch
+    /// (`ack_batch` declines it): each is acked on its own queue, and none
+    /// comes back after its lease.
+    #[tokio::test(start_paused = true)]
+    async fn ack_all_of_two_queues_acks_each_on_its_own() {
+        let a = MemoryAdapter::new(MemoryConfig::default());
+        a.publish("q1", vec![msg("a"), msg("b")]).await.unwrap();
+        a.publish("q2", vec![msg("c")]).await.unwrap();
+        let opts = five_second_lease();
+        let mut c1 = a.consumer("q1", opts.clone()).await.unwrap();
+        let mut c2 = a.consumer("q2", opts).await.unwrap();
+        let mut one = c1.receive(2, Duration::ZERO).await.unwrap();
+        let two = c2.receive(1, Duration::ZERO).await.unwrap();
+        assert_eq!((one.len(), two.len()), (2, 1));
+        let last = one.pop().unwrap();
+        let mixed = [&one[0], &two[0], &last];
+        let results = Delivery::ack_all(&mixed).await;
+        assert_eq!(results.len(), 3);
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
+        assert!(mixed.iter().all(|d| d.is_settled()));
+        tokio::time::advance(Duration::from_secs(6)).await;
+        assert!(c1.receive(2, Duration::ZERO).await.unwrap().is_empty());
+        assert!(c2.receive(1, Duration::ZERO).await.unwrap().is_empty());
+    }
+
     #[tokio::test(start_paused = true)]
     async fn visibility_timeout_and_extend() {
         let a = MemoryAdapter::new(MemoryConfig::default());
         a.publish("q", vec![msg("x")]).await.unwrap();
-        let opts = ConsumerOptions {
-            visibility_timeout: Duration::from_secs(5),
-            ..ConsumerOptions::default()
-        };
+        let opts = five_second_lease();
         let mut c1 = a.consumer("q", opts.clone()).await.unwrap();
         let mut c2 = a.consumer("q", opts).await.unwrap();
         let d = c1.receive(1, Duration::ZERO).await.unwrap().remove(0);
@@ -662,10 +691,7 @@ mod tests {
         a.publish("q", vec![msg("first"), msg("second")])
             .await
             .unwrap();
-        let opts = ConsumerOptions {
-            visibility_timeout: Duration::from_secs(5),
-            ..ConsumerOptions::default()
-        };
+        let opts = five_second_lease();
         let mut c1 = a.consumer("q", opts.clone()).await.unwrap();
         let mut c2 = a.consumer("q", opts).await.unwrap();
         let start = Instant::now();
