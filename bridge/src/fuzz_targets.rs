@@ -191,13 +191,14 @@ pub fn kafka_headers(data: &[u8]) {
     let record = ojs_adapter_kafka::received_record(
         pairs.iter().map(|(n, v)| (n.as_str(), *v)),
         (!key.is_empty()).then_some(key),
+        body,
     );
-    decode_like_the_daemon(
-        Bytes::copy_from_slice(body),
-        record.headers,
-        record.attempt,
-        record.key,
+    assert_eq!(
+        &record.payload[..],
+        body,
+        "the payload is read back as it came"
     );
+    decode_like_the_daemon(record.payload, record.headers, record.attempt, record.key);
 }
 
 /// An SQS message: body (part 1, as text), ApproximateReceiveCount (part

@@ -207,9 +207,11 @@ fn the_seeds_decode_into_what_they_were_made_from() {
         ]
         .into_iter(),
         Some(b"k"),
+        b"body",
     );
     assert_eq!(record.attempt, 2);
     assert_eq!(record.key.as_deref(), Some(&b"k"[..]));
+    assert_eq!(&record.payload[..], b"body");
     assert_eq!(
         record.headers.len(),
         1,

@@ -1245,9 +1245,12 @@ impl KafkaConsumer {
         next
     }
 
-    /// One copy of the payload, straight from librdkafka's buffer.
+    /// One copy of the payload, key and header values, straight from
+    /// librdkafka's buffer ([`received_record`]).
     fn delivery<M: rdkafka::Message>(&self, m: &M, tp: Tp, generation: u64) -> Delivery {
+        let body = m.payload().unwrap_or_default();
         let ReceivedRecord {
+            payload,
             headers,
             key,
             attempt,
@@ -1255,10 +1258,10 @@ impl KafkaConsumer {
             Some(h) => received_record(
                 (0..h.count()).map(|i| h.get(i)).map(|h| (h.key, h.value)),
                 m.key(),
+                body,
             ),
-            None => received_record(std::iter::empty(), m.key()),
+            None => received_record(std::iter::empty(), m.key(), body),
         };
-        let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
         let message_id = headers.get_str(header::ID).map(str::to_owned);
         let acker = KafkaAcker {
             settler: self.settler.clone(),
@@ -1521,9 +1524,11 @@ impl Acknowledger for KafkaAcker {
     }
 }
 
-/// What a record's headers and key carry, in neutral form.
+/// What a record carries, in neutral form.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReceivedRecord {
+    /// The record's value (empty when it had none).
+    pub payload: Bytes,
     /// Headers with a value (the adapter's own `ojs-not-before` left out).
     pub headers: Headers,
     /// The record key, as bytes: a retry or dead-letter copy keeps it.
@@ -1532,23 +1537,37 @@ pub struct ReceivedRecord {
     pub attempt: u32,
 }
 
-/// Reads a record's headers and key as librdkafka hands them over. Header
-/// values and the key are kept as bytes (a binary value goes out again
-/// exactly as it came in); the names of `ojs_core::header` are not
+/// Reads a record's value, headers and key as librdkafka hands them over.
+/// Header values and the key are kept as bytes (a binary value goes out
+/// again exactly as it came in); the names of `ojs_core::header` are not
 /// allocated.
+///
+/// One allocation holds the payload, the key and every header value, and
+/// each is a slice of it (a reference count, not a copy): a record used
+/// to cost one allocation per value, freed again on whichever thread
+/// drops the delivery. They live as long as the delivery anyway.
 /// The Kafka header fuzz target starts here.
-pub fn received_record<'a>(
-    headers: impl Iterator<Item = (&'a str, Option<&'a [u8]>)>,
-    key: Option<&[u8]>,
-) -> ReceivedRecord {
+pub fn received_record<'a, I>(headers: I, key: Option<&[u8]>, payload: &[u8]) -> ReceivedRecord
+where
+    I: Iterator<Item = (&'a str, Option<&'a [u8]>)> + Clone,
+{
+    let kept = headers
+        .filter(|(name, value)| *name != NOT_BEFORE_HEADER && value.is_some())
+        .map(|(name, value)| (name, value.unwrap_or_default()));
+    let key_len = key.map_or(0, <[u8]>::len);
+    let values_len: usize = kept.clone().map(|(_, v)| v.len()).sum();
+    let mut buf = Vec::with_capacity(payload.len() + key_len + values_len);
+    buf.extend_from_slice(payload);
+    buf.extend_from_slice(key.unwrap_or_default());
+    for (_, v) in kept.clone() {
+        buf.extend_from_slice(v);
+    }
+    let buf = Bytes::from(buf);
+    let mut at = payload.len() + key_len;
     let mut map = Headers::with_capacity(8);
-    for (name, value) in headers {
-        if name == NOT_BEFORE_HEADER {
-            continue;
-        }
-        if let Some(v) = value {
-            map.insert(HeaderName::new(name), v);
-        }
+    for (name, v) in kept {
+        map.insert(HeaderName::new(name), buf.slice(at..at + v.len()));
+        at += v.len();
     }
     let attempt = map
         .get_str(header::ATTEMPT)
@@ -1556,8 +1575,9 @@ pub fn received_record<'a>(
         .filter(|a| *a > 0)
         .unwrap_or(1);
     ReceivedRecord {
+        payload: buf.slice(..payload.len()),
         headers: map,
-        key: key.map(Bytes::copy_from_slice),
+        key: key.map(|_| buf.slice(payload.len()..payload.len() + key_len)),
         attempt,
     }
 }
@@ -1565,6 +1585,51 @@ pub fn received_record<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_received_record_reads_back_every_part_from_its_one_buffer() {
+        let binary = [0u8, 0xFF, 0x80, b'x'];
+        let record = received_record(
+            [
+                ("ojs-attempt", Some(&b"3"[..])),
+                (NOT_BEFORE_HEADER, Some(&b"123"[..])),
+                ("no-value", None),
+                ("empty", Some(&b""[..])),
+                ("binary", Some(&binary[..])),
+                ("traceparent", Some(&b"00-abc-def-01"[..])),
+            ]
+            .into_iter(),
+            Some(&b"key\x00bytes"[..]),
+            b"the payload",
+        );
+        assert_eq!(&record.payload[..], b"the payload");
+        assert_eq!(record.key.as_deref(), Some(&b"key\x00bytes"[..]));
+        assert_eq!(record.attempt, 3);
+        let mut got: Vec<(&str, &[u8])> = record
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_bytes()))
+            .collect();
+        got.sort_unstable();
+        assert_eq!(
+            got,
+            vec![
+                ("binary", &binary[..]),
+                ("empty", &b""[..]),
+                ("ojs-attempt", &b"3"[..]),
+                ("traceparent", &b"00-abc-def-01"[..]),
+            ]
+        );
+
+        // No key, no headers, no payload: nothing is invented.
+        let bare = received_record(std::iter::empty(), None, b"");
+        assert!(bare.payload.is_empty() && bare.key.is_none() && bare.headers.is_empty());
+        assert_eq!(bare.attempt, 1);
+        // An empty key is a key.
+        let empty_key = received_record(std::iter::empty(), Some(b""), b"p");
+        assert_eq!(empty_key.key.as_deref(), Some(&b""[..]));
+        assert_eq!(&empty_key.payload[..], b"p");
+    }
 
     #[tokio::test]
     async fn dead_letter_and_retry_topics_are_reserved() {
