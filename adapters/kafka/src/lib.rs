@@ -1547,25 +1547,47 @@ pub struct ReceivedRecord {
 /// to cost one allocation per value, freed again on whichever thread
 /// drops the delivery. They live as long as the delivery anyway.
 /// The Kafka header fuzz target starts here.
-pub fn received_record<'a, I>(headers: I, key: Option<&[u8]>, payload: &[u8]) -> ReceivedRecord
-where
-    I: Iterator<Item = (&'a str, Option<&'a [u8]>)> + Clone,
-{
-    let kept = headers
-        .filter(|(name, value)| *name != NOT_BEFORE_HEADER && value.is_some())
-        .map(|(name, value)| (name, value.unwrap_or_default()));
+pub fn received_record<'a>(
+    headers: impl Iterator<Item = (&'a str, Option<&'a [u8]>)>,
+    key: Option<&[u8]>,
+    payload: &[u8],
+) -> ReceivedRecord {
+    // The kept headers read once (each read of a librdkafka header checks
+    // its name again): onto the stack when there are few.
+    let mut small: [(&str, &[u8]); 16] = [("", &[]); 16];
+    let mut large = Vec::new();
+    let mut n = 0;
+    for (name, value) in headers {
+        let Some(value) = value.filter(|_| name != NOT_BEFORE_HEADER) else {
+            continue;
+        };
+        if n < small.len() {
+            small[n] = (name, value);
+        } else {
+            if large.is_empty() {
+                large.extend_from_slice(&small);
+            }
+            large.push((name, value));
+        }
+        n += 1;
+    }
+    let kept: &[(&str, &[u8])] = if large.is_empty() {
+        &small[..n]
+    } else {
+        &large
+    };
     let key_len = key.map_or(0, <[u8]>::len);
-    let values_len: usize = kept.clone().map(|(_, v)| v.len()).sum();
+    let values_len: usize = kept.iter().map(|(_, v)| v.len()).sum();
     let mut buf = Vec::with_capacity(payload.len() + key_len + values_len);
     buf.extend_from_slice(payload);
     buf.extend_from_slice(key.unwrap_or_default());
-    for (_, v) in kept.clone() {
+    for (_, v) in kept {
         buf.extend_from_slice(v);
     }
     let buf = Bytes::from(buf);
     let mut at = payload.len() + key_len;
-    let mut map = Headers::with_capacity(8);
-    for (name, v) in kept {
+    let mut map = Headers::with_capacity(kept.len());
+    for &(name, v) in kept {
         map.insert(HeaderName::new(name), buf.slice(at..at + v.len()));
         at += v.len();
     }
@@ -1629,6 +1651,22 @@ mod tests {
         let empty_key = received_record(std::iter::empty(), Some(b""), b"p");
         assert_eq!(empty_key.key.as_deref(), Some(&b""[..]));
         assert_eq!(&empty_key.payload[..], b"p");
+
+        // More headers than fit on the stack: every one read back.
+        let names: Vec<String> = (0..20).map(|i| format!("h{i:02}")).collect();
+        let many = received_record(
+            names.iter().map(|n| (n.as_str(), Some(n.as_bytes()))),
+            Some(b"k"),
+            b"p",
+        );
+        assert_eq!(many.headers.len(), 20);
+        for n in &names {
+            assert_eq!(many.headers.get_str(n), Some(n.as_str()));
+        }
+        assert_eq!(
+            (&many.payload[..], many.key.as_deref()),
+            (&b"p"[..], Some(&b"k"[..]))
+        );
     }
 
     #[tokio::test]
