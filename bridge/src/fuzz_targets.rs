@@ -178,9 +178,11 @@ pub fn kafka_headers(data: &[u8]) {
     let mut parts = Parts::new(data);
     let key = parts.next_part();
     let body = parts.next_part();
-    let mut pairs: Vec<(String, Option<&[u8]>)> = Vec::new();
+    let mut pairs: Vec<(&[u8], Option<&[u8]>)> = Vec::new();
     while !parts.is_empty() && pairs.len() < 64 {
-        let name = String::from_utf8_lossy(parts.next_part()).into_owned();
+        // Any bytes, as on the wire: librdkafka ends a name at its first NUL.
+        let name = parts.next_part();
+        let name = name.split(|b| *b == 0).next().unwrap_or_default();
         let value = parts.next_part();
         let value = match value.first() {
             Some(0xFF) => None,
@@ -189,7 +191,7 @@ pub fn kafka_headers(data: &[u8]) {
         pairs.push((name, value));
     }
     let record = ojs_adapter_kafka::received_record(
-        pairs.iter().map(|(n, v)| (n.as_str(), *v)),
+        pairs.iter().copied(),
         (!key.is_empty()).then_some(key),
         body,
     );

@@ -205,7 +205,8 @@ fn the_seeds_decode_into_what_they_were_made_from() {
             ("ojs-not-before", Some(&b"1"[..])),
             ("n", None),
         ]
-        .into_iter(),
+        .into_iter()
+        .map(|(name, value)| (name.as_bytes(), value)),
         Some(b"k"),
         b"body",
     );

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
 use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
-use ojs_bridge_tests::kafka::test_config;
+use ojs_bridge_tests::kafka::{produce_raw_header_names, test_config};
 use ojs_bridge_tests::tally::Tally;
 use ojs_core::{
     Consumer, ConsumerOptions, Delivery, Encoding, Error, JobEnvelope, OutgoingMessage,
@@ -350,6 +350,88 @@ async fn records_from_native_grpcq_publishers_are_handled() {
         handled.lock().unwrap().clone(),
         vec![("m-native".to_string(), vec![8, 9])]
     );
+}
+
+/// Records from another client whose header names are not UTF-8 (the
+/// protocol allows any bytes; rdkafka's own reader panics on one) are
+/// delivered with each name read as Kafka's Java client reads it (U+FFFD
+/// for the invalid bytes) and each value as it was: one handed out at
+/// once, one held until its `ojs-not-before` (its owned copy outlives the
+/// poll). The partition goes on past them, and once acked nothing comes
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_names_that_are_not_utf8_are_read_and_never_stop_the_consumer() {
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    let Some((kafka, config)) = adapter(1).await else {
+        return;
+    };
+    let queue = unique_queue("k-rawname");
+    let topic = config.topic_template.replace("{queue}", &queue);
+    // The topic first, as an operator would make it.
+    kafka
+        .consumer(&queue, group(&unique_queue("setup")))
+        .await
+        .unwrap()
+        .close()
+        .await
+        .unwrap();
+    let due = (SystemTime::now() + Duration::from_secs(3))
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    produce_raw_header_names(
+        &config.brokers,
+        &topic,
+        &[(b"\xff\xfename", b"v\xff"), (b"ojs-attempt", b"2")],
+        b"at once",
+    )
+    .unwrap();
+    produce_raw_header_names(
+        &config.brokers,
+        &topic,
+        &[(b"caf\xc3", b"later"), (b"ojs-not-before", due.as_bytes())],
+        b"held",
+    )
+    .unwrap();
+    let (ids, msgs) = jobs(&queue, 1);
+    kafka.publish(&queue, msgs).await.unwrap();
+
+    let g = unique_queue("g");
+    let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
+    let got = receive_n(&mut c, 3, Duration::from_secs(60)).await;
+    let payloads: Vec<&[u8]> = got.iter().map(|d| &d.payload[..]).collect();
+    assert_eq!(payloads.len(), 3, "{payloads:?}");
+    let by_payload = |p: &[u8]| got.iter().find(|d| &d.payload[..] == p).unwrap();
+    let at_once = by_payload(b"at once");
+    assert_eq!(
+        at_once
+            .headers
+            .get("\u{FFFD}\u{FFFD}name")
+            .map(|v| v.as_bytes()),
+        Some(&b"v\xff"[..])
+    );
+    assert_eq!(at_once.attempt, 2);
+    let held = by_payload(b"held");
+    assert_eq!(held.headers.get_str("caf\u{FFFD}"), Some("later"));
+    assert!(held.headers.get("ojs-not-before").is_none());
+    assert_eq!(
+        payloads.last(),
+        Some(&&b"held"[..]),
+        "the held record comes after what was due"
+    );
+    let job = got.iter().find(|d| d.payload.len() > 7).unwrap();
+    assert_eq!(id(job), ids[0], "the record after them is delivered");
+    for d in &got {
+        d.ack().await.unwrap();
+    }
+    c.close().await.unwrap();
+
+    let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
+    let again = receive_n(&mut c, 1, Duration::from_secs(3)).await;
+    assert!(again.is_empty(), "all three were committed");
+    c.close().await.unwrap();
 }
 
 /// A record whose dead-letter copy is too large for the dead topic (the

@@ -37,6 +37,7 @@
 //! ```
 
 mod config;
+mod record_headers;
 mod tracker;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -69,6 +70,7 @@ use tokio::time::Instant;
 
 pub use config::KafkaConfig;
 pub use ojs_core::settings::Topology;
+use record_headers::RecordHeaders;
 use tracker::{Stale, Tp, Tracker};
 
 /// Header with the earliest delivery time (Unix ms) of a retry record.
@@ -777,11 +779,17 @@ impl Shared {
 /// must outlive the poll that returned it.
 trait Detach: rdkafka::Message {
     fn owned(&self) -> OwnedMessage;
+    /// Its headers, names as bytes ([`record_headers`]).
+    fn header_parts(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)>;
 }
 
 impl Detach for rdkafka::message::BorrowedMessage<'_> {
     fn owned(&self) -> OwnedMessage {
-        self.detach()
+        detach(self)
+    }
+
+    fn header_parts(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+        RecordHeaders::of(self)
     }
 }
 
@@ -789,6 +797,40 @@ impl Detach for OwnedMessage {
     fn owned(&self) -> OwnedMessage {
         self.clone()
     }
+
+    /// rdkafka's reader panics on a name that is not UTF-8; every
+    /// `OwnedMessage` here comes from [`detach`], which leaves none.
+    fn header_parts(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+        self.headers()
+            .into_iter()
+            .flat_map(|h| h.iter().map(|h| (h.key.as_bytes(), h.value)))
+    }
+}
+
+/// An owned copy of a received record. librdkafka's copy keeps header names
+/// as they are, and rdkafka could not read back one that is not UTF-8, so
+/// a record with such a name is copied with its names read as
+/// [`received_record`] reads them (U+FFFD for what is not UTF-8).
+fn detach(m: &rdkafka::message::BorrowedMessage<'_>) -> OwnedMessage {
+    if RecordHeaders::of(m).all(|(name, _)| std::str::from_utf8(name).is_ok()) {
+        return m.detach();
+    }
+    let mut headers = OwnedHeaders::new_with_capacity(RecordHeaders::of(m).count());
+    for (name, value) in RecordHeaders::of(m) {
+        headers = headers.insert(Header {
+            key: &String::from_utf8_lossy(name),
+            value,
+        });
+    }
+    OwnedMessage::new(
+        m.payload().map(<[u8]>::to_vec),
+        m.key().map(<[u8]>::to_vec),
+        m.topic().to_owned(),
+        m.timestamp(),
+        m.partition(),
+        m.offset(),
+        Some(headers),
+    )
 }
 
 #[derive(Debug, Clone, Default)]
@@ -910,7 +952,7 @@ fn keep_alive(
     let mut quiet = 0;
     for _ in 0..256 {
         match stream.next().now_or_never() {
-            Some(Some(Ok(m))) => context.lock().parked.push_back(m.detach()),
+            Some(Some(Ok(m))) => context.lock().parked.push_back(detach(&m)),
             Some(Some(Err(e))) => {
                 tracing::warn!(error = %e, "kafka consumer error while receives are held back");
             }
@@ -1127,12 +1169,10 @@ impl KafkaConsumer {
         commit_pending(&self.consumer, &self.context, mode);
     }
 
-    fn not_before<M: rdkafka::Message>(m: &M) -> Option<i64> {
-        let headers = m.headers()?;
-        (0..headers.count())
-            .map(|i| headers.get(i))
-            .find(|h| h.key == NOT_BEFORE_HEADER)
-            .and_then(|h| std::str::from_utf8(h.value?).ok()?.parse().ok())
+    fn not_before<M: Detach>(m: &M) -> Option<i64> {
+        m.header_parts()
+            .find(|(name, _)| *name == NOT_BEFORE_HEADER.as_bytes())
+            .and_then(|(_, value)| std::str::from_utf8(value?).ok()?.parse().ok())
     }
 
     /// The interned name of a subscribed topic (no allocation per record).
@@ -1247,21 +1287,23 @@ impl KafkaConsumer {
 
     /// One copy of the payload, key and header values, straight from
     /// librdkafka's buffer ([`received_record`]).
-    fn delivery<M: rdkafka::Message>(&self, m: &M, tp: Tp, generation: u64) -> Delivery {
-        let body = m.payload().unwrap_or_default();
+    fn delivery<M: Detach>(&self, m: &M, tp: Tp, generation: u64) -> Delivery {
         let ReceivedRecord {
             payload,
             headers,
             key,
             attempt,
-        } = match m.headers() {
-            Some(h) => received_record(
-                (0..h.count()).map(|i| h.get(i)).map(|h| (h.key, h.value)),
-                m.key(),
-                body,
-            ),
-            None => received_record(std::iter::empty(), m.key(), body),
-        };
+            renamed,
+        } = received_record(m.header_parts(), m.key(), m.payload().unwrap_or_default());
+        if renamed > 0 {
+            tracing::warn!(
+                topic = m.topic(),
+                partition = m.partition(),
+                offset = m.offset(),
+                renamed,
+                "record header names that are not UTF-8 read with U+FFFD in place of the invalid bytes (as Kafka's Java client reads them)"
+            );
+        }
         let message_id = headers.get_str(header::ID).map(str::to_owned);
         let acker = KafkaAcker {
             settler: self.settler.clone(),
@@ -1535,12 +1577,19 @@ pub struct ReceivedRecord {
     pub key: Option<Bytes>,
     /// 1-based attempt from `ojs-attempt`.
     pub attempt: u32,
+    /// How many header names were not UTF-8 (read with U+FFFD in place of
+    /// the invalid bytes).
+    pub renamed: usize,
 }
 
 /// Reads a record's value, headers and key as librdkafka hands them over.
 /// Header values and the key are kept as bytes (a binary value goes out
 /// again exactly as it came in); the names of `ojs_core::header` are not
-/// allocated.
+/// allocated. A header name is text to every OJS binding, but the Kafka
+/// protocol lets a client write any bytes there: one that is not UTF-8 is
+/// read as Kafka's Java client reads it (each invalid sequence becomes
+/// U+FFFD), so the record is delivered, not stuck, and counted in
+/// `renamed`.
 ///
 /// One allocation holds the payload, the key and every header value, and
 /// each is a slice of it (a reference count, not a copy): a record used
@@ -1548,17 +1597,17 @@ pub struct ReceivedRecord {
 /// drops the delivery. They live as long as the delivery anyway.
 /// The Kafka header fuzz target starts here.
 pub fn received_record<'a>(
-    headers: impl Iterator<Item = (&'a str, Option<&'a [u8]>)>,
+    headers: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
     key: Option<&[u8]>,
     payload: &[u8],
 ) -> ReceivedRecord {
-    // The kept headers read once (each read of a librdkafka header checks
-    // its name again): onto the stack when there are few.
-    let mut small: [(&str, &[u8]); 16] = [("", &[]); 16];
+    // The kept headers read once (each read of a librdkafka header looks
+    // its name up again): onto the stack when there are few.
+    let mut small: [(&[u8], &[u8]); 16] = [(&[], &[]); 16];
     let mut large = Vec::new();
     let mut n = 0;
     for (name, value) in headers {
-        let Some(value) = value.filter(|_| name != NOT_BEFORE_HEADER) else {
+        let Some(value) = value.filter(|_| name != NOT_BEFORE_HEADER.as_bytes()) else {
             continue;
         };
         if n < small.len() {
@@ -1571,7 +1620,7 @@ pub fn received_record<'a>(
         }
         n += 1;
     }
-    let kept: &[(&str, &[u8])] = if large.is_empty() {
+    let kept: &[(&[u8], &[u8])] = if large.is_empty() {
         &small[..n]
     } else {
         &large
@@ -1587,8 +1636,16 @@ pub fn received_record<'a>(
     let buf = Bytes::from(buf);
     let mut at = payload.len() + key_len;
     let mut map = Headers::with_capacity(kept.len());
+    let mut renamed = 0;
     for &(name, v) in kept {
-        map.insert(HeaderName::new(name), buf.slice(at..at + v.len()));
+        let name = match std::str::from_utf8(name) {
+            Ok(name) => HeaderName::new(name),
+            Err(_) => {
+                renamed += 1;
+                HeaderName::new(&String::from_utf8_lossy(name))
+            }
+        };
+        map.insert(name, buf.slice(at..at + v.len()));
         at += v.len();
     }
     let attempt = map
@@ -1601,6 +1658,7 @@ pub fn received_record<'a>(
         headers: map,
         key: key.map(|_| buf.slice(payload.len()..payload.len() + key_len)),
         attempt,
+        renamed,
     }
 }
 
@@ -1620,13 +1678,15 @@ mod tests {
                 ("binary", Some(&binary[..])),
                 ("traceparent", Some(&b"00-abc-def-01"[..])),
             ]
-            .into_iter(),
+            .into_iter()
+            .map(|(name, value)| (name.as_bytes(), value)),
             Some(&b"key\x00bytes"[..]),
             b"the payload",
         );
         assert_eq!(&record.payload[..], b"the payload");
         assert_eq!(record.key.as_deref(), Some(&b"key\x00bytes"[..]));
         assert_eq!(record.attempt, 3);
+        assert_eq!(record.renamed, 0);
         let mut got: Vec<(&str, &[u8])> = record
             .headers
             .iter()
@@ -1655,7 +1715,7 @@ mod tests {
         // More headers than fit on the stack: every one read back.
         let names: Vec<String> = (0..20).map(|i| format!("h{i:02}")).collect();
         let many = received_record(
-            names.iter().map(|n| (n.as_str(), Some(n.as_bytes()))),
+            names.iter().map(|n| (n.as_bytes(), Some(n.as_bytes()))),
             Some(b"k"),
             b"p",
         );
@@ -1667,6 +1727,39 @@ mod tests {
             (&many.payload[..], many.key.as_deref()),
             (&b"p"[..], Some(&b"k"[..]))
         );
+    }
+
+    /// The Kafka protocol lets a client write any bytes as a header name;
+    /// such a record is read, not refused or stuck: each invalid sequence
+    /// becomes U+FFFD (as Kafka's Java client reads it), its value is kept
+    /// as it is, and the OJS headers beside it still count.
+    #[test]
+    fn a_header_name_that_is_not_utf8_is_read_as_java_clients_read_it() {
+        let record = received_record(
+            [
+                (&b"\xff\xfename"[..], Some(&b"v\xff"[..])),
+                (&b"ojs-attempt"[..], Some(&b"2"[..])),
+                (&b"caf\xc3"[..], Some(&b""[..])),
+                (&b"\x80"[..], None),
+            ]
+            .into_iter(),
+            None,
+            b"p",
+        );
+        assert_eq!(record.renamed, 2, "the null-valued header is left out");
+        assert_eq!(record.attempt, 2);
+        assert_eq!(
+            record
+                .headers
+                .get("\u{FFFD}\u{FFFD}name")
+                .map(|v| v.as_bytes()),
+            Some(&b"v\xff"[..])
+        );
+        assert_eq!(
+            record.headers.get("caf\u{FFFD}").map(|v| v.as_bytes()),
+            Some(&b""[..])
+        );
+        assert_eq!(record.headers.len(), 3);
     }
 
     #[tokio::test]
