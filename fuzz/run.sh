@@ -9,7 +9,7 @@
 # daemon: the daemon's decoders: configuration, adapter headers,
 #         descriptor-set transcoding (fuzz/daemon/). Built without a
 #         sanitizer: librdkafka's C dependencies do not link under ASan, and
-#         the Rust code has no unsafe. The build compiles librdkafka and the
+#         the Rust code on the fuzzed paths has no unsafe. The build compiles librdkafka and the
 #         AWS SDK (about 8 minutes on 2 cores), which is why CI runs `core`.
 #
 # New inputs go to a scratch copy: the committed corpus stays the seeds.

@@ -124,10 +124,16 @@ def rabbit_publish(a):
     conn = amqp_connection()
     ch = conn.channel()
     ch.confirm_delivery()
+    headers = pairs(a.header)
+    # Names given in hex go out as the bytes they are: AMQP says short
+    # strings are UTF-8, but pika and RabbitMQ pass on whatever they get.
+    for name, value in pairs(a.header_hex).items():
+        headers[bytes.fromhex(name)] = value
+    message_id = bytes.fromhex(a.message_id_hex) if a.message_id_hex else a.message_id
     props = pika.BasicProperties(
         content_type=a.content_type or None,
-        headers=pairs(a.header) or None,
-        message_id=a.message_id,
+        headers=headers or None,
+        message_id=message_id,
         delivery_mode=2,
     )
     for i in range(a.count):
@@ -310,6 +316,8 @@ def main():
     s.add_argument("--content-type")
     s.add_argument("--message-id")
     s.add_argument("--header", action="append")
+    s.add_argument("--header-hex", action="append", help="NAME_IN_HEX=VALUE (any bytes as the name)")
+    s.add_argument("--message-id-hex", help="message id as hex bytes")
     s.add_argument("--count", type=int, default=1)
     s.set_defaults(fn=rabbit_publish)
 

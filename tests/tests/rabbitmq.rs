@@ -1,6 +1,7 @@
 //! RabbitMQ specifics beyond the shared suite: the wire binding as other AMQP
-//! clients see it, unroutable publishes, a broker restart mid-stream, and a
-//! subscription cut short between `basic.consume` and its answer.
+//! clients see it, unroutable publishes, a broker restart mid-stream, a
+//! subscription cut short between `basic.consume` and its answer, and short
+//! strings that are not UTF-8 from another client.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -15,6 +16,7 @@ use ojs_adapter_rabbitmq::{
     dead_letter_queue_name, queue_name, retry_queue_name, RabbitAdapter, RabbitConfig,
 };
 use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
+use ojs_bridge_tests::independent;
 use ojs_bridge_tests::tally::Tally;
 use ojs_core::{
     ConsumerOptions, DeadLetterReason, Encoding, Error, JobEnvelope, Nack, OutgoingMessage,
@@ -735,4 +737,84 @@ async fn a_subscription_cut_short_strands_no_deliveries() {
         }
     }
     tally.assert_none_lost("a subscription cut short");
+}
+
+/// AMQP says short strings are UTF-8, but RabbitMQ relays whatever a
+/// publisher writes: pika sends a `bytes` header name or message id as it
+/// is. Such a message, from a queue and a publisher that are not ours, is
+/// delivered with the string read as RabbitMQ's Java client reads it
+/// (U+FFFD for the invalid bytes), and the message after it follows. lapin
+/// used to fail the frame, drop the connection and get the same message
+/// first again, for ever (third_party/README.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_string_that_is_not_utf8_is_read_and_never_stops_the_consumer() {
+    let Some((url, _, _raw)) = setup().await else {
+        return;
+    };
+    independent::available().unwrap();
+    let queue = unique_queue("rmq-not-utf8");
+    independent::run(&["rabbit-queue", &queue]).unwrap();
+    for (i, extra) in [
+        vec![
+            "--header-hex",
+            "fffe6e616d65=v",
+            "--message-id-hex",
+            "ff6964",
+        ],
+        vec!["--header", "plain=w"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let body = format!("{{\"id\":\"j{i}\"}}");
+        let mut args = vec![
+            "rabbit-publish",
+            "--routing-key",
+            &queue,
+            "--content-type",
+            "application/json",
+            "--body",
+            &body,
+        ];
+        args.extend(extra);
+        independent::run(&args).unwrap();
+    }
+    let mut config = RabbitConfig::new(&url);
+    config.topology = ojs_adapter_rabbitmq::Topology::Existing;
+    config.queue_template = "{queue}".into();
+    config.exchange = String::new();
+    let adapter = RabbitAdapter::connect(config).await.unwrap();
+    let mut consumer = adapter
+        .consumer(&queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.len() < 2 && Instant::now() < deadline {
+        got.extend(
+            consumer
+                .receive(2 - got.len(), Duration::from_millis(500))
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(got.len(), 2, "both messages delivered");
+    let first = got
+        .iter()
+        .find(|d| &d.payload[..] == b"{\"id\":\"j0\"}")
+        .unwrap();
+    assert_eq!(first.headers.get_str("\u{FFFD}\u{FFFD}name"), Some("v"));
+    assert_eq!(first.message_id.as_deref(), Some("\u{FFFD}id"));
+    let second = got
+        .iter()
+        .find(|d| &d.payload[..] == b"{\"id\":\"j1\"}")
+        .unwrap();
+    assert_eq!(second.headers.get_str("plain"), Some("w"));
+    for d in &got {
+        d.ack().await.unwrap();
+    }
+    consumer.close().await.unwrap();
+    let left = independent::lines(&["rabbit-exists", &queue]).unwrap();
+    assert_eq!(left[0]["messages"], 0, "both acked: {left:?}");
+    independent::run(&["rabbit-delete", &queue]).unwrap();
 }
