@@ -19,6 +19,8 @@
 //! 127.0.0.1 only, and stops when dropped.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -50,6 +52,7 @@ pub struct FaultProxy {
     addr: SocketAddr,
     mode: watch::Sender<Mode>,
     accept: JoinHandle<()>,
+    accepted: Arc<AtomicUsize>,
 }
 
 impl FaultProxy {
@@ -64,12 +67,20 @@ impl FaultProxy {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let (mode, watch) = watch::channel(Mode::Pass);
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = accepted.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::Relaxed);
                 tokio::spawn(serve(client, upstream, watch.clone()));
             }
         });
-        Ok(FaultProxy { addr, mode, accept })
+        Ok(FaultProxy {
+            addr,
+            mode,
+            accept,
+            accepted,
+        })
     }
 
     /// Where adapters connect.
@@ -90,6 +101,11 @@ impl FaultProxy {
     /// The mode in force.
     pub fn mode(&self) -> Mode {
         *self.mode.borrow()
+    }
+
+    /// Connections accepted so far (how often a client reconnected).
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::Relaxed)
     }
 }
 

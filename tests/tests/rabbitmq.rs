@@ -818,3 +818,67 @@ async fn a_short_string_that_is_not_utf8_is_read_and_never_stops_the_consumer() 
     assert_eq!(left[0]["messages"], 0, "both acked: {left:?}");
     independent::run(&["rabbit-delete", &queue]).unwrap();
 }
+
+/// A connection that breaks each time it delivers (here the link is cut
+/// mid-frame, after the handshake, by a 200 KB message) is not reconnected
+/// to in a loop: the first resubscription is immediate (a broker restart),
+/// each further one waits longer (`max_backoff_secs` caps it). Once the
+/// link is whole the message arrives and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_that_keeps_breaking_backs_off_instead_of_looping() {
+    use ojs_bridge_tests::fault_proxy::{FaultProxy, Mode};
+
+    let Some((url, adapter, _raw)) = setup().await else {
+        return;
+    };
+    let queue = unique_queue("rmq-keeps-breaking");
+    let broker = url
+        .rsplit_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .unwrap()
+        .to_owned();
+    let proxy = FaultProxy::start(broker.parse().unwrap()).await.unwrap();
+    let proxied = url.replacen(&broker, &proxy.host_port(), 1);
+    let mut config = RabbitConfig::new(&proxied);
+    config.max_backoff_secs = 4;
+    let cut = RabbitAdapter::connect(config).await.unwrap();
+    let mut consumer = cut
+        .consumer(&queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    // From now on a connection carries 16 KB each way, then is cut: enough
+    // for a handshake and a subscription, not for the delivery.
+    proxy.set(Mode::CutAfter(16 * 1024));
+    let big = OutgoingMessage::new(vec![b'x'; 200_000], "application/octet-stream");
+    adapter.publish(&queue, vec![big]).await.unwrap();
+    let watch_for = Duration::from_secs(8);
+    let start = Instant::now();
+    while start.elapsed() < watch_for {
+        let got = consumer
+            .receive(1, Duration::from_millis(500))
+            .await
+            .unwrap_or_default();
+        assert!(got.is_empty(), "nothing gets through a cut link");
+    }
+    let connections = proxy.accepted();
+    println!("connections in {watch_for:?} of a link cut at every delivery: {connections}");
+    // Without the backoff this was hundreds (one per round trip).
+    assert!(
+        (3..=8).contains(&connections),
+        "{connections} connections in {watch_for:?}"
+    );
+
+    proxy.set(Mode::Pass);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.is_empty() && Instant::now() < deadline {
+        got = consumer
+            .receive(1, Duration::from_millis(500))
+            .await
+            .unwrap_or_default();
+    }
+    assert_eq!(got.len(), 1, "the message arrives once the link is whole");
+    assert_eq!(got[0].payload.len(), 200_000);
+    got[0].ack().await.unwrap();
+    consumer.close().await.unwrap();
+}

@@ -823,6 +823,8 @@ impl QueueAdapter for RabbitAdapter {
             queue: Arc::from(queue),
             options,
             live: None,
+            failures: 0,
+            resubscribe_at: None,
         };
         consumer
             .subscribe(Instant::now() + Duration::from_secs(10))
@@ -995,9 +997,35 @@ pub struct RabbitConsumer {
     queue: Arc<str>,
     options: ConsumerOptions,
     live: Option<Live>,
+    /// Subscriptions that failed in a row with nothing delivered: the
+    /// first is followed at once (a broker restart), each further one
+    /// waits longer, so a connection that breaks every time it delivers
+    /// does not become a reconnect loop against the broker.
+    failures: u32,
+    /// When the next subscription may be made.
+    resubscribe_at: Option<Instant>,
 }
 
 impl RabbitConsumer {
+    /// The subscription failed or ended: the next waits if it keeps doing so.
+    fn lost(&mut self) {
+        self.live = None;
+        self.failures += 1;
+        if self.failures > 1 {
+            let delay = reconnect_delay(
+                self.failures - 1,
+                Duration::from_secs(self.inner.config.max_backoff_secs),
+            );
+            tracing::warn!(
+                queue = %self.queue,
+                failures = self.failures,
+                delay_ms = delay.as_millis() as u64,
+                "rabbitmq subscription keeps failing before delivering anything; waiting before the next"
+            );
+            self.resubscribe_at = Some(Instant::now() + delay);
+        }
+    }
+
     async fn subscribe(&mut self, deadline: Instant) -> Result<()> {
         let session = self.inner.session(deadline).await?;
         // Reconnecting may have used up the caller's wait: the subscription
@@ -1102,9 +1130,19 @@ impl Consumer for RabbitConsumer {
             if self
                 .live
                 .as_ref()
-                .is_none_or(|l| !l.channel.status().connected())
+                .is_some_and(|l| !l.channel.status().connected())
             {
-                self.live = None;
+                self.lost();
+            }
+            if self.live.is_none() {
+                if let Some(at) = self.resubscribe_at {
+                    if at > deadline {
+                        tokio::time::sleep_until(deadline).await;
+                        return Ok(Vec::new());
+                    }
+                    tokio::time::sleep_until(at).await;
+                    self.resubscribe_at = None;
+                }
                 if let Err(e) = self
                     .subscribe(deadline.max(Instant::now() + Duration::from_secs(1)))
                     .await
@@ -1112,7 +1150,12 @@ impl Consumer for RabbitConsumer {
                     if Instant::now() >= deadline || !e.is_retryable() {
                         return Err(e);
                     }
-                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    // 200 ms between attempts at least, longer as they
+                    // keep failing.
+                    self.lost();
+                    let floor = Instant::now() + Duration::from_millis(200);
+                    self.resubscribe_at =
+                        Some(self.resubscribe_at.map_or(floor, |at| at.max(floor)));
                     continue;
                 }
             }
@@ -1124,14 +1167,15 @@ impl Consumer for RabbitConsumer {
                 Ok(Some(Ok(d))) => d,
                 Ok(Some(Err(e))) => {
                     tracing::warn!(error = %e, queue = %self.queue, "rabbitmq consumer failed; resubscribing");
-                    self.live = None;
+                    self.lost();
                     continue;
                 }
                 Ok(None) => {
-                    self.live = None;
+                    self.lost();
                     continue;
                 }
             };
+            self.failures = 0;
             let mut raw = vec![first];
             while raw.len() < max {
                 match live.stream.next().now_or_never() {
