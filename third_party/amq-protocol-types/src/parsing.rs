@@ -220,12 +220,25 @@ pub fn parse_decimal_value<I: ParsableInput>(i: I) -> ParserResult<I, DecimalVal
 // Java client reads it, instead of failing the frame. RabbitMQ relays such
 // strings (header names, properties) from any publisher; failing the parse
 // closed the connection on every redelivery of that one message, so a
-// consumer could never get past it.
+// consumer could never get past it. U+FFFD takes three bytes where the
+// invalid byte took one, so the result is cut at the last character that
+// keeps it within a short string's 255 bytes (`ShortString::from` panics
+// beyond, and it could not be written again).
 fn make_str<I: Input<Item = u8>>(i: I) -> Result<String, std::convert::Infallible> {
     let bytes: Vec<u8> = i.iter_elements().collect();
     Ok(match String::from_utf8(bytes) {
         Ok(s) => s,
-        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        Err(e) => {
+            let mut s = String::from_utf8_lossy(e.as_bytes()).into_owned();
+            if s.len() > MAX_SHORT_STRING_LENGTH {
+                let mut end = MAX_SHORT_STRING_LENGTH;
+                while !s.is_char_boundary(end) {
+                    end -= 1;
+                }
+                s.truncate(end);
+            }
+            s
+        }
     })
 }
 
@@ -490,6 +503,12 @@ mod test {
             parse_short_string(&[5, 0xff, 0xfe, b'a', b'b', b'c'][..]),
             Ok((&[][..], ShortString::from("\u{FFFD}\u{FFFD}abc".to_owned())))
         );
+        // 255 invalid bytes would be 765 bytes of U+FFFD: cut to 85 of them.
+        let mut long = vec![255u8];
+        long.extend([0xffu8; 255]);
+        let (rest, s) = parse_short_string(&long[..]).unwrap();
+        assert!(rest.is_empty());
+        assert_eq!(s.as_str(), "\u{FFFD}".repeat(85));
     }
 
     #[test]
