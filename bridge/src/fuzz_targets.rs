@@ -152,7 +152,10 @@ pub fn rabbitmq_properties(data: &[u8]) {
     out.key = first.key.clone();
     out.message_id = first.message_id.clone();
     out.priority = first.priority;
-    let props = ojs_adapter_rabbitmq::properties(&out, Some(u8::MAX));
+    // A message read off AMQP always fits AMQP again (each short string was
+    // at most 255 bytes, and names keep their length through the mapping).
+    let props = ojs_adapter_rabbitmq::properties(&out, Some(u8::MAX))
+        .unwrap_or_else(|e| panic!("what was read cannot be published again: {e}"));
     let again = ojs_adapter_rabbitmq::to_wire(&props)
         .ok()
         .and_then(|w| ojs_adapter_rabbitmq::received_from_wire(&w, false))

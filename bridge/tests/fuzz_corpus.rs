@@ -110,9 +110,10 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
         "rabbitmq_properties" => messages()
             .iter()
             .map(|m| {
-                let wire =
-                    ojs_adapter_rabbitmq::to_wire(&ojs_adapter_rabbitmq::properties(m, Some(9)))
-                        .unwrap();
+                let wire = ojs_adapter_rabbitmq::to_wire(
+                    &ojs_adapter_rabbitmq::properties(m, Some(9)).unwrap(),
+                )
+                .unwrap();
                 let mut rest = vec![1];
                 rest.extend_from_slice(&m.payload);
                 Parts::join(&[&wire, &rest])
@@ -189,7 +190,8 @@ fn every_target_takes_its_corpus_and_the_seeds_without_a_panic() {
 fn the_seeds_decode_into_what_they_were_made_from() {
     let m = &messages()[0];
     let wire =
-        ojs_adapter_rabbitmq::to_wire(&ojs_adapter_rabbitmq::properties(m, Some(9))).unwrap();
+        ojs_adapter_rabbitmq::to_wire(&ojs_adapter_rabbitmq::properties(m, Some(9)).unwrap())
+            .unwrap();
     let r = ojs_adapter_rabbitmq::received_from_wire(&wire, true).unwrap();
     assert_eq!(r.headers.get("traceparent"), m.headers.get("traceparent"));
     assert_eq!(r.key, m.key);

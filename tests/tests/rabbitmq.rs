@@ -882,3 +882,58 @@ async fn a_subscription_that_keeps_breaking_backs_off_instead_of_looping() {
     got[0].ack().await.unwrap();
     consumer.close().await.unwrap();
 }
+
+/// AMQP carries header names, `content_type`, `type` and `message_id` as
+/// short strings (255 bytes at most); Kafka header names and values, where
+/// such messages come from, have no such bound. A message that does not fit
+/// is an error for that message, naming what does not fit; the others in
+/// the batch are published, and the connection is not disturbed.
+#[tokio::test]
+async fn a_message_whose_short_strings_do_not_fit_is_an_error_for_that_message() {
+    let Some((_url, adapter, _raw)) = setup().await else {
+        return;
+    };
+    let queue = unique_queue("rmq-short-string");
+    let long = "n".repeat(300);
+    let mut named = OutgoingMessage::new("named", "text/plain");
+    named.headers.insert(long.clone(), "v");
+    let typed = OutgoingMessage::new("typed", &format!("text/{long}"));
+    let mut id = OutgoingMessage::new("id", "text/plain");
+    id.message_id = Some(long.clone());
+    let fits = OutgoingMessage::new("fits", "text/plain");
+    let err = adapter
+        .publish(&queue, vec![named, typed, fits.clone(), id])
+        .await
+        .unwrap_err();
+    let Error::Publish(failure) = err else {
+        panic!("expected per-message failures, got {err}")
+    };
+    let failed: Vec<(usize, String)> = failure
+        .failed
+        .iter()
+        .map(|f| (f.index, f.error.to_string()))
+        .collect();
+    assert_eq!(
+        failed.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        vec![0, 1, 3],
+        "{failed:?}"
+    );
+    for (_, text) in &failed {
+        assert!(text.contains("255"), "{text}");
+        assert!(!failure.failed[0].error.is_retryable());
+    }
+    assert!(failed[0].1.contains("header name"), "{failed:?}");
+    assert!(failed[1].1.contains("content_type"), "{failed:?}");
+    assert!(failed[2].1.contains("message_id"), "{failed:?}");
+    // The one that fits went out, on a connection that still works.
+    let mut c = adapter
+        .consumer(&queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    let got = c.receive(1, Duration::from_secs(10)).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(&got[0].payload[..], b"fits");
+    got[0].ack().await.unwrap();
+    adapter.publish(&queue, vec![fits]).await.unwrap();
+    c.close().await.unwrap();
+}

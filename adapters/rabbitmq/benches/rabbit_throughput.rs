@@ -81,7 +81,7 @@ async fn raw_publish(conn: &Connection, queue: &str, msgs: &[OutgoingMessage]) -
     for window in msgs.chunks(WINDOW) {
         let mut confirms = Vec::with_capacity(window.len());
         for m in window {
-            let props: BasicProperties = properties(m, Some(10));
+            let props: BasicProperties = properties(m, Some(10)).unwrap();
             confirms.push(
                 ch.basic_publish(
                     DIRECT_EXCHANGE.into(),

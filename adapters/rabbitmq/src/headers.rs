@@ -12,9 +12,11 @@
 //! The ordering key travels in `x-ojs-key`.
 
 use bytes::Bytes;
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::BasicProperties;
-use ojs_core::{header, HeaderName, HeaderValue, Headers, OutgoingMessage};
+use ojs_core::{header, HeaderName, HeaderValue, Headers, OutgoingMessage, Result};
+
+use crate::topology::short;
 
 /// AMQP header carrying the ordering key.
 pub const KEY_HEADER: &str = "x-ojs-key";
@@ -74,7 +76,9 @@ fn text(v: &AMQPValue) -> Option<String> {
 }
 
 /// Properties for a message; `priority` is clamped to the queue's range.
-pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> BasicProperties {
+/// An error when a header name, the content type, the job type or the
+/// message id is longer than an AMQP short string holds (255 bytes).
+pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> Result<BasicProperties> {
     let mut table = FieldTable::default();
     let mut props = BasicProperties::default()
         .with_delivery_mode(2)
@@ -82,13 +86,13 @@ pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> BasicPropert
     for (name, value) in &m.headers {
         match name.as_str() {
             header::CONTENT_TYPE => {
-                props = props.with_content_type(ShortString::from(&*value.to_str_lossy()))
+                props = props.with_content_type(short(&value.to_str_lossy(), "content_type")?)
             }
             header::ID => {}
-            header::TYPE => props = props.with_type(ShortString::from(&*value.to_str_lossy())),
+            header::TYPE => props = props.with_type(short(&value.to_str_lossy(), "type")?),
             _ => {
                 table.insert(
-                    amqp_name(name).into(),
+                    short(&amqp_name(name), "header name")?,
                     AMQPValue::LongString(LongString::from(value.as_bytes())),
                 );
             }
@@ -96,7 +100,7 @@ pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> BasicPropert
     }
     let id = m.message_id.as_deref().or(m.headers.get_str(header::ID));
     if let Some(id) = id {
-        props = props.with_message_id(ShortString::from(id));
+        props = props.with_message_id(short(id, "message_id")?);
     }
     if let Some(key) = &m.key {
         table.insert(
@@ -109,7 +113,7 @@ pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> BasicPropert
             props = props.with_priority(m.priority.min(i32::from(max)) as u8);
         }
     }
-    props.with_headers(table)
+    Ok(props.with_headers(table))
 }
 
 /// What a delivery carries, in neutral form.
@@ -202,7 +206,7 @@ mod tests {
         let mut m = OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap();
         m.headers.insert("x-custom", "kept");
         m.headers.insert(header::ATTEMPT, "3");
-        let props = properties(&m, Some(10));
+        let props = properties(&m, Some(10)).unwrap();
         assert_eq!(props.message_id().as_ref().unwrap().as_str(), job.id);
         assert_eq!(props.kind().as_ref().unwrap().as_str(), "email.send");
         assert_eq!(*props.priority(), Some(10), "clamped to x-max-priority");

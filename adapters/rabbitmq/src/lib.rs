@@ -75,7 +75,7 @@ async fn within<T>(
         .unwrap_or(Err(Error::Timeout(budget)))
 }
 
-use topology::amqp_error;
+use topology::{amqp_error, short};
 
 /// One connection with its confirm-mode publishing channel, and what has
 /// been declared on it.
@@ -350,6 +350,7 @@ impl Inner {
     /// declared as a durable topic exchange. Each attempt uses its own
     /// channel, because a failed passive declare closes the channel.
     async fn ensure_grpcq_exchange(&self, s: &Session, topic: &str) -> Result<()> {
+        short(topic, "grpcq exchange (the call's topic)")?;
         let key = format!("exchange:{topic}");
         if s.declared().contains(&key) {
             return Ok(());
@@ -440,6 +441,7 @@ impl Inner {
             ),
             ("x-expires", AMQPValue::LongLongInt(expires)),
         ]);
+        short(&name, "retry queue name")?;
         // A TTL queue's expiry restarts with every declaration, so it is
         // declared again rather than used as found.
         let declared = s
@@ -548,7 +550,23 @@ impl Inner {
                     self.config
                         .max_priority
                         .filter(|_| !self.config.quorum_queues),
-                );
+                )
+                .and_then(|props| {
+                    short(&exchange, "exchange name")?;
+                    short(&routing_key, "routing key")?;
+                    Ok(props)
+                });
+                let props = match props {
+                    Ok(props) => props,
+                    Err(error) => {
+                        failed.push(FailedPublish {
+                            index,
+                            message,
+                            error,
+                        });
+                        continue;
+                    }
+                };
                 let published = session
                     .publisher
                     .basic_publish(
@@ -902,6 +920,7 @@ impl QueueAdapter for RabbitAdapter {
 
     async fn depth(&self, queue: &str) -> Result<Option<u64>> {
         let deadline = Instant::now() + Duration::from_secs(5);
+        short(&self.inner.config.queue_name_of(queue), "queue name")?;
         let s = self.inner.session(deadline).await?;
         within(deadline, async {
             // A passive declare that fails closes its channel: use a scratch one.
@@ -1068,6 +1087,7 @@ impl RabbitConsumer {
             Source::Queue => self.inner.config.queue_name_of(&self.queue),
             Source::DeadLetters => self.inner.config.dead_letter_queue_of(&self.queue),
         };
+        short(&source, "queue name")?;
         let tag = format!("ojs-bridge-{}", uuid::Uuid::new_v4().simple());
         let stream = channel
             .basic_consume(

@@ -11,7 +11,7 @@
 use lapin::options::{
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Connection, ErrorKind, ExchangeKind};
 use ojs_core::{BrokerErrorKind, Error, Result};
 
@@ -21,6 +21,26 @@ const NOT_FOUND: u16 = 404;
 const PRECONDITION_FAILED: u16 = 406;
 
 /// The AMQP reply code of a broker error, if it is one.
+/// `value` as an AMQP short string: names, routing keys and most
+/// properties are at most 255 bytes on the wire, and lapin panics when
+/// asked to build a longer one. Kafka header names and values, grpcq topics
+/// and message-chosen queue names have no such bound, so a longer one is an
+/// error naming `what` (the message's fault, not the broker's: not
+/// retryable).
+pub(crate) fn short(value: &str, what: &str) -> Result<ShortString> {
+    ShortString::try_new(value).map_err(|_| {
+        Error::broker(
+            "rabbitmq",
+            format!(
+                "{what} is {} bytes; AMQP carries it as a short string of at most 255",
+                value.len()
+            ),
+            false,
+        )
+        .with_broker_kind(BrokerErrorKind::Rejected)
+    })
+}
+
 pub(crate) fn amqp_code(e: &lapin::Error) -> Option<u16> {
     match e.kind() {
         ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
@@ -89,6 +109,7 @@ async fn scratch<T>(
 /// Checks that queue `name` exists (a passive declare, which needs no
 /// permission); its message count when it does.
 pub(crate) async fn check_queue(connection: &Connection, name: &str) -> Result<u32> {
+    short(name, "queue name")?;
     let passive = QueueDeclareOptions {
         passive: true,
         ..Default::default()
@@ -111,6 +132,7 @@ pub(crate) async fn check_queue(connection: &Connection, name: &str) -> Result<u
 
 /// Checks that exchange `name` exists.
 pub(crate) async fn check_exchange(connection: &Connection, name: &str) -> Result<()> {
+    short(name, "exchange name")?;
     let passive = ExchangeDeclareOptions {
         passive: true,
         ..Default::default()
@@ -150,6 +172,7 @@ pub(crate) const REPLY_QUEUE_EXPIRES_MS: i32 = 60_000;
 /// exclusive queue dies with the connection that declared it, and a
 /// reconnect would then lose the replies in flight.
 pub(crate) async fn declare_reply_queue(connection: &Connection, name: &str) -> Result<()> {
+    short(name, "reply queue name")?;
     let mut args = FieldTable::default();
     args.insert(
         "x-expires".into(),
@@ -169,6 +192,7 @@ pub(crate) async fn declare_reply_queue(connection: &Connection, name: &str) -> 
 /// Deletes queue `name` with what is in it; one that is gone already is
 /// fine.
 pub(crate) async fn delete_queue(connection: &Connection, name: &str) -> Result<()> {
+    short(name, "queue name")?;
     match scratch(connection, async |ch| {
         ch.queue_delete(name.into(), QueueDeleteOptions::default())
             .await
@@ -209,6 +233,7 @@ pub(crate) async fn try_declare_queue(
     name: &str,
     args: FieldTable,
 ) -> Result<Declared> {
+    short(name, "queue name")?;
     let durable = QueueDeclareOptions {
         durable: true,
         ..Default::default()
@@ -247,6 +272,7 @@ pub(crate) async fn declare_exchange(
     if name.is_empty() {
         return Ok(());
     }
+    short(name, "exchange name")?;
     let durable = ExchangeDeclareOptions {
         durable: true,
         ..Default::default()
@@ -279,6 +305,9 @@ pub(crate) async fn bind(
     if exchange.is_empty() {
         return Ok(());
     }
+    short(queue, "queue name")?;
+    short(exchange, "exchange name")?;
+    short(routing_key, "routing key")?;
     scratch(connection, async |ch| {
         ch.queue_bind(
             queue.into(),
