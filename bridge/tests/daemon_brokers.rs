@@ -1,6 +1,7 @@
 //! The daemon between real brokers: grpcq calls on RabbitMQ become OJS jobs
 //! on Kafka, calls on SQS become jobs on RabbitMQ; health follows a broker
-//! that goes away and comes back.
+//! that goes away and comes back; a message RabbitMQ cannot carry is
+//! dead-lettered at the source while the rest flow.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -129,6 +130,92 @@ async fn grpcq_calls_on_rabbitmq_become_ojs_jobs_on_kafka() {
     // can overlap this.
     assert_eq!(rabbit.depth(&source_queue).await.unwrap(), Some(0));
     kafka_adapter.close().await.unwrap();
+    rabbit.close().await.unwrap();
+}
+
+/// A call whose message id is longer than AMQP's 255-byte `message_id`
+/// (grpcq and Kafka set no such bound) cannot be published to RabbitMQ:
+/// that is the message's fault, so the daemon dead-letters it at the
+/// source as `sink_rejected`, naming what does not fit, and the calls
+/// around it flow. The sink is not marked failing and nothing waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_rabbitmq_cannot_carry_is_dead_lettered_and_the_rest_flow() {
+    use ojs_adapter_memory::MemoryAdapter;
+
+    let Some(amqp) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let name = unique_queue("mem");
+    let out = unique_queue("bridge-too-long");
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        mem = "memory://{name}"
+        rabbit = "{amqp}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        [[routes]]
+        name = "to-rabbit"
+        sink = "rabbit"
+        to = "grpcq"
+        queue = "{out}"
+        "#,
+        amqp = amqp.url,
+    );
+    let memory = MemoryAdapter::named(&name);
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let before = call(0, "payment.PaymentService", "Pay");
+    let mut long = call(1, "payment.PaymentService", "Pay");
+    long.message_id = "m".repeat(300);
+    let after = call(2, "payment.PaymentService", "Pay");
+    memory
+        .publish(
+            "calls",
+            [&before, &long, &after]
+                .into_iter()
+                .map(OutgoingMessage::from_grpcq)
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let rabbit = RabbitAdapter::connect(RabbitConfig::new(&amqp.url))
+        .await
+        .unwrap();
+    let got = collect(&rabbit, &out, Source::Queue, 2, Duration::from_secs(20)).await;
+    let mut ids: Vec<String> = got
+        .iter()
+        .map(|d| grpcq::decode(&d.payload).unwrap().message_id)
+        .collect();
+    ids.sort();
+    let mut want = vec![before.message_id.clone(), after.message_id.clone()];
+    want.sort();
+    assert_eq!(ids, want, "the calls around it arrive");
+    let dead = collect(
+        &memory,
+        "calls",
+        Source::DeadLetters,
+        1,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        grpcq::decode(&dead[0].payload).unwrap().message_id,
+        long.message_id
+    );
+    let reason = dead[0].dead_letter_reason().unwrap();
+    assert_eq!(reason.error_type, "sink_rejected");
+    assert!(
+        reason.message.contains("message_id") && reason.message.contains("255"),
+        "{}",
+        reason.message
+    );
+    let summary = daemon.shutdown().await;
+    assert_eq!(summary.sources[0].2, 3, "all three settled at the source");
     rabbit.close().await.unwrap();
 }
 
