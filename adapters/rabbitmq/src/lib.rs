@@ -75,7 +75,7 @@ async fn within<T>(
         .unwrap_or(Err(Error::Timeout(budget)))
 }
 
-use topology::{amqp_error, short};
+use topology::{amqp_error, fits, short};
 
 /// One connection with its confirm-mode publishing channel, and what has
 /// been declared on it.
@@ -350,7 +350,7 @@ impl Inner {
     /// declared as a durable topic exchange. Each attempt uses its own
     /// channel, because a failed passive declare closes the channel.
     async fn ensure_grpcq_exchange(&self, s: &Session, topic: &str) -> Result<()> {
-        short(topic, "grpcq exchange (the call's topic)")?;
+        fits(topic, "grpcq exchange (the call's topic)")?;
         let key = format!("exchange:{topic}");
         if s.declared().contains(&key) {
             return Ok(());
@@ -441,7 +441,7 @@ impl Inner {
             ),
             ("x-expires", AMQPValue::LongLongInt(expires)),
         ]);
-        short(&name, "retry queue name")?;
+        fits(&name, "retry queue name")?;
         // A TTL queue's expiry restarts with every declaration, so it is
         // declared again rather than used as found.
         let declared = s
@@ -552,12 +552,11 @@ impl Inner {
                         .filter(|_| !self.config.quorum_queues),
                 )
                 .and_then(|props| {
-                    short(&exchange, "exchange name")?;
-                    short(&routing_key, "routing key")?;
-                    Ok(props)
+                    let exchange = short(&exchange, "exchange name")?;
+                    Ok((props, exchange, short(&routing_key, "routing key")?))
                 });
-                let props = match props {
-                    Ok(props) => props,
+                let (props, exchange_name, routing_key) = match props {
+                    Ok(checked) => checked,
                     Err(error) => {
                         failed.push(FailedPublish {
                             index,
@@ -570,8 +569,8 @@ impl Inner {
                 let published = session
                     .publisher
                     .basic_publish(
-                        exchange.as_str().into(),
-                        routing_key.as_str().into(),
+                        exchange_name,
+                        routing_key,
                         BasicPublishOptions {
                             mandatory: true,
                             ..Default::default()
@@ -920,7 +919,7 @@ impl QueueAdapter for RabbitAdapter {
 
     async fn depth(&self, queue: &str) -> Result<Option<u64>> {
         let deadline = Instant::now() + Duration::from_secs(5);
-        short(&self.inner.config.queue_name_of(queue), "queue name")?;
+        fits(&self.inner.config.queue_name_of(queue), "queue name")?;
         let s = self.inner.session(deadline).await?;
         within(deadline, async {
             // A passive declare that fails closes its channel: use a scratch one.
@@ -1087,7 +1086,7 @@ impl RabbitConsumer {
             Source::Queue => self.inner.config.queue_name_of(&self.queue),
             Source::DeadLetters => self.inner.config.dead_letter_queue_of(&self.queue),
         };
-        short(&source, "queue name")?;
+        fits(&source, "queue name")?;
         let tag = format!("ojs-bridge-{}", uuid::Uuid::new_v4().simple());
         let stream = channel
             .basic_consume(

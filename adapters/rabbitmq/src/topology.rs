@@ -28,17 +28,25 @@ const PRECONDITION_FAILED: u16 = 406;
 /// error naming `what` (the message's fault, not the broker's: not
 /// retryable).
 pub(crate) fn short(value: &str, what: &str) -> Result<ShortString> {
-    ShortString::try_new(value).map_err(|_| {
-        Error::broker(
-            "rabbitmq",
-            format!(
-                "{what} is {} bytes; AMQP carries it as a short string of at most 255",
-                value.len()
-            ),
-            false,
-        )
-        .with_broker_kind(BrokerErrorKind::Rejected)
-    })
+    fits(value, what)?;
+    Ok(ShortString::from(value))
+}
+
+/// [`short`]'s check alone, for a name that lapin converts later (no
+/// string built to be thrown away).
+pub(crate) fn fits(value: &str, what: &str) -> Result<()> {
+    if value.len() <= lapin::types::MAX_SHORT_STRING_LENGTH {
+        return Ok(());
+    }
+    Err(Error::broker(
+        "rabbitmq",
+        format!(
+            "{what} is {} bytes; AMQP carries it as a short string of at most 255",
+            value.len()
+        ),
+        false,
+    )
+    .with_broker_kind(BrokerErrorKind::Rejected))
 }
 
 pub(crate) fn amqp_code(e: &lapin::Error) -> Option<u16> {
@@ -109,7 +117,7 @@ async fn scratch<T>(
 /// Checks that queue `name` exists (a passive declare, which needs no
 /// permission); its message count when it does.
 pub(crate) async fn check_queue(connection: &Connection, name: &str) -> Result<u32> {
-    short(name, "queue name")?;
+    fits(name, "queue name")?;
     let passive = QueueDeclareOptions {
         passive: true,
         ..Default::default()
@@ -132,7 +140,7 @@ pub(crate) async fn check_queue(connection: &Connection, name: &str) -> Result<u
 
 /// Checks that exchange `name` exists.
 pub(crate) async fn check_exchange(connection: &Connection, name: &str) -> Result<()> {
-    short(name, "exchange name")?;
+    fits(name, "exchange name")?;
     let passive = ExchangeDeclareOptions {
         passive: true,
         ..Default::default()
@@ -172,7 +180,7 @@ pub(crate) const REPLY_QUEUE_EXPIRES_MS: i32 = 60_000;
 /// exclusive queue dies with the connection that declared it, and a
 /// reconnect would then lose the replies in flight.
 pub(crate) async fn declare_reply_queue(connection: &Connection, name: &str) -> Result<()> {
-    short(name, "reply queue name")?;
+    fits(name, "reply queue name")?;
     let mut args = FieldTable::default();
     args.insert(
         "x-expires".into(),
@@ -192,7 +200,7 @@ pub(crate) async fn declare_reply_queue(connection: &Connection, name: &str) -> 
 /// Deletes queue `name` with what is in it; one that is gone already is
 /// fine.
 pub(crate) async fn delete_queue(connection: &Connection, name: &str) -> Result<()> {
-    short(name, "queue name")?;
+    fits(name, "queue name")?;
     match scratch(connection, async |ch| {
         ch.queue_delete(name.into(), QueueDeleteOptions::default())
             .await
@@ -233,7 +241,7 @@ pub(crate) async fn try_declare_queue(
     name: &str,
     args: FieldTable,
 ) -> Result<Declared> {
-    short(name, "queue name")?;
+    fits(name, "queue name")?;
     let durable = QueueDeclareOptions {
         durable: true,
         ..Default::default()
@@ -272,7 +280,7 @@ pub(crate) async fn declare_exchange(
     if name.is_empty() {
         return Ok(());
     }
-    short(name, "exchange name")?;
+    fits(name, "exchange name")?;
     let durable = ExchangeDeclareOptions {
         durable: true,
         ..Default::default()
@@ -305,9 +313,9 @@ pub(crate) async fn bind(
     if exchange.is_empty() {
         return Ok(());
     }
-    short(queue, "queue name")?;
-    short(exchange, "exchange name")?;
-    short(routing_key, "routing key")?;
+    fits(queue, "queue name")?;
+    fits(exchange, "exchange name")?;
+    fits(routing_key, "routing key")?;
     scratch(connection, async |ch| {
         ch.queue_bind(
             queue.into(),
