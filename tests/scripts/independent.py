@@ -212,7 +212,14 @@ def sqs_receive(a):
     while len(out) < a.count and time.time() < deadline:
         r = c.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1, MessageAttributeNames=["All"])
         for m in r.get("Messages", []):
-            out.append({"body": m["Body"], "attributes": {k: v.get("StringValue") for k, v in m.get("MessageAttributes", {}).items()}})
+            attrs = m.get("MessageAttributes", {})
+            out.append({
+                "body": m["Body"],
+                "attributes": {k: v.get("StringValue") for k, v in attrs.items()},
+                # What another reader sees: each attribute's type, and Binary values as hex.
+                "types": {k: v.get("DataType") for k, v in attrs.items()},
+                "binary_hex": {k: v["BinaryValue"].hex() for k, v in attrs.items() if "BinaryValue" in v},
+            })
             c.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
     for m in out:
         print(json.dumps(m))

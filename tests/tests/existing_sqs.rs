@@ -151,3 +151,91 @@ async fn declare_keeps_the_queues_own_redrive_policy() {
         |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap()["RedrivePolicy"].clone();
     assert_eq!(policy(&before), policy(&after));
 }
+
+/// SQS refuses a whole `SendMessageBatch` when one entry breaks a rule: a
+/// body over the queue's own `MaximumMessageSize` (set by whoever made the
+/// queue), an attribute name it does not allow. Before, that failed every
+/// message of the batch as retryable, and the source retried them for
+/// ever. Now only the message at fault fails, as not retryable, and
+/// header values SQS refuses as String values still arrive, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_sqs_refuses_for_one_message_fails_that_message_alone() {
+    let Some(f) = existing_sqs().await else {
+        return;
+    };
+    let queue = unique_queue("existing-small");
+    independent::run(&["sqs-queue", &queue, "--attr", "MaximumMessageSize=1024"]).unwrap();
+    let adapter = SqsAdapter::connect(f.config()).await.unwrap();
+
+    let first = OutgoingMessage::new("first", "text/plain");
+    // 1,500 bytes are 2,000 in base64: over this queue's 1,024.
+    let too_big_for_the_queue = OutgoingMessage::new(vec![b'x'; 1500], "text/plain");
+    let mut odd_values = OutgoingMessage::new("odd values", "text/plain");
+    odd_values.headers.insert("control", &b"a\x01b"[..]);
+    odd_values.headers.insert("empty", "");
+    odd_values.key = Some(bytes::Bytes::new());
+    let mut bad_name = OutgoingMessage::new("bad name", "text/plain");
+    bad_name.headers.insert("bad name!", "v");
+    let err = adapter
+        .publish(
+            &queue,
+            vec![first, too_big_for_the_queue, odd_values.clone(), bad_name],
+        )
+        .await
+        .unwrap_err();
+    let ojs_core::Error::Publish(failure) = err else {
+        panic!("expected per-message failures, got {err}")
+    };
+    let failed: Vec<(usize, String, bool)> = failure
+        .failed
+        .iter()
+        .map(|f| (f.index, f.error.to_string(), f.error.is_retryable()))
+        .collect();
+    assert_eq!(
+        failed.iter().map(|f| f.0).collect::<Vec<_>>(),
+        vec![1, 3],
+        "{failed:?}"
+    );
+    assert!(
+        failed.iter().all(|f| !f.2),
+        "neither is retryable: {failed:?}"
+    );
+    assert!(failed[0].1.contains("InvalidParameterValue"), "{failed:?}");
+    assert!(failed[1].1.contains("header name"), "{failed:?}");
+    assert!(!failed[1].1.contains("bad name!"), "{failed:?}");
+
+    // The other two arrived; another reader sees the control character's
+    // bytes as a Binary attribute and the empty values with their own type.
+    let got = independent::lines(&["sqs-receive", &queue, "--count", "2"]).unwrap();
+    assert_eq!(got.len(), 2, "{got:?}");
+    let body = |m: &serde_json::Value| {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD
+            .decode(m["body"].as_str().unwrap())
+            .unwrap()
+    };
+    let mut bodies: Vec<Vec<u8>> = got.iter().map(body).collect();
+    bodies.sort();
+    assert_eq!(bodies, vec![b"first".to_vec(), b"odd values".to_vec()]);
+    let odd = got.iter().find(|m| body(m) == b"odd values").unwrap();
+    assert_eq!(odd["types"]["control"], "Binary", "{odd}");
+    assert_eq!(odd["binary_hex"]["control"], "610162", "{odd}");
+    assert_eq!(odd["types"]["empty"], "String.ojs-empty", "{odd}");
+    assert_eq!(odd["types"]["ojs-key"], "String.ojs-empty", "{odd}");
+
+    // Through our consumer the values come back as they were sent.
+    adapter.publish(&queue, vec![odd_values]).await.unwrap();
+    let mut consumer = adapter
+        .consumer(&queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    let d = next_delivery(&mut *consumer, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(&d.payload[..], b"odd values");
+    assert_eq!(d.headers.get("control").unwrap().as_bytes(), b"a\x01b");
+    assert_eq!(d.headers.get("empty").unwrap().as_bytes(), b"");
+    assert_eq!(d.key.as_deref(), Some(&b""[..]));
+    d.ack().await.unwrap();
+    consumer.close().await.unwrap();
+}

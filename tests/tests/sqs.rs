@@ -227,3 +227,37 @@ async fn bodies_from_other_sqs_clients_are_handled_or_dead_lettered() {
         "{reasons:?}"
     );
 }
+
+/// Ten messages of 200 KB are 2.7 MB in base64, over the 1 MiB SQS takes
+/// in one SendMessageBatch. Before, the batch went out as one request that
+/// SQS refused as a whole (BatchRequestTooLong), every time: the publish
+/// failed as retryable and a source behind it retried it for ever. Now
+/// requests are cut by size as well as by count.
+#[tokio::test]
+async fn a_batch_over_the_request_size_sqs_takes_goes_out_in_several_requests() {
+    let Some((adapter, _, _)) = setup("").await else {
+        return;
+    };
+    let queue = unique_queue("sqs-big-batch");
+    let messages: Vec<OutgoingMessage> = (0..10u8)
+        .map(|i| OutgoingMessage::new(vec![b'a' + i; 200_000], "application/octet-stream"))
+        .collect();
+    adapter.publish(&queue, messages).await.unwrap();
+    let mut c = adapter
+        .consumer(&queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    let mut firsts = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while firsts.len() < 10 && Instant::now() < deadline {
+        for d in c.receive(10, Duration::from_secs(2)).await.unwrap() {
+            assert_eq!(d.payload.len(), 200_000);
+            assert!(d.payload.iter().all(|b| *b == d.payload[0]));
+            firsts.push(d.payload[0]);
+            d.ack().await.unwrap();
+        }
+    }
+    firsts.sort_unstable();
+    assert_eq!(firsts, (0..10u8).map(|i| b'a' + i).collect::<Vec<_>>());
+    c.close().await.unwrap();
+}

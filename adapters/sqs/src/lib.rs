@@ -8,12 +8,17 @@
 //!   legacy publishers sent raw bytes); the consumer decides, and the worker
 //!   dead-letters what does not decode.
 //! * Headers travel as String message attributes, at most 10 (SQS limit); a
-//!   message with more fails before sending, naming the limit.
+//!   message with more fails before sending, naming the limit. A value that
+//!   is not XML text travels as a Binary attribute and an empty one with the
+//!   type `String.ojs-empty` (SQS refuses both as String values); a header
+//!   name SQS refuses fails that message alone (see [`attributes`]).
 //! * Size is checked before sending against the encoded size (base64 body +
 //!   attribute names, types and values): `PayloadTooLarge` names both sizes.
-//! * Publish uses SendMessageBatch in chunks of 10 and checks every entry:
-//!   failed entries are retried (`send_attempts`), what still fails is
-//!   reported per message — never silently dropped.
+//! * Publish uses SendMessageBatch in chunks of at most 10 entries and
+//!   1 MiB, and checks every entry: failed entries are retried
+//!   (`send_attempts`), what still fails is reported per message — never
+//!   silently dropped. A batch SQS refuses as a whole for its content is
+//!   sent again one message per request, so only the message at fault fails.
 //! * ack = DeleteMessageBatch (acks waiting at the same time share a call,
 //!   each answered by its own entry); a retry nack = ChangeMessageVisibility(delay); a
 //!   dead-letter nack sends a copy with the reason to the DLQ, then deletes;
@@ -29,6 +34,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod attributes;
 mod config;
 
 use std::collections::HashMap;
@@ -103,9 +109,7 @@ fn error_kind(code: Option<&str>) -> BrokerErrorKind {
             | "KmsAccessDenied",
         ) => BrokerErrorKind::AccessDenied,
         Some("QueueAlreadyExists" | "QueueNameExists") => BrokerErrorKind::Conflict,
-        Some("InvalidMessageContents" | "MessageTooLong" | "BatchRequestTooLong") => {
-            BrokerErrorKind::Rejected
-        }
+        Some(code) if refuses_the_content(code) => BrokerErrorKind::Rejected,
         Some(
             "ThrottlingException"
             | "RequestThrottled"
@@ -117,6 +121,20 @@ fn error_kind(code: Option<&str>) -> BrokerErrorKind {
         ) => BrokerErrorKind::Unavailable,
         _ => BrokerErrorKind::Other,
     }
+}
+
+/// Error codes with which SQS refuses what a request carries (a message, an
+/// attribute, the size of a batch), not the caller or the queue.
+fn refuses_the_content(code: &str) -> bool {
+    matches!(
+        code.strip_prefix("AWS.SimpleQueueService.").unwrap_or(code),
+        "InvalidMessageContents"
+            | "MessageTooLong"
+            | "BatchRequestTooLong"
+            | "InvalidParameterValue"
+            | "InvalidAttributeName"
+            | "InvalidAttributeValue"
+    )
 }
 
 /// What an SQS message carries, in neutral form.
@@ -149,10 +167,13 @@ pub fn received_message(
     for (k, v) in attributes.into_iter().flatten() {
         if k == KEY_ATTRIBUTE {
             key = match (v.string_value(), v.binary_value()) {
+                _ if v.data_type() == attributes::EMPTY_VALUE_TYPE => Some(Bytes::new()),
                 (Some(s), _) => Some(Bytes::copy_from_slice(s.as_bytes())),
                 (None, Some(b)) => Some(Bytes::copy_from_slice(b.as_ref())),
                 (None, None) => None,
             };
+        } else if v.data_type() == attributes::EMPTY_VALUE_TYPE {
+            headers.insert(HeaderName::new(k), "");
         } else if let Some(s) = v.string_value() {
             headers.insert(HeaderName::new(k), s);
         } else if let Some(b) = v.binary_value() {
@@ -195,14 +216,26 @@ fn make_room_for_the_reason(copy: &mut OutgoingMessage) {
     }
 }
 
-/// Encoded size as SQS counts it: body plus each attribute's name, type
-/// ("String" or "Binary", the same length) and value.
+/// Encoded size as SQS counts it: body plus each attribute's size
+/// ([`attribute_size`]).
 pub fn encoded_size(body_len: usize, headers: &Headers) -> usize {
     body_len
         + headers
             .iter()
-            .map(|(k, v)| k.len() + "String".len() + v.len())
+            .map(|(k, v)| attribute_size(k.len(), v.len()))
             .sum::<usize>()
+}
+
+/// One attribute's size as SQS counts it: name, type ("String" or
+/// "Binary", the same length) and value; an empty value as the type and
+/// placeholder it travels with.
+fn attribute_size(name_len: usize, value_len: usize) -> usize {
+    name_len
+        + if value_len == 0 {
+            attributes::EMPTY_VALUE_TYPE.len() + attributes::EMPTY_VALUE_PLACEHOLDER.len()
+        } else {
+            "String".len() + value_len
+        }
 }
 
 type DeleteRequest = (String, tokio::sync::oneshot::Sender<Result<()>>);
@@ -465,23 +498,22 @@ impl Inner {
         Ok(resolved)
     }
 
-    fn entry(&self, id: usize, m: &OutgoingMessage) -> Result<SendMessageBatchRequestEntry> {
+    /// One message as a batch entry, with its size as SQS counts it; a
+    /// message SQS would refuse fails here, before any request.
+    fn entry(
+        &self,
+        id: usize,
+        m: &OutgoingMessage,
+    ) -> Result<(SendMessageBatchRequestEntry, usize)> {
         let mut attributes = m.headers.clone();
-        // A UTF-8 key travels as a String attribute (what other readers
+        // A text key travels as a String attribute (what other readers
         // expect), any other key as a Binary one: its bytes come back.
-        let key = m.key.as_ref().map(|k| match std::str::from_utf8(k) {
-            Ok(text) => MessageAttributeValue::builder()
-                .data_type("String")
-                .string_value(text),
-            Err(_) => MessageAttributeValue::builder()
-                .data_type("Binary")
-                .binary_value(Blob::new(k.to_vec())),
-        });
+        let key = m.key.as_ref().map(|k| attribute_value(k)).transpose()?;
         attributes.remove(KEY_ATTRIBUTE);
         let key_size = m
             .key
             .as_ref()
-            .map_or(0, |k| KEY_ATTRIBUTE.len() + "Binary".len() + k.len());
+            .map_or(0, |k| attribute_size(KEY_ATTRIBUTE.len(), k.len()));
         if attributes.len() + usize::from(key.is_some()) > SQS_MAX_ATTRIBUTES {
             return Err(Error::InvalidConfig {
                 field: "headers".into(),
@@ -490,6 +522,9 @@ impl Inner {
                     attributes.len() + usize::from(key.is_some())
                 ),
             });
+        }
+        for (k, _) in &attributes {
+            attributes::check_name(k.as_str())?;
         }
         let body = STANDARD.encode(&m.payload);
         let size = encoded_size(body.len(), &attributes) + key_size;
@@ -503,20 +538,10 @@ impl Inner {
             .id(id.to_string())
             .message_body(body);
         for (k, v) in &attributes {
-            // Text as a String attribute; other bytes (a binary Kafka header
-            // bridged here) as a Binary one, so they arrive unchanged.
-            let value = match v.to_str() {
-                Some(text) => MessageAttributeValue::builder()
-                    .data_type("String")
-                    .string_value(text),
-                None => MessageAttributeValue::builder()
-                    .data_type("Binary")
-                    .binary_value(Blob::new(v.as_bytes().to_vec())),
-            };
-            e = e.message_attributes(k.as_str(), value.build().map_err(sqs_error)?);
+            e = e.message_attributes(k.as_str(), attribute_value(v.as_bytes())?);
         }
         if let Some(key) = key {
-            e = e.message_attributes(KEY_ATTRIBUTE, key.build().map_err(sqs_error)?);
+            e = e.message_attributes(KEY_ATTRIBUTE, key);
         }
         if let Some(at) = m.deliver_at {
             let secs = (at - chrono::Utc::now()).num_seconds().max(0) as u64;
@@ -531,60 +556,40 @@ impl Inner {
             }
         }
         if self.config.fifo {
-            let id = m
-                .message_id
-                .clone()
-                .unwrap_or_else(|| uuid_like(&m.payload));
+            let dedup = match &m.message_id {
+                Some(id) => attributes::fifo_id(id).into_owned(),
+                None => uuid_like(&m.payload),
+            };
+            let group = attributes::fifo_id(m.headers.get_str(header::QUEUE).unwrap_or("default"));
             e = e
-                .message_group_id(m.headers.get_str(header::QUEUE).unwrap_or("default"))
-                .message_deduplication_id(id);
+                .message_group_id(group.into_owned())
+                .message_deduplication_id(dedup);
         }
-        e.build().map_err(sqs_error)
+        Ok((e.build().map_err(sqs_error)?, size))
     }
 
-    /// SendMessageBatch in chunks of 10; failed entries retried; the rest
-    /// reported per message.
+    /// SendMessageBatch in chunks of at most 10 entries and
+    /// [`SQS_MAX_MESSAGE_BYTES`]; failed entries retried; the rest reported
+    /// per message.
     async fn send(&self, url: &str, items: Vec<(usize, OutgoingMessage)>) -> Vec<FailedPublish> {
         let mut failed = Vec::new();
         // Each message is encoded (base64 + attributes) once; the entry is
         // moved into the request, and only the rare retried entry is
         // encoded again.
-        let mut pending: Vec<(usize, OutgoingMessage, Option<SendMessageBatchRequestEntry>)> =
-            Vec::new();
-        for (index, message) in items {
-            match self.entry(index, &message) {
-                Ok(entry) => pending.push((index, message, Some(entry))),
-                Err(error) => failed.push(FailedPublish {
-                    index,
-                    message,
-                    error,
-                }),
-            }
-        }
+        let mut pending: Vec<Pending> = items
+            .into_iter()
+            .map(|(index, message)| (index, message, None))
+            .collect();
         let mut attempt = 0;
         while !pending.is_empty() {
             attempt += 1;
             let mut retry = Vec::new();
-            let mut rest = std::mem::take(&mut pending).into_iter().peekable();
-            while rest.peek().is_some() {
-                let mut chunk = Vec::with_capacity(SQS_BATCH_LIMIT);
-                let mut entries = Vec::with_capacity(SQS_BATCH_LIMIT);
-                for (index, message, entry) in rest.by_ref().take(SQS_BATCH_LIMIT) {
-                    match entry.map_or_else(|| self.entry(index, &message), Ok) {
-                        Ok(e) => {
-                            entries.push(e);
-                            chunk.push((index, message));
-                        }
-                        Err(error) => failed.push(FailedPublish {
-                            index,
-                            message,
-                            error,
-                        }),
-                    }
-                }
-                if entries.is_empty() {
-                    continue;
-                }
+            let mut chunks = self.chunks(std::mem::take(&mut pending), &mut failed);
+            while let Some(chunk) = chunks.pop_front() {
+                let (entries, chunk): (Vec<_>, Vec<_>) = chunk
+                    .into_iter()
+                    .map(|(index, message, entry)| (entry, (index, message)))
+                    .unzip();
                 let result = self
                     .client
                     .send_message_batch()
@@ -617,9 +622,42 @@ impl Inner {
                         }
                     }
                     Err(e) => {
-                        let text = aws_sdk_sqs::error::DisplayErrorContext(e).to_string();
+                        use aws_sdk_sqs::error::ProvideErrorMetadata;
+                        let refused = e.code().is_some_and(refuses_the_content);
+                        let text = aws_sdk_sqs::error::DisplayErrorContext(&e).to_string();
+                        if refused && chunk.len() > 1 {
+                            // One entry can make SQS refuse the whole
+                            // request: each message goes again on its own,
+                            // so the others are not held by it.
+                            tracing::warn!(
+                                code = e.code().unwrap_or_default(),
+                                entries = chunk.len(),
+                                "SQS refused a batch for its content; sending its messages one by one"
+                            );
+                            for (index, message) in chunk.into_iter().rev() {
+                                match self.entry(index, &message) {
+                                    Ok((entry, _)) => {
+                                        chunks.push_front(vec![(index, message, entry)])
+                                    }
+                                    Err(error) => failed.push(FailedPublish {
+                                        index,
+                                        message,
+                                        error,
+                                    }),
+                                }
+                            }
+                            continue;
+                        }
                         for (index, message) in chunk {
-                            retry.push((index, message, Error::broker("sqs", text.clone(), true)));
+                            // A message SQS refuses on its own is that
+                            // message's fault: retrying cannot change it.
+                            let error = Error::broker("sqs", text.clone(), !refused);
+                            let error = if refused {
+                                error.with_broker_kind(BrokerErrorKind::Rejected)
+                            } else {
+                                error
+                            };
+                            retry.push((index, message, error));
                         }
                     }
                 }
@@ -641,6 +679,76 @@ impl Inner {
         }
         failed
     }
+
+    /// Groups messages into requests of at most [`SQS_BATCH_LIMIT`] entries
+    /// whose sizes add up to at most [`SQS_MAX_MESSAGE_BYTES`] (SQS refuses
+    /// a larger batch as a whole), encoding those not encoded yet; a message
+    /// that cannot be encoded goes to `failed`.
+    fn chunks(
+        &self,
+        items: Vec<Pending>,
+        failed: &mut Vec<FailedPublish>,
+    ) -> std::collections::VecDeque<Vec<Encoded>> {
+        let mut chunks = std::collections::VecDeque::new();
+        let mut chunk: Vec<Encoded> = Vec::with_capacity(SQS_BATCH_LIMIT);
+        let mut bytes = 0;
+        for (index, message, entry) in items {
+            let (entry, size) = match entry.map_or_else(|| self.entry(index, &message), Ok) {
+                Ok(encoded) => encoded,
+                Err(error) => {
+                    failed.push(FailedPublish {
+                        index,
+                        message,
+                        error,
+                    });
+                    continue;
+                }
+            };
+            if chunk.len() == SQS_BATCH_LIMIT
+                || (!chunk.is_empty() && bytes + size > SQS_MAX_MESSAGE_BYTES)
+            {
+                chunks.push_back(std::mem::take(&mut chunk));
+                bytes = 0;
+            }
+            bytes += size;
+            chunk.push((index, message, entry));
+        }
+        if !chunk.is_empty() {
+            chunks.push_back(chunk);
+        }
+        chunks
+    }
+}
+
+/// A message waiting to be sent, with its entry once encoded.
+type Pending = (
+    usize,
+    OutgoingMessage,
+    Option<(SendMessageBatchRequestEntry, usize)>,
+);
+/// A message and its entry, in a request being built.
+type Encoded = (usize, OutgoingMessage, SendMessageBatchRequestEntry);
+
+/// A header value (or key) as SQS takes it: XML text as a String
+/// attribute; other bytes as a Binary one, so they arrive unchanged; an
+/// empty value as [`attributes::EMPTY_VALUE_TYPE`] (SQS refuses empty
+/// values of either type).
+fn attribute_value(bytes: &[u8]) -> Result<MessageAttributeValue> {
+    let value = if bytes.is_empty() {
+        MessageAttributeValue::builder()
+            .data_type(attributes::EMPTY_VALUE_TYPE)
+            .string_value(attributes::EMPTY_VALUE_PLACEHOLDER)
+    } else {
+        match std::str::from_utf8(bytes) {
+            Ok(text) if attributes::is_xml_text(text) => MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(text),
+            _ => MessageAttributeValue::builder()
+                .data_type("Binary")
+                .binary_value(Blob::new(bytes.to_vec())),
+        }
+    };
+    value.build().map_err(sqs_error)
 }
 
 fn uuid_like(payload: &[u8]) -> String {
