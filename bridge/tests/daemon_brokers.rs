@@ -1,7 +1,7 @@
 //! The daemon between real brokers: grpcq calls on RabbitMQ become OJS jobs
 //! on Kafka, calls on SQS become jobs on RabbitMQ; health follows a broker
-//! that goes away and comes back; a message RabbitMQ cannot carry is
-//! dead-lettered at the source while the rest flow.
+//! that goes away and comes back; a message RabbitMQ or an SQS queue cannot
+//! carry is dead-lettered at the source while the rest flow.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -217,6 +217,104 @@ async fn a_call_rabbitmq_cannot_carry_is_dead_lettered_and_the_rest_flow() {
     let summary = daemon.shutdown().await;
     assert_eq!(summary.sources[0].2, 3, "all three settled at the source");
     rabbit.close().await.unwrap();
+}
+
+/// An SQS queue made by another team with a small `MaximumMessageSize`:
+/// SQS refuses a batch as a whole when one message is over it. The daemon
+/// used to take that as SQS failing and retry the whole batch for ever,
+/// the calls next to the large one included. Now the large one alone is
+/// dead-lettered at the source as `sink_rejected`, the others arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_over_the_sqs_queues_own_size_limit_is_dead_lettered_and_the_rest_flow() {
+    use ojs_adapter_memory::MemoryAdapter;
+    use ojs_bridge_tests::independent;
+
+    let Some(sqs) = find(Broker::Sqs).await else {
+        return;
+    };
+    if independent::available().is_none() {
+        return;
+    }
+    let name = unique_queue("mem");
+    let out = unique_queue("bridge-sqs-small");
+    independent::run(&["sqs-queue", &out, "--attr", "MaximumMessageSize=1024"]).unwrap();
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        mem = "memory://{name}"
+        sqs = "{sqs}&topology=existing"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        [[routes]]
+        name = "to-sqs"
+        sink = "sqs"
+        to = "grpcq"
+        queue = "{out}"
+        "#,
+        sqs = sqs.url,
+    );
+    let memory = MemoryAdapter::named(&name);
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let before = call(0, "payment.PaymentService", "Pay");
+    let mut large = call(1, "payment.PaymentService", "Pay");
+    large.payload = vec![b'x'; 1500];
+    let after = call(2, "payment.PaymentService", "Pay");
+    memory
+        .publish(
+            "calls",
+            [&before, &large, &after]
+                .into_iter()
+                .map(OutgoingMessage::from_grpcq)
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let sqs_adapter = SqsAdapter::connect(SqsConfig::from_url(&sqs.url).unwrap())
+        .await
+        .unwrap();
+    let got = collect(
+        &sqs_adapter,
+        &out,
+        Source::Queue,
+        2,
+        Duration::from_secs(20),
+    )
+    .await;
+    let mut ids: Vec<String> = got
+        .iter()
+        .map(|d| grpcq::decode(&d.payload).unwrap().message_id)
+        .collect();
+    ids.sort();
+    let mut want = vec![before.message_id.clone(), after.message_id.clone()];
+    want.sort();
+    assert_eq!(ids, want, "the calls around it arrive");
+    let dead = collect(
+        &memory,
+        "calls",
+        Source::DeadLetters,
+        1,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        grpcq::decode(&dead[0].payload).unwrap().message_id,
+        large.message_id
+    );
+    let reason = dead[0].dead_letter_reason().unwrap();
+    assert_eq!(reason.error_type, "sink_rejected");
+    assert!(
+        reason.message.contains("InvalidParameterValue"),
+        "{}",
+        reason.message
+    );
+    let summary = daemon.shutdown().await;
+    assert_eq!(summary.sources[0].2, 3, "all three settled at the source");
+    sqs_adapter.close().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
