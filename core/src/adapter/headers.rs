@@ -36,10 +36,16 @@ const KNOWN: &[&str] = &[
     header::ERROR_TYPE,
     header::ERROR_MESSAGE,
     header::PAYLOAD_OMITTED,
+    header::HEADERS_OMITTED,
     header::GRPCQ_TOPIC,
     header::GRPCQ_ACTION,
     header::GRPCQ_ORIGINATOR,
 ];
+
+/// Whether `name` is one of [`header`]'s.
+pub(super) fn is_known(name: &str) -> bool {
+    KNOWN.contains(&name)
+}
 
 /// A header name: static for the names of [`header`], shared otherwise.
 #[derive(Clone)]

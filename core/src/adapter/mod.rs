@@ -65,12 +65,22 @@ pub mod header {
     /// this is the body's size in bytes (the original stays where it was
     /// read: Kafka `ojs-source-topic`/`-partition`/`-offset`).
     pub const PAYLOAD_OMITTED: &str = "ojs-payload-omitted";
+    /// A dead letter its destination refused with the headers it came
+    /// with went with only the headers named here; this is how many were
+    /// left out.
+    pub const HEADERS_OMITTED: &str = "ojs-headers-omitted";
     /// grpcq topic (grpcq's SQS attribute name).
     pub const GRPCQ_TOPIC: &str = "topic";
     /// grpcq action.
     pub const GRPCQ_ACTION: &str = "action";
     /// grpcq originator.
     pub const GRPCQ_ORIGINATOR: &str = "originator";
+
+    /// Whether `name` is one of the names above (the OJS binding, the
+    /// dead-letter reason, grpcq's attributes).
+    pub fn is_known(name: &str) -> bool {
+        super::headers::is_known(name)
+    }
 }
 
 /// A message to publish.
