@@ -21,7 +21,7 @@ use futures::future::join_all;
 use ojs_core::backoff::reconnect_delay;
 use ojs_core::mapping::JobTypes;
 use ojs_core::{
-    ConsumerOptions, DeadLetterReason, Delivery, Encoding, Error, Nack, OutgoingMessage,
+    header, ConsumerOptions, DeadLetterReason, Delivery, Encoding, Error, Nack, OutgoingMessage,
     QueueAdapter,
 };
 use tokio::net::TcpListener;
@@ -1005,6 +1005,57 @@ async fn confirmed(
     }
 }
 
+/// Whether a publish failed because the destination refuses what this one
+/// message carries (not because it is down or denies us).
+fn refused_for_its_content(e: &Error) -> bool {
+    match e {
+        Error::Publish(failure) => failure.failed.iter().any(|f| is_permanent(&f.error)),
+        other => is_permanent(other),
+    }
+}
+
+/// How much of a dead letter a configured destination gets: all of it,
+/// then without the headers OJS does not name, then without its body as
+/// well. Each step is taken only when the destination refused the one
+/// before for its content, so a dead letter always lands somewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DeadLetterTrim {
+    Whole,
+    KnownHeadersOnly,
+    Bodiless,
+}
+
+impl DeadLetterTrim {
+    /// Takes the next step on `copy`; the step taken.
+    fn next(self, copy: &mut OutgoingMessage) -> Self {
+        match self {
+            DeadLetterTrim::Whole => {
+                let before = copy.headers.len();
+                copy.headers.retain(|name, _| header::is_known(name));
+                let omitted = before - copy.headers.len();
+                copy.headers
+                    .insert(header::HEADERS_OMITTED, omitted.to_string());
+                DeadLetterTrim::KnownHeadersOnly
+            }
+            DeadLetterTrim::KnownHeadersOnly | DeadLetterTrim::Bodiless => {
+                let size = copy.payload.len();
+                copy.payload = bytes::Bytes::new();
+                copy.headers
+                    .insert(header::PAYLOAD_OMITTED, size.to_string());
+                DeadLetterTrim::Bodiless
+            }
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterTrim::Whole => "nothing",
+            DeadLetterTrim::KnownHeadersOnly => "headers OJS does not name",
+            DeadLetterTrim::Bodiless => "headers OJS does not name and the body",
+        }
+    }
+}
+
 /// Sends a poison message to the dead-letter destination with its reason.
 async fn dead_letter(ctx: &SourceCtx, d: Delivery, reason: DeadLetterReason) {
     ctx.metrics.dead_lettered(ctx.name(), &reason.error_type);
@@ -1042,9 +1093,20 @@ async fn dead_letter(ctx: &SourceCtx, d: Delivery, reason: DeadLetterReason) {
             };
             reason.write_headers(&mut copy.headers);
             let mut attempt = 0;
+            let mut trimmed = DeadLetterTrim::Whole;
             loop {
                 match adapter.publish(queue, vec![copy.clone()]).await {
                     Ok(()) => break d.ack().await,
+                    Err(e)
+                        if refused_for_its_content(&e) && trimmed != DeadLetterTrim::Bodiless =>
+                    {
+                        // Another broker's headers or size can be what the
+                        // destination refuses (an SQS attribute name, an
+                        // AMQP short string, a smaller queue): retrying the
+                        // same copy would hold the source for ever.
+                        trimmed = trimmed.next(&mut copy);
+                        tracing::warn!(source = %ctx.name(), error = %e, left_out = trimmed.as_str(), "dead-letter destination refused the copy; sending it with less");
+                    }
                     Err(e) => {
                         attempt += 1;
                         ctx.metrics.error(ctx.name(), "dead_letter_publish");

@@ -317,6 +317,99 @@ async fn a_call_over_the_sqs_queues_own_size_limit_is_dead_lettered_and_the_rest
     sqs_adapter.close().await.unwrap();
 }
 
+/// A configured dead-letter destination on another broker can refuse the
+/// copy for what the source gave it: a header name SQS does not allow, a
+/// body over the dead-letter queue's own `MaximumMessageSize`. The daemon
+/// used to retry the same copy for ever, holding the message (and on Kafka
+/// its partition). Now it sends the copy without the headers OJS does not
+/// name, then without its body, each step saying what it left out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_its_destination_refuses_goes_with_less_and_never_holds_the_source() {
+    use base64::Engine as _;
+    use ojs_adapter_memory::MemoryAdapter;
+    use ojs_bridge_tests::independent;
+
+    let Some(sqs) = find(Broker::Sqs).await else {
+        return;
+    };
+    if independent::available().is_none() {
+        return;
+    }
+    let name = unique_queue("mem");
+    let dead = unique_queue("bridge-dead-small");
+    independent::run(&["sqs-queue", &dead, "--attr", "MaximumMessageSize=1024"]).unwrap();
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        mem = "memory://{name}"
+        sqs = "{sqs}&topology=existing"
+        [[sources]]
+        name = "jobs"
+        adapter = "mem"
+        queue = "in"
+        dead_letter = {{ adapter = "sqs", queue = "{dead}" }}
+        [[routes]]
+        name = "out"
+        sink = "mem"
+        queue = "out"
+        "#,
+        sqs = sqs.url,
+    );
+    let memory = MemoryAdapter::named(&name);
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let garbage = b"\xff\xfe not a protobuf job".to_vec();
+    let named_badly = OutgoingMessage::new(garbage.clone(), "application/openjobspec+proto")
+        .with_header("bad name!", "v")
+        .with_header("x-team", "payments");
+    let too_big = OutgoingMessage::new(vec![0xff; 1500], "application/openjobspec+proto");
+    memory
+        .publish("in", vec![named_badly, too_big])
+        .await
+        .unwrap();
+    let got =
+        independent::lines(&["sqs-receive", &dead, "--count", "2", "--timeout", "30"]).unwrap();
+    assert_eq!(got.len(), 2, "both dead letters landed: {got:?}");
+    let body = |m: &serde_json::Value| {
+        base64::engine::general_purpose::STANDARD
+            .decode(m["body"].as_str().unwrap().trim())
+            .unwrap()
+    };
+    let stripped = got
+        .iter()
+        .find(|m| !body(m).is_empty())
+        .expect("the one that kept its body");
+    assert_eq!(body(stripped), garbage);
+    assert_eq!(
+        stripped["attributes"]["ojs-headers-omitted"], "2",
+        "{stripped}"
+    );
+    assert!(stripped["attributes"].get("x-team").is_none(), "{stripped}");
+    assert!(
+        stripped["attributes"]["ojs-error-type"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty()),
+        "{stripped}"
+    );
+    let bodiless = got
+        .iter()
+        .find(|m| body(m).is_empty())
+        .expect("the one that went without");
+    assert_eq!(
+        bodiless["attributes"]["ojs-payload-omitted"], "1500",
+        "{bodiless}"
+    );
+    assert!(
+        bodiless["attributes"]["ojs-error-type"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty()),
+        "{bodiless}"
+    );
+    let summary = daemon.shutdown().await;
+    assert_eq!(summary.sources[0].2, 2, "both settled at the source");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcq_calls_on_sqs_become_ojs_jobs_on_rabbitmq() {
     let Some(amqp) = find(Broker::RabbitMq).await else {
