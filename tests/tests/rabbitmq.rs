@@ -823,7 +823,8 @@ async fn a_short_string_that_is_not_utf8_is_read_and_never_stops_the_consumer() 
 /// mid-frame, after the handshake, by a 200 KB message) is not reconnected
 /// to in a loop: the first resubscription is immediate (a broker restart),
 /// each further one waits longer (`max_backoff_secs` caps it). Once the
-/// link is whole the message arrives and nothing is lost.
+/// link is whole the message arrives and nothing is lost. While it waits,
+/// receive returns an error saying so, which the daemon's health reports.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_that_keeps_breaking_backs_off_instead_of_looping() {
     use ojs_bridge_tests::fault_proxy::{FaultProxy, Mode};
@@ -853,13 +854,27 @@ async fn a_subscription_that_keeps_breaking_backs_off_instead_of_looping() {
     adapter.publish(&queue, vec![big]).await.unwrap();
     let watch_for = Duration::from_secs(8);
     let start = Instant::now();
+    let mut reported = None;
     while start.elapsed() < watch_for {
-        let got = consumer
-            .receive(1, Duration::from_millis(500))
-            .await
-            .unwrap_or_default();
-        assert!(got.is_empty(), "nothing gets through a cut link");
+        match consumer.receive(1, Duration::from_millis(500)).await {
+            Ok(got) => assert!(got.is_empty(), "nothing gets through a cut link"),
+            // While it waits, a receive says why (the daemon's health shows
+            // it) rather than returning an empty batch.
+            Err(e) => {
+                assert!(e.is_retryable(), "{e}");
+                reported = Some(e.to_string());
+            }
+        }
     }
+    let reported = reported.expect("a receive reported the failing subscription");
+    println!("reported: {reported}");
+    assert!(
+        reported.contains(&queue)
+            && reported.contains("in a row")
+            && reported.contains("next attempt"),
+        "{reported}"
+    );
+    assert!(!reported.contains("guest:guest"), "{reported}");
     let connections = proxy.accepted();
     println!("connections in {watch_for:?} of a link cut at every delivery: {connections}");
     // Without the backoff this was hundreds (one per round trip).

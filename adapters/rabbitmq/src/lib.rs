@@ -842,6 +842,7 @@ impl QueueAdapter for RabbitAdapter {
             live: None,
             failures: 0,
             resubscribe_at: None,
+            last_failure: String::new(),
         };
         consumer
             .subscribe(Instant::now() + Duration::from_secs(10))
@@ -1022,12 +1023,16 @@ pub struct RabbitConsumer {
     failures: u32,
     /// When the next subscription may be made.
     resubscribe_at: Option<Instant>,
+    /// Why the last subscription failed or ended (for the error a receive
+    /// returns while the next one waits).
+    last_failure: String,
 }
 
 impl RabbitConsumer {
     /// The subscription failed or ended: the next waits if it keeps doing so.
-    fn lost(&mut self) {
+    fn lost(&mut self, cause: impl Into<String>) {
         self.live = None;
+        self.last_failure = cause.into();
         self.failures += 1;
         if self.failures > 1 {
             let delay = reconnect_delay(
@@ -1151,13 +1156,26 @@ impl Consumer for RabbitConsumer {
                 .as_ref()
                 .is_some_and(|l| !l.channel.status().connected())
             {
-                self.lost();
+                self.lost("the channel closed");
             }
             if self.live.is_none() {
                 if let Some(at) = self.resubscribe_at {
                     if at > deadline {
                         tokio::time::sleep_until(deadline).await;
-                        return Ok(Vec::new());
+                        // An error, not an empty batch: the daemon's health
+                        // says this source is failing while it waits.
+                        return Err(Error::broker(
+                            "rabbitmq",
+                            format!(
+                                "the subscription to {} failed {} times in a row before delivering anything (last: {}); next attempt in {} ms",
+                                self.queue,
+                                self.failures,
+                                self.last_failure,
+                                at.saturating_duration_since(Instant::now()).as_millis()
+                            ),
+                            true,
+                        )
+                        .with_broker_kind(BrokerErrorKind::Unavailable));
                     }
                     tokio::time::sleep_until(at).await;
                     self.resubscribe_at = None;
@@ -1171,7 +1189,7 @@ impl Consumer for RabbitConsumer {
                     }
                     // 200 ms between attempts at least, longer as they
                     // keep failing.
-                    self.lost();
+                    self.lost(e.to_string());
                     let floor = Instant::now() + Duration::from_millis(200);
                     self.resubscribe_at =
                         Some(self.resubscribe_at.map_or(floor, |at| at.max(floor)));
@@ -1186,11 +1204,11 @@ impl Consumer for RabbitConsumer {
                 Ok(Some(Ok(d))) => d,
                 Ok(Some(Err(e))) => {
                     tracing::warn!(error = %e, queue = %self.queue, "rabbitmq consumer failed; resubscribing");
-                    self.lost();
+                    self.lost(e.to_string());
                     continue;
                 }
                 Ok(None) => {
-                    self.lost();
+                    self.lost("the subscription ended");
                     continue;
                 }
             };
