@@ -30,7 +30,7 @@ pub mod mapping;
 pub mod redact;
 
 // The paths these modules had before the folders, kept for users.
-pub use adapter::{backoff, decode, settings};
+pub use adapter::{backoff, decode, log_limit, settings};
 pub use envelope::{media, stream};
 pub use grpcq::{publisher, registry, retry, trace, worker};
 

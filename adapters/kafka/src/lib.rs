@@ -50,6 +50,7 @@ use bytes::Bytes;
 use futures::future::Either;
 use futures::{FutureExt, StreamExt};
 use ojs_core::adapter::{admit, publish_outcome};
+use ojs_core::log_limit::LogLimiter;
 use ojs_core::{
     header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
     DeliveryRef, Error, FailedPublish, HeaderName, Headers, Health, Nack, OutgoingMessage,
@@ -994,6 +995,9 @@ pub struct KafkaConsumer {
     seq: AtomicU64,
     /// Held by `receive` while it polls; holds when it last returned.
     poll_lock: Arc<tokio::sync::Mutex<std::time::Instant>>,
+    /// A topic can hold many records with header names that are not UTF-8:
+    /// one warning per interval says so, with how many it held back.
+    renamed_warnings: LogLimiter,
 }
 
 impl std::fmt::Debug for KafkaConsumer {
@@ -1076,6 +1080,7 @@ impl KafkaConsumer {
             settler,
             seq: AtomicU64::new(0),
             poll_lock,
+            renamed_warnings: LogLimiter::new(Duration::from_secs(10)),
         })
     }
 
@@ -1296,13 +1301,16 @@ impl KafkaConsumer {
             renamed,
         } = received_record(m.header_parts(), m.key(), m.payload().unwrap_or_default());
         if renamed > 0 {
-            tracing::warn!(
-                topic = m.topic(),
-                partition = m.partition(),
-                offset = m.offset(),
-                renamed,
-                "record header names that are not UTF-8 read with U+FFFD in place of the invalid bytes (as Kafka's Java client reads them)"
-            );
+            if let Some(held_back) = self.renamed_warnings.allow() {
+                tracing::warn!(
+                    topic = m.topic(),
+                    partition = m.partition(),
+                    offset = m.offset(),
+                    renamed,
+                    records_since_last_warning = held_back,
+                    "record header names that are not UTF-8 read with U+FFFD in place of the invalid bytes (as Kafka's Java client reads them)"
+                );
+            }
         }
         let message_id = headers.get_str(header::ID).map(str::to_owned);
         let acker = KafkaAcker {

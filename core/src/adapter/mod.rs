@@ -20,6 +20,7 @@
 pub mod backoff;
 pub mod decode;
 mod headers;
+pub mod log_limit;
 pub mod settings;
 
 use std::any::Any;
