@@ -600,3 +600,102 @@ async fn a_missing_permission_at_the_sink_makes_the_daemon_wait_not_dead_letter(
     assert_eq!(memory.depth("dead").await.unwrap(), Some(0));
     ojs_bridge_tests::brokers::rabbitmqctl(&["delete_user", &user]);
 }
+
+/// A sink queue made elsewhere with `x-max-length` and `x-overflow =
+/// reject-publish`: once full, RabbitMQ nacks each publish. A full queue is
+/// the sink's state, not the messages' fault: the daemon keeps them, health
+/// says the sink is failing, nothing is dead-lettered, and they go out as
+/// soon as a reader makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_sink_queue_that_rejects_publishes_makes_the_daemon_wait_not_dead_letter() {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    if independent::available().is_none() {
+        return;
+    }
+    let output = unique_queue("full-out");
+    independent::run(&[
+        "rabbit-queue",
+        &output,
+        "--arg",
+        "x-max-length=3",
+        "--arg",
+        "x-overflow=reject-publish",
+    ])
+    .unwrap();
+    let source = unique_queue("full-src");
+    let toml = format!(
+        r#"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        mem = "memory://{source}"
+        [adapters.rabbit]
+        url = "{url}"
+        topology = "existing"
+        queue_template = "{{queue}}"
+        exchange = ""
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        batch_size = 1
+        dead_letter = {{ adapter = "mem", queue = "dead" }}
+        [[routes]]
+        name = "out"
+        sink = "rabbit"
+        queue = "{output}"
+        "#,
+        url = rabbit.url
+    );
+    let daemon = support::start(&toml, BTreeMap::new()).await;
+    let memory = ojs_adapter_memory::MemoryAdapter::named(&source);
+    let sent = 6;
+    memory
+        .publish(
+            "calls",
+            (0..sent)
+                .map(|i| ojs_core::OutgoingMessage::from_grpcq(&support::call(i, "a.B", "C")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (status, body) = support::http_get(daemon.http.unwrap(), "/ojs/v1/health").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("sink out"), "{body}");
+    assert_eq!(
+        memory.depth("dead").await.unwrap(),
+        Some(0),
+        "nothing dead-lettered while the queue is full"
+    );
+    // A reader makes room, three at a time; the rest follow.
+    let got = gather(sent, Duration::from_secs(60), |n| {
+        independent::lines(&[
+            "rabbit-get",
+            &output,
+            "--count",
+            &n.min(3).to_string(),
+            "--timeout",
+            "2",
+        ])
+        .unwrap()
+    });
+    let mut ids: Vec<String> = got
+        .iter()
+        .map(|m| m["message_id"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    let (status, body) = support::http_get(daemon.http.unwrap(), "/ojs/v1/health").await;
+    daemon.shutdown().await;
+    report(
+        "sink queue full (x-max-length 3, reject-publish) until read",
+        sent,
+        ids.len(),
+    );
+    assert_eq!(ids.len(), sent, "{got:?}");
+    assert_eq!(memory.depth("dead").await.unwrap(), Some(0));
+    assert_eq!(status, 200, "healthy again once it had room: {body}");
+}

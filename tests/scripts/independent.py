@@ -157,6 +157,7 @@ def rabbit_get(a):
             {
                 "body": body.decode("utf-8", "replace"),
                 "content_type": props.content_type,
+                "message_id": props.message_id,
                 "headers": {k: str(v) for k, v in (props.headers or {}).items()},
             }
         )
