@@ -1015,8 +1015,8 @@ fn refused_for_its_content(e: &Error) -> bool {
 }
 
 /// How much of a dead letter a configured destination gets: all of it,
-/// then without the headers OJS does not name, then without its body as
-/// well. Each step is taken only when the destination refused the one
+/// then without the headers OJS does not name (and the broker message id
+/// property), then without its body as well. Each step is taken only when the destination refused the one
 /// before for its content, so a dead letter always lands somewhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum DeadLetterTrim {
@@ -1035,6 +1035,9 @@ impl DeadLetterTrim {
                 let omitted = before - copy.headers.len();
                 copy.headers
                     .insert(header::HEADERS_OMITTED, omitted.to_string());
+                // The broker's message id property has rules of its own
+                // (AMQP: 255 bytes); `ojs-id` still carries the job's id.
+                copy.message_id = None;
                 DeadLetterTrim::KnownHeadersOnly
             }
             DeadLetterTrim::KnownHeadersOnly | DeadLetterTrim::Bodiless => {
@@ -1050,8 +1053,8 @@ impl DeadLetterTrim {
     fn as_str(self) -> &'static str {
         match self {
             DeadLetterTrim::Whole => "nothing",
-            DeadLetterTrim::KnownHeadersOnly => "headers OJS does not name",
-            DeadLetterTrim::Bodiless => "headers OJS does not name and the body",
+            DeadLetterTrim::KnownHeadersOnly => "headers OJS does not name, message id",
+            DeadLetterTrim::Bodiless => "headers OJS does not name, message id, body",
         }
     }
 }

@@ -410,6 +410,68 @@ async fn a_dead_letter_its_destination_refuses_goes_with_less_and_never_holds_th
     assert_eq!(summary.sources[0].2, 2, "both settled at the source");
 }
 
+/// The same on RabbitMQ: a dead letter whose header name and message id
+/// are longer than AMQP's 255-byte short strings (both come from a Kafka
+/// record or a grpcq call unchecked) lands without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_amqp_cannot_carry_lands_without_what_does_not_fit() {
+    use ojs_adapter_memory::MemoryAdapter;
+    use ojs_bridge_tests::independent;
+
+    let Some(amqp) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    if independent::available().is_none() {
+        return;
+    }
+    let name = unique_queue("mem");
+    let dead = unique_queue("bridge-dead-amqp");
+    independent::run(&["rabbit-queue", &dead]).unwrap();
+    let toml = format!(
+        r#"
+        [http]
+        listen = "off"
+        [adapters]
+        mem = "memory://{name}"
+        [adapters.rabbit]
+        url = "{url}"
+        topology = "existing"
+        queue_template = "{{queue}}"
+        exchange = ""
+        [[sources]]
+        name = "jobs"
+        adapter = "mem"
+        queue = "in"
+        dead_letter = {{ adapter = "rabbit", queue = "{dead}" }}
+        [[routes]]
+        name = "out"
+        sink = "mem"
+        queue = "out"
+        "#,
+        url = amqp.url,
+    );
+    let memory = MemoryAdapter::named(&name);
+    let daemon = start(&toml, BTreeMap::new()).await;
+    let mut poison = OutgoingMessage::new(&b"\xff not a job"[..], "application/openjobspec+proto")
+        .with_header("n".repeat(300), "v");
+    poison.message_id = Some("m".repeat(300));
+    memory.publish("in", vec![poison]).await.unwrap();
+    let got =
+        independent::lines(&["rabbit-get", &dead, "--count", "1", "--timeout", "20"]).unwrap();
+    assert_eq!(got.len(), 1, "the dead letter landed");
+    assert_eq!(got[0]["headers"]["x-ojs-headers-omitted"], "1", "{}", got[0]);
+    assert!(got[0]["message_id"].is_null(), "{}", got[0]);
+    assert!(
+        got[0]["headers"]["x-ojs-error-type"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty()),
+        "{}",
+        got[0]
+    );
+    let summary = daemon.shutdown().await;
+    assert_eq!(summary.sources[0].2, 1, "settled at the source");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcq_calls_on_sqs_become_ojs_jobs_on_rabbitmq() {
     let Some(amqp) = find(Broker::RabbitMq).await else {
