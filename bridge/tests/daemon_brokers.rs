@@ -459,7 +459,11 @@ async fn a_dead_letter_amqp_cannot_carry_lands_without_what_does_not_fit() {
     let got =
         independent::lines(&["rabbit-get", &dead, "--count", "1", "--timeout", "20"]).unwrap();
     assert_eq!(got.len(), 1, "the dead letter landed");
-    assert_eq!(got[0]["headers"]["x-ojs-headers-omitted"], "1", "{}", got[0]);
+    assert_eq!(
+        got[0]["headers"]["x-ojs-headers-omitted"], "1",
+        "{}",
+        got[0]
+    );
     assert!(got[0]["message_id"].is_null(), "{}", got[0]);
     assert!(
         got[0]["headers"]["x-ojs-error-type"]
