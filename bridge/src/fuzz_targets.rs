@@ -154,7 +154,9 @@ pub fn rabbitmq_properties(data: &[u8]) {
     out.priority = first.priority;
     // A message read off AMQP always fits AMQP again (each short string was
     // at most 255 bytes, and names keep their length through the mapping).
-    let props = ojs_adapter_rabbitmq::properties(&out, Some(u8::MAX))
+    // As a retry or dead-letter copy is made: with the entries the neutral
+    // headers do not hold as they came.
+    let props = ojs_adapter_rabbitmq::properties_keeping(&out, Some(u8::MAX), first.typed.as_ref())
         .unwrap_or_else(|e| panic!("what was read cannot be published again: {e}"));
     let again = ojs_adapter_rabbitmq::to_wire(&props)
         .ok()

@@ -129,6 +129,10 @@ def rabbit_publish(a):
     # strings are UTF-8, but pika and RabbitMQ pass on whatever they get.
     for name, value in pairs(a.header_hex).items():
         headers[bytes.fromhex(name)] = value
+    # Typed values the way other AMQP clients write them: JSON numbers,
+    # booleans, objects (tables), arrays and null (void) as pika encodes them.
+    for name, value in pairs(a.header_json).items():
+        headers[name] = json.loads(value)
     message_id = bytes.fromhex(a.message_id_hex) if a.message_id_hex else a.message_id
     props = pika.BasicProperties(
         content_type=a.content_type or None,
@@ -159,6 +163,10 @@ def rabbit_get(a):
                 "content_type": props.content_type,
                 "message_id": props.message_id,
                 "headers": {k: str(v) for k, v in (props.headers or {}).items()},
+                # Each header's Python type as pika decoded it (int, bool,
+                # dict, list, NoneType, str, bytes) and its value as JSON.
+                "header_types": {k: type(v).__name__ for k, v in (props.headers or {}).items()},
+                "header_json": {k: json.loads(json.dumps(v, default=str)) for k, v in (props.headers or {}).items()},
             }
         )
     conn.close()
@@ -326,6 +334,7 @@ def main():
     s.add_argument("--header", action="append")
     s.add_argument("--header-hex", action="append", help="NAME_IN_HEX=VALUE (any bytes as the name)")
     s.add_argument("--message-id-hex", help="message id as hex bytes")
+    s.add_argument("--header-json", action="append", help="NAME=JSON (a typed value: number, boolean, object, array, null)")
     s.add_argument("--count", type=int, default=1)
     s.set_defaults(fn=rabbit_publish)
 

@@ -385,3 +385,88 @@ async fn amqps_with_a_ca_file() {
     .to_string();
     assert!(!err.contains("guest:guest"), "{err}");
 }
+
+/// Other AMQP clients write typed headers: integers, booleans, tables,
+/// arrays, voids (Celery, Spring, MassTransit do). The neutral headers hold
+/// numbers and booleans as text and cannot hold the rest, so a retry or
+/// dead-letter copy used to turn `5` into `"5"` and drop tables, arrays and
+/// voids. Now each copy carries them as they came, through a retry and
+/// then a dead letter of the retried copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typed_headers_from_other_clients_survive_retry_and_dead_letter_copies() {
+    let Some(f) = existing_rabbit().await else {
+        return;
+    };
+    let queue = f.queue("typed-headers").await.unwrap();
+    let typed = [
+        ("count", "5"),
+        ("urgent", "true"),
+        ("meta", r#"{"tenant": "acme", "shard": 3}"#),
+        ("tags", r#"[1, "two"]"#),
+        ("nothing", "null"),
+        ("plain", r#""text""#),
+    ];
+    let mut args = vec![
+        "rabbit-publish".to_owned(),
+        "--routing-key".to_owned(),
+        queue.clone(),
+        "--body".to_owned(),
+        "typed".to_owned(),
+    ];
+    for (name, json) in typed {
+        args.push("--header-json".to_owned());
+        args.push(format!("{name}={json}"));
+    }
+    independent::run(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+
+    let adapter = RabbitAdapter::connect(f.config()).await.unwrap();
+    let mut consumer = adapter
+        .consumer(&queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    let d = next_delivery(&mut *consumer, Duration::from_secs(20))
+        .await
+        .unwrap();
+    // What the neutral headers hold: scalars as text, the rest not at all.
+    assert_eq!(d.headers.get_str("count"), Some("5"));
+    assert_eq!(d.headers.get_str("urgent"), Some("true"));
+    assert_eq!(d.headers.get_str("plain"), Some("text"));
+    assert!(d.headers.get("meta").is_none());
+    d.nack(Nack::Retry {
+        delay: Duration::ZERO,
+    })
+    .await
+    .unwrap();
+    let retried = next_delivery(&mut *consumer, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(retried.attempt, 2);
+    assert_eq!(retried.headers.get_str("count"), Some("5"));
+    retried
+        .nack(Nack::DeadLetter(DeadLetterReason::new("poison", "test")))
+        .await
+        .unwrap();
+    consumer.close().await.unwrap();
+
+    let dead =
+        independent::lines(&["rabbit-get", &format!("{queue}.dead"), "--count", "1"]).unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let m = &dead[0];
+    assert_eq!(m["body"], "typed");
+    for (name, ty) in [
+        ("count", "int"),
+        ("urgent", "bool"),
+        ("meta", "dict"),
+        ("tags", "list"),
+        ("nothing", "NoneType"),
+        ("plain", "str"),
+    ] {
+        assert_eq!(m["header_types"][name], ty, "{name}: {m}");
+    }
+    for (name, json) in typed {
+        let want: serde_json::Value = serde_json::from_str(json).unwrap();
+        assert_eq!(m["header_json"][name], want, "{name}: {m}");
+    }
+    assert_eq!(m["header_json"]["x-ojs-attempt"], "2", "{m}");
+    assert_eq!(m["header_json"]["x-ojs-error-type"], "poison", "{m}");
+}

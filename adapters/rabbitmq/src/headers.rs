@@ -75,10 +75,49 @@ fn text(v: &AMQPValue) -> Option<String> {
     }
 }
 
+/// Header entries of a delivery that its neutral headers cannot give back
+/// as they came: numbers, booleans, short strings and byte arrays (read as
+/// text or bytes, which would go out again as long strings), and tables,
+/// arrays, floats, decimals, timestamps and voids (not read at all). The
+/// acker keeps them so that a retry or dead-letter copy of the message
+/// carries them as they were (see [`properties`]). `None`, without an
+/// allocation, for a message with long-string headers only, which is what
+/// this adapter writes.
+fn typed_entries(props: &BasicProperties) -> Option<FieldTable> {
+    let table = props.headers().as_ref()?;
+    let mut kept: Option<FieldTable> = None;
+    for (name, value) in table.inner() {
+        let n = name.as_str();
+        if matches!(value, AMQPValue::LongString(_))
+            || n == KEY_HEADER
+            || n == DELIVERY_COUNT
+            || BROKER_HEADERS.iter().any(|p| n.starts_with(p))
+        {
+            continue;
+        }
+        kept.get_or_insert_with(FieldTable::default)
+            .insert(name.clone(), value.clone());
+    }
+    kept
+}
+
 /// Properties for a message; `priority` is clamped to the queue's range.
 /// An error when a header name, the content type, the job type or the
 /// message id is longer than an AMQP short string holds (255 bytes).
 pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> Result<BasicProperties> {
+    properties_keeping(m, max_priority, None)
+}
+
+/// [`properties`] for a copy of a delivery, with the delivery's
+/// [`Received::typed`] entries: a header whose value is still what was read
+/// from its typed entry goes out as that entry (an integer stays an
+/// integer); entries the neutral headers never held (tables, arrays, …) go
+/// out as they came.
+pub fn properties_keeping(
+    m: &OutgoingMessage,
+    max_priority: Option<u8>,
+    typed: Option<&FieldTable>,
+) -> Result<BasicProperties> {
     let mut table = FieldTable::default();
     let mut props = BasicProperties::default()
         .with_delivery_mode(2)
@@ -91,11 +130,21 @@ pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> Result<Basic
             header::ID => {}
             header::TYPE => props = props.with_type(short(&value.to_str_lossy(), "type")?),
             _ => {
-                table.insert(
-                    short(&amqp_name(name), "header name")?,
-                    AMQPValue::LongString(LongString::from(value.as_bytes())),
-                );
+                let name = short(&amqp_name(name), "header name")?;
+                let as_read = typed.and_then(|t| t.inner().get(&name)).filter(|v| {
+                    value_of(v).is_some_and(|read| read.as_bytes() == value.as_bytes())
+                });
+                let value = match as_read {
+                    Some(v) => v.clone(),
+                    None => AMQPValue::LongString(LongString::from(value.as_bytes())),
+                };
+                table.insert(name, value);
             }
+        }
+    }
+    for (name, value) in typed.map(FieldTable::inner).into_iter().flatten() {
+        if value_of(value).is_none() && !table.contains_key(name.as_str()) {
+            table.insert(name.clone(), value.clone());
         }
     }
     let id = m.message_id.as_deref().or(m.headers.get_str(header::ID));
@@ -127,6 +176,9 @@ pub struct Received {
     /// 1-based attempt: `x-ojs-attempt` (set when a retry was republished),
     /// plus the broker's redeliveries.
     pub attempt: u32,
+    /// The header entries `headers` cannot give back as they came (see
+    /// [`typed_entries`]); for [`properties`] when the message is copied.
+    pub typed: Option<FieldTable>,
 }
 
 /// Reads properties and headers back into neutral form.
@@ -173,6 +225,7 @@ pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
         message_id,
         priority: props.priority().map_or(0, i32::from),
         attempt: base.saturating_add(redeliveries),
+        typed: typed_entries(props),
     }
 }
 
@@ -196,6 +249,52 @@ pub fn to_wire(props: &BasicProperties) -> Result<Vec<u8>, String> {
 mod tests {
     use super::*;
     use ojs_core::{Encoding, JobEnvelope};
+
+    #[test]
+    fn a_copy_keeps_typed_headers_unless_their_value_changed() {
+        let mut theirs = FieldTable::default();
+        theirs.insert("count".into(), AMQPValue::LongInt(5));
+        theirs.insert("retries".into(), AMQPValue::LongInt(1));
+        theirs.insert("meta".into(), AMQPValue::FieldTable(FieldTable::default()));
+        theirs.insert("nothing".into(), AMQPValue::Void);
+        theirs.insert("plain".into(), AMQPValue::LongString("text".into()));
+        theirs.insert("x-death".into(), AMQPValue::FieldArray(Default::default()));
+        let props = BasicProperties::default().with_headers(theirs);
+        let r = received(&props, false);
+        let typed = r.typed.clone().unwrap();
+        assert!(
+            !typed.contains_key("plain"),
+            "long strings come back as they are"
+        );
+        assert!(
+            !typed.contains_key("x-death"),
+            "broker bookkeeping is not kept"
+        );
+        let mut copy = OutgoingMessage::new("x", "text/plain");
+        copy.headers = r.headers;
+        copy.headers.insert("retries", "2");
+        let out = properties_keeping(&copy, None, r.typed.as_ref()).unwrap();
+        let table = out.headers().clone().unwrap();
+        let get = |n: &str| table.inner().get(n).cloned();
+        assert_eq!(get("count"), Some(AMQPValue::LongInt(5)));
+        assert_eq!(
+            get("retries"),
+            Some(AMQPValue::LongString("2".into())),
+            "changed: as written"
+        );
+        assert_eq!(
+            get("meta"),
+            Some(AMQPValue::FieldTable(FieldTable::default()))
+        );
+        assert_eq!(get("nothing"), Some(AMQPValue::Void));
+        assert_eq!(get("plain"), Some(AMQPValue::LongString("text".into())));
+        assert_eq!(get("x-death"), None);
+        let plain = received(
+            &BasicProperties::default().with_headers(FieldTable::default()),
+            false,
+        );
+        assert!(plain.typed.is_none(), "nothing kept, nothing allocated");
+    }
 
     #[test]
     fn headers_round_trip_through_amqp_properties() {

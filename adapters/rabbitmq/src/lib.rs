@@ -57,7 +57,9 @@ pub use config::{
     bucket_delay_ms, dead_letter_queue_name, queue_name, retry_queue_name, RabbitConfig,
     CLIENT_URL_OPTIONS, DIRECT_EXCHANGE, DLX_EXCHANGE, RETRY_EXCHANGE,
 };
-pub use headers::{properties, received, received_from_wire, to_wire, Received, KEY_HEADER};
+pub use headers::{
+    properties, properties_keeping, received, received_from_wire, to_wire, Received, KEY_HEADER,
+};
 pub use ojs_core::settings::Topology;
 
 /// Runs a broker call no longer than `deadline`. lapin's RPCs have no
@@ -472,10 +474,14 @@ impl Inner {
 
     /// Publishes with confirms until every message is confirmed or the
     /// publish timeout passes; returns the failures.
+    ///
+    /// `typed`: for a copy of a delivery, its header entries the neutral
+    /// headers do not hold as they came ([`headers::properties_keeping`]).
     async fn send(
         &self,
         queue: &str,
         items: Vec<(usize, Route, OutgoingMessage)>,
+        typed: Option<&FieldTable>,
     ) -> Vec<FailedPublish> {
         let deadline = Instant::now() + self.config.publish_timeout();
         let mut pending = items;
@@ -545,11 +551,12 @@ impl Inner {
                         .map(|(t, a)| (t.to_owned(), a.to_owned()))
                         .unwrap_or_else(|| c.publish_route_of(queue)),
                 };
-                let props = headers::properties(
+                let props = headers::properties_keeping(
                     &message,
                     self.config
                         .max_priority
                         .filter(|_| !self.config.quorum_queues),
+                    typed,
                 )
                 .and_then(|props| {
                     let exchange = short(&exchange, "exchange name")?;
@@ -827,7 +834,7 @@ impl QueueAdapter for RabbitAdapter {
                 (i, route, m)
             })
             .collect();
-        failed.extend(self.inner.send(queue, items).await);
+        failed.extend(self.inner.send(queue, items, None).await);
         publish_outcome(total, failed)
     }
 
@@ -1132,6 +1139,7 @@ impl RabbitConsumer {
             max_deliveries: self.options.max_deliveries,
             priority: r.priority,
             attempt: r.attempt,
+            typed: r.typed,
         };
         let mut delivery = Delivery::new(
             payload,
@@ -1244,6 +1252,9 @@ struct RabbitAcker {
     /// Priority as received (the neutral delivery does not carry it).
     priority: i32,
     attempt: u32,
+    /// Header entries the neutral delivery does not hold as they came
+    /// (integers, tables, …): copies carry them unchanged.
+    typed: Option<FieldTable>,
 }
 
 impl RabbitAcker {
@@ -1268,7 +1279,10 @@ impl RabbitAcker {
     /// Republishes `copy` on `route` under confirms, then acks the original;
     /// requeues the original if the copy was not confirmed.
     async fn move_to(&self, route: Route, copy: OutgoingMessage) -> Result<()> {
-        let failed = self.inner.send(&self.queue, vec![(0, route, copy)]).await;
+        let failed = self
+            .inner
+            .send(&self.queue, vec![(0, route, copy)], self.typed.as_ref())
+            .await;
         if let Some(f) = failed.into_iter().next() {
             let _ = self
                 .acker
