@@ -198,6 +198,11 @@ def sqs_send(a):
     c = sqs_client()
     url = c.get_queue_url(QueueName=a.name)["QueueUrl"]
     attrs = {k: {"DataType": "String", "StringValue": v} for k, v in pairs(a.attr).items()}
+    # Attributes of their own type, as other SQS clients write them: Number,
+    # or a custom label such as String.json.
+    for k, typed in pairs(a.typed_attr).items():
+        data_type, _, value = typed.partition(":")
+        attrs[k] = {"DataType": data_type, "StringValue": value}
     for i in range(a.count):
         c.send_message(QueueUrl=url, MessageBody=a.body.replace("{i}", str(i)), MessageAttributes=attrs)
     print(json.dumps({"sent": a.count}))
@@ -359,6 +364,7 @@ def main():
     s.add_argument("name")
     s.add_argument("--body", required=True)
     s.add_argument("--attr", action="append")
+    s.add_argument("--typed-attr", action="append", help="NAME=TYPE:VALUE (Number, String.json, ...)")
     s.add_argument("--count", type=int, default=1)
     s.set_defaults(fn=sqs_send)
 

@@ -239,3 +239,53 @@ async fn a_batch_sqs_refuses_for_one_message_fails_that_message_alone() {
     d.ack().await.unwrap();
     consumer.close().await.unwrap();
 }
+
+/// Other SQS clients send attributes of their own type: `Number`, custom
+/// labels such as `String.json`. The neutral headers hold their values; a
+/// dead-letter copy used to send every one of them as plain `String`. Now
+/// the copy in their dead-letter queue has each with the type it came with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attribute_types_from_other_clients_survive_a_dead_letter_copy() {
+    let Some(f) = existing_sqs().await else {
+        return;
+    };
+    let queue = f.queue("typed-attrs").await.unwrap();
+    let theirs = format!("theirs-{queue}");
+    independent::run(&[
+        "sqs-send",
+        &queue,
+        "--body",
+        "dHlwZWQ=",
+        "--attr",
+        "plain=text",
+        "--typed-attr",
+        "retries=Number:42",
+        "--typed-attr",
+        r#"context=String.json:{"tenant":"acme"}"#,
+    ])
+    .unwrap();
+    let adapter = SqsAdapter::connect(f.config()).await.unwrap();
+    let mut consumer = adapter
+        .consumer(&queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    let d = next_delivery(&mut *consumer, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(&d.payload[..], b"typed");
+    assert_eq!(d.headers.get_str("retries"), Some("42"));
+    assert_eq!(d.headers.get_str("context"), Some(r#"{"tenant":"acme"}"#));
+    d.nack(Nack::DeadLetter(DeadLetterReason::new("poison", "test")))
+        .await
+        .unwrap();
+    consumer.close().await.unwrap();
+    let dead = independent::lines(&["sqs-receive", &theirs, "--count", "1"]).unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let m = &dead[0];
+    assert_eq!(m["types"]["retries"], "Number", "{m}");
+    assert_eq!(m["attributes"]["retries"], "42", "{m}");
+    assert_eq!(m["types"]["context"], "String.json", "{m}");
+    assert_eq!(m["attributes"]["context"], r#"{"tenant":"acme"}"#, "{m}");
+    assert_eq!(m["types"]["plain"], "String", "{m}");
+    assert_eq!(m["types"]["ojs-error-type"], "String", "{m}");
+}

@@ -149,6 +149,11 @@ pub struct ReceivedMessage {
     pub key: Option<Bytes>,
     /// `ApproximateReceiveCount`, 1 when absent or unreadable.
     pub attempt: u32,
+    /// Attributes of a type other than plain `String` or `Binary`
+    /// (`Number`, custom labels such as `String.json`): `headers` holds
+    /// their values, and a dead-letter copy sends them with their own type
+    /// again. `None`, without an allocation, when there are none.
+    pub typed: Option<Typed>,
 }
 
 /// Reads a received message's body and attributes. The SQS attribute fuzz
@@ -164,7 +169,18 @@ pub fn received_message(
     };
     let mut headers = Headers::with_capacity(8);
     let mut key = None;
+    let mut typed: Option<Typed> = None;
     for (k, v) in attributes.into_iter().flatten() {
+        if k != KEY_ATTRIBUTE
+            && !matches!(
+                v.data_type(),
+                "String" | "Binary" | attributes::EMPTY_VALUE_TYPE
+            )
+        {
+            typed
+                .get_or_insert_with(HashMap::new)
+                .insert(k.clone(), v.clone());
+        }
         if k == KEY_ATTRIBUTE {
             key = match (v.string_value(), v.binary_value()) {
                 _ if v.data_type() == attributes::EMPTY_VALUE_TYPE => Some(Bytes::new()),
@@ -188,6 +204,7 @@ pub fn received_message(
             .and_then(|c| c.parse::<u32>().ok())
             .filter(|c| *c > 0)
             .unwrap_or(1),
+        typed,
     }
 }
 
@@ -500,10 +517,14 @@ impl Inner {
 
     /// One message as a batch entry, with its size as SQS counts it; a
     /// message SQS would refuse fails here, before any request.
+    ///
+    /// `typed`: for a copy of a received message, its attributes of their
+    /// own type; one whose value the copy kept goes out as it came.
     fn entry(
         &self,
         id: usize,
         m: &OutgoingMessage,
+        typed: Option<&Typed>,
     ) -> Result<(SendMessageBatchRequestEntry, usize)> {
         let mut attributes = m.headers.clone();
         // A text key travels as a String attribute (what other readers
@@ -544,7 +565,15 @@ impl Inner {
             .id(id.to_string())
             .message_body(body);
         for (k, v) in &attributes {
-            e = e.message_attributes(k.as_str(), attribute_value(v.as_bytes())?);
+            let as_received = typed.and_then(|t| t.get(k.as_str())).filter(|t| {
+                let read = t.string_value().map(str::as_bytes);
+                read.or(t.binary_value().map(Blob::as_ref)) == Some(v.as_bytes())
+            });
+            let value = match as_received {
+                Some(t) => t.clone(),
+                None => attribute_value(v.as_bytes())?,
+            };
+            e = e.message_attributes(k.as_str(), value);
         }
         if let Some(key) = key {
             e = e.message_attributes(KEY_ATTRIBUTE, key);
@@ -577,7 +606,12 @@ impl Inner {
     /// SendMessageBatch in chunks of at most 10 entries and
     /// [`SQS_MAX_MESSAGE_BYTES`]; failed entries retried; the rest reported
     /// per message.
-    async fn send(&self, url: &str, items: Vec<(usize, OutgoingMessage)>) -> Vec<FailedPublish> {
+    async fn send(
+        &self,
+        url: &str,
+        items: Vec<(usize, OutgoingMessage)>,
+        typed: Option<&Typed>,
+    ) -> Vec<FailedPublish> {
         let mut failed = Vec::new();
         // Each message is encoded (base64 + attributes) once; the entry is
         // moved into the request, and only the rare retried entry is
@@ -590,7 +624,7 @@ impl Inner {
         while !pending.is_empty() {
             attempt += 1;
             let mut retry = Vec::new();
-            let mut chunks = self.chunks(std::mem::take(&mut pending), &mut failed);
+            let mut chunks = self.chunks(std::mem::take(&mut pending), typed, &mut failed);
             while let Some(chunk) = chunks.pop_front() {
                 let (entries, chunk): (Vec<_>, Vec<_>) = chunk
                     .into_iter()
@@ -641,7 +675,7 @@ impl Inner {
                                 "SQS refused a batch for its content; sending its messages one by one"
                             );
                             for (index, message) in chunk.into_iter().rev() {
-                                match self.entry(index, &message) {
+                                match self.entry(index, &message, typed) {
                                     Ok((entry, _)) => {
                                         chunks.push_front(vec![(index, message, entry)])
                                     }
@@ -693,13 +727,14 @@ impl Inner {
     fn chunks(
         &self,
         items: Vec<Pending>,
+        typed: Option<&Typed>,
         failed: &mut Vec<FailedPublish>,
     ) -> std::collections::VecDeque<Vec<Encoded>> {
         let mut chunks = std::collections::VecDeque::new();
         let mut chunk: Vec<Encoded> = Vec::with_capacity(SQS_BATCH_LIMIT);
         let mut bytes = 0;
         for (index, message, entry) in items {
-            let (entry, size) = match entry.map_or_else(|| self.entry(index, &message), Ok) {
+            let (entry, size) = match entry.map_or_else(|| self.entry(index, &message, typed), Ok) {
                 Ok(encoded) => encoded,
                 Err(error) => {
                     failed.push(FailedPublish {
@@ -726,6 +761,8 @@ impl Inner {
     }
 }
 
+/// Attributes of their own type, by name ([`ReceivedMessage::typed`]).
+pub type Typed = HashMap<String, MessageAttributeValue>;
 /// A message waiting to be sent, with its entry once encoded.
 type Pending = (
     usize,
@@ -833,7 +870,7 @@ impl QueueAdapter for SqsAdapter {
         )?;
         if !accepted.is_empty() {
             match self.inner.urls(queue).await {
-                Ok((url, _)) => failed.extend(self.inner.send(&url, accepted).await),
+                Ok((url, _)) => failed.extend(self.inner.send(&url, accepted, None).await),
                 Err(e) => {
                     failed.extend(accepted.into_iter().map(|(index, message)| FailedPublish {
                         index,
@@ -1003,6 +1040,7 @@ impl Consumer for SqsConsumer {
                 headers,
                 key,
                 attempt,
+                typed,
             } = received_message(
                 m.body().unwrap_or_default(),
                 m.message_attributes(),
@@ -1016,6 +1054,7 @@ impl Consumer for SqsConsumer {
                 dlq: self.dlq.clone(),
                 receipt: receipt.to_owned(),
                 attempt,
+                typed,
                 max_deliveries: match self.options.source {
                     Source::Queue => self.options.max_deliveries,
                     Source::DeadLetters => None,
@@ -1047,6 +1086,8 @@ struct SqsAcker {
     dlq: Option<String>,
     receipt: String,
     attempt: u32,
+    /// The message's attributes of their own type ([`ReceivedMessage::typed`]).
+    typed: Option<Typed>,
     max_deliveries: Option<u32>,
 }
 
@@ -1080,7 +1121,10 @@ impl SqsAcker {
                 true,
             ));
         };
-        let failed = self.inner.send(dlq, vec![(0, copy)]).await;
+        let failed = self
+            .inner
+            .send(dlq, vec![(0, copy)], self.typed.as_ref())
+            .await;
         if let Some(f) = failed.into_iter().next() {
             return Err(f.error);
         }
@@ -1138,5 +1182,15 @@ mod tests {
         assert_eq!(m.headers.get("empty").unwrap().as_bytes(), b"");
         assert_eq!(m.headers.get("control").unwrap().as_bytes(), b"a\x01b");
         assert_eq!(m.key.as_deref(), Some(&b""[..]));
+        assert!(m.typed.is_none(), "our own types are not kept apart");
+        let number = MessageAttributeValue::builder()
+            .data_type("Number")
+            .string_value("42")
+            .build()
+            .unwrap();
+        let attrs = HashMap::from([("retries".to_owned(), number.clone())]);
+        let m = received_message("eA==", Some(&attrs), None);
+        assert_eq!(m.headers.get_str("retries"), Some("42"));
+        assert_eq!(m.typed.unwrap().get("retries"), Some(&number));
     }
 }
