@@ -127,7 +127,7 @@ pub fn properties_keeping(
             header::CONTENT_TYPE => {
                 props = props.with_content_type(short(&value.to_str_lossy(), "content_type")?)
             }
-            header::ID => {}
+            header::ID if m.headers.contains_key(header::TYPE) => {}
             header::TYPE => props = props.with_type(short(&value.to_str_lossy(), "type")?),
             _ => {
                 let name = short(&amqp_name(name), "header name")?;
@@ -147,7 +147,13 @@ pub fn properties_keeping(
             table.insert(name.clone(), value.clone());
         }
     }
-    let id = m.message_id.as_deref().or(m.headers.get_str(header::ID));
+    // A job's `ojs-id` is its message_id (read back as such because `type`
+    // is set); any other message's travels as the `x-ojs-id` header alone.
+    let job_id = m
+        .headers
+        .get_str(header::ID)
+        .filter(|_| m.headers.contains_key(header::TYPE));
+    let id = m.message_id.as_deref().or(job_id);
     if let Some(id) = id {
         props = props.with_message_id(short(id, "message_id")?);
     }
