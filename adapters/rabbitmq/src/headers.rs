@@ -41,12 +41,17 @@ fn amqp_name(name: &str) -> String {
 fn neutral_name(name: &str) -> Option<HeaderName> {
     if let Some(rest) = name.strip_prefix("x-ojs-") {
         (name != KEY_HEADER).then(|| HeaderName::with_prefix("ojs-", rest))
-    } else if BROKER_HEADERS.iter().any(|p| name.starts_with(p)) {
+    } else if is_broker_header(name) {
         // Broker bookkeeping is not part of the message.
         None
     } else {
         Some(HeaderName::new(name))
     }
+}
+
+/// Broker bookkeeping (dead-lettering, federation), not part of the message.
+fn is_broker_header(name: &str) -> bool {
+    BROKER_HEADERS.iter().any(|p| name.starts_with(p))
 }
 
 /// A header's value: long strings (what this adapter writes) and byte
@@ -73,32 +78,6 @@ fn text(v: &AMQPValue) -> Option<String> {
         AMQPValue::Boolean(b) => Some(b.to_string()),
         _ => None,
     }
-}
-
-/// Header entries of a delivery that its neutral headers cannot give back
-/// as they came: numbers, booleans, short strings and byte arrays (read as
-/// text or bytes, which would go out again as long strings), and tables,
-/// arrays, floats, decimals, timestamps and voids (not read at all). The
-/// acker keeps them so that a retry or dead-letter copy of the message
-/// carries them as they were (see [`properties`]). `None`, without an
-/// allocation, for a message with long-string headers only, which is what
-/// this adapter writes.
-fn typed_entries(props: &BasicProperties) -> Option<FieldTable> {
-    let table = props.headers().as_ref()?;
-    let mut kept: Option<FieldTable> = None;
-    for (name, value) in table.inner() {
-        let n = name.as_str();
-        if matches!(value, AMQPValue::LongString(_))
-            || n == KEY_HEADER
-            || n == DELIVERY_COUNT
-            || BROKER_HEADERS.iter().any(|p| n.starts_with(p))
-        {
-            continue;
-        }
-        kept.get_or_insert_with(FieldTable::default)
-            .insert(name.clone(), value.clone());
-    }
-    kept
 }
 
 /// Properties for a message; `priority` is clamped to the queue's range.
@@ -182,8 +161,13 @@ pub struct Received {
     /// 1-based attempt: `x-ojs-attempt` (set when a retry was republished),
     /// plus the broker's redeliveries.
     pub attempt: u32,
-    /// The header entries `headers` cannot give back as they came (see
-    /// [`typed_entries`]); for [`properties`] when the message is copied.
+    /// Header entries `headers` cannot give back as they came: numbers,
+    /// booleans, short strings and byte arrays (read as text or bytes, which
+    /// would go out again as long strings), and tables, arrays, floats,
+    /// decimals, timestamps and voids (not read at all). `None`, without an
+    /// allocation, for a message with long-string headers only, which is
+    /// what this adapter writes. [`properties_keeping`] puts them back on a
+    /// retry or dead-letter copy.
     pub typed: Option<FieldTable>,
 }
 
@@ -192,9 +176,10 @@ pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
     let mut headers = Headers::new();
     let mut key = None;
     let mut delivery_count = None;
+    let mut typed: Option<FieldTable> = None;
     if let Some(table) = props.headers() {
-        for (name, value) in table.inner() {
-            let name = name.as_str();
+        for (amqp, value) in table.inner() {
+            let name = amqp.as_str();
             if name == KEY_HEADER {
                 key = match value {
                     AMQPValue::LongString(s) => Some(Bytes::copy_from_slice(s.as_bytes())),
@@ -203,8 +188,18 @@ pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
                 };
             } else if name == DELIVERY_COUNT {
                 delivery_count = text(value).and_then(|t| t.parse::<u32>().ok());
-            } else if let (Some(n), Some(v)) = (neutral_name(name), value_of(value)) {
-                headers.insert(n, v);
+            } else if !is_broker_header(name) {
+                // What the neutral headers cannot give back as it came
+                // (anything but a long string, which is all we write) is
+                // kept apart for copies: one pass, no allocation otherwise.
+                if !matches!(value, AMQPValue::LongString(_)) {
+                    typed
+                        .get_or_insert_with(FieldTable::default)
+                        .insert(amqp.clone(), value.clone());
+                }
+                if let (Some(n), Some(v)) = (neutral_name(name), value_of(value)) {
+                    headers.insert(n, v);
+                }
             }
         }
     }
@@ -231,7 +226,7 @@ pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
         message_id,
         priority: props.priority().map_or(0, i32::from),
         attempt: base.saturating_add(redeliveries),
-        typed: typed_entries(props),
+        typed,
     }
 }
 
