@@ -12,8 +12,10 @@
 //!    raw loop's work through the daemon), and the raw loop writing the
 //!    same jobs the daemon writes (the daemon's work without the daemon).
 //!    The daemon runs on a runtime of its own as `ojs-bridge run` would,
-//!    once with the default size (a worker per core) and once with
-//!    `worker_threads = 1`.
+//!    once with the size `run` gives it
+//!    (`BridgeConfig::runtime_threads`: with a Kafka adapter, one thread
+//!    fewer than CPUs) and once with one thread per CPU (tokio's default,
+//!    and `run`'s before that rule).
 //! 3. RabbitMQ → RabbitMQ: the same with a raw lapin copy loop (consume
 //!    with the daemon's prefetch, publish each body with its properties,
 //!    publisher confirms awaited per batch, then each delivery acked;
@@ -201,18 +203,26 @@ async fn run_bridge(toml: &str, n: usize) -> Measured {
     run_bridge_on(toml, n, None).await
 }
 
-/// Runs the daemon as `ojs-bridge run` does with `worker_threads`: on a
-/// runtime of its own (`None`: one worker per core), apart from the one the
-/// raw loops run on.
+/// The CPUs tokio and `ojs-bridge run` see.
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// Runs the daemon as `ojs-bridge run` does: on a runtime of its own,
+/// apart from the one the raw loops run on, with `worker_threads` threads
+/// (`None`: the size `run` gives it for this configuration).
 async fn run_bridge_on(toml: &str, n: usize, worker_threads: Option<usize>) -> Measured {
     let toml = toml.to_owned();
+    let threads = worker_threads.unwrap_or_else(|| {
+        ojs_bridge::config::BridgeConfig::parse(&toml, "bench", &[])
+            .unwrap()
+            .runtime_threads(cpus())
+    });
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::spawn(move || {
         let mut runtime = tokio::runtime::Builder::new_multi_thread();
         runtime.enable_all();
-        if let Some(threads) = worker_threads {
-            runtime.worker_threads(threads);
-        }
+        runtime.worker_threads(threads);
         let measured = runtime.build().unwrap().block_on(async {
             let daemon = support::start(&toml, BTreeMap::new()).await;
             let m = watch(&daemon.metrics, n as u64).await;
@@ -667,13 +677,20 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
     // to tell the pipeline's cost from that of writing a job (about twice
     // the bytes and headers of the call it came from), forwarding the
     // calls as calls (`grpcq`: the raw copy loop's work); each with the
-    // runtime's default size (one worker per core) and with
-    // `worker_threads = 1`.
+    // runtime's size as `run` chooses it and with one thread per CPU.
+    let per_cpu = cpus();
+    let default_threads = ojs_bridge::config::BridgeConfig::parse(
+        &bridge_toml(url, &src, None, "ojs", &src),
+        "bench",
+        &[],
+    )
+    .unwrap()
+    .runtime_threads(per_cpu);
     let variants: [(&str, Option<usize>); 4] = [
         ("ojs", None),
         ("grpcq", None),
-        ("ojs", Some(1)),
-        ("grpcq", Some(1)),
+        ("ojs", Some(per_cpu)),
+        ("grpcq", Some(per_cpu)),
     ];
     let sink = |variant: usize, round: usize| format!("bench-dst{variant}-{short}-{round}");
     adapter.publish(&raw_sink, calls(1)).await.unwrap();
@@ -725,7 +742,7 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
         )))
     };
     println!(
-        "kafka → kafka    {n} calls, median of {rounds}: raw copy {raw_rate:>9.0} msg/s, bridge {bridge_rate:>9.0} msg/s, ratio {:.2} (target ≥ 0.9); bridge latency p50 {} ms, p99 {} ms",
+        "kafka → kafka    {n} calls, median of {rounds}: raw copy {raw_rate:>9.0} msg/s, bridge (runtime threads as `run` sizes it: {default_threads}) {bridge_rate:>9.0} msg/s, ratio {:.2} (target ≥ 0.9); bridge latency p50 {} ms, p99 {} ms",
         bridge_rate / raw_rate,
         p(|m| m.p50_ms),
         p(|m| m.p99_ms),
@@ -739,7 +756,7 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
         bridge_rate / mapped_rate
     );
     println!(
-        "                 worker_threads = 1: bridge {bridge1_rate:>9.0} msg/s, ratio {:.2} (raw loop writing the same jobs: {:.2}); calls as calls {copy1_rate:>9.0} msg/s, ratio {:.2}",
+        "                 one runtime thread per CPU ({per_cpu}; `run` gives this configuration {default_threads}): bridge {bridge1_rate:>9.0} msg/s, ratio {:.2} (raw loop writing the same jobs: {:.2}); calls as calls {copy1_rate:>9.0} msg/s, ratio {:.2}",
         bridge1_rate / raw_rate,
         bridge1_rate / mapped_rate,
         copy1_rate / raw_rate
@@ -747,7 +764,7 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
     // The broker (another process) shares the two cores: CPU this process
     // spends per message is CPU the broker does not get.
     println!(
-        "    CPU per message (this process, all threads; median): raw copy {:.1} µs, raw writing jobs {:.1} µs, bridge {:.1} µs, calls as calls {:.1} µs; worker_threads = 1: bridge {:.1} µs, calls as calls {:.1} µs",
+        "    CPU per message (this process, all threads; median): raw copy {:.1} µs, raw writing jobs {:.1} µs, bridge {:.1} µs, calls as calls {:.1} µs; one thread per CPU: bridge {:.1} µs, calls as calls {:.1} µs",
         median(raw_cpu),
         median(mapped_cpu),
         cpus(&daemon[0]),
@@ -756,7 +773,7 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
         cpus(&daemon[3]),
     );
     println!(
-        "    rounds: raw [{}]  bridge [{}]  calls as calls [{}]  raw writing jobs [{}]  worker_threads = 1: bridge [{}]  calls as calls [{}]",
+        "    rounds: raw [{}]  bridge [{}]  calls as calls [{}]  raw writing jobs [{}]  one thread per CPU: bridge [{}]  calls as calls [{}]",
         thousands(&raw),
         thousands(&rates(&daemon[0])),
         thousands(&rates(&daemon[1])),

@@ -37,7 +37,7 @@ pub enum AdapterConfig {
 const URL_FORMS: &str = "memory://NAME, local:///abs/dir, local:./dir, kafka://host:port, amqp://user:pass@host:port/vhost, amqps://…, or sqs://REGION";
 
 /// The scheme of a URL (`local:` has no `//`).
-fn scheme(url: &str) -> &str {
+pub(crate) fn scheme(url: &str) -> &str {
     url.split(':').next().unwrap_or_default()
 }
 

@@ -175,9 +175,15 @@ fn main() -> ExitCode {
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
     if let Work::Daemon(config) = &work {
-        if let Some(threads) = config.worker_threads {
-            runtime.worker_threads(threads);
-        }
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        let threads = config.runtime_threads(cpus);
+        tracing::info!(
+            worker_threads = threads,
+            cpus,
+            set = config.worker_threads.is_some(),
+            "async runtime"
+        );
+        runtime.worker_threads(threads);
     }
     let runtime = match runtime.build() {
         Ok(r) => r,
