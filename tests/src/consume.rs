@@ -39,3 +39,16 @@ pub async fn next_delivery(consumer: &mut dyn Consumer, patience: Duration) -> R
     }
     bail!("nothing arrived within {patience:?}")
 }
+
+/// Opens a consumer on `queue` with the default options and takes its
+/// next delivery, unsettled, within `patience`. The consumer comes back
+/// open: the test settles the delivery, reads on, then closes it.
+pub async fn first_delivery(
+    adapter: &dyn QueueAdapter,
+    queue: &str,
+    patience: Duration,
+) -> Result<(Box<dyn Consumer>, Delivery)> {
+    let mut consumer = adapter.consumer(queue, ConsumerOptions::default()).await?;
+    let delivery = next_delivery(&mut *consumer, patience).await?;
+    Ok((consumer, delivery))
+}

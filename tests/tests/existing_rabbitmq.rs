@@ -13,7 +13,7 @@ use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_bridge_tests::acceptance::{AdapterFactory, Features};
 use ojs_bridge_tests::acceptance_tests;
 use ojs_bridge_tests::brokers::{find, missing, rabbitmqctl, unique_queue, Broker};
-use ojs_bridge_tests::consume::{drain_payloads, next_delivery};
+use ojs_bridge_tests::consume::{drain_payloads, first_delivery, next_delivery};
 use ojs_bridge_tests::independent;
 use ojs_core::{ConsumerOptions, DeadLetterReason, Nack, OutgoingMessage, QueueAdapter};
 
@@ -207,11 +207,7 @@ async fn dead_letters_follow_the_queues_own_dead_letter_exchange() {
     .unwrap();
     let adapter = RabbitAdapter::connect(config).await.unwrap();
     adapter.publish(&queue, vec![job(1)]).await.unwrap();
-    let mut consumer = adapter
-        .consumer(&queue, ConsumerOptions::default())
-        .await
-        .unwrap();
-    let d = next_delivery(&mut *consumer, Duration::from_secs(20))
+    let (consumer, d) = first_delivery(&adapter, &queue, Duration::from_secs(20))
         .await
         .unwrap();
     d.nack(Nack::DeadLetter(DeadLetterReason::new("poison", "test")))
@@ -420,11 +416,7 @@ async fn typed_headers_from_other_clients_survive_retry_and_dead_letter_copies()
     independent::run(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
 
     let adapter = RabbitAdapter::connect(f.config()).await.unwrap();
-    let mut consumer = adapter
-        .consumer(&queue, ConsumerOptions::default())
-        .await
-        .unwrap();
-    let d = next_delivery(&mut *consumer, Duration::from_secs(20))
+    let (mut consumer, d) = first_delivery(&adapter, &queue, Duration::from_secs(20))
         .await
         .unwrap();
     // What the neutral headers hold: scalars as text, the rest not at all.

@@ -12,7 +12,7 @@ use ojs_adapter_sqs::{SqsAdapter, SqsConfig, Topology};
 use ojs_bridge_tests::acceptance::{AdapterFactory, Features};
 use ojs_bridge_tests::acceptance_tests;
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
-use ojs_bridge_tests::consume::next_delivery;
+use ojs_bridge_tests::consume::first_delivery;
 use ojs_bridge_tests::independent;
 use ojs_core::{ConsumerOptions, DeadLetterReason, Nack, OutgoingMessage, QueueAdapter};
 
@@ -127,11 +127,7 @@ async fn declare_keeps_the_queues_own_redrive_policy() {
         .publish(&queue, vec![OutgoingMessage::new("poison", "text/plain")])
         .await
         .unwrap();
-    let mut consumer = adapter
-        .consumer(&queue, ConsumerOptions::default())
-        .await
-        .unwrap();
-    let d = next_delivery(&mut *consumer, Duration::from_secs(20))
+    let (_consumer, d) = first_delivery(&adapter, &queue, Duration::from_secs(20))
         .await
         .unwrap();
     d.nack(Nack::DeadLetter(DeadLetterReason::new("poison", "test")))
@@ -225,11 +221,7 @@ async fn a_batch_sqs_refuses_for_one_message_fails_that_message_alone() {
 
     // Through our consumer the values come back as they were sent.
     adapter.publish(&queue, vec![odd_values]).await.unwrap();
-    let mut consumer = adapter
-        .consumer(&queue, ConsumerOptions::default())
-        .await
-        .unwrap();
-    let d = next_delivery(&mut *consumer, Duration::from_secs(20))
+    let (consumer, d) = first_delivery(&adapter, &queue, Duration::from_secs(20))
         .await
         .unwrap();
     assert_eq!(&d.payload[..], b"odd values");
@@ -265,11 +257,7 @@ async fn attribute_types_from_other_clients_survive_a_dead_letter_copy() {
     ])
     .unwrap();
     let adapter = SqsAdapter::connect(f.config()).await.unwrap();
-    let mut consumer = adapter
-        .consumer(&queue, ConsumerOptions::default())
-        .await
-        .unwrap();
-    let d = next_delivery(&mut *consumer, Duration::from_secs(20))
+    let (consumer, d) = first_delivery(&adapter, &queue, Duration::from_secs(20))
         .await
         .unwrap();
     assert_eq!(&d.payload[..], b"typed");
