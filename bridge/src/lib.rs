@@ -4,6 +4,7 @@
 //! be tested without spawning processes.
 
 pub mod alarm;
+pub mod allocator;
 pub mod config;
 pub mod connecting;
 pub mod convert;
