@@ -42,7 +42,14 @@
 //! `cargo bench -p ojs-bridge --bench bridge_throughput [-- MEMORY_N [KAFKA_N [ROUNDS [RABBITMQ_N [LOCAL_N]]]]]`
 //! (Kafka from `OJS_BRIDGE_TEST_KAFKA_URL`, default kafka://127.0.0.1:9092;
 //! RabbitMQ from `OJS_BRIDGE_TEST_AMQP_URL`, default the local guest
-//! account). A count of 0 skips that case.
+//! account). A count of 0 skips that case. `OJS_BRIDGE_BENCH_KAFKA_ONLY`
+//! = `raw`, `raw-jobs`, `jobs` or `calls` runs only that side of the Kafka
+//! case, ROUNDS times, with no comparison: for profiling one side.
+//!
+//! When the Kafka broker is a process on this machine (the first bootstrap
+//! address is 127.0.0.1 or localhost), its CPU per message is printed too:
+//! it shares the cores, so a record that costs the broker more leaves the
+//! bridge less.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -94,59 +101,179 @@ struct Measured {
     /// CPU time of this whole process (every thread: runtime workers and
     /// librdkafka's) per message, over the same window as `rate`.
     cpu_us: f64,
+    /// The broker process's CPU per message over the same window (the
+    /// Kafka case, when its process is known).
+    broker_cpu_us: Option<f64>,
+    /// This process's CPU per message by thread name, over the same window.
+    by_thread: String,
     /// Share of the messages acked before the watcher started its clock
     /// (left out of `rate` and `cpu_us`).
     late_start: f64,
 }
 
-/// CPU time (user + system) this process has used so far, from
-/// `/proc/self/stat` in clock ticks of 10 ms (Linux's `USER_HZ`): a window
-/// of 0.3 s or more is within a few per cent.
-fn process_cpu() -> Duration {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+/// CPU time (user + system) of a process so far, from its `stat` file in
+/// clock ticks of 10 ms (Linux's `USER_HZ`): a window of 0.3 s or more is
+/// within a few per cent. `None` when the process is gone or unreadable.
+fn cpu_of(stat: &str) -> Option<Duration> {
+    let stat = std::fs::read_to_string(stat).ok()?;
     // Fields after the command name, which is in parentheses and may hold spaces.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or("", |(_, rest)| rest)
-        .split_whitespace()
-        .collect();
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     let ticks: u64 = [11, 12]
         .iter()
         .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
         .sum();
-    Duration::from_millis(ticks * 10)
+    Some(Duration::from_millis(ticks * 10))
 }
 
-/// CPU microseconds per message since `since`.
-fn cpu_us_per_message(since: Duration, n: usize) -> f64 {
-    process_cpu().saturating_sub(since).as_secs_f64() * 1e6 / n as f64
+/// CPU time this process (all its threads) has used so far.
+fn process_cpu() -> Duration {
+    cpu_of("/proc/self/stat").unwrap_or_default()
 }
 
-/// Waits until `n` are acked; times from the first receive. The watcher is
-/// a task on the daemon's busy runtime, so it may see the first receive late
-/// (tens of milliseconds, when a 200k memory run lasts 150): the rate and the
-/// CPU count only what was acked after it looked, never the whole `n` over a
+/// The broker process of the Kafka case, when it runs on this machine:
+/// its CPU is read as this process's is, since it shares the same cores.
+static BROKER_PID: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+
+/// The process listening on 127.0.0.1:`port` (IPv4), found through its
+/// socket's inode as `ss -p` finds it; `None` when it is not ours to see.
+fn listener_pid(port: u16) -> Option<u32> {
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    let inode = table.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let local_port = f.get(1)?.rsplit_once(':')?.1;
+        // State 0A is LISTEN.
+        (u16::from_str_radix(local_port, 16).ok()? == port && *f.get(3)? == "0A")
+            .then(|| f.get(9).map(|s| s.to_string()))
+            .flatten()
+    })?;
+    let socket = format!("socket:[{inode}]");
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            std::fs::read_dir(entry.path().join("fd"))
+                .ok()?
+                .flatten()
+                .any(|fd| {
+                    std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == socket.as_str())
+                })
+                .then_some(pid)
+        })
+}
+
+/// The broker's CPU time so far, when its process is known.
+fn broker_cpu() -> Option<Duration> {
+    let pid = BROKER_PID.get().copied().flatten()?;
+    cpu_of(&format!("/proc/{pid}/stat"))
+}
+
+/// CPU time of this process's threads so far, summed by thread name
+/// (`tokio-runtime-w…`, librdkafka's `rdk:broker…`, …).
+fn threads_cpu() -> BTreeMap<String, Duration> {
+    let mut by_name = BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return by_name;
+    };
+    for task in tasks.flatten() {
+        let path = task.path();
+        let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        // librdkafka numbers its broker threads by broker id.
+        let name = name.trim().trim_end_matches(|c: char| c.is_ascii_digit());
+        if let Some(cpu) = cpu_of(&path.join("stat").to_string_lossy()) {
+            *by_name.entry(name.to_owned()).or_default() += cpu;
+        }
+    }
+    by_name
+}
+
+/// CPU used by this process and by the broker from one moment on.
+#[derive(Clone)]
+struct CpuClock {
+    ours: Duration,
+    broker: Option<Duration>,
+    threads: BTreeMap<String, Duration>,
+}
+
+impl CpuClock {
+    fn start() -> Self {
+        Self {
+            ours: process_cpu(),
+            broker: broker_cpu(),
+            threads: threads_cpu(),
+        }
+    }
+
+    /// CPU µs per message since `start` by thread name, largest first
+    /// (threads that ended in between are left out).
+    fn by_thread(&self, n: usize) -> String {
+        let mut rows: Vec<(String, f64)> = threads_cpu()
+            .into_iter()
+            .map(|(name, now)| {
+                let then = self.threads.get(&name).copied().unwrap_or_default();
+                let us = now.saturating_sub(then).as_secs_f64() * 1e6 / n as f64;
+                (name, us)
+            })
+            .filter(|(_, us)| *us >= 0.05)
+            .collect();
+        rows.sort_by(|a, b| b.1.total_cmp(&a.1));
+        rows.iter()
+            .map(|(name, us)| format!("{name} {us:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// CPU µs per message since `start`: this process's and the broker's.
+    fn per_message(&self, n: usize) -> (f64, Option<f64>) {
+        let per = |d: Duration| d.as_secs_f64() * 1e6 / n as f64;
+        let broker = match (self.broker, broker_cpu()) {
+            (Some(then), Some(now)) => Some(per(now.saturating_sub(then))),
+            _ => None,
+        };
+        (per(process_cpu().saturating_sub(self.ours)), broker)
+    }
+}
+
+/// How often [`watch`] looks: the end of a run is seen at most this late
+/// (under 0.5 % of the shortest window, 200k memory → memory).
+const WATCH_EVERY: Duration = Duration::from_millis(1);
+
+/// Waits until `n` are acked; times from the first receive. It runs on a
+/// thread of its own and sleeps on that thread, outside the daemon's
+/// runtime: a tokio timer every 200 µs made the runtime's time driver wake
+/// a daemon worker 5,000 times a second, work `ojs-bridge run` never does
+/// (about a tenth of the worker's samples went to being switched back in).
+/// Its own CPU is left out of the daemon's.
+/// A thread may still see the first receive late, so the rate and the CPU
+/// count only what was acked after it looked, never the whole `n` over a
 /// shortened window (which once made some runs look 2.5× as fast).
-async fn watch(metrics: &Metrics, n: u64) -> Measured {
+fn watch(metrics: &Metrics, n: u64) -> Measured {
+    // Its own thread's CPU is the bench's, not the daemon's.
+    let own_cpu = || cpu_of("/proc/thread-self/stat").unwrap_or_default();
     let source = &metrics.sources[0].1;
     while source.received.load(Ordering::Relaxed) == 0 {
-        tokio::time::sleep(Duration::from_micros(200)).await;
+        std::thread::sleep(WATCH_EVERY);
     }
-    let (started, cpu) = (Instant::now(), process_cpu());
+    let (started, cpu, watched) = (Instant::now(), CpuClock::start(), own_cpu());
     let acked_before = source.acked.load(Ordering::Relaxed);
     let deadline = started + Duration::from_secs(600);
     while source.acked.load(Ordering::Relaxed) < n {
         assert!(Instant::now() < deadline, "bridge stalled");
-        tokio::time::sleep(Duration::from_micros(200)).await;
+        std::thread::sleep(WATCH_EVERY);
     }
     let took = started.elapsed();
     let counted = n.saturating_sub(acked_before).max(1);
     let h = &metrics.routes[0].1.bridge_latency;
+    let (cpu_us, broker_cpu_us) = cpu.per_message(counted as usize);
+    let cpu_us = cpu_us - own_cpu().saturating_sub(watched).as_secs_f64() * 1e6 / counted as f64;
+    let by_thread = cpu.by_thread(counted as usize);
     Measured {
         rate: counted as f64 / took.as_secs_f64(),
         p50_ms: h.quantile_upper_bound(0.5).map(|s| s * 1e3),
         p99_ms: h.quantile_upper_bound(0.99).map(|s| s * 1e3),
-        cpu_us: cpu_us_per_message(cpu, counted as usize),
+        cpu_us,
+        broker_cpu_us,
+        by_thread,
         late_start: acked_before as f64 / n as f64,
     }
 }
@@ -219,18 +346,23 @@ async fn run_bridge_on(toml: &str, n: usize, worker_threads: Option<usize>) -> M
             .runtime_threads(cpus())
     });
     let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::spawn(move || {
-        let mut runtime = tokio::runtime::Builder::new_multi_thread();
-        runtime.enable_all();
-        runtime.worker_threads(threads);
-        let measured = runtime.build().unwrap().block_on(async {
-            let daemon = support::start(&toml, BTreeMap::new()).await;
-            let m = watch(&daemon.metrics, n as u64).await;
-            daemon.shutdown().await;
-            m
-        });
-        let _ = tx.send(measured);
-    });
+    // Named apart from the raw loops' threads, for the per-thread CPU.
+    let watcher = std::thread::Builder::new().name("bench-watcher".into());
+    watcher
+        .spawn(move || {
+            let mut runtime = tokio::runtime::Builder::new_multi_thread();
+            runtime.enable_all();
+            runtime.worker_threads(threads);
+            runtime.thread_name("daemon-worker");
+            let runtime = runtime.build().unwrap();
+            // The daemon's tasks run on the runtime's workers while this
+            // thread watches from outside it.
+            let daemon = runtime.block_on(support::start(&toml, BTreeMap::new()));
+            let measured = watch(&daemon.metrics, n as u64);
+            runtime.block_on(daemon.shutdown());
+            let _ = tx.send(measured);
+        })
+        .unwrap();
     rx.await.unwrap()
 }
 
@@ -289,7 +421,8 @@ const RAW_BATCHES_IN_FLIGHT: usize = 8;
 /// [`RAW_BATCHES_IN_FLIGHT`] batches' delivery reports outstanding, and
 /// commit each batch's offsets once all its reports are in, in order. The
 /// producer is connected (and has its idempotent producer id) before the
-/// clock starts. Returns msg/s and the process's CPU µs per message.
+/// clock starts. Returns msg/s and the CPU µs per message of this process
+/// and of the broker.
 ///
 /// With `map_to_jobs` the loop does what the daemon's route does to each
 /// record, with the same library calls: decode the call, name the job
@@ -297,7 +430,7 @@ const RAW_BATCHES_IN_FLIGHT: usize = 8;
 /// ([`ojs_core::mapping::call_to_job_message`]), and produce that — a
 /// hand-rolled bridge doing the daemon's work, to tell the cost of the
 /// daemon's pipeline from the cost of writing a job instead of a copy.
-async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bool) -> (f64, f64) {
+async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bool) -> RawMeasured {
     use futures::stream::{FuturesOrdered, StreamExt};
     use futures::FutureExt;
     use rdkafka::{Offset, TopicPartitionList};
@@ -336,7 +469,7 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
     while copied < n {
         if received < n && in_flight.len() < RAW_BATCHES_IN_FLIGHT {
             let mut batch = vec![consumer.recv().await.unwrap()];
-            started.get_or_insert_with(|| (Instant::now(), process_cpu()));
+            started.get_or_insert_with(|| (Instant::now(), CpuClock::start()));
             while batch.len() < 512 {
                 match consumer.recv().now_or_never() {
                     Some(m) => batch.push(m.unwrap()),
@@ -407,10 +540,26 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
             copied += count;
         }
     }
-    let (took, cpu_us) = started.map_or((Duration::ZERO, 0.0), |(at, cpu)| {
-        (at.elapsed(), cpu_us_per_message(cpu, n))
-    });
-    (n as f64 / took.as_secs_f64(), cpu_us)
+    let Some((at, cpu)) = started else {
+        return RawMeasured::default();
+    };
+    let took = at.elapsed();
+    let (cpu_us, broker_cpu_us) = cpu.per_message(n);
+    RawMeasured {
+        rate: n as f64 / took.as_secs_f64(),
+        cpu_us,
+        broker_cpu_us,
+        by_thread: cpu.by_thread(n),
+    }
+}
+
+/// A raw loop's rate and CPU per message (its own, the broker's).
+#[derive(Default)]
+struct RawMeasured {
+    rate: f64,
+    cpu_us: f64,
+    broker_cpu_us: Option<f64>,
+    by_thread: String,
 }
 
 /// Raw lapin copy loop, written as a careful hand-rolled bridge would be:
@@ -662,6 +811,16 @@ fn thousands(xs: &[f64]) -> String {
 async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
     let config = KafkaConfig::from_url(url).unwrap();
     let brokers = config.brokers.clone();
+    // A broker on this machine shares its cores: its CPU per message is
+    // read too (the first bootstrap address's listener, if ours to see).
+    let broker_pid = brokers
+        .split(',')
+        .next()
+        .and_then(|b| b.rsplit_once(':'))
+        .filter(|(host, _)| matches!(*host, "127.0.0.1" | "localhost"))
+        .and_then(|(_, port)| port.parse().ok())
+        .and_then(listener_pid);
+    let _ = BROKER_PID.set(broker_pid);
     let adapter = KafkaAdapter::connect(config.clone()).await.unwrap();
     let run = uuid::Uuid::new_v4().simple().to_string();
     let short = &run[..8];
@@ -702,19 +861,45 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
                 .unwrap();
         }
     }
-    let (mut raw, mut raw_mapped) = (vec![], vec![]);
-    // CPU µs per message of the raw loops.
-    let (mut raw_cpu, mut mapped_cpu) = (vec![], vec![]);
+    if let Ok(only) = std::env::var("OJS_BRIDGE_BENCH_KAFKA_ONLY") {
+        // One side alone, to profile it (`perf record` on this process).
+        for round in 0..rounds {
+            let (rate, cpu_us, broker_cpu_us, by_thread) = match only.as_str() {
+                "raw" | "raw-jobs" => {
+                    let (from, to) = (config.topic_of(&src), config.topic_of(&raw_sink));
+                    let m = raw_copy(&brokers, &from, &to, n, only == "raw-jobs").await;
+                    (m.rate, m.cpu_us, m.broker_cpu_us, m.by_thread)
+                }
+                "jobs" | "calls" => {
+                    let variant = usize::from(only == "calls");
+                    let toml = bridge_toml(
+                        url,
+                        &src,
+                        Some(&format!("bench-bridge{variant}-{run}-{round}")),
+                        variants[variant].0,
+                        &sink(variant, round),
+                    );
+                    let m = run_bridge_on(&toml, n, None).await;
+                    (m.rate, m.cpu_us, m.broker_cpu_us, m.by_thread)
+                }
+                other => {
+                    panic!("OJS_BRIDGE_BENCH_KAFKA_ONLY={other}: raw, raw-jobs, jobs or calls")
+                }
+            };
+            println!(
+                "kafka → kafka {only} alone, round {round}: {rate:>9.0} msg/s, CPU {cpu_us:.1} µs per message ({by_thread}), the broker's {}",
+                broker_cpu_us.map_or_else(|| "?".to_owned(), |b| format!("{b:.1} µs"))
+            );
+        }
+        adapter.close().await.unwrap();
+        return;
+    }
+    let (mut raw_rounds, mut mapped_rounds) = (vec![], vec![]);
     let mut daemon: [Vec<Measured>; 4] = Default::default();
     for round in 0..rounds {
-        for (rates, cpu, map_to_jobs) in [
-            (&mut raw, &mut raw_cpu, false),
-            (&mut raw_mapped, &mut mapped_cpu, true),
-        ] {
+        for (rounds, map_to_jobs) in [(&mut raw_rounds, false), (&mut mapped_rounds, true)] {
             let (from, to) = (config.topic_of(&src), config.topic_of(&raw_sink));
-            let (rate, cpu_us) = raw_copy(&brokers, &from, &to, n, map_to_jobs).await;
-            rates.push(rate);
-            cpu.push(cpu_us);
+            rounds.push(raw_copy(&brokers, &from, &to, n, map_to_jobs).await);
         }
         for (variant, (to, workers)) in variants.iter().enumerate() {
             let toml = bridge_toml(
@@ -728,8 +913,19 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
         }
     }
     adapter.close().await.unwrap();
+    let raw: Vec<f64> = raw_rounds.iter().map(|m| m.rate).collect();
+    let raw_mapped: Vec<f64> = mapped_rounds.iter().map(|m| m.rate).collect();
+    let raw_cpu = raw_rounds.iter().map(|m| m.cpu_us).collect();
+    let mapped_cpu = mapped_rounds.iter().map(|m| m.cpu_us).collect();
     let rates = |v: &[Measured]| v.iter().map(|m| m.rate).collect::<Vec<_>>();
     let cpus = |v: &[Measured]| median(v.iter().map(|m| m.cpu_us).collect());
+    // The broker's median CPU per message, when every round could read it.
+    let broker = |v: Vec<Option<f64>>| -> String {
+        v.into_iter()
+            .collect::<Option<Vec<f64>>>()
+            .filter(|v| !v.is_empty())
+            .map_or_else(|| "?".to_owned(), |v| format!("{:.1}", median(v)))
+    };
     let (raw_rate, mapped_rate) = (median(raw.clone()), median(raw_mapped.clone()));
     let [bridge_rate, copy_rate, bridge1_rate, copy1_rate] =
         [0, 1, 2, 3].map(|v| median(rates(&daemon[v])));
@@ -772,6 +968,18 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
         cpus(&daemon[2]),
         cpus(&daemon[3]),
     );
+    match broker_pid {
+        Some(pid) => println!(
+            "    CPU per message of the broker (pid {pid}, another process on the same cores; median): raw copy {} µs, raw writing jobs {} µs, bridge {} µs, calls as calls {} µs; one thread per CPU: bridge {} µs, calls as calls {} µs",
+            broker(raw_rounds.iter().map(|m| m.broker_cpu_us).collect()),
+            broker(mapped_rounds.iter().map(|m| m.broker_cpu_us).collect()),
+            broker(daemon[0].iter().map(|m| m.broker_cpu_us).collect()),
+            broker(daemon[1].iter().map(|m| m.broker_cpu_us).collect()),
+            broker(daemon[2].iter().map(|m| m.broker_cpu_us).collect()),
+            broker(daemon[3].iter().map(|m| m.broker_cpu_us).collect()),
+        ),
+        None => println!("    CPU per message of the broker: not measured (no process of ours listens on the first bootstrap address)"),
+    }
     println!(
         "    rounds: raw [{}]  bridge [{}]  calls as calls [{}]  raw writing jobs [{}]  one thread per CPU: bridge [{}]  calls as calls [{}]",
         thousands(&raw),
