@@ -1001,9 +1001,6 @@ async fn kafka_to_kafka(url: &str, n: usize, rounds: usize) {
 }
 
 fn main() {
-    // The allocator set as `ojs-bridge run` sets it (the raw loops share
-    // this process, and so the setting).
-    ojs_bridge::allocator::configure_for_daemon();
     // `cargo bench` passes `--bench`; numbers are ours.
     let numbers: Vec<usize> = std::env::args()
         .skip(1)

@@ -4,7 +4,6 @@
 //! be tested without spawning processes.
 
 pub mod alarm;
-pub mod allocator;
 pub mod config;
 pub mod connecting;
 pub mod convert;

@@ -136,9 +136,6 @@ fn read_input(file: &Option<PathBuf>) -> anyhow::Result<Vec<u8>> {
 }
 
 fn main() -> ExitCode {
-    // Before any other thread exists (mimalloc's option setter is not
-    // thread-safe); one-shot commands are short and unaffected either way.
-    ojs_bridge::allocator::configure_for_daemon();
     let cli = Cli::parse();
     // Visible by default: the daemon logs at info (a failing sink or source
     // is a warning an operator sees); the one-shot commands only warn.
@@ -395,11 +392,6 @@ async fn run_daemon(config: BridgeConfig) -> ExitCode {
         Some(addr) => eprintln!("ojs-bridge: running; health on http://{addr}/ojs/v1/health, metrics on http://{addr}/metrics"),
         None => eprintln!("ojs-bridge: running (HTTP endpoint off)"),
     }
-    // Ends with the runtime when `run` returns.
-    tokio::spawn(ojs_bridge::allocator::release_when_idle(
-        daemon.metrics(),
-        std::future::pending(),
-    ));
     let summary = daemon.run(shutdown_signal()).await;
     for (source, received, acked) in summary.sources {
         eprintln!("ojs-bridge: source {source}: received {received}, acked {acked}");
