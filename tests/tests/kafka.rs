@@ -121,6 +121,45 @@ async fn out_of_order_acks_never_commit_past_an_unacked_offset() {
     c.close().await.unwrap();
 }
 
+/// A publish larger than librdkafka's local queue (here 16 records) waits
+/// for room instead of failing, and keeps its records in order: the one
+/// the queue refused goes before the ones after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_larger_than_the_local_queue_waits_for_room_in_order() {
+    let Some(url) = find(Broker::Kafka).await.map(|b| b.url) else {
+        return;
+    };
+    let mut config = test_config(&url);
+    config.partitions = 1;
+    config
+        .librdkafka_options
+        .insert("queue.buffering.max.messages".into(), "16".into());
+    let kafka = KafkaAdapter::connect(config).await.unwrap();
+    let queue = unique_queue("k-queue-full");
+    let n = 300;
+    let (ids, msgs) = jobs(&queue, n);
+    kafka.publish(&queue, msgs).await.unwrap();
+    let mut c = kafka
+        .consumer(&queue, group(&unique_queue("g")))
+        .await
+        .unwrap();
+    let got = receive_n(&mut c, n, Duration::from_secs(60)).await;
+    let mut tally = Tally::new();
+    ids.iter().for_each(|i| tally.sent(i.clone()));
+    got.iter().for_each(|d| tally.received(id(d)));
+    tally.assert_none_lost("kafka publish through a 16-record local queue");
+    assert_eq!(tally.duplicates(), 0, "{tally}");
+    assert_eq!(
+        got.iter().map(index).collect::<Vec<_>>(),
+        (0..n as u64).collect::<Vec<_>>(),
+        "one partition: in the order published"
+    );
+    for d in &got {
+        d.ack().await.unwrap();
+    }
+    c.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_splits_partitions_and_two_groups_each_get_everything() {
     let Some((kafka, _)) = adapter(3).await else {

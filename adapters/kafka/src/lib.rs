@@ -38,6 +38,7 @@
 
 mod config;
 mod record_headers;
+mod reports;
 mod tracker;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -47,7 +48,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures::future::Either;
 use futures::{FutureExt, StreamExt};
 use ojs_core::adapter::{admit, publish_outcome};
 use ojs_core::log_limit::LogLimiter;
@@ -64,15 +64,23 @@ use rdkafka::consumer::{
 };
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::future_producer::OwnedDeliveryResult;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{BaseRecord, ThreadedProducer};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::time::Instant;
 
 pub use config::KafkaConfig;
 pub use ojs_core::settings::Topology;
 use record_headers::RecordHeaders;
+use reports::Reports;
 use tracker::{Stale, Tp, Tracker};
+
+/// The adapter's producer: librdkafka's polling thread counts delivery
+/// reports into the publishes they belong to ([`reports`]).
+type Producer = ThreadedProducer<Reports>;
+
+/// How long a record waits before it is offered again to a full local
+/// queue (librdkafka's `queue.buffering.max.*`).
+const QUEUE_FULL_WAIT: Duration = Duration::from_millis(10);
 
 /// Header with the earliest delivery time (Unix ms) of a retry record.
 pub const NOT_BEFORE_HEADER: &str = "ojs-not-before";
@@ -158,7 +166,7 @@ fn apply_overrides(c: &mut ClientConfig, config: &KafkaConfig) -> Result<()> {
 struct Inner {
     config: KafkaConfig,
     /// Replaced when it fails fatally (see `produce`).
-    producer: std::sync::RwLock<Arc<FutureProducer>>,
+    producer: std::sync::RwLock<Arc<Producer>>,
     admin: AdminClient<DefaultClientContext>,
     /// Topics known to exist (created or found).
     topics: Mutex<HashSet<String>>,
@@ -323,7 +331,7 @@ impl Inner {
         Ok(())
     }
 
-    fn producer(&self) -> Arc<FutureProducer> {
+    fn producer(&self) -> Arc<Producer> {
         self.producer
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -331,7 +339,7 @@ impl Inner {
     }
 
     /// Swaps in a new producer unless someone already replaced `broken`.
-    fn rebuild_producer(&self, broken: &Arc<FutureProducer>) -> Result<()> {
+    fn rebuild_producer(&self, broken: &Arc<Producer>) -> Result<()> {
         let fresh = Arc::new(make_producer(&self.config)?);
         let mut slot = self.producer.write().unwrap_or_else(|e| e.into_inner());
         if Arc::ptr_eq(&slot, broken) {
@@ -349,6 +357,64 @@ impl Inner {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(queue);
+    }
+
+    /// Hands `records` to librdkafka in order and waits for every report;
+    /// returns the records that failed, by their index in `records`. A
+    /// record a full local queue refuses is offered again, and the ones
+    /// after it wait with it, until the publish timeout.
+    async fn enqueue_and_wait(
+        &self,
+        producer: &Producer,
+        topics: &Lanes,
+        records: &[(usize, Lane, OutgoingMessage)],
+    ) -> Vec<(usize, KafkaError)> {
+        use rdkafka::producer::Producer as _;
+        let mut pending = producer.client().context().open(records.len());
+        let deadline = Instant::now() + self.config.publish_timeout();
+        for (index, (_, lane, m)) in records.iter().enumerate() {
+            let Some(topic) = &topics[*lane as usize] else {
+                pending.not_enqueued(
+                    index,
+                    KafkaError::MessageProduction(RDKafkaErrorCode::UnknownTopic),
+                );
+                continue;
+            };
+            let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
+            for (k, v) in &m.headers {
+                headers = headers.insert(Header {
+                    key: k.as_str(),
+                    value: Some(v.as_bytes()),
+                });
+            }
+            let mut record: BaseRecord<'_, [u8], [u8], usize> =
+                BaseRecord::with_opaque_to(topic, pending.opaque(index))
+                    .payload(m.payload.as_ref())
+                    .headers(headers);
+            if let Some(key) = &m.key {
+                record = record.key(&key[..]);
+            }
+            loop {
+                match producer.send(record) {
+                    Ok(()) => {
+                        pending.enqueued();
+                        break;
+                    }
+                    Err((e, back))
+                        if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull)
+                            && Instant::now() < deadline =>
+                    {
+                        record = back;
+                        tokio::time::sleep(QUEUE_FULL_WAIT).await;
+                    }
+                    Err((e, _)) => {
+                        pending.not_enqueued(index, e);
+                        break;
+                    }
+                }
+            }
+        }
+        pending.await
     }
 
     /// Produces each message to its lane's topic and waits for every
@@ -373,64 +439,22 @@ impl Inner {
                     .collect();
             }
         };
-        let timeout = self.config.publish_timeout();
         let producer = self.producer();
-        // Every record is enqueued here (collected), before any report is
-        // awaited.
-        let sends: Vec<_> = items
-            .iter()
-            .map(|(_, lane, m)| {
-                let Some(topic) = &topics[*lane as usize] else {
-                    return Either::Right(
-                        futures::future::ready(Err(KafkaError::MessageProduction(
-                            RDKafkaErrorCode::UnknownTopic,
-                        )))
-                        .boxed(),
-                    );
-                };
-                let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
-                for (k, v) in &m.headers {
-                    headers = headers.insert(Header {
-                        key: k.as_str(),
-                        value: Some(v.as_bytes()),
-                    });
-                }
-                let mut record = FutureRecord::to(topic)
-                    .payload(m.payload.as_ref())
-                    .headers(headers);
-                if let Some(key) = &m.key {
-                    record = record.key(&key[..]);
-                }
-                // Enqueue now, without a future per record that owns the
-                // record (moving hundreds of those into `join_all` showed in
-                // profiles); only a full local queue waits, up to the timeout.
-                match producer.send_result(record) {
-                    Ok(report) => Either::Left(report.map(delivered as fn(_) -> _)),
-                    Err((e, record))
-                        if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) =>
-                    {
-                        Either::Right(
-                            producer
-                                .send(record, timeout)
-                                .map(|r| r.map(|_| ()).map_err(|(e, _)| e))
-                                .boxed(),
-                        )
-                    }
-                    Err((e, _)) => Either::Right(futures::future::ready(Err(e)).boxed()),
-                }
-            })
-            .collect();
-        // The reports awaited in order: one that came in already is read at
-        // once, and the task sleeps only for the first one it still lacks.
-        // (`join_all` would give every record a task node of its own and
-        // wake for each report; that showed as CPU per message.)
-        let mut results = Vec::with_capacity(sends.len());
-        for send in sends {
-            results.push(send.await);
+        // Every record is enqueued before any report is awaited, and the
+        // reports are awaited as one: the task wakes once, when the last is
+        // in (not once per record, as a future per record would have it).
+        let mut errors: Vec<Option<KafkaError>> = items.iter().map(|_| None).collect();
+        for (part, first) in items
+            .chunks(reports::MAX_RECORDS)
+            .zip((0..).step_by(reports::MAX_RECORDS))
+        {
+            for (index, error) in self.enqueue_and_wait(&producer, &topics, part).await {
+                errors[first + index] = Some(error);
+            }
         }
         let mut failed = Vec::new();
         let mut timed_out = 0;
-        for ((index, lane, message), result) in items.into_iter().zip(results) {
+        for ((index, lane, message), error) in items.into_iter().zip(errors) {
             if topics[lane as usize].is_none() {
                 failed.push(FailedPublish {
                     index,
@@ -447,7 +471,7 @@ impl Inner {
                 });
                 continue;
             }
-            if let Err(e) = result {
+            if let Some(e) = error {
                 timed_out += usize::from(matches!(
                     e.rdkafka_error_code(),
                     Some(RDKafkaErrorCode::MessageTimedOut)
@@ -483,18 +507,7 @@ impl Inner {
     }
 }
 
-/// A delivery report as a plain result.
-fn delivered(
-    report: std::result::Result<OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
-) -> std::result::Result<(), KafkaError> {
-    match report {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err((e, _))) => Err(e),
-        Err(_) => Err(KafkaError::Canceled),
-    }
-}
-
-fn make_producer(config: &KafkaConfig) -> Result<FutureProducer> {
+fn make_producer(config: &KafkaConfig) -> Result<Producer> {
     let mut p = client_config(config);
     p.set("enable.idempotence", "true")
         .set("acks", "all")
@@ -505,7 +518,8 @@ fn make_producer(config: &KafkaConfig) -> Result<FutureProducer> {
         )
         .set("linger.ms", "5");
     apply_overrides(&mut p, config)?;
-    p.create().map_err(|e| kafka_error(&e))
+    p.create_with_context(Reports::default())
+        .map_err(|e| kafka_error(&e))
 }
 
 /// A connection to a Kafka cluster: one idempotent producer, consumers on demand.
