@@ -20,7 +20,7 @@
 //!    with the daemon's prefetch, publish each body with its properties,
 //!    publisher confirms awaited per batch, then each delivery acked;
 //!    batches pipelined as the daemon does) against the daemon, same
-//!    broker, same run.
+//!    broker, same run, in ROUNDS alternating pairs.
 //! 4. Peak RSS of the `ojs-bridge` process (the release binary, run as a
 //!    user runs it) holding 10,000 messages in flight: a RabbitMQ source
 //!    preloaded with 12,000 calls, `max_in_flight = 10000`, and a sink
@@ -660,43 +660,65 @@ async fn raw_rabbit_copy(
 
 /// RabbitMQ: preloaded calls copied by raw lapin, then bridged by the
 /// daemon into OJS jobs, each from a queue of its own holding the same
-/// calls.
-async fn rabbit_to_rabbit(url: &str, n: usize) {
+/// calls; `rounds` such pairs (fresh queues each), medians compared. With
+/// persistent messages and confirms both sides wait on the broker's disk,
+/// so one pair's ratio varies widely (0.61 to 1.17 on one day).
+async fn rabbit_to_rabbit(url: &str, n: usize, rounds: usize) {
     let config = RabbitConfig::from_url(url).unwrap();
     let adapter = RabbitAdapter::connect(config.clone()).await.unwrap();
-    let short = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
-    let (raw_src, raw_dst, src, dst) = (
-        format!("bench-raw-src-{short}"),
-        format!("bench-raw-dst-{short}"),
-        format!("bench-src-{short}"),
-        format!("bench-dst-{short}"),
-    );
-    for queue in [&raw_src, &src] {
-        for chunk in calls(n).chunks(5_000) {
-            adapter.publish(queue, chunk.to_vec()).await.unwrap();
+    let (mut raw_rates, mut bridged) = (vec![], vec![]);
+    for _ in 0..rounds {
+        let short = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+        let (raw_src, raw_dst, src, dst) = (
+            format!("bench-raw-src-{short}"),
+            format!("bench-raw-dst-{short}"),
+            format!("bench-src-{short}"),
+            format!("bench-dst-{short}"),
+        );
+        for queue in [&raw_src, &src] {
+            for chunk in calls(n).chunks(5_000) {
+                adapter.publish(queue, chunk.to_vec()).await.unwrap();
+            }
         }
+        // The raw sink is declared the adapter's way (same arguments).
+        adapter.prepare(&raw_dst).await.unwrap();
+        let (exchange, routing_key) = config.publish_route_of(&raw_dst);
+        raw_rates.push(
+            raw_rabbit_copy(
+                url,
+                &config.queue_name_of(&raw_src),
+                &exchange,
+                &routing_key,
+                n,
+            )
+            .await,
+        );
+        let toml = bridge_toml(url, &src, None, "ojs", &dst);
+        bridged.push(run_bridge(&toml, n).await);
+        delete_rabbit_queues(url, &config, &[&raw_src, &raw_dst, &src, &dst]).await;
     }
-    // The raw sink is declared the adapter's way (same arguments).
-    adapter.prepare(&raw_dst).await.unwrap();
-    let (exchange, routing_key) = config.publish_route_of(&raw_dst);
-    let raw = raw_rabbit_copy(
-        url,
-        &config.queue_name_of(&raw_src),
-        &exchange,
-        &routing_key,
-        n,
-    )
-    .await;
-    let toml = bridge_toml(url, &src, None, "ojs", &dst);
-    let m = run_bridge(&toml, n).await;
     adapter.close().await.unwrap();
-    delete_rabbit_queues(url, &config, &[&raw_src, &raw_dst, &src, &dst]).await;
+    let raw = median(raw_rates.clone());
+    let rates: Vec<f64> = bridged.iter().map(|m| m.rate).collect();
+    let bridge = median(rates.clone());
+    let p = |q: fn(&Measured) -> Option<f64>| {
+        ms(Some(median(
+            bridged
+                .iter()
+                .map(|m| q(m).unwrap_or(f64::INFINITY))
+                .collect(),
+        )))
+    };
     println!(
-        "rabbitmq → rabbitmq {n} calls: raw copy {raw:>9.0} msg/s, bridge {:>9.0} msg/s, ratio {:.2} (target ≥ 0.9); bridge latency p50 {} ms, p99 {} ms",
-        m.rate,
-        m.rate / raw,
-        ms(m.p50_ms),
-        ms(m.p99_ms)
+        "rabbitmq → rabbitmq {n} calls, median of {rounds}: raw copy {raw:>9.0} msg/s, bridge {bridge:>9.0} msg/s, ratio {:.2} (target ≥ 0.9); bridge latency p50 {} ms, p99 {} ms",
+        bridge / raw,
+        p(|m| m.p50_ms),
+        p(|m| m.p99_ms)
+    );
+    println!(
+        "    rounds: raw [{}]  bridge [{}]",
+        thousands(&raw_rates),
+        thousands(&rates)
     );
 }
 
@@ -1008,7 +1030,7 @@ fn main() {
         .collect();
     let memory_n = numbers.first().copied().unwrap_or(200_000);
     let kafka_n = numbers.get(1).copied().unwrap_or(50_000);
-    let kafka_rounds = numbers.get(2).copied().unwrap_or(3).max(1);
+    let rounds = numbers.get(2).copied().unwrap_or(3).max(1);
     let rabbit_n = numbers.get(3).copied().unwrap_or(50_000);
     let local_n = numbers.get(4).copied().unwrap_or(50_000);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -1032,7 +1054,7 @@ fn main() {
             .to_owned();
         if kafka_n == 0 {
         } else if std::net::TcpStream::connect(&probe).is_ok() {
-            kafka_to_kafka(&url, kafka_n, kafka_rounds).await;
+            kafka_to_kafka(&url, kafka_n, rounds).await;
         } else {
             println!(
                 "kafka → kafka skipped: nothing listens on {probe} (scripts/brokers.sh up kafka)"
@@ -1042,7 +1064,7 @@ fn main() {
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
         if rabbit_n == 0 {
         } else if std::net::TcpStream::connect("127.0.0.1:5672").is_ok() || !amqp.contains("127.0.0.1:5672") {
-            rabbit_to_rabbit(&amqp, rabbit_n).await;
+            rabbit_to_rabbit(&amqp, rabbit_n, rounds).await;
             peak_rss_at_10k_in_flight(&amqp).await;
         } else {
             println!("rabbitmq → rabbitmq skipped: nothing listens on 127.0.0.1:5672 (scripts/brokers.sh up rabbitmq)");
