@@ -14,6 +14,8 @@ struct State {
     failing_since: Option<Instant>,
     last_logged: Option<Instant>,
     failures: u64,
+    /// The queue and reason of the latest failure, for health.
+    last: Option<(String, String)>,
 }
 
 /// The failing/recovered state of one sink or source.
@@ -45,6 +47,7 @@ impl Alarm {
     pub fn failing(&self, queue: &str, reason: &str, retry_in: Duration) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         s.failures += 1;
+        s.last = Some((queue.to_owned(), reason.to_owned()));
         let now = Instant::now();
         let since = *s.failing_since.get_or_insert(now);
         let due = s
@@ -87,6 +90,7 @@ impl Alarm {
         if let Some(since) = s.failing_since.take() {
             let failures = std::mem::take(&mut s.failures);
             s.last_logged = None;
+            s.last = None;
             drop(s);
             tracing::info!(
                 role = self.role,
@@ -111,6 +115,15 @@ impl Alarm {
             .unwrap_or_else(|e| e.into_inner())
             .failing_since
             .map(|since| since.elapsed())
+    }
+
+    /// While failing: how long, and the queue and reason of the latest
+    /// failure (an error's text: never payloads, metadata or credentials).
+    pub fn failure(&self) -> Option<(Duration, String, String)> {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let since = s.failing_since?;
+        let (queue, reason) = s.last.clone().unwrap_or_default();
+        Some((since.elapsed(), queue, reason))
     }
 
     /// The route or source it belongs to.

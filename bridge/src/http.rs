@@ -216,10 +216,15 @@ async fn handle(
             let (mut ok, mut body) = state.health.snapshot();
             let mut failing = Map::new();
             for alarm in &state.alarms {
-                if let Some(d) = alarm.failing_for() {
+                if let Some((d, queue, reason)) = alarm.failure() {
                     failing.insert(
                         format!("{} {}", alarm.role(), alarm.name()),
-                        json!({"status": "failing", "failing_for_ms": d.as_millis() as u64}),
+                        json!({
+                            "status": "failing",
+                            "failing_for_ms": d.as_millis() as u64,
+                            "queue": queue,
+                            "reason": reason,
+                        }),
                     );
                 }
             }

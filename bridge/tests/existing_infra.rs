@@ -699,3 +699,124 @@ async fn a_full_sink_queue_that_rejects_publishes_makes_the_daemon_wait_not_dead
     assert_eq!(memory.depth("dead").await.unwrap(), Some(0));
     assert_eq!(status, 200, "healthy again once it had room: {body}");
 }
+
+/// A sink whose exchange has no binding for the routing key: RabbitMQ
+/// returns each publish (`NO_ROUTE`). That is the topology's state, not
+/// the messages' fault: the daemon keeps them (health 503 names the sink
+/// and says why), nothing is dead-lettered, and they all go out once
+/// someone adds the binding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_sink_makes_the_daemon_wait_for_the_binding_not_dead_letter() {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    if independent::available().is_none() {
+        return;
+    }
+    let output = unique_queue("noroute-out");
+    let exchange = unique_queue("noroute-ex");
+    independent::run(&["rabbit-queue", &output]).unwrap();
+    independent::run(&["rabbit-exchange", &exchange]).unwrap();
+    let source = unique_queue("noroute-src");
+    let toml = format!(
+        r#"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        mem = "memory://{source}"
+        [adapters.rabbit]
+        url = "{url}"
+        topology = "existing"
+        queue_template = "{{queue}}"
+        exchange = "{exchange}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        dead_letter = {{ adapter = "mem", queue = "dead" }}
+        [[routes]]
+        name = "out"
+        sink = "rabbit"
+        queue = "{output}"
+        "#,
+        url = rabbit.url
+    );
+    let daemon = support::start(&toml, BTreeMap::new()).await;
+    let memory = ojs_adapter_memory::MemoryAdapter::named(&source);
+    let sent = 5;
+    memory
+        .publish(
+            "calls",
+            (0..sent)
+                .map(|i| ojs_core::OutgoingMessage::from_grpcq(&support::call(i, "a.B", "C")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let body = loop {
+        let (status, body) = support::http_get(daemon.http.unwrap(), "/ojs/v1/health").await;
+        if status == 503 && body.contains("unroutable") {
+            break body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "health never reported the unroutable sink: {status} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(body.contains("sink out"), "{body}");
+    assert!(body.contains("NO_ROUTE"), "{body}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        memory.depth("dead").await.unwrap(),
+        Some(0),
+        "nothing dead-lettered while the binding is missing"
+    );
+    assert_eq!(daemon.metrics.dead_lettered_count("calls"), 0);
+    // Whoever owns the topology adds the binding; everything flows.
+    independent::run(&[
+        "rabbit-exchange",
+        &exchange,
+        "--bind",
+        &format!("{output}:{output}"),
+    ])
+    .unwrap();
+    let got = gather(sent, Duration::from_secs(90), |n| {
+        independent::lines(&[
+            "rabbit-get",
+            &output,
+            "--count",
+            &n.to_string(),
+            "--timeout",
+            "2",
+        ])
+        .unwrap()
+    });
+    let all: Vec<String> = got
+        .iter()
+        .map(|m| m["message_id"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    let mut ids = all.clone();
+    ids.sort();
+    ids.dedup();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (status, body) = loop {
+        let (status, body) = support::http_get(daemon.http.unwrap(), "/ojs/v1/health").await;
+        if status == 200 || Instant::now() > deadline {
+            break (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    daemon.shutdown().await;
+    println!(
+        "unroutable sink until bound: sent {sent} received {} duplicated {} lost {} dead-lettered {}",
+        ids.len(),
+        all.len() - ids.len(),
+        sent - ids.len(),
+        memory.depth("dead").await.unwrap().unwrap_or(0)
+    );
+    assert_eq!(ids.len(), sent, "{got:?}");
+    assert_eq!(memory.depth("dead").await.unwrap(), Some(0));
+    assert_eq!(status, 200, "healthy again once bound: {body}");
+}

@@ -3,7 +3,8 @@
 //!
 //! Delivery semantics: at least once.
 //! * `publish` waits for **publisher confirms** with `mandatory` set: a broker
-//!   Nack or a returned (unroutable) message fails that message. When the
+//!   Nack or a returned (unroutable) message fails that message (retryable:
+//!   a missing queue or binding is the destination's state). When the
 //!   connection drops, the adapter reconnects with backoff
 //!   (min(2^(n−1), 60) s, ±25 % jitter), re-declares its topology and
 //!   publishes the unconfirmed messages again until `publish_timeout_secs`;
@@ -610,11 +611,18 @@ impl Inner {
                             (Route::Grpcq, Some((topic, action))) => format!(
                                 "is a queue bound to exchange {topic} for routing key {action}?"
                             ),
-                            _ => format!(
-                                "is queue {} missing, or exchange {:?} not bound to it?",
-                                self.config.queue_name_of(queue),
-                                self.config.publish_route_of(queue).0
-                            ),
+                            _ => {
+                                let (exchange, routing_key) = self.config.publish_route_of(queue);
+                                let direct = if exchange.is_empty() {
+                                    String::new()
+                                } else {
+                                    " (`exchange=` with an empty value publishes straight to the queue, through the default exchange)".to_owned()
+                                };
+                                format!(
+                                    "is queue {} missing, or exchange {exchange:?} not bound to it for routing key {routing_key:?}?{direct}",
+                                    self.config.queue_name_of(queue),
+                                )
+                            }
                         };
                         failed.push(FailedPublish {
                             index,
@@ -626,7 +634,12 @@ impl Inner {
                                     returned.reply_code,
                                     returned.reply_text.as_str(),
                                 ),
-                                false,
+                                // The destination's state, not the message's:
+                                // a missing queue or binding is fixed by whoever
+                                // owns the topology, and the message then goes
+                                // through as it is. A daemon holds it (health
+                                // names the sink) instead of dead-lettering it.
+                                true,
                             )
                             .with_broker_kind(BrokerErrorKind::NotFound),
                         })
