@@ -49,6 +49,26 @@ pub enum ConfigError {
     },
 }
 
+/// Adds "did you mean" to serde's "unknown field `sourcs`, expected one of
+/// `adapters`, `sources`, …" when one of the expected names is close.
+fn suggest_known_field(message: String) -> String {
+    let Some(start) = message.find("unknown field `") else {
+        return message;
+    };
+    let rest = &message[start + "unknown field `".len()..];
+    let Some(end) = rest.find('`') else {
+        return message;
+    };
+    let unknown = &rest[..end];
+    let expected: Vec<&str> = rest[end + 1..].split('`').skip(1).step_by(2).collect();
+    let hint = ojs_core::settings::suggestion(unknown, expected);
+    if hint.is_empty() {
+        return message;
+    }
+    let at = start + "unknown field `".len() + end + 1;
+    format!("{}{hint}{}", &message[..at], &message[at..])
+}
+
 fn default_true() -> bool {
     true
 }
@@ -145,7 +165,11 @@ impl AdapterEntry {
                 return Err(invalid(
                     at(key),
                     format!(
-                        "unknown setting {key:?} for this adapter; known settings: url, {}",
+                        "unknown setting {key:?} for this adapter{}; known settings: url, {}",
+                        ojs_core::settings::suggestion(
+                            key,
+                            known.iter().map(String::as_str).chain(["url"])
+                        ),
                         known.join(", ")
                     ),
                 ));
@@ -680,7 +704,7 @@ impl BridgeConfig {
                 .try_into()
                 .map_err(|e: toml::de::Error| ConfigError::Parse {
                     origin: origin.to_owned(),
-                    message: e.to_string(),
+                    message: suggest_known_field(e.to_string()),
                 })?;
         config.validate()?;
         Ok(config)
@@ -729,7 +753,11 @@ impl BridgeConfig {
                 Err(invalid(
                     field,
                     format!(
-                        "names adapter {name:?}, which [adapters] does not define (defined: {})",
+                        "names adapter {name:?}, which [adapters] does not define{} (defined: {})",
+                        ojs_core::settings::suggestion(
+                            name,
+                            self.adapters.keys().map(String::as_str)
+                        ),
                         self.adapters.keys().cloned().collect::<Vec<_>>().join(", ")
                     ),
                 ))
@@ -1242,6 +1270,26 @@ mod tests {
 
     fn error_of(text: &str) -> String {
         parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn near_misses_get_a_did_you_mean() {
+        let text = error_of(&MINIMAL.replace("[[sources]]", "[[sourcs]]"));
+        assert!(text.contains("did you mean `sources`?"), "{text}");
+        let text = error_of(&MINIMAL.replace(
+            "queue = \"calls\"",
+            "queue = \"calls\"\nvisibility_timout = \"1s\"",
+        ));
+        assert!(
+            text.contains("did you mean `visibility_timeout`?"),
+            "{text}"
+        );
+        let text = error_of(&MINIMAL.replace("sink = \"local\"", "sink = \"locla\""));
+        assert!(text.contains("did you mean `local`?"), "{text}");
+        assert_eq!(
+            suggest_known_field("unknown field `zzz`, expected `a`".into()),
+            "unknown field `zzz`, expected `a`"
+        );
     }
 
     #[test]

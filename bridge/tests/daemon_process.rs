@@ -252,6 +252,11 @@ fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_fi
         ("[adapters]\nlocal = \"gopher://x\"\n", "adapters.local"),
         ("worker_threads = 0\n[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\n", "worker_threads"),
         ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\ndescriptor_set = \"/nonexistent.binpb\"\n", "routes[0].descriptor_set"),
+        // A misspelt Kafka setting is taken for a librdkafka option, which
+        // librdkafka refuses: found without connecting, with a hint.
+        ("[adapters]\nk = \"kafka://127.0.0.1:9?topic_templat={queue}\"\n[[sources]]\nname = \"s\"\nadapter = \"k\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"k\"\n", "did you mean `topic_template`?"),
+        ("[adapters.k]\nurl = \"kafka://127.0.0.1:9\"\nlibrdkafka_options = { acks = \"banana\" }\n[[sources]]\nname = \"s\"\nadapter = \"k\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"k\"\n", "\"acks\""),
+        ("[adapters]\nr = \"amqp://127.0.0.1:9/%2f?prefetsh=5\"\n[[sources]]\nname = \"s\"\nadapter = \"r\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"r\"\n", "did you mean `prefetch`?"),
     ];
     let cases = cases
         .iter()

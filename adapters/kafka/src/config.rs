@@ -254,6 +254,7 @@ impl KafkaConfig {
                 format!("must be at least 1, got {}", self.replication),
             );
         }
+        self.check_librdkafka_options()?;
         if self.max_uncommitted_per_partition < 2 {
             return bad(
                 "max_uncommitted_per_partition",
@@ -264,6 +265,62 @@ impl KafkaConfig {
             );
         }
         Ok(())
+    }
+
+    /// Asks librdkafka whether it knows each pass-through option and takes
+    /// its value, without creating a client (so `check-config` refuses what
+    /// `run` would). Every refused option is named; a name close to one of
+    /// our settings gets a "did you mean" (a misspelt setting is otherwise
+    /// taken for a librdkafka option). Values of secret-looking options are
+    /// never repeated.
+    pub fn check_librdkafka_options(&self) -> Result<()> {
+        let ours = settings::setting_names(self);
+        let mut refused = Vec::new();
+        for (key, value) in &self.librdkafka_options {
+            let mut c = rdkafka::ClientConfig::new();
+            c.set(key, value);
+            let Err(e) = c.create_native_config() else {
+                continue;
+            };
+            let text = match &e {
+                rdkafka::error::KafkaError::ClientConfig(_, description, _, _) => {
+                    description.clone()
+                }
+                // A NUL byte in the name or value: CString refused it.
+                other => format!("{key:?}: {other}"),
+            };
+            let text = if ojs_core::redact::is_secret_name(key) && !value.is_empty() {
+                text.replace(value.as_str(), ojs_core::redact::MASK)
+            } else {
+                text
+            };
+            // librdkafka may name an alias (`acks` → `request.required.acks`):
+            // say which option the user wrote.
+            let text = if text.contains(&format!("{key:?}")) {
+                text
+            } else {
+                format!("{key:?}: {text}")
+            };
+            refused.push(format!(
+                "{text}{}",
+                settings::suggestion(key, ours.iter().map(String::as_str))
+            ));
+        }
+        if refused.is_empty() {
+            return Ok(());
+        }
+        Err(Error::InvalidConfig {
+            field: "librdkafka_options".into(),
+            reason: format!(
+                "librdkafka refuses {}: {}",
+                if refused.len() == 1 {
+                    "an option"
+                } else {
+                    "options"
+                },
+                refused.join("; ")
+            ),
+        })
     }
 
     /// librdkafka's `max.poll.interval.ms` as configured (its default is
@@ -375,5 +432,36 @@ mod tests {
         assert!(
             matches!(c.validate(), Err(Error::InvalidConfig { field, .. }) if field == "topic_template")
         );
+    }
+
+    fn refusal(url: &str) -> String {
+        match KafkaConfig::from_url(url) {
+            Err(Error::InvalidConfig { field, reason }) => {
+                assert_eq!(field, "librdkafka_options", "{reason}");
+                reason
+            }
+            other => panic!("{url}: expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn librdkafka_refuses_unknown_options_and_bad_values_before_any_client_exists() {
+        let reason = refusal("kafka://h:1?topic_templat={queue}");
+        assert!(
+            reason.contains("topic_templat") && reason.contains("did you mean `topic_template`?"),
+            "{reason}"
+        );
+        let reason = refusal("kafka://h:1?acks=banana&linger.ms=5&socket.timeout.mz=1");
+        assert!(
+            reason.contains("acks") && reason.contains("socket.timeout.mz"),
+            "every refused option is named: {reason}"
+        );
+        assert!(!reason.contains("linger.ms"), "{reason}");
+        let reason = refusal("kafka://h:1?enable.idempotence=perhaps");
+        assert!(reason.contains("enable.idempotence"), "{reason}");
+        assert!(KafkaConfig::from_url(
+            "kafka://h:1?security.protocol=SASL_SSL&sasl.mechanisms=PLAIN"
+        )
+        .is_ok());
     }
 }

@@ -259,7 +259,14 @@ impl RabbitConfig {
                 return Err(Error::InvalidConfig {
                     field: "url".into(),
                     reason: format!(
-                        "unknown query item {key:?}; known: {}, grpcq_bind.QUEUE, and the AMQP client's {}",
+                        "unknown query item {key:?}{}; known: {}, grpcq_bind.QUEUE, and the AMQP client's {}",
+                        settings::suggestion(
+                            &key,
+                            known
+                                .iter()
+                                .map(String::as_str)
+                                .chain(CLIENT_URL_OPTIONS.iter().copied())
+                        ),
                         known
                             .iter()
                             .filter(|k| *k != "url" && *k != "grpcq_bindings")

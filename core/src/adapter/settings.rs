@@ -63,6 +63,54 @@ pub fn setting_names<T: Serialize>(config: &T) -> Vec<String> {
     }
 }
 
+/// The candidate closest to `name` when it is close enough to be a typo
+/// of it (an edit distance of at most a third of its length, and at least
+/// one edit allowed), for "did you mean" hints; case is ignored and `-`
+/// counts as `_`.
+pub fn did_you_mean<'a>(
+    name: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
+    let fold = |s: &str| s.to_ascii_lowercase().replace('-', "_");
+    let wanted = fold(name);
+    let limit = (wanted.chars().count() / 3).max(1);
+    candidates
+        .into_iter()
+        .map(|c| (edit_distance(&wanted, &fold(c)), c))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// `" (did you mean `x`?)"` when one of `candidates` is close to `name`.
+pub fn suggestion<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
+    did_you_mean(name, candidates)
+        .map(|c| format!(" (did you mean `{c}`?)"))
+        .unwrap_or_default()
+}
+
+/// Edit distance counting characters, where swapping two neighbours is one
+/// edit (`locla` → `local`), as typos go (optimal string alignment).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    let mut before: Vec<usize> = vec![0; b.len() + 1];
+    let mut previous: Vec<usize> = (0..=b.len()).collect();
+    for i in 1..=a.len() {
+        let mut current = vec![i; b.len() + 1];
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            current[j] = (previous[j] + 1)
+                .min(current[j - 1] + 1)
+                .min(previous[j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                current[j] = current[j].min(before[j - 2] + 1);
+            }
+        }
+        before = std::mem::replace(&mut previous, current);
+    }
+    previous[b.len()]
+}
+
 /// Applies `items` over `base`, one at a time, so that an error names the
 /// setting at fault. Unknown names are refused by the struct's
 /// `deny_unknown_fields`; the error lists the known ones.
@@ -77,7 +125,8 @@ where
             return Err(Error::InvalidConfig {
                 field: name.clone(),
                 reason: format!(
-                    "unknown setting {name:?}; known settings: {}",
+                    "unknown setting {name:?}{}; known settings: {}",
+                    suggestion(&name, known.iter().map(String::as_str)),
                     known.join(", ")
                 ),
             });
@@ -439,6 +488,27 @@ mod tests {
     use serde::Deserialize;
 
     use super::*;
+
+    #[test]
+    fn near_misses_get_a_suggestion_and_strangers_do_not() {
+        let known = ["topic_template", "topology", "replication", "partitions"];
+        assert_eq!(did_you_mean("topic_templat", known), Some("topic_template"));
+        assert_eq!(did_you_mean("topolgy", known), Some("topology"));
+        assert_eq!(did_you_mean("Replication", known), Some("replication"));
+        assert_eq!(did_you_mean("banana", known), None);
+        assert_eq!(did_you_mean("partitons", known), Some("partitions"));
+        assert_eq!(did_you_mean("security.protocol", known), None);
+        assert_eq!(did_you_mean("x", known), None);
+        assert_eq!(
+            suggestion("topic_templat", known),
+            " (did you mean `topic_template`?)"
+        );
+        assert_eq!(suggestion("zzz", known), "");
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("locla", "local"), 1);
+        assert_eq!(did_you_mean("locla", ["local", "kafka"]), Some("local"));
+    }
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     #[serde(deny_unknown_fields)]
