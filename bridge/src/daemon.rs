@@ -122,8 +122,39 @@ struct RoutePlan {
 /// What a run did, per source: received and acked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunSummary {
-    /// (source, received, acked).
-    pub sources: Vec<(String, u64, u64)>,
+    /// Per source, in configuration order.
+    pub sources: Vec<SourceSummary>,
+}
+
+impl RunSummary {
+    /// (source, received, acked) per source, in configuration order.
+    pub fn counts(&self) -> Vec<(String, u64, u64)> {
+        self.sources
+            .iter()
+            .map(|s| (s.name.clone(), s.received, s.acked))
+            .collect()
+    }
+}
+
+/// What one source did in a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceSummary {
+    /// The source's name.
+    pub name: String,
+    /// Messages received (a redelivered message counts again).
+    pub received: u64,
+    /// Messages settled at the source: acked after their sink confirmed, or
+    /// after their dead-letter copy was confirmed.
+    pub acked: u64,
+    /// Of `acked`, those settled by dead-lettering.
+    pub dead_lettered: u64,
+}
+
+impl SourceSummary {
+    /// Messages acked after their sink confirmed them.
+    pub fn delivered(&self) -> u64 {
+        self.acked.saturating_sub(self.dead_lettered)
+    }
 }
 
 impl Daemon {
@@ -490,12 +521,11 @@ impl Daemon {
                 .metrics
                 .sources
                 .iter()
-                .map(|(name, m)| {
-                    (
-                        name.clone(),
-                        m.received.load(Ordering::Relaxed),
-                        m.acked.load(Ordering::Relaxed),
-                    )
+                .map(|(name, m)| SourceSummary {
+                    name: name.clone(),
+                    received: m.received.load(Ordering::Relaxed),
+                    acked: m.acked.load(Ordering::Relaxed),
+                    dead_lettered: m.dead_lettered.load(Ordering::Relaxed),
                 })
                 .collect(),
         }
@@ -636,6 +666,7 @@ async fn run_source(ctx: Arc<SourceCtx>, mut stop: watch::Receiver<bool>, drain:
                 ctx.alarm.ok();
                 let n = batch.len();
                 let size: usize = batch.iter().map(|d| d.payload.len()).sum();
+                tracing::trace!(source = %ctx.name(), messages = n, bytes = size, "received a batch");
                 let counters = ctx.counters();
                 counters.received.fetch_add(n as u64, Ordering::Relaxed);
                 counters.in_flight.fetch_add(n as i64, Ordering::Relaxed);
@@ -1062,7 +1093,7 @@ impl DeadLetterTrim {
 /// Sends a poison message to the dead-letter destination with its reason.
 async fn dead_letter(ctx: &SourceCtx, d: Delivery, reason: DeadLetterReason) {
     ctx.metrics.dead_lettered(ctx.name(), &reason.error_type);
-    tracing::warn!(source = %ctx.name(), reason = %reason.error_type, message_id = ?d.message_id, detail = %reason.message, "dead-lettering");
+    tracing::warn!(source = %ctx.name(), reason = %reason.error_type, message_id = d.message_id.as_deref(), detail = %reason.message, "dead-lettering");
     let result = match &ctx.dead_letter {
         // The adapter's own dead-letter destination. A failure there is the
         // destination's, not the message's: retried while the source lease
@@ -1123,7 +1154,9 @@ async fn dead_letter(ctx: &SourceCtx, d: Delivery, reason: DeadLetterReason) {
     };
     match result {
         Ok(()) => {
-            ctx.counters().acked.fetch_add(1, Ordering::Relaxed);
+            let counters = ctx.counters();
+            counters.acked.fetch_add(1, Ordering::Relaxed);
+            counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
         }
         Err(e) => {
             ctx.metrics.error(ctx.name(), "dead_letter");

@@ -11,6 +11,7 @@ pub mod daemon;
 pub mod endpoint;
 pub mod fuzz_targets;
 pub mod http;
+pub mod logging;
 pub mod metrics;
 pub mod probe;
 pub mod routes;

@@ -20,6 +20,7 @@ use clap::{Parser, Subcommand};
 use ojs_bridge::config::{BridgeConfig, ConfigError};
 use ojs_bridge::convert::{self, Format};
 use ojs_bridge::daemon::{Daemon, DaemonError};
+use ojs_bridge::logging::{self, LogFormat};
 use ojs_bridge::routes::Route;
 use ojs_bridge::send::MessageFormat;
 use ojs_bridge::{endpoint, send, tail};
@@ -32,6 +33,17 @@ use ojs_core::ConsumerOptions;
     about = "Carries OJS jobs and grpcq calls over Kafka, RabbitMQ and SQS"
 )]
 struct Cli {
+    /// Log format on standard error: `text` (colour only on a terminal,
+    /// never with NO_COLOR set) or `json` (one object per line). Levels
+    /// and targets: OJS_BRIDGE_LOG (`info`, `ojs_adapter_kafka=debug`).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "OJS_BRIDGE_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -93,7 +105,9 @@ enum Command {
         /// Queue to read.
         #[arg(long)]
         queue: String,
-        /// Format expected when a message has no content type.
+        /// How to read a message that carries no content type: as an OJS
+        /// envelope (`ojs`) or a grpcq call (`grpcq`). Messages with a
+        /// content type are read by it.
         #[arg(long, value_enum, default_value = "ojs")]
         format: MessageFormat,
         /// Stop after N messages.
@@ -139,19 +153,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Visible by default: the daemon logs at info (a failing sink or source
     // is a warning an operator sees); the one-shot commands only warn.
-    // lapin reports every channel the broker closes at ERROR, including the
-    // scratch channels of passive declares that find nothing; the adapter
-    // reports what matters itself.
     let default_filter = match cli.command {
-        Command::Run { .. } => "info,lapin::channel=off",
-        _ => "warn,lapin::channel=off",
+        Command::Run { .. } => "info",
+        _ => "warn",
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_env("OJS_BRIDGE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    logging::init(cli.log_format, default_filter);
+    let format = cli.log_format;
     // `run` reads its configuration before the runtime exists: the
     // runtime's size (`worker_threads`) is part of it.
     let work = match cli.command {
@@ -166,7 +173,7 @@ fn main() -> ExitCode {
                 Work::Daemon(Box::new(c))
             }
             Err(e) => {
-                eprintln!("ojs-bridge run: {e}");
+                fatal(format, &format!("ojs-bridge run: {e}"));
                 return ExitCode::from(EXIT_INVALID_INPUT);
             }
         },
@@ -193,7 +200,7 @@ fn main() -> ExitCode {
         }
     };
     match work {
-        Work::Daemon(config) => runtime.block_on(run_daemon(*config)),
+        Work::Daemon(config) => runtime.block_on(run_daemon(*config, format)),
         Work::OneShot(command) => runtime.block_on(one_shot(command)),
     }
 }
@@ -268,6 +275,8 @@ async fn one_shot(command: Command) -> ExitCode {
                     } else {
                         ojs_core::Source::Queue
                     },
+                    // `tail` reads; it never dead-letters what it prints.
+                    may_dead_letter: false,
                     ..ConsumerOptions::default()
                 },
             };
@@ -377,24 +386,49 @@ async fn shutdown_signal() {
     }
 }
 
-async fn run_daemon(config: BridgeConfig) -> ExitCode {
+/// A failure that ends `run`: a plain line, or with `--log-format json` an
+/// error event, so that a log collector reading JSON lines sees it too.
+fn fatal(format: LogFormat, text: &str) {
+    match format {
+        LogFormat::Text => eprintln!("{text}"),
+        LogFormat::Json => tracing::error!("{text}"),
+    }
+}
+
+async fn run_daemon(config: BridgeConfig, format: LogFormat) -> ExitCode {
     let daemon = match Daemon::start(config).await {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("ojs-bridge run: {e}");
+            fatal(format, &format!("ojs-bridge run: {e}"));
             return ExitCode::from(match e {
                 DaemonError::Config(_) => EXIT_INVALID_INPUT,
                 _ => EXIT_FAILED,
             });
         }
     };
-    match daemon.http_addr() {
-        Some(addr) => eprintln!("ojs-bridge: running; health on http://{addr}/ojs/v1/health, metrics on http://{addr}/metrics"),
-        None => eprintln!("ojs-bridge: running (HTTP endpoint off)"),
+    match (daemon.http_addr(), format) {
+        (Some(addr), LogFormat::Text) => eprintln!("ojs-bridge: running; health on http://{addr}/ojs/v1/health, metrics on http://{addr}/metrics"),
+        (None, LogFormat::Text) => eprintln!("ojs-bridge: running (HTTP endpoint off)"),
+        (addr, LogFormat::Json) => tracing::info!(
+            http = addr.map(|a| a.to_string()),
+            "running"
+        ),
     }
     let summary = daemon.run(shutdown_signal()).await;
-    for (source, received, acked) in summary.sources {
-        eprintln!("ojs-bridge: source {source}: received {received}, acked {acked}");
+    for s in summary.sources {
+        match format {
+            LogFormat::Text => eprintln!(
+                "ojs-bridge: source {}: received {}, acked {}, dead-lettered {}",
+                s.name, s.received, s.acked, s.dead_lettered
+            ),
+            LogFormat::Json => tracing::info!(
+                source = %s.name,
+                received = s.received,
+                acked = s.acked,
+                dead_lettered = s.dead_lettered,
+                "source summary"
+            ),
+        }
     }
     ExitCode::SUCCESS
 }

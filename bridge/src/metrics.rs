@@ -122,8 +122,11 @@ impl Histogram {
 pub struct SourceMetrics {
     /// Messages received.
     pub received: AtomicU64,
-    /// Messages acked at the source (after the sink confirmed).
+    /// Messages acked at the source (after the sink confirmed, or after
+    /// their dead-letter copy was confirmed).
     pub acked: AtomicU64,
+    /// Of `acked`, those settled by dead-lettering.
+    pub dead_lettered: AtomicU64,
     /// Messages received and not yet settled.
     pub in_flight: AtomicI64,
     /// Their payload bytes.

@@ -3,12 +3,15 @@
 use ojs_core::{grpcq, Encoding, Error, JobEnvelope, OutgoingMessage, QueueAdapter};
 use serde_json::Value;
 
-/// What the input lines are.
+/// What the messages are: `send`'s input lines, or how `tail` reads a
+/// message that carries no content type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum MessageFormat {
-    /// OJS JSON envelopes, published as `application/openjobspec+proto`.
+    /// OJS jobs (send: OJS JSON envelopes, published as
+    /// application/openjobspec+proto)
     Ojs,
-    /// grpcq messages as JSON (`payload` in standard base64).
+    /// grpcq calls (send: grpcq messages as JSON, `payload` in standard
+    /// base64)
     Grpcq,
 }
 

@@ -119,9 +119,16 @@ async fn grpcq_calls_become_ojs_jobs_with_binding_headers_and_deterministic_ids(
     tally.assert_none_lost("memory → memory");
     assert_eq!(tally.duplicates(), 0);
     let summary = daemon.shutdown().await;
+    let source = &summary.sources[0];
     assert_eq!(
-        summary.sources,
-        vec![("calls".to_owned(), n as u64, n as u64)]
+        (
+            summary.sources.len(),
+            source.name.as_str(),
+            source.received,
+            source.acked,
+            source.dead_lettered
+        ),
+        (1, "calls", n as u64, n as u64, 0)
     );
     assert_eq!(
         broker.depth("calls").await.unwrap(),
@@ -334,9 +341,15 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_the_daemon_goes
     );
     let summary = daemon.shutdown().await;
     assert_eq!(
-        summary.sources[0].1, summary.sources[0].2,
+        summary.sources[0].received, summary.sources[0].acked,
         "everything received was settled"
     );
+    assert_eq!(
+        summary.sources[0].dead_lettered,
+        expected.len() as u64,
+        "the summary tells dead letters from delivered messages"
+    );
+    assert_eq!(summary.sources[0].delivered(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -604,7 +617,7 @@ async fn a_stalled_sink_holds_back_consumption_and_shutdown_is_bounded() {
         "shutdown must be bounded, took {took:?}"
     );
     assert_eq!(
-        summary.sources[0].2, 0,
+        summary.sources[0].acked, 0,
         "nothing may be acked that no sink confirmed"
     );
     // Everything is still in the source (the abandoned ones after their
@@ -861,7 +874,7 @@ async fn a_call_delivered_twice_becomes_the_same_job_id_twice() {
         .collect();
     assert_eq!(ids[0], ids[1], "both copies carry one job id");
     assert_eq!(ids[0], call_job_id(&c.message_id, c.timestamp_ms));
-    assert_eq!(summary.sources[0].1, 2, "received twice");
+    assert_eq!(summary.sources[0].received, 2, "received twice");
     assert_eq!(
         broker.depth("calls").await.unwrap(),
         Some(0),
@@ -1017,11 +1030,11 @@ async fn source_leases_are_extended_while_the_sink_is_down_for_many_visibility_t
         jobs.len(),
         jobs.len().saturating_sub(5),
         5usize.saturating_sub(jobs.len()),
-        summary.sources[0].1
+        summary.sources[0].received
     );
     assert_eq!(jobs.len(), 5);
     assert_eq!(
-        summary.sources[0].1, 5,
+        summary.sources[0].received, 5,
         "each call was received once: its lease was extended"
     );
     assert_eq!(dead, 0, "nothing was dead-lettered");
@@ -1171,8 +1184,8 @@ async fn publishes_that_outlast_the_lease_are_not_delivered_twice() {
     .await;
     let summary = daemon.shutdown().await;
     assert_eq!(jobs.len(), 1, "published once");
-    assert_eq!(summary.sources[0].1, 1, "received once");
-    assert_eq!(summary.sources[0].2, 1, "acked");
+    assert_eq!(summary.sources[0].received, 1, "received once");
+    assert_eq!(summary.sources[0].acked, 1, "acked");
 }
 
 /// Per-key order across batches: the sink's first publish is slow, so

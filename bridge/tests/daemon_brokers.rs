@@ -122,7 +122,7 @@ async fn grpcq_calls_on_rabbitmq_become_ojs_jobs_on_kafka() {
     }
     let summary = daemon.shutdown().await;
     assert_eq!(
-        summary.sources[0].2,
+        summary.sources[0].acked,
         sent.len() as u64,
         "every call acked at the source"
     );
@@ -215,7 +215,10 @@ async fn a_call_rabbitmq_cannot_carry_is_dead_lettered_and_the_rest_flow() {
         reason.message
     );
     let summary = daemon.shutdown().await;
-    assert_eq!(summary.sources[0].2, 3, "all three settled at the source");
+    assert_eq!(
+        summary.sources[0].acked, 3,
+        "all three settled at the source"
+    );
     rabbit.close().await.unwrap();
 }
 
@@ -313,7 +316,10 @@ async fn a_call_over_the_sqs_queues_own_size_limit_is_dead_lettered_and_the_rest
         reason.message
     );
     let summary = daemon.shutdown().await;
-    assert_eq!(summary.sources[0].2, 3, "all three settled at the source");
+    assert_eq!(
+        summary.sources[0].acked, 3,
+        "all three settled at the source"
+    );
     sqs_adapter.close().await.unwrap();
 }
 
@@ -407,7 +413,7 @@ async fn a_dead_letter_its_destination_refuses_goes_with_less_and_never_holds_th
         "{bodiless}"
     );
     let summary = daemon.shutdown().await;
-    assert_eq!(summary.sources[0].2, 2, "both settled at the source");
+    assert_eq!(summary.sources[0].acked, 2, "both settled at the source");
 }
 
 /// The same on RabbitMQ: a dead letter whose header name and message id
@@ -473,7 +479,7 @@ async fn a_dead_letter_amqp_cannot_carry_lands_without_what_does_not_fit() {
         got[0]
     );
     let summary = daemon.shutdown().await;
-    assert_eq!(summary.sources[0].2, 1, "settled at the source");
+    assert_eq!(summary.sources[0].acked, 1, "settled at the source");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -542,7 +548,7 @@ async fn grpcq_calls_on_sqs_become_ojs_jobs_on_rabbitmq() {
     .await;
     check_jobs(&sent, &jobs, "SQS → RabbitMQ");
     let summary = daemon.shutdown().await;
-    assert_eq!(summary.sources[0].2, sent.len() as u64);
+    assert_eq!(summary.sources[0].acked, sent.len() as u64);
     rabbit.close().await.unwrap();
 }
 

@@ -207,7 +207,7 @@ async fn starts_before_the_broker(broker: Broker, tag: &str) {
     let metrics = daemon.metrics.clone();
     let summary = daemon.shutdown().await;
     assert_eq!(
-        summary.sources,
+        summary.counts(),
         vec![
             ("from-memory".to_owned(), 50, 50),
             ("from-broker".to_owned(), 50, 50)
@@ -433,7 +433,10 @@ async fn a_rabbitmq_memory_alarm_holds_the_sink_and_loses_nothing() {
     tally(&during, &after).assert_none_lost("RabbitMQ memory alarm 30 s at the sink");
     assert_nothing_dead_lettered(&memory_adapter, "calls").await;
     let summary = daemon.shutdown().await;
-    assert_eq!(summary.sources[0].2, 220, "every call acked at the source");
+    assert_eq!(
+        summary.sources[0].acked, 220,
+        "every call acked at the source"
+    );
     direct.close().await.unwrap();
 }
 
@@ -507,7 +510,10 @@ async fn a_full_embedded_sink_holds_the_source_until_room_is_freed() {
     tally(&sent, &jobs).assert_none_lost("embedded sink full, then room freed");
     assert_nothing_dead_lettered(&memory_adapter, "calls").await;
     let summary = daemon.shutdown().await;
-    assert_eq!(summary.sources[0].2, 400, "every call acked at the source");
+    assert_eq!(
+        summary.sources[0].acked, 400,
+        "every call acked at the source"
+    );
     sink.close().await.unwrap();
 }
 
@@ -1002,7 +1008,7 @@ async fn a_kafka_source_behind_a_stalled_sink_stays_in_its_group() {
     t.assert_none_lost("kafka source behind a stalled sink");
     assert_eq!(t.duplicates(), 0, "the consumer never left its group");
     let summary = daemon.shutdown().await;
-    assert_eq!(summary.sources, vec![("calls".to_owned(), 200, 200)]);
+    assert_eq!(summary.counts(), vec![("calls".to_owned(), 200, 200)]);
     let dead = collect(
         source.as_ref(),
         &queue,
@@ -1090,12 +1096,12 @@ async fn an_sqs_source_outlives_a_sink_down_for_ten_visibility_timeouts() {
         t.distinct_received(),
         t.duplicates(),
         t.lost().len(),
-        summary.sources
+        summary.counts()
     );
     t.assert_none_lost("sqs source behind a sink down for ten visibility timeouts");
     assert_eq!(dlq_depth, 0, "nothing moved to the dead-letter queue");
     assert_eq!(
-        summary.sources,
+        summary.counts(),
         vec![("calls".to_owned(), 20, 20)],
         "each call received once"
     );

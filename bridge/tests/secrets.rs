@@ -326,14 +326,395 @@ async fn a_running_daemon_logs_serves_and_exits_without_a_secret() {
         "daemon exited {status}; {} lines of trace-level logs",
         stderr.lines().count()
     );
-    assert!(
-        stderr.lines().count() > 20,
-        "trace logging was on: {stderr}"
-    );
+    assert!(stderr.contains(" TRACE "), "trace logging was on: {stderr}");
     assert_clean("stdout", &stdout);
     assert_clean("stderr at trace", &stderr);
     for marker in [PAYLOAD, METADATA] {
         assert!(!stderr.contains(marker), "logs show {marker}");
     }
     rabbitmqctl(&["delete_user", &user]);
+}
+
+/// Every form in which a marker could show in output: as text, in base64
+/// (standard and URL-safe, at each of the three byte alignments inside a
+/// longer buffer), in hex, and as a list of byte values (a `Debug` of
+/// bytes, a JSON array).
+fn marker_forms(marker: &str) -> Vec<String> {
+    use base64::Engine as _;
+    let bytes = marker.as_bytes();
+    let mut forms = vec![marker.to_owned()];
+    for engine in [
+        base64::engine::general_purpose::STANDARD_NO_PAD,
+        base64::engine::general_purpose::URL_SAFE_NO_PAD,
+    ] {
+        for pad in 0..3usize {
+            let mut buf = vec![0u8; pad];
+            buf.extend_from_slice(bytes);
+            let text = engine.encode(&buf);
+            // Characters fed only by the marker's own bits.
+            let first = (pad * 8).div_ceil(6);
+            let last = (buf.len() * 8) / 6;
+            forms.push(text[first..last].to_owned());
+        }
+    }
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    forms.push(hex.to_uppercase());
+    forms.push(hex);
+    let values: Vec<String> = bytes.iter().map(u8::to_string).collect();
+    forms.push(values.join(", "));
+    forms.push(values.join(","));
+    forms
+}
+
+fn assert_no_content(what: &str, text: &str) {
+    for marker in [PAYLOAD, METADATA] {
+        for form in marker_forms(marker) {
+            assert!(
+                !text.contains(&form),
+                "{what} shows {marker} as {form:?}:\n{text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn marker_forms_find_a_marker_inside_encoded_buffers() {
+    use base64::Engine as _;
+    for prefix in ["", "a", "ab", "abc"] {
+        let buffer = format!("{prefix}{PAYLOAD}tail");
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&buffer);
+        assert!(
+            marker_forms(PAYLOAD)
+                .iter()
+                .any(|f| b64.contains(f.as_str())),
+            "{b64}"
+        );
+    }
+    let listed = format!("{:?}", format!("x{METADATA}").into_bytes());
+    assert!(marker_forms(METADATA)
+        .iter()
+        .any(|f| listed.contains(f.as_str())));
+}
+
+/// `ojs-bridge` run as a process with logs at `trace`.
+fn traced(args: &[&str], stdin: &str) -> std::process::Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args(args)
+        .env("OJS_BRIDGE_LOG", "trace")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write as _;
+        let mut input = child.stdin.take().unwrap();
+        input.write_all(stdin.as_bytes()).unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A job whose args and meta hold the markers, as `send` reads it.
+fn marked_job() -> String {
+    format!(
+        r#"{{"specversion":"1.0","id":"{}","type":"mark.job","queue":"default","args":["{PAYLOAD}"],"meta":{{"authorization":"Bearer {METADATA}"}}}}"#,
+        uuid::Uuid::now_v7()
+    ) + "\n"
+}
+
+/// Runs one adapter through the paths that log while a message is in hand
+/// — publish, receive, decode failure, unknown content type, unknown
+/// route, dead letter, reading dead letters, an oversized message, and
+/// whatever `extra` adds (a broker's own refusals, a reconnect) — with
+/// logs at `trace` and the markers in payloads and metadata, and checks
+/// every byte the processes wrote to standard error (and JSON logs parse,
+/// with `json`).
+async fn content_never_reaches_the_log(
+    url: &str,
+    tag: &str,
+    json: bool,
+    extra: impl AsyncFnOnce(&str, &str) -> Vec<(String, String)>,
+) {
+    use base64::Engine as _;
+    let queue = unique_queue(tag);
+    let (inq, outq) = (format!("{queue}-in"), format!("{queue}-out"));
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let dir = TempDir::new("content-logs");
+    let config = dir.path().join("bridge.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+            [http]
+            listen = "127.0.0.1:{port}"
+            [adapters]
+            broker = "{url}"
+            [[sources]]
+            name = "in"
+            adapter = "broker"
+            queue = "{inq}"
+            [[routes]]
+            name = "marked"
+            match = {{ topic = "mark.*" }}
+            sink = "broker"
+            queue = "{outq}"
+            "#
+        ),
+    )
+    .unwrap();
+    let mut outputs: Vec<(String, String)> = Vec::new();
+    // Publish: the CLI's path, then the messages the daemon will take.
+    let out = traced(&["send", "--to", url, "--queue", &outq], &marked_job());
+    assert!(out.status.success(), "{out:?}");
+    outputs.push(("send".into(), String::from_utf8_lossy(&out.stderr).into()));
+    let adapter = ojs_bridge::endpoint::connect(url).await.unwrap();
+    let mut call = ojs_core::grpcq::Message {
+        originator: "o".into(),
+        topic: "mark.Service".into(),
+        action: "Do".into(),
+        payload: PAYLOAD.as_bytes().to_vec(),
+        message_id: "m-1".into(),
+        timestamp_ms: 1_704_067_200_000,
+        metadata: Default::default(),
+    };
+    call.metadata.insert("tenant".into(), METADATA.into());
+    let mut unrouted = call.clone();
+    unrouted.topic = "other.Service".into();
+    unrouted.message_id = "m-2".into();
+    let broken_json =
+        format!(r#"{{"type":"mark.job","args":["{PAYLOAD}"],"meta":{{"t":"{METADATA}"}}"#);
+    adapter
+        .publish(
+            &inq,
+            vec![
+                ojs_core::OutgoingMessage::from_grpcq(&call),
+                ojs_core::OutgoingMessage::from_grpcq(&unrouted),
+                ojs_core::OutgoingMessage::new(broken_json, "application/openjobspec+json"),
+                ojs_core::OutgoingMessage::new(
+                    format!("{PAYLOAD} {METADATA}"),
+                    "application/x-marker",
+                ),
+            ],
+        )
+        .await
+        .unwrap();
+    // The daemon: one call bridged, three dead-lettered.
+    let mut args = vec!["run", "--config", config.to_str().unwrap()];
+    if json {
+        args.extend(["--log-format", "json"]);
+    }
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .args(&args)
+        .env("OJS_BRIDGE_LOG", "trace")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stderr_pipe = child.stderr.take().unwrap();
+    let stderr_task = tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = stderr_pipe.read_to_string(&mut text).await;
+        text
+    });
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < deadline, "{tag}: the daemon did not start");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    loop {
+        let text = http_get(addr, "/metrics").await.1;
+        if text.contains("ojs_bridge_acked_total{source=\"in\"} 4") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{tag}: the daemon did not settle the four messages: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    outputs.extend(extra(url, &format!("127.0.0.1:{port}")).await);
+    let pid = child.id().unwrap();
+    let _ = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("the daemon exits after SIGTERM")
+        .unwrap();
+    assert!(status.success());
+    let daemon_log = stderr_task.await.unwrap();
+    assert!(
+        daemon_log.contains(" TRACE ") || daemon_log.contains(r#""level":"TRACE""#),
+        "trace logging was on: {daemon_log}"
+    );
+    if json {
+        for line in daemon_log.lines() {
+            let event: serde_json::Value = serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line}"));
+            assert!(
+                event["level"].is_string() && event["timestamp"].is_string(),
+                "{line}"
+            );
+            assert!(event["fields"].is_object(), "{line}");
+            assert!(
+                !line.contains("Some("),
+                "Rust debug syntax in a field: {line}"
+            );
+        }
+        assert!(
+            daemon_log.contains("\"message\":\"dead-lettering\""),
+            "{daemon_log}"
+        );
+    }
+    outputs.push(("daemon".into(), daemon_log));
+    // Reading: the bridged job and the dead letters, printed on stdout
+    // (that is the command's output) and never in its log.
+    let out = traced(
+        &[
+            "tail",
+            "--from",
+            url,
+            "--queue",
+            &outq,
+            "--count",
+            "2",
+            "--timeout-secs",
+            "10",
+            "--ack",
+        ],
+        "",
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(printed.lines().count(), 2, "{out:?}");
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(PAYLOAD);
+    assert!(
+        printed.contains(PAYLOAD) || printed.contains(&b64),
+        "the job is printed: {printed}"
+    );
+    outputs.push(("tail".into(), String::from_utf8_lossy(&out.stderr).into()));
+    let out = traced(
+        &[
+            "tail",
+            "--from",
+            url,
+            "--queue",
+            &inq,
+            "--dead-letters",
+            "--count",
+            "3",
+            "--timeout-secs",
+            "10",
+            "--ack",
+        ],
+        "",
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).lines().count(),
+        3,
+        "{out:?}"
+    );
+    outputs.push((
+        "tail --dead-letters".into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    ));
+    // An oversized message, refused before it leaves.
+    let big = format!(
+        "{url}{}max_message_bytes=64",
+        if url.contains('?') { '&' } else { '?' }
+    );
+    let out = traced(&["send", "--to", &big, "--queue", &outq], &marked_job());
+    assert!(!out.status.success(), "{out:?}");
+    outputs.push((
+        "oversized send".into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    ));
+    let mut lines = 0;
+    for (what, text) in &outputs {
+        lines += text.lines().count();
+        assert_no_content(&format!("{tag}: {what} at trace"), text);
+        assert_clean(&format!("{tag}: {what} at trace"), text);
+    }
+    println!(
+        "{tag}: {} outputs, {lines} lines at trace, no marker in any form",
+        outputs.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_content_never_reaches_the_log_local() {
+    let dir = TempDir::new("content-local");
+    let url = format!("local://{}", dir.path().display());
+    content_never_reaches_the_log(&url, "local", true, async |_, _| Vec::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_content_never_reaches_the_log_kafka() {
+    let Some(kafka) = find(Broker::Kafka).await else {
+        return;
+    };
+    content_never_reaches_the_log(&kafka.url, "kafka", false, async |_, _| Vec::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_content_never_reaches_the_log_sqs() {
+    let Some(sqs) = find(Broker::Sqs).await else {
+        return;
+    };
+    content_never_reaches_the_log(&sqs.url, "sqs", true, async |_, _| Vec::new()).await;
+}
+
+/// RabbitMQ adds its own refusals: a returned (unroutable) publish, a
+/// publish the broker nacks (a full queue that rejects publishes), and a
+/// reconnect while the daemon runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_content_never_reaches_the_log_rabbitmq() {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    if ojs_bridge_tests::independent::available().is_none() {
+        missing::<()>("independent clients", "pika is needed to make the queues");
+        return;
+    }
+    content_never_reaches_the_log(&rabbit.url, "rabbitmq", false, async |url, http| {
+        let mut outputs = Vec::new();
+        let full = unique_queue("content-full");
+        ojs_bridge_tests::independent::run(&[
+            "rabbit-queue",
+            &full,
+            "--arg",
+            "x-max-length=1",
+            "--arg",
+            "x-overflow=reject-publish",
+        ])
+        .unwrap();
+        // Returned: amq.direct has no binding for this queue.
+        let unroutable = format!(
+            "{url}?exchange=amq.direct&queue_template={{queue}}&topology=existing&publish_timeout_secs=2"
+        );
+        let out = traced(&["send", "--to", &unroutable, "--queue", &full], &marked_job());
+        assert!(!out.status.success(), "{out:?}");
+        let text = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(text.contains("NO_ROUTE"), "{text}");
+        outputs.push(("unroutable send".into(), text));
+        // Nacked: the queue holds one; the second publish is refused.
+        let direct = format!(
+            "{url}?exchange=&queue_template={{queue}}&topology=existing&publish_timeout_secs=2"
+        );
+        let two = marked_job() + &marked_job();
+        let out = traced(&["send", "--to", &direct, "--queue", &full], &two);
+        assert!(!out.status.success(), "{out:?}");
+        outputs.push(("nacked send".into(), String::from_utf8_lossy(&out.stderr).into()));
+        // Reconnect: the broker drops every connection while the daemon runs.
+        assert!(rabbitmqctl(&["close_all_connections", "content-log test"]));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let addr: std::net::SocketAddr = http.parse().unwrap();
+        let _ = http_get(addr, "/ojs/v1/health").await;
+        outputs
+    })
+    .await;
 }

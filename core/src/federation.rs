@@ -70,6 +70,17 @@ pub enum BreakerState {
 }
 
 impl BreakerState {
+    /// The state's name in logs and metrics: `closed`, `open`, `half_open`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half_open",
+        }
+    }
+}
+
+impl BreakerState {
     /// Metrics value: 0 closed, 1 half-open, 2 open.
     pub fn as_gauge(self) -> u8 {
         match self {
@@ -436,7 +447,7 @@ impl Federation {
             r.failures.fetch_add(1, Ordering::Relaxed);
         }
         if let Some(state) = r.breaker.record(admission, ok) {
-            tracing::warn!(region = %r.name, state = ?state, "federation: circuit breaker changed state");
+            tracing::warn!(region = %r.name, state = state.as_str(), "federation: circuit breaker changed state");
         }
     }
 

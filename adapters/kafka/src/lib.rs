@@ -239,9 +239,6 @@ impl Inner {
         if !found[1] {
             tracing::info!(queue, topic = %main, "no retry topic; delayed retries go back to the queue topic");
         }
-        if !found[2] {
-            tracing::warn!(queue, topic = %dead, "no dead-letter topic; dead-lettering from this queue fails until it exists");
-        }
         let lanes = [
             Some(main.clone()),
             Some(if found[1] { retry } else { main }),
@@ -497,7 +494,8 @@ impl Inner {
                 producer.client().fatal_error()
             };
             if fatal.is_some() || timed_out == failed.len() {
-                tracing::warn!(?fatal, timed_out, "rebuilding the kafka producer");
+                let fatal = fatal.map(|(code, reason)| format!("{code:?}: {reason}"));
+                tracing::warn!(fatal, timed_out, "rebuilding the kafka producer");
                 if let Err(e) = self.rebuild_producer(&producer) {
                     tracing::warn!(error = %e, "could not rebuild the kafka producer");
                 }
@@ -595,6 +593,11 @@ impl QueueAdapter for KafkaAdapter {
             return Err(Error::Closed);
         }
         let [main, retry, dead] = self.inner.lanes(queue).await?;
+        if dead.is_none() && options.source == Source::Queue && options.may_dead_letter {
+            // Only a consumer whose records may be dead-lettered needs the
+            // dead topic; a sink or a reader (`tail`) never writes there.
+            tracing::warn!(queue, topic = %self.inner.config.dead_topic_of(queue), "no dead-letter topic; dead-lettering a record of this queue waits until it exists");
+        }
         let topics: Vec<String> = match options.source {
             Source::Queue => {
                 let mut t: Vec<String> = main.into_iter().collect();

@@ -696,6 +696,10 @@ pub struct ConsumerOptions {
     pub max_deliveries: Option<u32>,
     /// Queue or its dead letters.
     pub source: Source,
+    /// Whether what this consumer receives may be dead-lettered (a daemon's
+    /// source, a worker); `tail` only reads. An adapter whose dead-letter
+    /// destination is missing warns about it only when it may be needed.
+    pub may_dead_letter: bool,
 }
 
 impl Default for ConsumerOptions {
@@ -707,6 +711,7 @@ impl Default for ConsumerOptions {
             prefetch: 100,
             max_deliveries: None,
             source: Source::Queue,
+            may_dead_letter: true,
         }
     }
 }
