@@ -98,13 +98,13 @@ pub struct BridgeConfig {
     /// (`ojs-bridge run` only). Default ([`BridgeConfig::runtime_threads`]):
     /// one per CPU, one fewer when a Kafka adapter is configured, since
     /// librdkafka runs its own threads for the broker connections and the
-    /// delivery reports (README, Benchmarks).
+    /// delivery reports (docs/benchmarks.md).
     #[serde(default)]
     pub worker_threads: Option<usize>,
     /// The health and metrics endpoint.
     #[serde(default)]
     pub http: HttpConfig,
-    /// Brokers by name: `name = "URL"` (DESIGN §7 URLs, settings as query
+    /// Brokers by name: `name = "URL"` (docs/design.md §7 URLs, settings as query
     /// items), or a table `[adapters.NAME]` with `url` and the adapter's
     /// settings.
     #[serde(default)]
@@ -121,7 +121,7 @@ pub struct BridgeConfig {
 }
 
 /// One `[adapters]` entry: `name = "URL"`, or `[adapters.NAME]` with `url`
-/// and settings (typed as the adapter's README table says; a string is read
+/// and settings (typed as the adapter's table in docs/adapters/ says; a string is read
 /// according to its setting's type, as URL query items and environment
 /// variables are).
 #[derive(Clone, PartialEq, Default)]
@@ -261,7 +261,7 @@ impl<'de> Deserialize<'de> for AdapterEntry {
 }
 
 /// `[federations.NAME]`: regions over adapters, routed per job
-/// (specs/ojs-federation.md).
+/// (docs/design.md §6).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FederationConfig {
@@ -545,7 +545,7 @@ pub struct DeadLetterConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum OutputFormat {
-    /// OJS jobs (grpcq calls are mapped per DESIGN §5). The default.
+    /// OJS jobs (grpcq calls are mapped per docs/design.md §5). The default.
     #[default]
     Ojs,
     /// grpcq calls (OJS jobs are mapped back).
@@ -655,7 +655,7 @@ impl BridgeConfig {
     /// of them is more threads than CPUs: on two CPUs, Kafka → Kafka calls
     /// becoming jobs ran at 185–200k msg/s and 5.8–6.5 µs of CPU per
     /// message with two runtime threads against 212–249k msg/s and 4.4–5.3
-    /// µs with one, the same at 500k (README, Benchmarks). Without Kafka
+    /// µs with one, the same at 500k (docs/benchmarks.md). Without Kafka
     /// all of the work is the runtime's, and memory → memory is faster on
     /// one thread per CPU.
     pub fn runtime_threads(&self, cpus: usize) -> usize {
@@ -1428,21 +1428,17 @@ mod documented_settings {
     use super::*;
     use crate::endpoint::AdapterConfig;
 
-    /// The setting names of each adapter section's table in README.md.
-    fn readme_settings() -> BTreeMap<&'static str, BTreeSet<String>> {
-        let readme = include_str!("../../README.md");
-        let sections = [
-            ("## The memory adapter", "memory"),
-            ("## The embedded broker", "local"),
-            ("## RabbitMQ", "rabbitmq"),
-            ("## Kafka", "kafka"),
-            ("## SQS", "sqs"),
+    /// The setting names of each adapter's table in `docs/adapters/`.
+    fn documented_settings() -> BTreeMap<&'static str, BTreeSet<String>> {
+        let pages = [
+            ("memory", include_str!("../../docs/adapters/memory.md")),
+            ("local", include_str!("../../docs/adapters/local.md")),
+            ("rabbitmq", include_str!("../../docs/adapters/rabbitmq.md")),
+            ("kafka", include_str!("../../docs/adapters/kafka.md")),
+            ("sqs", include_str!("../../docs/adapters/sqs.md")),
         ];
         let mut out = BTreeMap::new();
-        for (heading, kind) in sections {
-            let start = readme.find(heading).expect(heading);
-            let rest = &readme[start + heading.len()..];
-            let section = &rest[..rest.find("\n## ").unwrap_or(rest.len())];
+        for (kind, section) in pages {
             let table = section
                 .split("| setting | default | meaning |")
                 .nth(1)
@@ -1468,7 +1464,7 @@ mod documented_settings {
 
     #[test]
     fn every_documented_setting_is_reachable_from_a_config_file() {
-        let documented = readme_settings();
+        let documented = documented_settings();
         let text = include_str!("../../examples/all-adapter-settings.toml");
         let config = BridgeConfig::parse(text, "all-adapter-settings.toml", &[]).unwrap();
         let mut kinds = BTreeSet::new();
@@ -1477,12 +1473,12 @@ mod documented_settings {
             let kind = compiled.kind();
             kinds.insert(kind);
             let names = &documented[kind];
-            // The README documents exactly the settings the adapter has.
+            // Its page documents exactly the settings the adapter has.
             let actual: BTreeSet<String> = AdapterConfig::setting_names(&entry.url)
                 .unwrap()
                 .into_iter()
                 .collect();
-            assert_eq!(names, &actual, "README table of {kind}");
+            assert_eq!(names, &actual, "docs/adapters/{kind}.md table");
             // The file sets each of them, and each arrived (differs from
             // the default of the same URL).
             let set: BTreeSet<String> = entry.settings.keys().cloned().collect();

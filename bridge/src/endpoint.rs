@@ -1,4 +1,4 @@
-//! Adapters chosen by URL (DESIGN §7), with their settings: the CLI reads a
+//! Adapters chosen by URL (docs/design.md §7), with their settings: the CLI reads a
 //! URL with settings as query items, the daemon a URL plus a table of
 //! settings and environment overrides. Both compile into one
 //! [`AdapterConfig`] before anything connects.

@@ -1,5 +1,5 @@
 //! `GET /ojs/v1/health` on an OJS server as a federation health probe
-//! (spec §4.2: healthy on HTTP 200 with `"status": "ok"`).
+//! (healthy on HTTP 200 with `"status": "ok"`).
 
 use std::time::Duration;
 

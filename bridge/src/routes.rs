@@ -1,5 +1,5 @@
 //! Routes: which messages go where, and what they become on the way
-//! (DESIGN §5). Compiled once from the configuration; matching and mapping
+//! (docs/design.md §5). Compiled once from the configuration; matching and mapping
 //! are pure functions of the message, so a redelivered message maps to the
 //! same output.
 

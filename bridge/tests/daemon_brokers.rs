@@ -117,7 +117,7 @@ async fn grpcq_calls_on_rabbitmq_become_ojs_jobs_on_kafka() {
     .await;
     check_jobs(&sent, &jobs, "RabbitMQ → Kafka");
     for d in &jobs {
-        // Kafka key: the job id (DESIGN §4), so one job's copies share a partition.
+        // Kafka key: the job id (docs/design.md §4), so one job's copies share a partition.
         assert_eq!(d.key.as_deref(), Some(d.headers[header::ID].as_bytes()));
     }
     let summary = daemon.shutdown().await;

@@ -1,5 +1,5 @@
 //! Envelope codec speed and size: protobuf vs JSON for the minimal envelope
-//! (spec §14.1), the typical one of §14.3 (type, queue, two string args,
+//! (type, id, queue, one arg), a typical one (type, queue, two string args,
 //! priority, timeout, retry policy) and one with 64 KiB of args.
 //!
 //! Targets on the 2-core reference machine: protobuf/JSON size ratio ≤ 0.45

@@ -1,4 +1,4 @@
-//! Client-side federation across regions (specs/ojs-federation.md, DESIGN §6).
+//! Client-side federation across regions (docs/design.md §6).
 //!
 //! A [`Federation`] wraps region-local adapters (any broker) and is itself a
 //! [`QueueAdapter`]: publishing routes each job to a region by its strategy
@@ -452,7 +452,7 @@ impl Federation {
     }
 
     /// One round of health probes. Regions whose breaker is open and
-    /// cooling down are not probed (spec §4.3); a cooled one gets its
+    /// cooling down are not probed; a cooled one gets its
     /// half-open probe here unless a publish took it first.
     pub async fn check_health(&self) {
         let checks = self.regions.iter().enumerate().map(|(i, r)| async move {
@@ -613,7 +613,7 @@ impl Federation {
                 Ok(mut jobs) if jobs.len() == 1 => {
                     let mut j = jobs.remove(0);
                     if j.meta_str(META_FEDERATION_ID).is_none() {
-                        // A UUIDv7 stamped with the enqueue time (spec §6.3).
+                        // A UUIDv7 stamped with the enqueue time (docs/design.md §6).
                         j.meta.insert(
                             META_FEDERATION_ID.into(),
                             uuid::Uuid::now_v7().hyphenated().to_string().into(),

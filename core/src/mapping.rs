@@ -1,4 +1,4 @@
-//! grpcq call ↔ OJS job (DESIGN §5).
+//! grpcq call ↔ OJS job (docs/design.md §5).
 //!
 //! A call becomes a job whose id is derived from the call (so a call
 //! delivered twice becomes the same job, the idempotency key downstream),
@@ -119,7 +119,7 @@ pub struct TranscodedPayload {
     pub message_type: String,
 }
 
-/// Builds the OJS job for a call (DESIGN §5). `payload` is the transcoded
+/// Builds the OJS job for a call (docs/design.md §5). `payload` is the transcoded
 /// request, or `None` to carry the bytes as base64url.
 pub fn call_to_job(
     msg: &Message,

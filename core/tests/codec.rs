@@ -1,5 +1,5 @@
 //! Envelope codec behaviour: interop with prost, unknown fields, the JSON ↔
-//! protobuf edges of DESIGN §3, limits, and one test per kind of bad input.
+//! protobuf edges of docs/design.md §3, limits, and one test per kind of bad input.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

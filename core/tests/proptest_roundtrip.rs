@@ -1,5 +1,5 @@
 //! Property tests: random envelopes survive JSON → proto → JSON and
-//! proto → JSON → proto unchanged (ojs-protobuf-wire-format §10).
+//! proto → JSON → proto unchanged (docs/design.md §3).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -1,4 +1,4 @@
-//! Kafka adapter (rdkafka) following DESIGN §4 "Kafka".
+//! Kafka adapter (rdkafka) following docs/design.md §4 "Kafka".
 //!
 //! Delivery semantics: at least once.
 //! * Topics: `ojs.queue.{queue}`, retries and scheduled jobs in

@@ -92,7 +92,7 @@ pub struct RabbitConfig {
     /// before the unconfirmed messages are reported as failed.
     #[serde(default = "default_publish_timeout_secs")]
     pub publish_timeout_secs: u64,
-    /// Upper bound of the reconnect backoff (DESIGN §4: min(2^(n−1), 60) s).
+    /// Upper bound of the reconnect backoff (docs/design.md §4: min(2^(n−1), 60) s).
     #[serde(default = "default_max_backoff_secs")]
     pub max_backoff_secs: u64,
     /// Idle retry queues are deleted by the broker after this long.
@@ -182,7 +182,7 @@ fn default_publish_timeout_secs() -> u64 {
     30
 }
 
-/// 60 s (DESIGN §4).
+/// 60 s (docs/design.md §4).
 fn default_max_backoff_secs() -> u64 {
     60
 }

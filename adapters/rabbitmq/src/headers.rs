@@ -1,5 +1,5 @@
 //! Mapping between the adapter-neutral headers of `ojs-core` and AMQP
-//! properties and headers (DESIGN §4 "RabbitMQ").
+//! properties and headers (docs/design.md §4 "RabbitMQ").
 //!
 //! | neutral header | AMQP |
 //! |---|---|

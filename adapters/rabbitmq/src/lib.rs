@@ -1,5 +1,5 @@
 //! RabbitMQ adapter (lapin) following the OJS AMQP binding's topology with
-//! protobuf bodies (DESIGN §4 "RabbitMQ").
+//! protobuf bodies (docs/design.md §4 "RabbitMQ").
 //!
 //! Delivery semantics: at least once.
 //! * `publish` waits for **publisher confirms** with `mandatory` set: a broker

@@ -1,4 +1,4 @@
-//! SQS adapter (aws-sdk-sqs) following DESIGN §4 "SQS".
+//! SQS adapter (aws-sdk-sqs) following docs/design.md §4 "SQS".
 //!
 //! Delivery semantics: at least once.
 //! * Queue `{prefix}{queue}` (`.` → `_`), its DLQ `{name}_dlq` with a

@@ -12,7 +12,7 @@ pub fn random_unit() -> f64 {
     (h.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// Reconnect delay of DESIGN §4: min(2^(attempt−1), max) seconds, ±25 %
+/// Reconnect delay of docs/design.md §4: min(2^(attempt−1), max) seconds, ±25 %
 /// jitter. `attempt` starts at 1.
 pub fn reconnect_delay(attempt: u32, max: Duration) -> Duration {
     let exp = attempt.saturating_sub(1).min(30);

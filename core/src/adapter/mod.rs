@@ -40,7 +40,7 @@ use crate::media::Encoding;
 
 pub use headers::{HeaderName, HeaderValue, Headers};
 
-/// Header names shared by all adapters (DESIGN §4).
+/// Header names shared by all adapters (docs/design.md §4).
 pub mod header {
     /// The body's media type.
     pub const CONTENT_TYPE: &str = "content-type";
@@ -130,7 +130,7 @@ impl OutgoingMessage {
         self
     }
 
-    /// Encodes an envelope and fills the binding headers of DESIGN §4:
+    /// Encodes an envelope and fills the binding headers of docs/design.md §4:
     /// `content-type`, `ojs-specversion`, `ojs-id`, `ojs-type`, `ojs-queue`,
     /// `ojs-attempt`, `traceparent`/`tracestate` from meta; key = meta
     /// `partition_key` or the job id.

@@ -108,7 +108,7 @@ fn want_timestamp(name: &str, v: Value) -> Result<Option<DateTime<Utc>>> {
         .map_err(|e| Error::invalid(name, format!("{s:?} is not an RFC 3339 timestamp: {e}")))?
         .with_timezone(&Utc);
     // The epoch is protobuf's "unset"; reading it as unset here keeps both
-    // codecs in agreement (ojs-protobuf-wire-format §6.2).
+    // codecs in agreement (docs/design.md §3).
     if t.timestamp() == 0 && t.timestamp_subsec_nanos() == 0 {
         return Ok(None);
     }

@@ -1,4 +1,4 @@
-//! Media types (DESIGN §2) and content negotiation (ojs-protobuf-wire-format §3.2).
+//! Media types (docs/design.md §2) and content negotiation.
 
 use std::fmt;
 

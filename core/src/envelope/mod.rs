@@ -354,7 +354,7 @@ impl JobEnvelope {
                 .is_some_and(|e| !e.unknown_fields.is_empty())
     }
 
-    /// Checks every rule of ojs-core and DESIGN §3. Both codecs call this on
+    /// Checks every rule of ojs-core and docs/design.md §3. Both codecs call this on
     /// decode and before encode, so an invalid envelope never crosses a wire.
     pub fn validate(&self) -> Result<()> {
         if self.specversion.is_empty() {
@@ -703,7 +703,7 @@ pub fn validate_queue_name(queue: &str) -> Result<()> {
     }
 }
 
-/// The OJS type for a grpcq topic and action (DESIGN §5): each segment of
+/// The OJS type for a grpcq topic and action (docs/design.md §5): each segment of
 /// `{topic}.{action}` in lowercase snake_case (`payment.PaymentService` /
 /// `ProcessPayment` → `payment.payment_service.process_payment`), so that a
 /// conformant OJS server accepts it. Characters outside `[a-z0-9_]` become

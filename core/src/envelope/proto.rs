@@ -1,7 +1,7 @@
 //! `application/openjobspec+proto`: the envelope as one binary `JobEnvelope`.
 //!
 //! Hand-written on the wire primitives so that fields this build does not
-//! know are kept byte-for-byte (ojs-protobuf-wire-format §9.2). Known fields
+//! know are kept byte-for-byte (docs/design.md §3). Known fields
 //! are written in field-number order, exactly as prost writes them, so
 //! envelopes produced by any prost-based peer re-encode to identical bytes;
 //! unknown fields follow the known ones.
@@ -206,7 +206,7 @@ fn read_timestamp(r: &mut Reader<'_>, name: &str, wt: u8) -> Result<Option<DateT
         .map_err(|reason| Error::malformed(at, format!("`{name}`: {reason}")))
 }
 
-/// The protobuf epoch means "unset" (ojs-protobuf-wire-format §6.2).
+/// The protobuf epoch means "unset" (docs/design.md §3).
 pub(crate) fn timestamp_from_parts(
     seconds: i64,
     nanos: i32,

@@ -1,8 +1,8 @@
 //! Length-delimited envelope streams (`…+proto; delimited=true`) and the
-//! batch messages of ojs-protobuf-wire-format §7.
+//! batch messages of docs/design.md §1.
 //!
 //! Each envelope is prefixed by its length as a protobuf varint: the standard
-//! "delimited" format that protobuf libraries read and write (DESIGN §2).
+//! "delimited" format that protobuf libraries read and write (docs/design.md §2).
 
 use crate::envelope::wire::{self, Reader, WT_LEN};
 use crate::envelope::JobEnvelope;
@@ -82,8 +82,8 @@ pub fn encode_batch(jobs: &[JobEnvelope]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Decodes a `BatchEnqueueRequest`. Each job is validated on its own
-/// (§7.1): the outer error is for bytes that are not a batch at all, the inner
+/// Decodes a `BatchEnqueueRequest`. Each job is validated on its own:
+/// the outer error is for bytes that are not a batch at all, the inner
 /// results say which jobs are invalid.
 pub fn decode_batch(bytes: &[u8]) -> Result<Vec<Result<JobEnvelope>>> {
     let mut r = Reader::new(bytes);

@@ -1,4 +1,4 @@
-//! JSON values ↔ `google.protobuf.Value`, with the edges of DESIGN §3:
+//! JSON values ↔ `google.protobuf.Value`, with the edges of docs/design.md §3:
 //! integers beyond ±2^53 are rejected (a double cannot hold them), non-finite
 //! doubles have no JSON form, and nesting is bounded so that hostile input
 //! cannot overflow the stack.

@@ -1,4 +1,4 @@
-//! The OJS retry policy as the worker applies it (DESIGN §6): 3 attempts in
+//! The OJS retry policy as the worker applies it (docs/design.md §6): 3 attempts in
 //! total, initial `PT1S`, coefficient 2.0, cap `PT5M`, jitter multiplying by a
 //! factor in [0.5, 1.5), `on_exhaustion` `dead_letter` unless `discard`.
 
