@@ -710,6 +710,36 @@ impl BridgeConfig {
         Ok(config)
     }
 
+    /// Whether every file the adapters read when they connect
+    /// (certificates, keys, password files) can be read now: what `run`
+    /// would refuse at connect, found by `check-config` without connecting.
+    /// Every unreadable file is named with its setting.
+    pub fn check_files(&self) -> Result<(), ConfigError> {
+        let mut unreadable = Vec::new();
+        for (name, entry) in &self.adapters {
+            for (setting, path) in entry.compile(name)?.files_read() {
+                if let Err(e) = std::fs::File::open(&path) {
+                    unreadable.push(format!(
+                        "adapters.{name}.{setting}: cannot read {}: {e}",
+                        path.display()
+                    ));
+                }
+            }
+        }
+        match unreadable.split_first() {
+            None => Ok(()),
+            Some((first, rest)) => {
+                let (field, reason) = first.split_once(": ").unwrap_or((first.as_str(), ""));
+                let mut reason = reason.to_owned();
+                for more in rest {
+                    reason.push_str("; ");
+                    reason.push_str(more);
+                }
+                Err(invalid(field, reason))
+            }
+        }
+    }
+
     /// Every rule a parsed file must also follow.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.http.listen != "off" && self.http.listen.parse::<std::net::SocketAddr>().is_err() {

@@ -102,6 +102,22 @@ impl AdapterConfig {
         }
     }
 
+    /// The files the adapter reads when it connects (certificates, keys,
+    /// password files), by setting.
+    pub fn files_read(&self) -> Vec<(String, std::path::PathBuf)> {
+        match self {
+            AdapterConfig::Memory { .. } | AdapterConfig::Local(_) | AdapterConfig::Sqs(_) => {
+                Vec::new()
+            }
+            AdapterConfig::Rabbit(c) => c
+                .files_read()
+                .into_iter()
+                .map(|(setting, path)| (setting.to_owned(), path.to_owned()))
+                .collect(),
+            AdapterConfig::Kafka(c) => c.files_read(),
+        }
+    }
+
     /// The largest message the adapter accepts (known before it connects).
     pub fn max_message_bytes(&self) -> usize {
         match self {

@@ -331,6 +331,9 @@ fn load_config(path: Option<&std::path::Path>) -> Result<BridgeConfig, ConfigErr
 
 fn check_config(path: &std::path::Path) -> Result<String, ConfigError> {
     let config = load_config(Some(path))?;
+    // The files adapters read when they connect: a missing one is caught
+    // here, as `run` would refuse it.
+    config.check_files()?;
     // Compiling routes reads descriptor sets: a missing one is caught here.
     for (i, r) in config.routes.iter().enumerate() {
         Route::compile(r, i)?;

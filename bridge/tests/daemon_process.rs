@@ -216,10 +216,58 @@ fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_fi
         ojs_example_invoices::FILE_DESCRIPTOR_SET,
     )
     .unwrap();
+    // The certificates and password files the examples name exist on the
+    // machine they are deployed to; here they are stand-ins, given through
+    // the environment overrides an operator would use.
+    let stand_in = |name: &str| {
+        let file = cwd.path().join(name);
+        std::fs::write(&file, "stand-in").unwrap();
+        file.to_str().unwrap().to_owned()
+    };
+    let files: &[(&str, &[(&str, &str)])] = &[
+        (
+            "all-adapter-settings.toml",
+            &[
+                ("OJS_BRIDGE_ADAPTER_RABBIT__CA_FILE", "ca.pem"),
+                ("OJS_BRIDGE_ADAPTER_RABBIT__CERT_FILE", "client.pem"),
+                ("OJS_BRIDGE_ADAPTER_RABBIT__KEY_FILE", "client.key"),
+                (
+                    "OJS_BRIDGE_ADAPTER_RABBIT__PASSWORD_FILE",
+                    "rabbit-password",
+                ),
+                (
+                    "OJS_BRIDGE_ADAPTER_KAFKA__SASL_PASSWORD_FILE",
+                    "kafka-password",
+                ),
+            ],
+        ),
+        (
+            "existing-rabbitmq.toml",
+            &[("OJS_BRIDGE_ADAPTER_RABBIT__CA_FILE", "rabbit-ca.pem")],
+        ),
+    ];
     for entry in std::fs::read_dir(&examples).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "toml") {
-            let out = bin()
+            let file_name = path.file_name().unwrap().to_str().unwrap();
+            let mut command = bin();
+            for (example, overrides) in files {
+                if *example == file_name {
+                    // Without the files, check-config refuses, as run would.
+                    let out = bin()
+                        .current_dir(cwd.path())
+                        .args(["check-config", path.to_str().unwrap()])
+                        .output()
+                        .unwrap();
+                    let stderr = String::from_utf8_lossy(&out.stderr);
+                    assert_eq!(out.status.code(), Some(2), "{file_name}: {stderr}");
+                    assert!(stderr.contains("cannot read"), "{stderr}");
+                    for (var, name) in *overrides {
+                        command.env(var, stand_in(name));
+                    }
+                }
+            }
+            let out = command
                 .current_dir(cwd.path())
                 .args(["check-config", path.to_str().unwrap()])
                 .output()

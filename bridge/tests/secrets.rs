@@ -571,6 +571,10 @@ async fn content_never_reaches_the_log(
             "{daemon_log}"
         );
     }
+    assert!(
+        !daemon_log.contains('\x1b'),
+        "no colour codes when standard error is a pipe"
+    );
     outputs.push(("daemon".into(), daemon_log));
     // Reading: the bridged job and the dead letters, printed on stdout
     // (that is the command's output) and never in its log.

@@ -323,6 +323,23 @@ impl KafkaConfig {
         })
     }
 
+    /// The files a client reads when it is created, by setting:
+    /// `sasl_password_file` and librdkafka's own `*.location` options (a
+    /// value of `probe` asks librdkafka to search, and names no file).
+    pub fn files_read(&self) -> Vec<(String, std::path::PathBuf)> {
+        let mut files: Vec<(String, std::path::PathBuf)> = self
+            .sasl_password_file
+            .iter()
+            .map(|p| ("sasl_password_file".to_owned(), p.clone()))
+            .collect();
+        for (key, value) in &self.librdkafka_options {
+            if key.ends_with(".location") && value != "probe" && !value.is_empty() {
+                files.push((format!("librdkafka_options.{key}"), value.into()));
+            }
+        }
+        files
+    }
+
     /// librdkafka's `max.poll.interval.ms` as configured (its default is
     /// 300,000): a consumer that does not poll for that long leaves its group.
     pub fn max_poll_interval(&self) -> std::time::Duration {

@@ -286,6 +286,20 @@ impl RabbitConfig {
         Ok(config)
     }
 
+    /// The files the adapter reads when it connects, by setting, so that
+    /// `check-config` can find one that is missing before anything connects.
+    pub fn files_read(&self) -> Vec<(&'static str, &std::path::Path)> {
+        [
+            ("ca_file", &self.ca_file),
+            ("cert_file", &self.cert_file),
+            ("key_file", &self.key_file),
+            ("password_file", &self.password_file),
+        ]
+        .into_iter()
+        .filter_map(|(setting, path)| Some((setting, path.as_deref()?)))
+        .collect()
+    }
+
     /// The grpcq bindings of `queue`.
     pub fn grpcq_bindings_of(&self, queue: &str) -> Vec<GrpcqBinding> {
         self.grpcq_bindings
