@@ -1493,6 +1493,17 @@ mod documented_settings {
     }
 
     #[test]
+    fn every_dead_letter_reason_is_documented() {
+        let operations = include_str!("../../docs/operations.md");
+        for kind in ojs_core::DeadLetterKind::ALL {
+            assert!(
+                operations.contains(&format!("`{kind}`")),
+                "docs/operations.md does not name dead-letter reason {kind}"
+            );
+        }
+    }
+
+    #[test]
     fn every_documented_setting_is_reachable_from_a_config_file() {
         let documented = documented_settings();
         let text = include_str!("../../examples/all-adapter-settings.toml");

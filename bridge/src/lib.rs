@@ -13,6 +13,7 @@ pub mod fuzz_targets;
 pub mod http;
 pub mod logging;
 pub mod metrics;
+mod pipeline;
 pub mod probe;
 pub mod routes;
 pub mod send;

@@ -59,7 +59,7 @@ pub struct Route {
 }
 
 fn unmappable(reason: impl Into<String>) -> DeadLetterReason {
-    DeadLetterReason::new("unmappable", reason)
+    DeadLetterReason::of(ojs_core::DeadLetterKind::Unmappable, reason)
 }
 
 impl Route {
@@ -169,8 +169,8 @@ impl Route {
         reserved: impl Fn(&str) -> bool,
     ) -> Result<(), DeadLetterReason> {
         let forbidden = |why: &str| {
-            Err(DeadLetterReason::new(
-                "forbidden_destination",
+            Err(DeadLetterReason::of(
+                ojs_core::DeadLetterKind::ForbiddenDestination,
                 format!("route {} may not publish to {queue:?}: {why}", self.name),
             ))
         };
@@ -194,8 +194,8 @@ impl Route {
         let mut seen = self.destinations.lock().unwrap_or_else(|e| e.into_inner());
         if !seen.contains(queue) {
             if seen.len() >= self.max_destinations {
-                return Err(DeadLetterReason::new(
-                    "too_many_destinations",
+                return Err(DeadLetterReason::of(
+                    ojs_core::DeadLetterKind::TooManyDestinations,
                     format!(
                         "route {} already publishes to {} destinations (max_destinations); {queue:?} would be one more",
                         self.name, self.max_destinations
@@ -313,7 +313,7 @@ impl Route {
         let payload = match &self.transcoder {
             Some(t) => t
                 .to_json(call.topic(), call.action(), call.payload())
-                .map_err(|e| DeadLetterReason::new("untranscodable", e))?,
+                .map_err(|e| DeadLetterReason::of(ojs_core::DeadLetterKind::Untranscodable, e))?,
             None => None,
         };
         if payload.is_none() && self.encoding == Encoding::OjsProto && !self.keep_envelope {
@@ -406,7 +406,7 @@ impl Route {
             JobPayload::Proto3Json { json, message_type } => match &self.transcoder {
                 Some(t) => t
                     .from_json(json, message_type, &topic, &action)
-                    .map_err(|e| DeadLetterReason::new("untranscodable", e))?,
+                    .map_err(|e| DeadLetterReason::of(ojs_core::DeadLetterKind::Untranscodable, e))?,
                 None => {
                     return Err(unmappable(format!(
                         "job {} carries a proto3 JSON request; route {} needs descriptor_set to encode it",
@@ -417,7 +417,7 @@ impl Route {
             JobPayload::Native(args) => match (&self.transcoder, args) {
                 (Some(t), [single]) => t
                     .from_json(single, None, &topic, &action)
-                    .map_err(|e| DeadLetterReason::new("untranscodable", e))?,
+                    .map_err(|e| DeadLetterReason::of(ojs_core::DeadLetterKind::Untranscodable, e))?,
                 // A job that never was a call: its args as JSON text.
                 _ => serde_json::to_vec(&Value::Array(args.to_vec()))
                     .map_err(|e| unmappable(e.to_string()))?,

@@ -35,9 +35,9 @@ pub use envelope::{media, stream};
 pub use grpcq::{publisher, registry, retry, trace, worker};
 
 pub use adapter::{
-    batch_of, header, Acknowledger, AsAny, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
-    DeliveryRef, FailedPublish, HeaderName, HeaderValue, Headers, Health, Nack, OutgoingMessage,
-    PublishFailure, QueueAdapter, Source,
+    batch_of, header, Acknowledger, AsAny, Consumer, ConsumerOptions, DeadLetterKind,
+    DeadLetterReason, Delivery, DeliveryRef, FailedPublish, HeaderName, HeaderValue, Headers,
+    Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Source,
 };
 pub use decode::{Decoded, Incoming};
 pub use envelope::value::MAX_VALUE_DEPTH;

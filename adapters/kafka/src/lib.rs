@@ -1563,8 +1563,8 @@ impl Acknowledger for KafkaAcker {
         match action {
             Nack::Retry { delay } if *source == Source::Queue => {
                 if max_deliveries.is_some_and(|m| self.attempt >= m) {
-                    DeadLetterReason::new(
-                        "max_deliveries",
+                    DeadLetterReason::of(
+                        ojs_core::DeadLetterKind::MaxDeliveries,
                         format!(
                             "delivered {} times without being acknowledged",
                             self.attempt

@@ -319,8 +319,8 @@ fn sweep_exhausted(conn: &Connection, queue: &str, now: i64) -> Result<()> {
 }
 
 fn exhausted_reason(deliveries: i64) -> DeadLetterReason {
-    DeadLetterReason::new(
-        "max_deliveries",
+    DeadLetterReason::of(
+        ojs_core::DeadLetterKind::MaxDeliveries,
         format!("delivered {deliveries} times without being acknowledged"),
     )
 }

@@ -169,8 +169,8 @@ impl QueueState {
             ..
         } = flight;
         if max_deliveries.is_some_and(|max| message.deliveries >= max) {
-            DeadLetterReason::new(
-                "max_deliveries",
+            DeadLetterReason::of(
+                ojs_core::DeadLetterKind::MaxDeliveries,
                 format!(
                     "delivered {} times without being acknowledged",
                     message.deliveries

@@ -1364,8 +1364,8 @@ impl Acknowledger for RabbitAcker {
                 .map_err(|_| Error::DeliveryExpired),
             Nack::Retry { .. } if self.max_deliveries.is_some_and(|m| self.attempt >= m) => {
                 self.dead_letter(
-                    &DeadLetterReason::new(
-                        "max_deliveries",
+                    &DeadLetterReason::of(
+                        ojs_core::DeadLetterKind::MaxDeliveries,
                         format!(
                             "delivered {} times without being acknowledged",
                             self.attempt

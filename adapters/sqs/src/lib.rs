@@ -1141,8 +1141,8 @@ impl Acknowledger for SqsAcker {
     async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()> {
         match action {
             Nack::Retry { .. } if self.max_deliveries.is_some_and(|m| self.attempt >= m) => {
-                let reason = DeadLetterReason::new(
-                    "max_deliveries",
+                let reason = DeadLetterReason::of(
+                    ojs_core::DeadLetterKind::MaxDeliveries,
                     format!(
                         "delivered {} times without being acknowledged",
                         self.attempt

@@ -69,16 +69,22 @@ impl Delivery {
             Ok(Decoded::Jobs(mut jobs)) if jobs.len() == 1 => {
                 Ok(Incoming::Job(Box::new(jobs.remove(0))))
             }
-            Ok(Decoded::Jobs(jobs)) => Err(DeadLetterReason::new(
-                "unsupported_batch",
+            Ok(Decoded::Jobs(jobs)) => Err(DeadLetterReason::of(
+                crate::DeadLetterKind::UnsupportedBatch,
                 format!(
                     "a message must carry one envelope, this one has {}",
                     jobs.len()
                 ),
             )),
-            Err(Failed::Encoding(e)) => Err(DeadLetterReason::from_error(&e)),
-            Err(Failed::Call(e)) => Err(DeadLetterReason::new(
-                "undecodable",
+            Err(Failed::Encoding(e)) => Err(DeadLetterReason::of(
+                match e {
+                    Error::UnknownContentType(_) => crate::DeadLetterKind::UnknownContentType,
+                    _ => crate::DeadLetterKind::Undecodable,
+                },
+                e.to_string(),
+            )),
+            Err(Failed::Call(e)) => Err(DeadLetterReason::of(
+                crate::DeadLetterKind::Undecodable,
                 format!("not a grpcq.Message: {e}"),
             )),
             Err(Failed::Envelope(e)) => Err(DeadLetterReason::for_envelope(&e)),

@@ -304,6 +304,86 @@ impl PublishFailure {
     }
 }
 
+/// The reasons ojs-bridge itself gives for dead-lettering a message, each
+/// with the `ojs-error-type` it writes. Reasons read back from a broker are
+/// whatever their writer said ([`DeadLetterReason::error_type`] is text).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DeadLetterKind {
+    /// Bytes that do not decode as their content type says.
+    Undecodable,
+    /// An envelope that decodes but breaks the OJS schema.
+    InvalidEnvelope,
+    /// A content type no codec reads.
+    UnknownContentType,
+    /// A batch (`BatchEnqueueRequest`, delimited envelopes) where one
+    /// message was expected.
+    UnsupportedBatch,
+    /// No route (daemon) or handler (worker) takes the message.
+    UnknownRoute,
+    /// The route's mapping cannot make a valid job or call of it.
+    Unmappable,
+    /// The payload does not transcode with the route's descriptor set.
+    Untranscodable,
+    /// Larger than the sink takes.
+    PayloadTooLarge,
+    /// A destination the route does not allow.
+    ForbiddenDestination,
+    /// More distinct destinations than the route allows.
+    TooManyDestinations,
+    /// The sink refused this message, for the message's sake.
+    SinkRejected,
+    /// A federation region that does not exist.
+    UnknownRegion,
+    /// Delivered as often as the consumer allows without being settled.
+    MaxDeliveries,
+}
+
+impl DeadLetterKind {
+    /// Every kind, for documentation and tests.
+    pub const ALL: &'static [DeadLetterKind] = &[
+        DeadLetterKind::Undecodable,
+        DeadLetterKind::InvalidEnvelope,
+        DeadLetterKind::UnknownContentType,
+        DeadLetterKind::UnsupportedBatch,
+        DeadLetterKind::UnknownRoute,
+        DeadLetterKind::Unmappable,
+        DeadLetterKind::Untranscodable,
+        DeadLetterKind::PayloadTooLarge,
+        DeadLetterKind::ForbiddenDestination,
+        DeadLetterKind::TooManyDestinations,
+        DeadLetterKind::SinkRejected,
+        DeadLetterKind::UnknownRegion,
+        DeadLetterKind::MaxDeliveries,
+    ];
+
+    /// The `ojs-error-type` written for it (also the `reason` label of
+    /// `ojs_bridge_dead_lettered_total`).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterKind::Undecodable => "undecodable",
+            DeadLetterKind::InvalidEnvelope => "invalid_envelope",
+            DeadLetterKind::UnknownContentType => "unknown_content_type",
+            DeadLetterKind::UnsupportedBatch => "unsupported_batch",
+            DeadLetterKind::UnknownRoute => "unknown_route",
+            DeadLetterKind::Unmappable => "unmappable",
+            DeadLetterKind::Untranscodable => "untranscodable",
+            DeadLetterKind::PayloadTooLarge => "payload_too_large",
+            DeadLetterKind::ForbiddenDestination => "forbidden_destination",
+            DeadLetterKind::TooManyDestinations => "too_many_destinations",
+            DeadLetterKind::SinkRejected => "sink_rejected",
+            DeadLetterKind::UnknownRegion => "unknown_region",
+            DeadLetterKind::MaxDeliveries => "max_deliveries",
+        }
+    }
+}
+
+impl fmt::Display for DeadLetterKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Why a message is dead-lettered; travels in `ojs-error-type` /
 /// `ojs-error-message` headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -323,21 +403,21 @@ impl DeadLetterReason {
         }
     }
 
+    /// One of the reasons ojs-bridge gives, with its explanation.
+    pub fn of(kind: DeadLetterKind, message: impl Into<String>) -> Self {
+        DeadLetterReason::new(kind.as_str(), message)
+    }
+
     /// Why an envelope read from a broker is refused: `invalid_envelope`
     /// (with the attribute and the rule) when it parsed but breaks the OJS
     /// schema, `undecodable` when it did not parse.
     pub fn for_envelope(error: &Error) -> Self {
         let kind = if error.is_schema_violation() {
-            "invalid_envelope"
+            DeadLetterKind::InvalidEnvelope
         } else {
-            "undecodable"
+            DeadLetterKind::Undecodable
         };
-        DeadLetterReason::new(kind, error.to_string())
-    }
-
-    /// A reason from an error: its kind and its message.
-    pub fn from_error(error: &Error) -> Self {
-        DeadLetterReason::new(error.kind(), error.to_string())
+        DeadLetterReason::of(kind, error.to_string())
     }
 
     /// Writes the reason into headers.

@@ -354,8 +354,8 @@ impl Shared {
         match msg {
             Incoming::Call(msg) => {
                 let Some(handler) = self.registry.call(msg.topic(), msg.action()) else {
-                    return Work::DeadLetter(DeadLetterReason::new(
-                        "unknown_route",
+                    return Work::DeadLetter(DeadLetterReason::of(
+                        crate::DeadLetterKind::UnknownRoute,
                         format!("no handler for grpcq call {}/{}", msg.topic(), msg.action()),
                     ));
                 };
@@ -389,8 +389,8 @@ impl Shared {
             Incoming::Job(job) => {
                 let job = *job;
                 let Some(handler) = self.registry.job(&job.job_type) else {
-                    return Work::DeadLetter(DeadLetterReason::new(
-                        "unknown_route",
+                    return Work::DeadLetter(DeadLetterReason::of(
+                        crate::DeadLetterKind::UnknownRoute,
                         format!("no handler for job type {}", job.job_type),
                     ));
                 };

@@ -4,19 +4,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::support::{call, collect, spawn_daemon};
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_bridge_tests::tally::Tally;
 use ojs_bridge_tests::tempdir::TempDir;
 use ojs_core::mapping::{self, call_job_id};
 use ojs_core::{Encoding, OutgoingMessage, QueueAdapter, Source};
-use support::{call, collect, spawn_daemon};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))

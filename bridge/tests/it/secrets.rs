@@ -6,15 +6,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::http_get;
 use ojs_bridge::config::BridgeConfig;
 use ojs_bridge_tests::brokers::{find, missing, rabbitmqctl, unique_queue, Broker};
 use ojs_bridge_tests::tempdir::TempDir;
-use support::http_get;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const USERINFO: &str = "Sec1-userinfo-p4ss";

@@ -5,12 +5,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::{call, collect, http_get, start};
 use ojs_adapter_kafka::KafkaAdapter;
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
@@ -18,7 +17,6 @@ use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Brok
 use ojs_bridge_tests::tally::Tally;
 use ojs_core::mapping::call_job_id;
 use ojs_core::{grpcq, header, Delivery, Encoding, OutgoingMessage, QueueAdapter, Source};
-use support::{call, collect, http_get, start};
 
 /// Checks every job against the call it came from and counts them.
 fn check_jobs(sent: &HashMap<String, grpcq::Message>, jobs: &[Delivery], context: &str) {

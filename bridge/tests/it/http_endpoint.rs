@@ -3,15 +3,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::{http_get, start, TestSink};
 use ojs_core::QueueAdapter;
-use support::{http_get, start, TestSink};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn config(http: &str) -> String {

@@ -5,9 +5,7 @@
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use serde_json::Value;
 
-mod support;
-
-use support::ojs_bridge as run;
+use crate::support::ojs_bridge as run;
 
 /// `patience_secs`: how long a `tail` may wait for its first message; Kafka
 /// consumers first join their group, which takes seconds on a loaded machine.

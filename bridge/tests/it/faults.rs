@@ -5,12 +5,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use crate::support::{call, collect, http_get, start, Running};
 use ojs_adapter_memory::MemoryAdapter;
 use ojs_bridge::endpoint::AdapterConfig;
 use ojs_bridge_tests::brokers::{find, probe_address, unique_queue, Broker};
@@ -18,7 +19,6 @@ use ojs_bridge_tests::fault_proxy::{unused_port, FaultProxy, Mode};
 use ojs_bridge_tests::tally::Tally;
 use ojs_core::mapping::call_job_id;
 use ojs_core::{grpcq, Encoding, OutgoingMessage, QueueAdapter, Source};
-use support::{call, collect, http_get, start, Running};
 
 /// The broker's URL with its address replaced by `addr`.
 fn through(url: &str, addr: SocketAddr) -> String {

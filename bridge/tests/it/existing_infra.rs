@@ -7,17 +7,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use crate::support::ojs_bridge;
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use ojs_bridge_tests::independent;
 use ojs_core::QueueAdapter as _;
 use serde_json::{json, Value};
-use support::ojs_bridge;
 
 fn ok(out: &Output) -> String {
     assert!(

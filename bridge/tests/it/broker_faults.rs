@@ -18,14 +18,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::{call, collect, http_get, start};
 use ojs_adapter_memory::MemoryAdapter;
 use ojs_bridge::endpoint::AdapterConfig;
 use ojs_bridge_tests::brokers::{find, probe_address, unique_queue, Broker};
@@ -34,7 +33,6 @@ use ojs_bridge_tests::processes::{own_moto, own_tansu, rabbitmq_pid, Frozen, Own
 use ojs_bridge_tests::tally::Tally;
 use ojs_core::mapping::call_job_id;
 use ojs_core::{ConsumerOptions, Encoding, OutgoingMessage, QueueAdapter, Source};
-use support::{call, collect, http_get, start};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {

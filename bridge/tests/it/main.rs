@@ -1,0 +1,22 @@
+//! The daemon's and the CLI's integration tests: real processes, real brokers.
+//!
+//! One test binary, one module per capability: each binary links every
+//! adapter (rdkafka, lapin, the AWS SDK), so one binary links them once.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod broker_faults;
+mod cli_brokers;
+mod cli_convert;
+mod conformance;
+mod daemon;
+mod daemon_brokers;
+mod daemon_process;
+mod existing_infra;
+mod faults;
+mod fuzz_corpus;
+mod http_endpoint;
+mod local_processes;
+mod secrets;
+mod support;
+mod tonic_route;
