@@ -26,7 +26,9 @@
 //! # Ok(()) }
 //! ```
 
+mod ack;
 mod config;
+mod consume;
 mod store;
 
 use std::collections::HashSet;
@@ -46,74 +48,12 @@ use tokio::time::Instant;
 
 pub use config::{Durability, LocalConfig, DATABASE_FILE};
 
+use ack::*;
+pub use consume::LocalConsumer;
+use consume::{lock_held, Held};
+
 /// Acks between two housekeeping passes (vacuum + WAL truncate).
 const HOUSEKEEPING_EVERY: u64 = 20_000;
-/// Most acks folded into one commit.
-const MAX_ACKS_PER_COMMIT: usize = 1_000;
-
-/// Acks to commit together, and where to send their results (one per key,
-/// in order): one request per delivery, or one for a batch of them.
-type AckRequest = (
-    Vec<(i64, i64)>,
-    tokio::sync::oneshot::Sender<Vec<Result<()>>>,
-);
-
-/// Group commit for acks: every ack waiting when a commit starts goes into
-/// it. Each commit writes whole pages to the WAL, so one commit for many acks
-/// is what makes concurrent consumers fast; an ack still resolves only after
-/// its own delete is committed.
-async fn ack_writer(
-    inner: std::sync::Weak<Inner>,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<AckRequest>,
-) {
-    while let Some(first) = rx.recv().await {
-        let mut count = first.0.len();
-        let mut batch = vec![first];
-        while count < MAX_ACKS_PER_COMMIT {
-            match rx.try_recv() {
-                Ok(req) => {
-                    count += req.0.len();
-                    batch.push(req);
-                }
-                Err(_) => break,
-            }
-        }
-        let Some(inner) = inner.upgrade() else { break };
-        let sizes: Vec<usize> = batch.iter().map(|(keys, _)| keys.len()).collect();
-        let (keys, replies): (Vec<Vec<(i64, i64)>>, Vec<_>) = batch.into_iter().unzip();
-        let keys: Vec<(i64, i64)> = keys.into_iter().flatten().collect();
-        let outcome = blocking(&inner, move |inner, conn| {
-            let results = store::ack_many(conn, &keys)?;
-            let count = keys.len() as u64;
-            let before = inner.deletes.fetch_add(count, Ordering::Relaxed);
-            if (before + count) / HOUSEKEEPING_EVERY > before / HOUSEKEEPING_EVERY {
-                if let Err(e) = store::housekeeping(conn) {
-                    tracing::warn!(error = %e, "housekeeping failed");
-                }
-            }
-            Ok(results)
-        })
-        .await;
-        match outcome {
-            Ok(results) => {
-                let mut results = results.into_iter();
-                for (reply, size) in replies.into_iter().zip(sizes) {
-                    let _ = reply.send(results.by_ref().take(size).collect());
-                }
-            }
-            Err(e) => {
-                let (text, retryable) = (e.to_string(), e.is_retryable());
-                for (reply, size) in replies.into_iter().zip(sizes) {
-                    let failed = (0..size)
-                        .map(|_| Err(Error::broker("local", text.clone(), retryable)))
-                        .collect();
-                    let _ = reply.send(failed);
-                }
-            }
-        }
-    }
-}
-
 #[derive(Debug)]
 struct Inner {
     config: LocalConfig,
@@ -267,202 +207,6 @@ impl QueueAdapter for LocalAdapter {
         // Commits are durable when publish returns: nothing to flush. Tidy up.
         self.closed.store(true, Ordering::Release);
         blocking(&self.inner, |_, conn| store::housekeeping(conn)).await
-    }
-}
-
-type Held = Arc<Mutex<HashSet<(i64, i64)>>>;
-
-fn lock_held(held: &Held) -> MutexGuard<'_, HashSet<(i64, i64)>> {
-    held.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A consumer of one local queue (or its dead letters).
-#[derive(Debug)]
-pub struct LocalConsumer {
-    inner: Arc<Inner>,
-    queue: Arc<str>,
-    options: ConsumerOptions,
-    /// Leases this consumer holds, released when it is dropped.
-    held: Held,
-}
-
-#[async_trait]
-impl Consumer for LocalConsumer {
-    async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
-        let deadline = Instant::now() + wait;
-        let dead = self.options.source == Source::DeadLetters;
-        loop {
-            let notified = self.inner.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let (queue, visibility, max_deliveries, held) = (
-                self.queue.clone(),
-                self.options.visibility_timeout,
-                self.options.max_deliveries,
-                self.held.clone(),
-            );
-            // The claim is recorded in `held` on the blocking thread, so even
-            // if this future is dropped the leases are released with the
-            // consumer instead of waiting out the visibility timeout.
-            let (claimed, lease, next) = blocking(&self.inner, move |_, conn| {
-                let (claimed, lease) =
-                    store::claim(conn, &queue, dead, max.max(1), visibility, max_deliveries)?;
-                lock_held(&held).extend(claimed.iter().map(|c| (c.id, lease)));
-                let next = if claimed.is_empty() {
-                    store::next_visible(conn, &queue, dead)?
-                } else {
-                    None
-                };
-                Ok((claimed, lease, next))
-            })
-            .await?;
-            if !claimed.is_empty() {
-                return Ok(claimed
-                    .into_iter()
-                    .map(|c| {
-                        let mut d = Delivery::new(
-                            c.payload,
-                            c.headers,
-                            c.deliveries,
-                            self.queue.clone(),
-                            Box::new(LocalAcker {
-                                inner: self.inner.clone(),
-                                id: c.id,
-                                lease,
-                                held: self.held.clone(),
-                            }),
-                        );
-                        d.key = c.key;
-                        d.message_id = c.message_id;
-                        d
-                    })
-                    .collect());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(Vec::new());
-            }
-            let mut wake = (now + self.inner.config.poll_interval()).min(deadline);
-            if let Some(at) = next {
-                let until = Duration::from_millis(at.saturating_sub(store::now_ms()).max(0) as u64);
-                wake = wake.min(now + until);
-            }
-            tokio::select! {
-                () = &mut notified => {}
-                () = tokio::time::sleep_until(wake) => {}
-            }
-        }
-    }
-
-    async fn close(self: Box<Self>) -> Result<()> {
-        let leases: Vec<(i64, i64)> = lock_held(&self.held).drain().collect();
-        if !leases.is_empty() {
-            blocking(&self.inner, move |_, conn| store::release(conn, &leases)).await?;
-            self.inner.notify.notify_waiters();
-        }
-        Ok(())
-    }
-}
-
-impl Drop for LocalConsumer {
-    fn drop(&mut self) {
-        let leases: Vec<(i64, i64)> = lock_held(&self.held).drain().collect();
-        if leases.is_empty() {
-            return;
-        }
-        // Synchronous on purpose: the messages must be available again by the
-        // time the consumer is gone. If this fails, the leases simply run out.
-        let mut conn = self.inner.lock();
-        if let Err(e) = store::release(&mut conn, &leases) {
-            tracing::warn!(error = %e, count = leases.len(), "could not release leases; they return after the visibility timeout");
-        }
-        drop(conn);
-        self.inner.notify.notify_waiters();
-    }
-}
-
-#[derive(Debug)]
-struct LocalAcker {
-    inner: Arc<Inner>,
-    id: i64,
-    lease: i64,
-    held: Held,
-}
-
-impl LocalAcker {
-    fn forget(&self) {
-        lock_held(&self.held).remove(&(self.id, self.lease));
-    }
-}
-
-/// Hands `keys` to the ack writer and waits for their commit: exactly one
-/// result per key, in order.
-async fn commit_acks(inner: &Inner, keys: Vec<(i64, i64)>) -> Vec<Result<()>> {
-    let size = keys.len();
-    let (reply, done) = tokio::sync::oneshot::channel();
-    if inner.acks.send((keys, reply)).is_err() {
-        return (0..size).map(|_| Err(Error::Closed)).collect();
-    }
-    let mut results = done.await.unwrap_or_default();
-    // A writer that stopped (or answered short) leaves these unsettled:
-    // retryable, as the broker will hand them out again.
-    results.resize_with(size, || {
-        Err(Error::broker("local", "ack writer stopped", true))
-    });
-    results
-}
-
-#[async_trait]
-impl Acknowledger for LocalAcker {
-    async fn ack(&self) -> Result<()> {
-        let mut results = commit_acks(&self.inner, vec![(self.id, self.lease)]).await;
-        // One key, one result: `commit_acks` answers for each.
-        let result = results.pop().unwrap_or(Err(Error::Closed));
-        if !matches!(result, Err(ref e) if e.is_retryable()) {
-            self.forget();
-        }
-        result
-    }
-
-    /// A batch of this consumer's deliveries as one request to the ack
-    /// writer (one commit, one reply), not one each.
-    async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
-        let members = ojs_core::batch_of::<LocalAcker>(batch, |l| {
-            Arc::ptr_eq(&l.inner, &self.inner) && Arc::ptr_eq(&l.held, &self.held)
-        })?;
-        let keys = members.iter().map(|l| (l.id, l.lease)).collect();
-        let results = commit_acks(&self.inner, keys).await;
-        let mut held = lock_held(&self.held);
-        for (l, result) in members.iter().zip(&results) {
-            if !matches!(result, Err(e) if e.is_retryable()) {
-                held.remove(&(l.id, l.lease));
-            }
-        }
-        Some(results)
-    }
-
-    async fn nack(&self, action: Nack, _delivery: ojs_core::DeliveryRef<'_>) -> Result<()> {
-        let (id, lease) = (self.id, self.lease);
-        let result = blocking(&self.inner, move |_, conn| match action {
-            Nack::Retry { delay } => store::retry(conn, id, lease, delay),
-            Nack::DeadLetter(reason) => store::dead_letter(conn, id, lease, &reason),
-        })
-        .await;
-        if !matches!(result, Err(ref e) if e.is_retryable()) {
-            self.forget();
-        }
-        if result.is_ok() {
-            self.inner.notify.notify_waiters();
-        }
-        result
-    }
-
-    async fn extend(&self, by: Duration) -> Result<()> {
-        let (id, lease) = (self.id, self.lease);
-        blocking(&self.inner, move |_, conn| {
-            store::extend(conn, id, lease, by)
-        })
-        .await
     }
 }
 

@@ -329,3 +329,233 @@ pub(crate) async fn bind(
     .await?
     .map_err(|e| refused("binding of queue", &format!("{queue} to {exchange}"), &e))
 }
+
+// Declaring what a queue needs, on the adapter's session.
+
+use super::*;
+
+impl Inner {
+    pub(crate) fn queue_args(&self, extra: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut args = FieldTable::default();
+        if self.config.quorum_queues {
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString(LongString::from("quorum")),
+            );
+        }
+        for (k, v) in extra {
+            args.insert((*k).into(), v.clone());
+        }
+        args
+    }
+
+    /// Makes the OJS queue usable (idempotent, cached per connection; a
+    /// reconnect starts with an empty cache). `declare`: the queue and its
+    /// dead-letter queue are declared (or used as they exist) and bound;
+    /// `existing`: the queue (or, for a dead-letter reader, its dead-letter
+    /// queue) must exist, nothing is declared.
+    pub(crate) async fn declare_queue(
+        &self,
+        s: &Session,
+        queue: &str,
+        source: Source,
+    ) -> Result<()> {
+        let key = match source {
+            Source::Queue => queue.to_owned(),
+            Source::DeadLetters => format!("dead:{queue}"),
+        };
+        if s.declared().contains(&key) || s.declared().contains(queue) {
+            return Ok(());
+        }
+        let c = &self.config;
+        let main = c.queue_name_of(queue);
+        let dlq = c.dead_letter_queue_of(queue);
+        if c.topology == Topology::Existing {
+            let name = match source {
+                Source::Queue => &main,
+                Source::DeadLetters => &dlq,
+            };
+            topology::check_queue(&s.connection, name).await?;
+            s.declared().insert(key);
+            return Ok(());
+        }
+        let mut extra = Vec::new();
+        if let Some(dlx) = c.dead_letter_exchange_in_force() {
+            extra.push((
+                "x-dead-letter-exchange",
+                AMQPValue::LongString(LongString::from(dlx)),
+            ));
+            extra.push((
+                "x-dead-letter-routing-key",
+                AMQPValue::LongString(LongString::from(queue)),
+            ));
+        }
+        if let (false, Some(max)) = (c.quorum_queues, c.max_priority) {
+            extra.push(("x-max-priority", AMQPValue::ShortShortUInt(max)));
+        }
+        topology::declare_queue(&s.connection, &main, self.queue_args(&extra)).await?;
+        let (exchange, routing_key) = c.publish_route_of(queue);
+        topology::bind(&s.connection, &main, &exchange, &routing_key).await?;
+        if let Some(dlx) = c.dead_letter_exchange_in_force() {
+            match topology::try_declare_queue(&s.connection, &dlq, self.queue_args(&[])).await? {
+                topology::Declared::Usable => {
+                    topology::bind(&s.connection, &dlq, dlx, queue).await?;
+                }
+                // Refused (no `configure` permission): the queue itself works;
+                // dead-lettering fails, named, until someone creates the DLQ.
+                topology::Declared::Refused(e) => {
+                    tracing::warn!(queue = %main, dead_letter_queue = %dlq, error = %e, "cannot declare the dead-letter queue; dead-lettering from this queue will fail until it exists");
+                }
+            }
+        }
+        for binding in c.grpcq_bindings_of(queue) {
+            self.ensure_grpcq_exchange(s, &binding.exchange).await?;
+            topology::bind(
+                &s.connection,
+                &main,
+                &binding.exchange,
+                &binding.routing_key,
+            )
+            .await?;
+        }
+        s.declared().insert(queue.to_owned());
+        Ok(())
+    }
+
+    /// Makes sure the grpcq exchange `topic` exists: one declared by grpcq
+    /// publishers is used as it is, whatever its type; a missing one is
+    /// declared as a durable topic exchange. Each attempt uses its own
+    /// channel, because a failed passive declare closes the channel.
+    pub(crate) async fn ensure_grpcq_exchange(&self, s: &Session, topic: &str) -> Result<()> {
+        fits(topic, "grpcq exchange (the call's topic)")?;
+        let key = format!("exchange:{topic}");
+        if s.declared().contains(&key) {
+            return Ok(());
+        }
+        if self.config.topology == Topology::Existing {
+            topology::check_exchange(&s.connection, topic).await?;
+            s.declared().insert(key);
+            return Ok(());
+        }
+        let probe = s
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| amqp_error(&e))?;
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let exists = probe
+            .exchange_declare(
+                topic.into(),
+                ExchangeKind::Topic,
+                passive,
+                FieldTable::default(),
+            )
+            .await
+            .is_ok();
+        let _ = probe.close(200, "ok".into()).await;
+        if !exists {
+            let ch = s
+                .connection
+                .create_channel()
+                .await
+                .map_err(|e| amqp_error(&e))?;
+            let declared = ch
+                .exchange_declare(
+                    topic.into(),
+                    ExchangeKind::Topic,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            let _ = ch.close(200, "ok".into()).await;
+            declared.map_err(|e| topology_error(topic, &e))?;
+        }
+        s.declared().insert(key);
+        Ok(())
+    }
+
+    /// Declares the TTL queue for `delay_ms`, re-declaring it well within its
+    /// `x-expires` so it never expires with messages due.
+    pub(crate) async fn declare_retry(
+        &self,
+        s: &Session,
+        queue: &str,
+        delay_ms: u64,
+    ) -> Result<()> {
+        let c = &self.config;
+        if c.topology == Topology::Existing {
+            return Err(Error::broker(
+                "rabbitmq",
+                "a delayed publish needs per-delay TTL queues, which topology = \"existing\" does not declare",
+                false,
+            ));
+        }
+        let name = c.retry_queue_of(queue, delay_ms);
+        let expiry = Duration::from_secs(c.retry_queue_expiry_secs.max(60));
+        let fresh = s
+            .retry_declared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&name)
+            .is_some_and(|at| at.elapsed() < expiry / 4);
+        if fresh {
+            return Ok(());
+        }
+        let ttl = i64::try_from(delay_ms).unwrap_or(i64::MAX);
+        let expires = ttl.saturating_add(expiry.as_millis() as i64);
+        // Due messages dead-letter back the way a publish goes.
+        let (exchange, routing_key) = c.publish_route_of(queue);
+        let args = self.queue_args(&[
+            ("x-message-ttl", AMQPValue::LongLongInt(ttl)),
+            (
+                "x-dead-letter-exchange",
+                AMQPValue::LongString(LongString::from(exchange.as_str())),
+            ),
+            (
+                "x-dead-letter-routing-key",
+                AMQPValue::LongString(LongString::from(routing_key.as_str())),
+            ),
+            ("x-expires", AMQPValue::LongLongInt(expires)),
+        ]);
+        fits(&name, "retry queue name")?;
+        // A TTL queue's expiry restarts with every declaration, so it is
+        // declared again rather than used as found.
+        let declared = s
+            .publisher
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args,
+            )
+            .await;
+        declared.map_err(|e| topology_error(&name, &e))?;
+        topology::bind(
+            &s.connection,
+            &name,
+            &c.retry_exchange,
+            &format!("{queue}.{delay_ms}"),
+        )
+        .await?;
+        s.retry_declared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name, Instant::now());
+        Ok(())
+    }
+}
+
+pub(crate) fn topology_error(name: &str, e: &lapin::Error) -> Error {
+    topology::with_kind(
+        Error::broker("rabbitmq", format!("declaring {name}: {e}"), true),
+        e,
+    )
+}

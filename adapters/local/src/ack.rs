@@ -1,0 +1,156 @@
+//! Settling: acks go to one writer that commits them in groups (one
+//! SQLite transaction for many acks); nacks reschedule or dead-letter the
+//! row in the store.
+
+use super::*;
+
+/// Most acks folded into one commit.
+pub(crate) const MAX_ACKS_PER_COMMIT: usize = 1_000;
+
+/// Acks to commit together, and where to send their results (one per key,
+/// in order): one request per delivery, or one for a batch of them.
+pub(crate) type AckRequest = (
+    Vec<(i64, i64)>,
+    tokio::sync::oneshot::Sender<Vec<Result<()>>>,
+);
+
+/// Group commit for acks: every ack waiting when a commit starts goes into
+/// it. Each commit writes whole pages to the WAL, so one commit for many acks
+/// is what makes concurrent consumers fast; an ack still resolves only after
+/// its own delete is committed.
+pub(crate) async fn ack_writer(
+    inner: std::sync::Weak<Inner>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<AckRequest>,
+) {
+    while let Some(first) = rx.recv().await {
+        let mut count = first.0.len();
+        let mut batch = vec![first];
+        while count < MAX_ACKS_PER_COMMIT {
+            match rx.try_recv() {
+                Ok(req) => {
+                    count += req.0.len();
+                    batch.push(req);
+                }
+                Err(_) => break,
+            }
+        }
+        let Some(inner) = inner.upgrade() else { break };
+        let sizes: Vec<usize> = batch.iter().map(|(keys, _)| keys.len()).collect();
+        let (keys, replies): (Vec<Vec<(i64, i64)>>, Vec<_>) = batch.into_iter().unzip();
+        let keys: Vec<(i64, i64)> = keys.into_iter().flatten().collect();
+        let outcome = blocking(&inner, move |inner, conn| {
+            let results = store::ack_many(conn, &keys)?;
+            let count = keys.len() as u64;
+            let before = inner.deletes.fetch_add(count, Ordering::Relaxed);
+            if (before + count) / HOUSEKEEPING_EVERY > before / HOUSEKEEPING_EVERY {
+                if let Err(e) = store::housekeeping(conn) {
+                    tracing::warn!(error = %e, "housekeeping failed");
+                }
+            }
+            Ok(results)
+        })
+        .await;
+        match outcome {
+            Ok(results) => {
+                let mut results = results.into_iter();
+                for (reply, size) in replies.into_iter().zip(sizes) {
+                    let _ = reply.send(results.by_ref().take(size).collect());
+                }
+            }
+            Err(e) => {
+                let (text, retryable) = (e.to_string(), e.is_retryable());
+                for (reply, size) in replies.into_iter().zip(sizes) {
+                    let failed = (0..size)
+                        .map(|_| Err(Error::broker("local", text.clone(), retryable)))
+                        .collect();
+                    let _ = reply.send(failed);
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct LocalAcker {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) id: i64,
+    pub(crate) lease: i64,
+    pub(crate) held: Held,
+}
+
+impl LocalAcker {
+    pub(crate) fn forget(&self) {
+        lock_held(&self.held).remove(&(self.id, self.lease));
+    }
+}
+
+/// Hands `keys` to the ack writer and waits for their commit: exactly one
+/// result per key, in order.
+pub(crate) async fn commit_acks(inner: &Inner, keys: Vec<(i64, i64)>) -> Vec<Result<()>> {
+    let size = keys.len();
+    let (reply, done) = tokio::sync::oneshot::channel();
+    if inner.acks.send((keys, reply)).is_err() {
+        return (0..size).map(|_| Err(Error::Closed)).collect();
+    }
+    let mut results = done.await.unwrap_or_default();
+    // A writer that stopped (or answered short) leaves these unsettled:
+    // retryable, as the broker will hand them out again.
+    results.resize_with(size, || {
+        Err(Error::broker("local", "ack writer stopped", true))
+    });
+    results
+}
+
+#[async_trait]
+impl Acknowledger for LocalAcker {
+    async fn ack(&self) -> Result<()> {
+        let mut results = commit_acks(&self.inner, vec![(self.id, self.lease)]).await;
+        // One key, one result: `commit_acks` answers for each.
+        let result = results.pop().unwrap_or(Err(Error::Closed));
+        if !matches!(result, Err(ref e) if e.is_retryable()) {
+            self.forget();
+        }
+        result
+    }
+
+    /// A batch of this consumer's deliveries as one request to the ack
+    /// writer (one commit, one reply), not one each.
+    async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
+        let members = ojs_core::batch_of::<LocalAcker>(batch, |l| {
+            Arc::ptr_eq(&l.inner, &self.inner) && Arc::ptr_eq(&l.held, &self.held)
+        })?;
+        let keys = members.iter().map(|l| (l.id, l.lease)).collect();
+        let results = commit_acks(&self.inner, keys).await;
+        let mut held = lock_held(&self.held);
+        for (l, result) in members.iter().zip(&results) {
+            if !matches!(result, Err(e) if e.is_retryable()) {
+                held.remove(&(l.id, l.lease));
+            }
+        }
+        Some(results)
+    }
+
+    async fn nack(&self, action: Nack, _delivery: ojs_core::DeliveryRef<'_>) -> Result<()> {
+        let (id, lease) = (self.id, self.lease);
+        let result = blocking(&self.inner, move |_, conn| match action {
+            Nack::Retry { delay } => store::retry(conn, id, lease, delay),
+            Nack::DeadLetter(reason) => store::dead_letter(conn, id, lease, &reason),
+        })
+        .await;
+        if !matches!(result, Err(ref e) if e.is_retryable()) {
+            self.forget();
+        }
+        if result.is_ok() {
+            self.inner.notify.notify_waiters();
+        }
+        result
+    }
+
+    async fn extend(&self, by: Duration) -> Result<()> {
+        let (id, lease) = (self.id, self.lease);
+        blocking(&self.inner, move |_, conn| {
+            store::extend(conn, id, lease, by)
+        })
+        .await
+    }
+}
