@@ -39,6 +39,11 @@ pub enum ConfigError {
         /// The TOML error, with line and field.
         message: String,
     },
+    /// Several values that parse but cannot work, each with its field, in
+    /// file order: a file is refused with everything wrong in it, not one
+    /// problem at a time.
+    #[error("{} problems:\n{}", .0.len(), .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
+    Several(Vec<ConfigError>),
     /// A value that parses but cannot work.
     #[error("{field}: {reason}")]
     Invalid {
@@ -67,6 +72,25 @@ fn suggest_known_field(message: String) -> String {
     }
     let at = start + "unknown field `".len() + end + 1;
     format!("{}{hint}{}", &message[..at], &message[at..])
+}
+
+impl ConfigError {
+    /// `Ok` without problems, the one problem, or all of them (a
+    /// [`ConfigError::Several`] among them is flattened).
+    pub fn all(problems: impl IntoIterator<Item = ConfigError>) -> Result<(), ConfigError> {
+        let mut flat = Vec::new();
+        for p in problems {
+            match p {
+                ConfigError::Several(inner) => flat.extend(inner),
+                other => flat.push(other),
+            }
+        }
+        match flat.len() {
+            0 => Ok(()),
+            1 => Err(flat.remove(0)),
+            _ => Err(ConfigError::Several(flat)),
+        }
+    }
 }
 
 fn default_true() -> bool {
@@ -742,8 +766,14 @@ impl BridgeConfig {
 
     /// Every rule a parsed file must also follow.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        ConfigError::all(self.problems())
+    }
+
+    /// Every rule the file breaks, each with its field path, in file order.
+    fn problems(&self) -> Vec<ConfigError> {
+        let mut errors = Vec::new();
         if self.http.listen != "off" && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
-            return Err(invalid(
+            errors.push(invalid(
                 "http.listen",
                 format!(
                     "{:?} is not an address like 127.0.0.1:9464 (or `off`)",
@@ -752,10 +782,10 @@ impl BridgeConfig {
             ));
         }
         if self.http.max_connections == 0 {
-            return Err(invalid("http.max_connections", "must be at least 1"));
+            errors.push(invalid("http.max_connections", "must be at least 1"));
         }
         if self.worker_threads == Some(0) {
-            return Err(invalid("worker_threads", "must be at least 1"));
+            errors.push(invalid("worker_threads", "must be at least 1"));
         }
         for (field, d) in [
             ("http.header_read_timeout", self.http.header_read_timeout),
@@ -764,17 +794,19 @@ impl BridgeConfig {
             ("http.health_timeout", self.http.health_timeout),
         ] {
             if d.is_zero() {
-                return Err(invalid(field, "must be longer than 0"));
+                errors.push(invalid(field, "must be longer than 0"));
             }
         }
         if self.adapters.is_empty() {
-            return Err(invalid(
+            errors.push(invalid(
                 "adapters",
                 "no adapter is defined; add e.g. local = \"local:./ojs-bridge-data\"",
             ));
         }
         for (name, entry) in &self.adapters {
-            entry.compile(name)?;
+            if let Err(e) = entry.compile(name) {
+                errors.push(e);
+            }
         }
         let adapter = |field: String, name: &str| {
             if self.adapters.contains_key(name) {
@@ -796,25 +828,27 @@ impl BridgeConfig {
         for (name, f) in &self.federations {
             let at = |field: &str| format!("federations.{name}.{field}");
             if self.adapters.contains_key(name) {
-                return Err(invalid(
+                errors.push(invalid(
                     format!("federations.{name}"),
                     "an adapter has the same name; sinks would be ambiguous",
                 ));
             }
             if f.regions.is_empty() {
-                return Err(invalid(
+                errors.push(invalid(
                     at("regions"),
                     "a federation needs at least one region",
                 ));
             }
             for (id, region) in &f.regions {
-                adapter(
+                if let Err(e) = adapter(
                     format!("federations.{name}.regions.{id}.adapter"),
                     &region.adapter,
-                )?;
+                ) {
+                    errors.push(e);
+                }
                 if let Some(url) = &region.health {
                     if !url.starts_with("http://") {
-                        return Err(invalid(
+                        errors.push(invalid(
                             format!("federations.{name}.regions.{id}.health"),
                             format!("{url:?} must be http://host:port/ojs/v1/health"),
                         ));
@@ -825,21 +859,21 @@ impl BridgeConfig {
                 .chain(f.fallback.iter().map(|r| ("fallback", r)));
             for (field, region) in named {
                 if !f.regions.contains_key(region) {
-                    return Err(invalid(
+                    errors.push(invalid(
                         at(field),
                         format!("{region:?} is not one of its regions"),
                     ));
                 }
             }
             if f.strategy == ojs_core::federation::Strategy::GeoPin {
-                return Err(invalid(
+                errors.push(invalid(
                     at("strategy"),
                     "geo-pin is chosen per job (meta ojs.federation.region); the default must be affinity or overflow",
                 ));
             }
         }
         if self.sources.is_empty() {
-            return Err(invalid(
+            errors.push(invalid(
                 "sources",
                 "no source is defined; the daemon would consume nothing",
             ));
@@ -848,51 +882,55 @@ impl BridgeConfig {
         for (i, s) in self.sources.iter().enumerate() {
             let at = |f: &str| format!("sources[{i}].{f}");
             if s.name.is_empty() {
-                return Err(invalid(at("name"), "must not be empty"));
+                errors.push(invalid(at("name"), "must not be empty"));
             }
             if !source_names.insert(s.name.as_str()) {
-                return Err(invalid(
+                errors.push(invalid(
                     at("name"),
                     format!("{:?} is used by two sources", s.name),
                 ));
             }
-            adapter(at("adapter"), &s.adapter)?;
+            if let Err(e) = adapter(at("adapter"), &s.adapter) {
+                errors.push(e);
+            }
             if s.queue.is_empty() {
-                return Err(invalid(at("queue"), "must not be empty"));
+                errors.push(invalid(at("queue"), "must not be empty"));
             }
             if s.batch_size == 0 {
-                return Err(invalid(at("batch_size"), "must be at least 1"));
+                errors.push(invalid(at("batch_size"), "must be at least 1"));
             }
             if s.max_in_flight_bytes == 0 {
-                return Err(invalid(
+                errors.push(invalid(
                     at("max_in_flight_bytes"),
                     "must be at least 1 (it bounds the payload bytes held at once)",
                 ));
             }
             if s.lanes == Some(0) {
-                return Err(invalid(at("lanes"), "must be at least 1"));
+                errors.push(invalid(at("lanes"), "must be at least 1"));
             }
             if s.lanes.is_some() && s.ordering == OrderingMode::None {
-                return Err(invalid(
+                errors.push(invalid(
                     at("lanes"),
                     "only means something with ordering = \"per_key\"",
                 ));
             }
             if s.max_in_flight < s.batch_size {
-                return Err(invalid(
+                errors.push(invalid(
                     at("max_in_flight"),
                     format!("must be at least batch_size ({})", s.batch_size),
                 ));
             }
             if let Some(dl) = &s.dead_letter {
-                adapter(at("dead_letter.adapter"), &dl.adapter)?;
+                if let Err(e) = adapter(at("dead_letter.adapter"), &dl.adapter) {
+                    errors.push(e);
+                }
                 if dl.queue.is_empty() {
-                    return Err(invalid(at("dead_letter.queue"), "must not be empty"));
+                    errors.push(invalid(at("dead_letter.queue"), "must not be empty"));
                 }
             }
         }
         if self.routes.is_empty() {
-            return Err(invalid(
+            errors.push(invalid(
                 "routes",
                 "no route is defined; every message would be dead-lettered",
             ));
@@ -901,24 +939,26 @@ impl BridgeConfig {
         for (i, r) in self.routes.iter().enumerate() {
             let at = |f: &str| format!("routes[{i}].{f}");
             if r.name.is_empty() {
-                return Err(invalid(at("name"), "must not be empty"));
+                errors.push(invalid(at("name"), "must not be empty"));
             }
             if !route_names.insert(r.name.as_str()) {
-                return Err(invalid(
+                errors.push(invalid(
                     at("name"),
                     format!("{:?} is used by two routes", r.name),
                 ));
             }
             for (j, s) in r.sources.iter().enumerate() {
                 if !source_names.contains(s.as_str()) {
-                    return Err(invalid(
+                    errors.push(invalid(
                         format!("routes[{i}].sources[{j}]"),
                         format!("names source {s:?}, which [[sources]] does not define"),
                     ));
                 }
             }
             if !self.federations.contains_key(&r.sink) {
-                adapter(at("sink"), &r.sink)?;
+                if let Err(e) = adapter(at("sink"), &r.sink) {
+                    errors.push(e);
+                }
             }
             for (field, pattern) in [
                 ("match.topic", &r.matcher.topic),
@@ -926,13 +966,15 @@ impl BridgeConfig {
                 ("match.type", &r.matcher.job_type),
             ] {
                 if let Some(p) = pattern {
-                    Glob::new(p).map_err(|e| invalid(at(field), e))?;
+                    if let Err(e) = Glob::new(p) {
+                        errors.push(invalid(at(field), e));
+                    }
                 }
             }
             if r.matcher.job_type.is_some()
                 && (r.matcher.topic.is_some() || r.matcher.action.is_some())
             {
-                return Err(invalid(
+                errors.push(invalid(
                     at("match"),
                     "match.type matches OJS jobs and match.topic/action grpcq calls; one route cannot require both",
                 ));
@@ -944,43 +986,55 @@ impl BridgeConfig {
                 ("action", &r.action),
             ] {
                 if let Some(t) = template {
-                    Template::parse(t, TemplateVar::ALL).map_err(|e| invalid(at(field), e))?;
-                }
-            }
-            if let Some(t) = &r.job_type {
-                // Placeholders render in type form; the literal text must
-                // be type text too, or every job would be unmappable.
-                let template =
-                    Template::parse(t, TemplateVar::ALL).map_err(|e| invalid(at("type"), e))?;
-                for text in template.literal_pieces() {
-                    if !text.bytes().all(|b| {
-                        b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'.'
-                    }) {
-                        return Err(invalid(
-                            at("type"),
-                            format!("{t:?}: the text {text:?} cannot be part of an OJS type (^[a-z][a-z0-9_]*(\\.[a-z][a-z0-9_]*)*$); placeholders are inserted as lowercase snake_case"),
-                        ));
+                    if let Err(e) = Template::parse(t, TemplateVar::ALL) {
+                        errors.push(invalid(at(field), e));
                     }
                 }
-                if template.literal_pieces().next().is_none() || template.as_literal().is_some() {
+            }
+            // A type template that does not parse is reported above.
+            if let Some((t, Ok(template))) = r
+                .job_type
+                .as_ref()
+                .map(|t| (t, Template::parse(t, TemplateVar::ALL)))
+            {
+                // Placeholders render in type form; the literal text must
+                // be type text too, or every job would be unmappable.
+                let bad_text = template.literal_pieces().find(|text| {
+                    !text.bytes().all(|b| {
+                        b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'.'
+                    })
+                });
+                if let Some(text) = bad_text {
+                    errors.push(invalid(
+                        at("type"),
+                        format!("{t:?}: the text {text:?} cannot be part of an OJS type (^[a-z][a-z0-9_]*(\\.[a-z][a-z0-9_]*)*$); placeholders are inserted as lowercase snake_case"),
+                    ));
+                } else if template.literal_pieces().next().is_none()
+                    || template.as_literal().is_some()
+                {
                     if let Some(literal) = template.as_literal() {
-                        ojs_core::envelope::validate_job_type(&literal)
-                            .map_err(|e| invalid(at("type"), e.to_string()))?;
+                        if let Err(e) = ojs_core::envelope::validate_job_type(&literal) {
+                            errors.push(invalid(at("type"), e.to_string()));
+                        }
                     }
                 }
             }
             for (j, g) in r.allowed_queues.iter().enumerate() {
-                Glob::new(g).map_err(|e| invalid(format!("routes[{i}].allowed_queues[{j}]"), e))?;
+                if let Err(e) = Glob::new(g) {
+                    errors.push(invalid(format!("routes[{i}].allowed_queues[{j}]"), e));
+                }
             }
-            allowed_destinations(r).map_err(|e| invalid(at("allowed_queues"), e))?;
+            if let Err(e) = allowed_destinations(r) {
+                errors.push(invalid(at("allowed_queues"), e));
+            }
             if r.max_destinations == 0 {
-                return Err(invalid(at("max_destinations"), "must be at least 1"));
+                errors.push(invalid(at("max_destinations"), "must be at least 1"));
             }
             if r.message_type.is_some() && r.descriptor_set.is_none() {
-                return Err(invalid(at("message_type"), "needs descriptor_set"));
+                errors.push(invalid(at("message_type"), "needs descriptor_set"));
             }
         }
-        Ok(())
+        errors
     }
 }
 
@@ -1300,6 +1354,37 @@ mod tests {
 
     fn error_of(text: &str) -> String {
         parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_file_is_refused_with_every_problem_in_it() {
+        let text = MINIMAL
+            .replace("batch_size", "batch_size")
+            .replace("queue = \"calls\"", "queue = \"\"\nbatch_size = 0")
+            .replace("sink = \"local\"", "sink = \"nope\"");
+        let err = parse(&text).unwrap_err();
+        let ConfigError::Several(problems) = &err else {
+            panic!("expected every problem, got {err}");
+        };
+        let fields: Vec<String> = problems
+            .iter()
+            .map(|p| match p {
+                ConfigError::Invalid { field, .. } => field.clone(),
+                other => other.to_string(),
+            })
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "sources[0].queue",
+                "sources[0].batch_size",
+                "routes[0].sink"
+            ],
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(text.starts_with("3 problems:\n"), "{text}");
+        assert_eq!(text.lines().count(), 4, "one line each: {text}");
     }
 
     #[test]

@@ -331,13 +331,15 @@ fn load_config(path: Option<&std::path::Path>) -> Result<BridgeConfig, ConfigErr
 
 fn check_config(path: &std::path::Path) -> Result<String, ConfigError> {
     let config = load_config(Some(path))?;
-    // The files adapters read when they connect: a missing one is caught
-    // here, as `run` would refuse it.
-    config.check_files()?;
-    // Compiling routes reads descriptor sets: a missing one is caught here.
-    for (i, r) in config.routes.iter().enumerate() {
-        Route::compile(r, i)?;
-    }
+    // What `run` would find next, all of it: the files adapters read when
+    // they connect, and the descriptor sets routes compile from.
+    let files = config.check_files().err();
+    let routes = config
+        .routes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| Route::compile(r, i).err());
+    ConfigError::all(files.into_iter().chain(routes))?;
     Ok(format!(
         "{}: ok ({} adapters, {} sources, {} routes)",
         path.display(),
