@@ -1359,7 +1359,6 @@ mod tests {
     #[test]
     fn a_file_is_refused_with_every_problem_in_it() {
         let text = MINIMAL
-            .replace("batch_size", "batch_size")
             .replace("queue = \"calls\"", "queue = \"\"\nbatch_size = 0")
             .replace("sink = \"local\"", "sink = \"nope\"");
         let err = parse(&text).unwrap_err();
