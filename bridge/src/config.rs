@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::template::{Glob, Template, TemplateVar};
+use crate::routes::template::{Glob, Template, TemplateVar};
 
 /// The configuration `ojs-bridge run` uses without `--config`: the embedded
 /// broker in `./ojs-bridge-data`, grpcq calls from its `calls` queue become

@@ -16,8 +16,8 @@ use bytes::Bytes;
 use ojs_core::{Acknowledger, Delivery, DeliveryRef, Encoding, Nack, OutgoingMessage};
 
 use crate::config::BridgeConfig;
+use crate::routes::transcode::Transcoder;
 use crate::routes::Route;
-use crate::transcode::Transcoder;
 
 /// A fuzz target: takes any bytes, panics only on a bug.
 pub type Target = fn(&[u8]);

@@ -18,5 +18,3 @@ pub mod probe;
 pub mod routes;
 pub mod send;
 pub mod tail;
-pub mod template;
-pub mod transcode;

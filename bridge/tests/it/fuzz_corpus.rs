@@ -238,7 +238,7 @@ fn the_seeds_decode_into_what_they_were_made_from() {
 
     let set = &seeds("descriptor_transcode")[0];
     let mut parts = Parts::new(set);
-    let t = ojs_bridge::transcode::Transcoder::from_bytes(
+    let t = ojs_bridge::routes::transcode::Transcoder::from_bytes(
         parts.next_part(),
         Some("payment.ProcessPaymentRequest"),
     )

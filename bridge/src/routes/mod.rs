@@ -13,9 +13,11 @@ use ojs_core::{
 use serde_json::Value;
 
 use crate::config::{allowed_destinations, EnvelopeEncoding, OutputFormat, RouteConfig};
-use crate::template::Vars;
-pub use crate::template::{Glob, Template, TemplateVar};
-use crate::transcode::Transcoder;
+pub mod template;
+pub mod transcode;
+
+use template::{Glob, Template, TemplateVar, Vars};
+use transcode::Transcoder;
 
 /// A decoded source message (defined in core, where it is decoded).
 pub use ojs_core::Incoming;
