@@ -1,0 +1,69 @@
+//! `[http]`: the listener of health and metrics, and its limits.
+
+use super::*;
+
+/// `[http]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Address of `GET /ojs/v1/health` and `GET /metrics`; `off` disables the
+    /// endpoint. Default `127.0.0.1:9464` (loopback only).
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// A file holding a bearer token both paths then require
+    /// (`Authorization: Bearer …`). Default: none (no token).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// A connection must send its request head within this. Default `5s`.
+    #[serde(default = "default_header_read_timeout", with = "duration_text")]
+    pub header_read_timeout: Duration,
+    /// A connection is closed after this, whatever it does (one request per
+    /// connection). Default `30s`.
+    #[serde(default = "default_idle_timeout", with = "duration_text")]
+    pub idle_timeout: Duration,
+    /// Connections open at once; beyond it a new connection evicts the
+    /// oldest one that has not sent a request yet. Default 256.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// How often adapter health is probed in the background (health
+    /// requests read the last probe). Default `5s`.
+    #[serde(default = "default_http_health_interval", with = "duration_text")]
+    pub health_interval: Duration,
+    /// Longest wait for one adapter's health answer. Default `3s`.
+    #[serde(default = "default_http_health_timeout", with = "duration_text")]
+    pub health_timeout: Duration,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: default_listen(),
+            token_file: None,
+            header_read_timeout: default_header_read_timeout(),
+            idle_timeout: default_idle_timeout(),
+            max_connections: default_max_connections(),
+            health_interval: default_http_health_interval(),
+            health_timeout: default_http_health_timeout(),
+        }
+    }
+}
+
+pub(crate) fn default_header_read_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+pub(crate) fn default_idle_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+pub(crate) fn default_max_connections() -> usize {
+    256
+}
+pub(crate) fn default_http_health_interval() -> Duration {
+    Duration::from_secs(5)
+}
+pub(crate) fn default_http_health_timeout() -> Duration {
+    Duration::from_secs(3)
+}
+
+pub(crate) fn default_listen() -> String {
+    "127.0.0.1:9464".to_owned()
+}

@@ -1,0 +1,544 @@
+//! The configuration's rules, its documentation and its examples, tested.
+
+use super::*;
+
+mod rules {
+    use super::*;
+
+    fn parse(text: &str) -> Result<BridgeConfig, ConfigError> {
+        BridgeConfig::parse(text, "test.toml", &[])
+    }
+
+    const MINIMAL: &str = r#"
+        [adapters]
+        local = "local:./data"
+        [[sources]]
+        name = "calls"
+        adapter = "local"
+        queue = "calls"
+        [[routes]]
+        name = "all"
+        sink = "local"
+    "#;
+
+    #[test]
+    fn the_embedded_default_is_valid_and_documented_values_hold() {
+        let c = BridgeConfig::embedded_default(&[]).unwrap();
+        assert_eq!(c.http.listen, "127.0.0.1:9464");
+        assert_eq!(
+            c.adapters.get("local").map(|a| a.url.as_str()),
+            Some("local:./ojs-bridge-data")
+        );
+        assert_eq!(c.sources[0].queue, "calls");
+        assert_eq!(c.sources[0].format, InputFormat::Grpcq);
+        assert_eq!(c.routes[0].queue.as_deref(), Some("default"));
+        assert_eq!(c.routes[0].job_type.as_deref(), Some("{topic}.{action}"));
+        assert_eq!(c.shutdown_timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn defaults_fill_what_a_file_leaves_out() {
+        let c = parse(MINIMAL).unwrap();
+        let s = &c.sources[0];
+        assert_eq!(
+            (s.batch_size, s.max_in_flight, s.group.as_str()),
+            (256, 2048, "ojs-bridge")
+        );
+        assert_eq!(s.visibility_timeout, Duration::from_secs(60));
+        assert_eq!(c.routes[0].to, OutputFormat::Ojs);
+        assert_eq!(c.routes[0].encoding, EnvelopeEncoding::Proto);
+    }
+
+    #[test]
+    fn worker_threads_from_the_file_or_the_environment_and_never_zero() {
+        assert_eq!(parse(MINIMAL).unwrap().worker_threads, None);
+        let file = format!("worker_threads = 1\n{MINIMAL}");
+        assert_eq!(parse(&file).unwrap().worker_threads, Some(1));
+        let env = |v: &str| vec![("OJS_BRIDGE_WORKER_THREADS".to_owned(), v.to_owned())];
+        let c = BridgeConfig::parse(&file, "t", &env("3")).unwrap();
+        assert_eq!(c.worker_threads, Some(3), "the environment wins");
+        for bad in ["0", "two"] {
+            match BridgeConfig::parse(MINIMAL, "t", &env(bad)) {
+                Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "worker_threads"),
+                other => panic!("{bad}: expected worker_threads refused, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_runtime_leaves_a_cpu_to_librdkafka_when_an_adapter_is_kafka() {
+        let without_kafka = parse(MINIMAL).unwrap();
+        assert_eq!(without_kafka.runtime_threads(2), 2);
+        assert_eq!(without_kafka.runtime_threads(8), 8);
+        assert_eq!(without_kafka.runtime_threads(0), 1);
+        let kafka = format!(
+            "{}\n[adapters.events]\nurl = \"kafka://127.0.0.1:9092\"\n",
+            MINIMAL.replace("[adapters]\n", "[adapters]\nbus = \"memory://bus\"\n")
+        );
+        let with_kafka = parse(&kafka).unwrap();
+        assert_eq!(with_kafka.runtime_threads(2), 1);
+        assert_eq!(with_kafka.runtime_threads(8), 7);
+        assert_eq!(with_kafka.runtime_threads(1), 1, "never none");
+        let set = parse(&format!("worker_threads = 2\n{kafka}")).unwrap();
+        assert_eq!(set.runtime_threads(2), 2, "a setting wins");
+        assert_eq!(set.runtime_threads(16), 2);
+    }
+
+    #[test]
+    fn environment_overrides_listen_timeout_and_adapter_urls() {
+        let env = vec![
+            (
+                "OJS_BRIDGE_HTTP_LISTEN".to_owned(),
+                "127.0.0.1:19464".to_owned(),
+            ),
+            ("OJS_BRIDGE_SHUTDOWN_TIMEOUT".to_owned(), "5s".to_owned()),
+            (
+                "OJS_BRIDGE_ADAPTER_LOCAL".to_owned(),
+                "local:./elsewhere".to_owned(),
+            ),
+            ("OJS_BRIDGE_LOG".to_owned(), "debug".to_owned()),
+            ("PATH".to_owned(), "/bin".to_owned()),
+        ];
+        let c = BridgeConfig::parse(MINIMAL, "t", &env).unwrap();
+        assert_eq!(c.http.listen, "127.0.0.1:19464");
+        assert_eq!(c.shutdown_timeout, Duration::from_secs(5));
+        assert_eq!(
+            c.adapters.get("local").map(|a| a.url.as_str()),
+            Some("local:./elsewhere")
+        );
+        assert_eq!(c.adapters.len(), 1);
+    }
+
+    fn error_of(text: &str) -> String {
+        parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_file_is_refused_with_every_problem_in_it() {
+        let text = MINIMAL
+            .replace("queue = \"calls\"", "queue = \"\"\nbatch_size = 0")
+            .replace("sink = \"local\"", "sink = \"nope\"");
+        let err = parse(&text).unwrap_err();
+        let ConfigError::Several(problems) = &err else {
+            panic!("expected every problem, got {err}");
+        };
+        let fields: Vec<String> = problems
+            .iter()
+            .map(|p| match p {
+                ConfigError::Invalid { field, .. } => field.clone(),
+                other => other.to_string(),
+            })
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "sources[0].queue",
+                "sources[0].batch_size",
+                "routes[0].sink"
+            ],
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(text.starts_with("3 problems:\n"), "{text}");
+        assert_eq!(text.lines().count(), 4, "one line each: {text}");
+    }
+
+    #[test]
+    fn near_misses_get_a_did_you_mean() {
+        let text = error_of(&MINIMAL.replace("[[sources]]", "[[sourcs]]"));
+        assert!(text.contains("did you mean `sources`?"), "{text}");
+        let text = error_of(&MINIMAL.replace(
+            "queue = \"calls\"",
+            "queue = \"calls\"\nvisibility_timout = \"1s\"",
+        ));
+        assert!(
+            text.contains("did you mean `visibility_timeout`?"),
+            "{text}"
+        );
+        let text = error_of(&MINIMAL.replace("sink = \"local\"", "sink = \"locla\""));
+        assert!(text.contains("did you mean `local`?"), "{text}");
+        assert_eq!(
+            suggest_known_field("unknown field `zzz`, expected `a`".into()),
+            "unknown field `zzz`, expected `a`"
+        );
+    }
+
+    #[test]
+    fn each_bad_file_names_what_to_fix() {
+        let cases: &[(&str, &str)] = &[
+            ("adapters = [", "test.toml"),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nbatch = 3"),
+                "unknown field `batch`",
+            ),
+            (
+                &MINIMAL.replace("sink = \"local\"", "sink = \"kafak\""),
+                "routes[0].sink: names adapter \"kafak\"",
+            ),
+            (
+                &MINIMAL.replace("adapter = \"local\"", "adapter = \"nope\""),
+                "sources[0].adapter",
+            ),
+            (
+                &MINIMAL.replace("local:./data", "ftp://x"),
+                "adapters.local",
+            ),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nbatch_size = 0"),
+                "sources[0].batch_size",
+            ),
+            (
+                &MINIMAL.replace(
+                    "queue = \"calls\"",
+                    "queue = \"calls\"\nmax_in_flight = 2\nbatch_size = 10",
+                ),
+                "sources[0].max_in_flight",
+            ),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nmax_in_flight_bytes = 0"),
+                "sources[0].max_in_flight_bytes",
+            ),
+            (
+                &MINIMAL.replace(
+                    "queue = \"calls\"",
+                    "queue = \"calls\"\nordering = \"per_key\"\nlanes = 0",
+                ),
+                "sources[0].lanes",
+            ),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nlanes = 4"),
+                "sources[0].lanes",
+            ),
+            (
+                &MINIMAL.replace("queue = \"calls\"", "queue = \"calls\"\nordering = \"by_key\""),
+                "ordering",
+            ),
+            (
+                &MINIMAL.replace(
+                    "queue = \"calls\"",
+                    "queue = \"calls\"\nvisibility_timeout = \"ten\"",
+                ),
+                "not a duration",
+            ),
+            (
+                &MINIMAL.replace("sink = \"local\"", "sink = \"local\"\ntype = \"{topik}\""),
+                "routes[0].type",
+            ),
+            (
+                &MINIMAL.replace("sink = \"local\"", "sink = \"local\"\nsources = [\"x\"]"),
+                "routes[0].sources[0]",
+            ),
+            (
+                &MINIMAL.replace(
+                    "sink = \"local\"",
+                    "sink = \"local\"\nmatch = { type = \"a\", topic = \"b\" }",
+                ),
+                "routes[0].match",
+            ),
+            (
+                &MINIMAL.replace(
+                    "sink = \"local\"",
+                    "sink = \"local\"\nmessage_type = \"a.B\"",
+                ),
+                "needs descriptor_set",
+            ),
+            (
+                &MINIMAL.replace("sink = \"local\"", "sink = \"local\"\nto = \"xml\""),
+                "unknown variant `xml`",
+            ),
+            (
+                &format!("{MINIMAL}\n[http]\nlisten = \"everywhere\""),
+                "http.listen",
+            ),
+            (
+                &format!("{MINIMAL}\n[[routes]]\nname = \"all\"\nsink = \"local\""),
+                "routes[1].name",
+            ),
+            (
+                &MINIMAL.replace(
+                    "[[routes]]\n        name = \"all\"\n        sink = \"local\"",
+                    "",
+                ),
+                "routes: no route",
+            ),
+            (
+                &format!("{MINIMAL}\n[federations.g]\nlocal = \"eu\"\n[federations.g.regions.us]\nadapter = \"local\""),
+                "federations.g.local",
+            ),
+            (
+                &format!("{MINIMAL}\n[federations.g]\nlocal = \"us\"\n[federations.g.regions.us]\nadapter = \"nope\""),
+                "federations.g.regions.us.adapter",
+            ),
+            (
+                &format!("{MINIMAL}\n[federations.g]\nlocal = \"us\"\n[federations.g.regions.us]\nadapter = \"local\"\nhealth = \"https://x\""),
+                "federations.g.regions.us.health",
+            ),
+        ];
+        for (text, expected) in cases {
+            let e = error_of(text);
+            assert!(e.contains(expected), "expected {expected:?} in {e:?}");
+        }
+    }
+
+    #[test]
+    fn durations_parse_in_every_documented_unit() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+        assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
+        assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("").is_err());
+    }
+}
+
+mod documented_settings {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::endpoint::AdapterConfig;
+
+    /// The setting names of each adapter's table in `docs/adapters/`.
+    fn documented_settings() -> BTreeMap<&'static str, BTreeSet<String>> {
+        let pages = [
+            ("memory", include_str!("../../../docs/adapters/memory.md")),
+            ("local", include_str!("../../../docs/adapters/local.md")),
+            (
+                "rabbitmq",
+                include_str!("../../../docs/adapters/rabbitmq.md"),
+            ),
+            ("kafka", include_str!("../../../docs/adapters/kafka.md")),
+            ("sqs", include_str!("../../../docs/adapters/sqs.md")),
+        ];
+        let mut out = BTreeMap::new();
+        for (kind, section) in pages {
+            let table = section
+                .split("| setting | default | meaning |")
+                .nth(1)
+                .expect("a settings table");
+            let mut names = BTreeSet::new();
+            for row in table.lines().skip(2) {
+                let Some(cell) = row.strip_prefix('|').and_then(|r| r.split('|').next()) else {
+                    break;
+                };
+                // Backticked words of the first cell; `(URL …)` notes aside.
+                let cell = cell.split("(URL").next().unwrap_or(cell);
+                for name in cell.split('`').skip(1).step_by(2) {
+                    if name.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                        names.insert(name.to_owned());
+                    }
+                }
+            }
+            names.remove("url");
+            out.insert(kind, names);
+        }
+        out
+    }
+
+    #[test]
+    fn every_dead_letter_reason_is_documented() {
+        let operations = include_str!("../../../docs/operations.md");
+        for kind in ojs_core::DeadLetterKind::ALL {
+            assert!(
+                operations.contains(&format!("`{kind}`")),
+                "docs/operations.md does not name dead-letter reason {kind}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_documented_setting_is_reachable_from_a_config_file() {
+        let documented = documented_settings();
+        let text = include_str!("../../../examples/all-adapter-settings.toml");
+        let config = BridgeConfig::parse(text, "all-adapter-settings.toml", &[]).unwrap();
+        let mut kinds = BTreeSet::new();
+        for (name, entry) in &config.adapters {
+            let compiled = entry.compile(name).unwrap();
+            let kind = compiled.kind();
+            kinds.insert(kind);
+            let names = &documented[kind];
+            // Its page documents exactly the settings the adapter has.
+            let actual: BTreeSet<String> = AdapterConfig::setting_names(&entry.url)
+                .unwrap()
+                .into_iter()
+                .collect();
+            assert_eq!(names, &actual, "docs/adapters/{kind}.md table");
+            // The file sets each of them, and each arrived (differs from
+            // the default of the same URL).
+            let set: BTreeSet<String> = entry.settings.keys().cloned().collect();
+            assert_eq!(names, &set, "settings the example sets for {kind}");
+            let base = AdapterConfig::from_url(&entry.url).unwrap();
+            let as_json = |c: &AdapterConfig| {
+                match c {
+                    AdapterConfig::Memory { config, .. } => serde_json::to_value(config),
+                    AdapterConfig::Local(c) => serde_json::to_value(c),
+                    AdapterConfig::Rabbit(c) => serde_json::to_value(c),
+                    AdapterConfig::Kafka(c) => serde_json::to_value(c),
+                    AdapterConfig::Sqs(c) => serde_json::to_value(c),
+                }
+                .unwrap()
+            };
+            let (got, default) = (as_json(&compiled), as_json(&base));
+            for setting in names {
+                assert_ne!(
+                    got[setting.as_str()],
+                    default[setting.as_str()],
+                    "{kind}.{setting} did not arrive"
+                );
+            }
+        }
+        assert_eq!(kinds.len(), documented.len(), "one adapter of each kind");
+    }
+
+    #[test]
+    fn settings_come_from_urls_tables_and_the_environment_in_that_order() {
+        let text = r#"
+            [adapters.events]
+            url = "kafka://h:9092?replication=2&partitions=4&linger.ms=5"
+            replication = 3
+            [adapters.rabbit]
+            url = "amqp://u@h/%2f"
+            [[sources]]
+            name = "s"
+            adapter = "rabbit"
+            queue = "q"
+            [[routes]]
+            name = "r"
+            sink = "events"
+        "#;
+        let env = vec![
+            (
+                "OJS_BRIDGE_ADAPTER_EVENTS__PARTITIONS".to_owned(),
+                "8".to_owned(),
+            ),
+            (
+                "OJS_BRIDGE_ADAPTER_EVENTS__SASL_PASSWORD".to_owned(),
+                "pw-1".to_owned(),
+            ),
+            (
+                "OJS_BRIDGE_ADAPTER_RABBIT__TOPOLOGY".to_owned(),
+                "existing".to_owned(),
+            ),
+            (
+                "OJS_BRIDGE_ADAPTER_RABBIT__QUEUE_TEMPLATE".to_owned(),
+                "{queue}".to_owned(),
+            ),
+        ];
+        let config = BridgeConfig::parse(text, "t", &env).unwrap();
+        let AdapterConfig::Kafka(k) = config.adapters["events"].compile("events").unwrap() else {
+            panic!()
+        };
+        assert_eq!((k.replication, k.partitions), (3, 8));
+        assert_eq!(k.librdkafka_options["linger.ms"], "5");
+        assert_eq!(k.librdkafka_options["sasl.password"], "pw-1");
+        assert!(!format!("{:?} {k:?}", config.adapters["events"]).contains("pw-1"));
+        let AdapterConfig::Rabbit(r) = config.adapters["rabbit"].compile("rabbit").unwrap() else {
+            panic!()
+        };
+        assert_eq!(r.topology, ojs_core::settings::Topology::Existing);
+        assert_eq!(r.queue_name_of("orders"), "orders");
+    }
+
+    #[test]
+    fn bad_settings_name_the_adapter_and_the_setting() {
+        for (table, field) in [
+            ("replication = \"many\"", "adapters.events.replication"),
+            ("bogus = 1", "adapters.events.bogus"),
+            ("topology = \"create\"", "adapters.events.topology"),
+            ("partitions = 0", "adapters.events.partitions"),
+        ] {
+            let text = format!(
+                "[adapters.events]\nurl = \"kafka://h:9092\"\n{table}\n[[sources]]\nname = \"s\"\nadapter = \"events\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"events\"\n"
+            );
+            let e = BridgeConfig::parse(&text, "t", &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with(field), "{table}: {e}");
+        }
+        let e = BridgeConfig::parse(
+            "[adapters.x]\nqueue_template = \"{queue}\"\n[[sources]]\nname = \"s\"\nadapter = \"x\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"x\"\n",
+            "t",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("adapters.x") && e.contains("url"), "{e}");
+    }
+}
+
+mod type_templates {
+    use super::*;
+
+    fn with_type(t: &str) -> Result<BridgeConfig, ConfigError> {
+        BridgeConfig::parse(
+            &format!(
+                "[adapters]\nm = \"memory://x\"\n[[sources]]\nname = \"s\"\nadapter = \"m\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"m\"\ntype = \"{t}\"\n"
+            ),
+            "t",
+            &[],
+        )
+    }
+
+    #[test]
+    fn a_type_template_must_render_an_ojs_type() {
+        assert!(with_type("{topic}.{action}").is_ok());
+        assert!(with_type("billing.{action}").is_ok());
+        assert!(with_type("billing.invoice.generate").is_ok());
+        for bad in [
+            "Billing.{action}",
+            "billing-{action}",
+            "Billing.Invoice",
+            "2fa.send",
+        ] {
+            let e = with_type(bad).unwrap_err().to_string();
+            assert!(e.starts_with("routes[0].type"), "{bad}: {e}");
+        }
+    }
+}
+
+mod destinations {
+    use super::*;
+
+    fn route(extra: &str) -> Result<BridgeConfig, ConfigError> {
+        BridgeConfig::parse(
+            &format!(
+                "[adapters]\nm = \"memory://x\"\n[[sources]]\nname = \"s\"\nadapter = \"m\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"m\"\n{extra}\n"
+            ),
+            "t",
+            &[],
+        )
+    }
+
+    #[test]
+    fn a_message_chosen_destination_must_be_bounded_by_the_config() {
+        // Literal, match-bounded and explicitly allowed destinations are fine.
+        for ok in [
+            "queue = \"jobs\"",
+            "to = \"grpcq\"\nmatch = { topic = \"payment.*\" }",
+            "queue = \"calls.{topic}\"\nmatch = { topic = \"payment.*\" }",
+            "queue = \"{queue}\"\nallowed_queues = [\"orders\", \"billing.*\"]",
+            "",
+        ] {
+            let c = route(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+            crate::routes::Route::compile(&c.routes[0], 0).unwrap();
+        }
+        assert_eq!(
+            crate::config::allowed_destinations(
+                &route("queue = \"calls.{topic}\"\nmatch = { topic = \"payment.*\" }")
+                    .unwrap()
+                    .routes[0]
+            )
+            .unwrap(),
+            vec!["calls.payment.*".to_owned()]
+        );
+        // Unbounded: grpcq output to any topic, a job's queue, the originator.
+        for bad in [
+            "to = \"grpcq\"",
+            "queue = \"{queue}\"",
+            "queue = \"x.{originator}\"\nmatch = { topic = \"a.*\" }",
+        ] {
+            let e = route(bad).unwrap_err().to_string();
+            assert!(e.starts_with("routes[0].allowed_queues"), "{bad}: {e}");
+        }
+    }
+}
