@@ -624,43 +624,8 @@ async fn a_full_sink_queue_that_rejects_publishes_makes_the_daemon_wait_not_dead
         "x-overflow=reject-publish",
     ])
     .unwrap();
-    let source = unique_queue("full-src");
-    let toml = format!(
-        r#"
-        [http]
-        listen = "127.0.0.1:0"
-        [adapters]
-        mem = "memory://{source}"
-        [adapters.rabbit]
-        url = "{url}"
-        topology = "existing"
-        queue_template = "{{queue}}"
-        exchange = ""
-        [[sources]]
-        name = "calls"
-        adapter = "mem"
-        queue = "calls"
-        batch_size = 1
-        dead_letter = {{ adapter = "mem", queue = "dead" }}
-        [[routes]]
-        name = "out"
-        sink = "rabbit"
-        queue = "{output}"
-        "#,
-        url = rabbit.url
-    );
-    let daemon = support::start(&toml, BTreeMap::new()).await;
-    let memory = ojs_adapter_memory::MemoryAdapter::named(&source);
     let sent = 6;
-    memory
-        .publish(
-            "calls",
-            (0..sent)
-                .map(|i| ojs_core::OutgoingMessage::from_grpcq(&support::call(i, "a.B", "C")))
-                .collect(),
-        )
-        .await
-        .unwrap();
+    let (daemon, memory) = calls_to_existing_rabbitmq(&rabbit.url, "", &output, sent).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let (status, body) = support::http_get(daemon.http.unwrap(), "/ojs/v1/health").await;
     assert_eq!(status, 503, "{body}");
@@ -717,42 +682,8 @@ async fn an_unroutable_sink_makes_the_daemon_wait_for_the_binding_not_dead_lette
     let exchange = unique_queue("noroute-ex");
     independent::run(&["rabbit-queue", &output]).unwrap();
     independent::run(&["rabbit-exchange", &exchange]).unwrap();
-    let source = unique_queue("noroute-src");
-    let toml = format!(
-        r#"
-        [http]
-        listen = "127.0.0.1:0"
-        [adapters]
-        mem = "memory://{source}"
-        [adapters.rabbit]
-        url = "{url}"
-        topology = "existing"
-        queue_template = "{{queue}}"
-        exchange = "{exchange}"
-        [[sources]]
-        name = "calls"
-        adapter = "mem"
-        queue = "calls"
-        dead_letter = {{ adapter = "mem", queue = "dead" }}
-        [[routes]]
-        name = "out"
-        sink = "rabbit"
-        queue = "{output}"
-        "#,
-        url = rabbit.url
-    );
-    let daemon = support::start(&toml, BTreeMap::new()).await;
-    let memory = ojs_adapter_memory::MemoryAdapter::named(&source);
     let sent = 5;
-    memory
-        .publish(
-            "calls",
-            (0..sent)
-                .map(|i| ojs_core::OutgoingMessage::from_grpcq(&support::call(i, "a.B", "C")))
-                .collect(),
-        )
-        .await
-        .unwrap();
+    let (daemon, memory) = calls_to_existing_rabbitmq(&rabbit.url, &exchange, &output, sent).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     let body = loop {
         let (status, body) = support::http_get(daemon.http.unwrap(), "/ojs/v1/health").await;
@@ -819,4 +750,52 @@ async fn an_unroutable_sink_makes_the_daemon_wait_for_the_binding_not_dead_lette
     assert_eq!(ids.len(), sent, "{got:?}");
     assert_eq!(memory.depth("dead").await.unwrap(), Some(0));
     assert_eq!(status, 200, "healthy again once bound: {body}");
+}
+
+/// A daemon bridging grpcq calls from an in-process queue to RabbitMQ queue
+/// `output`, made elsewhere (`topology = "existing"`), through `exchange`
+/// (`""`: the default exchange); dead letters stay in process (queue
+/// `dead`). `sent` calls are waiting at the source.
+async fn calls_to_existing_rabbitmq(
+    url: &str,
+    exchange: &str,
+    output: &str,
+    sent: usize,
+) -> (support::Running, ojs_adapter_memory::MemoryAdapter) {
+    let source = unique_queue("existing-src");
+    let toml = format!(
+        r#"
+        [http]
+        listen = "127.0.0.1:0"
+        [adapters]
+        mem = "memory://{source}"
+        [adapters.rabbit]
+        url = "{url}"
+        topology = "existing"
+        queue_template = "{{queue}}"
+        exchange = "{exchange}"
+        [[sources]]
+        name = "calls"
+        adapter = "mem"
+        queue = "calls"
+        batch_size = 1
+        dead_letter = {{ adapter = "mem", queue = "dead" }}
+        [[routes]]
+        name = "out"
+        sink = "rabbit"
+        queue = "{output}"
+        "#
+    );
+    let daemon = support::start(&toml, BTreeMap::new()).await;
+    let memory = ojs_adapter_memory::MemoryAdapter::named(&source);
+    memory
+        .publish(
+            "calls",
+            (0..sent)
+                .map(|i| ojs_core::OutgoingMessage::from_grpcq(&support::call(i, "a.B", "C")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    (daemon, memory)
 }

@@ -35,6 +35,30 @@ async fn get_with_token(addr: std::net::SocketAddr, path: &str) -> String {
     String::from_utf8_lossy(&raw).into_owned()
 }
 
+/// Reads a child's pipe to its end in the background: logs at trace
+/// would fill a pipe nobody reads and stall the child.
+fn read_all(
+    mut pipe: impl tokio::io::AsyncRead + Unpin + Send + 'static,
+) -> tokio::task::JoinHandle<String> {
+    tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text).await;
+        text
+    })
+}
+
+/// Waits until something listens on `addr`.
+async fn wait_listening(addr: std::net::SocketAddr, patience: Duration, what: &str) {
+    let deadline = Instant::now() + patience;
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: nothing listens on {addr}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn assert_clean(what: &str, text: &str) {
     for secret in [USERINFO, QUERY, ENV, FILE, TOKEN, SCHEME] {
         assert!(!text.contains(secret), "{what} shows {secret}:\n{text}");
@@ -233,24 +257,10 @@ async fn a_running_daemon_logs_serves_and_exits_without_a_secret() {
         .spawn()
         .unwrap();
     // Read both pipes from the start: trace logs would fill a pipe nobody reads.
-    let mut stdout_pipe = child.stdout.take().unwrap();
-    let mut stderr_pipe = child.stderr.take().unwrap();
-    let stdout_task = tokio::spawn(async move {
-        let mut text = String::new();
-        let _ = stdout_pipe.read_to_string(&mut text).await;
-        text
-    });
-    let stderr_task = tokio::spawn(async move {
-        let mut text = String::new();
-        let _ = stderr_pipe.read_to_string(&mut text).await;
-        text
-    });
+    let stdout_task = read_all(child.stdout.take().unwrap());
+    let stderr_task = read_all(child.stderr.take().unwrap());
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
-        assert!(Instant::now() < deadline, "the daemon did not start");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_listening(addr, Duration::from_secs(30), "the daemon").await;
     // Without the token: 401; with it: health and metrics, free of secrets.
     assert_eq!(http_get(addr, "/metrics").await.0, 401);
     // A call flows through at trace level: its payload and metadata values
@@ -512,18 +522,10 @@ async fn content_never_reaches_the_log(
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let mut stderr_pipe = child.stderr.take().unwrap();
-    let stderr_task = tokio::spawn(async move {
-        let mut text = String::new();
-        let _ = stderr_pipe.read_to_string(&mut text).await;
-        text
-    });
+    let stderr_task = read_all(child.stderr.take().unwrap());
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_listening(addr, Duration::from_secs(90), tag).await;
     let deadline = Instant::now() + Duration::from_secs(90);
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
-        assert!(Instant::now() < deadline, "{tag}: the daemon did not start");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     loop {
         let text = http_get(addr, "/metrics").await.1;
         if text.contains("ojs_bridge_acked_total{source=\"in\"} 4") {
@@ -711,6 +713,20 @@ async fn message_content_never_reaches_the_log_rabbitmq() {
         let out = traced(&["send", "--to", &direct, "--queue", &full], &two);
         assert!(!out.status.success(), "{out:?}");
         outputs.push(("nacked send".into(), String::from_utf8_lossy(&out.stderr).into()));
+        // A refused login: our one warning per attempt, none of lapin's
+        // own connection chatter, and never the password.
+        let (scheme, rest) = url.split_once("://").unwrap();
+        let (userinfo, host) = rest.split_once('@').unwrap_or(("guest", rest));
+        let user = userinfo.split(':').next().unwrap_or("guest");
+        let refused = format!("{scheme}://{user}:Sec7-wrong-p4ss@{host}");
+        let out = traced(&["send", "--to", &refused, "--queue", &full], &marked_job());
+        assert!(!out.status.success(), "{out:?}");
+        let text = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(text.contains("ACCESS_REFUSED"), "{text}");
+        for chatter in ["Exponential backoff", "Connection error", "Sec7-wrong-p4ss"] {
+            assert!(!text.contains(chatter), "{chatter:?} in {text}");
+        }
+        outputs.push(("refused login".into(), text));
         // Reconnect: the broker drops every connection while the daemon runs.
         assert!(rabbitmqctl(&["close_all_connections", "content-log test"]));
         tokio::time::sleep(Duration::from_secs(3)).await;
