@@ -238,25 +238,14 @@ impl BridgeConfig {
         for (name, entry) in &self.adapters {
             for (setting, path) in entry.compile(name)?.files_read() {
                 if let Err(e) = std::fs::File::open(&path) {
-                    unreadable.push(format!(
-                        "adapters.{name}.{setting}: cannot read {}: {e}",
-                        path.display()
+                    unreadable.push(invalid(
+                        format!("adapters.{name}.{setting}"),
+                        format!("cannot read {}: {e}", path.display()),
                     ));
                 }
             }
         }
-        match unreadable.split_first() {
-            None => Ok(()),
-            Some((first, rest)) => {
-                let (field, reason) = first.split_once(": ").unwrap_or((first.as_str(), ""));
-                let mut reason = reason.to_owned();
-                for more in rest {
-                    reason.push_str("; ");
-                    reason.push_str(more);
-                }
-                Err(invalid(field, reason))
-            }
-        }
+        ConfigError::all(unreadable)
     }
 
     /// Every rule a parsed file must also follow.
