@@ -60,6 +60,9 @@ pub enum DaemonError {
         /// Why.
         source: Error,
     },
+    /// The OJS API's job store could not be opened.
+    #[error("api.state: {0}")]
+    Api(#[source] ojs_api::ApiError),
     /// The HTTP endpoint could not listen.
     #[error("http.listen {addr}: {source}")]
     Listen {
@@ -95,6 +98,8 @@ pub struct Daemon {
     listener: Option<TcpListener>,
     /// The bearer token of the HTTP endpoint (`http.token_file`).
     http_token: Option<ojs_core::redact::Secret>,
+    /// The OJS HTTP binding (`[api]`).
+    api: Option<Arc<ojs_api::Api>>,
 }
 
 /// What a run did, per source: received and acked.
@@ -304,6 +309,43 @@ impl Daemon {
                 })?;
             sinks.push(sink);
         }
+        let api =
+            match &config.api {
+                Some(api) => {
+                    let adapter = adapters.get(&api.adapter).cloned().ok_or_else(|| {
+                        ConfigError::Invalid {
+                            field: "api.adapter".into(),
+                            reason: format!(
+                                "names adapter {:?}, which [adapters] does not define",
+                                api.adapter
+                            ),
+                        }
+                    })?;
+                    let state_dir =
+                        api.state_dir(&config.adapters)
+                            .map_err(|reason| ConfigError::Invalid {
+                                field: "api.state".into(),
+                                reason,
+                            })?;
+                    let settings = ojs_api::ApiSettings {
+                        queues: api.queues.clone(),
+                        encoding: match api.encoding {
+                            crate::config::EnvelopeEncoding::Proto => Encoding::OjsProto,
+                            crate::config::EnvelopeEncoding::Json => Encoding::OjsJson,
+                        },
+                        max_body_bytes: api.max_body_bytes,
+                        max_batch_jobs: api.max_batch_jobs,
+                        retention: api.retention,
+                        state_dir,
+                    };
+                    Some(
+                        ojs_api::Api::open(settings, adapter, api.adapter.clone())
+                            .await
+                            .map_err(DaemonError::Api)?,
+                    )
+                }
+                None => None,
+            };
         let http_token = match &config.http.token_file {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Invalid {
@@ -372,6 +414,7 @@ impl Daemon {
             metrics,
             listener,
             http_token,
+            api,
         })
     }
 
@@ -433,11 +476,18 @@ impl Daemon {
                     idle_timeout: http_config.idle_timeout,
                     max_connections: http_config.max_connections,
                 },
+                api: self.api.clone(),
             });
             if let Ok(addr) = listener.local_addr() {
                 tracing::info!(%addr, token = state.token.is_some(), "health on /ojs/v1/health, metrics on /metrics");
+                if let (Some(api), Some(config)) = (&self.api, &self.config.api) {
+                    tracing::info!(%addr, adapter = %config.adapter, store = %api.store().path().display(), "OJS HTTP API on /ojs/v1 and /ojs/manifest");
+                }
             }
             http_task = Some(tokio::spawn(http::serve(listener, state, stop_rx.clone())));
+        }
+        if let Some(api) = &self.api {
+            monitors.push(tokio::spawn(api.clone().run(stop_rx.clone())));
         }
         for (name, federation) in &self.federations {
             let mut stop = stop_rx.clone();

@@ -1,22 +1,24 @@
-//! `GET /ojs/v1/health` and `GET /metrics` (hyper, HTTP/1.1).
+//! The daemon's listener: `GET /ojs/v1/health`, `GET /metrics` and, with
+//! `[api]`, the OJS HTTP binding (`ojs_api::http`); HTTP/1.1 with keep-alive
+//! and HTTP/2 without TLS (h2c, prior knowledge) on the same port.
 //!
-//! Hardened for a port anyone on the network may reach: each connection
-//! serves one request (no keep-alive), must send its request head within
-//! `header_read_timeout` and is closed after `idle_timeout` whatever it does;
-//! at most `max_connections` are open at once (a new one evicts the oldest
-//! that has not sent a request yet). Health answers from state that a background probe refreshes
+//! Hardened for a port anyone on the network may reach: a request head must
+//! arrive within `header_read_timeout`; a connection with no request in
+//! flight for `idle_timeout` is closed; request bodies are read up to
+//! `[api] max_body_bytes` (413 beyond); at most `max_connections` are open
+//! at once (a new one evicts the oldest that has not sent a request yet). Health answers from state that a background probe refreshes
 //! every `health_interval` — never a broker call per request, so a flood of
 //! health requests cannot become a flood of metadata calls. With
 //! `token_file`, both paths need `Authorization: Bearer <token>`.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -32,7 +34,7 @@ use crate::metrics::Metrics;
 pub struct Limits {
     /// A connection must send its request head within this.
     pub header_read_timeout: Duration,
-    /// A connection is closed after this, whatever it is doing.
+    /// A connection with no request in flight for this long is closed.
     pub idle_timeout: Duration,
     /// Connections open at once.
     pub max_connections: usize,
@@ -151,6 +153,8 @@ pub struct HttpState {
     pub token: Option<ojs_core::redact::Secret>,
     /// Connection limits.
     pub limits: Limits,
+    /// The OJS HTTP binding, with `[api]`.
+    pub api: Option<Arc<ojs_api::Api>>,
 }
 
 fn response(
@@ -191,16 +195,35 @@ async fn handle(
     state: Arc<HttpState>,
     req: Request<Incoming>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
-    let path = req.uri().path();
-    let known = matches!(path, "/ojs/v1/health" | "/metrics");
-    if known && req.method() != Method::GET && req.method() != Method::HEAD {
-        return Ok(response(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "text/plain",
-            "use GET\n",
-        ));
+    let path = req.uri().path().to_owned();
+    let ojs = ojs_api::http::is_ojs_path(&path);
+    let known = matches!(path.as_str(), "/ojs/v1/health" | "/metrics");
+    let request_id = ojs.then(|| ojs_api::http::request_id(req.headers()));
+    let mut response = answer(&state, req, &path, known, request_id.as_deref()).await;
+    if let Some(id) = &request_id {
+        ojs_api::http::standard_headers(response.headers_mut(), id);
     }
-    if known && !authorized(&state, &req) {
+    Ok(response)
+}
+
+async fn answer(
+    state: &HttpState,
+    req: Request<Incoming>,
+    path: &str,
+    known: bool,
+    request_id: Option<&str>,
+) -> Response<Full<Bytes>> {
+    let api = state
+        .api
+        .as_ref()
+        .filter(|_| request_id.is_some() && !known);
+    if (known || api.is_some()) && !authorized(state, &req) {
+        if let Some(id) = request_id.filter(|_| api.is_some()) {
+            return full(ojs_api::http::error_response(
+                &ojs_api::ApiError::Unauthenticated,
+                id,
+            ));
+        }
         let mut r = response(
             StatusCode::UNAUTHORIZED,
             "text/plain",
@@ -209,9 +232,15 @@ async fn handle(
         if let Ok(v) = "Bearer".parse() {
             r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, v);
         }
-        return Ok(r);
+        return r;
     }
-    Ok(match path {
+    if let (Some(api), Some(id)) = (api, request_id) {
+        return full(serve_api(api, req, id).await);
+    }
+    if known && req.method() != Method::GET && req.method() != Method::HEAD {
+        return response(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "use GET\n");
+    }
+    match path {
         "/ojs/v1/health" => {
             let (mut ok, mut body) = state.health.snapshot();
             let mut failing = Map::new();
@@ -233,6 +262,15 @@ async fn handle(
                 body["status"] = json!("degraded");
                 body["failing"] = Value::Object(failing);
             }
+            if let Some(api) = &state.api {
+                body["version"] = json!(env!("CARGO_PKG_VERSION"));
+                body["uptime_seconds"] = json!(api.uptime_seconds());
+                let mut backend = api.backend();
+                let name = backend["name"].as_str().unwrap_or("").to_owned();
+                let up = body["adapters"][&name]["status"] == "ok";
+                backend["status"] = json!(if up { "connected" } else { "disconnected" });
+                body["backend"] = backend;
+            }
             let status = if ok {
                 StatusCode::OK
             } else {
@@ -250,7 +288,40 @@ async fn handle(
             "text/plain",
             "not found; try /ojs/v1/health or /metrics\n",
         ),
-    })
+    }
+}
+
+/// Reads the body within `[api] max_body_bytes` and hands the request to
+/// the binding.
+async fn serve_api(
+    api: &Arc<ojs_api::Api>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> hyper::Response<Bytes> {
+    let limit = api.settings().max_body_bytes;
+    let (parts, body) = req.into_parts();
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) => {
+            let error = if e
+                .downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
+                ojs_api::ApiError::BodyTooLarge { limit }
+            } else {
+                ojs_api::ApiError::InvalidPayload {
+                    encoding: "HTTP",
+                    reason: format!("the body was cut off: {e}"),
+                }
+            };
+            return ojs_api::http::error_response(&error, request_id);
+        }
+    };
+    ojs_api::http::handle(api, Request::from_parts(parts, body), request_id).await
+}
+
+fn full(r: hyper::Response<Bytes>) -> Response<Full<Bytes>> {
+    r.map(Full::new)
 }
 
 /// How long a connection may sit without a request before a new connection
@@ -329,26 +400,109 @@ pub async fn serve(listener: TcpListener, state: Arc<HttpState>, mut stop: watch
         let finished = finished.clone();
         tokio::spawn(async move {
             let limits = state.limits.clone();
+            let activity = Arc::new(Activity::default());
+            let seen = activity.clone();
             let service = hyper::service::service_fn(move |req| {
                 answered.store(true, Ordering::Release);
-                handle(state.clone(), req)
+                let state = state.clone();
+                let seen = seen.clone();
+                async move {
+                    seen.begin();
+                    let r = handle(state, req).await;
+                    seen.end();
+                    r
+                }
             });
-            let conn = hyper::server::conn::http1::Builder::new()
+            let mut builder =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+            builder
+                .http1()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
-                .keep_alive(false)
-                .serve_connection(TokioIo::new(stream), service);
-            tokio::select! {
-                ended = tokio::time::timeout(limits.idle_timeout, conn) => match ended {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "HTTP connection ended with an error"),
-                    Err(_) => tracing::debug!(%peer, "HTTP connection closed after idle_timeout"),
-                },
-                () = evict.notified() => tracing::debug!(%peer, "idle HTTP connection evicted for a new one"),
+                .keep_alive(true);
+            builder.http2().timer(TokioTimer::new());
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            let tick = (limits.idle_timeout.min(limits.header_read_timeout) / 4)
+                .max(Duration::from_millis(50));
+            loop {
+                tokio::select! {
+                    ended = conn.as_mut() => {
+                        if let Err(e) = ended {
+                            tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+                        }
+                        break;
+                    }
+                    () = tokio::time::sleep(tick) => {
+                        // Until a first request starts, the protocol is not
+                        // chosen yet and no head timer of hyper's runs.
+                        if !activity.started() && activity.since.elapsed() >= limits.header_read_timeout {
+                            tracing::debug!(%peer, "HTTP connection closed: no request head within header_read_timeout");
+                            break;
+                        }
+                        if activity.idle_for() >= limits.idle_timeout {
+                            tracing::debug!(%peer, "HTTP connection closed after idle_timeout without a request");
+                            break;
+                        }
+                    }
+                    () = evict.notified() => {
+                        tracing::debug!(%peer, "idle HTTP connection evicted for a new one");
+                        break;
+                    }
+                }
             }
             closed.store(true, Ordering::Release);
             finished.notify_one();
         });
+    }
+}
+
+/// Requests in flight on one connection and when the last one ended.
+#[derive(Debug)]
+struct Activity {
+    in_flight: AtomicUsize,
+    /// A request has begun on this connection.
+    begun: AtomicBool,
+    since: Instant,
+    /// Milliseconds after `since` of the last request's end.
+    last_ms: AtomicU64,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Activity {
+            in_flight: AtomicUsize::new(0),
+            begun: AtomicBool::new(false),
+            since: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Activity {
+    fn begin(&self) {
+        self.begun.store(true, Ordering::Release);
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn started(&self) -> bool {
+        self.begun.load(Ordering::Acquire)
+    }
+
+    fn end(&self) {
+        self.last_ms
+            .store(self.since.elapsed().as_millis() as u64, Ordering::Release);
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// How long the connection has had no request in flight (zero while
+    /// one is).
+    fn idle_for(&self) -> Duration {
+        if self.in_flight.load(Ordering::Acquire) > 0 {
+            return Duration::ZERO;
+        }
+        let last = Duration::from_millis(self.last_ms.load(Ordering::Acquire));
+        self.since.elapsed().saturating_sub(last)
     }
 }
 

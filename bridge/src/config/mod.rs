@@ -142,9 +142,14 @@ pub struct BridgeConfig {
     /// Federated sinks by name: a route's `sink` may name one.
     #[serde(default)]
     pub federations: BTreeMap<String, FederationConfig>,
+    /// The OJS HTTP binding on the `[http]` listener. Off unless the file
+    /// has this table (the built-in default has it).
+    #[serde(default)]
+    pub api: Option<ApiConfig>,
 }
 
 mod adapters;
+mod api;
 mod duration;
 mod federation;
 mod http;
@@ -152,6 +157,7 @@ mod routes;
 mod sources;
 
 pub use adapters::AdapterEntry;
+pub use api::ApiConfig;
 use duration::duration_text;
 pub use duration::parse_duration;
 pub use federation::{FederationConfig, RegionConfig};
@@ -356,7 +362,12 @@ impl BridgeConfig {
                 ));
             }
         }
-        if self.sources.is_empty() {
+        if let Some(api) = &self.api {
+            errors.extend(api.problems(&self.adapters));
+        }
+        // A file may serve the OJS API alone: adapters and [api], nothing
+        // to consume.
+        if self.sources.is_empty() && self.api.is_none() {
             errors.push(invalid(
                 "sources",
                 "no source is defined; the daemon would consume nothing",
@@ -413,7 +424,7 @@ impl BridgeConfig {
                 }
             }
         }
-        if self.routes.is_empty() {
+        if self.routes.is_empty() && (self.api.is_none() || !self.sources.is_empty()) {
             errors.push(invalid(
                 "routes",
                 "no route is defined; every message would be dead-lettered",

@@ -616,7 +616,7 @@ pub fn new_job_id() -> String {
 }
 
 /// Current time truncated to milliseconds, the precision brokers keep.
-pub(crate) fn now_millis() -> DateTime<Utc> {
+pub fn now_millis() -> DateTime<Utc> {
     let now = Utc::now();
     DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now)
 }

@@ -22,6 +22,13 @@ impl JobEnvelope {
         Ok(job)
     }
 
+    /// Decodes one binary `JobEnvelope` without validating it: for a
+    /// producer's request in which the server fills `id`, `specversion` and
+    /// the system fields before it calls [`JobEnvelope::validate`].
+    pub fn from_proto_bytes_unvalidated(bytes: &[u8]) -> Result<Self> {
+        decode_envelope(&mut Reader::new(bytes))
+    }
+
     /// Validates and encodes as one binary `JobEnvelope`.
     pub fn to_proto_bytes(&self) -> Result<Vec<u8>> {
         let mut out = Vec::new();

@@ -82,6 +82,23 @@ pub fn encode_batch(jobs: &[JobEnvelope]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// The bytes of each `JobEnvelope` of a `BatchEnqueueRequest`, undecoded:
+/// for a server that fills system fields before it validates a job.
+pub fn split_batch(bytes: &[u8]) -> Result<Vec<&[u8]>> {
+    let mut r = Reader::new(bytes);
+    let mut jobs = Vec::new();
+    while !r.is_empty() {
+        let (field, wt) = r.key()?;
+        if field == 1 {
+            r.expect("jobs", wt, WT_LEN)?;
+            jobs.push(r.sub()?.rest());
+        } else {
+            r.skip(field, wt)?;
+        }
+    }
+    Ok(jobs)
+}
+
 /// Decodes a `BatchEnqueueRequest`. Each job is validated on its own:
 /// the outer error is for bytes that are not a batch at all, the inner
 /// results say which jobs are invalid.

@@ -1,0 +1,296 @@
+//! What a request can fail with, and how the HTTP binding names it.
+
+use serde_json::{json, Value};
+
+/// A request the API refuses or cannot carry out. Each variant has one
+/// binding error code and status ([`ApiError::code`], [`ApiError::status`]).
+/// Messages name what was wrong in the request; they never carry a job's
+/// content beyond the offending attribute's own rule.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The body does not parse (not JSON, not protobuf, empty).
+    #[error("the body is not a valid {encoding} request: {reason}")]
+    InvalidPayload {
+        /// What the body was read as.
+        encoding: &'static str,
+        /// Why it does not parse.
+        reason: String,
+    },
+    /// The request parses but breaks a rule of the binding or the schemas.
+    #[error("{message}")]
+    InvalidRequest {
+        /// The offending attribute, e.g. `options.priority`.
+        attribute: Option<String>,
+        /// What is wrong with it.
+        message: String,
+        /// The job's place in a batch.
+        index: Option<usize>,
+    },
+    /// A job, queue or other resource that does not exist.
+    #[error("{resource_type} {resource_id:?} not found")]
+    NotFound {
+        /// `job`, `queue`, `route`.
+        resource_type: &'static str,
+        /// Its id or name.
+        resource_id: String,
+    },
+    /// A client-given id that is already stored.
+    #[error("a job with id {id} already exists")]
+    Duplicate {
+        /// The id.
+        id: String,
+    },
+    /// A transition the job's state does not allow.
+    #[error("job {job_id} is {current_state}; {operation} needs it {expected}")]
+    Conflict {
+        /// The job.
+        job_id: String,
+        /// Its state now.
+        current_state: String,
+        /// What was asked (`cancel`).
+        operation: &'static str,
+        /// The states the operation needs, in words.
+        expected: &'static str,
+    },
+    /// A queue outside `[api] queues`.
+    #[error("queue {queue:?} is not served here (not in [api] queues)")]
+    QueueNotServed {
+        /// The queue.
+        queue: String,
+    },
+    /// `Accept` names no encoding this server writes.
+    #[error("none of the accepted media types is served: {accept:?}; ask for application/openjobspec+json or application/openjobspec+proto")]
+    NotAcceptable {
+        /// The header as sent.
+        accept: String,
+    },
+    /// A request body in a media type this server does not read.
+    #[error("unsupported content type {content_type:?}; send application/openjobspec+json, application/json or application/openjobspec+proto")]
+    UnsupportedContentType {
+        /// The header as sent.
+        content_type: String,
+    },
+    /// An `OJS-Version` this server does not speak.
+    #[error("OJS-Version {0:?} is not supported; this server speaks 1.0")]
+    UnsupportedVersion(String),
+    /// A body larger than `max_body_bytes`.
+    #[error("the body has more than {limit} bytes")]
+    BodyTooLarge {
+        /// The limit.
+        limit: usize,
+    },
+    /// A batch with more jobs than `max_batch_jobs`.
+    #[error("the batch has {count} jobs; at most {limit} are taken in one request")]
+    BatchTooLarge {
+        /// Jobs sent.
+        count: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// One encoded job larger than the adapter carries.
+    #[error("job {index} is {size} bytes encoded; the queue's broker takes at most {limit}")]
+    JobTooLarge {
+        /// Its place in the request.
+        index: usize,
+        /// Encoded size.
+        size: usize,
+        /// The adapter's limit.
+        limit: usize,
+    },
+    /// No valid bearer token.
+    #[error("a valid bearer token is required")]
+    Unauthenticated,
+    /// A token that does not allow this operation on this queue.
+    #[error("the token does not allow {operation} on {scope}")]
+    PermissionDenied {
+        /// `push`, `read`, `admin`.
+        operation: &'static str,
+        /// The queue or `this server`.
+        scope: String,
+    },
+    /// A path this binding does not have.
+    #[error("no such endpoint: {method} {path}")]
+    NoRoute {
+        /// The method.
+        method: String,
+        /// The path.
+        path: String,
+    },
+    /// A known path with a method it does not take.
+    #[error("{path} takes {allowed}")]
+    MethodNotAllowed {
+        /// The path.
+        path: String,
+        /// The methods it takes.
+        allowed: &'static str,
+    },
+    /// The broker did not confirm the job; nothing was stored. The
+    /// broker's own words stay in the log: an HTTP client is not told the
+    /// broker's address or account.
+    #[error("the broker did not take the job; nothing was stored, retry later")]
+    Broker {
+        /// The adapter's error.
+        #[source]
+        source: ojs_core::Error,
+    },
+    /// The job store failed (its detail stays in the log).
+    #[error("the job store failed")]
+    Store(#[from] crate::store::StoreError),
+}
+
+/// Where a client reads what an error code means.
+const DOCS_URL: &str = "https://github.com/ojs-bridge/ojs-bridge/blob/main/docs/api.md#errors";
+
+impl ApiError {
+    /// A validation error of one attribute.
+    pub fn invalid(attribute: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest {
+            attribute: Some(attribute.into()),
+            message: message.into(),
+            index: None,
+        }
+    }
+
+    /// The same error, placed at job `index` of a batch.
+    pub fn at_index(self, i: usize) -> Self {
+        match self {
+            ApiError::InvalidRequest {
+                attribute, message, ..
+            } => ApiError::InvalidRequest {
+                attribute,
+                message: format!("jobs[{i}]: {message}"),
+                index: Some(i),
+            },
+            other => other,
+        }
+    }
+
+    /// The binding's error code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::InvalidPayload { .. } => "invalid_payload",
+            ApiError::InvalidRequest { .. }
+            | ApiError::UnsupportedContentType { .. }
+            | ApiError::NoRoute { .. }
+            | ApiError::MethodNotAllowed { .. } => "invalid_request",
+            ApiError::NotFound { .. } | ApiError::QueueNotServed { .. } => "not_found",
+            ApiError::Duplicate { .. } => "duplicate",
+            ApiError::Conflict { .. } => "conflict",
+            ApiError::NotAcceptable { .. } => "not_acceptable",
+            ApiError::UnsupportedVersion(_) => "unsupported",
+            ApiError::BodyTooLarge { .. }
+            | ApiError::BatchTooLarge { .. }
+            | ApiError::JobTooLarge { .. } => "payload_too_large",
+            ApiError::Unauthenticated => "unauthenticated",
+            ApiError::PermissionDenied { .. } => "permission_denied",
+            ApiError::Broker { .. } => "backend_unavailable",
+            ApiError::Store(_) => "backend_error",
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> u16 {
+        match self {
+            ApiError::InvalidPayload { .. }
+            | ApiError::InvalidRequest { .. }
+            | ApiError::UnsupportedContentType { .. } => 400,
+            ApiError::Unauthenticated => 401,
+            ApiError::PermissionDenied { .. } => 403,
+            ApiError::NotFound { .. }
+            | ApiError::QueueNotServed { .. }
+            | ApiError::NoRoute { .. } => 404,
+            ApiError::MethodNotAllowed { .. } => 405,
+            ApiError::NotAcceptable { .. } => 406,
+            ApiError::Duplicate { .. } | ApiError::Conflict { .. } => 409,
+            ApiError::BodyTooLarge { .. }
+            | ApiError::BatchTooLarge { .. }
+            | ApiError::JobTooLarge { .. } => 413,
+            ApiError::UnsupportedVersion(_) => 422,
+            ApiError::Store(_) => 500,
+            ApiError::Broker { .. } => 503,
+        }
+    }
+
+    /// Whether the same request may succeed later.
+    pub fn retryable(&self) -> bool {
+        matches!(self, ApiError::Broker { .. } | ApiError::Store(_))
+    }
+
+    /// The binding's `details`, when the error has any.
+    pub fn details(&self) -> Option<Value> {
+        match self {
+            ApiError::InvalidRequest {
+                attribute, index, ..
+            } => {
+                let mut d = serde_json::Map::new();
+                if let Some(a) = attribute {
+                    d.insert("attribute".into(), json!(a));
+                }
+                if let Some(i) = index {
+                    d.insert("index".into(), json!(i));
+                }
+                (!d.is_empty()).then_some(Value::Object(d))
+            }
+            ApiError::NotFound {
+                resource_type,
+                resource_id,
+            } => Some(json!({"resource_type": resource_type, "resource_id": resource_id})),
+            ApiError::QueueNotServed { queue } => {
+                Some(json!({"resource_type": "queue", "resource_id": queue}))
+            }
+            ApiError::Duplicate { id } => Some(json!({"existing_job_id": id})),
+            ApiError::Conflict {
+                job_id,
+                current_state,
+                expected,
+                ..
+            } => Some(json!({
+                "job_id": job_id,
+                "current_state": current_state,
+                "expected_state": expected,
+            })),
+            ApiError::BodyTooLarge { limit } => Some(json!({"limit_bytes": limit})),
+            ApiError::BatchTooLarge { count, limit } => {
+                Some(json!({"count": count, "limit": limit}))
+            }
+            ApiError::JobTooLarge { index, size, limit } => {
+                Some(json!({"index": index, "size_bytes": size, "limit_bytes": limit}))
+            }
+            _ => None,
+        }
+    }
+
+    /// The binding's error body: `{"error": {code, message, retryable,
+    /// details?, request_id, hint?, docs_url?}}`.
+    pub fn body(&self, request_id: &str) -> Value {
+        let mut error = json!({
+            "code": self.code(),
+            "message": self.to_string(),
+            "retryable": self.retryable(),
+            "request_id": request_id,
+        });
+        if let Some(d) = self.details() {
+            error["details"] = d;
+        }
+        if let Some(hint) = self.hint() {
+            error["hint"] = json!(hint);
+            error["docs_url"] = json!(DOCS_URL);
+        }
+        json!({ "error": error })
+    }
+
+    fn hint(&self) -> Option<&'static str> {
+        Some(match self {
+            ApiError::NotFound { .. } => {
+                "check the id; finished jobs are kept for [api] retention and then removed"
+            }
+            ApiError::QueueNotServed { .. } => "ask the operator to add the queue to [api] queues",
+            ApiError::NoRoute { .. } => {
+                "the OJS HTTP binding lives under /ojs/v1 and /ojs/manifest"
+            }
+            ApiError::Unauthenticated => "send Authorization: Bearer <token>",
+            ApiError::Broker { .. } => "the broker is unreachable or refused the job; retry later",
+            _ => return None,
+        })
+    }
+}

@@ -1,0 +1,415 @@
+//! The HTTP binding: requests under `/ojs/v1` and `/ojs/manifest` to
+//! [`Api`] calls, and their answers in the encoding `Accept` asks for.
+//!
+//! The listener (connections, TLS, limits on heads and bodies) belongs to
+//! the caller; [`handle`] takes a request whose body has been read within
+//! [`ApiSettings::max_body_bytes`](crate::ApiSettings::max_body_bytes).
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderValue, ACCEPT, CONTENT_TYPE, LOCATION};
+use http::{Method, Request, Response, StatusCode};
+use ojs_core::media::{OJS_JSON, OJS_PROTO};
+use ojs_core::Encoding;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::job::{self, Job};
+use crate::store::EventFilter;
+use crate::Api;
+
+/// `OJS-Version` of every answer.
+pub const OJS_VERSION: &str = "1.0";
+/// The binding's name for the protobuf media type (this project writes
+/// `application/openjobspec+proto`; both are read).
+pub const OJS_PROTOBUF_ALIAS: &str = "application/openjobspec+protobuf";
+
+/// Whether `path` belongs to the OJS binding.
+pub fn is_ojs_path(path: &str) -> bool {
+    path == "/ojs/manifest" || path == "/ojs/v1" || path.starts_with("/ojs/v1/")
+}
+
+/// The request id of a request: the client's `X-Request-Id` when it is a
+/// sane token, else a new `req_<uuidv7>`.
+pub fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| format!("req_{}", uuid::Uuid::now_v7()), str::to_owned)
+}
+
+/// Adds the headers every OJS answer carries.
+pub fn standard_headers(headers: &mut HeaderMap, request_id: &str) {
+    headers.insert("ojs-version", HeaderValue::from_static(OJS_VERSION));
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        headers.insert("x-request-id", v);
+    }
+}
+
+/// A JSON answer.
+pub fn json_response(status: u16, body: &Value, request_id: &str) -> Response<Bytes> {
+    let mut r = Response::new(Bytes::from(body.to_string()));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(OJS_JSON));
+    standard_headers(r.headers_mut(), request_id);
+    r
+}
+
+/// An error answer.
+pub fn error_response(error: &ApiError, request_id: &str) -> Response<Bytes> {
+    if error.status() >= 500 {
+        let detail = std::error::Error::source(error)
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        tracing::warn!(code = error.code(), error = %error, %detail, request_id, "OJS request failed");
+    } else {
+        tracing::debug!(
+            code = error.code(),
+            status = error.status(),
+            request_id,
+            "OJS request refused"
+        );
+    }
+    let mut r = json_response(error.status(), &error.body(request_id), request_id);
+    if matches!(error, ApiError::Unauthenticated) {
+        r.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer"),
+        );
+    }
+    if matches!(error, ApiError::Broker { .. }) {
+        r.headers_mut()
+            .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    r
+}
+
+/// The encoding of an answer, from `Accept`.
+fn answer_encoding(headers: &HeaderMap) -> Result<Encoding, ApiError> {
+    let accept = headers
+        .get(ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let normalised = accept.replace(OJS_PROTOBUF_ALIAS, OJS_PROTO);
+    match Encoding::negotiate(&normalised) {
+        Ok(Encoding::OjsJson) => Ok(Encoding::OjsJson),
+        Ok(Encoding::OjsProto | Encoding::OjsProtoDelimited) => Ok(Encoding::OjsProto),
+        _ => Err(ApiError::NotAcceptable {
+            accept: accept.to_owned(),
+        }),
+    }
+}
+
+/// The encoding of a request body, from `Content-Type` (JSON when absent).
+fn body_encoding(headers: &HeaderMap) -> Result<Encoding, ApiError> {
+    let Some(value) = headers.get(CONTENT_TYPE) else {
+        return Ok(Encoding::OjsJson);
+    };
+    let text = value.to_str().unwrap_or("");
+    let unsupported = || ApiError::UnsupportedContentType {
+        content_type: text.to_owned(),
+    };
+    let essence = text.split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case(OJS_PROTOBUF_ALIAS) {
+        return Ok(Encoding::OjsProto);
+    }
+    match Encoding::from_content_type(text) {
+        Ok(e @ (Encoding::OjsJson | Encoding::OjsProto)) => Ok(e),
+        _ => Err(unsupported()),
+    }
+}
+
+/// Serves one request of the binding; `request_id` is [`request_id`] of
+/// its headers (the caller may have logged it already).
+pub async fn handle(api: &Api, request: Request<Bytes>, request_id: &str) -> Response<Bytes> {
+    match route(api, &request, request_id).await {
+        Ok(r) => r,
+        Err(e) => error_response(&e, request_id),
+    }
+}
+
+async fn route(
+    api: &Api,
+    request: &Request<Bytes>,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    if let Some(v) = request.headers().get("ojs-version") {
+        let v = v.to_str().unwrap_or("").trim();
+        if !(v == "1" || v == "1.0" || v.starts_with("1.0.")) {
+            return Err(ApiError::UnsupportedVersion(v.to_owned()));
+        }
+    }
+    let path = request.uri().path();
+    let method = request.method();
+    let segments: Vec<&str> = path
+        .strip_prefix("/ojs/v1/")
+        .map(|p| p.trim_end_matches('/').split('/').collect())
+        .unwrap_or_default();
+    let not_allowed = |allowed| ApiError::MethodNotAllowed {
+        path: path.to_owned(),
+        allowed,
+    };
+    match (path, segments.as_slice()) {
+        ("/ojs/manifest", _) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            json_only(request.headers())?;
+            Ok(json_response(200, &api.manifest(), request_id))
+        }
+        (_, ["jobs"]) => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            let answer = answer_encoding(request.headers())?;
+            let job = read_job(request)?;
+            let mut jobs = api.push(vec![job]).await?;
+            let job = jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))?;
+            let mut r = job_response(201, &job, answer, request_id)?;
+            if let Ok(v) = HeaderValue::from_str(&format!("/ojs/v1/jobs/{}", job.envelope.id)) {
+                r.headers_mut().insert(LOCATION, v);
+            }
+            Ok(r)
+        }
+        (_, ["jobs", "batch"]) => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            let answer = answer_encoding(request.headers())?;
+            let jobs = read_batch(api, request)?;
+            let jobs = api.push(jobs).await?;
+            batch_response(&jobs, answer, request_id)
+        }
+        (_, ["jobs", id]) => match *method {
+            Method::GET => {
+                let answer = answer_encoding(request.headers())?;
+                let job = api.info(id).await?;
+                job_response(200, &job, answer, request_id)
+            }
+            Method::DELETE => {
+                json_only(request.headers())?;
+                let (previous, job) = api.cancel(id).await?;
+                let mut body = job.to_json();
+                body["previous_state"] = json!(previous.as_str().unwrap_or("unknown"));
+                Ok(json_response(200, &json!({ "job": body }), request_id))
+            }
+            _ => Err(not_allowed("GET, DELETE")),
+        },
+        (_, ["queues"]) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            json_only(request.headers())?;
+            Ok(json_response(200, &api.queues().await?, request_id))
+        }
+        (_, ["events"]) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            json_only(request.headers())?;
+            let filter = event_filter(request.uri().query().unwrap_or(""))?;
+            let (events, has_more) = api.store().events(filter).await?;
+            let cursor = events.last().map(|e| e.seq.to_string());
+            let events: Vec<Value> = events.into_iter().map(|e| e.body).collect();
+            Ok(json_response(
+                200,
+                &json!({"events": events, "cursor": cursor, "has_more": has_more}),
+                request_id,
+            ))
+        }
+        _ => Err(ApiError::NoRoute {
+            method: method.to_string(),
+            path: path.to_owned(),
+        }),
+    }
+}
+
+/// Answers that have only a JSON form.
+fn json_only(headers: &HeaderMap) -> Result<(), ApiError> {
+    match answer_encoding(headers)? {
+        Encoding::OjsJson => Ok(()),
+        _ => Err(ApiError::NotAcceptable {
+            accept: headers
+                .get(ACCEPT)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_owned(),
+        }),
+    }
+}
+
+fn read_job(request: &Request<Bytes>) -> Result<Job, ApiError> {
+    let now = ojs_core::envelope::now_millis();
+    match body_encoding(request.headers())? {
+        Encoding::OjsProto => job::from_proto(request.body(), now),
+        _ => job::from_json(parse_json(request.body())?, now),
+    }
+}
+
+fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::InvalidPayload {
+            encoding: "JSON",
+            reason: "the body is empty".into(),
+        });
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError::InvalidPayload {
+        encoding: "JSON",
+        reason: e.to_string(),
+    })
+}
+
+fn read_batch(api: &Api, request: &Request<Bytes>) -> Result<Vec<Job>, ApiError> {
+    let now = ojs_core::envelope::now_millis();
+    let limit = api.settings().max_batch_jobs;
+    let too_many = |count| ApiError::BatchTooLarge { count, limit };
+    let jobs = match body_encoding(request.headers())? {
+        Encoding::OjsProto => {
+            let parts = ojs_core::stream::split_batch(request.body()).map_err(|e| {
+                ApiError::InvalidPayload {
+                    encoding: "protobuf BatchEnqueueRequest",
+                    reason: e.to_string(),
+                }
+            })?;
+            if parts.len() > limit {
+                return Err(too_many(parts.len()));
+            }
+            parts
+                .into_iter()
+                .enumerate()
+                .map(|(i, bytes)| job::from_proto(bytes, now).map_err(|e| e.at_index(i)))
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        _ => {
+            let body = parse_json(request.body())?;
+            let Value::Object(mut body) = body else {
+                return Err(ApiError::invalid(
+                    "jobs",
+                    "the body must be {\"jobs\": [...]}",
+                ));
+            };
+            let Some(Value::Array(items)) = body.remove("jobs") else {
+                return Err(ApiError::invalid(
+                    "jobs",
+                    "`jobs` is required: an array of jobs",
+                ));
+            };
+            if items.len() > limit {
+                return Err(too_many(items.len()));
+            }
+            items
+                .into_iter()
+                .enumerate()
+                .map(|(i, item)| job::from_json(item, now).map_err(|e| e.at_index(i)))
+                .collect::<Result<Vec<_>, _>>()?
+        }
+    };
+    if jobs.is_empty() {
+        return Err(ApiError::invalid("jobs", "the batch has no jobs"));
+    }
+    let mut ids: Vec<&str> = jobs.iter().map(|j| j.envelope.id.as_str()).collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        return Err(ApiError::Duplicate {
+            id: w[0].to_owned(),
+        });
+    }
+    Ok(jobs)
+}
+
+/// The job as a protobuf `JobEnvelope`: the binding's fields the envelope
+/// has no number for ride in its unknown attributes.
+fn job_proto(job: &Job) -> Result<ojs_core::JobEnvelope, ApiError> {
+    let mut e = job.envelope.clone();
+    for (k, v) in &job.extra {
+        e.unknown_attributes.insert(k.clone(), v.clone());
+    }
+    Ok(e)
+}
+
+fn job_response(
+    status: u16,
+    job: &Job,
+    answer: Encoding,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    if answer != Encoding::OjsProto {
+        return Ok(json_response(
+            status,
+            &json!({"job": job.to_json()}),
+            request_id,
+        ));
+    }
+    let bytes = job_proto(job)?
+        .to_proto_bytes()
+        .map_err(job::invalid_envelope)?;
+    Ok(proto_response(status, bytes, request_id))
+}
+
+fn batch_response(
+    jobs: &[Job],
+    answer: Encoding,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    if answer != Encoding::OjsProto {
+        let list: Vec<Value> = jobs.iter().map(Job::to_json).collect();
+        return Ok(json_response(
+            201,
+            &json!({"jobs": list, "count": jobs.len()}),
+            request_id,
+        ));
+    }
+    let envelopes = jobs.iter().map(job_proto).collect::<Result<Vec<_>, _>>()?;
+    let bytes = ojs_core::stream::encode_batch(&envelopes).map_err(job::invalid_envelope)?;
+    Ok(proto_response(201, bytes, request_id))
+}
+
+fn proto_response(status: u16, body: Vec<u8>, request_id: &str) -> Response<Bytes> {
+    let mut r = Response::new(Bytes::from(body));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(OJS_PROTO));
+    standard_headers(r.headers_mut(), request_id);
+    r
+}
+
+fn event_filter(query: &str) -> Result<EventFilter, ApiError> {
+    let mut f = EventFilter {
+        limit: 100,
+        ..EventFilter::default()
+    };
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let list = || {
+            v.split(',')
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect()
+        };
+        match k {
+            "after" | "cursor" => {
+                f.after = v.parse().map_err(|_| {
+                    ApiError::invalid(k, "must be a cursor returned by this endpoint")
+                })?
+            }
+            "types" => f.types = list(),
+            "queues" => f.queues = list(),
+            "job_types" => f.job_types = list(),
+            "limit" => {
+                let n: usize = v
+                    .parse()
+                    .map_err(|_| ApiError::invalid("limit", "must be an integer from 1 to 1000"))?;
+                if !(1..=1000).contains(&n) {
+                    return Err(ApiError::invalid(
+                        "limit",
+                        "must be an integer from 1 to 1000",
+                    ));
+                }
+                f.limit = n;
+            }
+            _ => {}
+        }
+    }
+    Ok(f)
+}

@@ -1,0 +1,542 @@
+//! A job as the HTTP binding receives and shows it, and as the broker
+//! carries it.
+//!
+//! A PUSH body (`type`, `args`, `id`, `meta`, `schema`, `options`) becomes
+//! one [`JobEnvelope`]: `options.queue`, `priority`, `delay_until` /
+//! `scheduled_at`, `expires_at`, `retry` and `unique` are the envelope's own
+//! attributes; `tags`, `timeout_ms` and `visibility_timeout_ms`, which the
+//! envelope has no field for, travel as top-level attributes (which every
+//! OJS reader keeps), so a job read off the broker still has them. The
+//! envelope is validated by the same code as every envelope the bridge
+//! decodes (`ojs-bridge convert` applies it too).
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use ojs_core::duration::{format_iso8601_duration, parse_iso8601_duration};
+use ojs_core::settings::suggestion;
+use ojs_core::{JobEnvelope, JobState};
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+
+/// The range of `options.priority` (job-options schema).
+pub const PRIORITY_RANGE: std::ops::RangeInclusive<i64> = -100..=100;
+/// `max_attempts` when a job names none (ojs-retry).
+pub const DEFAULT_MAX_ATTEMPTS: i32 = 3;
+
+/// `options` a PUSH takes.
+const OPTIONS: [&str; 11] = [
+    "queue",
+    "priority",
+    "timeout_ms",
+    "delay_until",
+    "scheduled_at",
+    "expires_at",
+    "retry",
+    "unique",
+    "tags",
+    "visibility_timeout_ms",
+    "pending",
+];
+
+/// Attributes only the server sets; a client's values are replaced.
+const SYSTEM_ATTRIBUTES: [&str; 10] = [
+    "state",
+    "attempt",
+    "created_at",
+    "enqueued_at",
+    "started_at",
+    "completed_at",
+    "error",
+    "errors",
+    "result",
+    "max_attempts",
+];
+
+/// Lifecycle timestamps and notes the envelope has no field for, kept by
+/// the store beside it and shown with the job.
+pub type Extra = Map<String, Value>;
+
+/// A job as stored: the envelope (state, attempt and the core timestamps
+/// included) and the binding's other fields.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Job {
+    /// The envelope as it goes to the broker.
+    pub envelope: JobEnvelope,
+    /// `cancelled_at`, `previous_state`, … (see [`Extra`]).
+    pub extra: Extra,
+}
+
+impl Job {
+    /// The job's state.
+    pub fn state(&self) -> JobState {
+        self.envelope.state.unwrap_or(JobState::Available)
+    }
+
+    /// The binding's Job object.
+    pub fn to_json(&self) -> Value {
+        let mut v = match self.envelope.to_json_value() {
+            Ok(Value::Object(m)) => m,
+            // Every stored envelope was validated before it was stored.
+            _ => Map::new(),
+        };
+        v.entry("meta").or_insert_with(|| json!({}));
+        v.entry("priority").or_insert(json!(0));
+        v.entry("attempt").or_insert(json!(0));
+        v.entry("tags").or_insert_with(|| json!([]));
+        v.insert("max_attempts".into(), json!(max_attempts(&self.envelope)));
+        for (k, x) in &self.extra {
+            v.insert(k.clone(), x.clone());
+        }
+        Value::Object(v)
+    }
+}
+
+/// Attempts in total the job's policy allows.
+pub fn max_attempts(job: &JobEnvelope) -> i32 {
+    job.retry
+        .as_ref()
+        .and_then(|r| r.max_attempts)
+        .unwrap_or(DEFAULT_MAX_ATTEMPTS)
+}
+
+/// An RFC 3339 timestamp as the binding writes it: UTC, milliseconds, `Z`.
+pub fn timestamp(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// A job from a JSON PUSH body, ready to store: id, `specversion`, state
+/// and timestamps filled, validated.
+pub fn from_json(body: Value, now: DateTime<Utc>) -> Result<Job, ApiError> {
+    let Value::Object(mut body) = body else {
+        return Err(ApiError::invalid(
+            "",
+            "the body must be a JSON object with `type` and `args`",
+        ));
+    };
+    if !body.contains_key("type") {
+        return Err(ApiError::invalid("type", "`type` is required"));
+    }
+    match body.get("args") {
+        None => return Err(ApiError::invalid("args", "`args` is required (an array)")),
+        Some(Value::Array(_)) => {}
+        Some(_) => return Err(ApiError::invalid("args", "`args` must be a JSON array")),
+    }
+    if let Some(id) = body.get("id") {
+        if !id.is_string() {
+            return Err(ApiError::invalid("id", "`id` must be a string (a UUIDv7)"));
+        }
+    }
+    let mut pending = false;
+    match body.remove("options") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(options)) => pending = fold_options(&mut body, options, now)?,
+        Some(_) => return Err(ApiError::invalid("options", "`options` must be an object")),
+    }
+    if let Some(at) = body.get("scheduled_at").and_then(Value::as_str) {
+        let t = parse_time("scheduled_at", at, now)?;
+        body.insert("scheduled_at".into(), json!(timestamp(t)));
+    }
+    for key in SYSTEM_ATTRIBUTES {
+        body.remove(key);
+    }
+    body.entry("specversion")
+        .or_insert_with(|| json!(ojs_core::envelope::SPEC_VERSION));
+    body.entry("id")
+        .or_insert_with(|| json!(ojs_core::envelope::new_job_id()));
+    let envelope = JobEnvelope::from_json_value(Value::Object(body)).map_err(invalid_envelope)?;
+    finish(envelope, pending, now)
+}
+
+/// A job from a protobuf PUSH (one `JobEnvelope`, `id` and `specversion`
+/// optional), ready to store.
+pub fn from_proto(bytes: &[u8], now: DateTime<Utc>) -> Result<Job, ApiError> {
+    let mut envelope =
+        JobEnvelope::from_proto_bytes_unvalidated(bytes).map_err(|e| ApiError::InvalidPayload {
+            encoding: "protobuf JobEnvelope",
+            reason: e.to_string(),
+        })?;
+    if envelope.job_type.is_empty() {
+        return Err(ApiError::invalid("type", "`type` is required"));
+    }
+    if envelope.specversion.is_empty() {
+        envelope.specversion = ojs_core::envelope::SPEC_VERSION.to_owned();
+    }
+    if envelope.id.is_empty() {
+        envelope.id = ojs_core::envelope::new_job_id();
+    }
+    let pending = envelope
+        .unknown_attributes
+        .remove("pending")
+        .is_some_and(|v| v == Value::Bool(true));
+    envelope.state = None;
+    envelope.attempt = 0;
+    envelope.created_at = None;
+    envelope.enqueued_at = None;
+    envelope.started_at = None;
+    envelope.completed_at = None;
+    envelope.error = None;
+    envelope.errors.clear();
+    envelope.result = None;
+    finish(envelope, pending, now)
+}
+
+/// Sets state and timestamps, checks what the envelope's own rules do not.
+fn finish(mut envelope: JobEnvelope, pending: bool, now: DateTime<Utc>) -> Result<Job, ApiError> {
+    if !PRIORITY_RANGE.contains(&i64::from(envelope.priority)) {
+        return Err(ApiError::invalid(
+            "options.priority",
+            format!(
+                "priority {} is outside -100..=100 (schema: minimum -100, maximum 100)",
+                envelope.priority
+            ),
+        ));
+    }
+    let state = if pending {
+        JobState::Pending
+    } else if envelope.scheduled_at.is_some_and(|t| t > now) {
+        JobState::Scheduled
+    } else {
+        JobState::Available
+    };
+    envelope.state = Some(state);
+    envelope.attempt = 0;
+    envelope.created_at = Some(now);
+    envelope.enqueued_at = (state == JobState::Available).then_some(now);
+    envelope.validate().map_err(invalid_envelope)?;
+    Ok(Job {
+        envelope,
+        extra: Extra::new(),
+    })
+}
+
+/// Moves `options` onto the envelope's attributes; returns `pending`.
+fn fold_options(
+    body: &mut Map<String, Value>,
+    options: Map<String, Value>,
+    now: DateTime<Utc>,
+) -> Result<bool, ApiError> {
+    let mut pending = false;
+    for (key, v) in options {
+        if v.is_null() {
+            continue;
+        }
+        let at = format!("options.{key}");
+        match key.as_str() {
+            "queue" => {
+                let q = v
+                    .as_str()
+                    .ok_or_else(|| ApiError::invalid(&at, "must be a string"))?;
+                body.insert("queue".into(), json!(q));
+            }
+            "priority" => {
+                let p = v
+                    .as_i64()
+                    .ok_or_else(|| ApiError::invalid(&at, "must be an integer from -100 to 100"))?;
+                if !PRIORITY_RANGE.contains(&p) {
+                    return Err(ApiError::invalid(
+                        &at,
+                        format!("{p} is outside -100..=100 (schema: minimum -100, maximum 100)"),
+                    ));
+                }
+                body.insert("priority".into(), json!(p));
+            }
+            "timeout_ms" => {
+                let ms = non_negative(&at, &v)?;
+                // The envelope counts whole seconds; the exact value rides along.
+                let secs = ms.div_ceil(1000).min(i32::MAX as u64);
+                body.insert("timeout".into(), json!(secs));
+                body.insert("timeout_ms".into(), json!(ms));
+            }
+            "visibility_timeout_ms" => {
+                let ms = non_negative(&at, &v)?;
+                if ms < 1000 {
+                    return Err(ApiError::invalid(
+                        &at,
+                        format!("{ms} is below 1000 (schema: minimum 1000)"),
+                    ));
+                }
+                body.insert("visibility_timeout_ms".into(), json!(ms));
+            }
+            "delay_until" | "scheduled_at" => {
+                let s = v
+                    .as_str()
+                    .ok_or_else(|| ApiError::invalid(&at, "must be an RFC 3339 date-time"))?;
+                let t = parse_time(&at, s, now)?;
+                body.insert("scheduled_at".into(), json!(timestamp(t)));
+            }
+            "expires_at" => {
+                let s = v
+                    .as_str()
+                    .ok_or_else(|| ApiError::invalid(&at, "must be an RFC 3339 date-time"))?;
+                let t = parse_time(&at, s, now)?;
+                body.insert("expires_at".into(), json!(timestamp(t)));
+            }
+            "retry" => {
+                let Value::Object(policy) = v else {
+                    return Err(ApiError::invalid(&at, "must be an object"));
+                };
+                body.insert("retry".into(), Value::Object(retry_aliases(policy)?));
+            }
+            "unique" => {
+                let Value::Object(mut policy) = v else {
+                    return Err(ApiError::invalid(&at, "must be an object"));
+                };
+                // The protobuf binding's singular name.
+                if let Some(k) = policy.remove("key") {
+                    policy.entry("keys").or_insert(k);
+                }
+                body.insert("unique".into(), Value::Object(policy));
+            }
+            "tags" => {
+                let tags = v
+                    .as_array()
+                    .ok_or_else(|| ApiError::invalid(&at, "must be an array of strings"))?;
+                for (i, t) in tags.iter().enumerate() {
+                    match t.as_str() {
+                        Some(s) if !s.is_empty() => {}
+                        _ => {
+                            return Err(ApiError::invalid(
+                                format!("{at}[{i}]"),
+                                "must be a non-empty string",
+                            ))
+                        }
+                    }
+                    if tags[..i].contains(t) {
+                        return Err(ApiError::invalid(
+                            format!("{at}[{i}]"),
+                            "appears twice (schema: uniqueItems)",
+                        ));
+                    }
+                }
+                body.insert("tags".into(), v);
+            }
+            "pending" => {
+                pending = v
+                    .as_bool()
+                    .ok_or_else(|| ApiError::invalid(&at, "must be a boolean"))?;
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    &at,
+                    format!(
+                        "unknown option `{other}`{}",
+                        suggestion(other, OPTIONS.iter().copied())
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(pending)
+}
+
+/// The binding's `*_ms` integer spellings of retry intervals, as the
+/// ISO 8601 durations the envelope carries.
+fn retry_aliases(mut policy: Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
+    for (alias, name) in [
+        ("initial_interval_ms", "initial_interval"),
+        ("max_interval_ms", "max_interval"),
+    ] {
+        if let Some(v) = policy.remove(alias) {
+            let ms = non_negative(&format!("options.retry.{alias}"), &v)?;
+            let iso = format_iso8601_duration(std::time::Duration::from_millis(ms));
+            policy.entry(name).or_insert(json!(iso));
+        }
+    }
+    Ok(policy)
+}
+
+fn non_negative(at: &str, v: &Value) -> Result<u64, ApiError> {
+    v.as_u64()
+        .ok_or_else(|| ApiError::invalid(at, "must be an integer of 0 or more"))
+}
+
+/// An RFC 3339 date-time with a zone, or `+` and an ISO 8601 duration from
+/// now (`+PT2S`).
+fn parse_time(at: &str, s: &str, now: DateTime<Utc>) -> Result<DateTime<Utc>, ApiError> {
+    if let Some(d) = s.strip_prefix('+') {
+        let d = parse_iso8601_duration(d).map_err(|e| ApiError::invalid(at, e))?;
+        let d = chrono::Duration::from_std(d)
+            .map_err(|_| ApiError::invalid(at, "the duration is too long"))?;
+        return now
+            .checked_add_signed(d)
+            .ok_or_else(|| ApiError::invalid(at, "the duration is too long"));
+    }
+    DateTime::parse_from_rfc3339(s)
+        .map(|t| t.with_timezone(&Utc))
+        .map_err(|e| {
+            ApiError::invalid(
+                at,
+                format!("{s:?} is not an RFC 3339 date-time with a zone: {e}"),
+            )
+        })
+}
+
+/// An envelope rule, as the binding's validation error.
+pub(crate) fn invalid_envelope(e: ojs_core::Error) -> ApiError {
+    let attribute = match &e {
+        ojs_core::Error::MissingAttribute(a) => Some((*a).to_owned()),
+        ojs_core::Error::InvalidAttribute { attribute, .. } => Some(attribute.clone()),
+        ojs_core::Error::NumberOutOfRange { path, .. }
+        | ojs_core::Error::NonFiniteNumber { path }
+        | ojs_core::Error::NestingTooDeep { path, .. } => Some(path.clone()),
+        _ => None,
+    };
+    // Envelope attributes a PUSH sends inside `options`.
+    let attribute = attribute.map(|a| {
+        let top = a.split(['.', '[']).next().unwrap_or("");
+        if [
+            "queue",
+            "priority",
+            "scheduled_at",
+            "expires_at",
+            "retry",
+            "unique",
+        ]
+        .contains(&top)
+        {
+            format!("options.{a}")
+        } else {
+            a
+        }
+    });
+    ApiError::InvalidRequest {
+        attribute,
+        message: e.to_string(),
+        index: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn now() -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339("2026-11-26T10:00:00Z")
+            .map(|t| t.with_timezone(&Utc))
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn options_become_envelope_attributes() -> Result<(), ApiError> {
+        let job = from_json(
+            json!({"type": "report.generate", "args": [1],
+                   "options": {"queue": "reports", "priority": 10, "timeout_ms": 1500,
+                               "tags": ["a"], "retry": {"max_attempts": 5, "initial_interval_ms": 250}},
+                   "x_custom": {"kept": true}}),
+            now(),
+        )?;
+        let e = &job.envelope;
+        assert_eq!(e.queue, "reports");
+        assert_eq!(e.priority, 10);
+        assert_eq!(e.timeout, 2);
+        assert_eq!(e.state, Some(JobState::Available));
+        assert_eq!(
+            e.retry.as_ref().map(|r| r.initial_interval.as_str()),
+            Some("PT0.250S")
+        );
+        let v = job.to_json();
+        assert_eq!(v["timeout_ms"], 1500);
+        assert_eq!(v["tags"], json!(["a"]));
+        assert_eq!(v["max_attempts"], 5);
+        assert_eq!(v["x_custom"], json!({"kept": true}));
+        assert_eq!(v["attempt"], 0);
+        Ok(())
+    }
+
+    #[test]
+    fn a_future_time_schedules_and_a_past_one_does_not() -> Result<(), ApiError> {
+        let later = from_json(
+            json!({"type": "a", "args": [], "options": {"delay_until": "+PT2S"}}),
+            now(),
+        )?;
+        assert_eq!(later.state(), JobState::Scheduled);
+        assert_eq!(later.envelope.enqueued_at, None);
+        let past = from_json(
+            json!({"type": "a", "args": [], "options": {"scheduled_at": "2020-01-01T00:00:00Z"}}),
+            now(),
+        )?;
+        assert_eq!(past.state(), JobState::Available);
+        Ok(())
+    }
+
+    #[test]
+    fn each_rule_names_its_attribute() {
+        let cases = [
+            (json!({"args": []}), "type"),
+            (json!({"type": "a"}), "args"),
+            (json!({"type": "a", "args": {}}), "args"),
+            (json!({"type": "Email.Send", "args": []}), "type"),
+            (
+                json!({"type": "a", "args": [], "id": "550e8400-e29b-41d4-a716-446655440000"}),
+                "id",
+            ),
+            (
+                json!({"type": "a", "args": [], "options": {"priority": 101}}),
+                "options.priority",
+            ),
+            (
+                json!({"type": "a", "args": [], "options": {"queue": "My queue"}}),
+                "options.queue",
+            ),
+            (
+                json!({"type": "a", "args": [], "options": {"queu": "x"}}),
+                "options.queu",
+            ),
+            (
+                json!({"type": "a", "args": [], "options": {"delay_until": "2026-01-01T00:00:00"}}),
+                "options.delay_until",
+            ),
+            (
+                json!({"type": "a", "args": [], "options": {"retry": {"backoff_coefficient": 0.5}}}),
+                "options.retry.backoff_coefficient",
+            ),
+        ];
+        for (body, attribute) in cases {
+            match from_json(body.clone(), now()) {
+                Err(ApiError::InvalidRequest {
+                    attribute: Some(a), ..
+                }) => {
+                    assert_eq!(a, attribute, "{body}")
+                }
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+        match from_json(
+            json!({"type": "a", "args": [], "options": {"queu": "x"}}),
+            now(),
+        ) {
+            Err(e) => assert!(e.to_string().contains("did you mean `queue`"), "{e}"),
+            Ok(j) => panic!("{j:?}"),
+        }
+    }
+
+    #[test]
+    fn a_client_cannot_set_system_attributes() -> Result<(), ApiError> {
+        let job = from_json(
+            json!({"type": "a", "args": [], "state": "completed", "attempt": 4}),
+            now(),
+        )?;
+        assert_eq!(job.state(), JobState::Available);
+        assert_eq!(job.envelope.attempt, 0);
+        Ok(())
+    }
+
+    #[test]
+    fn protobuf_and_json_pushes_make_the_same_job() -> Result<(), ApiError> {
+        let json_job = from_json(
+            json!({"type": "email.send", "args": ["a@example.com"], "id": "019539a4-aaaa-7000-8000-111111111111",
+                   "meta": {"k": "v"}, "options": {"queue": "mail", "priority": 3}}),
+            now(),
+        )?;
+        let mut bare = json_job.envelope.clone();
+        bare.state = None;
+        bare.created_at = None;
+        bare.enqueued_at = None;
+        let bytes = bare
+            .to_proto_bytes()
+            .map_err(crate::job::invalid_envelope)?;
+        let proto_job = from_proto(&bytes, now())?;
+        assert_eq!(proto_job.to_json(), json_job.to_json());
+        Ok(())
+    }
+}

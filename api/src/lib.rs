@@ -1,0 +1,468 @@
+//! The OJS HTTP binding served over any [`QueueAdapter`]: an OJS client
+//! pushes a job, the job goes to the queue of the user's own broker through
+//! the same adapter (envelope, headers, content type) as every sink of the
+//! bridge writes, and its state (INFO, CANCEL, scheduled jobs, events) is
+//! kept in a [`Store`] beside the broker.
+//!
+//! [`Api`] is the service core: every binding (the HTTP one in [`http`])
+//! calls it, so no rule is written twice. A PUSH answers only after the
+//! broker confirmed the job (publisher confirm, delivery report, SQS answer,
+//! SQLite commit); a job the broker refused is removed from the store
+//! again, so nothing is half-stored.
+
+pub mod error;
+pub mod http;
+pub mod job;
+pub mod store;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use ojs_core::{Encoding, JobState, OutgoingMessage, QueueAdapter};
+use serde_json::{json, Value};
+use tokio::sync::{watch, Notify};
+
+pub use error::ApiError;
+pub use job::Job;
+pub use store::{Store, StoreError};
+
+/// The API's settings, built once from `[api]`.
+#[derive(Debug, Clone)]
+pub struct ApiSettings {
+    /// Queues a client may name (globs, `*` any run of characters); empty:
+    /// any queue.
+    pub queues: Vec<String>,
+    /// How jobs are written to the broker: [`Encoding::OjsProto`] (the
+    /// sinks' default) or [`Encoding::OjsJson`].
+    pub encoding: Encoding,
+    /// Largest request body.
+    pub max_body_bytes: usize,
+    /// Most jobs in one batch.
+    pub max_batch_jobs: usize,
+    /// How long finished jobs and events are kept.
+    pub retention: Duration,
+    /// Directory of the job store.
+    pub state_dir: PathBuf,
+}
+
+impl Default for ApiSettings {
+    fn default() -> Self {
+        ApiSettings {
+            queues: Vec::new(),
+            encoding: Encoding::OjsProto,
+            max_body_bytes: 4 << 20,
+            max_batch_jobs: 1000,
+            retention: Duration::from_secs(7 * 86_400),
+            state_dir: PathBuf::from("./ojs-bridge-data"),
+        }
+    }
+}
+
+/// The OJS service over one adapter.
+#[derive(Debug)]
+pub struct Api {
+    adapter: Arc<dyn QueueAdapter>,
+    adapter_name: String,
+    store: Store,
+    settings: ApiSettings,
+    started: Instant,
+    started_at: DateTime<Utc>,
+    /// Queues made ready for publishing (`QueueAdapter::prepare`).
+    prepared: Mutex<HashSet<String>>,
+    /// Wakes the scheduler when a scheduled job was stored.
+    scheduled: Notify,
+}
+
+/// Scheduled jobs published per pass.
+const SCHEDULER_BATCH: usize = 500;
+/// Longest sleep of the scheduler: a job stored by another process on the
+/// same store is found this late at most.
+const SCHEDULER_TICK: Duration = Duration::from_millis(500);
+
+/// `*` matches any run of characters; everything else itself.
+fn glob_match(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == name,
+        Some((head, rest)) => {
+            let Some(tail) = name.strip_prefix(head) else {
+                return false;
+            };
+            (0..=tail.len())
+                .filter(|i| tail.is_char_boundary(*i))
+                .any(|i| glob_match(rest, &tail[i..]))
+        }
+    }
+}
+
+impl Api {
+    /// Opens the store and serves `adapter` (named `adapter_name` in the
+    /// configuration).
+    pub async fn open(
+        settings: ApiSettings,
+        adapter: Arc<dyn QueueAdapter>,
+        adapter_name: impl Into<String>,
+    ) -> Result<Arc<Api>, ApiError> {
+        let store = Store::open(&settings.state_dir).await?;
+        Ok(Arc::new(Api {
+            adapter,
+            adapter_name: adapter_name.into(),
+            store,
+            settings,
+            started: Instant::now(),
+            started_at: Utc::now(),
+            prepared: Mutex::new(HashSet::new()),
+            scheduled: Notify::new(),
+        }))
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &ApiSettings {
+        &self.settings
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Whether clients may name `queue`.
+    pub fn serves_queue(&self, queue: &str) -> bool {
+        self.settings.queues.is_empty() || self.settings.queues.iter().any(|p| glob_match(p, queue))
+    }
+
+    /// PUSH of one or more jobs, all or nothing: validated (by the caller,
+    /// [`job::from_json`] / [`job::from_proto`]), checked against
+    /// `[api] queues` and the broker's size limit, stored, published; the
+    /// answer comes after the broker confirmed.
+    pub async fn push(&self, jobs: Vec<Job>) -> Result<Vec<Job>, ApiError> {
+        for job in &jobs {
+            if !self.serves_queue(&job.envelope.queue) {
+                return Err(ApiError::QueueNotServed {
+                    queue: job.envelope.queue.clone(),
+                });
+            }
+        }
+        let limit = self.adapter.max_message_bytes();
+        let mut messages = Vec::with_capacity(jobs.len());
+        for (index, job) in jobs.iter().enumerate() {
+            let message = self
+                .message(job)
+                .map_err(|e| job::invalid_envelope(e).at_index(index))?;
+            let size = message.encoded_size();
+            if size > limit {
+                return Err(ApiError::JobTooLarge { index, size, limit });
+            }
+            messages.push(message);
+        }
+        self.store.insert(jobs.clone()).await.map_err(|e| match e {
+            StoreError::Duplicate(id) => ApiError::Duplicate { id },
+            other => ApiError::Store(other),
+        })?;
+        let mut by_queue: BTreeMap<&str, (Vec<String>, Vec<OutgoingMessage>)> = BTreeMap::new();
+        let mut scheduled = false;
+        for (job, message) in jobs.iter().zip(messages) {
+            if job.state() != JobState::Available {
+                scheduled |= job.state() == JobState::Scheduled;
+                continue;
+            }
+            let entry = by_queue.entry(job.envelope.queue.as_str()).or_default();
+            entry.0.push(job.envelope.id.clone());
+            entry.1.push(message);
+        }
+        if scheduled {
+            self.scheduled.notify_one();
+        }
+        let mut first_error = None;
+        for (queue, (ids, messages)) in by_queue {
+            match self.publish(queue, ids, messages).await {
+                Ok(()) => {}
+                Err((failed, error)) => {
+                    if let Err(e) = self.store.remove(failed).await {
+                        tracing::warn!(error = %e, "removing jobs the broker refused from the store failed; they are published again after a restart");
+                    }
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        match first_error {
+            None => Ok(jobs),
+            Some(source) => Err(ApiError::Broker { source }),
+        }
+    }
+
+    fn message(&self, job: &Job) -> ojs_core::Result<OutgoingMessage> {
+        OutgoingMessage::from_envelope(&job.envelope, self.settings.encoding)
+    }
+
+    /// Publishes one queue's jobs; marks the confirmed ones in the store.
+    /// On failure: the ids the broker did not take, and why.
+    async fn publish(
+        &self,
+        queue: &str,
+        ids: Vec<String>,
+        messages: Vec<OutgoingMessage>,
+    ) -> Result<(), (Vec<String>, ojs_core::Error)> {
+        let fresh = !self
+            .prepared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(queue);
+        if fresh {
+            if let Err(e) = self.adapter.prepare(queue).await {
+                return Err((ids, e));
+            }
+            self.prepared
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(queue.to_owned());
+        }
+        match self.adapter.publish(queue, messages).await {
+            Ok(()) => {
+                self.store.published(ids);
+                Ok(())
+            }
+            Err(ojs_core::Error::Publish(failure)) => {
+                let failed: HashSet<usize> = failure.failed.iter().map(|f| f.index).collect();
+                let (bad, good): (Vec<_>, Vec<_>) = ids
+                    .into_iter()
+                    .enumerate()
+                    .partition(|(i, _)| failed.contains(i));
+                self.store
+                    .published(good.into_iter().map(|(_, id)| id).collect());
+                Err((
+                    bad.into_iter().map(|(_, id)| id).collect(),
+                    ojs_core::Error::Publish(failure),
+                ))
+            }
+            Err(e) => Err((ids, e)),
+        }
+    }
+
+    /// INFO.
+    pub async fn info(&self, id: &str) -> Result<Job, ApiError> {
+        self.store
+            .get(id.to_owned())
+            .await?
+            .ok_or_else(|| ApiError::NotFound {
+                resource_type: "job",
+                resource_id: id.to_owned(),
+            })
+    }
+
+    /// CANCEL: a job that has not finished becomes `cancelled`; a scheduled
+    /// one never reaches the broker, an available one stays there and is
+    /// never handed to an OJS worker.
+    pub async fn cancel(&self, id: &str) -> Result<(JobState, Job), ApiError> {
+        self.store
+            .cancel(id.to_owned(), Utc::now())
+            .await
+            .map_err(|e| match e {
+                StoreError::NotFound(id) => ApiError::NotFound {
+                    resource_type: "job",
+                    resource_id: id,
+                },
+                StoreError::WrongState { id, current } => ApiError::Conflict {
+                    job_id: id,
+                    current_state: current.as_str().unwrap_or("unknown").to_owned(),
+                    operation: "cancel",
+                    expected: "scheduled, available, pending, retryable or active",
+                },
+                other => ApiError::Store(other),
+            })
+    }
+
+    /// The manifest (`GET /ojs/manifest`).
+    pub fn manifest(&self) -> Value {
+        json!({
+            "ojs_version": "1.0",
+            "specversion": "1.0",
+            "implementation": {
+                "name": "ojs-bridge",
+                "version": env!("CARGO_PKG_VERSION"),
+                "language": "rust",
+                "repository": "https://github.com/ojs-bridge/ojs-bridge",
+            },
+            "conformance_level": 0,
+            "conformance_tier": "parser",
+            "protocols": ["http"],
+            "backend": self.adapter.kind(),
+            "capabilities": {
+                "batch_enqueue": true,
+                "cron_jobs": false,
+                "dead_letter": false,
+                "delayed_jobs": true,
+                "job_ttl": false,
+                "priority_queues": matches!(self.adapter.kind(), "local" | "memory" | "rabbitmq"),
+                "rate_limiting": false,
+                "schema_validation": false,
+                "unique_jobs": false,
+                "workflows": false,
+                "pause_resume": false,
+            },
+            "extensions": [],
+            "encodings": ["application/openjobspec+json", "application/openjobspec+proto"],
+        })
+    }
+
+    /// The `backend` part of the health answer.
+    pub fn backend(&self) -> Value {
+        json!({"type": self.adapter.kind(), "name": self.adapter_name})
+    }
+
+    /// Seconds since the API started.
+    pub fn uptime_seconds(&self) -> u64 {
+        self.started.elapsed().as_secs()
+    }
+
+    /// `GET /ojs/v1/queues`: queues jobs were pushed to, and those named in
+    /// `[api] queues` without a wildcard.
+    pub async fn queues(&self) -> Result<Value, ApiError> {
+        let mut seen: BTreeMap<String, DateTime<Utc>> =
+            self.store.queues().await?.into_iter().collect();
+        for q in &self.settings.queues {
+            if !q.contains('*') {
+                seen.entry(q.clone()).or_insert(self.started_at);
+            }
+        }
+        let queues: Vec<Value> = seen
+            .into_iter()
+            .filter(|(name, _)| self.serves_queue(name))
+            .map(|(name, at)| json!({"name": name, "status": "active", "created_at": job::timestamp(at)}))
+            .collect();
+        let total = queues.len();
+        Ok(json!({
+            "queues": queues,
+            "pagination": {"total": total, "limit": total, "offset": 0, "has_more": false},
+        }))
+    }
+
+    /// Publishes scheduled jobs when due, jobs stored before a crash whose
+    /// publish was never confirmed, and prunes finished jobs; until `stop`.
+    pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        self.recover().await;
+        let mut last_prune = Instant::now();
+        loop {
+            let wait = match self.publish_due().await {
+                Ok(true) => Duration::ZERO,
+                Ok(false) => match self.store.next_due().await {
+                    Ok(Some(at)) => (at - Utc::now())
+                        .to_std()
+                        .unwrap_or(Duration::ZERO)
+                        .min(SCHEDULER_TICK),
+                    _ => SCHEDULER_TICK,
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "publishing scheduled jobs failed; retrying");
+                    Duration::from_secs(1)
+                }
+            };
+            if last_prune.elapsed() >= Duration::from_secs(60) {
+                last_prune = Instant::now();
+                let before = Utc::now()
+                    - chrono::Duration::from_std(self.settings.retention).unwrap_or_default();
+                match self.store.prune(before).await {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        tracing::debug!(removed = n, "finished jobs past [api] retention removed")
+                    }
+                    Err(e) => tracing::warn!(error = %e, "removing finished jobs failed"),
+                }
+            }
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                () = self.scheduled.notified() => {}
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Publishes one batch of due jobs; `true` when there may be more.
+    async fn publish_due(&self) -> Result<bool, ApiError> {
+        let due = self.store.due(Utc::now(), SCHEDULER_BATCH).await?;
+        let more = due.len() == SCHEDULER_BATCH;
+        let mut by_queue: BTreeMap<String, Vec<Job>> = BTreeMap::new();
+        for job in due {
+            by_queue
+                .entry(job.envelope.queue.clone())
+                .or_default()
+                .push(job);
+        }
+        for (queue, jobs) in by_queue {
+            let mut ids = Vec::with_capacity(jobs.len());
+            let mut messages = Vec::with_capacity(jobs.len());
+            for mut job in jobs {
+                job.envelope.state = Some(JobState::Available);
+                job.envelope.enqueued_at = Some(Utc::now());
+                match self.message(&job) {
+                    Ok(m) => {
+                        ids.push(job.envelope.id.clone());
+                        messages.push(m);
+                    }
+                    Err(e) => {
+                        tracing::warn!(job_id = %job.envelope.id, error = %e, "a stored scheduled job cannot be encoded; left in the store")
+                    }
+                }
+            }
+            let published = match self.publish(&queue, ids.clone(), messages).await {
+                Ok(()) => ids,
+                Err((failed, error)) => {
+                    tracing::warn!(%queue, failed = failed.len(), error = %error, "the broker did not take scheduled jobs; they stay scheduled and are tried again");
+                    ids.into_iter().filter(|id| !failed.contains(id)).collect()
+                }
+            };
+            self.store.promote(published, Utc::now()).await?;
+        }
+        Ok(more)
+    }
+
+    /// Publishes available jobs stored before this start whose publish was
+    /// never confirmed: the daemon stopped between the two.
+    async fn recover(&self) {
+        let jobs = match self.store.unpublished(self.started_at, 100_000).await {
+            Ok(jobs) => jobs,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading unconfirmed jobs from the store failed");
+                return;
+            }
+        };
+        if jobs.is_empty() {
+            return;
+        }
+        tracing::info!(
+            jobs = jobs.len(),
+            "publishing jobs whose publish was not confirmed before the last stop"
+        );
+        let mut by_queue: BTreeMap<String, (Vec<String>, Vec<OutgoingMessage>)> = BTreeMap::new();
+        for job in jobs {
+            if let Ok(m) = self.message(&job) {
+                let e = by_queue.entry(job.envelope.queue.clone()).or_default();
+                e.0.push(job.envelope.id.clone());
+                e.1.push(m);
+            }
+        }
+        for (queue, (ids, messages)) in by_queue {
+            if let Err((failed, error)) = self.publish(&queue, ids, messages).await {
+                tracing::warn!(%queue, failed = failed.len(), error = %error, "republishing unconfirmed jobs failed; tried again at the next start");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::glob_match;
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("orders", "orders"));
+        assert!(!glob_match("orders", "orders2"));
+        assert!(glob_match("mail.*", "mail.eu"));
+        assert!(!glob_match("mail.*", "mail"));
+        assert!(glob_match("*", "anything"));
+        assert!(glob_match("a*c*e", "abcde"));
+        assert!(!glob_match("a*c*e", "abcd"));
+    }
+}

@@ -1,0 +1,426 @@
+//! The OJS HTTP API of `ojs-bridge run`, producer side, through a real
+//! daemon process: encodings and negotiation, each kind of bad input with
+//! its named outcome, `[api] queues`, batches all or nothing, scheduled jobs
+//! across a restart, a broker that is down.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use ojs_adapter_local::{LocalAdapter, LocalConfig};
+use ojs_core::{ConsumerOptions, JobEnvelope, QueueAdapter};
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+
+use crate::ojs_server::{get, post_json, request, OjsServer};
+
+const JSON: &str = "application/openjobspec+json";
+const PROTO: &str = "application/openjobspec+proto";
+
+/// A bad request and the answer it must get: what it is, headers, body,
+/// status, error code.
+type BadCase = (
+    &'static str,
+    Vec<(String, String)>,
+    Vec<u8>,
+    u16,
+    &'static str,
+);
+
+fn h(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+/// Jobs waiting in `queue` of the embedded broker in `dir`, read by an
+/// adapter of our own (acked, so they are gone afterwards).
+async fn drain(dir: &std::path::Path, queue: &str, want: usize) -> Vec<JobEnvelope> {
+    let url = format!("local:{}", dir.join("ojs-bridge-data").display());
+    let adapter = LocalAdapter::open(LocalConfig::from_url(&url).unwrap())
+        .await
+        .unwrap();
+    let mut consumer = adapter
+        .consumer(queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    let mut jobs = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while jobs.len() < want && Instant::now() < deadline {
+        for d in consumer
+            .receive(100, Duration::from_millis(200))
+            .await
+            .unwrap()
+        {
+            jobs.push(JobEnvelope::from_proto_bytes(&d.payload).unwrap());
+            d.ack().await.unwrap();
+        }
+    }
+    // Nothing more arrives.
+    let extra = consumer
+        .receive(100, Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert!(extra.is_empty(), "{} more jobs than expected", extra.len());
+    jobs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_pushed_as_protobuf_reads_back_as_json_and_the_reverse() {
+    let server = OjsServer::start(None).await;
+    let addr = server.addr;
+    // Protobuf in (the binding's media type name), JSON out.
+    let mut envelope = JobEnvelope::new("email.send", vec![json!("a@example.com"), json!(3)]);
+    envelope.queue = "mail".into();
+    envelope.priority = 7;
+    envelope.meta.insert("tenant".into(), json!("acme"));
+    let pushed = request(
+        addr,
+        "POST",
+        "/ojs/v1/jobs",
+        &h(&[
+            ("content-type", "application/openjobspec+protobuf"),
+            ("accept", JSON),
+        ]),
+        Some(&envelope.to_proto_bytes().unwrap()),
+    )
+    .await;
+    assert_eq!(pushed.status, 201, "{:?}", pushed.body);
+    assert_eq!(pushed.header("content-type").as_deref(), Some(JSON));
+    let job = pushed.json()["job"].clone();
+    assert_eq!(job["id"], json!(envelope.id));
+    assert_eq!(job["queue"], "mail");
+    assert_eq!(job["priority"], 7);
+    assert_eq!(job["meta"]["tenant"], "acme");
+    assert_eq!(job["state"], "available");
+    let info = get(addr, &format!("/ojs/v1/jobs/{}", envelope.id)).await;
+    assert_eq!(info.json()["job"], job, "INFO shows what PUSH answered");
+    // The same job as protobuf.
+    let as_proto = request(
+        addr,
+        "GET",
+        &format!("/ojs/v1/jobs/{}", envelope.id),
+        &h(&[("accept", PROTO)]),
+        None,
+    )
+    .await;
+    assert_eq!(as_proto.status, 200);
+    assert_eq!(as_proto.header("content-type").as_deref(), Some(PROTO));
+    let read = JobEnvelope::from_proto_bytes(&as_proto.body).unwrap();
+    assert_eq!(read.to_json_value().unwrap()["args"], job["args"]);
+    assert_eq!(read.job_type, "email.send");
+    assert_eq!(read.queue, "mail");
+    assert_eq!(read.priority, 7);
+    // JSON in, protobuf out.
+    let pushed = request(
+        addr,
+        "POST",
+        "/ojs/v1/jobs",
+        &h(&[("content-type", "application/json"), ("accept", PROTO)]),
+        Some(br#"{"type":"report.build","args":[{"year":2026}],"options":{"queue":"mail","tags":["q4"]}}"#),
+    )
+    .await;
+    assert_eq!(pushed.status, 201);
+    let back = JobEnvelope::from_proto_bytes(&pushed.body).unwrap();
+    assert_eq!(back.job_type, "report.build");
+    assert_eq!(back.unknown_attributes["tags"], json!(["q4"]));
+    let info = get(addr, &format!("/ojs/v1/jobs/{}", back.id)).await;
+    assert_eq!(info.json()["job"]["tags"], json!(["q4"]));
+    assert_eq!(info.json()["job"]["args"], json!([{"year": 2026}]));
+    // Both are on the embedded broker's queue, as the sinks write them.
+    let dir = server.stop();
+    let on_broker = drain(dir.path(), "mail", 2).await;
+    let ids: Vec<_> = on_broker.iter().map(|j| j.id.as_str()).collect();
+    assert_eq!(ids, [envelope.id.as_str(), back.id.as_str()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_their_named_errors_and_nothing_is_published() {
+    let config = r#"
+[adapters]
+local = "local:./ojs-bridge-data"
+
+[api]
+adapter = "local"
+queues = ["default", "mail.*"]
+max_body_bytes = 2048
+max_batch_jobs = 3
+"#;
+    let server = OjsServer::start(Some(config)).await;
+    let addr = server.addr;
+    let ok_job = json!({"type": "a.b", "args": []});
+    let cases: Vec<BadCase> = vec![
+        (
+            "not JSON",
+            h(&[("content-type", JSON)]),
+            b"{ nope".to_vec(),
+            400,
+            "invalid_payload",
+        ),
+        (
+            "an empty body",
+            h(&[("content-type", JSON)]),
+            Vec::new(),
+            400,
+            "invalid_payload",
+        ),
+        (
+            "protobuf that does not decode",
+            h(&[("content-type", PROTO)]),
+            vec![0x0a, 0xff, 0xff],
+            400,
+            "invalid_payload",
+        ),
+        (
+            "an unsupported content type",
+            h(&[("content-type", "text/plain")]),
+            ok_job.to_string().into_bytes(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "an Accept nothing is served for",
+            h(&[("content-type", JSON), ("accept", "text/html")]),
+            ok_job.to_string().into_bytes(),
+            406,
+            "not_acceptable",
+        ),
+        (
+            "an OJS-Version not spoken",
+            h(&[("content-type", JSON), ("ojs-version", "2.0")]),
+            ok_job.to_string().into_bytes(),
+            422,
+            "unsupported",
+        ),
+        (
+            "a queue outside [api] queues",
+            h(&[("content-type", JSON)]),
+            json!({"type": "a.b", "args": [], "options": {"queue": "payroll"}})
+                .to_string()
+                .into_bytes(),
+            404,
+            "not_found",
+        ),
+        (
+            "a body over max_body_bytes",
+            h(&[("content-type", JSON)]),
+            json!({"type": "a.b", "args": ["x".repeat(4000)]})
+                .to_string()
+                .into_bytes(),
+            413,
+            "payload_too_large",
+        ),
+    ];
+    for (what, headers, body, status, code) in cases {
+        let a = request(addr, "POST", "/ojs/v1/jobs", &headers, Some(&body)).await;
+        assert_eq!(a.status, status, "{what}: {:?}", a.body);
+        let e = &a.json()["error"];
+        assert_eq!(e["code"], code, "{what}");
+        assert_eq!(e["retryable"], false, "{what}");
+        assert!(
+            e["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{what}"
+        );
+        assert_eq!(a.header("content-type").as_deref(), Some(JSON), "{what}");
+        assert_eq!(a.header("ojs-version").as_deref(), Some("1.0"), "{what}");
+        assert_eq!(
+            e["request_id"].as_str(),
+            a.header("x-request-id").as_deref(),
+            "{what}"
+        );
+    }
+    // A batch over max_batch_jobs, and one with a bad job: all or nothing.
+    let four = json!({"jobs": [ok_job, ok_job, ok_job, ok_job]});
+    let a = post_json(addr, "/ojs/v1/jobs/batch", &four).await;
+    assert_eq!(a.status, 413);
+    let id = ojs_core::envelope::new_job_id();
+    let mixed = json!({"jobs": [
+        {"type": "a.b", "args": [], "id": id},
+        {"type": "Bad Type", "args": []},
+    ]});
+    let a = post_json(addr, "/ojs/v1/jobs/batch", &mixed).await;
+    assert_eq!(a.status, 400);
+    assert_eq!(a.json()["error"]["details"]["index"], 1);
+    assert_eq!(get(addr, &format!("/ojs/v1/jobs/{id}")).await.status, 404);
+    // A client that stops in the middle of its body: the listener goes on.
+    let mut cut = tokio::net::TcpStream::connect(addr).await.unwrap();
+    cut.write_all(b"POST /ojs/v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"type\":\"a.b\",")
+        .await
+        .unwrap();
+    drop(cut);
+    // The request id a client sends comes back.
+    let a = request(
+        addr,
+        "POST",
+        "/ojs/v1/jobs",
+        &h(&[("content-type", JSON), ("x-request-id", "trace-42")]),
+        Some(
+            json!({"type": "a.b", "args": [1], "options": {"queue": "mail.eu"}})
+                .to_string()
+                .as_bytes(),
+        ),
+    )
+    .await;
+    assert_eq!(a.status, 201);
+    assert_eq!(a.header("x-request-id").as_deref(), Some("trace-42"));
+    assert!(a
+        .header("location")
+        .unwrap()
+        .ends_with(a.json()["job"]["id"].as_str().unwrap()));
+    // Duplicate id → 409, the first job unchanged.
+    let first = post_json(
+        addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "a.b", "args": [1], "id": id}),
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    let again = post_json(
+        addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "a.b", "args": [2], "id": id}),
+    )
+    .await;
+    assert_eq!(again.status, 409);
+    assert_eq!(again.json()["error"]["code"], "duplicate");
+    assert_eq!(
+        get(addr, &format!("/ojs/v1/jobs/{id}")).await.json()["job"]["args"],
+        json!([1])
+    );
+    let dir = server.stop();
+    // Exactly the two accepted jobs reached the broker.
+    assert_eq!(drain(dir.path(), "mail.eu", 1).await.len(), 1);
+    assert_eq!(drain(dir.path(), "default", 1).await[0].id, id);
+    assert!(drain(dir.path(), "payroll", 0).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_job_reaches_the_broker_when_due_across_a_restart() {
+    let server = OjsServer::start(None).await;
+    let pushed = post_json(
+        server.addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "later.job", "args": [], "options": {"delay_until": "+PT4S", "queue": "later"}}),
+    )
+    .await;
+    assert_eq!(pushed.status, 201);
+    let id = pushed.json()["job"]["id"].as_str().unwrap().to_owned();
+    assert_eq!(pushed.json()["job"]["state"], "scheduled");
+    // And one cancelled before it is due: it must never arrive.
+    let cancelled = post_json(
+        server.addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "later.job", "args": [], "options": {"delay_until": "+PT4S", "queue": "later"}}),
+    )
+    .await;
+    let cancelled_id = cancelled.json()["job"]["id"].as_str().unwrap().to_owned();
+    let c = request(
+        server.addr,
+        "DELETE",
+        &format!("/ojs/v1/jobs/{cancelled_id}"),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(c.status, 200);
+    assert_eq!(c.json()["job"]["state"], "cancelled");
+    assert_eq!(c.json()["job"]["previous_state"], "scheduled");
+    let dir = server.stop();
+    // Not on the broker before its time.
+    assert!(drain(dir.path(), "later", 0).await.is_empty());
+    let server = OjsServer::start_in(dir, None).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let state =
+            get(server.addr, &format!("/ojs/v1/jobs/{id}")).await.json()["job"]["state"].clone();
+        if state == "available" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still {state} after 15 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let dir = server.stop();
+    let arrived = drain(dir.path(), "later", 1).await;
+    assert_eq!(arrived.len(), 1);
+    assert_eq!(arrived[0].id, id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_is_down_fails_the_push_and_stores_nothing() {
+    // Port 1 on loopback: nothing listens; the daemon starts and waits.
+    let config = r#"
+[adapters.rabbit]
+url = "amqp://guest:guest@127.0.0.1:1/%2f"
+
+[api]
+adapter = "rabbit"
+"#;
+    let server = OjsServer::start(Some(config)).await;
+    let id = ojs_core::envelope::new_job_id();
+    let started = Instant::now();
+    let a = post_json(
+        server.addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "a.b", "args": [], "id": id}),
+    )
+    .await;
+    println!(
+        "push with the broker down answered {} in {:?}",
+        a.status,
+        started.elapsed()
+    );
+    assert_eq!(a.status, 503, "{:?}", a.body);
+    let e = &a.json()["error"];
+    assert_eq!(e["retryable"], true);
+    assert_eq!(a.header("retry-after").as_deref(), Some("1"));
+    assert!(
+        !a.body.windows(5).any(|w| w == b"guest"),
+        "no credentials in the answer"
+    );
+    // Nothing half-stored: the same id can be pushed again later.
+    assert_eq!(
+        get(server.addr, &format!("/ojs/v1/jobs/{id}")).await.status,
+        404
+    );
+    let health = get(server.addr, "/ojs/v1/health").await;
+    assert_eq!(health.status, 503);
+    assert_eq!(health.json()["backend"]["status"], "disconnected");
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_kept_alive_across_requests() {
+    let server = OjsServer::start(None).await;
+    let stream = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    for i in 0..20 {
+        let body = json!({"type": "a.b", "args": [i]}).to_string();
+        let req = hyper::Request::post("/ojs/v1/jobs")
+            .header("host", "x")
+            .header("content-type", JSON)
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .unwrap();
+        sender.ready().await.expect("the connection stays open");
+        let r = sender
+            .send_request(req)
+            .await
+            .expect("the connection stays open");
+        assert_eq!(r.status(), 201);
+        let _ = http_body_util::BodyExt::collect(r.into_body())
+            .await
+            .unwrap();
+    }
+    let queues = get(server.addr, "/ojs/v1/queues").await.json();
+    assert_eq!(queues["queues"][0]["name"], "default");
+    let events: Value = get(server.addr, "/ojs/v1/events?types=job.enqueued&limit=5")
+        .await
+        .json();
+    assert_eq!(events["events"].as_array().unwrap().len(), 5);
+    assert_eq!(events["has_more"], true);
+    server.stop();
+}

@@ -1,0 +1,614 @@
+//! The official OJS conformance cases (`../shared/conformance/ojs-conformance`,
+//! unchanged from the OJS project) replayed against a real `ojs-bridge run`
+//! process over HTTP: on the embedded default and with `[api] adapter` on
+//! RabbitMQ, Kafka and SQS. Each run prints `N passed, N failed` per folder
+//! and the cases it skips with the reason; every level-0 case that needs no
+//! worker must pass.
+//!
+//! The case format (steps, templates, matchers) is described in the
+//! README of that folder; [`replay`] implements it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ojs_bridge_tests::brokers::{find, missing, Broker};
+use serde_json::{json, Value};
+
+use crate::ojs_server::{request, OjsServer};
+
+fn cases_dir() -> Option<PathBuf> {
+    let dir =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/conformance/ojs-conformance");
+    if dir.join("level-0-core").is_dir() {
+        Some(dir)
+    } else {
+        missing(
+            "the OJS conformance cases",
+            "../shared/conformance/ojs-conformance is not there",
+        )
+    }
+}
+
+/// One case file.
+struct Case {
+    folder: String,
+    file: String,
+    case: Value,
+}
+
+fn load_cases(dir: &Path) -> Vec<Case> {
+    let mut cases = Vec::new();
+    let mut folders: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.path())
+        .collect();
+    folders.sort();
+    for folder in folders {
+        let mut files = Vec::new();
+        collect_json(&folder, &mut files);
+        files.sort();
+        for file in files {
+            let case: Value = serde_json::from_slice(&std::fs::read(&file).unwrap())
+                .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            cases.push(Case {
+                folder: folder.file_name().unwrap().to_string_lossy().into_owned(),
+                file: file.strip_prefix(dir).unwrap().display().to_string(),
+                case,
+            });
+        }
+    }
+    cases
+}
+
+fn collect_json(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap().filter_map(Result::ok) {
+        let p = entry.path();
+        if p.is_dir() {
+            collect_json(&p, out);
+        } else if p.extension().is_some_and(|e| e == "json") {
+            out.push(p);
+        }
+    }
+}
+
+/// Why a case is not run here, if it is not.
+fn skip_reason(case: &Value) -> Option<&'static str> {
+    let steps = case["steps"].as_array()?;
+    let paths = steps
+        .iter()
+        .chain(case["setup"]["steps"].as_array().into_iter().flatten())
+        .filter_map(|s| s["path"].as_str());
+    let mut reason = None;
+    for path in paths {
+        if path.contains("/workers/") {
+            return Some("needs the worker side (FETCH/ACK/NACK/heartbeat), not served yet");
+        }
+        if path.contains("/dead-letter") {
+            reason = Some("needs dead letters through the API, not served yet");
+        }
+        if path.contains("/cron") {
+            reason = Some("cron is not served");
+        }
+        if path.contains("/queues/") {
+            reason = Some("queue pause/resume/stats are not served");
+        }
+        if path.contains("/jobs") && case["category"] == "unique" {
+            reason = Some("unique jobs are not enforced yet (the policy is kept on the job)");
+        }
+    }
+    reason
+}
+
+/// The whole report of one run.
+#[derive(Default)]
+struct Report {
+    /// folder → (passed, failed, skipped)
+    folders: BTreeMap<String, (usize, usize, usize)>,
+    failures: Vec<(String, String)>,
+    skipped: Vec<(String, &'static str)>,
+}
+
+async fn run_all(server: &OjsServer, dir: &Path) -> Report {
+    let mut report = Report::default();
+    for c in load_cases(dir) {
+        let entry = report.folders.entry(c.folder.clone()).or_default();
+        if let Some(reason) = skip_reason(&c.case) {
+            entry.2 += 1;
+            report.skipped.push((c.file.clone(), reason));
+            continue;
+        }
+        match replay(server, &c.case).await {
+            Ok(()) => entry.0 += 1,
+            Err(why) => {
+                entry.1 += 1;
+                report.failures.push((c.file.clone(), why));
+            }
+        }
+    }
+    for (folder, (passed, failed, skipped)) in &report.folders {
+        println!("{folder}: {passed} passed, {failed} failed ({skipped} skipped)");
+    }
+    for (file, why) in &report.failures {
+        println!("FAILED {file}: {why}");
+    }
+    for (file, reason) in &report.skipped {
+        println!("skipped {file}: {reason}");
+    }
+    report
+}
+
+/// Replays one case; the first assertion that does not hold, if any.
+async fn replay(server: &OjsServer, case: &Value) -> Result<(), String> {
+    let mut responses: BTreeMap<String, Value> = BTreeMap::new();
+    let setup = case["setup"]["steps"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let steps = case["steps"].as_array().cloned().unwrap_or_default();
+    for step in setup.iter().chain(&steps) {
+        let id = step["id"].as_str().unwrap_or("?").to_owned();
+        let action = step["action"].as_str().unwrap_or("");
+        match action {
+            "WAIT" => {
+                let ms = step["duration_ms"]
+                    .as_u64()
+                    .or(step["delay_ms"].as_u64())
+                    .unwrap_or(0);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                continue;
+            }
+            "ASSERT" => continue,
+            _ => {}
+        }
+        if let Some(ms) = step["delay_ms"].as_u64() {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        let path = fill_str(step["path"].as_str().unwrap_or(""), &responses);
+        let mut headers: Vec<(String, String)> = step["headers"]
+            .as_object()
+            .map(|h| {
+                h.iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_owned()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let body = match (&step["raw_body"], &step["body"]) {
+            (Value::String(raw), _) => Some(raw.clone().into_bytes()),
+            (_, Value::Null) => None,
+            (_, body) => Some(fill(body, &responses).to_string().into_bytes()),
+        };
+        if body.is_some()
+            && !headers
+                .iter()
+                .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+        {
+            headers.push(("Content-Type".into(), "application/openjobspec+json".into()));
+        }
+        let answer = request(server.addr, action, &path, &headers, body.as_deref()).await;
+        let parsed: Value = serde_json::from_slice(&answer.body).unwrap_or(Value::Null);
+        let assertions = fill(&step["assertions"], &responses);
+        check_step(&id, &answer, &parsed, &assertions)?;
+        responses.insert(
+            id,
+            json!({"response": {"status": answer.status, "body": parsed}}),
+        );
+    }
+    Ok(())
+}
+
+fn check_step(
+    id: &str,
+    answer: &crate::ojs_server::Answer,
+    body: &Value,
+    assertions: &Value,
+) -> Result<(), String> {
+    let fail = |what: String| {
+        Err(format!(
+            "{id}: {what}; got {} {}",
+            answer.status,
+            String::from_utf8_lossy(&answer.body)
+                .chars()
+                .take(400)
+                .collect::<String>()
+        ))
+    };
+    if let Some(expected) = assertions.get("status") {
+        if !status_matches(expected, answer.status) {
+            return fail(format!("status should be {expected}"));
+        }
+    }
+    if let Some(list) = assertions["status_in"].as_array() {
+        if !list
+            .iter()
+            .any(|s| s.as_u64() == Some(u64::from(answer.status)))
+        {
+            return fail(format!("status should be one of {list:?}"));
+        }
+    }
+    if let Some(headers) = assertions["headers"].as_object() {
+        for (name, expected) in headers {
+            let got = answer.header(name).unwrap_or_default();
+            let ok = match expected {
+                Value::String(s) => {
+                    let essence = |v: &str| {
+                        v.split(';')
+                            .next()
+                            .unwrap_or("")
+                            .trim()
+                            .to_ascii_lowercase()
+                    };
+                    if name.eq_ignore_ascii_case("content-type") {
+                        essence(&got) == essence(s)
+                    } else {
+                        &got == s
+                    }
+                }
+                other => matches(other, Some(&json!(got))),
+            };
+            if !ok {
+                return fail(format!("header {name} should be {expected}, is {got:?}"));
+            }
+        }
+    }
+    if let Some(paths) = assertions["body"].as_object() {
+        for (path, matcher) in paths {
+            let found = json_path(body, path);
+            let ok = if found.is_empty() {
+                matches(matcher, None)
+            } else {
+                found.iter().all(|v| matches(matcher, Some(v)))
+            };
+            if !ok {
+                return fail(format!("{path} should match {matcher}, is {found:?}"));
+            }
+        }
+    }
+    if let Some(paths) = assertions["body_absent"].as_array() {
+        for path in paths.iter().filter_map(Value::as_str) {
+            if !json_path(body, path).is_empty() {
+                return fail(format!("{path} should be absent"));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn status_matches(expected: &Value, got: u16) -> bool {
+    let got = f64::from(got);
+    match expected {
+        Value::Number(n) => n.as_f64() == Some(got),
+        Value::String(s) => {
+            if let Some(list) = s.strip_prefix("one_of:") {
+                list.split(',')
+                    .any(|x| x.trim().parse::<f64>().ok() == Some(got))
+            } else {
+                matches(expected, Some(&json!(got as u64)))
+            }
+        }
+        Value::Object(_) => matches(expected, Some(&json!(got as u64))),
+        _ => false,
+    }
+}
+
+/// Whether `value` (`None`: absent) satisfies the matcher.
+fn matches(matcher: &Value, value: Option<&Value>) -> bool {
+    match matcher {
+        Value::String(s) => match s.as_str() {
+            "absent" => value.is_none(),
+            "any" => true,
+            "string:uuidv7" => value.and_then(Value::as_str).is_some_and(|v| {
+                regex::Regex::new(
+                    "^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$",
+                )
+                .unwrap()
+                .is_match(v)
+            }),
+            "string:datetime" => value
+                .and_then(Value::as_str)
+                .is_some_and(|v| chrono::DateTime::parse_from_rfc3339(v).is_ok()),
+            "string:nonempty" | "string:non_empty" => {
+                value.and_then(Value::as_str).is_some_and(|v| !v.is_empty())
+            }
+            "array:nonempty" => value
+                .and_then(Value::as_array)
+                .is_some_and(|a| !a.is_empty()),
+            _ => {
+                if let Some(x) = s.strip_prefix("string:contains:") {
+                    return value.and_then(Value::as_str).is_some_and(|v| v.contains(x));
+                }
+                if let Some(n) = s
+                    .strip_prefix("array:min_length:")
+                    .or_else(|| s.strip_prefix("array:min:"))
+                {
+                    let n: usize = n.parse().unwrap_or(0);
+                    return value
+                        .and_then(Value::as_array)
+                        .is_some_and(|a| a.len() >= n);
+                }
+                if let Some(n) = s
+                    .strip_prefix("array:length(")
+                    .and_then(|r| r.strip_suffix(')'))
+                {
+                    let n: usize = n.parse().unwrap_or(0);
+                    return value
+                        .and_then(Value::as_array)
+                        .is_some_and(|a| a.len() == n);
+                }
+                if let Some(r) = s
+                    .strip_prefix("number:range(")
+                    .and_then(|r| r.strip_suffix(')'))
+                {
+                    let (a, b) = r.split_once(',').unwrap_or(("0", "0"));
+                    let (a, b): (f64, f64) = (
+                        a.trim().parse().unwrap_or(0.0),
+                        b.trim().parse().unwrap_or(0.0),
+                    );
+                    return value
+                        .and_then(Value::as_f64)
+                        .is_some_and(|v| v >= a && v <= b);
+                }
+                value == Some(matcher)
+            }
+        },
+        Value::Object(m) if m.keys().any(|k| k.starts_with('$')) => {
+            m.iter().all(|(k, x)| match k.as_str() {
+                "$exists" => x.as_bool() == Some(value.is_some()),
+                "$type" => value.is_some_and(|v| type_name(v) == x.as_str().unwrap_or("")),
+                "$match" => value.and_then(Value::as_str).is_some_and(|v| {
+                    regex::Regex::new(x.as_str().unwrap_or(""))
+                        .unwrap()
+                        .is_match(v)
+                }),
+                "$in" => x
+                    .as_array()
+                    .is_some_and(|list| list.iter().any(|i| matches(i, value))),
+                "$size" => value.and_then(Value::as_array).map(|a| a.len() as u64) == x.as_u64(),
+                "$or" => x
+                    .as_array()
+                    .is_some_and(|list| list.iter().any(|i| matches(i, value))),
+                _ => false,
+            })
+        }
+        Value::Object(m) => m
+            .iter()
+            .all(|(k, x)| matches(x, value.and_then(|v| v.get(k)))),
+        Value::Number(n) => value
+            .and_then(Value::as_f64)
+            .is_some_and(|v| Some(v) == n.as_f64()),
+        other => value == Some(other),
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(n) if n.is_i64() || n.is_u64() => "integer",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+/// The values a JSONPath (`$.a.b`, `$.a[0]`, `$.a[*].b`,
+/// `$.a[?(@.k=='v')]`) selects.
+fn json_path<'a>(root: &'a Value, path: &str) -> Vec<&'a Value> {
+    let mut current = vec![root];
+    let mut rest = path.strip_prefix('$').unwrap_or(path);
+    while !rest.is_empty() {
+        if let Some(r) = rest.strip_prefix('.') {
+            let end = r.find(['.', '[']).unwrap_or(r.len());
+            let key = &r[..end];
+            current = current.into_iter().filter_map(|v| v.get(key)).collect();
+            rest = &r[end..];
+        } else if let Some(r) = rest.strip_prefix('[') {
+            let Some(end) = r.find(']') else {
+                return Vec::new();
+            };
+            // A filter may hold `]` only inside quotes; these cases have none.
+            let inner = &r[..end];
+            rest = &r[end + 1..];
+            if inner == "*" {
+                current = current
+                    .into_iter()
+                    .flat_map(|v| match v {
+                        Value::Array(a) => a.iter().collect::<Vec<_>>(),
+                        Value::Object(m) => m.values().collect(),
+                        _ => Vec::new(),
+                    })
+                    .collect();
+            } else if let Some(filter) =
+                inner.strip_prefix("?(@.").and_then(|f| f.strip_suffix(')'))
+            {
+                let (key, want) = filter.split_once("==").unwrap_or((filter, ""));
+                let want = want.trim().trim_matches('\'').trim_matches('"');
+                current = current
+                    .into_iter()
+                    .filter_map(Value::as_array)
+                    .flatten()
+                    .filter(|item| match item.get(key.trim()) {
+                        Some(Value::String(s)) => s == want,
+                        Some(other) => {
+                            serde_json::from_str::<Value>(want).ok().as_ref() == Some(other)
+                        }
+                        None => false,
+                    })
+                    .collect();
+            } else if let Ok(i) = inner.parse::<usize>() {
+                current = current.into_iter().filter_map(|v| v.get(i)).collect();
+            } else {
+                let key = inner.trim_matches('\'').trim_matches('"');
+                current = current.into_iter().filter_map(|v| v.get(key)).collect();
+            }
+        } else {
+            return Vec::new();
+        }
+    }
+    current
+}
+
+/// `{{steps.<id>.response.body.<path>}}` in every string of `v`.
+fn fill(v: &Value, responses: &BTreeMap<String, Value>) -> Value {
+    match v {
+        Value::String(s) => {
+            let t = s.trim();
+            if t.starts_with("{{") && t.ends_with("}}") && t.matches("{{").count() == 1 {
+                if let Some(found) = lookup(&t[2..t.len() - 2], responses) {
+                    return found;
+                }
+            }
+            Value::String(fill_str(s, responses))
+        }
+        Value::Array(a) => Value::Array(a.iter().map(|x| fill(x, responses)).collect()),
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .map(|(k, x)| (k.clone(), fill(x, responses)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+fn fill_str(s: &str, responses: &BTreeMap<String, Value>) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(start) = rest.find("{{") {
+        out.push_str(&rest[..start]);
+        let Some(end) = rest[start..].find("}}") else {
+            out.push_str(&rest[start..]);
+            return out;
+        };
+        let expr = &rest[start + 2..start + end];
+        match lookup(expr.trim(), responses) {
+            Some(Value::String(v)) => out.push_str(&v),
+            Some(v) => out.push_str(&v.to_string()),
+            None => out.push_str(&rest[start..start + end + 2]),
+        }
+        rest = &rest[start + end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+fn lookup(expr: &str, responses: &BTreeMap<String, Value>) -> Option<Value> {
+    let rest = expr.strip_prefix("steps.")?;
+    let (id, path) = rest.split_once('.')?;
+    let mut v = responses.get(id)?;
+    for key in path.split('.') {
+        v = v.get(key)?;
+    }
+    Some(v.clone())
+}
+
+/// Level-0 cases that need no worker must all pass.
+fn assert_level_0(report: &Report) {
+    let failed: Vec<_> = report
+        .failures
+        .iter()
+        .filter(|(file, _)| file.starts_with("level-0-core"))
+        .collect();
+    let (passed, _, _) = report
+        .folders
+        .get("level-0-core")
+        .copied()
+        .unwrap_or_default();
+    assert!(passed >= 30, "only {passed} level-0 cases ran and passed");
+    assert!(failed.is_empty(), "level-0 cases failed: {failed:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_cases_pass_on_the_embedded_default() {
+    let Some(dir) = cases_dir() else { return };
+    let server = OjsServer::start(None).await;
+    let report = run_all(&server, &dir).await;
+    assert_level_0(&report);
+    server.stop();
+}
+
+async fn on_broker(broker: Broker, adapter: impl FnOnce(&str, &str) -> String) {
+    let Some(dir) = cases_dir() else { return };
+    let Some(endpoint) = find(broker).await else {
+        return;
+    };
+    // Queue names of their own, so that a run never meets another's jobs.
+    let prefix = ojs_bridge_tests::brokers::unique_queue("conf");
+    let config = format!(
+        "[adapters.broker]\n{}\n\n[api]\nadapter = \"broker\"\n",
+        adapter(&endpoint.url, &prefix)
+    );
+    let server = OjsServer::start(Some(&config)).await;
+    let report = run_all(&server, &dir).await;
+    assert_level_0(&report);
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_cases_pass_on_rabbitmq() {
+    on_broker(Broker::RabbitMq, |url, prefix| {
+        format!("url = \"{url}\"\nqueue_template = \"{prefix}.{{queue}}\"")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_cases_pass_on_kafka() {
+    on_broker(Broker::Kafka, |url, prefix| {
+        format!("url = \"{url}\"\ntopic_template = \"{prefix}.{{queue}}\"\npartitions = 1")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_cases_pass_on_sqs() {
+    on_broker(Broker::Sqs, |url, prefix| {
+        format!("url = \"{url}\"\nprefix = \"{prefix}-\"")
+    })
+    .await;
+}
+
+#[test]
+fn the_matchers_read_the_case_format() {
+    let body = json!({"job": {"id": "019539a4-aaaa-7000-8000-111111111111", "args": [1, {"a": "b"}],
+                              "list": [{"k": "v", "n": 1}, {"k": "w", "n": 2}]}});
+    assert_eq!(json_path(&body, "$.job.args[1].a"), vec![&json!("b")]);
+    assert_eq!(json_path(&body, "$.job.list[*].n").len(), 2);
+    assert_eq!(json_path(&body, "$.job.list[?(@.k=='w')]")[0]["n"], 2);
+    assert!(matches(&json!("string:uuidv7"), Some(&body["job"]["id"])));
+    assert!(!matches(
+        &json!("string:uuidv7"),
+        Some(&json!("550e8400-e29b-41d4-a716-446655440000"))
+    ));
+    assert!(matches(&json!("absent"), None));
+    assert!(!matches(&json!("absent"), Some(&json!(1))));
+    assert!(matches(
+        &json!({"$exists": true, "$type": "string"}),
+        Some(&json!("x"))
+    ));
+    assert!(matches(&json!("number:range(400,422)"), Some(&json!(409))));
+    assert!(!matches(&json!("number:range(400,422)"), Some(&json!(500))));
+    assert!(matches(&json!(3.0), Some(&json!(3))));
+    assert!(status_matches(&json!("one_of:409,422"), 422));
+    assert!(!status_matches(&json!(201), 200));
+    let mut responses = BTreeMap::new();
+    responses.insert(
+        "step-1".to_owned(),
+        json!({"response": {"body": {"job": {"id": "abc", "n": 4}}}}),
+    );
+    assert_eq!(
+        fill_str(
+            "/ojs/v1/jobs/{{steps.step-1.response.body.job.id}}",
+            &responses
+        ),
+        "/ojs/v1/jobs/abc"
+    );
+    assert_eq!(
+        fill(&json!("{{steps.step-1.response.body.job.n}}"), &responses),
+        json!(4)
+    );
+}

@@ -1,0 +1,175 @@
+//! A real `ojs-bridge run` process serving the OJS API on a free loopback
+//! port, and a plain HTTP/1.1 client for it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use ojs_bridge_tests::tempdir::TempDir;
+
+/// A daemon process in a directory of its own; killed (by its PID) when
+/// dropped.
+pub struct OjsServer {
+    child: Child,
+    pub addr: SocketAddr,
+    pub dir: TempDir,
+}
+
+impl OjsServer {
+    /// `ojs-bridge run` (with `config` as its file, else the built-in
+    /// default) in a fresh directory, listening on a free port.
+    pub async fn start(config: Option<&str>) -> OjsServer {
+        let dir = TempDir::new("ojs-api");
+        OjsServer::start_in(dir, config).await
+    }
+
+    /// The same in `dir` (a restart keeps the data directory).
+    pub async fn start_in(dir: TempDir, config: Option<&str>) -> OjsServer {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"));
+        command
+            .current_dir(dir.path())
+            .env("OJS_BRIDGE_HTTP_LISTEN", "127.0.0.1:0")
+            .arg("run");
+        if let Some(text) = config {
+            let file: PathBuf = dir.path().join("bridge.toml");
+            std::fs::write(&file, text).unwrap();
+            command.args(["--config", file.to_str().unwrap()]);
+        }
+        let mut child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                eprintln!("[daemon] {line}");
+                let _ = tx.send(line);
+            }
+        });
+        let addr = tokio::task::spawn_blocking(move || loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("the daemon says where it listens");
+            if let Some(rest) = line.split("health on http://").nth(1) {
+                let addr = rest.split('/').next().unwrap();
+                break addr.parse::<SocketAddr>().unwrap();
+            }
+        })
+        .await
+        .unwrap();
+        OjsServer { child, addr, dir }
+    }
+
+    /// SIGTERM by PID; the daemon must exit 0. Hands back its directory.
+    pub fn stop(mut self) -> TempDir {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        assert!(self.child.wait().unwrap().success(), "SIGTERM must exit 0");
+        let dir = TempDir::new("ojs-api-moved");
+        std::mem::replace(&mut self.dir, dir)
+    }
+}
+
+impl Drop for OjsServer {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Bytes,
+}
+
+impl Answer {
+    /// A header's value (names compare case-insensitively).
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+    }
+
+    /// The body as JSON (`Null` when it is not JSON).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+/// One request on a new connection.
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(String, String)],
+    body: Option<&[u8]>,
+) -> Answer {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let mut builder = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string());
+    for (k, v) in headers {
+        builder = builder.header(k.as_str(), v.as_str());
+    }
+    let request = builder
+        .body(Full::new(Bytes::from(
+            body.map(<[u8]>::to_vec).unwrap_or_default(),
+        )))
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response.status().as_u16();
+    let headers = response
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_owned()))
+        .collect();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    Answer {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// A JSON POST.
+pub async fn post_json(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Answer {
+    request(
+        addr,
+        "POST",
+        path,
+        &[("content-type".into(), "application/openjobspec+json".into())],
+        Some(body.to_string().as_bytes()),
+    )
+    .await
+}
+
+/// A GET.
+pub async fn get(addr: SocketAddr, path: &str) -> Answer {
+    request(addr, "GET", path, &[], None).await
+}
