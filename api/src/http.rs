@@ -320,12 +320,12 @@ fn read_batch(api: &Api, request: &Request<Bytes>) -> Result<Vec<Job>, ApiError>
 
 /// The job as a protobuf `JobEnvelope`: the binding's fields the envelope
 /// has no number for ride in its unknown attributes.
-fn job_proto(job: &Job) -> Result<ojs_core::JobEnvelope, ApiError> {
+fn job_proto(job: &Job) -> ojs_core::JobEnvelope {
     let mut e = job.envelope.clone();
     for (k, v) in &job.extra {
         e.unknown_attributes.insert(k.clone(), v.clone());
     }
-    Ok(e)
+    e
 }
 
 fn job_response(
@@ -341,7 +341,7 @@ fn job_response(
             request_id,
         ));
     }
-    let bytes = job_proto(job)?
+    let bytes = job_proto(job)
         .to_proto_bytes()
         .map_err(job::invalid_envelope)?;
     Ok(proto_response(status, bytes, request_id))
@@ -360,7 +360,7 @@ fn batch_response(
             request_id,
         ));
     }
-    let envelopes = jobs.iter().map(job_proto).collect::<Result<Vec<_>, _>>()?;
+    let envelopes: Vec<_> = jobs.iter().map(job_proto).collect();
     let bytes = ojs_core::stream::encode_batch(&envelopes).map_err(job::invalid_envelope)?;
     Ok(proto_response(201, bytes, request_id))
 }

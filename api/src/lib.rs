@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use ojs_core::glob::Glob;
 use ojs_core::{Encoding, JobState, OutgoingMessage, QueueAdapter};
 use serde_json::{json, Value};
 use tokio::sync::{watch, Notify};
@@ -32,9 +33,8 @@ pub use store::{Store, StoreError};
 /// The API's settings, built once from `[api]`.
 #[derive(Debug, Clone)]
 pub struct ApiSettings {
-    /// Queues a client may name (globs, `*` any run of characters); empty:
-    /// any queue.
-    pub queues: Vec<String>,
+    /// Queues a client may name; empty: any queue.
+    pub queues: Vec<Glob>,
     /// How jobs are written to the broker: [`Encoding::OjsProto`] (the
     /// sinks' default) or [`Encoding::OjsJson`].
     pub encoding: Encoding,
@@ -82,21 +82,6 @@ const SCHEDULER_BATCH: usize = 500;
 /// same store is found this late at most.
 const SCHEDULER_TICK: Duration = Duration::from_millis(500);
 
-/// `*` matches any run of characters; everything else itself.
-fn glob_match(pattern: &str, name: &str) -> bool {
-    match pattern.split_once('*') {
-        None => pattern == name,
-        Some((head, rest)) => {
-            let Some(tail) = name.strip_prefix(head) else {
-                return false;
-            };
-            (0..=tail.len())
-                .filter(|i| tail.is_char_boundary(*i))
-                .any(|i| glob_match(rest, &tail[i..]))
-        }
-    }
-}
-
 impl Api {
     /// Opens the store and serves `adapter` (named `adapter_name` in the
     /// configuration).
@@ -130,7 +115,7 @@ impl Api {
 
     /// Whether clients may name `queue`.
     pub fn serves_queue(&self, queue: &str) -> bool {
-        self.settings.queues.is_empty() || self.settings.queues.iter().any(|p| glob_match(p, queue))
+        self.settings.queues.is_empty() || self.settings.queues.iter().any(|g| g.matches(queue))
     }
 
     /// PUSH of one or more jobs, all or nothing: validated (by the caller,
@@ -322,10 +307,8 @@ impl Api {
     pub async fn queues(&self) -> Result<Value, ApiError> {
         let mut seen: BTreeMap<String, DateTime<Utc>> =
             self.store.queues().await?.into_iter().collect();
-        for q in &self.settings.queues {
-            if !q.contains('*') {
-                seen.entry(q.clone()).or_insert(self.started_at);
-            }
+        for q in self.settings.queues.iter().filter_map(Glob::literal) {
+            seen.entry(q.to_owned()).or_insert(self.started_at);
         }
         let queues: Vec<Value> = seen
             .into_iter()
@@ -391,11 +374,13 @@ impl Api {
                 .push(job);
         }
         for (queue, jobs) in by_queue {
+            // The time the broker's copy and the store both say it was enqueued.
+            let now = ojs_core::envelope::now_millis();
             let mut ids = Vec::with_capacity(jobs.len());
             let mut messages = Vec::with_capacity(jobs.len());
             for mut job in jobs {
                 job.envelope.state = Some(JobState::Available);
-                job.envelope.enqueued_at = Some(Utc::now());
+                job.envelope.enqueued_at = Some(now);
                 match self.message(&job) {
                     Ok(m) => {
                         ids.push(job.envelope.id.clone());
@@ -413,7 +398,7 @@ impl Api {
                     ids.into_iter().filter(|id| !failed.contains(id)).collect()
                 }
             };
-            self.store.promote(published, Utc::now()).await?;
+            self.store.promote(published, now).await?;
         }
         Ok(more)
     }
@@ -448,21 +433,5 @@ impl Api {
                 tracing::warn!(%queue, failed = failed.len(), error = %error, "republishing unconfirmed jobs failed; tried again at the next start");
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::glob_match;
-
-    #[test]
-    fn globs() {
-        assert!(glob_match("orders", "orders"));
-        assert!(!glob_match("orders", "orders2"));
-        assert!(glob_match("mail.*", "mail.eu"));
-        assert!(!glob_match("mail.*", "mail"));
-        assert!(glob_match("*", "anything"));
-        assert!(glob_match("a*c*e", "abcde"));
-        assert!(!glob_match("a*c*e", "abcd"));
     }
 }

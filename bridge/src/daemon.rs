@@ -311,6 +311,12 @@ impl Daemon {
         }
         let api =
             match &config.api {
+                // Nothing to serve it on (`OJS_BRIDGE_HTTP_LISTEN=off` with the
+                // built-in default): the daemon runs without it, as before.
+                Some(_) if config.http.listen == "off" => {
+                    tracing::info!("http.listen is off: the OJS HTTP API of [api] is not served");
+                    None
+                }
                 Some(api) => {
                     let adapter = adapters.get(&api.adapter).cloned().ok_or_else(|| {
                         ConfigError::Invalid {
@@ -321,23 +327,7 @@ impl Daemon {
                             ),
                         }
                     })?;
-                    let state_dir =
-                        api.state_dir(&config.adapters)
-                            .map_err(|reason| ConfigError::Invalid {
-                                field: "api.state".into(),
-                                reason,
-                            })?;
-                    let settings = ojs_api::ApiSettings {
-                        queues: api.queues.clone(),
-                        encoding: match api.encoding {
-                            crate::config::EnvelopeEncoding::Proto => Encoding::OjsProto,
-                            crate::config::EnvelopeEncoding::Json => Encoding::OjsJson,
-                        },
-                        max_body_bytes: api.max_body_bytes,
-                        max_batch_jobs: api.max_batch_jobs,
-                        retention: api.retention,
-                        state_dir,
-                    };
+                    let settings = api.settings(&config.adapters)?;
                     Some(
                         ojs_api::Api::open(settings, adapter, api.adapter.clone())
                             .await

@@ -25,6 +25,7 @@ mod error;
 pub mod federation;
 #[doc(hidden)]
 pub mod fuzz_targets;
+pub mod glob;
 pub mod grpcq;
 pub mod mapping;
 pub mod redact;

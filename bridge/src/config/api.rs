@@ -39,14 +39,15 @@ pub struct ApiConfig {
     pub retention: Duration,
 }
 
+// The defaults are the API's own, written once (`ojs_api::ApiSettings`).
 fn default_max_body_bytes() -> usize {
-    4 << 20
+    ojs_api::ApiSettings::default().max_body_bytes
 }
 fn default_max_batch_jobs() -> usize {
-    1000
+    ojs_api::ApiSettings::default().max_batch_jobs
 }
 fn default_retention() -> Duration {
-    Duration::from_secs(7 * 86_400)
+    ojs_api::ApiSettings::default().retention
 }
 
 impl ApiConfig {
@@ -70,6 +71,34 @@ impl ApiConfig {
             .map_err(|e| e.to_string())
     }
 
+    /// The API's runtime settings, built once from these.
+    pub fn settings(
+        &self,
+        adapters: &BTreeMap<String, AdapterEntry>,
+    ) -> Result<ojs_api::ApiSettings, ConfigError> {
+        ConfigError::all(self.problems(adapters))?;
+        let state_dir = self
+            .state_dir(adapters)
+            .map_err(|reason| invalid("api.state", reason))?;
+        let queues = self
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(i, q)| Glob::new(q).map_err(|e| invalid(format!("api.queues[{i}]"), e)))
+            .collect::<Result<_, _>>()?;
+        Ok(ojs_api::ApiSettings {
+            queues,
+            encoding: match self.encoding {
+                EnvelopeEncoding::Proto => ojs_core::Encoding::OjsProto,
+                EnvelopeEncoding::Json => ojs_core::Encoding::OjsJson,
+            },
+            max_body_bytes: self.max_body_bytes,
+            max_batch_jobs: self.max_batch_jobs,
+            retention: self.retention,
+            state_dir,
+        })
+    }
+
     /// Problems with these settings, each with its field.
     pub(crate) fn problems(&self, adapters: &BTreeMap<String, AdapterEntry>) -> Vec<ConfigError> {
         let mut errors = Vec::new();
@@ -87,6 +116,10 @@ impl ApiConfig {
             ));
         }
         for (i, q) in self.queues.iter().enumerate() {
+            if let Err(e) = Glob::new(q) {
+                errors.push(invalid(format!("api.queues[{i}]"), e));
+                continue;
+            }
             let literal = q.replace('*', "a");
             if let Err(e) = ojs_core::envelope::validate_queue_name(&literal) {
                 errors.push(invalid(format!("api.queues[{i}]"), e.to_string()));

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::routes::template::{Glob, Template, TemplateVar};
+use crate::routes::template::{Template, TemplateVar};
+use ojs_core::glob::Glob;
 
 /// The configuration `ojs-bridge run` uses without `--config`: the embedded
 /// broker in `./ojs-bridge-data`, grpcq calls from its `calls` queue become
@@ -535,6 +536,8 @@ impl BridgeConfig {
 
 /// Applies `OJS_BRIDGE_…` overrides to the parsed table:
 /// `OJS_BRIDGE_HTTP_LISTEN` → `http.listen`,
+/// `OJS_BRIDGE_API_ADAPTER` → `api.adapter` (serving the API if the file
+/// did not),
 /// `OJS_BRIDGE_SHUTDOWN_TIMEOUT` → `shutdown_timeout`,
 /// `OJS_BRIDGE_WORKER_THREADS` → `worker_threads`,
 /// `OJS_BRIDGE_ADAPTER_<NAME>` → the URL of `adapters.<name>` (the name
@@ -558,6 +561,14 @@ fn apply_env(table: &mut toml::Table, env: &[(String, String)]) -> Result<(), Co
                 return Err(invalid("http", "must be a table"));
             };
             http.insert("listen".into(), toml::Value::String(value.clone()));
+        } else if name == "API_ADAPTER" {
+            let api = table
+                .entry("api")
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            let toml::Value::Table(api) = api else {
+                return Err(invalid("api", "must be a table"));
+            };
+            api.insert("adapter".into(), toml::Value::String(value.clone()));
         } else if name == "SHUTDOWN_TIMEOUT" {
             table.insert(
                 "shutdown_timeout".into(),

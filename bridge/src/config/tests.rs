@@ -109,6 +109,44 @@ mod rules {
         assert_eq!(c.adapters.len(), 1);
     }
 
+    #[test]
+    fn the_api_table_is_checked_and_may_stand_alone() {
+        let alone = "[adapters]\nrabbit = \"amqp://u:p@127.0.0.1:5672/%2f\"\n[api]\nadapter = \"rabbit\"\nqueues = [\"orders\", \"mail.*\"]\n";
+        let c = BridgeConfig::parse(alone, "t", &[]).unwrap();
+        let api = c.api.as_ref().unwrap();
+        assert!(c.sources.is_empty() && c.routes.is_empty());
+        let settings = api.settings(&c.adapters).unwrap();
+        assert!(settings.queues.iter().any(|g| g.matches("mail.eu")));
+        assert!(!settings.queues.iter().any(|g| g.matches("payroll")));
+        assert_eq!(settings.state_dir, PathBuf::from("./ojs-bridge-data"));
+        assert_eq!(settings.max_batch_jobs, 1000);
+        // The environment names the adapter, even for a file without [api].
+        let env = vec![("OJS_BRIDGE_API_ADAPTER".to_owned(), "local".to_owned())];
+        let c = BridgeConfig::parse(MINIMAL, "t", &env).unwrap();
+        assert_eq!(c.api.map(|a| a.adapter), Some("local".to_owned()));
+        let bad = "[adapters]\nrabbit = \"amqp://127.0.0.1\"\n[api]\nadapter = \"rabit\"\nqueues = [\"\", \"Bad Queue\"]\nstate = \"postgres://db/ojs\"\nmax_batch_jobs = 0\nmax_body_bytes = 10\n";
+        let err = BridgeConfig::parse(bad, "t", &[]).unwrap_err();
+        let ConfigError::Several(problems) = &err else {
+            panic!("expected every problem, got {err}");
+        };
+        let text = err.to_string();
+        for field in [
+            "api.adapter",
+            "api.queues[0]",
+            "api.queues[1]",
+            "api.state",
+            "api.max_batch_jobs",
+            "api.max_body_bytes",
+        ] {
+            assert!(text.contains(field), "{field} missing from {text}");
+        }
+        assert!(problems.len() >= 6);
+        assert!(text.contains("did you mean `rabbit`"), "{text}");
+        let unknown =
+            BridgeConfig::parse("[api]\nadapter = \"a\"\nqueus = []\n", "t", &[]).unwrap_err();
+        assert!(unknown.to_string().contains("queus"), "{unknown}");
+    }
+
     fn error_of(text: &str) -> String {
         parse(text).unwrap_err().to_string()
     }

@@ -16,7 +16,8 @@ use crate::config::{allowed_destinations, EnvelopeEncoding, OutputFormat, RouteC
 pub mod template;
 pub mod transcode;
 
-use template::{Glob, Template, TemplateVar, Vars};
+use ojs_core::glob::Glob;
+use template::{Template, TemplateVar, Vars};
 use transcode::Transcoder;
 
 /// A decoded source message (defined in core, where it is decoded).

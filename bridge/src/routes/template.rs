@@ -4,48 +4,6 @@
 
 use ojs_core::envelope;
 
-/// A `*` wildcard pattern (`*` matches any run of characters, dots
-/// included).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Glob {
-    parts: Vec<String>,
-    exact: bool,
-}
-
-impl Glob {
-    /// Compiles a pattern; empty patterns are refused.
-    pub fn new(pattern: &str) -> Result<Glob, String> {
-        if pattern.is_empty() {
-            return Err("an empty pattern matches nothing; use \"*\" to match everything".into());
-        }
-        Ok(Glob {
-            parts: pattern.split('*').map(str::to_owned).collect(),
-            exact: !pattern.contains('*'),
-        })
-    }
-
-    /// Whether `text` matches.
-    pub fn matches(&self, text: &str) -> bool {
-        if self.exact {
-            return self.parts[0] == text;
-        }
-        let (first, rest) = self.parts.split_first().unwrap_or((&self.parts[0], &[]));
-        let Some(mut remaining) = text.strip_prefix(first.as_str()) else {
-            return false;
-        };
-        let Some((last, middle)) = rest.split_last() else {
-            return true;
-        };
-        for part in middle {
-            match remaining.find(part.as_str()) {
-                Some(at) => remaining = &remaining[at + part.len()..],
-                None => return false,
-            }
-        }
-        remaining.len() >= last.len() && remaining.ends_with(last.as_str())
-    }
-}
-
 /// A placeholder of a [`Template`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TemplateVar {
