@@ -424,3 +424,329 @@ async fn connections_are_kept_alive_across_requests() {
     assert_eq!(events["has_more"], true);
     server.stop();
 }
+
+/// Every job of `queue` on the embedded broker in `dir`, until none comes
+/// for a second (acked: gone afterwards).
+async fn drain_all(dir: &std::path::Path, queue: &str) -> Vec<String> {
+    let url = format!("local:{}", dir.join("ojs-bridge-data").display());
+    let adapter = LocalAdapter::open(LocalConfig::from_url(&url).unwrap())
+        .await
+        .unwrap();
+    let mut consumer = adapter
+        .consumer(queue, ConsumerOptions::default())
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    loop {
+        let batch = consumer
+            .receive(500, Duration::from_millis(1000))
+            .await
+            .unwrap();
+        if batch.is_empty() {
+            return ids;
+        }
+        for d in batch {
+            ids.push(JobEnvelope::from_proto_bytes(&d.payload).unwrap().id);
+            d.ack().await.unwrap();
+        }
+    }
+}
+
+/// Pushes from `tasks` concurrent clients until `stop`; the id and status
+/// of every push (status 0: the connection failed).
+async fn push_until(
+    addr: std::net::SocketAddr,
+    tasks: usize,
+    queue: &'static str,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Vec<(String, u16)> {
+    let mut handles = Vec::new();
+    for _ in 0..tasks {
+        let stop = stop.clone();
+        handles.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            while !*stop.borrow() {
+                let id = ojs_core::envelope::new_job_id();
+                let body =
+                    json!({"type": "load.job", "args": [1], "id": id, "options": {"queue": queue}});
+                let status = match tokio::time::timeout(
+                    Duration::from_secs(10),
+                    crate::ojs_server::try_request(
+                        addr,
+                        "POST",
+                        "/ojs/v1/jobs",
+                        body.to_string().as_bytes(),
+                    ),
+                )
+                .await
+                {
+                    Ok(Some(status)) => status,
+                    _ => 0,
+                };
+                out.push((id, status));
+                if status == 0 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for h in handles {
+        all.extend(h.await.unwrap());
+    }
+    all
+}
+
+/// sent / acknowledged (201) / received / duplicated / lost, printed; lost
+/// must be 0.
+fn tally(what: &str, pushes: &[(String, u16)], received: &[String]) {
+    let acked: std::collections::HashSet<&str> = pushes
+        .iter()
+        .filter(|(_, s)| *s == 201)
+        .map(|(id, _)| id.as_str())
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    let duplicated = received
+        .iter()
+        .filter(|id| !seen.insert(id.as_str()))
+        .count();
+    let lost: Vec<_> = acked.iter().filter(|id| !seen.contains(**id)).collect();
+    println!(
+        "{what}: sent {}, acknowledged {}, refused {}, received {}, duplicated {duplicated}, lost {}",
+        pushes.len(),
+        acked.len(),
+        pushes.iter().filter(|(_, s)| *s != 201).count(),
+        received.len(),
+        lost.len()
+    );
+    assert!(!acked.is_empty(), "{what}: no push was acknowledged");
+    assert!(
+        lost.is_empty(),
+        "{what}: acknowledged jobs not on the broker: {lost:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_with_pushes_in_flight_loses_no_acknowledged_job() {
+    let server = OjsServer::start(None).await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let pushes = tokio::spawn(push_until(server.addr, 32, "load", stop_rx));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let dir = server.kill();
+    // Let the clients see the refused connections, then stop them.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = stop_tx.send(true);
+    let pushes = pushes.await.unwrap();
+    let received = drain_all(dir.path(), "load").await;
+    tally(
+        "kill -9 of the daemon during 32 concurrent PUSH clients",
+        &pushes,
+        &received,
+    );
+    assert!(
+        pushes.iter().any(|(_, s)| *s == 0),
+        "the kill came while pushes were in flight"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_through_a_cut_rabbitmq_connection_lose_no_acknowledged_job() {
+    use ojs_bridge_tests::fault_proxy::{FaultProxy, Mode};
+    let Some(rabbit) =
+        ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::RabbitMq).await
+    else {
+        return;
+    };
+    if ojs_bridge_tests::independent::available().is_none() {
+        return;
+    }
+    let upstream = ojs_bridge_tests::brokers::probe_address(&rabbit.url)
+        .parse()
+        .unwrap();
+    let proxy = FaultProxy::start(upstream).await.unwrap();
+    let prefix = ojs_bridge_tests::brokers::unique_queue("api-cut");
+    let queue = format!("{prefix}.orders");
+    ojs_bridge_tests::independent::run(&["rabbit-queue", &queue]).unwrap();
+    let url = rabbit.url.replacen(
+        rabbit
+            .url
+            .rsplit('@')
+            .next()
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap(),
+        &proxy.host_port(),
+        1,
+    );
+    let config = format!(
+        "[adapters.rabbit]\nurl = \"{url}\"\ntopology = \"existing\"\nexchange = \"\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"rabbit\"\nencoding = \"json\"\n"
+    );
+    let server = OjsServer::start(Some(&config)).await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let pushes = tokio::spawn(push_until(server.addr, 16, "orders", stop_rx));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    proxy.set(Mode::Reset);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxy.set(Mode::Pass);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _ = stop_tx.send(true);
+    let pushes = pushes.await.unwrap();
+    server.stop();
+    let messages = ojs_bridge_tests::independent::lines(&[
+        "rabbit-get",
+        &queue,
+        "--count",
+        "1000000",
+        "--timeout",
+        "3",
+    ])
+    .unwrap();
+    let received: Vec<String> = messages
+        .iter()
+        .map(|m| {
+            let body: Value = serde_json::from_str(m["body"].as_str().unwrap()).unwrap();
+            body["id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let _ = ojs_bridge_tests::independent::run(&["rabbit-delete", &queue]);
+    tally(
+        "RabbitMQ connection reset for 2 s during 16 concurrent PUSH clients",
+        &pushes,
+        &received,
+    );
+    // The adapter reconnected under the pushes (a 201 waits for the
+    // broker's confirm, so pushes during the cut were held or refused).
+    assert!(
+        proxy.accepted() >= 2,
+        "the cut made the adapter connect again ({} connections)",
+        proxy.accepted()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_jobs_land_on_a_rabbitmq_queue_another_client_made_for_a_user_that_cannot_create_anything(
+) {
+    let Some(rabbit) =
+        ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::RabbitMq).await
+    else {
+        return;
+    };
+    if ojs_bridge_tests::independent::available().is_none() {
+        return;
+    }
+    let user = ojs_bridge_tests::brokers::unique_queue("api-user");
+    const PASSWORD: &str = "Api-pw-9f3e-secret";
+    if !ojs_bridge_tests::brokers::rabbitmqctl(&["add_user", &user, PASSWORD]) {
+        ojs_bridge_tests::brokers::missing::<()>("rabbitmqctl", "cannot add a user");
+        return;
+    }
+    // Read and write, configure nothing.
+    assert!(ojs_bridge_tests::brokers::rabbitmqctl(&[
+        "set_permissions",
+        "-p",
+        "/",
+        &user,
+        "^$",
+        ".*",
+        ".*"
+    ]));
+    // Their queue, their name and arguments, made by their client.
+    let prefix = ojs_bridge_tests::brokers::unique_queue("team");
+    let theirs = format!("{prefix}.orders.v2");
+    ojs_bridge_tests::independent::run(&[
+        "rabbit-queue",
+        &theirs,
+        "--arg",
+        "x-max-priority=10",
+        "--arg",
+        "x-max-length=100000",
+    ])
+    .unwrap();
+    let host = rabbit.url.rsplit('@').next().unwrap();
+    let config = format!(
+        "[adapters.theirs]\nurl = \"amqp://{user}:{PASSWORD}@{host}\"\ntopology = \"existing\"\nexchange = \"\"\nqueue_template = \"{prefix}.{{queue}}.v2\"\n\n[api]\nadapter = \"theirs\"\nqueues = [\"orders\", \"missing\"]\nencoding = \"json\"\n"
+    );
+    let server = OjsServer::start_with(
+        ojs_bridge_tests::tempdir::TempDir::new("ojs-api"),
+        Some(&config),
+        &[("OJS_BRIDGE_LOG", "trace")],
+    )
+    .await;
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        let a = post_json(
+            server.addr,
+            "/ojs/v1/jobs",
+            &json!({"type": "order.ship", "args": [i], "meta": {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},
+                    "options": {"queue": "orders", "priority": i % 3}}),
+        )
+        .await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        ids.push(a.json()["job"]["id"].as_str().unwrap().to_owned());
+    }
+    // A queue [api] allows but nobody made: with topology = "existing" the
+    // push is refused, names no secret, and nothing is stored.
+    let id = ojs_core::envelope::new_job_id();
+    let missing = post_json(
+        server.addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "order.ship", "args": [], "id": id, "options": {"queue": "missing"}}),
+    )
+    .await;
+    assert_eq!(missing.status, 503, "{:?}", missing.body);
+    assert!(!String::from_utf8_lossy(&missing.body).contains(PASSWORD));
+    assert_eq!(
+        get(server.addr, &format!("/ojs/v1/jobs/{id}")).await.status,
+        404
+    );
+    let got = ojs_bridge_tests::independent::lines(&[
+        "rabbit-get",
+        &theirs,
+        "--count",
+        "20",
+        "--timeout",
+        "10",
+    ])
+    .unwrap();
+    let server_log = {
+        let log = server.log();
+        server.stop();
+        log
+    };
+    let mut received = Vec::new();
+    for m in &got {
+        let body: Value = serde_json::from_str(m["body"].as_str().unwrap()).unwrap();
+        assert_eq!(m["content_type"], JSON);
+        assert_eq!(m["message_id"], body["id"]);
+        // The job id and type ride in the AMQP properties `message_id` and
+        // `type` (docs/adapters/rabbitmq.md); the other binding headers as headers.
+        assert_eq!(m["headers"]["x-ojs-queue"], "orders");
+        assert_eq!(m["headers"]["x-ojs-specversion"], "1.0");
+        assert_eq!(
+            m["headers"]["traceparent"],
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        );
+        assert_eq!(body["type"], "order.ship");
+        assert_eq!(body["state"], "available");
+        received.push(body["id"].as_str().unwrap().to_owned());
+    }
+    let pushes: Vec<(String, u16)> = ids.iter().map(|id| (id.clone(), 201)).collect();
+    tally(
+        "20 PUSHes onto another team's queue, read by pika",
+        &pushes,
+        &received,
+    );
+    assert_eq!(received.len(), 20, "nothing more, nothing less");
+    let _ = ojs_bridge_tests::independent::run(&["rabbit-delete", &theirs]);
+    let _ = ojs_bridge_tests::brokers::rabbitmqctl(&["delete_user", &user]);
+    assert!(
+        !server_log.contains(PASSWORD),
+        "the password reached the log"
+    );
+    assert!(
+        server_log.contains("TRACE") || server_log.contains("DEBUG"),
+        "the log ran at trace"
+    );
+}

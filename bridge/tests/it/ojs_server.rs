@@ -19,6 +19,8 @@ pub struct OjsServer {
     child: Child,
     pub addr: SocketAddr,
     pub dir: TempDir,
+    /// Every line the daemon wrote to stderr so far.
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl OjsServer {
@@ -31,9 +33,15 @@ impl OjsServer {
 
     /// The same in `dir` (a restart keeps the data directory).
     pub async fn start_in(dir: TempDir, config: Option<&str>) -> OjsServer {
+        OjsServer::start_with(dir, config, &[]).await
+    }
+
+    /// The same with environment variables for the daemon.
+    pub async fn start_with(dir: TempDir, config: Option<&str>, env: &[(&str, &str)]) -> OjsServer {
         let mut command = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"));
         command
             .current_dir(dir.path())
+            .envs(env.iter().copied())
             .env("OJS_BRIDGE_HTTP_LISTEN", "127.0.0.1:0")
             .arg("run");
         if let Some(text) = config {
@@ -48,12 +56,15 @@ impl OjsServer {
             .unwrap();
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = log.clone();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr)
                 .lines()
                 .map_while(Result::ok)
             {
                 eprintln!("[daemon] {line}");
+                kept.lock().unwrap().push(line.clone());
                 let _ = tx.send(line);
             }
         });
@@ -68,7 +79,25 @@ impl OjsServer {
         })
         .await
         .unwrap();
-        OjsServer { child, addr, dir }
+        OjsServer {
+            child,
+            addr,
+            dir,
+            log,
+        }
+    }
+
+    /// What the daemon logged so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    /// SIGKILL by PID (`Child::kill`). Hands back its directory.
+    pub fn kill(mut self) -> TempDir {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        let dir = TempDir::new("ojs-api-moved");
+        std::mem::replace(&mut self.dir, dir)
     }
 
     /// SIGTERM by PID; the daemon must exit 0. Hands back its directory.
@@ -172,4 +201,26 @@ pub async fn post_json(addr: SocketAddr, path: &str, body: &serde_json::Value) -
 /// A GET.
 pub async fn get(addr: SocketAddr, path: &str) -> Answer {
     request(addr, "GET", path, &[], None).await
+}
+
+/// A JSON POST on a new connection; its status, or `None` when the
+/// connection failed (the daemon is gone).
+pub async fn try_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Option<u16> {
+    let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .ok()?;
+    tokio::spawn(conn);
+    let request = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/openjobspec+json")
+        .body(Full::new(Bytes::from(body.to_vec())))
+        .ok()?;
+    let response = sender.send_request(request).await.ok()?;
+    let status = response.status().as_u16();
+    response.into_body().collect().await.ok()?;
+    Some(status)
 }
