@@ -140,6 +140,11 @@ async fn route(
             return Err(ApiError::UnsupportedVersion(v.to_owned()));
         }
     }
+    let authorization = request
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let grant = api.tokens().identify(authorization)?;
     let path = request.uri().path();
     let method = request.method();
     let segments: Vec<&str> = path
@@ -164,7 +169,7 @@ async fn route(
             }
             let answer = answer_encoding(request.headers())?;
             let job = read_job(request)?;
-            let mut jobs = api.push(vec![job]).await?;
+            let mut jobs = api.push(&grant, vec![job]).await?;
             let job = jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))?;
             let mut r = job_response(201, &job, answer, request_id)?;
             if let Ok(v) = HeaderValue::from_str(&format!("/ojs/v1/jobs/{}", job.envelope.id)) {
@@ -178,18 +183,18 @@ async fn route(
             }
             let answer = answer_encoding(request.headers())?;
             let jobs = read_batch(api, request)?;
-            let jobs = api.push(jobs).await?;
+            let jobs = api.push(&grant, jobs).await?;
             batch_response(&jobs, answer, request_id)
         }
         (_, ["jobs", id]) => match *method {
             Method::GET => {
                 let answer = answer_encoding(request.headers())?;
-                let job = api.info(id).await?;
+                let job = api.info(&grant, id).await?;
                 job_response(200, &job, answer, request_id)
             }
             Method::DELETE => {
                 json_only(request.headers())?;
-                let (previous, job) = api.cancel(id).await?;
+                let (previous, job) = api.cancel(&grant, id).await?;
                 let mut body = job.to_json();
                 body["previous_state"] = json!(previous.as_str().unwrap_or("unknown"));
                 Ok(json_response(200, &json!({ "job": body }), request_id))
@@ -201,7 +206,7 @@ async fn route(
                 return Err(not_allowed("GET"));
             }
             json_only(request.headers())?;
-            Ok(json_response(200, &api.queues().await?, request_id))
+            Ok(json_response(200, &api.queues(&grant).await?, request_id))
         }
         (_, ["events"]) => {
             if method != Method::GET {
@@ -209,7 +214,7 @@ async fn route(
             }
             json_only(request.headers())?;
             let filter = event_filter(request.uri().query().unwrap_or(""))?;
-            let (events, has_more) = api.store().events(filter).await?;
+            let (events, has_more) = api.events(&grant, filter).await?;
             let cursor = events.last().map(|e| e.seq.to_string());
             let events: Vec<Value> = events.into_iter().map(|e| e.body).collect();
             Ok(json_response(

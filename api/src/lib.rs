@@ -10,6 +10,7 @@
 //! SQLite commit); a job the broker refused is removed from the store
 //! again, so nothing is half-stored.
 
+pub mod auth;
 pub mod error;
 pub mod http;
 pub mod job;
@@ -20,6 +21,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use auth::{Grant, Operation, Tokens};
 use chrono::{DateTime, Utc};
 use ojs_core::glob::Glob;
 use ojs_core::{Encoding, JobState, OutgoingMessage, QueueAdapter};
@@ -46,6 +48,8 @@ pub struct ApiSettings {
     pub retention: Duration,
     /// Directory of the job store.
     pub state_dir: PathBuf,
+    /// Bearer tokens; none: the API is open.
+    pub tokens: Tokens,
 }
 
 impl Default for ApiSettings {
@@ -57,6 +61,7 @@ impl Default for ApiSettings {
             max_batch_jobs: 1000,
             retention: Duration::from_secs(7 * 86_400),
             state_dir: PathBuf::from("./ojs-bridge-data"),
+            tokens: Tokens::default(),
         }
     }
 }
@@ -122,7 +127,10 @@ impl Api {
     /// [`job::from_json`] / [`job::from_proto`]), checked against
     /// `[api] queues` and the broker's size limit, stored, published; the
     /// answer comes after the broker confirmed.
-    pub async fn push(&self, jobs: Vec<Job>) -> Result<Vec<Job>, ApiError> {
+    pub async fn push(&self, grant: &Grant<'_>, jobs: Vec<Job>) -> Result<Vec<Job>, ApiError> {
+        for job in &jobs {
+            grant.allow_on(Operation::Push, &job.envelope.queue)?;
+        }
         for job in &jobs {
             if !self.serves_queue(&job.envelope.queue) {
                 return Err(ApiError::QueueNotServed {
@@ -226,8 +234,20 @@ impl Api {
         }
     }
 
+    /// The tokens requests are checked against.
+    pub fn tokens(&self) -> &Tokens {
+        &self.settings.tokens
+    }
+
     /// INFO.
-    pub async fn info(&self, id: &str) -> Result<Job, ApiError> {
+    pub async fn info(&self, grant: &Grant<'_>, id: &str) -> Result<Job, ApiError> {
+        grant.allow(Operation::Read)?;
+        let job = self.job(id).await?;
+        grant.allow_on(Operation::Read, &job.envelope.queue)?;
+        Ok(job)
+    }
+
+    async fn job(&self, id: &str) -> Result<Job, ApiError> {
         self.store
             .get(id.to_owned())
             .await?
@@ -240,7 +260,12 @@ impl Api {
     /// CANCEL: a job that has not finished becomes `cancelled`; a scheduled
     /// one never reaches the broker, an available one stays there and is
     /// never handed to an OJS worker.
-    pub async fn cancel(&self, id: &str) -> Result<(JobState, Job), ApiError> {
+    pub async fn cancel(&self, grant: &Grant<'_>, id: &str) -> Result<(JobState, Job), ApiError> {
+        grant.allow(Operation::Admin)?;
+        if !grant.scope().is_empty() {
+            let job = self.job(id).await?;
+            grant.allow_on(Operation::Admin, &job.envelope.queue)?;
+        }
         self.store
             .cancel(id.to_owned(), Utc::now())
             .await
@@ -257,6 +282,18 @@ impl Api {
                 },
                 other => ApiError::Store(other),
             })
+    }
+
+    /// `GET /ojs/v1/events`: the event log after a cursor, within the
+    /// token's queues.
+    pub async fn events(
+        &self,
+        grant: &Grant<'_>,
+        mut filter: store::EventFilter,
+    ) -> Result<(Vec<store::Event>, bool), ApiError> {
+        grant.allow(Operation::Read)?;
+        filter.scope = grant.scope().to_vec();
+        Ok(self.store.events(filter).await?)
     }
 
     /// The manifest (`GET /ojs/manifest`).
@@ -304,7 +341,8 @@ impl Api {
 
     /// `GET /ojs/v1/queues`: queues jobs were pushed to, and those named in
     /// `[api] queues` without a wildcard.
-    pub async fn queues(&self) -> Result<Value, ApiError> {
+    pub async fn queues(&self, grant: &Grant<'_>) -> Result<Value, ApiError> {
+        grant.allow(Operation::Read)?;
         let mut seen: BTreeMap<String, DateTime<Utc>> =
             self.store.queues().await?.into_iter().collect();
         for q in self.settings.queues.iter().filter_map(Glob::literal) {
@@ -312,7 +350,7 @@ impl Api {
         }
         let queues: Vec<Value> = seen
             .into_iter()
-            .filter(|(name, _)| self.serves_queue(name))
+            .filter(|(name, _)| self.serves_queue(name) && grant.sees(name))
             .map(|(name, at)| json!({"name": name, "status": "active", "created_at": job::timestamp(at)}))
             .collect();
         let total = queues.len();

@@ -128,6 +128,8 @@ pub struct EventFilter {
     pub queues: Vec<String>,
     /// Job types (empty: all).
     pub job_types: Vec<String>,
+    /// Queue patterns the reader may see (empty: all): a token's scope.
+    pub scope: Vec<ojs_core::glob::Glob>,
     /// At most this many.
     pub limit: usize,
 }
@@ -442,6 +444,7 @@ impl Store {
                 if !wanted(&filter.types, &event_type)
                     || !wanted(&filter.queues, &queue)
                     || !wanted(&filter.job_types, &job_type)
+                    || !(filter.scope.is_empty() || filter.scope.iter().any(|g| g.matches(&queue)))
                 {
                     continue;
                 }

@@ -98,6 +98,8 @@ pub struct Daemon {
     listener: Option<TcpListener>,
     /// The bearer token of the HTTP endpoint (`http.token_file`).
     http_token: Option<ojs_core::redact::Secret>,
+    /// TLS of the endpoint (`http.tls_cert_file`).
+    tls: Option<crate::tls::ListenerTls>,
     /// The OJS HTTP binding (`[api]`).
     api: Option<Arc<ojs_api::Api>>,
 }
@@ -327,7 +329,7 @@ impl Daemon {
                             ),
                         }
                     })?;
-                    let settings = api.settings(&config.adapters)?;
+                    let settings = api.settings(&config.adapters, &config.http)?;
                     Some(
                         ojs_api::Api::open(settings, adapter, api.adapter.clone())
                             .await
@@ -337,23 +339,10 @@ impl Daemon {
                 None => None,
             };
         let http_token = match &config.http.token_file {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Invalid {
-                    field: "http.token_file".into(),
-                    reason: format!("cannot read {}: {e}", path.display()),
-                })?;
-                let token = text.trim().to_owned();
-                if token.is_empty() {
-                    return Err(ConfigError::Invalid {
-                        field: "http.token_file".into(),
-                        reason: format!("{} is empty", path.display()),
-                    }
-                    .into());
-                }
-                Some(ojs_core::redact::Secret::new(token))
-            }
+            Some(path) => Some(crate::config::read_token_file("http.token_file", path)?),
             None => None,
         };
+        let tls = crate::tls::acceptor(&config.http)?;
         let listener = if config.http.listen == "off" {
             None
         } else {
@@ -404,8 +393,18 @@ impl Daemon {
             metrics,
             listener,
             http_token,
+            tls,
             api,
         })
+    }
+
+    /// `https` when the endpoint speaks TLS, else `http`.
+    pub fn http_scheme(&self) -> &'static str {
+        if self.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
     }
 
     /// Where the endpoint listens (useful with port 0).
@@ -469,12 +468,17 @@ impl Daemon {
                 api: self.api.clone(),
             });
             if let Ok(addr) = listener.local_addr() {
-                tracing::info!(%addr, token = state.token.is_some(), "health on /ojs/v1/health, metrics on /metrics");
+                tracing::info!(%addr, token = state.token.is_some(), tls = self.tls.as_ref().map_or("off", |t| if t.mutual { "mutual" } else { "on" }), "health on /ojs/v1/health, metrics on /metrics");
                 if let (Some(api), Some(config)) = (&self.api, &self.config.api) {
                     tracing::info!(%addr, adapter = %config.adapter, store = %api.store().path().display(), "OJS HTTP API on /ojs/v1 and /ojs/manifest");
                 }
             }
-            http_task = Some(tokio::spawn(http::serve(listener, state, stop_rx.clone())));
+            http_task = Some(tokio::spawn(http::serve(
+                listener,
+                self.tls.clone(),
+                state,
+                stop_rx.clone(),
+            )));
         }
         if let Some(api) = &self.api {
             monitors.push(tokio::spawn(api.clone().run(stop_rx.clone())));

@@ -1,6 +1,7 @@
 //! The daemon's listener: `GET /ojs/v1/health`, `GET /metrics` and, with
 //! `[api]`, the OJS HTTP binding (`ojs_api::http`); HTTP/1.1 with keep-alive
-//! and HTTP/2 without TLS (h2c, prior knowledge) on the same port.
+//! and HTTP/2 on the same port: h2c (prior knowledge) in plain TCP, ALPN
+//! with `[http]` TLS (`crate::tls`).
 //!
 //! Hardened for a port anyone on the network may reach: a request head must
 //! arrive within `header_read_timeout`; a connection with no request in
@@ -9,7 +10,8 @@
 //! at once (a new one evicts the oldest that has not sent a request yet). Health answers from state that a background probe refreshes
 //! every `health_interval` — never a broker call per request, so a flood of
 //! health requests cannot become a flood of metadata calls. With
-//! `token_file`, both paths need `Authorization: Bearer <token>`.
+//! `token_file`, health and metrics need `Authorization: Bearer <token>`;
+//! the binding checks its own tokens (`ojs_api::auth`).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -170,16 +172,6 @@ fn response(
     r
 }
 
-/// Compares without an early exit, so the time taken does not tell how
-/// much of a guess was right.
-fn same_secret(given: &[u8], expected: &[u8]) -> bool {
-    let mut diff = given.len() ^ expected.len();
-    for (i, e) in expected.iter().enumerate() {
-        diff |= usize::from(given.get(i).copied().unwrap_or(0) ^ e);
-    }
-    diff == 0
-}
-
 fn authorized(state: &HttpState, req: &Request<Incoming>) -> bool {
     let Some(token) = &state.token else {
         return true;
@@ -188,7 +180,7 @@ fn authorized(state: &HttpState, req: &Request<Incoming>) -> bool {
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|given| same_secret(given.trim().as_bytes(), token.expose().as_bytes()))
+        .is_some_and(|given| token.matches(given.trim()))
 }
 
 async fn handle(
@@ -217,13 +209,8 @@ async fn answer(
         .api
         .as_ref()
         .filter(|_| request_id.is_some() && !known);
-    if (known || api.is_some()) && !authorized(state, &req) {
-        if let Some(id) = request_id.filter(|_| api.is_some()) {
-            return full(ojs_api::http::error_response(
-                &ojs_api::ApiError::Unauthenticated,
-                id,
-            ));
-        }
+    // The binding checks its own tokens (`[http] token_file` among them).
+    if known && !authorized(state, &req) {
         let mut r = response(
             StatusCode::UNAUTHORIZED,
             "text/plain",
@@ -346,7 +333,12 @@ struct Open {
 /// sat for half a second without a request head, or waits for one to end:
 /// idle or slow clients can hold at most the cap, and never keep a real
 /// request (which sends its head at once) waiting longer than that.
-pub async fn serve(listener: TcpListener, state: Arc<HttpState>, mut stop: watch::Receiver<bool>) {
+pub async fn serve(
+    listener: TcpListener,
+    tls: Option<crate::tls::ListenerTls>,
+    state: Arc<HttpState>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut open: VecDeque<Open> = VecDeque::new();
     let finished = Arc::new(Notify::new());
     loop {
@@ -398,62 +390,102 @@ pub async fn serve(listener: TcpListener, state: Arc<HttpState>, mut stop: watch
         open.push_back(conn);
         let state = state.clone();
         let finished = finished.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
             let limits = state.limits.clone();
-            let activity = Arc::new(Activity::default());
-            let seen = activity.clone();
-            let service = hyper::service::service_fn(move |req| {
-                answered.store(true, Ordering::Release);
-                let state = state.clone();
-                let seen = seen.clone();
-                async move {
-                    seen.begin();
-                    let r = handle(state, req).await;
-                    seen.end();
-                    r
-                }
-            });
-            let mut builder =
-                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                .keep_alive(true);
-            builder.http2().timer(TokioTimer::new());
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            let tick = (limits.idle_timeout.min(limits.header_read_timeout) / 4)
-                .max(Duration::from_millis(50));
-            loop {
-                tokio::select! {
-                    ended = conn.as_mut() => {
-                        if let Err(e) = ended {
-                            tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+            match tls {
+                None => connection(TokioIo::new(stream), peer, state, answered, &evict).await,
+                Some(tls) => {
+                    // The handshake counts against the head's deadline.
+                    let handshake = tokio::time::timeout(
+                        limits.header_read_timeout,
+                        tls.acceptor.accept(stream),
+                    );
+                    tokio::select! {
+                        done = handshake => match done {
+                            Ok(Ok(stream)) => {
+                                connection(TokioIo::new(stream), peer, state, answered, &evict).await;
+                            }
+                            Ok(Err(e)) => {
+                                tracing::debug!(%peer, error = %e, "TLS handshake refused");
+                            }
+                            Err(_) => {
+                                tracing::debug!(%peer, "TLS handshake not done within header_read_timeout");
+                            }
+                        },
+                        () = evict.notified() => {
+                            tracing::debug!(%peer, "HTTP connection evicted during its TLS handshake");
                         }
-                        break;
-                    }
-                    () = tokio::time::sleep(tick) => {
-                        // Until a first request starts, the protocol is not
-                        // chosen yet and no head timer of hyper's runs.
-                        if !activity.started() && activity.since.elapsed() >= limits.header_read_timeout {
-                            tracing::debug!(%peer, "HTTP connection closed: no request head within header_read_timeout");
-                            break;
-                        }
-                        if activity.idle_for() >= limits.idle_timeout {
-                            tracing::debug!(%peer, "HTTP connection closed after idle_timeout without a request");
-                            break;
-                        }
-                    }
-                    () = evict.notified() => {
-                        tracing::debug!(%peer, "idle HTTP connection evicted for a new one");
-                        break;
                     }
                 }
             }
             closed.store(true, Ordering::Release);
             finished.notify_one();
         });
+    }
+}
+
+/// Serves one connection until it ends, idles out or is evicted.
+async fn connection<I>(
+    io: TokioIo<I>,
+    peer: std::net::SocketAddr,
+    state: Arc<HttpState>,
+    answered: Arc<AtomicBool>,
+    evict: &Notify,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let limits = state.limits.clone();
+    let activity = Arc::new(Activity::default());
+    let seen = activity.clone();
+    let service = hyper::service::service_fn(move |req| {
+        answered.store(true, Ordering::Release);
+        let state = state.clone();
+        let seen = seen.clone();
+        async move {
+            seen.begin();
+            let r = handle(state, req).await;
+            seen.end();
+            r
+        }
+    });
+    let mut builder =
+        hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .keep_alive(true);
+    builder.http2().timer(TokioTimer::new());
+    let conn = builder.serve_connection(io, service);
+    tokio::pin!(conn);
+    let tick =
+        (limits.idle_timeout.min(limits.header_read_timeout) / 4).max(Duration::from_millis(50));
+    loop {
+        tokio::select! {
+            ended = conn.as_mut() => {
+                if let Err(e) = ended {
+                    tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+                }
+                break;
+            }
+            () = tokio::time::sleep(tick) => {
+                // Until a first request starts, the protocol is not
+                // chosen yet and no head timer of hyper's runs.
+                if !activity.started() && activity.since.elapsed() >= limits.header_read_timeout {
+                    tracing::debug!(%peer, "HTTP connection closed: no request head within header_read_timeout");
+                    break;
+                }
+                if activity.idle_for() >= limits.idle_timeout {
+                    tracing::debug!(%peer, "HTTP connection closed after idle_timeout without a request");
+                    break;
+                }
+            }
+            () = evict.notified() => {
+                tracing::debug!(%peer, "idle HTTP connection evicted for a new one");
+                break;
+            }
+        }
     }
 }
 
@@ -503,19 +535,5 @@ impl Activity {
         }
         let last = Duration::from_millis(self.last_ms.load(Ordering::Acquire));
         self.since.elapsed().saturating_sub(last)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn secrets_compare_whole() {
-        assert!(same_secret(b"abc", b"abc"));
-        assert!(!same_secret(b"abd", b"abc"));
-        assert!(!same_secret(b"ab", b"abc"));
-        assert!(!same_secret(b"abcd", b"abc"));
-        assert!(!same_secret(b"", b"abc"));
     }
 }

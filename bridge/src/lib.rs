@@ -18,3 +18,4 @@ pub mod probe;
 pub mod routes;
 pub mod send;
 pub mod tail;
+pub mod tls;

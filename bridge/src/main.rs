@@ -334,12 +334,24 @@ fn check_config(path: &std::path::Path) -> Result<String, ConfigError> {
     // What `run` would find next, all of it: the files adapters read when
     // they connect, and the descriptor sets routes compile from.
     let files = config.check_files().err();
+    // With every file readable, what is in them: token files, the
+    // listener's certificate and key.
+    let contents = if files.is_none() {
+        let api = config
+            .api
+            .as_ref()
+            .and_then(|a| a.settings(&config.adapters, &config.http).err());
+        let tls = ojs_bridge::tls::acceptor(&config.http).err();
+        api.into_iter().chain(tls).collect()
+    } else {
+        Vec::new()
+    };
     let routes = config
         .routes
         .iter()
         .enumerate()
         .filter_map(|(i, r)| Route::compile(r, i).err());
-    ConfigError::all(files.into_iter().chain(routes))?;
+    ConfigError::all(files.into_iter().chain(contents).chain(routes))?;
     Ok(format!(
         "{}: ok ({} adapters, {} sources, {} routes)",
         path.display(),
@@ -411,8 +423,9 @@ async fn run_daemon(config: BridgeConfig, format: LogFormat) -> ExitCode {
             });
         }
     };
+    let scheme = daemon.http_scheme();
     match (daemon.http_addr(), format) {
-        (Some(addr), LogFormat::Text) => eprintln!("ojs-bridge: running; health on http://{addr}/ojs/v1/health, metrics on http://{addr}/metrics"),
+        (Some(addr), LogFormat::Text) => eprintln!("ojs-bridge: running; health on {scheme}://{addr}/ojs/v1/health, metrics on {scheme}://{addr}/metrics"),
         (None, LogFormat::Text) => eprintln!("ojs-bridge: running (HTTP endpoint off)"),
         (addr, LogFormat::Json) => tracing::info!(
             http = addr.map(|a| a.to_string()),

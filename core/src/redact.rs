@@ -21,6 +21,17 @@ impl Secret {
     pub fn expose(&self) -> &str {
         &self.0
     }
+
+    /// Whether `given` is this secret, compared without an early exit so
+    /// the time taken does not tell how much of a guess was right.
+    pub fn matches(&self, given: &str) -> bool {
+        let (given, expected) = (given.as_bytes(), self.0.as_bytes());
+        let mut diff = given.len() ^ expected.len();
+        for (i, e) in expected.iter().enumerate() {
+            diff |= usize::from(given.get(i).copied().unwrap_or(0) ^ e);
+        }
+        diff == 0
+    }
 }
 
 impl std::fmt::Debug for Secret {
@@ -113,6 +124,17 @@ fn userinfo(base: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secrets_compare_whole() {
+        let s = Secret::new("abc");
+        assert!(s.matches("abc"));
+        assert!(!s.matches("abd"));
+        assert!(!s.matches("ab"));
+        assert!(!s.matches("abcd"));
+        assert!(!s.matches(""));
+        assert_eq!(format!("{s:?} {s}"), "*** ***");
+    }
 
     #[test]
     fn userinfo_and_secret_items_are_masked() {

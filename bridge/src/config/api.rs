@@ -3,6 +3,8 @@
 //! kept.
 
 use super::*;
+use ojs_api::auth::{Operation, Token, Tokens};
+use ojs_core::redact::Secret;
 
 /// `[api]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,6 +39,38 @@ pub struct ApiConfig {
     /// are kept for INFO. Default `7d`.
     #[serde(default = "default_retention", with = "duration_text")]
     pub retention: Duration,
+    /// Bearer tokens, each with its operations and queues. With any token
+    /// (or `[http] token_file`, which allows everything) every request
+    /// needs one. Default: none (open; the listener is on loopback).
+    #[serde(default)]
+    pub tokens: Vec<ApiTokenConfig>,
+}
+
+/// `[[api.tokens]]`: one bearer token and its scope.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiTokenConfig {
+    /// How logs and errors name the token (never its value).
+    pub name: String,
+    /// The file holding the token (surrounding whitespace ignored).
+    pub file: PathBuf,
+    /// `push`, `read`, `admin` (everything, CANCEL included).
+    pub operations: Vec<String>,
+    /// Queues the token may touch (`*` matches any run of characters).
+    /// Default: every queue.
+    #[serde(default)]
+    pub queues: Vec<String>,
+}
+
+/// Reads a token file: its contents, trimmed, refused when empty.
+pub(crate) fn read_token_file(field: &str, path: &Path) -> Result<Secret, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(invalid(field, format!("{} is empty", path.display())));
+    }
+    Ok(Secret::new(token))
 }
 
 // The defaults are the API's own, written once (`ojs_api::ApiSettings`).
@@ -72,11 +106,40 @@ impl ApiConfig {
     }
 
     /// The API's runtime settings, built once from these.
+    /// `http` is the listener's table: its `token_file` is a token that
+    /// allows everything. Token files are read here.
     pub fn settings(
         &self,
         adapters: &BTreeMap<String, AdapterEntry>,
+        http: &HttpConfig,
     ) -> Result<ojs_api::ApiSettings, ConfigError> {
         ConfigError::all(self.problems(adapters))?;
+        let mut tokens = Vec::new();
+        if let Some(path) = &http.token_file {
+            tokens.push(Token {
+                name: "http.token_file".into(),
+                secret: read_token_file("http.token_file", path)?,
+                operations: vec![Operation::Admin],
+                queues: Vec::new(),
+            });
+        }
+        for (i, t) in self.tokens.iter().enumerate() {
+            let field = format!("api.tokens[{i}]");
+            tokens.push(Token {
+                name: t.name.clone(),
+                secret: read_token_file(&format!("{field}.file"), &t.file)?,
+                operations: t
+                    .operations
+                    .iter()
+                    .filter_map(|o| Operation::parse(o))
+                    .collect(),
+                queues: t
+                    .queues
+                    .iter()
+                    .map(|q| Glob::new(q).map_err(|e| invalid(format!("{field}.queues"), e)))
+                    .collect::<Result<_, _>>()?,
+            });
+        }
         let state_dir = self
             .state_dir(adapters)
             .map_err(|reason| invalid("api.state", reason))?;
@@ -96,6 +159,7 @@ impl ApiConfig {
             max_batch_jobs: self.max_batch_jobs,
             retention: self.retention,
             state_dir,
+            tokens: Tokens::new(tokens),
         })
     }
 
@@ -133,6 +197,37 @@ impl ApiConfig {
         }
         if self.max_batch_jobs == 0 {
             errors.push(invalid("api.max_batch_jobs", "must be at least 1"));
+        }
+        let mut names = BTreeSet::new();
+        for (i, token) in self.tokens.iter().enumerate() {
+            let field = format!("api.tokens[{i}]");
+            if token.name.trim().is_empty() {
+                errors.push(invalid(format!("{field}.name"), "must not be empty"));
+            } else if !names.insert(token.name.as_str()) {
+                errors.push(invalid(
+                    format!("{field}.name"),
+                    format!("{:?} names another token too", token.name),
+                ));
+            }
+            if token.operations.is_empty() {
+                errors.push(invalid(
+                    format!("{field}.operations"),
+                    "must list at least one of push, read, admin",
+                ));
+            }
+            for op in &token.operations {
+                if Operation::parse(op).is_none() {
+                    errors.push(invalid(
+                        format!("{field}.operations"),
+                        format!("{op:?} is not an operation; use push, read or admin"),
+                    ));
+                }
+            }
+            for q in &token.queues {
+                if let Err(e) = Glob::new(q) {
+                    errors.push(invalid(format!("{field}.queues"), e));
+                }
+            }
         }
         errors
     }

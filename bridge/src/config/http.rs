@@ -10,15 +10,28 @@ pub struct HttpConfig {
     /// endpoint. Default `127.0.0.1:9464` (loopback only).
     #[serde(default = "default_listen")]
     pub listen: String,
-    /// A file holding a bearer token both paths then require
-    /// (`Authorization: Bearer …`). Default: none (no token).
+    /// A file holding a bearer token health, metrics and the OJS API then
+    /// require (`Authorization: Bearer …`); for the API it allows every
+    /// operation on every queue (`[[api.tokens]]` for scoped ones).
+    /// Default: none (no token).
     #[serde(default)]
     pub token_file: Option<PathBuf>,
+    /// PEM certificate chain: with `tls_key_file`, the listener speaks
+    /// TLS only (ALPN `h2` and `http/1.1`). Default: none (plain TCP).
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
+    /// PEM CA(s): clients must present a certificate one of them signed
+    /// (mutual TLS). Default: none (no client certificate asked for).
+    #[serde(default)]
+    pub tls_client_ca_file: Option<PathBuf>,
     /// A connection must send its request head within this. Default `5s`.
     #[serde(default = "default_header_read_timeout", with = "duration_text")]
     pub header_read_timeout: Duration,
-    /// A connection is closed after this, whatever it does (one request per
-    /// connection). Default `30s`.
+    /// A connection with no request in flight for this long is closed
+    /// (keep-alive). Default `30s`.
     #[serde(default = "default_idle_timeout", with = "duration_text")]
     pub idle_timeout: Duration,
     /// Connections open at once; beyond it a new connection evicts the
@@ -39,6 +52,9 @@ impl Default for HttpConfig {
         HttpConfig {
             listen: default_listen(),
             token_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_client_ca_file: None,
             header_read_timeout: default_header_read_timeout(),
             idle_timeout: default_idle_timeout(),
             max_connections: default_max_connections(),

@@ -158,7 +158,8 @@ mod routes;
 mod sources;
 
 pub use adapters::AdapterEntry;
-pub use api::ApiConfig;
+pub(crate) use api::read_token_file;
+pub use api::{ApiConfig, ApiTokenConfig};
 use duration::duration_text;
 pub use duration::parse_duration;
 pub use federation::{FederationConfig, RegionConfig};
@@ -242,6 +243,34 @@ impl BridgeConfig {
     /// Every unreadable file is named with its setting.
     pub fn check_files(&self) -> Result<(), ConfigError> {
         let mut unreadable = Vec::new();
+        let mut listener_files = vec![
+            ("http.token_file".to_owned(), self.http.token_file.clone()),
+            (
+                "http.tls_cert_file".to_owned(),
+                self.http.tls_cert_file.clone(),
+            ),
+            (
+                "http.tls_key_file".to_owned(),
+                self.http.tls_key_file.clone(),
+            ),
+            (
+                "http.tls_client_ca_file".to_owned(),
+                self.http.tls_client_ca_file.clone(),
+            ),
+        ];
+        for (i, token) in self.api.iter().flat_map(|a| a.tokens.iter()).enumerate() {
+            listener_files.push((format!("api.tokens[{i}].file"), Some(token.file.clone())));
+        }
+        for (setting, path) in listener_files {
+            if let Some(path) = path {
+                if let Err(e) = std::fs::File::open(&path) {
+                    unreadable.push(invalid(
+                        setting,
+                        format!("cannot read {}: {e}", path.display()),
+                    ));
+                }
+            }
+        }
         for (name, entry) in &self.adapters {
             for (setting, path) in entry.compile(name)?.files_read() {
                 if let Err(e) = std::fs::File::open(&path) {
@@ -270,6 +299,22 @@ impl BridgeConfig {
                     "{:?} is not an address like 127.0.0.1:9464 (or `off`)",
                     self.http.listen
                 ),
+            ));
+        }
+        if self.http.tls_cert_file.is_some() != self.http.tls_key_file.is_some() {
+            errors.push(invalid(
+                if self.http.tls_cert_file.is_some() {
+                    "http.tls_key_file"
+                } else {
+                    "http.tls_cert_file"
+                },
+                "tls_cert_file and tls_key_file go together",
+            ));
+        }
+        if self.http.tls_client_ca_file.is_some() && self.http.tls_cert_file.is_none() {
+            errors.push(invalid(
+                "http.tls_client_ca_file",
+                "mutual TLS needs the listener's own tls_cert_file and tls_key_file",
             ));
         }
         if self.http.max_connections == 0 {

@@ -115,7 +115,7 @@ mod rules {
         let c = BridgeConfig::parse(alone, "t", &[]).unwrap();
         let api = c.api.as_ref().unwrap();
         assert!(c.sources.is_empty() && c.routes.is_empty());
-        let settings = api.settings(&c.adapters).unwrap();
+        let settings = api.settings(&c.adapters, &c.http).unwrap();
         assert!(settings.queues.iter().any(|g| g.matches("mail.eu")));
         assert!(!settings.queues.iter().any(|g| g.matches("payroll")));
         assert_eq!(settings.state_dir, PathBuf::from("./ojs-bridge-data"));

@@ -72,7 +72,11 @@ impl OjsServer {
             let line = rx
                 .recv_timeout(Duration::from_secs(60))
                 .expect("the daemon says where it listens");
-            if let Some(rest) = line.split("health on http://").nth(1) {
+            if let Some(rest) = line
+                .split("health on http://")
+                .nth(1)
+                .or_else(|| line.split("health on https://").nth(1))
+            {
                 let addr = rest.split('/').next().unwrap();
                 break addr.parse::<SocketAddr>().unwrap();
             }
