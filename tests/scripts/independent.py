@@ -295,6 +295,7 @@ def kafka_consume(a):
             {
                 "key": (m.key() or b"").decode("utf-8", "replace"),
                 "value": (m.value() or b"").decode("utf-8", "replace"),
+                "value_base64": base64.b64encode(m.value() or b"").decode("ascii"),
                 "headers": {k: (v or b"").decode("utf-8", "replace") for k, v in (m.headers() or [])},
             }
         )

@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
@@ -452,20 +454,25 @@ async fn drain_all(dir: &std::path::Path, queue: &str) -> Vec<String> {
     }
 }
 
-/// Pushes from `tasks` concurrent clients until `stop`; the id and status
-/// of every push (status 0: the connection failed).
+/// Pushes from `tasks` concurrent clients until `stop` or until `budget`
+/// pushes were sent; the id and status of every push (status 0: the
+/// connection failed). `acked` counts the 201s as they come.
 async fn push_until(
     addr: std::net::SocketAddr,
     tasks: usize,
     queue: &'static str,
     stop: tokio::sync::watch::Receiver<bool>,
+    budget: usize,
+    acked: Arc<AtomicUsize>,
 ) -> Vec<(String, u16)> {
+    let sent = Arc::new(AtomicUsize::new(0));
     let mut handles = Vec::new();
     for _ in 0..tasks {
         let stop = stop.clone();
+        let (sent, acked) = (sent.clone(), acked.clone());
         handles.push(tokio::spawn(async move {
             let mut out = Vec::new();
-            while !*stop.borrow() {
+            while !*stop.borrow() && sent.fetch_add(1, Ordering::AcqRel) < budget {
                 let id = ojs_core::envelope::new_job_id();
                 let body =
                     json!({"type": "load.job", "args": [1], "id": id, "options": {"queue": queue}});
@@ -484,6 +491,9 @@ async fn push_until(
                     _ => 0,
                 };
                 out.push((id, status));
+                if status == 201 {
+                    acked.fetch_add(1, Ordering::AcqRel);
+                }
                 if status == 0 {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
@@ -529,21 +539,37 @@ fn tally(what: &str, pushes: &[(String, u16)], received: &[String]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_with_pushes_in_flight_loses_no_acknowledged_job() {
+    const PUSHES: usize = 10_000;
     let server = OjsServer::start(None).await;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let pushes = tokio::spawn(push_until(server.addr, 32, "load", stop_rx));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let acked = Arc::new(AtomicUsize::new(0));
+    let pushes = tokio::spawn(push_until(
+        server.addr,
+        64,
+        "load",
+        stop_rx,
+        PUSHES,
+        acked.clone(),
+    ));
+    // The kill lands part-way through the 10,000.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while acked.load(Ordering::Acquire) < PUSHES / 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let dir = server.kill();
-    // Let the clients see the refused connections, then stop them.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The clients see refused connections for the rest of their budget.
+    let pushes = tokio::time::timeout(Duration::from_secs(120), pushes)
+        .await
+        .unwrap()
+        .unwrap();
     let _ = stop_tx.send(true);
-    let pushes = pushes.await.unwrap();
     let received = drain_all(dir.path(), "load").await;
     tally(
-        "kill -9 of the daemon during 32 concurrent PUSH clients",
+        "kill -9 of the daemon during 10,000 PUSHes from 64 clients",
         &pushes,
         &received,
     );
+    assert_eq!(pushes.len(), PUSHES);
     assert!(
         pushes.iter().any(|(_, s)| *s == 0),
         "the kill came while pushes were in flight"
@@ -585,7 +611,14 @@ async fn pushes_through_a_cut_rabbitmq_connection_lose_no_acknowledged_job() {
     );
     let server = OjsServer::start(Some(&config)).await;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let pushes = tokio::spawn(push_until(server.addr, 16, "orders", stop_rx));
+    let pushes = tokio::spawn(push_until(
+        server.addr,
+        16,
+        "orders",
+        stop_rx,
+        usize::MAX,
+        Arc::new(AtomicUsize::new(0)),
+    ));
     tokio::time::sleep(Duration::from_millis(1500)).await;
     proxy.set(Mode::Reset);
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -749,4 +782,133 @@ async fn pushed_jobs_land_on_a_rabbitmq_queue_another_client_made_for_a_user_tha
         server_log.contains("TRACE") || server_log.contains("DEBUG"),
         "the log ran at trace"
     );
+}
+
+/// Pushes 20 jobs through the API onto a queue another client made, reads
+/// them back with that client (confluent-kafka / boto3), and checks each
+/// decodes with the project's proto into the job that was pushed, with the
+/// headers the adapter's sinks write.
+async fn pushed_jobs_read_back_by_an_independent_client(
+    broker: ojs_bridge_tests::brokers::Broker,
+    adapter: impl FnOnce(&str, &str) -> String,
+    make: &[&str],
+    read: &[&str],
+) -> Vec<(JobEnvelope, Value)> {
+    let Some(endpoint) = ojs_bridge_tests::brokers::find(broker).await else {
+        return Vec::new();
+    };
+    if ojs_bridge_tests::independent::available().is_none() {
+        return Vec::new();
+    }
+    let prefix = ojs_bridge_tests::brokers::unique_queue("team");
+    let theirs = format!("{prefix}-orders");
+    let args: Vec<String> = make
+        .iter()
+        .map(|a| a.replace("{theirs}", &theirs))
+        .collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    ojs_bridge_tests::independent::run(&args).unwrap();
+    let config = format!(
+        "[adapters.theirs]\n{}\ntopology = \"existing\"\n\n[api]\nadapter = \"theirs\"\nqueues = [\"orders\"]\n",
+        adapter(&endpoint.url, &prefix)
+    );
+    let server = OjsServer::start(Some(&config)).await;
+    let mut pushed = std::collections::BTreeMap::new();
+    for i in 0..20 {
+        let a = post_json(
+            server.addr,
+            "/ojs/v1/jobs",
+            &json!({"type": "order.ship", "args": [i, {"sku": "A-1"}],
+                    "meta": {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},
+                    "options": {"queue": "orders"}}),
+        )
+        .await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        let job = a.json()["job"].clone();
+        pushed.insert(job["id"].as_str().unwrap().to_owned(), job);
+    }
+    let args: Vec<String> = read
+        .iter()
+        .map(|a| a.replace("{theirs}", &theirs))
+        .collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let got = ojs_bridge_tests::independent::lines(&args).unwrap();
+    server.stop();
+    assert_eq!(got.len(), 20, "{got:?}");
+    let mut out = Vec::new();
+    for m in got {
+        let b64 = m["value_base64"]
+            .as_str()
+            .or_else(|| m["body"].as_str())
+            .unwrap();
+        let bytes =
+            base64::Engine::decode(&base64::engine::general_purpose::STANDARD, b64).unwrap();
+        let envelope = JobEnvelope::from_proto_bytes(&bytes).unwrap();
+        let job = pushed.remove(&envelope.id).expect("a job that was pushed");
+        assert_eq!(envelope.job_type, "order.ship");
+        assert_eq!(envelope.queue, "orders");
+        assert_eq!(serde_json::to_value(&envelope.args).unwrap(), job["args"]);
+        assert_eq!(
+            envelope.meta.get("traceparent").map(|v| v.to_string()),
+            Some("\"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\"".to_owned())
+        );
+        out.push((envelope, m));
+    }
+    assert!(pushed.is_empty(), "not read back: {pushed:?}");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_jobs_on_a_kafka_topic_another_client_made_read_back_with_confluent_kafka() {
+    let got = pushed_jobs_read_back_by_an_independent_client(
+        ojs_bridge_tests::brokers::Broker::Kafka,
+        |url, prefix| format!("url = \"{url}\"\ntopic_template = \"{prefix}-{{queue}}\""),
+        &["kafka-topic", "{theirs}", "--partitions", "3"],
+        &[
+            "kafka-consume",
+            "{theirs}",
+            "--count",
+            "20",
+            "--timeout",
+            "30",
+        ],
+    )
+    .await;
+    for (envelope, m) in &got {
+        let headers = &m["headers"];
+        assert_eq!(headers["content-type"], PROTO, "{m}");
+        assert_eq!(headers["ojs-id"], envelope.id.as_str());
+        assert_eq!(headers["ojs-type"], "order.ship");
+        assert_eq!(headers["ojs-queue"], "orders");
+        assert_eq!(headers["ojs-specversion"], "1.0");
+        assert_eq!(
+            headers["traceparent"],
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_jobs_on_an_sqs_queue_another_client_made_read_back_with_boto3() {
+    let got = pushed_jobs_read_back_by_an_independent_client(
+        ojs_bridge_tests::brokers::Broker::Sqs,
+        |url, prefix| format!("url = \"{url}\"\nprefix = \"{prefix}-\""),
+        &["sqs-queue", "{theirs}"],
+        &[
+            "sqs-receive",
+            "{theirs}",
+            "--count",
+            "20",
+            "--timeout",
+            "20",
+        ],
+    )
+    .await;
+    for (envelope, m) in &got {
+        let attributes = &m["attributes"];
+        assert_eq!(attributes["content-type"], PROTO, "{m}");
+        assert_eq!(attributes["ojs-id"], envelope.id.as_str());
+        assert_eq!(attributes["ojs-type"], "order.ship");
+        assert_eq!(attributes["ojs-queue"], "orders");
+    }
 }
