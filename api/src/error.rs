@@ -70,6 +70,13 @@ pub enum ApiError {
         /// The header as sent.
         content_type: String,
     },
+    /// The request body did not arrive in time (a client that stalls
+    /// mid-body cannot hold a connection).
+    #[error("the request body did not arrive within {seconds} s")]
+    BodyTimeout {
+        /// The limit.
+        seconds: u64,
+    },
     /// An `OJS-Version` this server does not speak.
     #[error("OJS-Version {0:?} is not supported; this server speaks 1.0")]
     UnsupportedVersion(String),
@@ -171,6 +178,7 @@ impl ApiError {
             ApiError::InvalidPayload { .. } => "invalid_payload",
             ApiError::InvalidRequest { .. }
             | ApiError::UnsupportedContentType { .. }
+            | ApiError::BodyTimeout { .. }
             | ApiError::NoRoute { .. }
             | ApiError::MethodNotAllowed { .. } => "invalid_request",
             ApiError::NotFound { .. } | ApiError::QueueNotServed { .. } => "not_found",
@@ -200,6 +208,7 @@ impl ApiError {
             | ApiError::QueueNotServed { .. }
             | ApiError::NoRoute { .. } => 404,
             ApiError::MethodNotAllowed { .. } => 405,
+            ApiError::BodyTimeout { .. } => 408,
             ApiError::NotAcceptable { .. } => 406,
             ApiError::Duplicate { .. } | ApiError::Conflict { .. } => 409,
             ApiError::BodyTooLarge { .. }
@@ -213,7 +222,10 @@ impl ApiError {
 
     /// Whether the same request may succeed later.
     pub fn retryable(&self) -> bool {
-        matches!(self, ApiError::Broker { .. } | ApiError::Store(_))
+        matches!(
+            self,
+            ApiError::Broker { .. } | ApiError::Store(_) | ApiError::BodyTimeout { .. }
+        )
     }
 
     /// The binding's `details`, when the error has any.

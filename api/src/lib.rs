@@ -50,6 +50,8 @@ pub struct ApiSettings {
     pub state_dir: PathBuf,
     /// Bearer tokens; none: the API is open.
     pub tokens: Tokens,
+    /// What a commit of the job store survives.
+    pub durability: store::Durability,
 }
 
 impl Default for ApiSettings {
@@ -62,6 +64,7 @@ impl Default for ApiSettings {
             retention: Duration::from_secs(7 * 86_400),
             state_dir: PathBuf::from("./ojs-bridge-data"),
             tokens: Tokens::default(),
+            durability: store::Durability::default(),
         }
     }
 }
@@ -95,7 +98,7 @@ impl Api {
         adapter: Arc<dyn QueueAdapter>,
         adapter_name: impl Into<String>,
     ) -> Result<Arc<Api>, ApiError> {
-        let store = Store::open(&settings.state_dir).await?;
+        let store = Store::open(&settings.state_dir, settings.durability).await?;
         Ok(Arc::new(Api {
             adapter,
             adapter_name: adapter_name.into(),
@@ -444,7 +447,7 @@ impl Api {
     /// Publishes available jobs stored before this start whose publish was
     /// never confirmed: the daemon stopped between the two.
     async fn recover(&self) {
-        let jobs = match self.store.unpublished(self.started_at, 100_000).await {
+        let jobs = match self.store.unpublished(100_000).await {
             Ok(jobs) => jobs,
             Err(e) => {
                 tracing::warn!(error = %e, "reading unconfirmed jobs from the store failed");

@@ -9,6 +9,7 @@
 //! thousand concurrent PUSHes cost a few fsyncs, not a thousand. Reads use a
 //! second connection (WAL readers do not wait for the writer).
 
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -27,8 +28,10 @@ pub const STORE_FILE: &str = "jobs.sqlite";
 /// `PRAGMA application_id` of the file ("OJSA"), so another program's
 /// SQLite file is refused, not changed.
 const APPLICATION_ID: i64 = 0x4f4a_5341;
-/// `PRAGMA user_version` this build writes.
-const SCHEMA_VERSION: i64 = 1;
+/// `PRAGMA user_version` this build writes. Version 1 marked every job
+/// published with an UPDATE of its row and gave each event a random id;
+/// version 2 keeps a watermark in `meta` and numbers events by `seq`.
+const SCHEMA_VERSION: i64 = 2;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -38,22 +41,24 @@ CREATE TABLE IF NOT EXISTS jobs (
     queue       TEXT NOT NULL,
     state       TEXT NOT NULL,
     due_ms      INTEGER,
-    published   INTEGER NOT NULL DEFAULT 0,
     created_ms  INTEGER NOT NULL,
     finished_ms INTEGER,
     envelope    TEXT NOT NULL,
     extra       TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS jobs_due ON jobs (state, due_ms);
-CREATE INDEX IF NOT EXISTS jobs_unpublished ON jobs (published) WHERE published = 0;
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (finished_ms) WHERE finished_ms IS NOT NULL;
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('published_through', 0);
 CREATE TABLE IF NOT EXISTS queues (
     name       TEXT PRIMARY KEY,
     created_ms INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS events (
     seq      INTEGER PRIMARY KEY AUTOINCREMENT,
-    id       TEXT NOT NULL,
     type     TEXT NOT NULL,
     job_id   TEXT NOT NULL,
     queue    TEXT NOT NULL,
@@ -61,6 +66,23 @@ CREATE TABLE IF NOT EXISTS events (
     time_ms  INTEGER NOT NULL,
     data     TEXT NOT NULL
 );
+";
+
+/// From version 1: the broker-confirmed mark of each row becomes the
+/// watermark (every available job at or below it was confirmed), and
+/// events lose their random ids.
+const MIGRATE_1_TO_2: &str = "
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+INSERT OR REPLACE INTO meta (key, value) VALUES ('published_through', coalesce(
+    (SELECT min(rowid) - 1 FROM jobs WHERE published = 0 AND state = 'available'),
+    (SELECT max(rowid) FROM jobs),
+    0));
+DROP INDEX IF EXISTS jobs_unpublished;
+ALTER TABLE jobs DROP COLUMN published;
+ALTER TABLE events DROP COLUMN id;
 ";
 
 /// What the store can fail with.
@@ -168,6 +190,9 @@ pub struct Store {
     writes: mpsc::Sender<WriteBox>,
     reader: Arc<Mutex<Connection>>,
     path: PathBuf,
+    /// The watermark and the last job number when the store was opened:
+    /// available jobs between them may never have reached the broker.
+    recover: (i64, i64),
 }
 
 /// `Write` is not `Debug` (it holds reply channels); the channel needs a
@@ -184,7 +209,7 @@ fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
-fn open_connection(path: &Path) -> Result<Connection, StoreError> {
+fn open_connection(path: &Path, durability: Durability) -> Result<Connection, StoreError> {
     let open_err = |reason: String| StoreError::Open {
         path: path.to_owned(),
         reason,
@@ -217,17 +242,35 @@ fn open_connection(path: &Path) -> Result<Connection, StoreError> {
         )));
     }
     conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))?;
-    // A 201 promises the job is kept: scheduled jobs live only here until
-    // they are due.
-    conn.execute_batch("PRAGMA synchronous = FULL;")?;
+    let sync = match durability {
+        Durability::Process => "NORMAL",
+        Durability::Power => "FULL",
+    };
+    // A larger page cache than SQLite's 2 MiB: the jobs table and its
+    // indexes are written on every push.
+    conn.execute_batch(&format!(
+        "PRAGMA synchronous = {sync}; PRAGMA cache_size = -32768;"
+    ))?;
     Ok(conn)
+}
+
+/// What a commit of the store survives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// A crash of the process (`kill -9`): WAL with `synchronous=NORMAL`,
+    /// written to the OS before the request is answered, synced at
+    /// checkpoints. The embedded broker's default too.
+    #[default]
+    Process,
+    /// Also power loss: an fsync per group commit (`synchronous=FULL`).
+    Power,
 }
 
 impl Store {
     /// Opens (creating when needed) the store in `dir`.
-    pub async fn open(dir: &Path) -> Result<Store, StoreError> {
+    pub async fn open(dir: &Path, durability: Durability) -> Result<Store, StoreError> {
         let dir = dir.to_owned();
-        tokio::task::spawn_blocking(move || Store::open_blocking(&dir))
+        tokio::task::spawn_blocking(move || Store::open_blocking(&dir, durability))
             .await
             .map_err(|e| StoreError::Open {
                 path: PathBuf::from(STORE_FILE),
@@ -235,22 +278,30 @@ impl Store {
             })?
     }
 
-    fn open_blocking(dir: &Path) -> Result<Store, StoreError> {
+    fn open_blocking(dir: &Path, durability: Durability) -> Result<Store, StoreError> {
         std::fs::create_dir_all(dir).map_err(|e| StoreError::Open {
             path: dir.to_owned(),
             reason: e.to_string(),
         })?;
         let path = dir.join(STORE_FILE);
-        let writer = open_connection(&path)?;
-        writer.execute_batch(SCHEMA)?;
-        writer.execute_batch(&format!(
+        let mut writer = open_connection(&path, durability)?;
+        let version: i64 = writer.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        let tx = writer.transaction()?;
+        if version == 1 {
+            tx.execute_batch(MIGRATE_1_TO_2)?;
+        }
+        tx.execute_batch(SCHEMA)?;
+        tx.execute_batch(&format!(
             "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};"
         ))?;
-        let reader = open_connection(&path)?;
+        tx.commit()?;
+        let confirmed = Confirmed::load(&writer)?;
+        let recover = (confirmed.persisted, confirmed.next_seq - 1);
+        let reader = open_connection(&path, durability)?;
         let (tx, rx) = mpsc::channel::<WriteBox>();
         std::thread::Builder::new()
             .name("ojs-api-store".into())
-            .spawn(move || write_loop(writer, rx))
+            .spawn(move || write_loop(writer, rx, confirmed))
             .map_err(|e| StoreError::Open {
                 path: path.clone(),
                 reason: format!("cannot start the writer thread: {e}"),
@@ -259,6 +310,7 @@ impl Store {
             writes: tx,
             reader: Arc::new(Mutex::new(reader)),
             path,
+            recover,
         })
     }
 
@@ -382,19 +434,17 @@ impl Store {
         .await
     }
 
-    /// Available jobs stored before `before` whose publish was never
-    /// confirmed (the daemon stopped in between): publish them again.
-    pub async fn unpublished(
-        &self,
-        before: DateTime<Utc>,
-        limit: usize,
-    ) -> Result<Vec<Job>, StoreError> {
+    /// Available jobs whose publish was not confirmed before the store
+    /// was opened (above the watermark: the daemon stopped in between, or
+    /// confirmed but not yet counted): publish them again.
+    pub async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
+        let (above, through) = self.recover;
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
                 "SELECT id, envelope, extra FROM jobs
-                 WHERE published = 0 AND state = 'available' AND created_ms < ?1 LIMIT ?2",
+                 WHERE rowid > ?1 AND rowid <= ?2 AND state = 'available' ORDER BY rowid LIMIT ?3",
             )?;
-            let rows = stmt.query_map(params![ms(before), limit as i64], |r| {
+            let rows = stmt.query_map(params![above, through, limit as i64], |r| {
                 Ok((
                     r.get::<_, String>(0)?,
                     r.get::<_, String>(1)?,
@@ -432,7 +482,7 @@ impl Store {
     pub async fn events(&self, filter: EventFilter) -> Result<(Vec<Event>, bool), StoreError> {
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
-                "SELECT seq, id, type, job_id, queue, job_type, time_ms, data FROM events
+                "SELECT seq, type, job_id, queue, job_type, time_ms, data FROM events
                  WHERE seq > ?1 ORDER BY seq",
             )?;
             let mut rows = stmt.query(params![filter.after])?;
@@ -440,7 +490,7 @@ impl Store {
             let wanted = |list: &[String], v: &str| list.is_empty() || list.iter().any(|x| x == v);
             while let Some(r) = rows.next()? {
                 let (event_type, queue, job_type): (String, String, String) =
-                    (r.get(2)?, r.get(4)?, r.get(5)?);
+                    (r.get(1)?, r.get(3)?, r.get(4)?);
                 if !wanted(&filter.types, &event_type)
                     || !wanted(&filter.queues, &queue)
                     || !wanted(&filter.job_types, &job_type)
@@ -452,8 +502,10 @@ impl Store {
                     return Ok((out, true));
                 }
                 let seq: i64 = r.get(0)?;
-                let (id, job_id, time_ms, data): (String, String, i64, String) =
-                    (r.get(1)?, r.get(3)?, r.get(6)?, r.get(7)?);
+                let (job_id, time_ms, data): (String, i64, String) =
+                    (r.get(2)?, r.get(5)?, r.get(6)?);
+                // The log's position names the event: unique and stable.
+                let id = format!("evt_{seq:016}");
                 let time = timestamp(DateTime::from_timestamp_millis(time_ms).unwrap_or_default());
                 let data: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
                 out.push(Event {
@@ -516,11 +568,10 @@ fn event(
     data: Value,
 ) -> Result<(), StoreError> {
     tx.prepare_cached(
-        "INSERT INTO events (id, type, job_id, queue, job_type, time_ms, data)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        "INSERT INTO events (type, job_id, queue, job_type, time_ms, data)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )?
     .execute(params![
-        format!("evt_{}", uuid::Uuid::now_v7()),
         event_type,
         job.id,
         job.queue,
@@ -531,16 +582,14 @@ fn event(
     Ok(())
 }
 
-fn insert(tx: &Connection, jobs: &[Job]) -> Result<(), StoreError> {
-    for job in jobs {
+/// Inserts `jobs`, numbering rows from `next_seq`; the available ones
+/// (to be published now) with their numbers.
+fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i64)>, StoreError> {
+    let mut queues: Vec<(&str, i64)> = Vec::new();
+    let mut available = Vec::new();
+    for (n, job) in jobs.iter().enumerate() {
+        let seq = next_seq + n as i64;
         let e = &job.envelope;
-        let exists: Option<i64> = tx
-            .prepare_cached("SELECT 1 FROM jobs WHERE id = ?1")?
-            .query_row(params![e.id], |r| r.get(0))
-            .optional()?;
-        if exists.is_some() {
-            return Err(StoreError::Duplicate(e.id.clone()));
-        }
         let (envelope, extra) = encode(job)?;
         let state = job.state();
         let due = (state == JobState::Scheduled)
@@ -548,10 +597,11 @@ fn insert(tx: &Connection, jobs: &[Job]) -> Result<(), StoreError> {
             .flatten();
         let created = e.created_at.map_or(0, ms);
         tx.prepare_cached(
-            "INSERT INTO jobs (id, queue, state, due_ms, published, created_ms, envelope, extra)
-             VALUES (?1, ?2, ?3, ?4, 0, ?5, ?6, ?7)",
+            "INSERT INTO jobs (rowid, id, queue, state, due_ms, created_ms, envelope, extra)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         )?
         .execute(params![
+            seq,
             e.id,
             e.queue,
             state_name(state),
@@ -559,9 +609,20 @@ fn insert(tx: &Connection, jobs: &[Job]) -> Result<(), StoreError> {
             created,
             envelope,
             extra
-        ])?;
-        tx.prepare_cached("INSERT OR IGNORE INTO queues (name, created_ms) VALUES (?1, ?2)")?
-            .execute(params![e.queue, created])?;
+        ])
+        .map_err(|err| match err.sqlite_error() {
+            // The primary key: a stored id.
+            Some(f) if f.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY => {
+                StoreError::Duplicate(e.id.clone())
+            }
+            _ => StoreError::from(err),
+        })?;
+        if !queues.iter().any(|(q, _)| *q == e.queue) {
+            queues.push((&e.queue, created));
+        }
+        if state == JobState::Available {
+            available.push((e.id.clone(), seq));
+        }
         let now = e.created_at.unwrap_or_else(Utc::now);
         let name = if state == JobState::Scheduled {
             "job.scheduled"
@@ -576,7 +637,12 @@ fn insert(tx: &Connection, jobs: &[Job]) -> Result<(), StoreError> {
             json!({"job_type": e.job_type, "queue": e.queue, "state": state_name(state)}),
         )?;
     }
-    Ok(())
+    let mut stmt =
+        tx.prepare_cached("INSERT OR IGNORE INTO queues (name, created_ms) VALUES (?1, ?2)")?;
+    for (queue, created) in queues {
+        stmt.execute(params![queue, created])?;
+    }
+    Ok(available)
 }
 
 fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
@@ -648,7 +714,7 @@ fn promote(tx: &Connection, ids: &[String], now: DateTime<Utc>) -> Result<(), St
         job.envelope.state = Some(JobState::Available);
         job.envelope.enqueued_at = Some(now);
         save(tx, &job, None)?;
-        tx.prepare_cached("UPDATE jobs SET published = 1, due_ms = NULL WHERE id = ?1")?
+        tx.prepare_cached("UPDATE jobs SET due_ms = NULL WHERE id = ?1")?
             .execute(params![id])?;
         event(
             tx,
@@ -661,7 +727,76 @@ fn promote(tx: &Connection, ids: &[String], now: DateTime<Utc>) -> Result<(), St
     Ok(())
 }
 
-fn write_loop(mut conn: Connection, rx: mpsc::Receiver<WriteBox>) {
+/// Which available jobs the broker has not confirmed yet, kept by the
+/// writer thread, and the watermark it keeps in `meta`: every available
+/// job numbered at or below it was confirmed. Instead of a write per job
+/// when the broker confirms it (which rewrote the whole row), one small
+/// update per group commit; after a crash the jobs above the watermark are
+/// published again (at least once: some of them twice).
+#[derive(Debug)]
+struct Confirmed {
+    /// Unconfirmed job ids and their numbers.
+    waiting: HashMap<String, i64>,
+    /// The same numbers, ordered.
+    seqs: BTreeSet<i64>,
+    /// The number the next job gets (never reused: a reused number at or
+    /// below the watermark would not be recovered).
+    next_seq: i64,
+    /// The watermark as `meta` holds it.
+    persisted: i64,
+}
+
+impl Confirmed {
+    /// The state of an opened store: jobs above the watermark wait for the
+    /// republish that follows the start.
+    fn load(conn: &Connection) -> Result<Confirmed, StoreError> {
+        let persisted: i64 = conn.query_row(
+            "SELECT value FROM meta WHERE key = 'published_through'",
+            [],
+            |r| r.get(0),
+        )?;
+        let max: i64 =
+            conn.query_row("SELECT coalesce(max(rowid), 0) FROM jobs", [], |r| r.get(0))?;
+        let mut confirmed = Confirmed {
+            waiting: HashMap::new(),
+            seqs: BTreeSet::new(),
+            next_seq: max.max(persisted) + 1,
+            persisted,
+        };
+        let mut stmt =
+            conn.prepare("SELECT id, rowid FROM jobs WHERE rowid > ?1 AND state = 'available'")?;
+        let rows = stmt.query_map(params![persisted], |r| {
+            Ok((r.get::<_, String>(0)?, r.get(1)?))
+        })?;
+        for row in rows {
+            let (id, seq) = row?;
+            confirmed.wait(id, seq);
+        }
+        Ok(confirmed)
+    }
+
+    fn wait(&mut self, id: String, seq: i64) {
+        self.seqs.insert(seq);
+        self.waiting.insert(id, seq);
+    }
+
+    fn done(&mut self, ids: &[String]) {
+        for id in ids {
+            if let Some(seq) = self.waiting.remove(id) {
+                self.seqs.remove(&seq);
+            }
+        }
+    }
+
+    /// The watermark now.
+    fn watermark(&self) -> i64 {
+        self.seqs
+            .first()
+            .map_or(self.next_seq - 1, |first| first - 1)
+    }
+}
+
+fn write_loop(mut conn: Connection, rx: mpsc::Receiver<WriteBox>, mut confirmed: Confirmed) {
     while let Ok(first) = rx.recv() {
         let mut group = vec![first.0];
         while group.len() < MAX_GROUP {
@@ -670,7 +805,7 @@ fn write_loop(mut conn: Connection, rx: mpsc::Receiver<WriteBox>) {
                 Err(_) => break,
             }
         }
-        let results = commit_group(&mut conn, &group);
+        let results = commit_group(&mut conn, &group, &mut confirmed);
         deliver(group, results);
     }
 }
@@ -682,7 +817,16 @@ enum Outcome {
     Pruned(Result<u64, StoreError>),
 }
 
-fn commit_group(conn: &mut Connection, group: &[Write]) -> Vec<Outcome> {
+fn commit_group(conn: &mut Connection, group: &[Write], confirmed: &mut Confirmed) -> Vec<Outcome> {
+    // Confirmations need no write of their own.
+    for write in group {
+        if let Write::Published { ids } = write {
+            confirmed.done(ids);
+        }
+    }
+    if group.iter().all(|w| matches!(w, Write::Published { .. })) {
+        return group.iter().map(|_| Outcome::Unit(Ok(()))).collect();
+    }
     let tx = match rusqlite::Transaction::new(conn, rusqlite::TransactionBehavior::Immediate) {
         Ok(tx) => tx,
         Err(e) => {
@@ -691,19 +835,22 @@ fn commit_group(conn: &mut Connection, group: &[Write]) -> Vec<Outcome> {
         }
     };
     let mut outcomes = Vec::with_capacity(group.len());
+    let mut next_seq = confirmed.next_seq;
+    let mut added: Vec<(String, i64)> = Vec::new();
+    let mut removed: Vec<&[String]> = Vec::new();
     for write in group {
         let outcome = match write {
-            Write::Insert { jobs, .. } => Outcome::Unit(in_savepoint(&tx, |c| insert(c, jobs))),
-            Write::Published { ids } => Outcome::Unit(in_savepoint(&tx, |c| {
-                let mut stmt = c.prepare_cached("UPDATE jobs SET published = 1 WHERE id = ?1")?;
-                for id in ids {
-                    stmt.execute(params![id])?;
+            Write::Insert { jobs, .. } => match in_savepoint(&tx, |c| insert(c, jobs, next_seq)) {
+                Ok(available) => {
+                    next_seq += jobs.len() as i64;
+                    added.extend(available);
+                    Outcome::Unit(Ok(()))
                 }
-                Ok(())
-            })),
+                Err(e) => Outcome::Unit(Err(e)),
+            },
+            Write::Published { .. } => Outcome::Unit(Ok(())),
             Write::Remove { ids, .. } => Outcome::Unit(in_savepoint(&tx, |c| {
-                let mut jobs =
-                    c.prepare_cached("DELETE FROM jobs WHERE id = ?1 AND published = 0")?;
+                let mut jobs = c.prepare_cached("DELETE FROM jobs WHERE id = ?1")?;
                 let mut events = c.prepare_cached("DELETE FROM events WHERE job_id = ?1")?;
                 for id in ids {
                     if jobs.execute(params![id])? > 0 {
@@ -730,11 +877,49 @@ fn commit_group(conn: &mut Connection, group: &[Write]) -> Vec<Outcome> {
                 Ok(jobs as u64)
             })),
         };
+        if let (Write::Remove { ids, .. }, Outcome::Unit(Ok(()))) = (write, &outcome) {
+            removed.push(ids);
+        }
         outcomes.push(outcome);
+    }
+    // The watermark as it stands once this group is committed.
+    let mut after = Confirmed {
+        waiting: HashMap::new(),
+        seqs: confirmed.seqs.clone(),
+        next_seq,
+        persisted: confirmed.persisted,
+    };
+    for (_, seq) in &added {
+        after.seqs.insert(*seq);
+    }
+    for ids in &removed {
+        for id in ids.iter() {
+            if let Some(seq) = confirmed.waiting.get(id) {
+                after.seqs.remove(seq);
+            }
+        }
+    }
+    let watermark = after.watermark();
+    if watermark != confirmed.persisted {
+        let updated = tx
+            .prepare_cached("UPDATE meta SET value = ?1 WHERE key = 'published_through'")
+            .and_then(|mut s| s.execute(params![watermark]));
+        if let Err(e) = updated {
+            let reason = e.to_string();
+            return group.iter().map(|_| failed(&reason)).collect();
+        }
     }
     if let Err(e) = tx.commit() {
         let reason = e.to_string();
         return group.iter().map(|_| failed(&reason)).collect();
+    }
+    confirmed.next_seq = next_seq;
+    confirmed.persisted = watermark;
+    for (id, seq) in added {
+        confirmed.wait(id, seq);
+    }
+    for ids in removed {
+        confirmed.done(ids);
     }
     outcomes
 }
@@ -805,7 +990,7 @@ mod tests {
     ) -> Result<(), StoreError> {
         let dir =
             std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
-        let store = Store::open(&dir).await?;
+        let store = Store::open(&dir, Durability::Process).await?;
         let first = job(None);
         let id = first.envelope.id.clone();
         store.insert(vec![first]).await?;
@@ -846,6 +1031,115 @@ mod tests {
             store.get(id).await?.map(|j| j.state()),
             Some(JobState::Cancelled)
         );
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    fn ids(jobs: &[Job]) -> Vec<String> {
+        jobs.iter().map(|j| j.envelope.id.clone()).collect()
+    }
+
+    /// Waits until the writer has handled everything sent before.
+    async fn settle(store: &Store) -> Result<(), StoreError> {
+        store.prune(DateTime::<Utc>::UNIX_EPOCH).await.map(|_| ())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn jobs_the_broker_did_not_confirm_are_found_again_after_a_reopen(
+    ) -> Result<(), StoreError> {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let store = Store::open(&dir, Durability::Process).await?;
+        let (a, b, c, d) = (job(None), job(None), job(None), job(None));
+        let all = ids(&[a.clone(), b.clone(), c.clone(), d.clone()]);
+        store.insert(vec![a, b]).await?;
+        store.insert(vec![c]).await?;
+        store.insert(vec![d]).await?;
+        // a and c confirmed, d refused (removed); b never confirmed.
+        store.published(vec![all[0].clone(), all[2].clone()]);
+        store.remove(vec![all[3].clone()]).await?;
+        settle(&store).await?;
+        assert!(
+            store.unpublished(10).await?.is_empty(),
+            "nothing to recover at first open"
+        );
+        drop(store);
+        let store = Store::open(&dir, Durability::Process).await?;
+        // b, and c above it (republished: at least once); never a, never d.
+        assert_eq!(
+            ids(&store.unpublished(10).await?),
+            vec![all[1].clone(), all[2].clone()]
+        );
+        store.published(vec![all[1].clone(), all[2].clone()]);
+        let e = job(None);
+        let e_id = e.envelope.id.clone();
+        store.insert(vec![e]).await?;
+        store.published(vec![e_id]);
+        settle(&store).await?;
+        drop(store);
+        let store = Store::open(&dir, Durability::Process).await?;
+        assert!(store.unpublished(10).await?.is_empty());
+        // A removed job's number is not given again.
+        let f = job(None);
+        store.insert(vec![f.clone()]).await?;
+        drop(store);
+        let store = Store::open(&dir, Durability::Process).await?;
+        assert_eq!(ids(&store.unpublished(10).await?), ids(&[f]));
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_version_1_store_is_migrated_keeping_what_was_not_confirmed() -> Result<(), StoreError>
+    {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).map_err(|e| StoreError::Commit(e.to_string()))?;
+        let (a, b, c) = (job(None), job(None), job(None));
+        {
+            let conn = Connection::open(dir.join(STORE_FILE))?;
+            conn.execute_batch(&format!(
+                "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = 1;
+                 CREATE TABLE jobs (id TEXT PRIMARY KEY, queue TEXT NOT NULL, state TEXT NOT NULL,
+                   due_ms INTEGER, published INTEGER NOT NULL DEFAULT 0, created_ms INTEGER NOT NULL,
+                   finished_ms INTEGER, envelope TEXT NOT NULL, extra TEXT NOT NULL DEFAULT '{{}}');
+                 CREATE INDEX jobs_unpublished ON jobs (published) WHERE published = 0;
+                 CREATE TABLE queues (name TEXT PRIMARY KEY, created_ms INTEGER NOT NULL);
+                 CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL,
+                   type TEXT NOT NULL, job_id TEXT NOT NULL, queue TEXT NOT NULL,
+                   job_type TEXT NOT NULL, time_ms INTEGER NOT NULL, data TEXT NOT NULL);
+                 INSERT INTO events (id, type, job_id, queue, job_type, time_ms, data)
+                   VALUES ('evt_old', 'job.enqueued', 'x', 'default', 'a.b', 0, '{{}}');"
+            ))?;
+            for (job, published) in [(&a, 1), (&b, 0), (&c, 1)] {
+                let (envelope, extra) = encode(job)?;
+                conn.execute(
+                    "INSERT INTO jobs (id, queue, state, published, created_ms, envelope, extra)
+                     VALUES (?1, 'default', 'available', ?2, 0, ?3, ?4)",
+                    params![job.envelope.id, published, envelope, extra],
+                )?;
+            }
+        }
+        let store = Store::open(&dir, Durability::Process).await?;
+        assert_eq!(
+            ids(&store.unpublished(10).await?),
+            ids(&[b.clone(), c.clone()])
+        );
+        assert_eq!(
+            store
+                .get(a.envelope.id.clone())
+                .await?
+                .map(|j| j.envelope.id),
+            Some(a.envelope.id.clone())
+        );
+        let (events, _) = store
+            .events(EventFilter {
+                limit: 10,
+                ..EventFilter::default()
+            })
+            .await?;
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].body["id"], "evt_0000000000000001");
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

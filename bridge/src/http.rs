@@ -222,7 +222,7 @@ async fn answer(
         return r;
     }
     if let (Some(api), Some(id)) = (api, request_id) {
-        return full(serve_api(api, req, id).await);
+        return full(serve_api(api, req, id, state.limits.idle_timeout).await);
     }
     if known && req.method() != Method::GET && req.method() != Method::HEAD {
         return response(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "use GET\n");
@@ -278,16 +278,32 @@ async fn answer(
     }
 }
 
-/// Reads the body within `[api] max_body_bytes` and hands the request to
-/// the binding.
+/// Reads the body within `[api] max_body_bytes` and `deadline` (a client
+/// that stalls mid-body gets 408 and loses the connection's slot) and
+/// hands the request to the binding.
 async fn serve_api(
     api: &Arc<ojs_api::Api>,
     req: Request<Incoming>,
     request_id: &str,
+    deadline: Duration,
 ) -> hyper::Response<Bytes> {
     let limit = api.settings().max_body_bytes;
     let (parts, body) = req.into_parts();
-    let body = match Limited::new(body, limit).collect().await {
+    let read = tokio::time::timeout(deadline, Limited::new(body, limit).collect()).await;
+    let Ok(read) = read else {
+        let mut r = ojs_api::http::error_response(
+            &ojs_api::ApiError::BodyTimeout {
+                seconds: deadline.as_secs(),
+            },
+            request_id,
+        );
+        r.headers_mut().insert(
+            hyper::header::CONNECTION,
+            hyper::header::HeaderValue::from_static("close"),
+        );
+        return r;
+    };
+    let body = match read {
         Ok(collected) => collected.to_bytes(),
         Err(e) => {
             let error = if e

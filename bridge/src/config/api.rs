@@ -39,11 +39,27 @@ pub struct ApiConfig {
     /// are kept for INFO. Default `7d`.
     #[serde(default = "default_retention", with = "duration_text")]
     pub retention: Duration,
+    /// What a commit of the job store survives: `process` (a crash of
+    /// the process; the default, as the embedded broker's) or `power`
+    /// (also power loss: an fsync per group commit).
+    #[serde(default)]
+    pub durability: StoreDurability,
     /// Bearer tokens, each with its operations and queues. With any token
     /// (or `[http] token_file`, which allows everything) every request
     /// needs one. Default: none (open; the listener is on loopback).
     #[serde(default)]
     pub tokens: Vec<ApiTokenConfig>,
+}
+
+/// `[api] durability`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreDurability {
+    /// Survives a crash of the process.
+    #[default]
+    Process,
+    /// Also survives power loss.
+    Power,
 }
 
 /// `[[api.tokens]]`: one bearer token and its scope.
@@ -160,6 +176,10 @@ impl ApiConfig {
             retention: self.retention,
             state_dir,
             tokens: Tokens::new(tokens),
+            durability: match self.durability {
+                StoreDurability::Process => ojs_api::store::Durability::Process,
+                StoreDurability::Power => ojs_api::store::Durability::Power,
+            },
         })
     }
 

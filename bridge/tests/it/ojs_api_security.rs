@@ -578,3 +578,57 @@ async fn the_listener_speaks_tls_with_alpn_and_mutual_tls_with_a_client_ca() {
     );
     assert!(!text.contains("PRIVATE KEY"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_header_and_a_body_that_stalls_get_answers_and_the_listener_goes_on() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[http]\nidle_timeout = \"2s\"\n[api]\nadapter = \"local\"\n";
+    let server = OjsServer::start(Some(config)).await;
+    let addr = server.addr;
+    let answer_of = |mut s: tokio::net::TcpStream| async move {
+        let mut text = Vec::new();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), s.read_to_end(&mut text))
+            .await;
+        String::from_utf8_lossy(&text).to_string()
+    };
+
+    // A 1 MiB header: refused before any of it is kept.
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let huge = "x".repeat(1 << 20);
+    let head = format!("POST /ojs/v1/jobs HTTP/1.1\r\nHost: x\r\nX-Filler: {huge}\r\nContent-Length: 2\r\n\r\n{{}}");
+    let _ = s.write_all(head.as_bytes()).await;
+    let text = answer_of(s).await;
+    assert!(
+        text.is_empty() || text.starts_with("HTTP/1.1 431"),
+        "{}",
+        &text[..text.len().min(200)]
+    );
+
+    // Half a body, then nothing: 408 within idle_timeout, the connection
+    // closed, nothing stored.
+    let id = ojs_core::envelope::new_job_id();
+    let body = json!({"type": "a.b", "args": [1], "id": id}).to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!(
+            "POST /ojs/v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+            body.len(),
+            &body[..body.len() / 2]
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let text = answer_of(s).await;
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"code\":\"invalid_request\""), "{text}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(8));
+    let info = call(addr, "GET", &format!("/ojs/v1/jobs/{id}"), None, None).await;
+    assert_eq!(info.status, 404);
+
+    // The listener still serves.
+    let a = call(addr, "POST", "/ojs/v1/jobs", None, Some(&job("after"))).await;
+    assert_eq!(a.status, 201, "{:?}", a.body);
+    server.stop();
+}

@@ -1,0 +1,515 @@
+//! The OJS HTTP API's PUSH, every case in one run, against what it is built
+//! from:
+//!
+//! 1. single-job PUSH (`POST /ojs/v1/jobs`, JSON) over 64 keep-alive
+//!    connections into `ojs-bridge run` (the release binary, a process of
+//!    its own) on the embedded broker, beside the same jobs published
+//!    straight through the embedded adapter by 64 concurrent tasks (one job
+//!    per publish), and beside a hello-world endpoint of the same HTTP
+//!    stack (hyper-util's auto builder, HTTP/1.1 keep-alive, a process of
+//!    its own answering 201 with a small JSON body);
+//! 2. batch PUSH (`POST /ojs/v1/jobs/batch`, 100 jobs a request, 64
+//!    connections) beside the adapter's batched publish (100 jobs a call,
+//!    64 tasks);
+//! 3. the same two on Kafka (`[api] adapter` = a Kafka adapter; the
+//!    adapter-alone side is the Kafka adapter in this process), when a
+//!    broker answers at `OJS_BRIDGE_TEST_KAFKA_URL`;
+//! 4. the daemon's resident memory with 1,000 open keep-alive connections
+//!    (each has made one request).
+//!
+//! Each line prints jobs/s, p50 and p99 of one request (or one publish
+//! call), and the ratio to the adapter alone. The load generator runs in
+//! this process on the same two cores as the daemon: it costs the same for
+//! the daemon and the hello-world endpoint, and nothing for the adapter
+//! alone, which therefore has an edge.
+//!
+//! `cargo bench -p ojs-bridge --bench api_push [-- SINGLE_N [BATCH_REQUESTS [ROUNDS]]]`
+//! (default 40000 single pushes, 1000 batch requests = 100,000 jobs,
+//! 3 rounds, median printed).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use ojs_core::{Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use serde_json::json;
+
+const CONNECTIONS: usize = 64;
+const BATCH: usize = 100;
+
+/// A process serving HTTP on a free loopback port; killed by its PID when
+/// dropped.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    _dir: ojs_bridge_tests::tempdir::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `ojs-bridge run` with `config` in a fresh directory.
+fn daemon(config: &str) -> Server {
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("api-bench");
+    let file = dir.path().join("bridge.toml");
+    std::fs::write(&file, config).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .current_dir(dir.path())
+        .env("OJS_BRIDGE_HTTP_LISTEN", "127.0.0.1:0")
+        .env("OJS_BRIDGE_LOG", "warn")
+        .args(["run", "--config", file.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let addr = listening(&mut child, "health on http://");
+    Server {
+        child,
+        addr,
+        _dir: dir,
+    }
+}
+
+/// This bench's own executable as the hello-world server.
+fn hello() -> Server {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env("OJS_API_BENCH_HELLO", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let addr = listening(&mut child, "hello on http://");
+    Server {
+        child,
+        addr,
+        _dir: ojs_bridge_tests::tempdir::TempDir::new("api-bench-hello"),
+    }
+}
+
+/// Reads stderr until the line that says where the process listens; the
+/// rest of stderr is drained (and shown) in the background.
+fn listening(child: &mut Child, marker: &str) -> SocketAddr {
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("the server says where it listens")
+            .unwrap();
+        if let Some(rest) = line.split(marker).nth(1) {
+            break rest.split('/').next().unwrap().parse().unwrap();
+        }
+    };
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            eprintln!("  [server] {line}");
+        }
+    });
+    addr
+}
+
+/// The hello-world endpoint: the listener stack of the daemon (hyper-util
+/// auto builder, keep-alive) with nothing behind it.
+fn serve_hello() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        eprintln!("hello on http://{}/", listener.local_addr().unwrap());
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
+                    let _ = req.into_body().collect().await;
+                    let mut r = hyper::Response::new(Full::new(Bytes::from_static(
+                        br#"{"job":{"id":"019a0000-0000-7000-8000-000000000000","state":"available"}}"#,
+                    )));
+                    *r.status_mut() = hyper::StatusCode::CREATED;
+                    Ok::<_, std::convert::Infallible>(r)
+                });
+                let mut builder = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                );
+                builder.http1().keep_alive(true);
+                let _ = builder
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+}
+
+/// Rate and latency of one side.
+struct Measured {
+    jobs_per_s: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+impl Measured {
+    fn from(jobs: usize, elapsed: Duration, mut latencies: Vec<Duration>) -> Measured {
+        latencies.sort_unstable();
+        let at = |q: f64| {
+            latencies
+                .get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or_default()
+        };
+        Measured {
+            jobs_per_s: jobs as f64 / elapsed.as_secs_f64(),
+            p50: at(0.50),
+            p99: at(0.99),
+        }
+    }
+}
+
+fn median(mut runs: Vec<Measured>) -> Measured {
+    runs.sort_by(|a, b| a.jobs_per_s.total_cmp(&b.jobs_per_s));
+    runs.swap_remove(runs.len() / 2)
+}
+
+fn single_body(i: usize) -> Bytes {
+    Bytes::from(
+        json!({"type": "email.send", "args": ["user@example.com", i], "options": {"queue": "bench"}})
+            .to_string(),
+    )
+}
+
+fn batch_body(i: usize) -> Bytes {
+    let jobs: Vec<_> = (0..BATCH)
+        .map(|j| json!({"type": "email.send", "args": ["user@example.com", i * BATCH + j], "options": {"queue": "bench"}}))
+        .collect();
+    Bytes::from(json!({ "jobs": jobs }).to_string())
+}
+
+/// `requests` POSTs of `body(i)` to `path`, spread over `CONNECTIONS`
+/// keep-alive connections; every answer must be 201.
+async fn http_load(
+    addr: SocketAddr,
+    path: &'static str,
+    requests: usize,
+    jobs_per_request: usize,
+    body: fn(usize) -> Bytes,
+) -> Measured {
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..CONNECTIONS {
+        let next = next.clone();
+        tasks.push(tokio::spawn(async move {
+            let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            stream.set_nodelay(true).unwrap();
+            let (mut sender, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .unwrap();
+            tokio::spawn(conn);
+            let mut latencies = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= requests {
+                    break;
+                }
+                let request = hyper::Request::post(path)
+                    .header("host", "bench")
+                    .header("content-type", "application/openjobspec+json")
+                    .body(Full::new(body(i)))
+                    .unwrap();
+                let t = Instant::now();
+                sender.ready().await.unwrap();
+                let response = sender.send_request(request).await.unwrap();
+                let status = response.status();
+                let answer = response.into_body().collect().await.unwrap().to_bytes();
+                latencies.push(t.elapsed());
+                assert_eq!(status, 201, "{}", String::from_utf8_lossy(&answer));
+            }
+            latencies
+        }));
+    }
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    Measured::from(requests * jobs_per_request, started.elapsed(), latencies)
+}
+
+/// The same jobs as `calls` publish calls of `per_call` jobs from
+/// `CONNECTIONS` tasks, straight through `adapter`.
+async fn adapter_load(adapter: Arc<dyn QueueAdapter>, calls: usize, per_call: usize) -> Measured {
+    adapter.prepare("bench").await.unwrap();
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..CONNECTIONS {
+        let (next, adapter) = (next.clone(), adapter.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= calls {
+                    break;
+                }
+                let t = Instant::now();
+                // Built per call, as the API builds each job from its body.
+                let messages = (0..per_call)
+                    .map(|j| {
+                        let mut e = JobEnvelope::new(
+                            "email.send",
+                            vec![json!("user@example.com"), json!(i * per_call + j)],
+                        );
+                        e.queue = "bench".into();
+                        OutgoingMessage::from_envelope(&e, Encoding::OjsProto).unwrap()
+                    })
+                    .collect();
+                adapter.publish("bench", messages).await.unwrap();
+                latencies.push(t.elapsed());
+            }
+            latencies
+        }));
+    }
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    Measured::from(calls * per_call, started.elapsed(), latencies)
+}
+
+fn line(what: &str, m: &Measured, against: Option<&Measured>) {
+    let ratio = against
+        .map(|a| format!("  {:.2}× the adapter alone", m.jobs_per_s / a.jobs_per_s))
+        .unwrap_or_default();
+    println!(
+        "  {what:<44} {:>9.0} jobs/s   p50 {:>7.2} ms   p99 {:>7.2} ms{ratio}",
+        m.jobs_per_s,
+        m.p50.as_secs_f64() * 1e3,
+        m.p99.as_secs_f64() * 1e3,
+    );
+}
+
+/// One backend: daemon single and batch PUSH, adapter single and batched
+/// publish, in `rounds` alternating rounds; medians printed.
+async fn backend(
+    name: &str,
+    config: &str,
+    adapter: impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Arc<dyn QueueAdapter>>>>,
+    single: usize,
+    batches: usize,
+    rounds: usize,
+    hello_single: Option<&Measured>,
+) {
+    let (mut push, mut push_batch, mut raw, mut raw_batch) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let server = daemon(config);
+        // Untimed: topics and queues exist, connections are up.
+        http_load(server.addr, "/ojs/v1/jobs", 256, 1, single_body).await;
+        push.push(http_load(server.addr, "/ojs/v1/jobs", single, 1, single_body).await);
+        push_batch.push(
+            http_load(
+                server.addr,
+                "/ojs/v1/jobs/batch",
+                batches,
+                BATCH,
+                batch_body,
+            )
+            .await,
+        );
+        drop(server);
+        let a = adapter().await;
+        adapter_load(a.clone(), 256, 1).await;
+        raw.push(adapter_load(a.clone(), single, 1).await);
+        raw_batch.push(adapter_load(a.clone(), batches, BATCH).await);
+        a.close().await.unwrap();
+    }
+    let (push, push_batch, raw, raw_batch) = (
+        median(push),
+        median(push_batch),
+        median(raw),
+        median(raw_batch),
+    );
+    println!("{name}:");
+    line("single PUSH, 64 keep-alive connections", &push, Some(&raw));
+    line("adapter publish, 1 job a call, 64 tasks", &raw, None);
+    if let Some(h) = hello_single {
+        println!(
+            "  (single PUSH = {:.2}× the hello-world endpoint of the same stack)",
+            push.jobs_per_s / h.jobs_per_s
+        );
+    }
+    line(
+        "batch PUSH, 100 jobs a request, 64 conns",
+        &push_batch,
+        Some(&raw_batch),
+    );
+    line(
+        "adapter publish, 100 jobs a call, 64 tasks",
+        &raw_batch,
+        None,
+    );
+}
+
+fn rss_mib(pid: u32, field: &str) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+/// Resident memory of the daemon before and with 1,000 keep-alive
+/// connections open, each after one request.
+async fn rss_with_1000_connections() {
+    let server = daemon(
+        "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[http]\nmax_connections = 2000\nidle_timeout = \"5m\"\n[api]\nadapter = \"local\"\n",
+    );
+    let pid = server.child.id();
+    // Warm: the store and the runtime's threads exist.
+    http_load(server.addr, "/ojs/v1/jobs", 1000, 1, single_body).await;
+    let before = rss_mib(pid, "VmRSS:");
+    let mut held = Vec::new();
+    for _ in 0..1000 {
+        let stream = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let r = sender
+            .send_request(
+                hyper::Request::get("/ojs/manifest")
+                    .header("host", "bench")
+                    .body(Full::new(Bytes::new()))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.into_body().collect().await.unwrap();
+        held.push(sender);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (with, peak) = (rss_mib(pid, "VmRSS:"), rss_mib(pid, "VmHWM:"));
+    println!(
+        "memory: daemon RSS {before:.1} MiB after 1,000 PUSHes; {with:.1} MiB with 1,000 open keep-alive connections ({:.1} KiB each); peak {peak:.1} MiB",
+        (with - before) * 1024.0 / 1000.0
+    );
+    drop(held);
+}
+
+fn main() {
+    if std::env::var_os("OJS_API_BENCH_HELLO").is_some() {
+        serve_hello();
+        return;
+    }
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let single = args.first().copied().unwrap_or(40_000);
+    let batches = args.get(1).copied().unwrap_or(1_000);
+    let rounds = args.get(2).copied().unwrap_or(3).max(1);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        println!(
+            "OJS API PUSH: {single} single pushes, {batches} batches of {BATCH}, {CONNECTIONS} connections, median of {rounds} rounds"
+        );
+        let only_kafka = std::env::var("OJS_API_BENCH_ONLY").is_ok_and(|v| v == "kafka");
+        let mut hellos = Vec::new();
+        for _ in 0..if only_kafka { 0 } else { rounds } {
+            let h = hello();
+            hellos.push(http_load(h.addr, "/ojs/v1/jobs", single, 1, single_body).await);
+        }
+        if !only_kafka {
+        let hello_single = median(hellos);
+        line("hello-world endpoint, same HTTP stack", &hello_single, None);
+
+        backend(
+            "embedded broker (local:, durable: every PUSH a store commit and a broker commit)",
+            "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n",
+            || {
+                Box::pin(async {
+                    let dir = ojs_bridge_tests::tempdir::TempDir::new("api-bench-adapter");
+                    let url = format!("local:{}", dir.path().display());
+                    // The directory lives as long as the bench.
+                    std::mem::forget(dir);
+                    let a = ojs_adapter_local::LocalAdapter::open(
+                        ojs_adapter_local::LocalConfig::from_url(&url).unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                    Arc::new(a) as Arc<dyn QueueAdapter>
+                })
+            },
+            single,
+            batches,
+            rounds,
+            Some(&hello_single),
+        )
+        .await;
+        }
+
+        let kafka = std::env::var("OJS_BRIDGE_TEST_KAFKA_URL")
+            .unwrap_or_else(|_| "kafka://127.0.0.1:9092".into());
+        let reachable = ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::Kafka)
+            .await
+            .is_some();
+        if reachable {
+            let topic = format!("bench-{}-{{queue}}", uuid::Uuid::new_v4().simple());
+            let threads = std::env::var("OJS_API_BENCH_THREADS")
+                .map(|n| format!("worker_threads = {n}\n"))
+                .unwrap_or_default();
+            let config = format!(
+                "{threads}[adapters.kafka]\nurl = \"{kafka}\"\ntopic_template = \"{topic}\"\npartitions = 1\n[api]\nadapter = \"kafka\"\n"
+            );
+            let url = format!(
+                "{kafka}{}topic_template={topic}&partitions=1",
+                if kafka.contains('?') { '&' } else { '?' }
+            );
+            backend(
+                "Kafka (tansu on this machine; 201 after the delivery report)",
+                &config,
+                move || {
+                    let url = url.clone();
+                    Box::pin(async move {
+                        let a = ojs_adapter_kafka::KafkaAdapter::connect(
+                            ojs_adapter_kafka::KafkaConfig::from_url(&url).unwrap(),
+                        )
+                        .await
+                        .unwrap();
+                        Arc::new(a) as Arc<dyn QueueAdapter>
+                    })
+                },
+                single / 4,
+                batches / 4,
+                rounds,
+                None,
+            )
+            .await;
+        } else {
+            println!("Kafka: no broker at {kafka}; case skipped");
+        }
+        rss_with_1000_connections().await;
+    });
+}
