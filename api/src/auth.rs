@@ -20,6 +20,8 @@ pub enum Operation {
     Push,
     /// INFO, the queue list, events, the manifest.
     Read,
+    /// The worker side: FETCH, ACK, NACK, heartbeat.
+    Work,
     /// Everything above and CANCEL.
     Admin,
 }
@@ -30,6 +32,7 @@ impl Operation {
         match self {
             Operation::Push => "push",
             Operation::Read => "read",
+            Operation::Work => "work",
             Operation::Admin => "admin",
         }
     }
@@ -39,6 +42,7 @@ impl Operation {
         match name {
             "push" => Some(Operation::Push),
             "read" => Some(Operation::Read),
+            "work" => Some(Operation::Work),
             "admin" => Some(Operation::Admin),
             _ => None,
         }

@@ -12,9 +12,15 @@ use ojs_core::media::{OJS_JSON, OJS_PROTO};
 use ojs_core::Encoding;
 use serde_json::{json, Value};
 
+use std::time::Duration;
+
+use serde_json::Map;
+
+use crate::auth::Grant;
 use crate::error::ApiError;
 use crate::job::{self, Job};
 use crate::store::EventFilter;
+use crate::worker;
 use crate::Api;
 
 /// `OJS-Version` of every answer.
@@ -223,9 +229,173 @@ async fn route(
                 request_id,
             ))
         }
+        (_, ["workers", action]) => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            json_only(request.headers())?;
+            let body = match parse_json(request.body())? {
+                Value::Object(m) => m,
+                _ => return Err(ApiError::invalid("", "the body must be a JSON object")),
+            };
+            worker_route(api, &grant, action, body, request_id).await
+        }
         _ => Err(ApiError::NoRoute {
             method: method.to_string(),
             path: path.to_owned(),
+        }),
+    }
+}
+
+fn millis(body: &Map<String, Value>, key: &str) -> Result<Option<Duration>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .filter(|ms| *ms > 0 && *ms <= 43_200_000)
+            .map(|ms| Some(Duration::from_millis(ms)))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    key,
+                    "must be a whole number of milliseconds from 1 to 43200000",
+                )
+            }),
+    }
+}
+
+fn job_id(body: &Map<String, Value>) -> Result<String, ApiError> {
+    body.get("job_id")
+        .or_else(|| body.get("id"))
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .ok_or_else(|| ApiError::invalid("job_id", "`job_id` is required"))
+}
+
+async fn worker_route(
+    api: &Api,
+    grant: &Grant<'_>,
+    action: &str,
+    mut body: Map<String, Value>,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    match action {
+        "fetch" => {
+            let queues = match body.get("queues") {
+                Some(Value::Array(qs)) if !qs.is_empty() => qs
+                    .iter()
+                    .map(|q| {
+                        q.as_str().map(str::to_owned).ok_or_else(|| {
+                            ApiError::invalid("queues", "must be an array of queue names")
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+                _ => {
+                    return Err(ApiError::invalid(
+                        "queues",
+                        "`queues` is required: a non-empty array of queue names",
+                    ))
+                }
+            };
+            for q in &queues {
+                ojs_core::envelope::validate_queue_name(q)
+                    .map_err(|e| ApiError::invalid("queues", e.to_string()))?;
+            }
+            let count = match body.get("count") {
+                None | Some(Value::Null) => 1,
+                Some(v) => v
+                    .as_u64()
+                    .filter(|n| (1..=1000).contains(n))
+                    .ok_or_else(|| {
+                        ApiError::invalid("count", "must be an integer from 1 to 1000")
+                    })? as usize,
+            };
+            let fetch = worker::Fetch {
+                queues,
+                count,
+                worker_id: body
+                    .get("worker_id")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned),
+                visibility: millis(&body, "visibility_timeout_ms")?,
+                wait: millis(&body, "wait_ms")?.unwrap_or(Duration::ZERO),
+            };
+            let jobs = api.fetch(grant, fetch).await?;
+            let list: Vec<Value> = jobs.iter().map(Job::to_json).collect();
+            Ok(json_response(200, &json!({"jobs": list}), request_id))
+        }
+        "ack" => {
+            let id = job_id(&body)?;
+            let job = api.ack(grant, &id, body.remove("result")).await?;
+            Ok(json_response(
+                200,
+                &worker::settle_body(&job, true),
+                request_id,
+            ))
+        }
+        "nack" | "fail" => {
+            let id = job_id(&body)?;
+            let error = match body.remove("error") {
+                Some(Value::Object(e)) => e,
+                None | Some(Value::Null) => Map::new(),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "error",
+                        "must be an object {code, message}",
+                    ))
+                }
+            };
+            let requeue = body
+                .get("requeue")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let job = api
+                .nack(
+                    grant,
+                    worker::Failure {
+                        job_id: id,
+                        error,
+                        requeue,
+                    },
+                )
+                .await?;
+            Ok(json_response(
+                200,
+                &worker::settle_body(&job, false),
+                request_id,
+            ))
+        }
+        "heartbeat" => {
+            let worker_id = body
+                .get("worker_id")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned();
+            let jobs = body
+                .get("active_jobs")
+                .or_else(|| body.get("active_job_ids"))
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .map(str::to_owned)
+                        .collect()
+                });
+            if worker_id.is_empty() && jobs.is_none() {
+                return Err(ApiError::invalid("worker_id", "`worker_id` is required"));
+            }
+            let visibility = millis(&body, "visibility_timeout_ms")?;
+            let extended = api.heartbeat(grant, &worker_id, jobs, visibility).await?;
+            Ok(json_response(
+                200,
+                &json!({"state": "running", "jobs_extended": extended,
+                        "server_time": crate::job::timestamp(chrono::Utc::now())}),
+                request_id,
+            ))
+        }
+        _ => Err(ApiError::NoRoute {
+            method: "POST".into(),
+            path: format!("/ojs/v1/workers/{action}"),
         }),
     }
 }

@@ -15,6 +15,7 @@ pub mod error;
 pub mod http;
 pub mod job;
 pub mod store;
+pub mod worker;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -52,6 +53,11 @@ pub struct ApiSettings {
     pub tokens: Tokens,
     /// What a commit of the job store survives.
     pub durability: store::Durability,
+    /// How long the broker keeps a fetched job's delivery from others
+    /// (SQS, the embedded broker); held deliveries are extended well
+    /// before, so this is how soon the jobs of a process that died come
+    /// back.
+    pub visibility_timeout: Duration,
 }
 
 impl Default for ApiSettings {
@@ -65,6 +71,7 @@ impl Default for ApiSettings {
             state_dir: PathBuf::from("./ojs-bridge-data"),
             tokens: Tokens::default(),
             durability: store::Durability::default(),
+            visibility_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -82,6 +89,8 @@ pub struct Api {
     prepared: Mutex<HashSet<String>>,
     /// Wakes the scheduler when a scheduled job was stored.
     scheduled: Notify,
+    /// Deliveries of active jobs, and each queue's consumer.
+    workers: worker::Workers,
 }
 
 /// Scheduled jobs published per pass.
@@ -108,6 +117,7 @@ impl Api {
             started_at: Utc::now(),
             prepared: Mutex::new(HashSet::new()),
             scheduled: Notify::new(),
+            workers: worker::Workers::default(),
         }))
     }
 
@@ -383,6 +393,9 @@ impl Api {
                     Duration::from_secs(1)
                 }
             };
+            self.reap().await;
+            // Visibility deadlines are checked this often.
+            let wait = wait.min(Duration::from_millis(250));
             if last_prune.elapsed() >= Duration::from_secs(60) {
                 last_prune = Instant::now();
                 let before = Utc::now()

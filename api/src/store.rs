@@ -9,6 +9,7 @@
 //! thousand concurrent PUSHes cost a few fsyncs, not a thousand. Reads use a
 //! second connection (WAL readers do not wait for the writer).
 
+use std::any::Any;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -182,7 +183,18 @@ enum Write {
         before: DateTime<Utc>,
         reply: oneshot::Sender<Result<u64, StoreError>>,
     },
+    /// A transition of the worker side, run in its own savepoint; it may
+    /// number new rows from the writer's counter.
+    Run {
+        /// Taken when it runs.
+        f: Option<RunFn>,
+        reply: oneshot::Sender<Result<Box<dyn Any + Send>, StoreError>>,
+    },
 }
+
+/// What [`Store::run`] runs on the writer thread.
+type RunFn =
+    Box<dyn FnOnce(&Connection, &mut i64) -> Result<Box<dyn Any + Send>, StoreError> + Send>;
 
 /// The store: a writer thread and a reader connection.
 #[derive(Debug, Clone)]
@@ -377,6 +389,21 @@ impl Store {
         self.write(|reply| Write::Promote { ids, now, reply }).await
     }
 
+    /// Runs `f` in one savepoint of the next group commit and answers after
+    /// the commit. `f` numbers any row it inserts into `jobs` from the
+    /// counter it is given ([`insert_seen`]).
+    pub async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection, &mut i64) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let f: RunFn =
+            Box::new(move |c, seq| f(c, seq).map(|v| Box::new(v) as Box<dyn Any + Send>));
+        let any = self.write(|reply| Write::Run { f: Some(f), reply }).await?;
+        any.downcast::<T>()
+            .map(|b| *b)
+            .map_err(|_| StoreError::Commit("a store answer of the wrong type".into()))
+    }
+
     /// Removes finished jobs (and events) older than `before`.
     pub async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
         self.write(|reply| Write::Prune { before, reply }).await
@@ -560,7 +587,7 @@ fn state_name(s: JobState) -> &'static str {
     s.as_str().unwrap_or("unknown")
 }
 
-fn event(
+pub(crate) fn event(
     tx: &Connection,
     event_type: &str,
     job: &JobEnvelope,
@@ -579,6 +606,15 @@ fn event(
         ms(now),
         data.to_string(),
     ])?;
+    Ok(())
+}
+
+/// Stores a job another producer put on the broker (a FETCH found it),
+/// numbering its row from the writer's counter. It is on the broker
+/// already: nothing waits for a confirmation.
+pub(crate) fn insert_seen(tx: &Connection, seq: &mut i64, job: &Job) -> Result<(), StoreError> {
+    insert(tx, std::slice::from_ref(job), *seq)?;
+    *seq += 1;
     Ok(())
 }
 
@@ -645,7 +681,7 @@ fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i
     Ok(available)
 }
 
-fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
+pub(crate) fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
     let row = tx
         .prepare_cached("SELECT envelope, extra FROM jobs WHERE id = ?1")?
         .query_row(params![id], |r| {
@@ -656,7 +692,11 @@ fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
     decode(id, &envelope, &extra)
 }
 
-fn save(tx: &Connection, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
+pub(crate) fn save(
+    tx: &Connection,
+    job: &Job,
+    finished: Option<DateTime<Utc>>,
+) -> Result<(), StoreError> {
     let (envelope, extra) = encode(job)?;
     tx.prepare_cached(
         "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5 WHERE id = ?1",
@@ -805,21 +845,26 @@ fn write_loop(mut conn: Connection, rx: mpsc::Receiver<WriteBox>, mut confirmed:
                 Err(_) => break,
             }
         }
-        let results = commit_group(&mut conn, &group, &mut confirmed);
+        let results = commit_group(&mut conn, &mut group, &mut confirmed);
         deliver(group, results);
     }
 }
 
 /// What one request produced, before its reply is sent (after the commit).
 enum Outcome {
+    Any(Result<Box<dyn Any + Send>, StoreError>),
     Unit(Result<(), StoreError>),
     Cancelled(Result<Box<(JobState, Job)>, StoreError>),
     Pruned(Result<u64, StoreError>),
 }
 
-fn commit_group(conn: &mut Connection, group: &[Write], confirmed: &mut Confirmed) -> Vec<Outcome> {
+fn commit_group(
+    conn: &mut Connection,
+    group: &mut [Write],
+    confirmed: &mut Confirmed,
+) -> Vec<Outcome> {
     // Confirmations need no write of their own.
-    for write in group {
+    for write in group.iter() {
         if let Write::Published { ids } = write {
             confirmed.done(ids);
         }
@@ -837,9 +882,20 @@ fn commit_group(conn: &mut Connection, group: &[Write], confirmed: &mut Confirme
     let mut outcomes = Vec::with_capacity(group.len());
     let mut next_seq = confirmed.next_seq;
     let mut added: Vec<(String, i64)> = Vec::new();
-    let mut removed: Vec<&[String]> = Vec::new();
-    for write in group {
+    let mut removed: Vec<Vec<String>> = Vec::new();
+    for write in group.iter_mut() {
         let outcome = match write {
+            Write::Run { f, .. } => match f.take() {
+                Some(f) => {
+                    let before = next_seq;
+                    let r = in_savepoint(&tx, |c| f(c, &mut next_seq));
+                    if r.is_err() {
+                        next_seq = before;
+                    }
+                    Outcome::Any(r)
+                }
+                None => Outcome::Any(Err(StoreError::Commit("ran twice".into()))),
+            },
             Write::Insert { jobs, .. } => match in_savepoint(&tx, |c| insert(c, jobs, next_seq)) {
                 Ok(available) => {
                     next_seq += jobs.len() as i64;
@@ -852,7 +908,7 @@ fn commit_group(conn: &mut Connection, group: &[Write], confirmed: &mut Confirme
             Write::Remove { ids, .. } => Outcome::Unit(in_savepoint(&tx, |c| {
                 let mut jobs = c.prepare_cached("DELETE FROM jobs WHERE id = ?1")?;
                 let mut events = c.prepare_cached("DELETE FROM events WHERE job_id = ?1")?;
-                for id in ids {
+                for id in ids.iter() {
                     if jobs.execute(params![id])? > 0 {
                         events.execute(params![id])?;
                     }
@@ -877,8 +933,8 @@ fn commit_group(conn: &mut Connection, group: &[Write], confirmed: &mut Confirme
                 Ok(jobs as u64)
             })),
         };
-        if let (Write::Remove { ids, .. }, Outcome::Unit(Ok(()))) = (write, &outcome) {
-            removed.push(ids);
+        if let (Write::Remove { ids, .. }, Outcome::Unit(Ok(()))) = (&*write, &outcome) {
+            removed.push(ids.clone());
         }
         outcomes.push(outcome);
     }
@@ -919,7 +975,7 @@ fn commit_group(conn: &mut Connection, group: &[Write], confirmed: &mut Confirme
         confirmed.wait(id, seq);
     }
     for ids in removed {
-        confirmed.done(ids);
+        confirmed.done(&ids);
     }
     outcomes
 }
@@ -965,6 +1021,12 @@ fn deliver(group: Vec<Write>, results: Vec<Outcome>) {
                 let _ = reply.send(r);
             }
             (Write::Prune { reply, .. }, Outcome::Unit(Err(e))) => {
+                let _ = reply.send(Err(e));
+            }
+            (Write::Run { reply, .. }, Outcome::Any(r)) => {
+                let _ = reply.send(r);
+            }
+            (Write::Run { reply, .. }, Outcome::Unit(Err(e))) => {
                 let _ = reply.send(Err(e));
             }
             // `Published` has no reply; other pairs are not built above.

@@ -39,6 +39,12 @@ pub struct ApiConfig {
     /// are kept for INFO. Default `7d`.
     #[serde(default = "default_retention", with = "duration_text")]
     pub retention: Duration,
+    /// How long the broker keeps a fetched job's delivery from others
+    /// (SQS, the embedded broker): how soon the active jobs of a process
+    /// that died come back. Held deliveries are extended every third of
+    /// it. Default `60s`.
+    #[serde(default = "default_visibility_timeout", with = "duration_text")]
+    pub visibility_timeout: Duration,
     /// What a commit of the job store survives: `process` (a crash of
     /// the process; the default, as the embedded broker's) or `power`
     /// (also power loss: an fsync per group commit).
@@ -98,6 +104,9 @@ fn default_max_batch_jobs() -> usize {
 }
 fn default_retention() -> Duration {
     ojs_api::ApiSettings::default().retention
+}
+fn default_visibility_timeout() -> Duration {
+    ojs_api::ApiSettings::default().visibility_timeout
 }
 
 impl ApiConfig {
@@ -176,6 +185,7 @@ impl ApiConfig {
             retention: self.retention,
             state_dir,
             tokens: Tokens::new(tokens),
+            visibility_timeout: self.visibility_timeout,
             durability: match self.durability {
                 StoreDurability::Process => ojs_api::store::Durability::Process,
                 StoreDurability::Power => ojs_api::store::Durability::Power,
@@ -217,6 +227,9 @@ impl ApiConfig {
         }
         if self.max_batch_jobs == 0 {
             errors.push(invalid("api.max_batch_jobs", "must be at least 1"));
+        }
+        if self.visibility_timeout < Duration::from_secs(1) {
+            errors.push(invalid("api.visibility_timeout", "must be at least 1s"));
         }
         let mut names = BTreeSet::new();
         for (i, token) in self.tokens.iter().enumerate() {

@@ -19,6 +19,7 @@ mod http_endpoint;
 mod local_processes;
 mod ojs_api;
 mod ojs_api_security;
+mod ojs_api_worker;
 mod ojs_conformance;
 mod ojs_server;
 mod secrets;

@@ -1,0 +1,817 @@
+//! The worker side: FETCH, ACK, NACK and heartbeat over the adapter's own
+//! deliveries. A FETCH receives from the queue's consumer (Kafka offsets,
+//! RabbitMQ acks, SQS visibility, the embedded broker's leases) and holds
+//! each delivery while its job is active; ACK acks it; NACK retries it
+//! through the adapter's delayed retry or dead-letters it; a job whose
+//! visibility passes is released to the broker, which delivers it again.
+//! The store keeps the state machine: one worker gets a job, an ACK of a
+//! job that is not active is 409.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use ojs_core::adapter::decode::Incoming;
+use ojs_core::{
+    Consumer, ConsumerOptions, DeadLetterReason, Delivery, JobEnvelope, JobError, JobState, Nack,
+};
+use rusqlite::Connection;
+use serde_json::{json, Map, Value};
+
+use crate::auth::{Grant, Operation};
+use crate::error::ApiError;
+use crate::job::{self, timestamp, Job};
+use crate::store::{self, StoreError};
+use crate::Api;
+
+/// Longest a FETCH waits for jobs (the binding allows a short block).
+pub const MAX_FETCH_WAIT: Duration = Duration::from_secs(10);
+/// Default visibility of a fetched job.
+pub const DEFAULT_VISIBILITY: Duration = Duration::from_secs(30);
+/// How long the first FETCH of a queue may wait for its consumer to be
+/// ready: a Kafka consumer has no partitions until its group join is done
+/// (seconds), the other brokers deliver at once.
+/// The shortest wait of one receive: a Kafka fetch sees a record the
+/// broker just took only after the broker answers its long fetch (up to
+/// half a second), the other brokers at once.
+fn shortest_receive(kind: &str) -> Duration {
+    match kind {
+        "kafka" => Duration::from_millis(600),
+        _ => Duration::from_millis(20),
+    }
+}
+
+fn first_receive(kind: &str) -> Duration {
+    match kind {
+        "kafka" => Duration::from_secs(6),
+        "rabbitmq" => Duration::from_millis(300),
+        _ => Duration::from_millis(20),
+    }
+}
+
+/// A FETCH request.
+#[derive(Debug, Clone)]
+pub struct Fetch {
+    /// Queues in order of preference.
+    pub queues: Vec<String>,
+    /// Most jobs to hand out.
+    pub count: usize,
+    /// Who asks.
+    pub worker_id: Option<String>,
+    /// How long the jobs stay the worker's without a heartbeat; `None`:
+    /// each job's own `visibility_timeout_ms`, else 30 s.
+    pub visibility: Option<Duration>,
+    /// Longest wait when no job is there.
+    pub wait: Duration,
+}
+
+/// A NACK request.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The job.
+    pub job_id: String,
+    /// The binding's error object (`code`, `message`, `retryable`?, `details`?).
+    pub error: Map<String, Value>,
+    /// Put it back as it is, without counting a failure's backoff.
+    pub requeue: bool,
+}
+
+/// One queue's consumer.
+struct Feed {
+    consumer: Box<dyn Consumer>,
+    /// Nothing was received yet (the consumer may still be joining).
+    fresh: bool,
+}
+
+/// A delivery whose job is active.
+struct Held {
+    delivery: Delivery,
+    queue: String,
+    worker_id: Option<String>,
+    /// When the job goes back if no heartbeat comes.
+    deadline: Instant,
+    visibility: Duration,
+    /// When the broker's lease was last extended.
+    extended: Instant,
+}
+
+/// The worker side's state in this process.
+#[derive(Default)]
+pub struct Workers {
+    feeds: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Feed>>>>,
+    held: Mutex<HashMap<String, Held>>,
+}
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held = self.held.lock().map(|h| h.len()).unwrap_or_default();
+        f.debug_struct("Workers")
+            .field("held", &held)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What FETCH does with one delivery, decided in the store.
+enum Activation {
+    /// Now active for this long: hand it out.
+    Active(Box<Job>, Duration),
+    /// Finished or cancelled already: ack the delivery, hand nothing out.
+    Settle,
+}
+
+/// What NACK does with the delivery.
+#[derive(Debug)]
+enum Decision {
+    Retry(Duration),
+    Requeue,
+    DeadLetter(DeadLetterReason),
+    Drop,
+}
+
+fn store_error(e: StoreError, operation: &'static str, expected: &'static str) -> ApiError {
+    match e {
+        StoreError::NotFound(id) => ApiError::NotFound {
+            resource_type: "job",
+            resource_id: id,
+        },
+        StoreError::WrongState { id, current } => ApiError::Conflict {
+            job_id: id,
+            current_state: current.as_str().unwrap_or("unknown").to_owned(),
+            operation,
+            expected,
+        },
+        other => ApiError::Store(other),
+    }
+}
+
+impl Api {
+    fn workers(&self) -> &Workers {
+        &self.workers
+    }
+
+    async fn feed(&self, queue: &str) -> Result<Arc<tokio::sync::Mutex<Feed>>, ApiError> {
+        let mut feeds = self.workers().feeds.lock().await;
+        if let Some(f) = feeds.get(queue) {
+            return Ok(f.clone());
+        }
+        self.adapter
+            .prepare(queue)
+            .await
+            .map_err(|source| ApiError::Broker { source })?;
+        let options = ConsumerOptions {
+            // A group per queue: a Kafka group spanning topics rebalances
+            // every member whenever one more queue is fetched from.
+            group: format!("ojs-bridge-api.{queue}"),
+            visibility_timeout: self.settings.visibility_timeout,
+            prefetch: 100,
+            max_deliveries: None,
+            source: ojs_core::adapter::Source::Queue,
+            may_dead_letter: true,
+        };
+        let consumer = self
+            .adapter
+            .consumer(queue, options)
+            .await
+            .map_err(|source| ApiError::Broker { source })?;
+        let feed = Arc::new(tokio::sync::Mutex::new(Feed {
+            consumer,
+            fresh: true,
+        }));
+        feeds.insert(queue.to_owned(), feed.clone());
+        Ok(feed)
+    }
+
+    /// FETCH: up to `count` jobs from the first queues that have them;
+    /// waits up to `wait` when none has.
+    pub async fn fetch(&self, grant: &Grant<'_>, request: Fetch) -> Result<Vec<Job>, ApiError> {
+        grant.allow(Operation::Work)?;
+        for q in &request.queues {
+            grant.allow_on(Operation::Work, q)?;
+            if !self.serves_queue(q) {
+                return Err(ApiError::QueueNotServed { queue: q.clone() });
+            }
+        }
+        let until = Instant::now() + request.wait.min(MAX_FETCH_WAIT);
+        let mut out = Vec::new();
+        loop {
+            for queue in &request.queues {
+                if out.len() >= request.count {
+                    break;
+                }
+                let feed = self.feed(queue).await?;
+                let mut feed = feed.lock().await;
+                let wait = if feed.fresh {
+                    first_receive(self.adapter.kind())
+                } else {
+                    shortest_receive(self.adapter.kind())
+                };
+                let deliveries = feed
+                    .consumer
+                    .receive(request.count - out.len(), wait)
+                    .await
+                    .map_err(|source| ApiError::Broker { source })?;
+                feed.fresh = false;
+                drop(feed);
+                out.extend(self.activate(queue, deliveries, &request).await?);
+            }
+            if !out.is_empty() || Instant::now() >= until {
+                return Ok(out);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Makes the jobs of `deliveries` active (one store commit) and holds
+    /// their deliveries.
+    async fn activate(
+        &self,
+        queue: &str,
+        deliveries: Vec<Delivery>,
+        request: &Fetch,
+    ) -> Result<Vec<Job>, ApiError> {
+        let mut envelopes = Vec::with_capacity(deliveries.len());
+        let mut kept = Vec::with_capacity(deliveries.len());
+        for d in deliveries {
+            match d.decode(Some(self.settings.encoding)) {
+                Ok(Incoming::Job(e)) => {
+                    envelopes.push(*e);
+                    kept.push(d);
+                }
+                Ok(Incoming::Call(_)) => {
+                    let reason = DeadLetterReason::of(
+                        ojs_core::DeadLetterKind::Undecodable,
+                        "a grpcq call where OJS jobs are expected",
+                    );
+                    if let Err(e) = d.nack(Nack::DeadLetter(reason)).await {
+                        tracing::warn!(%queue, error = %e, "dead-lettering a message that is no job failed");
+                    }
+                }
+                Err(reason) => {
+                    tracing::warn!(%queue, error_type = %reason.error_type, "a message that is no valid job is dead-lettered");
+                    if let Err(e) = d.nack(Nack::DeadLetter(reason)).await {
+                        tracing::warn!(%queue, error = %e, "dead-lettering a message that is no job failed");
+                    }
+                }
+            }
+        }
+        if envelopes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = Utc::now();
+        let worker = request.worker_id.clone();
+        let visibility = request.visibility;
+        let decided = self
+            .store
+            .run(move |c, seq| {
+                envelopes
+                    .into_iter()
+                    .map(|e| activate_one(c, seq, e, worker.as_deref(), visibility, now))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .await?;
+        let mut out = Vec::new();
+        let started = Instant::now();
+        for (activation, delivery) in decided.into_iter().zip(kept) {
+            match activation {
+                Activation::Active(job, visibility) => {
+                    let held = Held {
+                        delivery,
+                        queue: queue.to_owned(),
+                        worker_id: request.worker_id.clone(),
+                        deadline: started + visibility,
+                        visibility,
+                        extended: started,
+                    };
+                    self.workers()
+                        .held
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(job.envelope.id.clone(), held);
+                    out.push(*job);
+                }
+                Activation::Settle => {
+                    if let Err(e) = delivery.ack().await {
+                        tracing::warn!(%queue, error = %e, "acking the broker copy of a finished job failed; it comes back and is settled again");
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn take_held(&self, id: &str) -> Option<Held> {
+        self.workers()
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id)
+    }
+
+    fn put_back(&self, id: String, held: Held) {
+        self.workers()
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, held);
+    }
+
+    async fn check_scope(&self, grant: &Grant<'_>, id: &str) -> Result<(), ApiError> {
+        grant.allow(Operation::Work)?;
+        if !grant.scope().is_empty() {
+            let held = self
+                .workers()
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(id)
+                .map(|h| h.queue.clone());
+            let queue = match held {
+                Some(q) => q,
+                None => self.info(&Grant::open(), id).await?.envelope.queue,
+            };
+            grant.allow_on(Operation::Work, &queue)?;
+        }
+        Ok(())
+    }
+
+    /// ACK: the active job is completed with `result`; its delivery is
+    /// acked.
+    pub async fn ack(
+        &self,
+        grant: &Grant<'_>,
+        id: &str,
+        result: Option<Value>,
+    ) -> Result<Job, ApiError> {
+        self.check_scope(grant, id).await?;
+        let held = self.take_held(id);
+        let now = Utc::now();
+        let job_id = id.to_owned();
+        let done = self
+            .store
+            .run(move |c, _| complete(c, &job_id, result, now))
+            .await
+            .map_err(|e| store_error(e, "ack", "active"));
+        match done {
+            Ok(job) => {
+                if let Some(held) = held {
+                    if let Err(e) = held.delivery.ack().await {
+                        tracing::warn!(job_id = %id, error = %e, "acking a completed job's delivery failed; the broker gives it back and it is settled then");
+                    }
+                }
+                Ok(job)
+            }
+            Err(e) => {
+                if let Some(held) = held {
+                    self.put_back(id.to_owned(), held);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// NACK: the job's retry policy decides — retryable (the adapter's
+    /// delayed retry), discarded (dead-lettered or dropped), or back to
+    /// available when `requeue` is asked.
+    pub async fn nack(&self, grant: &Grant<'_>, failure: Failure) -> Result<Job, ApiError> {
+        let id = failure.job_id.clone();
+        self.check_scope(grant, &id).await?;
+        let held = self.take_held(&id);
+        let now = Utc::now();
+        let decided = self
+            .store
+            .run(move |c, _| fail(c, &failure, now))
+            .await
+            .map_err(|e| store_error(e, "nack", "active"));
+        let (job, decision) = match decided {
+            Ok(d) => d,
+            Err(e) => {
+                if let Some(held) = held {
+                    self.put_back(id, held);
+                }
+                return Err(e);
+            }
+        };
+        if let Some(held) = held {
+            let settled = match decision {
+                Decision::Retry(delay) => held.delivery.nack(Nack::retry_after(delay)).await,
+                Decision::Requeue => held.delivery.nack(Nack::requeue()).await,
+                Decision::DeadLetter(reason) => held.delivery.nack(Nack::DeadLetter(reason)).await,
+                Decision::Drop => held.delivery.ack().await,
+            };
+            if let Err(e) = settled {
+                tracing::warn!(job_id = %id, error = %e, "settling a failed job's delivery failed; the broker gives it back");
+            }
+        }
+        Ok(job)
+    }
+
+    /// Heartbeat: the worker's active jobs (those named, else all it
+    /// holds) stay its for `visibility` more.
+    pub async fn heartbeat(
+        &self,
+        grant: &Grant<'_>,
+        worker_id: &str,
+        jobs: Option<Vec<String>>,
+        visibility: Option<Duration>,
+    ) -> Result<Vec<String>, ApiError> {
+        grant.allow(Operation::Work)?;
+        let now = Instant::now();
+        let mut extended = Vec::new();
+        let mut leases = Vec::new();
+        {
+            let mut held = self
+                .workers()
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            for (id, h) in held.iter_mut() {
+                let named = match &jobs {
+                    Some(list) => list.iter().any(|j| j == id),
+                    None => h.worker_id.as_deref() == Some(worker_id),
+                };
+                if !named || !grant.sees(&h.queue) {
+                    continue;
+                }
+                let by = visibility.unwrap_or(h.visibility);
+                h.deadline = now + by;
+                extended.push(id.clone());
+                if by > self.settings.visibility_timeout / 2 {
+                    leases.push(id.clone());
+                }
+            }
+        }
+        for id in leases {
+            self.extend_lease(&id).await;
+        }
+        extended.sort();
+        Ok(extended)
+    }
+
+    async fn extend_lease(&self, id: &str) {
+        let Some(mut held) = self.take_held(id) else {
+            return;
+        };
+        if let Err(e) = held.delivery.extend(self.settings.visibility_timeout).await {
+            tracing::debug!(job_id = %id, error = %e, "extending a held delivery's lease failed");
+        }
+        held.extended = Instant::now();
+        self.put_back(id.to_owned(), held);
+    }
+
+    /// Releases jobs whose visibility passed (the broker delivers them
+    /// again) and extends the broker's lease of those still held.
+    pub(crate) async fn reap(&self) {
+        let now = Instant::now();
+        let (expired, renew): (Vec<(String, Held)>, Vec<String>) = {
+            let mut held = self
+                .workers()
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let ids: Vec<String> = held
+                .iter()
+                .filter(|(_, h)| h.deadline <= now)
+                .map(|(id, _)| id.clone())
+                .collect();
+            let expired = ids
+                .into_iter()
+                .filter_map(|id| held.remove(&id).map(|h| (id, h)))
+                .collect();
+            let renew = held
+                .iter()
+                .filter(|(_, h)| {
+                    now.duration_since(h.extended) >= self.settings.visibility_timeout / 3
+                })
+                .map(|(id, _)| id.clone())
+                .collect();
+            (expired, renew)
+        };
+        for id in renew {
+            self.extend_lease(&id).await;
+        }
+        for (id, held) in expired {
+            let at = Utc::now();
+            let job_id = id.clone();
+            match self.store.run(move |c, _| release(c, &job_id, at)).await {
+                Ok(()) => {
+                    if let Err(e) = held.delivery.nack(Nack::requeue()).await {
+                        tracing::warn!(job_id = %id, error = %e, "giving an expired job back to the broker failed; its lease runs out instead");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(job_id = %id, error = %e, "releasing an expired job failed; tried again");
+                    self.put_back(id, held);
+                }
+            }
+        }
+    }
+}
+
+/// FETCH of one envelope: available, retryable or (redelivered after a
+/// restart) active jobs become active; a job the store has not seen (put
+/// on the broker by another producer) is stored first.
+fn activate_one(
+    c: &Connection,
+    seq: &mut i64,
+    envelope: JobEnvelope,
+    worker: Option<&str>,
+    visibility: Option<Duration>,
+    now: DateTime<Utc>,
+) -> Result<Activation, StoreError> {
+    let mut job = match store::load(c, &envelope.id) {
+        Ok(job) => job,
+        Err(StoreError::NotFound(_)) => {
+            let mut e = envelope;
+            e.state = Some(JobState::Available);
+            e.created_at.get_or_insert(now);
+            e.enqueued_at.get_or_insert(now);
+            let job = Job {
+                envelope: e,
+                extra: Map::new(),
+            };
+            store::insert_seen(c, seq, &job)?;
+            job
+        }
+        Err(e) => return Err(e),
+    };
+    match job.state() {
+        JobState::Available | JobState::Retryable | JobState::Active => {}
+        _ => return Ok(Activation::Settle),
+    }
+    // Past its `expires_at`: discarded, never handed out.
+    if job.envelope.expires_at.is_some_and(|at| at <= now) {
+        job.envelope.state = Some(JobState::Discarded);
+        job.extra
+            .insert("discarded_at".into(), json!(timestamp(now)));
+        store::save(c, &job, Some(now))?;
+        store::event(
+            c,
+            "job.discarded",
+            &job.envelope,
+            now,
+            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "discarded",
+                   "reason": "expired"}),
+        )?;
+        return Ok(Activation::Settle);
+    }
+    let visibility = visibility
+        .or_else(|| {
+            job.envelope
+                .unknown_attributes
+                .get("visibility_timeout_ms")
+                .and_then(Value::as_u64)
+                .filter(|ms| *ms > 0)
+                .map(Duration::from_millis)
+        })
+        .unwrap_or(DEFAULT_VISIBILITY);
+    let e = &mut job.envelope;
+    e.state = Some(JobState::Active);
+    e.attempt += 1;
+    e.started_at = Some(now);
+    e.completed_at = None;
+    job.extra.remove("next_attempt_at");
+    match worker {
+        Some(w) => {
+            job.extra.insert("worker_id".into(), json!(w));
+        }
+        None => {
+            job.extra.remove("worker_id");
+        }
+    }
+    store::save(c, &job, None)?;
+    store::event(
+        c,
+        "job.started",
+        &job.envelope,
+        now,
+        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "active",
+               "attempt": job.envelope.attempt, "worker_id": worker}),
+    )?;
+    Ok(Activation::Active(Box::new(job), visibility))
+}
+
+fn active(c: &Connection, id: &str) -> Result<Job, StoreError> {
+    let job = store::load(c, id)?;
+    if job.state() != JobState::Active {
+        return Err(StoreError::WrongState {
+            id: id.to_owned(),
+            current: job.state(),
+        });
+    }
+    Ok(job)
+}
+
+fn complete(
+    c: &Connection,
+    id: &str,
+    result: Option<Value>,
+    now: DateTime<Utc>,
+) -> Result<Job, StoreError> {
+    let mut job = active(c, id)?;
+    let e = &mut job.envelope;
+    e.state = Some(JobState::Completed);
+    e.completed_at = Some(now);
+    e.error = None;
+    e.result = result;
+    store::save(c, &job, Some(now))?;
+    let duration = job
+        .envelope
+        .started_at
+        .map(|s| (now - s).num_milliseconds().max(0));
+    store::event(
+        c,
+        "job.completed",
+        &job.envelope,
+        now,
+        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "completed",
+               "attempt": job.envelope.attempt, "duration_ms": duration, "result": job.envelope.result}),
+    )?;
+    Ok(job)
+}
+
+/// The delay before retry `attempt` (1-based: the first retry follows the
+/// first failure) under the job's policy.
+fn backoff(job: &JobEnvelope, attempt: i32) -> Duration {
+    let policy = job.retry.clone().unwrap_or_default();
+    let parse = |s: &str, default: Duration| {
+        if s.is_empty() {
+            default
+        } else {
+            ojs_core::duration::parse_iso8601_duration(s).unwrap_or(default)
+        }
+    };
+    let initial = parse(&policy.initial_interval, Duration::from_secs(1));
+    let max = parse(&policy.max_interval, Duration::from_secs(300));
+    let coefficient = if policy.backoff_coefficient > 0.0 {
+        policy.backoff_coefficient
+    } else {
+        2.0
+    };
+    let exponent = (attempt - 1).clamp(0, 60);
+    let secs = initial.as_secs_f64() * coefficient.powi(exponent);
+    let mut delay = Duration::from_secs_f64(secs.min(max.as_secs_f64()).max(0.0));
+    if policy.jitter {
+        // ±25 % around the interval, from the clock's sub-second noise:
+        // spreads retries of jobs that failed together.
+        let noise = (Utc::now().timestamp_subsec_nanos() % 1000) as f64 / 1000.0;
+        delay = delay.mul_f64(0.75 + noise * 0.5);
+    }
+    delay
+}
+
+fn fail(
+    c: &Connection,
+    failure: &Failure,
+    now: DateTime<Utc>,
+) -> Result<(Job, Decision), StoreError> {
+    let mut job = active(c, &failure.job_id)?;
+    let text = |k: &str| {
+        failure
+            .error
+            .get(k)
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    let code = text("code").unwrap_or_else(|| "handler_error".into());
+    let message = text("message").unwrap_or_default();
+    let class = failure
+        .error
+        .get("details")
+        .and_then(|d| d.get("error_class"))
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .or_else(|| text("type"));
+    let error_type = class.clone().unwrap_or_else(|| code.clone());
+    let retryable = failure
+        .error
+        .get("retryable")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    let policy = job.envelope.retry.clone().unwrap_or_default();
+    let non_retryable = policy
+        .non_retryable_errors
+        .iter()
+        .any(|n| *n == error_type || *n == code);
+    let attempt = job.envelope.attempt;
+    let max = job::max_attempts(&job.envelope);
+    let mut entry = json!({
+        "code": code,
+        "message": message,
+        "type": error_type,
+        "attempt": attempt,
+        "occurred_at": timestamp(now),
+    });
+    if let Some(d) = failure.error.get("details") {
+        entry["details"] = d.clone();
+    }
+    job.envelope.errors.push(entry);
+    let excess = job.envelope.errors.len().saturating_sub(50);
+    job.envelope.errors.drain(..excess);
+    job.envelope.error = Some(JobError {
+        error_type: error_type.clone(),
+        message: message.clone(),
+        ..JobError::default()
+    });
+    let (decision, finished) = if failure.requeue {
+        job.envelope.state = Some(JobState::Available);
+        (Decision::Requeue, None)
+    } else if retryable && !non_retryable && attempt < max {
+        let delay = backoff(&job.envelope, attempt);
+        job.envelope.state = Some(JobState::Retryable);
+        let next = now + chrono::Duration::milliseconds(delay.as_millis() as i64);
+        job.extra
+            .insert("next_attempt_at".into(), json!(timestamp(next)));
+        job.extra
+            .insert("retry_delay_ms".into(), json!(delay.as_millis() as u64));
+        (Decision::Retry(delay), None)
+    } else {
+        job.envelope.state = Some(JobState::Discarded);
+        job.envelope.completed_at = Some(now);
+        job.extra
+            .insert("discarded_at".into(), json!(timestamp(now)));
+        let reason = DeadLetterReason::new(error_type.clone(), message.clone());
+        let decision = if policy.on_exhaustion == "discard" {
+            Decision::Drop
+        } else {
+            Decision::DeadLetter(reason)
+        };
+        (decision, Some(now))
+    };
+    store::save(c, &job, finished)?;
+    let (event_type, data) = match job.state() {
+        JobState::Discarded => (
+            "job.discarded",
+            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "discarded",
+                   "total_attempts": attempt, "last_error": {"code": code, "message": message}}),
+        ),
+        JobState::Retryable => (
+            "job.retrying",
+            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "retryable",
+                   "attempt": attempt, "error": {"code": code, "message": message, "retryable": true}}),
+        ),
+        _ => (
+            "job.failed",
+            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available",
+                   "attempt": attempt, "error": {"code": code, "message": message, "retryable": retryable}}),
+        ),
+    };
+    store::event(c, "job.failed", &job.envelope, now, data.clone())?;
+    if event_type != "job.failed" {
+        store::event(c, event_type, &job.envelope, now, data)?;
+    }
+    Ok((job, decision))
+}
+
+/// A job whose visibility passed goes back to available (the broker
+/// delivers it again).
+fn release(c: &Connection, id: &str, now: DateTime<Utc>) -> Result<(), StoreError> {
+    let mut job = match active(c, id) {
+        Ok(job) => job,
+        // Finished meanwhile: nothing to give back.
+        Err(StoreError::WrongState { .. } | StoreError::NotFound(_)) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    job.envelope.state = Some(JobState::Available);
+    job.envelope.error = Some(JobError {
+        error_type: "visibility_timeout".into(),
+        message: "the worker neither acknowledged nor heartbeat the job in time".into(),
+        ..JobError::default()
+    });
+    job.extra.remove("worker_id");
+    store::save(c, &job, None)?;
+    store::event(
+        c,
+        "job.failed",
+        &job.envelope,
+        now,
+        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available",
+               "error": {"code": "visibility_timeout", "retryable": true}}),
+    )?;
+    Ok(())
+}
+
+/// The answer of ACK and NACK: the binding's fields at the top (`job_id`
+/// and `id`, as the cases read), and the whole job.
+pub fn settle_body(job: &Job, acknowledged: bool) -> Value {
+    let mut body = json!({
+        "job_id": job.envelope.id,
+        "id": job.envelope.id,
+        "state": job.state().as_str().unwrap_or("unknown"),
+        "attempt": job.envelope.attempt,
+        "max_attempts": job::max_attempts(&job.envelope),
+        "job": job.to_json(),
+    });
+    if acknowledged {
+        body["acknowledged"] = json!(true);
+    }
+    if let Some(t) = job.envelope.completed_at {
+        body["completed_at"] = json!(timestamp(t));
+    }
+    for k in ["next_attempt_at", "retry_delay_ms", "discarded_at"] {
+        if let Some(v) = job.extra.get(k) {
+            body[k] = v.clone();
+        }
+    }
+    body
+}
