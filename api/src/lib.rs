@@ -321,7 +321,7 @@ impl Api {
                 "repository": "https://github.com/ojs-bridge/ojs-bridge",
             },
             "conformance_level": 0,
-            "conformance_tier": "parser",
+            "conformance_tier": "runtime",
             "protocols": ["http"],
             "backend": self.adapter.kind(),
             "capabilities": {
