@@ -309,18 +309,27 @@ impl Store {
         tx.commit()?;
         let confirmed = Confirmed::load(&writer)?;
         let recover = (confirmed.persisted, confirmed.next_seq - 1);
-        let reader = open_connection(&path, durability)?;
+        let reader = Arc::new(Mutex::new(open_connection(&path, durability)?));
         let (tx, rx) = mpsc::channel::<WriteBox>();
+        // The writer thread keeps the reader alive until it has closed the
+        // writer: SQLite's unix VFS deadlocks when two connections to one
+        // file close at the same time on two threads (one holds the global
+        // VFS mutex and waits for the file's, the other the reverse; seen
+        // as a daemon that never exited after SIGTERM).
+        let keep_reader = reader.clone();
         std::thread::Builder::new()
             .name("ojs-api-store".into())
-            .spawn(move || write_loop(writer, rx, confirmed))
+            .spawn(move || {
+                write_loop(writer, rx, confirmed);
+                drop(keep_reader);
+            })
             .map_err(|e| StoreError::Open {
                 path: path.clone(),
                 reason: format!("cannot start the writer thread: {e}"),
             })?;
         Ok(Store {
             writes: tx,
-            reader: Arc::new(Mutex::new(reader)),
+            reader,
             path,
             recover,
         })

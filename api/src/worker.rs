@@ -537,6 +537,10 @@ fn activate_one(
     };
     match job.state() {
         JobState::Available | JobState::Retryable | JobState::Active => {}
+        // Published by the scheduler, whose promotion has not committed
+        // yet: the broker has it, so it is available (the promotion then
+        // finds it no longer scheduled and leaves it).
+        JobState::Scheduled => {}
         _ => return Ok(Activation::Settle),
     }
     // Past its `expires_at`: discarded, never handed out.

@@ -111,7 +111,20 @@ impl OjsServer {
             .status()
             .unwrap();
         assert!(status.success());
-        assert!(self.child.wait().unwrap().success(), "SIGTERM must exit 0");
+        // Bounded: a daemon that does not exit fails the test, it does not
+        // hang it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let exited = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("the daemon did not exit within 30 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(exited.success(), "SIGTERM must exit 0");
         let dir = TempDir::new("ojs-api-moved");
         std::mem::replace(&mut self.dir, dir)
     }
