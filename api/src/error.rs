@@ -2,6 +2,8 @@
 
 use serde_json::{json, Value};
 
+use crate::store::StoreError;
+
 /// A request the API refuses or cannot carry out. Each variant has one
 /// binding error code and status ([`ApiError::code`], [`ApiError::status`]).
 /// Messages name what was wrong in the request; they never carry a job's
@@ -142,7 +144,7 @@ pub enum ApiError {
     },
     /// The job store failed (its detail stays in the log).
     #[error("the job store failed")]
-    Store(#[from] crate::store::StoreError),
+    Store(#[from] StoreError),
 }
 
 /// Where a client reads what an error code means.
@@ -304,5 +306,24 @@ impl ApiError {
             ApiError::Broker { .. } => "the broker is unreachable or refused the job; retry later",
             _ => return None,
         })
+    }
+}
+
+/// A store failure of a transition as the binding answers it: an unknown
+/// job is 404, a job in the wrong state 409 `conflict` naming `operation`
+/// and the states it needs, anything else the store's own failure.
+pub fn store_error(e: StoreError, operation: &'static str, expected: &'static str) -> ApiError {
+    match e {
+        StoreError::NotFound(id) => ApiError::NotFound {
+            resource_type: "job",
+            resource_id: id,
+        },
+        StoreError::WrongState { id, current } => ApiError::Conflict {
+            job_id: id,
+            current_state: current.as_str().unwrap_or("unknown").to_owned(),
+            operation,
+            expected,
+        },
+        other => ApiError::Store(other),
     }
 }

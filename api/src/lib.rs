@@ -282,18 +282,12 @@ impl Api {
         self.store
             .cancel(id.to_owned(), Utc::now())
             .await
-            .map_err(|e| match e {
-                StoreError::NotFound(id) => ApiError::NotFound {
-                    resource_type: "job",
-                    resource_id: id,
-                },
-                StoreError::WrongState { id, current } => ApiError::Conflict {
-                    job_id: id,
-                    current_state: current.as_str().unwrap_or("unknown").to_owned(),
-                    operation: "cancel",
-                    expected: "scheduled, available, pending, retryable or active",
-                },
-                other => ApiError::Store(other),
+            .map_err(|e| {
+                error::store_error(
+                    e,
+                    "cancel",
+                    "scheduled, available, pending, retryable or active",
+                )
             })
     }
 

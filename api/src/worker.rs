@@ -20,7 +20,7 @@ use rusqlite::Connection;
 use serde_json::{json, Map, Value};
 
 use crate::auth::{Grant, Operation};
-use crate::error::ApiError;
+use crate::error::{store_error, ApiError};
 use crate::job::{self, timestamp, Job};
 use crate::store::{self, StoreError};
 use crate::Api;
@@ -127,22 +127,6 @@ enum Decision {
     Requeue,
     DeadLetter(DeadLetterReason),
     Drop,
-}
-
-fn store_error(e: StoreError, operation: &'static str, expected: &'static str) -> ApiError {
-    match e {
-        StoreError::NotFound(id) => ApiError::NotFound {
-            resource_type: "job",
-            resource_id: id,
-        },
-        StoreError::WrongState { id, current } => ApiError::Conflict {
-            job_id: id,
-            current_state: current.as_str().unwrap_or("unknown").to_owned(),
-            operation,
-            expected,
-        },
-        other => ApiError::Store(other),
-    }
 }
 
 impl Api {

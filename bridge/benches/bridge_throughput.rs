@@ -53,6 +53,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+use common::rss_mib;
+
 // The allocator the ojs-bridge binary ships with; raw and bridge share it.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -720,17 +723,6 @@ async fn rabbit_to_rabbit(url: &str, n: usize, rounds: usize) {
         thousands(&raw_rates),
         thousands(&rates)
     );
-}
-
-/// `VmRSS` / `VmHWM` of a process, in MiB.
-fn rss_mib(pid: u32, field: &str) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kib / 1024.0
 }
 
 async fn peak_rss_at_10k_in_flight(url: &str) {
