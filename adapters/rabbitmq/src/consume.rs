@@ -1,6 +1,9 @@
 //! Consuming: a subscription with `basic.qos` prefetch on a channel of its
 //! own, resubscribed after the connection breaks (with backoff when it keeps
 //! breaking); a channel nobody reads is closed so its deliveries come back.
+//! With `prefetch = 0` nothing is subscribed: each receive takes messages
+//! with `basic.get`, so none waits in this process between receives where
+//! another process's receive could have had it (the OJS API's replicas).
 
 use super::*;
 
@@ -8,7 +11,8 @@ use super::*;
 #[derive(Debug)]
 pub(crate) struct Live {
     pub(crate) channel: Channel,
-    pub(crate) stream: lapin::Consumer,
+    /// The subscription; none when messages are pulled (`prefetch = 0`).
+    pub(crate) stream: Option<lapin::Consumer>,
 }
 
 /// Closes a consumer channel that is still open, without waiting. A channel
@@ -126,15 +130,19 @@ impl RabbitConsumer {
             subscribed: false,
         };
         let channel = &pending.channel;
+        let source = self.source();
+        fits(&source, "queue name")?;
+        if self.options.prefetch == 0 {
+            pending.subscribed = true;
+            return Ok(Live {
+                channel: pending.channel.clone(),
+                stream: None,
+            });
+        }
         channel
-            .basic_qos(self.options.prefetch.max(1), BasicQosOptions::default())
+            .basic_qos(self.options.prefetch, BasicQosOptions::default())
             .await
             .map_err(|e| amqp_error(&e))?;
-        let source = match self.options.source {
-            Source::Queue => self.inner.config.queue_name_of(&self.queue),
-            Source::DeadLetters => self.inner.config.dead_letter_queue_of(&self.queue),
-        };
-        fits(&source, "queue name")?;
         let tag = format!("ojs-bridge-{}", uuid::Uuid::new_v4().simple());
         let stream = channel
             .basic_consume(
@@ -160,8 +168,45 @@ impl RabbitConsumer {
         pending.subscribed = true;
         Ok(Live {
             channel: pending.channel.clone(),
-            stream,
+            stream: Some(stream),
         })
+    }
+
+    fn source(&self) -> String {
+        match self.options.source {
+            Source::Queue => self.inner.config.queue_name_of(&self.queue),
+            Source::DeadLetters => self.inner.config.dead_letter_queue_of(&self.queue),
+        }
+    }
+
+    /// Pull mode: up to `max` messages with `basic.get`, polling until one
+    /// comes or `deadline`. `Err` is the channel's failure.
+    async fn pull(
+        &self,
+        channel: &Channel,
+        max: usize,
+        deadline: Instant,
+    ) -> std::result::Result<Vec<lapin::message::Delivery>, lapin::Error> {
+        let source = self.source();
+        let mut raw = Vec::new();
+        loop {
+            while raw.len() < max {
+                match channel
+                    .basic_get(source.as_str().into(), BasicGetOptions { no_ack: false })
+                    .await?
+                {
+                    Some(m) => raw.push(m.delivery),
+                    None => break,
+                }
+            }
+            let now = Instant::now();
+            if !raw.is_empty() || now >= deadline {
+                return Ok(raw);
+            }
+            // An empty queue is asked again this often while the receive
+            // may wait: the latency a pulled message can have.
+            tokio::time::sleep_until(deadline.min(now + Duration::from_millis(10))).await;
+        }
     }
 
     pub(crate) fn delivery(&self, d: lapin::message::Delivery) -> Delivery {
@@ -243,7 +288,24 @@ impl Consumer for RabbitConsumer {
             let Some(live) = self.live.as_mut() else {
                 continue;
             };
-            let first = match tokio::time::timeout_at(deadline, live.stream.next()).await {
+            let Some(stream) = live.stream.as_mut() else {
+                let channel = live.channel.clone();
+                match self.pull(&channel, max, deadline).await {
+                    Ok(raw) => {
+                        self.failures = 0;
+                        return Ok(raw.into_iter().map(|d| self.delivery(d)).collect());
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, queue = %self.queue, "rabbitmq basic.get failed; opening a new channel");
+                        self.lost(e.to_string());
+                        if Instant::now() >= deadline {
+                            return Err(amqp_error(&e));
+                        }
+                        continue;
+                    }
+                }
+            };
+            let first = match tokio::time::timeout_at(deadline, stream.next()).await {
                 Err(_) => return Ok(Vec::new()),
                 Ok(Some(Ok(d))) => d,
                 Ok(Some(Err(e))) => {
@@ -259,7 +321,7 @@ impl Consumer for RabbitConsumer {
             self.failures = 0;
             let mut raw = vec![first];
             while raw.len() < max {
-                match live.stream.next().now_or_never() {
+                match stream.next().now_or_never() {
                     Some(Some(Ok(d))) => raw.push(d),
                     _ => break,
                 }

@@ -45,8 +45,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
+    BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};

@@ -769,7 +769,11 @@ pub struct ConsumerOptions {
     /// How long a received message stays invisible to others before it
     /// comes back (memory, local, SQS).
     pub visibility_timeout: Duration,
-    /// Messages held unacknowledged at once (RabbitMQ prefetch).
+    /// Messages held unacknowledged at once (RabbitMQ prefetch). `0`:
+    /// none waits in this process between receives — messages are taken
+    /// from the broker only inside `receive` (RabbitMQ `basic.get`), so a
+    /// receive of another process sharing the queue sees them; deliveries
+    /// a receive returned stay held until settled.
     pub prefetch: u16,
     /// After this many deliveries the message is dead-lettered instead of
     /// delivered again (SQS `maxReceiveCount`); `None` = never.
