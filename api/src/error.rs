@@ -194,6 +194,7 @@ impl ApiError {
             ApiError::Unauthenticated => "unauthenticated",
             ApiError::PermissionDenied { .. } => "permission_denied",
             ApiError::Broker { .. } => "backend_unavailable",
+            ApiError::Store(e) if e.is_unavailable() => "backend_unavailable",
             ApiError::Store(_) => "backend_error",
         }
     }
@@ -217,6 +218,9 @@ impl ApiError {
             | ApiError::BatchTooLarge { .. }
             | ApiError::JobTooLarge { .. } => 413,
             ApiError::UnsupportedVersion(_) => 422,
+            // The store cannot be reached (PostgreSQL restarting): the
+            // request may be repeated, like a broker that is down.
+            ApiError::Store(e) if e.is_unavailable() => 503,
             ApiError::Store(_) => 500,
             ApiError::Broker { .. } => 503,
         }

@@ -51,8 +51,11 @@ pub struct ApiSettings {
     pub state_dir: PathBuf,
     /// Bearer tokens; none: the API is open.
     pub tokens: Tokens,
-    /// What a commit of the job store survives.
+    /// What a commit of the embedded job store survives.
     pub durability: store::Durability,
+    /// The job store on PostgreSQL, shared by replicas; none: the embedded
+    /// store in `state_dir`.
+    pub postgres: Option<store::PostgresSettings>,
     /// How long the broker keeps a fetched job's delivery from others
     /// (SQS, the embedded broker); held deliveries are extended well
     /// before, so this is how soon the jobs of a process that died come
@@ -71,6 +74,7 @@ impl Default for ApiSettings {
             state_dir: PathBuf::from("./ojs-bridge-data"),
             tokens: Tokens::default(),
             durability: store::Durability::default(),
+            postgres: None,
             visibility_timeout: Duration::from_secs(60),
         }
     }
@@ -91,6 +95,11 @@ pub struct Api {
     scheduled: Notify,
     /// Deliveries of active jobs, and each queue's consumer.
     workers: worker::Workers,
+    /// This process among replicas sharing the store: settlements for the
+    /// deliveries it holds are addressed to it.
+    replica: String,
+    /// Why the store did not answer the last check, while it does not.
+    store_down: Mutex<Option<String>>,
 }
 
 /// Scheduled jobs published per pass.
@@ -107,7 +116,10 @@ impl Api {
         adapter: Arc<dyn QueueAdapter>,
         adapter_name: impl Into<String>,
     ) -> Result<Arc<Api>, ApiError> {
-        let store = Store::open(&settings.state_dir, settings.durability).await?;
+        let store = match &settings.postgres {
+            Some(pg) => Store::connect(pg).await?,
+            None => Store::open(&settings.state_dir, settings.durability).await?,
+        };
         Ok(Arc::new(Api {
             adapter,
             adapter_name: adapter_name.into(),
@@ -118,6 +130,8 @@ impl Api {
             prepared: Mutex::new(HashSet::new()),
             scheduled: Notify::new(),
             workers: worker::Workers::default(),
+            replica: uuid::Uuid::new_v4().simple().to_string(),
+            store_down: Mutex::new(None),
         }))
     }
 
@@ -341,6 +355,27 @@ impl Api {
         json!({"type": self.adapter.kind(), "name": self.adapter_name})
     }
 
+    /// The `store` part of the health answer, and whether it is up.
+    pub fn store_health(&self) -> (bool, Value) {
+        let kind = if self.store.is_shared() {
+            "postgres"
+        } else {
+            "sqlite"
+        };
+        let down = self
+            .store_down
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match down {
+            None => (true, json!({"type": kind, "status": "ok"})),
+            Some(reason) => (
+                false,
+                json!({"type": kind, "status": "unavailable", "reason": reason}),
+            ),
+        }
+    }
+
     /// Seconds since the API started.
     pub fn uptime_seconds(&self) -> u64 {
         self.started.elapsed().as_secs()
@@ -372,7 +407,32 @@ impl Api {
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         self.recover().await;
         let mut last_prune = Instant::now();
+        let mut last_recover = Instant::now();
+        let mut last_ping = Instant::now();
         loop {
+            if self.store.is_shared() {
+                // Replicas: what other replicas decided for deliveries held
+                // here, jobs a stopped replica stored but never published,
+                // and whether PostgreSQL answers (health says so).
+                self.apply_settles().await;
+                if last_recover.elapsed() >= Duration::from_secs(30) {
+                    last_recover = Instant::now();
+                    self.recover().await;
+                }
+                if last_ping.elapsed() >= Duration::from_secs(1) {
+                    last_ping = Instant::now();
+                    let down = self.store.ping().await.err().map(|e| e.to_string());
+                    let mut was = self.store_down.lock().unwrap_or_else(|e| e.into_inner());
+                    match (&*was, &down) {
+                        (None, Some(reason)) => {
+                            tracing::warn!(%reason, "the job store does not answer; requests fail as retryable until it does")
+                        }
+                        (Some(_), None) => tracing::info!("the job store answers again"),
+                        _ => {}
+                    }
+                    *was = down;
+                }
+            }
             let wait = match self.publish_due().await {
                 Ok(true) => Duration::ZERO,
                 Ok(false) => match self.store.next_due().await {
@@ -388,8 +448,13 @@ impl Api {
                 }
             };
             self.reap().await;
-            // Visibility deadlines are checked this often.
-            let wait = wait.min(Duration::from_millis(250));
+            // Visibility deadlines (and settlements from other replicas)
+            // are checked this often.
+            let wait = wait.min(if self.store.is_shared() {
+                Duration::from_millis(100)
+            } else {
+                Duration::from_millis(250)
+            });
             if last_prune.elapsed() >= Duration::from_secs(60) {
                 last_prune = Instant::now();
                 let before = Utc::now()

@@ -16,13 +16,12 @@ use ojs_core::adapter::decode::Incoming;
 use ojs_core::{
     Consumer, ConsumerOptions, DeadLetterReason, Delivery, JobEnvelope, JobError, JobState, Nack,
 };
-use rusqlite::Connection;
 use serde_json::{json, Map, Value};
 
 use crate::auth::{Grant, Operation};
 use crate::error::{store_error, ApiError};
 use crate::job::{self, timestamp, Job};
-use crate::store::{self, StoreError};
+use crate::store::{Lease, Settle, StoreError, Tx};
 use crate::Api;
 
 /// Longest a FETCH waits for jobs (the binding allows a short block).
@@ -118,20 +117,99 @@ enum Activation {
     Active(Box<Job>, Duration),
     /// Finished or cancelled already: ack the delivery, hand nothing out.
     Settle,
+    /// Redelivered while its worker (through another replica that stopped)
+    /// still has it: held here until its visibility passes or it is
+    /// settled, not handed out again.
+    Adopt(Box<Job>, Duration),
 }
 
-/// What NACK does with the delivery.
-#[derive(Debug)]
-enum Decision {
-    Retry(Duration),
-    Requeue,
-    DeadLetter(DeadLetterReason),
-    Drop,
+/// Does to a held delivery what a settlement says.
+async fn settle_delivery(delivery: &Delivery, settle: &Settle) -> Result<(), ojs_core::Error> {
+    match settle {
+        Settle::Ack | Settle::Drop => delivery.ack().await,
+        Settle::Retry { delay_ms } => {
+            delivery
+                .nack(Nack::retry_after(Duration::from_millis(*delay_ms)))
+                .await
+        }
+        Settle::Requeue => delivery.nack(Nack::requeue()).await,
+        Settle::DeadLetter {
+            error_type,
+            message,
+        } => {
+            delivery
+                .nack(Nack::DeadLetter(DeadLetterReason::new(
+                    error_type.clone(),
+                    message.clone(),
+                )))
+                .await
+        }
+        // Not a settlement of the delivery.
+        Settle::Extend { .. } => Ok(()),
+    }
+}
+
+/// What the reaper found in the store for a job whose visibility passed
+/// here.
+enum Expiry {
+    /// Back to available: the broker delivers it again.
+    Released,
+    /// A heartbeat through another replica extended it until then.
+    Extended(DateTime<Utc>),
+    /// Finished meanwhile, or active on another replica: this copy of the
+    /// delivery is not needed.
+    Gone,
+    /// Failed or put back meanwhile through another replica whose
+    /// settlement has not arrived: the broker keeps it.
+    Waiting,
 }
 
 impl Api {
     fn workers(&self) -> &Workers {
         &self.workers
+    }
+
+    /// This replica's id where replicas share the store.
+    fn shared_replica(&self) -> Option<String> {
+        self.store.is_shared().then(|| self.replica.clone())
+    }
+
+    /// This replica's id when a transition may have to be passed to the
+    /// replica holding the delivery (shared store, delivery not here).
+    fn remote(&self, held_here: bool) -> Option<String> {
+        self.shared_replica().filter(|_| !held_here)
+    }
+
+    /// Settlements other replicas decided for deliveries held here.
+    pub(crate) async fn apply_settles(&self) {
+        let settles = match self.store.take_settles(&self.replica).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading settlements from the store failed; tried again");
+                return;
+            }
+        };
+        for (id, settle) in settles {
+            if let Settle::Extend { by_ms } = settle {
+                let mut held = self
+                    .workers()
+                    .held
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                if let Some(h) = held.get_mut(&id) {
+                    h.deadline = Instant::now() + Duration::from_millis(by_ms);
+                }
+                continue;
+            }
+            let Some(held) = self.take_held(&id) else {
+                // Released here already: the broker has it, and the store
+                // says what it is when it comes back.
+                continue;
+            };
+            if let Err(e) = settle_delivery(&held.delivery, &settle).await {
+                tracing::warn!(job_id = %id, error = %e, "settling a delivery for another replica failed; the broker gives it back");
+            }
+        }
     }
 
     async fn feed(&self, queue: &str) -> Result<Arc<tokio::sync::Mutex<Feed>>, ApiError> {
@@ -148,7 +226,10 @@ impl Api {
             // every member whenever one more queue is fetched from.
             group: format!("ojs-bridge-api.{queue}"),
             visibility_timeout: self.settings.visibility_timeout,
-            prefetch: 100,
+            // Replicas: nothing may wait in this process's buffer where a
+            // FETCH through another replica cannot reach it; a FETCH takes
+            // from the broker only what it hands out (RabbitMQ basic.get).
+            prefetch: if self.store.is_shared() { 0 } else { 100 },
             max_deliveries: None,
             source: ojs_core::adapter::Source::Queue,
             may_dead_letter: true,
@@ -245,15 +326,39 @@ impl Api {
         let now = Utc::now();
         let worker = request.worker_id.clone();
         let visibility = request.visibility;
+        let replica = self.shared_replica();
         let decided = self
             .store
-            .run(move |c, seq| {
+            .run(move |tx| {
                 envelopes
                     .into_iter()
-                    .map(|e| activate_one(c, seq, e, worker.as_deref(), visibility, now))
+                    .map(|e| {
+                        activate_one(
+                            tx,
+                            e,
+                            worker.as_deref(),
+                            visibility,
+                            now,
+                            replica.as_deref(),
+                        )
+                    })
                     .collect::<Result<Vec<_>, _>>()
             })
-            .await?;
+            .await;
+        let decided = match decided {
+            Ok(d) => d,
+            Err(e) => {
+                // The store did not answer: the jobs go back to the broker
+                // at once (not after a lease), and the FETCH fails as
+                // retryable.
+                for delivery in kept {
+                    if let Err(e) = delivery.nack(Nack::requeue()).await {
+                        tracing::debug!(%queue, error = %e, "giving a delivery back failed; its lease runs out instead");
+                    }
+                }
+                return Err(e.into());
+            }
+        };
         let mut out = Vec::new();
         let started = Instant::now();
         for (activation, delivery) in decided.into_iter().zip(kept) {
@@ -273,6 +378,26 @@ impl Api {
                         .unwrap_or_else(|e| e.into_inner())
                         .insert(job.envelope.id.clone(), held);
                     out.push(*job);
+                }
+                Activation::Adopt(job, remaining) => {
+                    let held = Held {
+                        delivery,
+                        queue: queue.to_owned(),
+                        worker_id: job
+                            .extra
+                            .get("worker_id")
+                            .and_then(Value::as_str)
+                            .map(str::to_owned),
+                        deadline: started + remaining,
+                        visibility: remaining,
+                        extended: started,
+                    };
+                    tracing::debug!(job_id = %job.envelope.id, "a redelivered job still active through another replica is held until its visibility passes");
+                    self.workers()
+                        .held
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(job.envelope.id.clone(), held);
                 }
                 Activation::Settle => {
                     if let Err(e) = delivery.ack().await {
@@ -331,9 +456,17 @@ impl Api {
         let held = self.take_held(id);
         let now = Utc::now();
         let job_id = id.to_owned();
+        let remote = self.remote(held.is_some());
         let done = self
             .store
-            .run(move |c, _| complete(c, &job_id, result, now))
+            .run(move |tx| {
+                let holder = remote_holder(tx, &job_id, remote.as_deref())?;
+                let job = complete(tx, &job_id, result, now)?;
+                if let Some(holder) = holder {
+                    tx.send_settle(&holder, &job_id, &Settle::Ack)?;
+                }
+                Ok(job)
+            })
             .await
             .map_err(|e| store_error(e, "ack", "active"));
         match done {
@@ -362,9 +495,17 @@ impl Api {
         self.check_scope(grant, &id).await?;
         let held = self.take_held(&id);
         let now = Utc::now();
+        let remote = self.remote(held.is_some());
         let decided = self
             .store
-            .run(move |c, _| fail(c, &failure, now))
+            .run(move |tx| {
+                let holder = remote_holder(tx, &failure.job_id, remote.as_deref())?;
+                let (job, decision) = fail(tx, &failure, now)?;
+                if let Some(holder) = holder {
+                    tx.send_settle(&holder, &failure.job_id, &decision)?;
+                }
+                Ok((job, decision))
+            })
             .await
             .map_err(|e| store_error(e, "nack", "active"));
         let (job, decision) = match decided {
@@ -377,13 +518,7 @@ impl Api {
             }
         };
         if let Some(held) = held {
-            let settled = match decision {
-                Decision::Retry(delay) => held.delivery.nack(Nack::retry_after(delay)).await,
-                Decision::Requeue => held.delivery.nack(Nack::requeue()).await,
-                Decision::DeadLetter(reason) => held.delivery.nack(Nack::DeadLetter(reason)).await,
-                Decision::Drop => held.delivery.ack().await,
-            };
-            if let Err(e) = settled {
+            if let Err(e) = settle_delivery(&held.delivery, &decision).await {
                 tracing::warn!(job_id = %id, error = %e, "settling a failed job's delivery failed; the broker gives it back");
             }
         }
@@ -427,6 +562,69 @@ impl Api {
         }
         for id in leases {
             self.extend_lease(&id).await;
+        }
+        if let Some(me) = self.shared_replica() {
+            // Where replicas share the store, its lease is what another
+            // replica goes by: extend it there, and pass the heartbeat of
+            // a job held elsewhere to its holder.
+            let here = extended.clone();
+            let remote: Vec<String> = jobs
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|j| !here.contains(j))
+                .collect();
+            let now = Utc::now();
+            let by = visibility;
+            let scope: Vec<ojs_core::glob::Glob> = grant.scope().to_vec();
+            let more = self
+                .store
+                .run(move |tx| {
+                    let mut more = Vec::new();
+                    for id in here {
+                        let by = by.unwrap_or(DEFAULT_VISIBILITY);
+                        tx.set_lease(
+                            &id,
+                            Some(&Lease {
+                                holder: me.clone(),
+                                until: now + by,
+                            }),
+                        )?;
+                    }
+                    for id in remote {
+                        let job = match tx.load(&id) {
+                            Ok(job) if job.state() == JobState::Active => job,
+                            Ok(_) | Err(StoreError::NotFound(_)) => continue,
+                            Err(e) => return Err(e),
+                        };
+                        if !(scope.is_empty()
+                            || scope.iter().any(|g| g.matches(&job.envelope.queue)))
+                        {
+                            continue;
+                        }
+                        let Some(lease) = tx.lease(&id)? else {
+                            continue;
+                        };
+                        let by = by.unwrap_or_else(|| job_visibility(&job));
+                        tx.set_lease(
+                            &id,
+                            Some(&Lease {
+                                holder: lease.holder.clone(),
+                                until: now + by,
+                            }),
+                        )?;
+                        tx.send_settle(
+                            &lease.holder,
+                            &id,
+                            &Settle::Extend {
+                                by_ms: by.as_millis() as u64,
+                            },
+                        )?;
+                        more.push(id);
+                    }
+                    Ok(more)
+                })
+                .await?;
+            extended.extend(more);
         }
         extended.sort();
         Ok(extended)
@@ -474,14 +672,29 @@ impl Api {
         for id in renew {
             self.extend_lease(&id).await;
         }
-        for (id, held) in expired {
+        for (id, mut held) in expired {
             let at = Utc::now();
             let job_id = id.clone();
-            match self.store.run(move |c, _| release(c, &job_id, at)).await {
-                Ok(()) => {
+            let replica = self.shared_replica();
+            match self
+                .store
+                .run(move |tx| release(tx, &job_id, at, replica.as_deref()))
+                .await
+            {
+                Ok(Expiry::Released | Expiry::Waiting) => {
                     if let Err(e) = held.delivery.nack(Nack::requeue()).await {
                         tracing::warn!(job_id = %id, error = %e, "giving an expired job back to the broker failed; its lease runs out instead");
                     }
+                }
+                Ok(Expiry::Gone) => {
+                    if let Err(e) = held.delivery.ack().await {
+                        tracing::debug!(job_id = %id, error = %e, "acking the copy of a job settled elsewhere failed");
+                    }
+                }
+                Ok(Expiry::Extended(until)) => {
+                    let left = (until - at).to_std().unwrap_or_default();
+                    held.deadline = Instant::now() + left;
+                    self.put_back(id, held);
                 }
                 Err(e) => {
                     tracing::warn!(job_id = %id, error = %e, "releasing an expired job failed; tried again");
@@ -496,14 +709,14 @@ impl Api {
 /// restart) active jobs become active; a job the store has not seen (put
 /// on the broker by another producer) is stored first.
 fn activate_one(
-    c: &Connection,
-    seq: &mut i64,
+    tx: &mut dyn Tx,
     envelope: JobEnvelope,
     worker: Option<&str>,
     visibility: Option<Duration>,
     now: DateTime<Utc>,
+    replica: Option<&str>,
 ) -> Result<Activation, StoreError> {
-    let mut job = match store::load(c, &envelope.id) {
+    let mut job = match tx.load(&envelope.id) {
         Ok(job) => job,
         Err(StoreError::NotFound(_)) => {
             let mut e = envelope;
@@ -514,13 +727,33 @@ fn activate_one(
                 envelope: e,
                 extra: Map::new(),
             };
-            store::insert_seen(c, seq, &job)?;
+            tx.insert_seen(&job)?;
             job
         }
         Err(e) => return Err(e),
     };
     match job.state() {
-        JobState::Available | JobState::Retryable | JobState::Active => {}
+        JobState::Active => {
+            // Where replicas share the store, a job whose lease is still
+            // running is its worker's: the delivery came back because the
+            // replica that held it stopped.
+            if let Some(me) = replica {
+                if let Some(lease) = tx.lease(&job.envelope.id)? {
+                    if lease.until > now {
+                        let remaining = (lease.until - now).to_std().unwrap_or_default();
+                        tx.set_lease(
+                            &job.envelope.id,
+                            Some(&Lease {
+                                holder: me.to_owned(),
+                                until: lease.until,
+                            }),
+                        )?;
+                        return Ok(Activation::Adopt(Box::new(job), remaining));
+                    }
+                }
+            }
+        }
+        JobState::Available | JobState::Retryable => {}
         // Published by the scheduler, whose promotion has not committed
         // yet: the broker has it, so it is available (the promotion then
         // finds it no longer scheduled and leaves it).
@@ -532,10 +765,8 @@ fn activate_one(
         job.envelope.state = Some(JobState::Discarded);
         job.extra
             .insert("discarded_at".into(), json!(timestamp(now)));
-        store::save(c, &job, Some(now))?;
-        store::event(
-            c,
-            "job.discarded",
+        tx.save(&job, Some(now))?;
+        tx.event("job.discarded",
             &job.envelope,
             now,
             json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "discarded",
@@ -543,16 +774,7 @@ fn activate_one(
         )?;
         return Ok(Activation::Settle);
     }
-    let visibility = visibility
-        .or_else(|| {
-            job.envelope
-                .unknown_attributes
-                .get("visibility_timeout_ms")
-                .and_then(Value::as_u64)
-                .filter(|ms| *ms > 0)
-                .map(Duration::from_millis)
-        })
-        .unwrap_or(DEFAULT_VISIBILITY);
+    let visibility = visibility.unwrap_or_else(|| job_visibility(&job));
     let e = &mut job.envelope;
     e.state = Some(JobState::Active);
     e.attempt += 1;
@@ -567,9 +789,18 @@ fn activate_one(
             job.extra.remove("worker_id");
         }
     }
-    store::save(c, &job, None)?;
-    store::event(
-        c,
+    tx.save(&job, None)?;
+    if let Some(me) = replica {
+        let until = now + visibility;
+        tx.set_lease(
+            &job.envelope.id,
+            Some(&Lease {
+                holder: me.to_owned(),
+                until,
+            }),
+        )?;
+    }
+    tx.event(
         "job.started",
         &job.envelope,
         now,
@@ -579,8 +810,33 @@ fn activate_one(
     Ok(Activation::Active(Box::new(job), visibility))
 }
 
-fn active(c: &Connection, id: &str) -> Result<Job, StoreError> {
-    let job = store::load(c, id)?;
+/// How long a job stays its worker's without a heartbeat when the FETCH
+/// did not say: its own `visibility_timeout_ms`, else 30 s.
+fn job_visibility(job: &Job) -> Duration {
+    job.envelope
+        .unknown_attributes
+        .get("visibility_timeout_ms")
+        .and_then(Value::as_u64)
+        .filter(|ms| *ms > 0)
+        .map_or(DEFAULT_VISIBILITY, Duration::from_millis)
+}
+
+/// Locks the job and names the replica holding its delivery when that is
+/// another one (`me` is set only where that can be).
+fn remote_holder(
+    tx: &mut dyn Tx,
+    id: &str,
+    me: Option<&str>,
+) -> Result<Option<String>, StoreError> {
+    let Some(me) = me else {
+        return Ok(None);
+    };
+    tx.load(id)?;
+    Ok(tx.lease(id)?.map(|l| l.holder).filter(|h| h != me))
+}
+
+fn active(tx: &mut dyn Tx, id: &str) -> Result<Job, StoreError> {
+    let job = tx.load(id)?;
     if job.state() != JobState::Active {
         return Err(StoreError::WrongState {
             id: id.to_owned(),
@@ -591,25 +847,23 @@ fn active(c: &Connection, id: &str) -> Result<Job, StoreError> {
 }
 
 fn complete(
-    c: &Connection,
+    tx: &mut dyn Tx,
     id: &str,
     result: Option<Value>,
     now: DateTime<Utc>,
 ) -> Result<Job, StoreError> {
-    let mut job = active(c, id)?;
+    let mut job = active(tx, id)?;
     let e = &mut job.envelope;
     e.state = Some(JobState::Completed);
     e.completed_at = Some(now);
     e.error = None;
     e.result = result;
-    store::save(c, &job, Some(now))?;
+    tx.save(&job, Some(now))?;
     let duration = job
         .envelope
         .started_at
         .map(|s| (now - s).num_milliseconds().max(0));
-    store::event(
-        c,
-        "job.completed",
+    tx.event("job.completed",
         &job.envelope,
         now,
         json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "completed",
@@ -649,11 +903,11 @@ fn backoff(job: &JobEnvelope, attempt: i32) -> Duration {
 }
 
 fn fail(
-    c: &Connection,
+    tx: &mut dyn Tx,
     failure: &Failure,
     now: DateTime<Utc>,
-) -> Result<(Job, Decision), StoreError> {
-    let mut job = active(c, &failure.job_id)?;
+) -> Result<(Job, Settle), StoreError> {
+    let mut job = active(tx, &failure.job_id)?;
     let text = |k: &str| {
         failure
             .error
@@ -703,7 +957,7 @@ fn fail(
     });
     let (decision, finished) = if failure.requeue {
         job.envelope.state = Some(JobState::Available);
-        (Decision::Requeue, None)
+        (Settle::Requeue, None)
     } else if retryable && !non_retryable && attempt < max {
         let delay = backoff(&job.envelope, attempt);
         job.envelope.state = Some(JobState::Retryable);
@@ -712,21 +966,28 @@ fn fail(
             .insert("next_attempt_at".into(), json!(timestamp(next)));
         job.extra
             .insert("retry_delay_ms".into(), json!(delay.as_millis() as u64));
-        (Decision::Retry(delay), None)
+        (
+            Settle::Retry {
+                delay_ms: delay.as_millis() as u64,
+            },
+            None,
+        )
     } else {
         job.envelope.state = Some(JobState::Discarded);
         job.envelope.completed_at = Some(now);
         job.extra
             .insert("discarded_at".into(), json!(timestamp(now)));
-        let reason = DeadLetterReason::new(error_type.clone(), message.clone());
         let decision = if policy.on_exhaustion == "discard" {
-            Decision::Drop
+            Settle::Drop
         } else {
-            Decision::DeadLetter(reason)
+            Settle::DeadLetter {
+                error_type: error_type.clone(),
+                message: message.clone(),
+            }
         };
         (decision, Some(now))
     };
-    store::save(c, &job, finished)?;
+    tx.save(&job, finished)?;
     let (event_type, data) = match job.state() {
         JobState::Discarded => (
             "job.discarded",
@@ -744,22 +1005,39 @@ fn fail(
                    "attempt": attempt, "error": {"code": code, "message": message, "retryable": retryable}}),
         ),
     };
-    store::event(c, "job.failed", &job.envelope, now, data.clone())?;
+    tx.event("job.failed", &job.envelope, now, data.clone())?;
     if event_type != "job.failed" {
-        store::event(c, event_type, &job.envelope, now, data)?;
+        tx.event(event_type, &job.envelope, now, data)?;
     }
     Ok((job, decision))
 }
 
 /// A job whose visibility passed goes back to available (the broker
 /// delivers it again).
-fn release(c: &Connection, id: &str, now: DateTime<Utc>) -> Result<(), StoreError> {
-    let mut job = match active(c, id) {
+fn release(
+    tx: &mut dyn Tx,
+    id: &str,
+    now: DateTime<Utc>,
+    replica: Option<&str>,
+) -> Result<Expiry, StoreError> {
+    let mut job = match active(tx, id) {
         Ok(job) => job,
-        // Finished meanwhile: nothing to give back.
-        Err(StoreError::WrongState { .. } | StoreError::NotFound(_)) => return Ok(()),
+        Err(StoreError::WrongState { current, .. }) => {
+            return Ok(match current {
+                JobState::Available | JobState::Retryable | JobState::Scheduled => Expiry::Waiting,
+                _ => Expiry::Gone,
+            })
+        }
+        Err(StoreError::NotFound(_)) => return Ok(Expiry::Gone),
         Err(e) => return Err(e),
     };
+    if let Some(me) = replica {
+        match tx.lease(id)? {
+            Some(lease) if lease.holder != me => return Ok(Expiry::Gone),
+            Some(lease) if lease.until > now => return Ok(Expiry::Extended(lease.until)),
+            _ => {}
+        }
+    }
     job.envelope.state = Some(JobState::Available);
     job.envelope.error = Some(JobError {
         error_type: "visibility_timeout".into(),
@@ -767,16 +1045,15 @@ fn release(c: &Connection, id: &str, now: DateTime<Utc>) -> Result<(), StoreErro
         ..JobError::default()
     });
     job.extra.remove("worker_id");
-    store::save(c, &job, None)?;
-    store::event(
-        c,
+    tx.save(&job, None)?;
+    tx.event(
         "job.failed",
         &job.envelope,
         now,
         json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available",
                "error": {"code": "visibility_timeout", "retryable": true}}),
     )?;
-    Ok(())
+    Ok(Expiry::Released)
 }
 
 /// The answer of ACK and NACK: the binding's fields at the top (`job_id`

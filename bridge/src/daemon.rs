@@ -470,7 +470,7 @@ impl Daemon {
             if let Ok(addr) = listener.local_addr() {
                 tracing::info!(%addr, token = state.token.is_some(), tls = self.tls.as_ref().map_or("off", |t| if t.mutual { "mutual" } else { "on" }), "health on /ojs/v1/health, metrics on /metrics");
                 if let (Some(api), Some(config)) = (&self.api, &self.config.api) {
-                    tracing::info!(%addr, adapter = %config.adapter, store = %api.store().path().display(), "OJS HTTP API on /ojs/v1 and /ojs/manifest");
+                    tracing::info!(%addr, adapter = %config.adapter, store = %api.store().place(), "OJS HTTP API on /ojs/v1 and /ojs/manifest");
                 }
             }
             http_task = Some(tokio::spawn(http::serve(

@@ -257,6 +257,12 @@ async fn answer(
                 let up = body["adapters"][&name]["status"] == "ok";
                 backend["status"] = json!(if up { "connected" } else { "disconnected" });
                 body["backend"] = backend;
+                let (store_up, store) = api.store_health();
+                body["store"] = store;
+                if !store_up {
+                    ok = false;
+                    body["status"] = json!("degraded");
+                }
             }
             let status = if ok {
                 StatusCode::OK

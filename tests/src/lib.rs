@@ -13,6 +13,7 @@ pub mod consume;
 pub mod fault_proxy;
 pub mod independent;
 pub mod kafka;
+pub mod postgres;
 pub mod processes;
 pub mod tally;
 pub mod tempdir;

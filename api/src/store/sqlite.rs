@@ -1,13 +1,11 @@
-//! Job state beside the broker: one SQLite file (`jobs.sqlite` in the data
-//! directory) holding each job's envelope, state and lifecycle timestamps,
-//! the scheduled jobs that have not reached the broker yet, and the event log.
+//! The embedded store: one SQLite file (`jobs.sqlite` in the data
+//! directory), for one process.
 //!
-//! The broker holds the queue; this holds what OJS INFO, CANCEL and the
-//! scheduler need. Writes go through one thread that commits everything that
-//! arrived while the previous commit ran in one transaction (each request in
-//! its own savepoint, so one request's failure leaves the others): a
-//! thousand concurrent PUSHes cost a few fsyncs, not a thousand. Reads use a
-//! second connection (WAL readers do not wait for the writer).
+//! Writes go through one thread that commits everything that arrived while
+//! the previous commit ran in one transaction (each request in its own
+//! savepoint, so one request's failure leaves the others): a thousand
+//! concurrent PUSHes cost a few fsyncs, not a thousand. Reads use a second
+//! connection (WAL readers do not wait for the writer).
 
 use std::any::Any;
 use std::collections::{BTreeSet, HashMap};
@@ -19,10 +17,14 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use ojs_core::{JobEnvelope, JobState};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::oneshot;
 
-use crate::job::{timestamp, Extra, Job};
+use super::{
+    decode, due_ms, encode, event_body, ms, state_name, stored_event, Durability, Event,
+    EventFilter, RunFn, StoreError, Tx,
+};
+use crate::job::Job;
 
 /// The store's file in the data directory.
 pub const STORE_FILE: &str = "jobs.sqlite";
@@ -86,77 +88,6 @@ ALTER TABLE jobs DROP COLUMN published;
 ALTER TABLE events DROP COLUMN id;
 ";
 
-/// What the store can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// A job id that is already stored.
-    #[error("job {0} already exists")]
-    Duplicate(String),
-    /// No job with this id.
-    #[error("job {0} not found")]
-    NotFound(String),
-    /// The job's state does not allow the change.
-    #[error("job {id} is {}", .current.as_str().unwrap_or("in an unknown state"))]
-    WrongState {
-        /// The job.
-        id: String,
-        /// Its state.
-        current: JobState,
-    },
-    /// The file cannot be opened or belongs to something else.
-    #[error("cannot open the job store {path}: {reason}")]
-    Open {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        reason: String,
-    },
-    /// SQLite failed.
-    #[error("SQLite: {0}")]
-    Sqlite(#[from] rusqlite::Error),
-    /// The group's transaction could not begin or commit; every request in
-    /// it failed with the same reason (SQLite's errors cannot be cloned).
-    #[error("SQLite commit: {0}")]
-    Commit(String),
-    /// A stored row that does not decode (written by something else).
-    #[error("job {id} is stored in a form this build cannot read: {reason}")]
-    Corrupt {
-        /// The job.
-        id: String,
-        /// Why.
-        reason: String,
-    },
-    /// The writer thread is gone (the store is closing).
-    #[error("the job store is closed")]
-    Closed,
-}
-
-/// One event of the log (`GET /ojs/v1/events`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Event {
-    /// Position in the log: the cursor.
-    pub seq: i64,
-    /// The event as the binding shows it.
-    pub body: Value,
-}
-
-/// Which events to read.
-#[derive(Debug, Clone, Default)]
-pub struct EventFilter {
-    /// Only after this position.
-    pub after: i64,
-    /// Event types (empty: all).
-    pub types: Vec<String>,
-    /// Queues (empty: all).
-    pub queues: Vec<String>,
-    /// Job types (empty: all).
-    pub job_types: Vec<String>,
-    /// Queue patterns the reader may see (empty: all): a token's scope.
-    pub scope: Vec<ojs_core::glob::Glob>,
-    /// At most this many.
-    pub limit: usize,
-}
-
 enum Write {
     Insert {
         jobs: Vec<Job>,
@@ -167,16 +98,6 @@ enum Write {
     },
     Remove {
         ids: Vec<String>,
-        reply: oneshot::Sender<Result<(), StoreError>>,
-    },
-    Cancel {
-        id: String,
-        now: DateTime<Utc>,
-        reply: oneshot::Sender<Result<(JobState, Job), StoreError>>,
-    },
-    Promote {
-        ids: Vec<String>,
-        now: DateTime<Utc>,
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
     Prune {
@@ -192,13 +113,9 @@ enum Write {
     },
 }
 
-/// What [`Store::run`] runs on the writer thread.
-type RunFn =
-    Box<dyn FnOnce(&Connection, &mut i64) -> Result<Box<dyn Any + Send>, StoreError> + Send>;
-
-/// The store: a writer thread and a reader connection.
+/// The embedded store: a writer thread and a reader connection.
 #[derive(Debug, Clone)]
-pub struct Store {
+pub(super) struct SqliteStore {
     writes: mpsc::Sender<WriteBox>,
     reader: Arc<Mutex<Connection>>,
     path: PathBuf,
@@ -217,13 +134,9 @@ impl std::fmt::Debug for WriteBox {
     }
 }
 
-fn ms(t: DateTime<Utc>) -> i64 {
-    t.timestamp_millis()
-}
-
 fn open_connection(path: &Path, durability: Durability) -> Result<Connection, StoreError> {
     let open_err = |reason: String| StoreError::Open {
-        path: path.to_owned(),
+        place: path.display().to_string(),
         reason,
     };
     let conn = Connection::open_with_flags(
@@ -266,33 +179,24 @@ fn open_connection(path: &Path, durability: Durability) -> Result<Connection, St
     Ok(conn)
 }
 
-/// What a commit of the store survives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Durability {
-    /// A crash of the process (`kill -9`): WAL with `synchronous=NORMAL`,
-    /// written to the OS before the request is answered, synced at
-    /// checkpoints. The embedded broker's default too.
-    #[default]
-    Process,
-    /// Also power loss: an fsync per group commit (`synchronous=FULL`).
-    Power,
-}
-
-impl Store {
+impl SqliteStore {
     /// Opens (creating when needed) the store in `dir`.
-    pub async fn open(dir: &Path, durability: Durability) -> Result<Store, StoreError> {
+    pub(super) async fn open(
+        dir: &Path,
+        durability: Durability,
+    ) -> Result<SqliteStore, StoreError> {
         let dir = dir.to_owned();
-        tokio::task::spawn_blocking(move || Store::open_blocking(&dir, durability))
+        tokio::task::spawn_blocking(move || SqliteStore::open_blocking(&dir, durability))
             .await
             .map_err(|e| StoreError::Open {
-                path: PathBuf::from(STORE_FILE),
+                place: STORE_FILE.to_owned(),
                 reason: e.to_string(),
             })?
     }
 
-    fn open_blocking(dir: &Path, durability: Durability) -> Result<Store, StoreError> {
+    fn open_blocking(dir: &Path, durability: Durability) -> Result<SqliteStore, StoreError> {
         std::fs::create_dir_all(dir).map_err(|e| StoreError::Open {
-            path: dir.to_owned(),
+            place: dir.display().to_string(),
             reason: e.to_string(),
         })?;
         let path = dir.join(STORE_FILE);
@@ -324,10 +228,10 @@ impl Store {
                 drop(keep_reader);
             })
             .map_err(|e| StoreError::Open {
-                path: path.clone(),
+                place: path.display().to_string(),
                 reason: format!("cannot start the writer thread: {e}"),
             })?;
-        Ok(Store {
+        Ok(SqliteStore {
             writes: tx,
             reader,
             path,
@@ -336,7 +240,7 @@ impl Store {
     }
 
     /// The store's file.
-    pub fn path(&self) -> &Path {
+    pub(super) fn path(&self) -> &Path {
         &self.path
     }
 
@@ -367,59 +271,35 @@ impl Store {
     /// Stores new jobs, all or none: a stored id is
     /// [`StoreError::Duplicate`]. They count as not yet on the broker until
     /// [`Store::published`].
-    pub async fn insert(&self, jobs: Vec<Job>) -> Result<(), StoreError> {
+    pub(super) async fn insert(&self, jobs: Vec<Job>) -> Result<(), StoreError> {
         self.write(|reply| Write::Insert { jobs, reply }).await
     }
 
     /// Records that the broker confirmed these jobs. Not awaited: a job
     /// whose mark is lost is published again after a restart (at least
     /// once).
-    pub fn published(&self, ids: Vec<String>) {
+    pub(super) fn published(&self, ids: Vec<String>) {
         let _ = self.writes.send(WriteBox(Write::Published { ids }));
     }
 
     /// Removes jobs the broker did not take, so that nothing is half-stored.
-    pub async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
+    pub(super) async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
         self.write(|reply| Write::Remove { ids, reply }).await
     }
 
-    /// Cancels a job that is not finished; returns its previous state and
-    /// the job now.
-    pub async fn cancel(
-        &self,
-        id: String,
-        now: DateTime<Utc>,
-    ) -> Result<(JobState, Job), StoreError> {
-        self.write(|reply| Write::Cancel { id, now, reply }).await
-    }
-
-    /// Scheduled jobs the broker confirmed become available.
-    pub async fn promote(&self, ids: Vec<String>, now: DateTime<Utc>) -> Result<(), StoreError> {
-        self.write(|reply| Write::Promote { ids, now, reply }).await
-    }
-
     /// Runs `f` in one savepoint of the next group commit and answers after
-    /// the commit. `f` numbers any row it inserts into `jobs` from the
-    /// counter it is given ([`insert_seen`]).
-    pub async fn run<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Connection, &mut i64) -> Result<T, StoreError> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        let f: RunFn =
-            Box::new(move |c, seq| f(c, seq).map(|v| Box::new(v) as Box<dyn Any + Send>));
-        let any = self.write(|reply| Write::Run { f: Some(f), reply }).await?;
-        any.downcast::<T>()
-            .map(|b| *b)
-            .map_err(|_| StoreError::Commit("a store answer of the wrong type".into()))
+    /// the commit.
+    pub(super) async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError> {
+        self.write(|reply| Write::Run { f: Some(f), reply }).await
     }
 
     /// Removes finished jobs (and events) older than `before`.
-    pub async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
+    pub(super) async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
         self.write(|reply| Write::Prune { before, reply }).await
     }
 
     /// One job.
-    pub async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
+    pub(super) async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
         self.read(move |conn| {
             let row = conn
                 .query_row(
@@ -435,7 +315,11 @@ impl Store {
     }
 
     /// Scheduled jobs due at `now`, oldest first.
-    pub async fn due(&self, now: DateTime<Utc>, limit: usize) -> Result<Vec<Job>, StoreError> {
+    pub(super) async fn due(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<Vec<Job>, StoreError> {
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
                 "SELECT id, envelope, extra FROM jobs WHERE state = 'scheduled' AND due_ms <= ?1
@@ -458,7 +342,7 @@ impl Store {
     }
 
     /// When the next scheduled job is due, if any is.
-    pub async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
+    pub(super) async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
         self.read(|conn| {
             let at: Option<i64> = conn.query_row(
                 "SELECT min(due_ms) FROM jobs WHERE state = 'scheduled'",
@@ -473,7 +357,7 @@ impl Store {
     /// Available jobs whose publish was not confirmed before the store
     /// was opened (above the watermark: the daemon stopped in between, or
     /// confirmed but not yet counted): publish them again.
-    pub async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
+    pub(super) async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
         let (above, through) = self.recover;
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
@@ -497,7 +381,7 @@ impl Store {
     }
 
     /// Queues that have had a job, with when the first arrived.
-    pub async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
+    pub(super) async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
         self.read(|conn| {
             let mut stmt =
                 conn.prepare_cached("SELECT name, created_ms FROM queues ORDER BY name")?;
@@ -515,7 +399,10 @@ impl Store {
     }
 
     /// Events matching `filter`, oldest first, and whether more match.
-    pub async fn events(&self, filter: EventFilter) -> Result<(Vec<Event>, bool), StoreError> {
+    pub(super) async fn events(
+        &self,
+        filter: EventFilter,
+    ) -> Result<(Vec<Event>, bool), StoreError> {
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
                 "SELECT seq, type, job_id, queue, job_type, time_ms, data FROM events
@@ -523,15 +410,10 @@ impl Store {
             )?;
             let mut rows = stmt.query(params![filter.after])?;
             let mut out = Vec::new();
-            let wanted = |list: &[String], v: &str| list.is_empty() || list.iter().any(|x| x == v);
             while let Some(r) = rows.next()? {
                 let (event_type, queue, job_type): (String, String, String) =
                     (r.get(1)?, r.get(3)?, r.get(4)?);
-                if !wanted(&filter.types, &event_type)
-                    || !wanted(&filter.queues, &queue)
-                    || !wanted(&filter.job_types, &job_type)
-                    || !(filter.scope.is_empty() || filter.scope.iter().any(|g| g.matches(&queue)))
-                {
+                if !filter.wants(&event_type, &queue, &job_type) {
                     continue;
                 }
                 if out.len() == filter.limit {
@@ -540,25 +422,14 @@ impl Store {
                 let seq: i64 = r.get(0)?;
                 let (job_id, time_ms, data): (String, i64, String) =
                     (r.get(2)?, r.get(5)?, r.get(6)?);
-                // The log's position names the event: unique and stable.
-                let id = format!("evt_{seq:016}");
-                let time = timestamp(DateTime::from_timestamp_millis(time_ms).unwrap_or_default());
-                let data: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
-                out.push(Event {
+                out.push(event_body(
                     seq,
-                    body: json!({
-                        "specversion": "1.0",
-                        "id": id,
-                        "type": event_type,
-                        "source": "ojs-bridge",
-                        "time": time,
-                        "timestamp": time,
-                        "subject": job_id,
-                        "job_id": job_id,
-                        "queue": queue,
-                        "data": data,
-                    }),
-                });
+                    &event_type,
+                    &job_id,
+                    &queue,
+                    time_ms,
+                    &data,
+                ));
             }
             Ok((out, false))
         })
@@ -566,37 +437,7 @@ impl Store {
     }
 }
 
-fn decode(id: &str, envelope: &str, extra: &str) -> Result<Job, StoreError> {
-    let corrupt = |reason: String| StoreError::Corrupt {
-        id: id.to_owned(),
-        reason,
-    };
-    let envelope =
-        JobEnvelope::from_json_slice(envelope.as_bytes()).map_err(|e| corrupt(e.to_string()))?;
-    let extra: Extra = serde_json::from_str(extra).map_err(|e| corrupt(e.to_string()))?;
-    Ok(Job { envelope, extra })
-}
-
-fn encode(job: &Job) -> Result<(String, String), StoreError> {
-    let envelope = job
-        .envelope
-        .to_json_vec()
-        .map_err(|e| StoreError::Corrupt {
-            id: job.envelope.id.clone(),
-            reason: e.to_string(),
-        })?;
-    let envelope = String::from_utf8(envelope).map_err(|e| StoreError::Corrupt {
-        id: job.envelope.id.clone(),
-        reason: e.to_string(),
-    })?;
-    Ok((envelope, Value::Object(job.extra.clone()).to_string()))
-}
-
-fn state_name(s: JobState) -> &'static str {
-    s.as_str().unwrap_or("unknown")
-}
-
-pub(crate) fn event(
+fn event(
     tx: &Connection,
     event_type: &str,
     job: &JobEnvelope,
@@ -618,15 +459,6 @@ pub(crate) fn event(
     Ok(())
 }
 
-/// Stores a job another producer put on the broker (a FETCH found it),
-/// numbering its row from the writer's counter. It is on the broker
-/// already: nothing waits for a confirmation.
-pub(crate) fn insert_seen(tx: &Connection, seq: &mut i64, job: &Job) -> Result<(), StoreError> {
-    insert(tx, std::slice::from_ref(job), *seq)?;
-    *seq += 1;
-    Ok(())
-}
-
 /// Inserts `jobs`, numbering rows from `next_seq`; the available ones
 /// (to be published now) with their numbers.
 fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i64)>, StoreError> {
@@ -637,9 +469,6 @@ fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i
         let e = &job.envelope;
         let (envelope, extra) = encode(job)?;
         let state = job.state();
-        let due = (state == JobState::Scheduled)
-            .then(|| e.scheduled_at.map(ms))
-            .flatten();
         let created = e.created_at.map_or(0, ms);
         tx.prepare_cached(
             "INSERT INTO jobs (rowid, id, queue, state, due_ms, created_ms, envelope, extra)
@@ -650,7 +479,7 @@ fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i
             e.id,
             e.queue,
             state_name(state),
-            due,
+            due_ms(job),
             created,
             envelope,
             extra
@@ -668,19 +497,8 @@ fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i
         if state == JobState::Available {
             available.push((e.id.clone(), seq));
         }
-        let now = e.created_at.unwrap_or_else(Utc::now);
-        let name = if state == JobState::Scheduled {
-            "job.scheduled"
-        } else {
-            "job.enqueued"
-        };
-        event(
-            tx,
-            name,
-            e,
-            now,
-            json!({"job_type": e.job_type, "queue": e.queue, "state": state_name(state)}),
-        )?;
+        let (name, at, data) = stored_event(job);
+        event(tx, name, e, at, data)?;
     }
     let mut stmt =
         tx.prepare_cached("INSERT OR IGNORE INTO queues (name, created_ms) VALUES (?1, ?2)")?;
@@ -690,7 +508,7 @@ fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i
     Ok(available)
 }
 
-pub(crate) fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
+fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
     let row = tx
         .prepare_cached("SELECT envelope, extra FROM jobs WHERE id = ?1")?
         .query_row(params![id], |r| {
@@ -701,79 +519,54 @@ pub(crate) fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
     decode(id, &envelope, &extra)
 }
 
-pub(crate) fn save(
-    tx: &Connection,
-    job: &Job,
-    finished: Option<DateTime<Utc>>,
-) -> Result<(), StoreError> {
+fn save(tx: &Connection, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
     let (envelope, extra) = encode(job)?;
     tx.prepare_cached(
-        "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5 WHERE id = ?1",
+        "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6
+         WHERE id = ?1",
     )?
     .execute(params![
         job.envelope.id,
         state_name(job.state()),
         envelope,
         extra,
-        finished.map(ms)
+        finished.map(ms),
+        due_ms(job)
     ])?;
     Ok(())
 }
 
-fn cancel(tx: &Connection, id: &str, now: DateTime<Utc>) -> Result<(JobState, Job), StoreError> {
-    let mut job = load(tx, id)?;
-    let previous = job.state();
-    if matches!(
-        previous,
-        JobState::Completed | JobState::Cancelled | JobState::Discarded | JobState::Other(_)
-    ) {
-        return Err(StoreError::WrongState {
-            id: id.to_owned(),
-            current: previous,
-        });
-    }
-    job.envelope.state = Some(JobState::Cancelled);
-    job.extra
-        .insert("cancelled_at".into(), json!(timestamp(now)));
-    job.extra
-        .insert("previous_state".into(), json!(state_name(previous)));
-    save(tx, &job, Some(now))?;
-    event(
-        tx,
-        "job.cancelled",
-        &job.envelope,
-        now,
-        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "previous_state": state_name(previous)}),
-    )?;
-    Ok((previous, job))
+/// A transition's view of the group's transaction: it numbers any job it
+/// stores from the writer's counter.
+struct SqliteTx<'a> {
+    conn: &'a Connection,
+    next_seq: &'a mut i64,
 }
 
-fn promote(tx: &Connection, ids: &[String], now: DateTime<Utc>) -> Result<(), StoreError> {
-    for id in ids {
-        let mut job = match load(tx, id) {
-            Ok(job) => job,
-            Err(StoreError::NotFound(_)) => continue,
-            Err(e) => return Err(e),
-        };
-        // Cancelled (or anything else) while it was being published: the
-        // worker side skips it on the broker.
-        if job.state() != JobState::Scheduled {
-            continue;
-        }
-        job.envelope.state = Some(JobState::Available);
-        job.envelope.enqueued_at = Some(now);
-        save(tx, &job, None)?;
-        tx.prepare_cached("UPDATE jobs SET due_ms = NULL WHERE id = ?1")?
-            .execute(params![id])?;
-        event(
-            tx,
-            "job.enqueued",
-            &job.envelope,
-            now,
-            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available"}),
-        )?;
+impl Tx for SqliteTx<'_> {
+    fn load(&mut self, id: &str) -> Result<Job, StoreError> {
+        load(self.conn, id)
     }
-    Ok(())
+
+    fn save(&mut self, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
+        save(self.conn, job, finished)
+    }
+
+    fn event(
+        &mut self,
+        event_type: &str,
+        job: &JobEnvelope,
+        now: DateTime<Utc>,
+        data: Value,
+    ) -> Result<(), StoreError> {
+        event(self.conn, event_type, job, now, data)
+    }
+
+    fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError> {
+        insert(self.conn, std::slice::from_ref(job), *self.next_seq)?;
+        *self.next_seq += 1;
+        Ok(())
+    }
 }
 
 /// Which available jobs the broker has not confirmed yet, kept by the
@@ -863,7 +656,6 @@ fn write_loop(mut conn: Connection, rx: mpsc::Receiver<WriteBox>, mut confirmed:
 enum Outcome {
     Any(Result<Box<dyn Any + Send>, StoreError>),
     Unit(Result<(), StoreError>),
-    Cancelled(Result<Box<(JobState, Job)>, StoreError>),
     Pruned(Result<u64, StoreError>),
 }
 
@@ -897,7 +689,12 @@ fn commit_group(
             Write::Run { f, .. } => match f.take() {
                 Some(f) => {
                     let before = next_seq;
-                    let r = in_savepoint(&tx, |c| f(c, &mut next_seq));
+                    let r = in_savepoint(&tx, |conn| {
+                        f(&mut SqliteTx {
+                            conn,
+                            next_seq: &mut next_seq,
+                        })
+                    });
                     if r.is_err() {
                         next_seq = before;
                     }
@@ -924,12 +721,6 @@ fn commit_group(
                 }
                 Ok(())
             })),
-            Write::Cancel { id, now, .. } => {
-                Outcome::Cancelled(in_savepoint(&tx, |c| cancel(c, id, *now)).map(Box::new))
-            }
-            Write::Promote { ids, now, .. } => {
-                Outcome::Unit(in_savepoint(&tx, |c| promote(c, ids, *now)))
-            }
             Write::Prune { before, .. } => Outcome::Pruned(in_savepoint(&tx, |c| {
                 let cut = ms(*before);
                 let jobs = c
@@ -1016,15 +807,8 @@ fn deliver(group: Vec<Write>, results: Vec<Outcome>) {
     for (write, outcome) in group.into_iter().zip(results) {
         match (write, outcome) {
             (Write::Insert { reply, .. }, Outcome::Unit(r))
-            | (Write::Remove { reply, .. }, Outcome::Unit(r))
-            | (Write::Promote { reply, .. }, Outcome::Unit(r)) => {
+            | (Write::Remove { reply, .. }, Outcome::Unit(r)) => {
                 let _ = reply.send(r);
-            }
-            (Write::Cancel { reply, .. }, Outcome::Cancelled(r)) => {
-                let _ = reply.send(r.map(|b| *b));
-            }
-            (Write::Cancel { reply, .. }, Outcome::Unit(Err(e))) => {
-                let _ = reply.send(Err(e));
             }
             (Write::Prune { reply, .. }, Outcome::Pruned(r)) => {
                 let _ = reply.send(r);
@@ -1047,6 +831,8 @@ fn deliver(group: Vec<Write>, results: Vec<Outcome>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::Store;
+    use serde_json::json;
 
     fn job(id: Option<&str>) -> Job {
         let mut body = json!({"type": "a.b", "args": [1]});

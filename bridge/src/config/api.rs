@@ -20,11 +20,23 @@ pub struct ApiConfig {
     #[serde(default)]
     pub queues: Vec<String>,
     /// Where job state (INFO, CANCEL, scheduled jobs, events) is kept:
-    /// `local:./dir` or `local:///abs/dir` (file `jobs.sqlite` in it).
-    /// Default: the data directory of `adapter` when it is the embedded
-    /// broker, else `local:./ojs-bridge-data`.
+    /// `local:./dir` or `local:///abs/dir` (file `jobs.sqlite` in it, for
+    /// one process), or `postgres://user@host:port/db` (shared by
+    /// replicas). Default: the data directory of `adapter` when it is the
+    /// embedded broker, else `local:./ojs-bridge-data`.
     #[serde(default)]
-    pub state: Option<String>,
+    pub state: Option<StateUrl>,
+    /// The file holding the PostgreSQL password, so that `state` need not
+    /// hold it.
+    #[serde(default)]
+    pub state_password_file: Option<PathBuf>,
+    /// The PostgreSQL schema (namespace) of the job store's tables, made
+    /// when missing. Default `ojs_bridge`.
+    #[serde(default = "default_state_schema")]
+    pub state_schema: String,
+    /// PostgreSQL connections of this process. Default 8.
+    #[serde(default = "default_state_connections")]
+    pub state_connections: usize,
     /// How jobs are written to the broker: `proto` (the default, as sinks
     /// write) or `json`.
     #[serde(default)]
@@ -55,6 +67,26 @@ pub struct ApiConfig {
     /// needs one. Default: none (open; the listener is on loopback).
     #[serde(default)]
     pub tokens: Vec<ApiTokenConfig>,
+}
+
+/// `[api] state`: a URL that may hold a password, never shown.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct StateUrl(pub String);
+
+impl std::fmt::Debug for StateUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&ojs_core::redact::url(&self.0))
+    }
+}
+
+/// Where `[api] state` keeps job state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StateLocation {
+    /// The embedded store's directory.
+    Dir(PathBuf),
+    /// A PostgreSQL URL.
+    Postgres(String),
 }
 
 /// `[api] durability`.
@@ -108,26 +140,54 @@ fn default_retention() -> Duration {
 fn default_visibility_timeout() -> Duration {
     ojs_api::ApiSettings::default().visibility_timeout
 }
+fn default_state_schema() -> String {
+    "ojs_bridge".to_owned()
+}
+fn default_state_connections() -> usize {
+    8
+}
 
 impl ApiConfig {
-    /// The directory of the job store.
-    pub fn state_dir(&self, adapters: &BTreeMap<String, AdapterEntry>) -> Result<PathBuf, String> {
+    /// Where the job store is.
+    pub fn state_location(
+        &self,
+        adapters: &BTreeMap<String, AdapterEntry>,
+    ) -> Result<StateLocation, String> {
         let url = match &self.state {
-            Some(url) => url.clone(),
+            Some(url) => url.0.clone(),
             None => match adapters.get(&self.adapter) {
                 Some(a) if crate::endpoint::scheme(&a.url) == "local" => a.url.clone(),
                 _ => "local:./ojs-bridge-data".to_owned(),
             },
         };
-        if crate::endpoint::scheme(&url) != "local" {
-            return Err(format!(
-                "{:?}: job state is kept in an embedded store (local:./dir); a store shared by several replicas is not in this build",
+        match crate::endpoint::scheme(&url) {
+            "local" => ojs_adapter_local::LocalConfig::from_url(&url)
+                .map(|c| StateLocation::Dir(c.path))
+                .map_err(|e| e.to_string()),
+            "postgres" | "postgresql" => {
+                self.postgres_settings(&url, None)?;
+                Ok(StateLocation::Postgres(url))
+            }
+            _ => Err(format!(
+                "{:?}: job state is kept in an embedded store (local:./dir) or in PostgreSQL (postgres://…)",
                 ojs_core::redact::url(&url)
-            ));
+            )),
         }
-        ojs_adapter_local::LocalConfig::from_url(&url)
-            .map(|c| c.path)
-            .map_err(|e| e.to_string())
+    }
+
+    fn postgres_settings(
+        &self,
+        url: &str,
+        password: Option<Secret>,
+    ) -> Result<ojs_api::store::PostgresSettings, String> {
+        let settings = ojs_api::store::PostgresSettings {
+            url: Secret::new(url),
+            password,
+            schema: self.state_schema.clone(),
+            connections: self.state_connections,
+        };
+        settings.check()?;
+        Ok(settings)
     }
 
     /// The API's runtime settings, built once from these.
@@ -165,9 +225,23 @@ impl ApiConfig {
                     .collect::<Result<_, _>>()?,
             });
         }
-        let state_dir = self
-            .state_dir(adapters)
+        let location = self
+            .state_location(adapters)
             .map_err(|reason| invalid("api.state", reason))?;
+        let (state_dir, postgres) = match location {
+            StateLocation::Dir(dir) => (dir, None),
+            StateLocation::Postgres(url) => {
+                let password = self
+                    .state_password_file
+                    .as_deref()
+                    .map(|p| read_token_file("api.state_password_file", p))
+                    .transpose()?;
+                let pg = self
+                    .postgres_settings(&url, password)
+                    .map_err(|reason| invalid("api.state", reason))?;
+                (ojs_api::ApiSettings::default().state_dir, Some(pg))
+            }
+        };
         let queues = self
             .queues
             .iter()
@@ -184,6 +258,7 @@ impl ApiConfig {
             max_batch_jobs: self.max_batch_jobs,
             retention: self.retention,
             state_dir,
+            postgres,
             tokens: Tokens::new(tokens),
             visibility_timeout: self.visibility_timeout,
             durability: match self.durability {
@@ -219,8 +294,15 @@ impl ApiConfig {
                 errors.push(invalid(format!("api.queues[{i}]"), e.to_string()));
             }
         }
-        if let Err(reason) = self.state_dir(adapters) {
-            errors.push(invalid("api.state", reason));
+        match self.state_location(adapters) {
+            Err(reason) => errors.push(invalid("api.state", reason)),
+            Ok(StateLocation::Dir(_)) if self.state_password_file.is_some() => {
+                errors.push(invalid(
+                    "api.state_password_file",
+                    "only a PostgreSQL state has a password",
+                ))
+            }
+            Ok(_) => {}
         }
         if self.max_body_bytes < 1024 {
             errors.push(invalid("api.max_body_bytes", "must be at least 1024"));

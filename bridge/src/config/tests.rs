@@ -124,7 +124,7 @@ mod rules {
         let env = vec![("OJS_BRIDGE_API_ADAPTER".to_owned(), "local".to_owned())];
         let c = BridgeConfig::parse(MINIMAL, "t", &env).unwrap();
         assert_eq!(c.api.map(|a| a.adapter), Some("local".to_owned()));
-        let bad = "[adapters]\nrabbit = \"amqp://127.0.0.1\"\n[api]\nadapter = \"rabit\"\nqueues = [\"\", \"Bad Queue\"]\nstate = \"postgres://db/ojs\"\nmax_batch_jobs = 0\nmax_body_bytes = 10\n";
+        let bad = "[adapters]\nrabbit = \"amqp://127.0.0.1\"\n[api]\nadapter = \"rabit\"\nqueues = [\"\", \"Bad Queue\"]\nstate = \"redis://db/ojs\"\nmax_batch_jobs = 0\nmax_body_bytes = 10\n";
         let err = BridgeConfig::parse(bad, "t", &[]).unwrap_err();
         let ConfigError::Several(problems) = &err else {
             panic!("expected every problem, got {err}");

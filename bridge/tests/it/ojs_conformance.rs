@@ -19,6 +19,46 @@ use serde_json::{json, Value};
 
 use crate::ojs_server::{request, OjsServer};
 
+/// The servers a run talks to: one, or replicas of one OJS server, each
+/// request sent to one of them chosen at random (the seed is printed, so
+/// that a failing order can be replayed with `OJS_CONFORMANCE_SEED`).
+struct Servers {
+    addrs: Vec<std::net::SocketAddr>,
+    state: std::sync::atomic::AtomicU64,
+}
+
+impl Servers {
+    fn new(servers: &[&OjsServer]) -> Servers {
+        let seed = std::env::var("OJS_CONFORMANCE_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+                    | 1
+            });
+        if servers.len() > 1 {
+            println!("replicas: {}, OJS_CONFORMANCE_SEED={seed}", servers.len());
+        }
+        Servers {
+            addrs: servers.iter().map(|s| s.addr).collect(),
+            state: std::sync::atomic::AtomicU64::new(seed),
+        }
+    }
+
+    /// The next server (xorshift64).
+    fn pick(&self) -> std::net::SocketAddr {
+        use std::sync::atomic::Ordering;
+        let mut x = self.state.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.state.store(x, Ordering::Relaxed);
+        self.addrs[(x % self.addrs.len() as u64) as usize]
+    }
+}
+
 fn cases_dir() -> Option<PathBuf> {
     let dir =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/conformance/ojs-conformance");
@@ -224,7 +264,7 @@ fn own_queues(case: &Value, n: usize) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|_| case.clone())
 }
 
-async fn run_all(server: &OjsServer, dir: &Path) -> Report {
+async fn run_all(servers: &Servers, dir: &Path) -> Report {
     let mut report = Report::default();
     for (n, mut c) in load_cases(dir).into_iter().enumerate() {
         c.case = own_queues(&schema_valid_types(&c.case), n);
@@ -234,7 +274,7 @@ async fn run_all(server: &OjsServer, dir: &Path) -> Report {
             report.skipped.push((c.file.clone(), reason));
             continue;
         }
-        match replay(server, &c.case).await {
+        match replay(servers, &c.case).await {
             Ok(()) => entry.0 += 1,
             Err(why) => {
                 entry.1 += 1;
@@ -255,7 +295,7 @@ async fn run_all(server: &OjsServer, dir: &Path) -> Report {
 }
 
 /// Fetches and acks everything waiting in `queue`.
-async fn drain_queue(server: &OjsServer, queue: &str) {
+async fn drain_queue(servers: &Servers, queue: &str) {
     let headers = vec![(
         "Content-Type".to_owned(),
         "application/openjobspec+json".to_owned(),
@@ -263,7 +303,7 @@ async fn drain_queue(server: &OjsServer, queue: &str) {
     for _ in 0..100 {
         let body = json!({"queues": [queue], "count": 100}).to_string();
         let a = request(
-            server.addr,
+            servers.pick(),
             "POST",
             "/ojs/v1/workers/fetch",
             &headers,
@@ -280,7 +320,7 @@ async fn drain_queue(server: &OjsServer, queue: &str) {
         for job in jobs {
             let body = json!({"job_id": job["id"]}).to_string();
             request(
-                server.addr,
+                servers.pick(),
                 "POST",
                 "/ojs/v1/workers/ack",
                 &headers,
@@ -292,7 +332,7 @@ async fn drain_queue(server: &OjsServer, queue: &str) {
 }
 
 /// Replays one case; the first assertion that does not hold, if any.
-async fn replay(server: &OjsServer, case: &Value) -> Result<(), String> {
+async fn replay(servers: &Servers, case: &Value) -> Result<(), String> {
     let mut responses: BTreeMap<String, Value> = BTreeMap::new();
     let setup = case["setup"]["steps"]
         .as_array()
@@ -324,7 +364,7 @@ async fn replay(server: &OjsServer, case: &Value) -> Result<(), String> {
     fetched.sort();
     fetched.dedup();
     for queue in &fetched {
-        drain_queue(server, queue).await;
+        drain_queue(servers, queue).await;
     }
     for step in setup.iter().chain(&steps) {
         let id = step["id"].as_str().unwrap_or("?").to_owned();
@@ -365,7 +405,7 @@ async fn replay(server: &OjsServer, case: &Value) -> Result<(), String> {
         {
             headers.push(("Content-Type".into(), "application/openjobspec+json".into()));
         }
-        let answer = request(server.addr, action, &path, &headers, body.as_deref()).await;
+        let answer = request(servers.pick(), action, &path, &headers, body.as_deref()).await;
         let parsed: Value = serde_json::from_slice(&answer.body).unwrap_or(Value::Null);
         let assertions = fill(&step["assertions"], &responses);
         check_step(&id, &answer, &parsed, &assertions)?;
@@ -792,7 +832,7 @@ fn assert_level_1(report: &Report) {
 async fn official_cases_pass_on_the_embedded_default() {
     let Some(dir) = cases_dir() else { return };
     let server = OjsServer::start(None).await;
-    let report = run_all(&server, &dir).await;
+    let report = run_all(&Servers::new(&[&server]), &dir).await;
     assert_level_0(&report);
     assert_level_1(&report);
     server.stop();
@@ -810,9 +850,35 @@ async fn on_broker(broker: Broker, adapter: impl FnOnce(&str, &str) -> String) {
         adapter(&endpoint.url, &prefix)
     );
     let server = OjsServer::start(Some(&config)).await;
-    let report = run_all(&server, &dir).await;
+    let report = run_all(&Servers::new(&[&server]), &dir).await;
     assert_level_0(&report);
     server.stop();
+}
+
+/// Two replicas sharing a job store on PostgreSQL, over RabbitMQ: every
+/// step of every case goes to one of them chosen at random.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_cases_pass_on_two_replicas_sharing_postgresql() {
+    let Some(dir) = cases_dir() else { return };
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let Some(pg_url) = ojs_bridge_tests::postgres::find() else {
+        return;
+    };
+    let schema = ojs_bridge_tests::postgres::TestSchema::new(&pg_url);
+    let prefix = ojs_bridge_tests::brokers::unique_queue("conf-pg");
+    let config = format!(
+        "[adapters.broker]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"broker\"\nstate = \"{pg_url}\"\nstate_schema = \"{}\"\n",
+        rabbit.url, schema.name
+    );
+    let a = OjsServer::start(Some(&config)).await;
+    let b = OjsServer::start(Some(&config)).await;
+    let report = run_all(&Servers::new(&[&a, &b]), &dir).await;
+    assert_level_0(&report);
+    assert_level_1(&report);
+    a.stop();
+    b.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

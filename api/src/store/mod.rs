@@ -1,0 +1,542 @@
+//! Job state beside the broker: each job's envelope, state and lifecycle
+//! timestamps, the scheduled jobs that have not reached the broker yet, and
+//! the event log. The broker holds the queue; the store holds what OJS
+//! INFO, CANCEL, the state machine and the scheduler need.
+//!
+//! Two backends behind one [`Store`]: an SQLite file in the data directory
+//! for one process (the default), and PostgreSQL for several replicas that
+//! must act as one server. Every state transition is written once, against
+//! [`Tx`], and runs in one transaction of either.
+
+use std::any::Any;
+use std::path::Path;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use ojs_core::{JobEnvelope, JobState};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::job::{timestamp, Extra, Job};
+
+mod postgres;
+mod sqlite;
+
+pub use self::postgres::PostgresSettings;
+pub use self::sqlite::STORE_FILE;
+
+/// What the store can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A job id that is already stored.
+    #[error("job {0} already exists")]
+    Duplicate(String),
+    /// No job with this id.
+    #[error("job {0} not found")]
+    NotFound(String),
+    /// The job's state does not allow the change.
+    #[error("job {id} is {}", .current.as_str().unwrap_or("in an unknown state"))]
+    WrongState {
+        /// The job.
+        id: String,
+        /// Its state.
+        current: JobState,
+    },
+    /// The store cannot be opened or belongs to something else.
+    #[error("cannot open the job store {place}: {reason}")]
+    Open {
+        /// The file, or the PostgreSQL server (never its credentials).
+        place: String,
+        /// Why.
+        reason: String,
+    },
+    /// SQLite failed.
+    #[error("SQLite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// PostgreSQL answered with an error.
+    #[error("PostgreSQL: {0}")]
+    Postgres(#[source] ::postgres::Error),
+    /// PostgreSQL cannot be reached (down, restarting, the connection
+    /// lost): the request may be repeated; the next one connects again.
+    #[error("PostgreSQL is unavailable: {reason}")]
+    Unavailable {
+        /// What the connection attempt or the lost connection said.
+        reason: String,
+    },
+    /// The group's transaction could not begin or commit; every request in
+    /// it failed with the same reason (SQLite's errors cannot be cloned).
+    #[error("SQLite commit: {0}")]
+    Commit(String),
+    /// A stored row that does not decode (written by something else).
+    #[error("job {id} is stored in a form this build cannot read: {reason}")]
+    Corrupt {
+        /// The job.
+        id: String,
+        /// Why.
+        reason: String,
+    },
+    /// The store's threads are gone (the store is closing).
+    #[error("the job store is closed")]
+    Closed,
+}
+
+impl StoreError {
+    /// Whether the same request may succeed when repeated (the store, not
+    /// the request, failed).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable { .. } | StoreError::Closed)
+    }
+}
+
+/// One event of the log (`GET /ojs/v1/events`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    /// Position in the log: the cursor.
+    pub seq: i64,
+    /// The event as the binding shows it.
+    pub body: Value,
+}
+
+/// Which events to read.
+#[derive(Debug, Clone, Default)]
+pub struct EventFilter {
+    /// Only after this position.
+    pub after: i64,
+    /// Event types (empty: all).
+    pub types: Vec<String>,
+    /// Queues (empty: all).
+    pub queues: Vec<String>,
+    /// Job types (empty: all).
+    pub job_types: Vec<String>,
+    /// Queue patterns the reader may see (empty: all): a token's scope.
+    pub scope: Vec<ojs_core::glob::Glob>,
+    /// At most this many.
+    pub limit: usize,
+}
+
+impl EventFilter {
+    fn wants(&self, event_type: &str, queue: &str, job_type: &str) -> bool {
+        let wanted = |list: &[String], v: &str| list.is_empty() || list.iter().any(|x| x == v);
+        wanted(&self.types, event_type)
+            && wanted(&self.queues, queue)
+            && wanted(&self.job_types, job_type)
+            && (self.scope.is_empty() || self.scope.iter().any(|g| g.matches(queue)))
+    }
+}
+
+/// What a commit of the embedded store survives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// A crash of the process (`kill -9`): WAL with `synchronous=NORMAL`,
+    /// written to the OS before the request is answered, synced at
+    /// checkpoints. The embedded broker's default too.
+    #[default]
+    Process,
+    /// Also power loss: an fsync per group commit (`synchronous=FULL`).
+    Power,
+}
+
+/// Which replica holds an active job's broker delivery, and until when the
+/// job is its worker's without a heartbeat. Kept only where several
+/// replicas share the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The replica (its id for this run).
+    pub holder: String,
+    /// When the job goes back to the queue unless heartbeat.
+    pub until: DateTime<Utc>,
+}
+
+/// What the replica holding a delivery is asked to do with it, because
+/// the request that decided it reached another replica.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "do", rename_all = "snake_case")]
+pub enum Settle {
+    /// Completed: ack the delivery.
+    Ack,
+    /// Failed, to be tried again after this long (the adapter's delayed
+    /// retry).
+    Retry {
+        /// The delay.
+        delay_ms: u64,
+    },
+    /// Back to the queue as it is.
+    Requeue,
+    /// Exhausted: the adapter's dead-letter path, with the error kept.
+    DeadLetter {
+        /// The error's type.
+        error_type: String,
+        /// Its message.
+        message: String,
+    },
+    /// Exhausted with `on_exhaustion = "discard"`: ack, nothing kept.
+    Drop,
+    /// A heartbeat: the job stays its worker's this much longer.
+    Extend {
+        /// From now.
+        by_ms: u64,
+    },
+}
+
+/// One transaction of the store, as a state transition sees it: read a
+/// job (locked until the commit where that matters), write it back, log
+/// what happened. Written once for both backends.
+pub trait Tx {
+    /// The job, or [`StoreError::NotFound`].
+    fn load(&mut self, id: &str) -> Result<Job, StoreError>;
+    /// Writes the job back (state, envelope, extra); `finished` when it
+    /// reached a final state (retention counts from then).
+    fn save(&mut self, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError>;
+    /// Appends to the event log.
+    fn event(
+        &mut self,
+        event_type: &str,
+        job: &JobEnvelope,
+        now: DateTime<Utc>,
+        data: Value,
+    ) -> Result<(), StoreError>;
+    /// Stores a job another producer put on the broker (a FETCH found it):
+    /// it is on the broker already, nothing waits for a confirmation.
+    fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError>;
+    /// The job's lease, where replicas share the store.
+    fn lease(&mut self, _id: &str) -> Result<Option<Lease>, StoreError> {
+        Ok(None)
+    }
+    /// Sets (or clears) the job's lease, where replicas share the store.
+    fn set_lease(&mut self, _id: &str, _lease: Option<&Lease>) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Asks the replica `holder` to settle the job's delivery.
+    fn send_settle(
+        &mut self,
+        _holder: &str,
+        _id: &str,
+        _settle: &Settle,
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// A transition run by [`Store::run`].
+pub(crate) type RunFn =
+    Box<dyn FnOnce(&mut dyn Tx) -> Result<Box<dyn Any + Send>, StoreError> + Send>;
+
+/// The store.
+#[derive(Debug, Clone)]
+pub struct Store {
+    backend: Backend,
+}
+
+#[derive(Debug, Clone)]
+enum Backend {
+    Sqlite(sqlite::SqliteStore),
+    Postgres(postgres::PostgresStore),
+}
+
+impl Store {
+    /// Opens (creating when needed) the embedded store in `dir`.
+    pub async fn open(dir: &Path, durability: Durability) -> Result<Store, StoreError> {
+        Ok(Store {
+            backend: Backend::Sqlite(sqlite::SqliteStore::open(dir, durability).await?),
+        })
+    }
+
+    /// Connects to PostgreSQL and brings its schema up to date.
+    pub async fn connect(settings: &PostgresSettings) -> Result<Store, StoreError> {
+        Ok(Store {
+            backend: Backend::Postgres(postgres::PostgresStore::connect(settings).await?),
+        })
+    }
+
+    /// Where the store is, for the log (a file, or a PostgreSQL server
+    /// without its credentials).
+    pub fn place(&self) -> String {
+        match &self.backend {
+            Backend::Sqlite(s) => s.path().display().to_string(),
+            Backend::Postgres(p) => p.place(),
+        }
+    }
+
+    /// Whether several processes share this store (replicas must then
+    /// pass settlements and leases through it).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.backend, Backend::Postgres(_))
+    }
+
+    /// Whether the store answers now.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Sqlite(_) => Ok(()),
+            Backend::Postgres(p) => p.ping().await,
+        }
+    }
+
+    /// Stores new jobs, all or none: a stored id is
+    /// [`StoreError::Duplicate`]. They count as not yet on the broker until
+    /// [`Store::published`].
+    pub async fn insert(&self, jobs: Vec<Job>) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.insert(jobs).await,
+            Backend::Postgres(p) => p.insert(jobs).await,
+        }
+    }
+
+    /// Records that the broker confirmed these jobs. Not awaited: a job
+    /// whose mark is lost is published again (at least once).
+    pub fn published(&self, ids: Vec<String>) {
+        match &self.backend {
+            Backend::Sqlite(s) => s.published(ids),
+            Backend::Postgres(p) => p.published(ids),
+        }
+    }
+
+    /// Removes jobs the broker did not take, so that nothing is half-stored.
+    pub async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.remove(ids).await,
+            Backend::Postgres(p) => p.remove(ids).await,
+        }
+    }
+
+    /// Cancels a job that is not finished; returns its previous state and
+    /// the job now.
+    pub async fn cancel(
+        &self,
+        id: String,
+        now: DateTime<Utc>,
+    ) -> Result<(JobState, Job), StoreError> {
+        self.run(move |tx| cancel(tx, &id, now)).await
+    }
+
+    /// Scheduled jobs the broker confirmed become available.
+    pub async fn promote(&self, ids: Vec<String>, now: DateTime<Utc>) -> Result<(), StoreError> {
+        self.run(move |tx| promote(tx, &ids, now)).await
+    }
+
+    /// Runs the transition `f` in one transaction and answers after the
+    /// commit; when `f` fails nothing it wrote stays.
+    pub async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let f: RunFn = Box::new(move |tx| f(tx).map(|v| Box::new(v) as Box<dyn Any + Send>));
+        let any = match &self.backend {
+            Backend::Sqlite(s) => s.run(f).await?,
+            Backend::Postgres(p) => p.run(f).await?,
+        };
+        any.downcast::<T>()
+            .map(|b| *b)
+            .map_err(|_| StoreError::Commit("a store answer of the wrong type".into()))
+    }
+
+    /// Removes finished jobs (and events) older than `before`.
+    pub async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.prune(before).await,
+            Backend::Postgres(p) => p.prune(before).await,
+        }
+    }
+
+    /// One job.
+    pub async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.get(id).await,
+            Backend::Postgres(p) => p.get(id).await,
+        }
+    }
+
+    /// Scheduled jobs due at `now`, oldest first. Where replicas share the
+    /// store, the jobs returned are claimed for a while, so that one
+    /// replica publishes each.
+    pub async fn due(&self, now: DateTime<Utc>, limit: usize) -> Result<Vec<Job>, StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.due(now, limit).await,
+            Backend::Postgres(p) => p.due(now, limit).await,
+        }
+    }
+
+    /// When the next scheduled job is due, if any is.
+    pub async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.next_due().await,
+            Backend::Postgres(p) => p.next_due().await,
+        }
+    }
+
+    /// Available jobs whose publish was never confirmed (a process stopped
+    /// between storing and publishing them): publish them again.
+    pub async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.unpublished(limit).await,
+            Backend::Postgres(p) => p.unpublished(limit).await,
+        }
+    }
+
+    /// Queues that have had a job, with when the first arrived.
+    pub async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.queues().await,
+            Backend::Postgres(p) => p.queues().await,
+        }
+    }
+
+    /// Events matching `filter`, oldest first, and whether more match.
+    pub async fn events(&self, filter: EventFilter) -> Result<(Vec<Event>, bool), StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.events(filter).await,
+            Backend::Postgres(p) => p.events(filter).await,
+        }
+    }
+
+    /// Settlements other replicas asked of `holder`, taken (each is
+    /// handed out once).
+    pub async fn take_settles(&self, holder: &str) -> Result<Vec<(String, Settle)>, StoreError> {
+        match &self.backend {
+            Backend::Sqlite(_) => Ok(Vec::new()),
+            Backend::Postgres(p) => p.take_settles(holder.to_owned()).await,
+        }
+    }
+}
+
+pub(crate) fn ms(t: DateTime<Utc>) -> i64 {
+    t.timestamp_millis()
+}
+
+pub(crate) fn decode(id: &str, envelope: &str, extra: &str) -> Result<Job, StoreError> {
+    let corrupt = |reason: String| StoreError::Corrupt {
+        id: id.to_owned(),
+        reason,
+    };
+    let envelope =
+        JobEnvelope::from_json_slice(envelope.as_bytes()).map_err(|e| corrupt(e.to_string()))?;
+    let extra: Extra = serde_json::from_str(extra).map_err(|e| corrupt(e.to_string()))?;
+    Ok(Job { envelope, extra })
+}
+
+pub(crate) fn encode(job: &Job) -> Result<(String, String), StoreError> {
+    let envelope = job
+        .envelope
+        .to_json_vec()
+        .map_err(|e| StoreError::Corrupt {
+            id: job.envelope.id.clone(),
+            reason: e.to_string(),
+        })?;
+    let envelope = String::from_utf8(envelope).map_err(|e| StoreError::Corrupt {
+        id: job.envelope.id.clone(),
+        reason: e.to_string(),
+    })?;
+    Ok((envelope, Value::Object(job.extra.clone()).to_string()))
+}
+
+pub(crate) fn state_name(s: JobState) -> &'static str {
+    s.as_str().unwrap_or("unknown")
+}
+
+/// When a scheduled job is due (its row's `due_ms`); none for the others.
+pub(crate) fn due_ms(job: &Job) -> Option<i64> {
+    (job.state() == JobState::Scheduled)
+        .then(|| job.envelope.scheduled_at.map(ms))
+        .flatten()
+}
+
+/// The event `job.enqueued` or `job.scheduled` of a job just stored.
+pub(crate) fn stored_event(job: &Job) -> (&'static str, DateTime<Utc>, Value) {
+    let e = &job.envelope;
+    let state = job.state();
+    let name = if state == JobState::Scheduled {
+        "job.scheduled"
+    } else {
+        "job.enqueued"
+    };
+    (
+        name,
+        e.created_at.unwrap_or_else(Utc::now),
+        json!({"job_type": e.job_type, "queue": e.queue, "state": state_name(state)}),
+    )
+}
+
+/// An event as the binding shows it; its log position names it (unique
+/// and stable).
+pub(crate) fn event_body(
+    seq: i64,
+    event_type: &str,
+    job_id: &str,
+    queue: &str,
+    time_ms: i64,
+    data: &str,
+) -> Event {
+    let id = format!("evt_{seq:016}");
+    let time = timestamp(DateTime::from_timestamp_millis(time_ms).unwrap_or_default());
+    let data: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+    Event {
+        seq,
+        body: json!({
+            "specversion": "1.0",
+            "id": id,
+            "type": event_type,
+            "source": "ojs-bridge",
+            "time": time,
+            "timestamp": time,
+            "subject": job_id,
+            "job_id": job_id,
+            "queue": queue,
+            "data": data,
+        }),
+    }
+}
+
+/// How long a replica's claim on due scheduled jobs lasts: another replica
+/// publishes them if the first has not promoted them by then.
+pub(crate) const SCHEDULE_CLAIM: Duration = Duration::from_secs(30);
+
+fn cancel(tx: &mut dyn Tx, id: &str, now: DateTime<Utc>) -> Result<(JobState, Job), StoreError> {
+    let mut job = tx.load(id)?;
+    let previous = job.state();
+    if matches!(
+        previous,
+        JobState::Completed | JobState::Cancelled | JobState::Discarded | JobState::Other(_)
+    ) {
+        return Err(StoreError::WrongState {
+            id: id.to_owned(),
+            current: previous,
+        });
+    }
+    job.envelope.state = Some(JobState::Cancelled);
+    job.extra
+        .insert("cancelled_at".into(), json!(timestamp(now)));
+    job.extra
+        .insert("previous_state".into(), json!(state_name(previous)));
+    tx.save(&job, Some(now))?;
+    tx.event(
+        "job.cancelled",
+        &job.envelope,
+        now,
+        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "previous_state": state_name(previous)}),
+    )?;
+    Ok((previous, job))
+}
+
+fn promote(tx: &mut dyn Tx, ids: &[String], now: DateTime<Utc>) -> Result<(), StoreError> {
+    for id in ids {
+        let mut job = match tx.load(id) {
+            Ok(job) => job,
+            Err(StoreError::NotFound(_)) => continue,
+            Err(e) => return Err(e),
+        };
+        // Cancelled (or anything else) while it was being published: the
+        // worker side skips it on the broker.
+        if job.state() != JobState::Scheduled {
+            continue;
+        }
+        job.envelope.state = Some(JobState::Available);
+        job.envelope.enqueued_at = Some(now);
+        tx.save(&job, None)?;
+        tx.event(
+            "job.enqueued",
+            &job.envelope,
+            now,
+            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available"}),
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,757 @@
+//! The shared store: PostgreSQL, for several `ojs-bridge run` replicas
+//! behind one load balancer that act as one OJS server.
+//!
+//! A few threads each own one connection (the synchronous client, so that
+//! the transitions written for [`Tx`] run here as they run on SQLite); a
+//! request takes whichever thread is free. A connection that is lost is
+//! dropped and made again by the next request; while PostgreSQL cannot be
+//! reached every request fails with [`StoreError::Unavailable`] at once
+//! instead of waiting.
+//!
+//! Rows are locked (`SELECT … FOR UPDATE`) by the transition that reads
+//! them, so two replicas changing one job serialise: one ACK wins, the
+//! other finds the job completed.
+
+use std::any::Any;
+use std::str::FromStr;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use ojs_core::redact::Secret;
+use ojs_core::{JobEnvelope, JobState};
+use postgres::error::SqlState;
+use postgres::{Client, Config, NoTls, Transaction};
+use serde_json::Value;
+use tokio::sync::oneshot;
+
+use super::{
+    decode, due_ms, encode, event_body, ms, state_name, stored_event, Event, EventFilter, Lease,
+    RunFn, Settle, StoreError, Tx, SCHEDULE_CLAIM,
+};
+use crate::job::Job;
+
+/// The schema version this build writes.
+const SCHEMA_VERSION: i32 = 1;
+/// Taken while the schema is made or migrated: replicas starting together
+/// do it once.
+const MIGRATION_LOCK: i64 = 0x4f4a_5341;
+/// An available job not confirmed by the broker this long after it was
+/// stored belongs to a process that stopped between the two: another
+/// replica publishes it.
+const ORPHAN_AFTER: Duration = Duration::from_secs(60);
+
+const SCHEMA_V1: &str = "
+CREATE TABLE jobs (
+    seq              bigserial NOT NULL,
+    id               text PRIMARY KEY,
+    queue            text NOT NULL,
+    state            text NOT NULL,
+    due_ms           bigint,
+    created_ms       bigint NOT NULL,
+    stored_ms        bigint NOT NULL,
+    finished_ms      bigint,
+    published        boolean NOT NULL,
+    holder           text,
+    visible_until_ms bigint,
+    envelope         text NOT NULL,
+    extra            text NOT NULL
+);
+CREATE INDEX jobs_due ON jobs (due_ms) WHERE state = 'scheduled';
+CREATE INDEX jobs_finished ON jobs (finished_ms) WHERE finished_ms IS NOT NULL;
+CREATE INDEX jobs_unpublished ON jobs (stored_ms) WHERE NOT published;
+CREATE TABLE queues (
+    name       text PRIMARY KEY,
+    created_ms bigint NOT NULL
+);
+CREATE TABLE events (
+    seq      bigserial PRIMARY KEY,
+    type     text NOT NULL,
+    job_id   text NOT NULL,
+    queue    text NOT NULL,
+    job_type text NOT NULL,
+    time_ms  bigint NOT NULL,
+    data     text NOT NULL
+);
+CREATE INDEX events_job ON events (job_id);
+CREATE INDEX events_time ON events (time_ms);
+CREATE TABLE settles (
+    seq    bigserial PRIMARY KEY,
+    holder text NOT NULL,
+    job_id text NOT NULL,
+    action text NOT NULL
+);
+CREATE INDEX settles_holder ON settles (holder);
+";
+
+/// How to reach PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PostgresSettings {
+    /// `postgres://user:password@host:port/db` or the key=value form; a
+    /// secret (it may hold the password).
+    pub url: Secret,
+    /// The password, when the URL does not hold it.
+    pub password: Option<Secret>,
+    /// The PostgreSQL schema (namespace) holding the tables, made when
+    /// missing.
+    pub schema: String,
+    /// Connections (and threads) of this process.
+    pub connections: usize,
+}
+
+impl PostgresSettings {
+    /// Checks the URL and the schema name, without connecting.
+    pub fn check(&self) -> Result<(), String> {
+        Config::from_str(self.url.expose()).map_err(|e| e.to_string())?;
+        if self.schema.is_empty()
+            || self.schema.len() > 63
+            || !self
+                .schema
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+            || self.schema.starts_with(|c: char| c.is_ascii_digit())
+        {
+            return Err(format!(
+                "schema {:?}: lowercase letters, digits and _, at most 63, not starting with a digit",
+                self.schema
+            ));
+        }
+        if self.connections == 0 {
+            return Err("connections must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+type Job1 = Box<dyn FnOnce(&mut Connection) + Send>;
+
+/// The store on PostgreSQL.
+#[derive(Clone)]
+pub(super) struct PostgresStore {
+    jobs: mpsc::Sender<Job1>,
+    place: Arc<str>,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("place", &self.place)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One thread's connection, made when needed.
+struct Connection {
+    config: Config,
+    schema: String,
+    client: Option<Client>,
+}
+
+impl Connection {
+    fn client(&mut self) -> Result<&mut Client, StoreError> {
+        if self.client.as_ref().is_some_and(Client::is_closed) {
+            self.client = None;
+        }
+        let client = match self.client.take() {
+            Some(c) => c,
+            None => {
+                let mut c = self.config.connect(NoTls).map_err(unavailable)?;
+                c.batch_execute(&format!("SET search_path TO \"{}\"", self.schema))
+                    .map_err(pg)?;
+                c
+            }
+        };
+        Ok(self.client.insert(client))
+    }
+}
+
+fn unavailable(e: postgres::Error) -> StoreError {
+    StoreError::Unavailable {
+        reason: e.to_string(),
+    }
+}
+
+/// A PostgreSQL error as the store reports it: a lost connection (no
+/// SQLSTATE, or the server going away) is [`StoreError::Unavailable`].
+fn pg(e: postgres::Error) -> StoreError {
+    let gone = e.is_closed()
+        || match e.code() {
+            None => std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>()),
+            Some(code) => {
+                *code == SqlState::ADMIN_SHUTDOWN
+                    || *code == SqlState::CRASH_SHUTDOWN
+                    || *code == SqlState::CANNOT_CONNECT_NOW
+            }
+        };
+    if gone {
+        unavailable(e)
+    } else {
+        StoreError::Postgres(e)
+    }
+}
+
+/// The server and database, never the user's password.
+fn place(config: &Config) -> String {
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            postgres::config::Host::Tcp(name) => name.clone(),
+            #[cfg(unix)]
+            postgres::config::Host::Unix(path) => path.display().to_string(),
+        })
+        .collect();
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    format!(
+        "postgres://{}:{}/{}",
+        hosts.join(","),
+        port,
+        config.get_dbname().unwrap_or_default()
+    )
+}
+
+impl PostgresStore {
+    pub(super) async fn connect(settings: &PostgresSettings) -> Result<PostgresStore, StoreError> {
+        let open_err = |place: String, reason: String| StoreError::Open { place, reason };
+        settings
+            .check()
+            .map_err(|reason| open_err("PostgreSQL".into(), reason))?;
+        let mut config = Config::from_str(settings.url.expose())
+            .map_err(|e| open_err("PostgreSQL".into(), e.to_string()))?;
+        if let Some(password) = &settings.password {
+            config.password(password.expose());
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(Duration::from_secs(5));
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("ojs-bridge");
+        }
+        let where_ = place(&config);
+        let (tx, rx) = mpsc::channel::<Job1>();
+        let rx = Arc::new(Mutex::new(rx));
+        for n in 0..settings.connections {
+            let rx = rx.clone();
+            let mut conn = Connection {
+                config: config.clone(),
+                schema: settings.schema.clone(),
+                client: None,
+            };
+            std::thread::Builder::new()
+                .name(format!("ojs-api-pg-{n}"))
+                .spawn(move || loop {
+                    let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                    match next {
+                        Ok(job) => job(&mut conn),
+                        Err(_) => return,
+                    }
+                })
+                .map_err(|e| open_err(where_.clone(), format!("cannot start a thread: {e}")))?;
+        }
+        let store = PostgresStore {
+            jobs: tx,
+            place: where_.clone().into(),
+        };
+        let schema = settings.schema.clone();
+        store
+            .call_raw(move |conn| migrate(conn, &schema))
+            .await
+            .map_err(|e| open_err(where_, e.to_string()))?;
+        Ok(store)
+    }
+
+    pub(super) fn place(&self) -> String {
+        self.place.to_string()
+    }
+
+    /// Runs `f` on a free connection's thread.
+    async fn call_raw<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let job: Job1 = Box::new(move |conn| {
+            let _ = reply.send(f(conn));
+        });
+        self.jobs.send(job).map_err(|_| StoreError::Closed)?;
+        answer.await.map_err(|_| StoreError::Closed)?
+    }
+
+    async fn call<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Client) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        self.call_raw(move |conn| f(conn.client()?)).await
+    }
+
+    /// Runs `f` in one transaction, committed when it succeeds.
+    async fn transaction<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Transaction<'_>) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        self.call(move |client| {
+            let mut t = client.transaction().map_err(pg)?;
+            let out = f(&mut t)?;
+            t.commit().map_err(pg)?;
+            Ok(out)
+        })
+        .await
+    }
+
+    pub(super) async fn ping(&self) -> Result<(), StoreError> {
+        self.call(|c| c.simple_query("SELECT 1").map(|_| ()).map_err(pg))
+            .await
+    }
+
+    pub(super) async fn insert(&self, jobs: Vec<Job>) -> Result<(), StoreError> {
+        self.transaction(move |t| insert(t, &jobs, false)).await
+    }
+
+    pub(super) fn published(&self, ids: Vec<String>) {
+        let job: Job1 = Box::new(move |conn| {
+            let done = conn.client().and_then(|c| {
+                c.execute(
+                    "UPDATE jobs SET published = true WHERE id = ANY($1)",
+                    &[&ids],
+                )
+                .map_err(pg)
+            });
+            if let Err(e) = done {
+                tracing::debug!(error = %e, "marking jobs confirmed failed; they are published again later (at least once)");
+            }
+        });
+        let _ = self.jobs.send(job);
+    }
+
+    pub(super) async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
+        self.transaction(move |t| {
+            t.execute("DELETE FROM events WHERE job_id = ANY($1)", &[&ids])
+                .map_err(pg)?;
+            t.execute("DELETE FROM jobs WHERE id = ANY($1)", &[&ids])
+                .map_err(pg)?;
+            Ok(())
+        })
+        .await
+    }
+
+    pub(super) async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError> {
+        self.transaction(move |t| f(&mut PostgresTx { t })).await
+    }
+
+    pub(super) async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
+        let cut = ms(before);
+        self.transaction(move |t| {
+            let jobs = t
+                .execute(
+                    "DELETE FROM jobs WHERE finished_ms IS NOT NULL AND finished_ms < $1",
+                    &[&cut],
+                )
+                .map_err(pg)?;
+            t.execute("DELETE FROM events WHERE time_ms < $1", &[&cut])
+                .map_err(pg)?;
+            Ok(jobs)
+        })
+        .await
+    }
+
+    pub(super) async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
+        self.call(move |c| {
+            let row = c
+                .query_opt("SELECT envelope, extra FROM jobs WHERE id = $1", &[&id])
+                .map_err(pg)?;
+            row.map(|r| decode(&id, r.get(0), r.get(1))).transpose()
+        })
+        .await
+    }
+
+    pub(super) async fn due(
+        &self,
+        now: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<Vec<Job>, StoreError> {
+        let (at, until, limit) = (
+            ms(now),
+            ms(now) + SCHEDULE_CLAIM.as_millis() as i64,
+            limit as i64,
+        );
+        self.transaction(move |t| {
+            // The claim: moving `due_ms` on hides the jobs from the other
+            // replicas until this one has promoted them (or, if it stops,
+            // until the claim runs out).
+            let rows = t
+                .query(
+                    "UPDATE jobs SET due_ms = $2 WHERE id IN (
+                         SELECT id FROM jobs WHERE state = 'scheduled' AND due_ms <= $1
+                         ORDER BY due_ms LIMIT $3 FOR UPDATE SKIP LOCKED)
+                     RETURNING id, envelope, extra",
+                    &[&at, &until, &limit],
+                )
+                .map_err(pg)?;
+            rows.iter()
+                .map(|r| decode(r.get(0), r.get(1), r.get(2)))
+                .collect()
+        })
+        .await
+    }
+
+    pub(super) async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
+        self.call(|c| {
+            let at: Option<i64> = c
+                .query_one(
+                    "SELECT min(due_ms) FROM jobs WHERE state = 'scheduled'",
+                    &[],
+                )
+                .map_err(pg)?
+                .get(0);
+            Ok(at.and_then(DateTime::from_timestamp_millis))
+        })
+        .await
+    }
+
+    pub(super) async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
+        let before = ms(Utc::now()) - ORPHAN_AFTER.as_millis() as i64;
+        let limit = limit as i64;
+        self.call(move |c| {
+            let rows = c
+                .query(
+                    "SELECT id, envelope, extra FROM jobs
+                     WHERE NOT published AND state = 'available' AND stored_ms < $1
+                     ORDER BY stored_ms LIMIT $2",
+                    &[&before, &limit],
+                )
+                .map_err(pg)?;
+            rows.iter()
+                .map(|r| decode(r.get(0), r.get(1), r.get(2)))
+                .collect()
+        })
+        .await
+    }
+
+    pub(super) async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
+        self.call(|c| {
+            let rows = c
+                .query("SELECT name, created_ms FROM queues ORDER BY name", &[])
+                .map_err(pg)?;
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    (
+                        r.get::<_, String>(0),
+                        DateTime::from_timestamp_millis(r.get(1)).unwrap_or_default(),
+                    )
+                })
+                .collect())
+        })
+        .await
+    }
+
+    pub(super) async fn events(
+        &self,
+        filter: EventFilter,
+    ) -> Result<(Vec<Event>, bool), StoreError> {
+        self.call(move |c| {
+            let mut after = filter.after;
+            let mut out = Vec::new();
+            loop {
+                let rows = c
+                    .query(
+                        "SELECT seq, type, job_id, queue, job_type, time_ms, data FROM events
+                         WHERE seq > $1 ORDER BY seq LIMIT 1000",
+                        &[&after],
+                    )
+                    .map_err(pg)?;
+                for r in &rows {
+                    after = r.get(0);
+                    let (event_type, queue, job_type): (&str, &str, &str) =
+                        (r.get(1), r.get(3), r.get(4));
+                    if !filter.wants(event_type, queue, job_type) {
+                        continue;
+                    }
+                    if out.len() == filter.limit {
+                        return Ok((out, true));
+                    }
+                    out.push(event_body(
+                        after,
+                        event_type,
+                        r.get(2),
+                        queue,
+                        r.get(5),
+                        r.get(6),
+                    ));
+                }
+                if rows.len() < 1000 {
+                    return Ok((out, false));
+                }
+            }
+        })
+        .await
+    }
+
+    pub(super) async fn take_settles(
+        &self,
+        holder: String,
+    ) -> Result<Vec<(String, Settle)>, StoreError> {
+        self.call(move |c| {
+            let rows = c
+                .query(
+                    "DELETE FROM settles WHERE holder = $1 RETURNING seq, job_id, action",
+                    &[&holder],
+                )
+                .map_err(pg)?;
+            let mut out: Vec<(i64, String, Settle)> = Vec::with_capacity(rows.len());
+            for r in &rows {
+                let id: String = r.get(1);
+                match serde_json::from_str::<Settle>(r.get(2)) {
+                    Ok(s) => out.push((r.get(0), id, s)),
+                    Err(e) => {
+                        tracing::warn!(job_id = %id, error = %e, "a settlement this build cannot read is dropped; the job's delivery is settled when the broker gives it back")
+                    }
+                }
+            }
+            out.sort_by_key(|(seq, _, _)| *seq);
+            Ok(out.into_iter().map(|(_, id, s)| (id, s)).collect())
+        })
+        .await
+    }
+}
+
+/// Makes the schema, or checks that it is one this build can use.
+fn migrate(conn: &mut Connection, schema: &str) -> Result<(), StoreError> {
+    // Connect without the search path (the schema may not exist yet).
+    let client = conn.client()?;
+    let mut t = client.transaction().map_err(pg)?;
+    t.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .map_err(pg)?;
+    t.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS \"{schema}\";
+         SET LOCAL search_path TO \"{schema}\";
+         CREATE TABLE IF NOT EXISTS schema_version (version integer NOT NULL);"
+    ))
+    .map_err(pg)?;
+    let version: Option<i32> = t
+        .query_opt("SELECT max(version) FROM schema_version", &[])
+        .map_err(pg)?
+        .and_then(|r| r.get(0));
+    match version {
+        None => {
+            t.batch_execute(SCHEMA_V1).map_err(pg)?;
+            t.execute(
+                "INSERT INTO schema_version (version) VALUES ($1)",
+                &[&SCHEMA_VERSION],
+            )
+            .map_err(pg)?;
+        }
+        Some(v) if v > SCHEMA_VERSION => {
+            return Err(StoreError::Open {
+                place: format!("schema {schema}"),
+                reason: format!("schema version {v} is newer than this build's {SCHEMA_VERSION}"),
+            })
+        }
+        Some(_) => {}
+    }
+    t.commit().map_err(pg)?;
+    Ok(())
+}
+
+/// Inserts `jobs` in one statement; `seen`: they are on the broker already
+/// (a FETCH found them), so a stored copy is kept as it is.
+fn insert(t: &mut Transaction<'_>, jobs: &[Job], seen: bool) -> Result<(), StoreError> {
+    let now = ms(Utc::now());
+    let n = jobs.len();
+    let (mut ids, mut queues, mut states, mut dues, mut created, mut published) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut envelopes, mut extras) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut ev_types, mut ev_times, mut ev_data, mut ev_job_types) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for job in jobs {
+        let e = &job.envelope;
+        let (envelope, extra) = encode(job)?;
+        ids.push(e.id.clone());
+        queues.push(e.queue.clone());
+        states.push(state_name(job.state()).to_owned());
+        dues.push(due_ms(job));
+        created.push(e.created_at.map_or(0, ms));
+        published.push(seen || job.state() != JobState::Available);
+        envelopes.push(envelope);
+        extras.push(extra);
+        let (name, at, data) = stored_event(job);
+        ev_types.push(name.to_owned());
+        ev_times.push(ms(at));
+        ev_data.push(data.to_string());
+        ev_job_types.push(e.job_type.clone());
+    }
+    let conflict = if seen {
+        "ON CONFLICT (id) DO NOTHING"
+    } else {
+        ""
+    };
+    let stored = t
+        .execute(
+            &format!(
+                "INSERT INTO jobs (id, queue, state, due_ms, created_ms, stored_ms, published,
+                                   envelope, extra)
+                 SELECT i, q, s, d, c, $6, p, e, x
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
+                             $7::boolean[], $8::text[], $9::text[]) AS u(i, q, s, d, c, p, e, x)
+                 {conflict}"
+            ),
+            &[
+                &ids, &queues, &states, &dues, &created, &now, &published, &envelopes, &extras,
+            ],
+        )
+        .map_err(|e| match e.as_db_error() {
+            Some(db) if *db.code() == SqlState::UNIQUE_VIOLATION => {
+                // "Key (id)=(…) already exists."
+                let id = db
+                    .detail()
+                    .and_then(|d| d.split_once("=(")?.1.rsplit_once(") ").map(|(id, _)| id))
+                    .map_or_else(|| ids.first().cloned().unwrap_or_default(), str::to_owned);
+                StoreError::Duplicate(id)
+            }
+            _ => pg(e),
+        })?;
+    if seen && stored == 0 {
+        return Ok(());
+    }
+    t.execute(
+        "INSERT INTO events (type, job_id, queue, job_type, time_ms, data)
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[],
+                              $6::text[])",
+        &[&ev_types, &ids, &queues, &ev_job_types, &ev_times, &ev_data],
+    )
+    .map_err(pg)?;
+    t.execute(
+        "INSERT INTO queues (name, created_ms)
+         SELECT q, min(c) FROM unnest($1::text[], $2::bigint[]) AS u(q, c) GROUP BY q
+         ON CONFLICT (name) DO NOTHING",
+        &[&queues, &created],
+    )
+    .map_err(pg)?;
+    Ok(())
+}
+
+/// A transition's view of one PostgreSQL transaction.
+struct PostgresTx<'a, 'b> {
+    t: &'a mut Transaction<'b>,
+}
+
+impl Tx for PostgresTx<'_, '_> {
+    fn load(&mut self, id: &str) -> Result<Job, StoreError> {
+        let row = self
+            .t
+            .query_opt(
+                "SELECT envelope, extra FROM jobs WHERE id = $1 FOR UPDATE",
+                &[&id],
+            )
+            .map_err(pg)?
+            .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        decode(id, row.get(0), row.get(1))
+    }
+
+    fn save(&mut self, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
+        let (envelope, extra) = encode(job)?;
+        let state = state_name(job.state());
+        self.t
+            .execute(
+                "UPDATE jobs SET state = $2, envelope = $3, extra = $4, finished_ms = $5,
+                     due_ms = $6,
+                     holder = CASE WHEN $2 = 'active' THEN holder END,
+                     visible_until_ms = CASE WHEN $2 = 'active' THEN visible_until_ms END
+                 WHERE id = $1",
+                &[
+                    &job.envelope.id,
+                    &state,
+                    &envelope,
+                    &extra,
+                    &finished.map(ms),
+                    &due_ms(job),
+                ],
+            )
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn event(
+        &mut self,
+        event_type: &str,
+        job: &JobEnvelope,
+        now: DateTime<Utc>,
+        data: Value,
+    ) -> Result<(), StoreError> {
+        self.t
+            .execute(
+                "INSERT INTO events (type, job_id, queue, job_type, time_ms, data)
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+                &[
+                    &event_type,
+                    &job.id,
+                    &job.queue,
+                    &job.job_type,
+                    &ms(now),
+                    &data.to_string(),
+                ],
+            )
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError> {
+        insert(self.t, std::slice::from_ref(job), true)
+    }
+
+    fn lease(&mut self, id: &str) -> Result<Option<Lease>, StoreError> {
+        let row = self
+            .t
+            .query_opt(
+                "SELECT holder, visible_until_ms FROM jobs WHERE id = $1",
+                &[&id],
+            )
+            .map_err(pg)?;
+        Ok(row.and_then(|r| {
+            let holder: Option<String> = r.get(0);
+            let until: Option<i64> = r.get(1);
+            Some(Lease {
+                holder: holder?,
+                until: DateTime::from_timestamp_millis(until?)?,
+            })
+        }))
+    }
+
+    fn set_lease(&mut self, id: &str, lease: Option<&Lease>) -> Result<(), StoreError> {
+        let (holder, until) = match lease {
+            Some(l) => (Some(l.holder.as_str()), Some(ms(l.until))),
+            None => (None, None),
+        };
+        self.t
+            .execute(
+                "UPDATE jobs SET holder = $2, visible_until_ms = $3 WHERE id = $1",
+                &[&id, &holder, &until],
+            )
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn send_settle(&mut self, holder: &str, id: &str, settle: &Settle) -> Result<(), StoreError> {
+        let action = serde_json::to_string(settle).map_err(|e| StoreError::Corrupt {
+            id: id.to_owned(),
+            reason: e.to_string(),
+        })?;
+        self.t
+            .execute(
+                "INSERT INTO settles (holder, job_id, action) VALUES ($1, $2, $3)",
+                &[&holder, &id, &action],
+            )
+            .map_err(pg)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,501 @@
+//! Several `ojs-bridge run` replicas sharing one job store on PostgreSQL
+//! act as one OJS server: a job pushed through one is read, fetched,
+//! acknowledged and failed through any other; an ACK reaching a replica
+//! that does not hold the broker delivery gets to the broker through the
+//! store; a replica killed with active jobs loses none; PostgreSQL going
+//! away makes requests fail as retryable and loses nothing acknowledged.
+//! Real processes, RabbitMQ, PostgreSQL; each prints sent / completed /
+//! duplicated / lost (lost 0).
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ojs_bridge_tests::brokers::{find, rabbitmqctl_output, unique_queue, Broker};
+use ojs_bridge_tests::fault_proxy::{FaultProxy, Mode};
+use ojs_bridge_tests::postgres::{self, TestSchema};
+use serde_json::{json, Value};
+
+use crate::ojs_server::{get, post_json, OjsServer};
+
+/// Two replicas' configuration: RabbitMQ queues under `prefix`, job state
+/// in `schema` on `pg_url`.
+fn config(rabbit: &str, prefix: &str, pg_url: &str, schema: &str) -> String {
+    format!(
+        "[adapters.rabbit]\nurl = \"{rabbit}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n\
+         [api]\nadapter = \"rabbit\"\nstate = \"{pg_url}\"\nstate_schema = \"{schema}\"\n"
+    )
+}
+
+struct Setup {
+    rabbit: String,
+    prefix: String,
+    pg_url: String,
+    schema: TestSchema,
+}
+
+async fn setup(name: &str) -> Option<Setup> {
+    let rabbit = find(Broker::RabbitMq).await?;
+    let pg_url = postgres::find()?;
+    Some(Setup {
+        rabbit: rabbit.url,
+        prefix: unique_queue(name),
+        schema: TestSchema::new(&pg_url),
+        pg_url,
+    })
+}
+
+impl Setup {
+    fn config(&self) -> String {
+        config(&self.rabbit, &self.prefix, &self.pg_url, &self.schema.name)
+    }
+
+    /// Messages RabbitMQ holds for the OJS queue `queue` (ready and
+    /// unacknowledged).
+    fn broker_messages(&self, queue: &str) -> Option<u64> {
+        let name = format!("{}.{queue}", self.prefix);
+        let out = rabbitmqctl_output(&[
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ])?;
+        out.lines().find_map(|l| {
+            let mut parts = l.split_whitespace();
+            (parts.next() == Some(name.as_str()))
+                .then(|| parts.next()?.parse().ok())
+                .flatten()
+        })
+    }
+}
+
+async fn push_all(addr: SocketAddr, queue: &str, n: usize, options: Value) -> Vec<String> {
+    let mut ids = Vec::new();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
+        let jobs: Vec<Value> = chunk
+            .iter()
+            .map(|i| {
+                let mut o = options.clone();
+                o["queue"] = json!(queue);
+                json!({"type": "work.item", "args": [i], "options": o})
+            })
+            .collect();
+        let a = post_json(addr, "/ojs/v1/jobs/batch", &json!({ "jobs": jobs })).await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        for j in a.json()["jobs"].as_array().unwrap() {
+            ids.push(j["id"].as_str().unwrap().to_owned());
+        }
+    }
+    ids
+}
+
+/// Exactly `n` jobs fetched through `addr` (waits up to 30 s).
+async fn fetch_n(
+    addr: SocketAddr,
+    queue: &str,
+    n: usize,
+    worker: &str,
+    visibility_ms: u64,
+) -> Vec<String> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while got.len() < n && Instant::now() < deadline {
+        let a = post_json(
+            addr,
+            "/ojs/v1/workers/fetch",
+            &json!({"queues": [queue], "count": n - got.len(), "worker_id": worker,
+                    "visibility_timeout_ms": visibility_ms, "wait_ms": 500}),
+        )
+        .await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        for j in a.json()["jobs"].as_array().cloned().unwrap_or_default() {
+            got.push(j["id"].as_str().unwrap().to_owned());
+        }
+    }
+    assert_eq!(got.len(), n, "{n} jobs fetched within 30 s");
+    got
+}
+
+async fn ack(addr: SocketAddr, id: &str) -> u16 {
+    post_json(
+        addr,
+        "/ojs/v1/workers/ack",
+        &json!({"job_id": id, "result": {"ok": true}}),
+    )
+    .await
+    .status
+}
+
+async fn state(addr: SocketAddr, id: &str) -> Value {
+    let a = get(addr, &format!("/ojs/v1/jobs/{id}")).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    a.json()["job"].clone()
+}
+
+/// Workers fetching from every replica in turn and acking each job through
+/// the next replica (never the one that fetched it) until `want` jobs were
+/// completed or nothing came for 15 s; every job id completed.
+async fn work_across(
+    replicas: &[SocketAddr],
+    queue: &str,
+    workers: usize,
+    want: usize,
+) -> Vec<String> {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let (got, replicas, queue) = (got.clone(), replicas.to_vec(), queue.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let worker = format!("worker-{w}");
+            let mut idle_since = Instant::now();
+            let mut turn = w;
+            while got.lock().unwrap().len() < want && idle_since.elapsed() < Duration::from_secs(15)
+            {
+                let from = replicas[turn % replicas.len()];
+                turn += 1;
+                let a = post_json(
+                    from,
+                    "/ojs/v1/workers/fetch",
+                    &json!({"queues": [queue], "count": 10, "worker_id": worker, "wait_ms": 300}),
+                )
+                .await;
+                assert_eq!(a.status, 200, "{:?}", a.body);
+                let jobs = a.json()["jobs"].as_array().cloned().unwrap_or_default();
+                if !jobs.is_empty() {
+                    idle_since = Instant::now();
+                }
+                for job in jobs {
+                    let id = job["id"].as_str().unwrap().to_owned();
+                    let to = replicas[turn % replicas.len()];
+                    assert_eq!(ack(to, &id).await, 200, "ack of {id}");
+                    got.lock().unwrap().push(id);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let got = got.lock().unwrap().clone();
+    got
+}
+
+fn tally(what: &str, sent: &[String], completed: &[String]) -> (usize, usize) {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for id in completed {
+        *counts.entry(id.as_str()).or_default() += 1;
+    }
+    let duplicated = counts.values().filter(|n| **n > 1).count();
+    let lost = sent
+        .iter()
+        .filter(|id| !counts.contains_key(id.as_str()))
+        .count();
+    println!(
+        "{what}: sent {}, completed {}, duplicated {duplicated}, lost {lost}",
+        sent.len(),
+        completed.len()
+    );
+    (duplicated, lost)
+}
+
+/// Waits until RabbitMQ holds no message of `queue` (every delivery was
+/// settled on the broker), up to 20 s; what it held last.
+async fn broker_drains(setup: &Setup, queue: &str) -> Option<u64> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let n = setup.broker_messages(queue);
+        if n == Some(0) || Instant::now() > deadline {
+            return n;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_on_postgresql_act_as_one_server() {
+    let Some(setup) = setup("replicas").await else {
+        return;
+    };
+    let config = setup.config();
+    let a = OjsServer::start(Some(&config)).await;
+    let b = OjsServer::start(Some(&config)).await;
+    let queue = "shared";
+    let sent = push_all(a.addr, queue, 60, json!({})).await;
+
+    // Pushed through A, read through B.
+    for id in sent.iter().take(5) {
+        assert_eq!(state(b.addr, id).await["state"], "available");
+    }
+
+    // Fetched through B (B holds the deliveries), settled through A: the
+    // ACK and the NACK travel to B through the store, which settles the
+    // broker's deliveries.
+    let held_by_b = fetch_n(b.addr, queue, 6, "w-b", 30_000).await;
+    for id in &held_by_b[..3] {
+        assert_eq!(ack(a.addr, id).await, 200);
+        assert_eq!(state(b.addr, id).await["state"], "completed");
+    }
+    for id in &held_by_b[3..] {
+        let n = post_json(
+            a.addr,
+            "/ojs/v1/workers/nack",
+            &json!({"job_id": id, "error": {"code": "flaky", "message": "try again", "retryable": true}}),
+        )
+        .await;
+        assert_eq!(n.status, 200, "{:?}", n.body);
+        assert_eq!(n.json()["state"], "retryable", "{:?}", n.body);
+    }
+
+    // Two ACKs of one job through two replicas at once: one wins, the
+    // other is 409.
+    let contested = fetch_n(a.addr, queue, 1, "w-a", 30_000).await.remove(0);
+    let (first, second) = tokio::join!(ack(a.addr, &contested), ack(b.addr, &contested));
+    let mut statuses = [first, second];
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 409], "two concurrent ACKs: one wins");
+
+    // A heartbeat through A keeps a job held by B past its visibility; a
+    // job without one goes back to the queue.
+    let pair = fetch_n(b.addr, queue, 2, "w-beat", 2_000).await;
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        let h = post_json(
+            a.addr,
+            "/ojs/v1/workers/heartbeat",
+            &json!({"worker_id": "w-beat", "active_jobs": [pair[0]], "visibility_timeout_ms": 2_000}),
+        )
+        .await;
+        assert_eq!(h.status, 200, "{:?}", h.body);
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    assert_eq!(
+        state(a.addr, &pair[0]).await["state"],
+        "active",
+        "heartbeat through another replica keeps the job"
+    );
+    assert_eq!(ack(a.addr, &pair[0]).await, 200);
+    assert_eq!(
+        ack(a.addr, &pair[1]).await,
+        409,
+        "a job that was not heartbeat went back"
+    );
+
+    // Everything else, fetched and acked across both replicas (the failed
+    // ones come back after their backoff; the released one at once).
+    let mut completed: Vec<String> = held_by_b[..3].to_vec();
+    completed.push(contested);
+    completed.push(pair[0].clone());
+    let rest = work_across(&[a.addr, b.addr], queue, 4, sent.len() - completed.len()).await;
+    completed.extend(rest);
+    let (duplicated, lost) = tally("two replicas on PostgreSQL", &sent, &completed);
+    assert_eq!(lost, 0, "jobs never completed");
+    assert_eq!(duplicated, 0, "a job completed twice");
+    for id in sent.iter().step_by(7) {
+        assert_eq!(state(b.addr, id).await["state"], "completed");
+    }
+    // Every delivery was settled on the broker while both still run:
+    // nothing is left on (or held from) the queue.
+    assert_eq!(
+        broker_drains(&setup, queue).await,
+        Some(0),
+        "RabbitMQ still holds messages of the queue"
+    );
+    a.stop();
+    b.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_a_replica_holding_500_active_jobs_loses_none() {
+    let Some(setup) = setup("replica-kill").await else {
+        return;
+    };
+    let config = setup.config();
+    let a = OjsServer::start(Some(&config)).await;
+    let b = OjsServer::start(Some(&config)).await;
+    let queue = "held";
+    let sent = push_all(b.addr, queue, 600, json!({})).await;
+    let leased_at = chrono::Utc::now();
+    let held: HashSet<String> = fetch_n(a.addr, queue, 500, "doomed", 5_000)
+        .await
+        .into_iter()
+        .collect();
+    // The worker of A's jobs is gone with A; B must hand them out again
+    // once their visibility passed, not before.
+    drop(a.kill());
+    let completed = work_across(&[b.addr], queue, 4, sent.len()).await;
+    let (duplicated, lost) = tally(
+        "kill -9 of a replica holding 500 active jobs",
+        &sent,
+        &completed,
+    );
+    assert_eq!(lost, 0, "jobs lost");
+    assert_eq!(duplicated, 0, "jobs completed twice");
+    let id = held.iter().next().unwrap();
+    let job = state(b.addr, id).await;
+    assert_eq!(job["state"], "completed");
+    assert_eq!(job["attempt"], 2, "{job}");
+    // Handed out again only once its visibility (5 s from the FETCH) had
+    // passed: B held the redelivered copies until then.
+    for id in &held {
+        let job = state(b.addr, id).await;
+        let started =
+            chrono::DateTime::parse_from_rfc3339(job["started_at"].as_str().unwrap()).unwrap();
+        assert!(
+            started >= leased_at + chrono::Duration::seconds(5),
+            "{id} handed out again at {started}, before its visibility from {leased_at} passed"
+        );
+    }
+    assert_eq!(broker_drains(&setup, queue).await, Some(0));
+    b.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scheduled_jobs_are_published_once_by_two_replicas() {
+    let Some(setup) = setup("replica-sched").await else {
+        return;
+    };
+    let config = setup.config();
+    let a = OjsServer::start(Some(&config)).await;
+    let b = OjsServer::start(Some(&config)).await;
+    let queue = "later";
+    let at = chrono::Utc::now() + chrono::Duration::seconds(2);
+    let sent = push_all(
+        a.addr,
+        queue,
+        50,
+        json!({"scheduled_at": at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)}),
+    )
+    .await;
+    assert_eq!(state(b.addr, &sent[0]).await["state"], "scheduled");
+    // Both replicas' schedulers race for the due jobs: the broker must get
+    // one copy of each, counted on RabbitMQ before any worker takes one.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while setup.broker_messages(queue) != Some(50) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        setup.broker_messages(queue),
+        Some(50),
+        "each scheduled job published once"
+    );
+    let completed = work_across(&[a.addr, b.addr], queue, 2, sent.len()).await;
+    let (duplicated, lost) = tally("scheduled jobs, two replicas", &sent, &completed);
+    assert_eq!((duplicated, lost), (0, 0));
+    assert_eq!(broker_drains(&setup, queue).await, Some(0));
+    let started = setup
+        .schema
+        .count("SELECT count(*) FROM events WHERE type = 'job.started'")
+        .unwrap();
+    assert_eq!(started, 50, "each scheduled job handed out once");
+    a.stop();
+    b.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_gone_for_20_s_fails_requests_as_retryable_and_loses_nothing() {
+    let Some(setup) = setup("replica-pgdown").await else {
+        return;
+    };
+    let upstream = ojs_bridge_tests::brokers::probe_address(&setup.pg_url)
+        .parse::<SocketAddr>()
+        .unwrap_or_else(|_| "127.0.0.1:5432".parse().unwrap());
+    let proxy = FaultProxy::start(upstream).await.unwrap();
+    let via_proxy = setup
+        .pg_url
+        .replacen(&upstream.to_string(), &proxy.host_port(), 1);
+    assert_ne!(
+        via_proxy, setup.pg_url,
+        "the URL names the server by address"
+    );
+    let config = config(&setup.rabbit, &setup.prefix, &via_proxy, &setup.schema.name);
+    let a = OjsServer::start(Some(&config)).await;
+    let queue = "steady";
+    // Clients push all along; what got 201 must all be fetched at the end.
+    let accepted = Arc::new(Mutex::new(Vec::<String>::new()));
+    let refused = Arc::new(Mutex::new(BTreeMap::<u16, usize>::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for c in 0..4 {
+        let (accepted, refused, stop, addr) =
+            (accepted.clone(), refused.clone(), stop.clone(), a.addr);
+        clients.push(tokio::spawn(async move {
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                n += 1;
+                let r = post_json(
+                    addr,
+                    "/ojs/v1/jobs",
+                    &json!({"type": "steady.push", "args": [c, n], "options": {"queue": queue}}),
+                )
+                .await;
+                match r.status {
+                    201 => accepted
+                        .lock()
+                        .unwrap()
+                        .push(r.json()["job"]["id"].as_str().unwrap().to_owned()),
+                    s => {
+                        assert_eq!(r.json()["error"]["retryable"], true, "{s}: {:?}", r.body);
+                        *refused.lock().unwrap().entry(s).or_default() += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxy.set(Mode::Reset);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Health says so while it lasts; a FETCH fails as retryable too.
+    let h = get(a.addr, "/ojs/v1/health").await;
+    assert_eq!(h.status, 503, "{:?}", h.body);
+    assert_eq!(h.json()["store"]["status"], "unavailable", "{:?}", h.body);
+    let f = post_json(
+        a.addr,
+        "/ojs/v1/workers/fetch",
+        &json!({"queues": [queue], "count": 1}),
+    )
+    .await;
+    assert!(f.status == 503 || f.status == 200, "{:?}", f.body);
+    if f.status == 503 {
+        assert_eq!(f.json()["error"]["retryable"], true);
+    }
+    tokio::time::sleep(Duration::from_secs(17)).await;
+    proxy.set(Mode::Pass);
+    // Work resumes.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let during = accepted.lock().unwrap().len();
+    while accepted.lock().unwrap().len() < during + 50 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for c in clients {
+        c.await.unwrap();
+    }
+    let sent = accepted.lock().unwrap().clone();
+    assert!(
+        sent.len() > during,
+        "pushes succeed again after PostgreSQL is back"
+    );
+    let refused = refused.lock().unwrap().clone();
+    println!("PostgreSQL gone for 20 s: refused (retryable) {refused:?}");
+    assert!(
+        refused.values().sum::<usize>() > 0,
+        "pushes were refused while PostgreSQL was gone"
+    );
+    // Health follows within its check interval.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut health = get(a.addr, "/ojs/v1/health").await;
+    while health.status != 200 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        health = get(a.addr, "/ojs/v1/health").await;
+    }
+    assert_eq!(health.status, 200, "{:?}", health.body);
+    let completed = work_across(&[a.addr], queue, 2, sent.len()).await;
+    let (duplicated, lost) = tally("PostgreSQL gone for 20 s under pushes", &sent, &completed);
+    assert_eq!(lost, 0, "a job answered 201 was lost");
+    assert_eq!(duplicated, 0);
+    a.stop();
+}
