@@ -17,6 +17,7 @@ use std::time::Duration;
 use serde_json::Map;
 
 use crate::auth::Grant;
+use crate::dead::DeadLetterQuery;
 use crate::error::ApiError;
 use crate::job::{self, Job};
 use crate::store::EventFilter;
@@ -228,6 +229,14 @@ async fn route(
                 &json!({"events": events, "cursor": cursor, "has_more": has_more}),
                 request_id,
             ))
+        }
+        (_, ["dead-letter", rest @ ..]) => {
+            json_only(request.headers())?;
+            dead_letter_route(api, &grant, request, rest, false, request_id).await
+        }
+        (_, ["admin", "dead-letter", rest @ ..]) => {
+            json_only(request.headers())?;
+            dead_letter_route(api, &grant, request, rest, true, request_id).await
         }
         (_, ["workers", action]) => {
             if method != Method::POST {
@@ -547,6 +556,135 @@ fn proto_response(status: u16, body: Vec<u8>, request_id: &str) -> Response<Byte
         .insert(CONTENT_TYPE, HeaderValue::from_static(OJS_PROTO));
     standard_headers(r.headers_mut(), request_id);
     r
+}
+
+/// `/ojs/v1/dead-letter…` and its admin form (`admin`: a page of `items`
+/// with `page`/`per_page`, and 204 for a delete, as the extension's cases
+/// read).
+async fn dead_letter_route(
+    api: &Api,
+    grant: &crate::auth::Grant<'_>,
+    request: &Request<Bytes>,
+    rest: &[&str],
+    admin: bool,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    let method = request.method();
+    let not_allowed = |allowed| ApiError::MethodNotAllowed {
+        path: request.uri().path().to_owned(),
+        allowed,
+    };
+    match rest {
+        [] => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            let (query, page) = dead_letter_query(request.uri().query().unwrap_or(""))?;
+            let (jobs, total) = api.dead_letters(grant, &query).await?;
+            let jobs: Vec<Value> = jobs.iter().map(Job::to_json).collect();
+            let shown = query.offset + jobs.len();
+            let body = if admin {
+                json!({"items": jobs, "pagination": {"total": total, "page": page, "per_page": query.limit}})
+            } else {
+                json!({
+                    "jobs": jobs,
+                    "pagination": {"total": total, "limit": query.limit, "offset": query.offset,
+                                   "has_more": shown < total},
+                    "next_cursor": (shown < total).then(|| shown.to_string()),
+                })
+            };
+            Ok(json_response(200, &body, request_id))
+        }
+        ["stats"] => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            Ok(json_response(
+                200,
+                &api.dead_letter_stats(grant).await?,
+                request_id,
+            ))
+        }
+        [id] => match *method {
+            Method::GET => {
+                let job = api.dead_letter(grant, id).await?;
+                Ok(json_response(
+                    200,
+                    &json!({"job": job.to_json()}),
+                    request_id,
+                ))
+            }
+            Method::DELETE => {
+                api.delete_dead_letter(grant, id).await?;
+                if admin {
+                    let mut r = Response::new(Bytes::new());
+                    *r.status_mut() = StatusCode::NO_CONTENT;
+                    standard_headers(r.headers_mut(), request_id);
+                    Ok(r)
+                } else {
+                    Ok(json_response(
+                        200,
+                        &json!({"deleted": true, "job_id": id}),
+                        request_id,
+                    ))
+                }
+            }
+            _ => Err(not_allowed("GET, DELETE")),
+        },
+        [id, "retry"] => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            let job = api.retry_dead_letter(grant, id).await?;
+            Ok(json_response(
+                200,
+                &json!({"job": job.to_json()}),
+                request_id,
+            ))
+        }
+        _ => Err(ApiError::NoRoute {
+            method: method.to_string(),
+            path: request.uri().path().to_owned(),
+        }),
+    }
+}
+
+/// The list's query: `queue`, `type` (a pattern), `limit` (1–1000,
+/// default 50) and `offset` or `cursor` (the `next_cursor` of the page
+/// before), or `page` and `per_page`; and the page number.
+fn dead_letter_query(query: &str) -> Result<(DeadLetterQuery, usize), ApiError> {
+    let mut q = DeadLetterQuery {
+        limit: 50,
+        ..DeadLetterQuery::default()
+    };
+    let mut page = None;
+    let number = |k: &str, v: &str, max: usize| -> Result<usize, ApiError> {
+        v.parse::<usize>()
+            .ok()
+            .filter(|n| *n <= max)
+            .ok_or_else(|| ApiError::invalid(k, format!("must be an integer from 0 to {max}")))
+    };
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "queue" if !v.is_empty() => q.queue = Some(v.to_owned()),
+            "type" if !v.is_empty() => {
+                q.job_type =
+                    Some(ojs_core::glob::Glob::new(v).map_err(|e| ApiError::invalid("type", e))?)
+            }
+            "limit" | "per_page" => {
+                q.limit = number(k, v, 1000)?.max(1);
+            }
+            "offset" | "cursor" => q.offset = number(k, v, usize::MAX)?,
+            "page" => page = Some(number(k, v, usize::MAX)?.max(1)),
+            _ => {}
+        }
+    }
+    if let Some(p) = page {
+        q.offset = (p - 1).saturating_mul(q.limit);
+    }
+    let page = q.offset / q.limit + 1;
+    Ok((q, page))
 }
 
 fn event_filter(query: &str) -> Result<EventFilter, ApiError> {

@@ -72,6 +72,25 @@ impl Job {
         self.envelope.state.unwrap_or(JobState::Available)
     }
 
+    /// Whether the job is a dead letter: discarded into its queue's
+    /// dead-letter path (`dead_letter: true`), not dropped.
+    pub fn is_dead_letter(&self) -> bool {
+        self.state() == JobState::Discarded
+            && self.extra.get("dead_letter").and_then(Value::as_bool) == Some(true)
+    }
+
+    /// The store's mark of the job: 1 a dead letter, 2 a retried dead
+    /// letter the broker has not confirmed yet, else 0.
+    pub(crate) fn store_mark(&self) -> i16 {
+        if self.is_dead_letter() {
+            1
+        } else if self.extra.contains_key(crate::dead::PUBLISHING) {
+            2
+        } else {
+            0
+        }
+    }
+
     /// The binding's Job object.
     pub fn to_json(&self) -> Value {
         let mut v = match self.envelope.to_json_value() {

@@ -11,6 +11,7 @@
 //! again, so nothing is half-stored.
 
 pub mod auth;
+pub mod dead;
 pub mod error;
 pub mod http;
 pub mod job;
@@ -335,7 +336,7 @@ impl Api {
             "capabilities": {
                 "batch_enqueue": true,
                 "cron_jobs": false,
-                "dead_letter": false,
+                "dead_letter": true,
                 "delayed_jobs": true,
                 "job_ttl": false,
                 "priority_queues": matches!(self.adapter.kind(), "local" | "memory" | "rabbitmq"),
@@ -542,8 +543,28 @@ impl Api {
             }
         }
         for (queue, (ids, messages)) in by_queue {
-            if let Err((failed, error)) = self.publish(&queue, ids, messages).await {
-                tracing::warn!(%queue, failed = failed.len(), error = %error, "republishing unconfirmed jobs failed; tried again at the next start");
+            match self.publish(&queue, ids.clone(), messages).await {
+                Ok(()) => {
+                    // Retried dead letters among them are on the broker now.
+                    let cleared = self
+                        .store
+                        .run(move |tx| {
+                            for id in ids {
+                                let mut job = tx.load(&id)?;
+                                if job.extra.remove(dead::PUBLISHING).is_some() {
+                                    tx.save(&job, None)?;
+                                }
+                            }
+                            Ok(())
+                        })
+                        .await;
+                    if let Err(e) = cleared {
+                        tracing::warn!(%queue, error = %e, "clearing the publishing mark of republished dead letters failed");
+                    }
+                }
+                Err((failed, error)) => {
+                    tracing::warn!(%queue, failed = failed.len(), error = %error, "republishing unconfirmed jobs failed; tried again later");
+                }
             }
         }
     }

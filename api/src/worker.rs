@@ -754,6 +754,17 @@ fn activate_one(
             }
         }
         JobState::Available | JobState::Retryable => {}
+        // A dead letter moved back to its queue on the broker (its
+        // tooling, `ojs-bridge dead-letters retry`): retried, as through
+        // the API — from attempt 0.
+        JobState::Discarded if job.is_dead_letter() => {
+            job.envelope.attempt = 0;
+            for k in ["dead_letter", "discarded_at"] {
+                job.extra.remove(k);
+            }
+            job.extra
+                .insert("re_enqueued_at".into(), json!(timestamp(now)));
+        }
         // Published by the scheduler, whose promotion has not committed
         // yet: the broker has it, so it is available (the promotion then
         // finds it no longer scheduled and leaves it).
@@ -980,6 +991,7 @@ fn fail(
         let decision = if policy.on_exhaustion == "discard" {
             Settle::Drop
         } else {
+            job.extra.insert("dead_letter".into(), json!(true));
             Settle::DeadLetter {
                 error_type: error_type.clone(),
                 message: message.clone(),

@@ -30,7 +30,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::rss_mib;
+use common::{daemon, line, listening, median, rss_mib, Measured, Server};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -50,43 +50,6 @@ use serde_json::json;
 const CONNECTIONS: usize = 64;
 const BATCH: usize = 100;
 
-/// A process serving HTTP on a free loopback port; killed by its PID when
-/// dropped.
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-    _dir: ojs_bridge_tests::tempdir::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// `ojs-bridge run` with `config` in a fresh directory.
-fn daemon(config: &str) -> Server {
-    let dir = ojs_bridge_tests::tempdir::TempDir::new("api-bench");
-    let file = dir.path().join("bridge.toml");
-    std::fs::write(&file, config).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
-        .current_dir(dir.path())
-        .env("OJS_BRIDGE_HTTP_LISTEN", "127.0.0.1:0")
-        .env("OJS_BRIDGE_LOG", "warn")
-        .args(["run", "--config", file.to_str().unwrap()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let addr = listening(&mut child, "health on http://");
-    Server {
-        child,
-        addr,
-        _dir: dir,
-    }
-}
-
 /// This bench's own executable as the hello-world server.
 fn hello() -> Server {
     let mut child = Command::new(std::env::current_exe().unwrap())
@@ -101,27 +64,6 @@ fn hello() -> Server {
         addr,
         _dir: ojs_bridge_tests::tempdir::TempDir::new("api-bench-hello"),
     }
-}
-
-/// Reads stderr until the line that says where the process listens; the
-/// rest of stderr is drained (and shown) in the background.
-fn listening(child: &mut Child, marker: &str) -> SocketAddr {
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("the server says where it listens")
-            .unwrap();
-        if let Some(rest) = line.split(marker).nth(1) {
-            break rest.split('/').next().unwrap().parse().unwrap();
-        }
-    };
-    std::thread::spawn(move || {
-        for line in lines.map_while(Result::ok) {
-            eprintln!("  [server] {line}");
-        }
-    });
-    addr
 }
 
 /// The hello-world endpoint: the listener stack of the daemon (hyper-util
@@ -157,35 +99,6 @@ fn serve_hello() {
             });
         }
     });
-}
-
-/// Rate and latency of one side.
-struct Measured {
-    jobs_per_s: f64,
-    p50: Duration,
-    p99: Duration,
-}
-
-impl Measured {
-    fn from(jobs: usize, elapsed: Duration, mut latencies: Vec<Duration>) -> Measured {
-        latencies.sort_unstable();
-        let at = |q: f64| {
-            latencies
-                .get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)))
-                .copied()
-                .unwrap_or_default()
-        };
-        Measured {
-            jobs_per_s: jobs as f64 / elapsed.as_secs_f64(),
-            p50: at(0.50),
-            p99: at(0.99),
-        }
-    }
-}
-
-fn median(mut runs: Vec<Measured>) -> Measured {
-    runs.sort_by(|a, b| a.jobs_per_s.total_cmp(&b.jobs_per_s));
-    runs.swap_remove(runs.len() / 2)
 }
 
 fn single_body(i: usize) -> Bytes {
@@ -292,18 +205,6 @@ async fn adapter_load(adapter: Arc<dyn QueueAdapter>, calls: usize, per_call: us
         latencies.extend(t.await.unwrap());
     }
     Measured::from(calls * per_call, started.elapsed(), latencies)
-}
-
-fn line(what: &str, m: &Measured, against: Option<&Measured>) {
-    let ratio = against
-        .map(|a| format!("  {:.2}× the adapter alone", m.jobs_per_s / a.jobs_per_s))
-        .unwrap_or_default();
-    println!(
-        "  {what:<44} {:>9.0} jobs/s   p50 {:>7.2} ms   p99 {:>7.2} ms{ratio}",
-        m.jobs_per_s,
-        m.p50.as_secs_f64() * 1e3,
-        m.p99.as_secs_f64() * 1e3,
-    );
 }
 
 /// One backend: daemon single and batch PUSH, adapter single and batched

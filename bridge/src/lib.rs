@@ -8,6 +8,7 @@ pub mod config;
 pub mod connecting;
 pub mod convert;
 pub mod daemon;
+pub mod dead_letters;
 pub mod endpoint;
 pub mod fuzz_targets;
 pub mod http;

@@ -129,6 +129,35 @@ enum Command {
         #[arg(long)]
         dead_letters: bool,
     },
+    /// List, retry or purge a queue's dead letters: on the broker itself
+    /// (its dead-letter queue or topic), or through an OJS server.
+    DeadLetters {
+        /// `list` (print), `retry` (back to the queue), `purge` (remove).
+        #[arg(value_enum)]
+        action: ojs_bridge::dead_letters::Action,
+        /// A broker URL (`amqp://…`, `kafka://…`, `sqs://…`, `local:…`,
+        /// settings as query items) or an OJS server (`http://host:port`).
+        #[arg(long, env = "OJS_BRIDGE_DEAD_LETTERS_FROM")]
+        from: String,
+        /// The queue whose dead letters these are.
+        #[arg(long)]
+        queue: String,
+        /// Only this job (repeatable).
+        #[arg(long = "id")]
+        ids: Vec<String>,
+        /// Every dead letter of the queue (retry and purge need it or --id).
+        #[arg(long)]
+        all: bool,
+        /// Only job types matching this pattern (`*`: any run of characters).
+        #[arg(long = "type")]
+        job_type: Option<String>,
+        /// Stop reading a broker after this many seconds without a dead letter.
+        #[arg(long, default_value_t = 3)]
+        timeout_secs: u64,
+        /// A file holding the OJS server's bearer token.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+    },
 }
 
 /// Exit code for invalid input (usage errors also exit 2, as clap does).
@@ -250,6 +279,83 @@ async fn one_shot(command: Command) -> ExitCode {
                 ExitCode::from(EXIT_INVALID_INPUT)
             }
         },
+        Command::DeadLetters {
+            action,
+            from,
+            queue,
+            ids,
+            all,
+            job_type,
+            timeout_secs,
+            token_file,
+        } => {
+            use ojs_bridge::dead_letters::{self, Action, Selection};
+            if action != Action::List && ids.is_empty() && !all {
+                eprintln!("ojs-bridge dead-letters: {action:?} needs --id ID or --all");
+                return ExitCode::from(EXIT_INVALID_INPUT);
+            }
+            let job_type = match job_type
+                .map(|t| ojs_core::glob::Glob::new(&t).map(|g| (t, g)))
+                .transpose()
+            {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("ojs-bridge dead-letters: --type: {e}");
+                    return ExitCode::from(EXIT_INVALID_INPUT);
+                }
+            };
+            let token = match token_file
+                .map(|p| ojs_bridge::config::read_token_file("--token-file", &p))
+                .transpose()
+            {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("ojs-bridge dead-letters: {e}");
+                    return ExitCode::from(EXIT_INVALID_INPUT);
+                }
+            };
+            let selection = Selection {
+                queue,
+                ids,
+                all,
+                job_type,
+                idle: Duration::from_secs(timeout_secs),
+            };
+            let stdout = std::io::stdout();
+            let mut out = stdout.lock();
+            let done = if from.starts_with("http://") || from.starts_with("https://") {
+                dead_letters::on_server(&from, token.as_ref(), action, &selection, &mut out)
+                    .await
+                    .map_err(anyhow::Error::from)
+            } else {
+                match endpoint::connect(&from).await {
+                    Ok(adapter) => dead_letters::on_broker(&*adapter, action, &selection, &mut out)
+                        .await
+                        .map_err(anyhow::Error::from),
+                    Err(e) => Err(anyhow::Error::from(e)),
+                }
+            };
+            match done {
+                Ok(summary) => {
+                    eprintln!(
+                        "dead letters of {}: {} read, {} {}",
+                        selection.queue,
+                        summary.seen,
+                        summary.done,
+                        match action {
+                            Action::List => "listed",
+                            Action::Retry => "retried",
+                            Action::Purge => "purged",
+                        }
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("ojs-bridge dead-letters: {}", chain(e.as_ref()));
+                    ExitCode::from(EXIT_FAILED)
+                }
+            }
+        }
         Command::Tail {
             from,
             queue,

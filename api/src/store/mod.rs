@@ -198,6 +198,8 @@ pub trait Tx {
     /// Stores a job another producer put on the broker (a FETCH found it):
     /// it is on the broker already, nothing waits for a confirmation.
     fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError>;
+    /// Removes the job and its events.
+    fn delete(&mut self, id: &str) -> Result<(), StoreError>;
     /// The job's lease, where replicas share the store.
     fn lease(&mut self, _id: &str) -> Result<Option<Lease>, StoreError> {
         Ok(None)
@@ -369,6 +371,15 @@ impl Store {
         match &self.backend {
             Backend::Sqlite(s) => s.unpublished(limit).await,
             Backend::Postgres(p) => p.unpublished(limit).await,
+        }
+    }
+
+    /// Every dead letter (a job discarded into its queue's dead-letter
+    /// path), oldest first.
+    pub async fn dead_letters(&self) -> Result<Vec<Job>, StoreError> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.dead_letters().await,
+            Backend::Postgres(p) => p.dead_letters().await,
         }
     }
 

@@ -55,8 +55,10 @@ CREATE TABLE jobs (
     holder           text,
     visible_until_ms bigint,
     envelope         text NOT NULL,
-    extra            text NOT NULL
+    extra            text NOT NULL,
+    dead             smallint NOT NULL DEFAULT 0
 );
+CREATE INDEX jobs_dead ON jobs (finished_ms) WHERE dead > 0;
 CREATE INDEX jobs_due ON jobs (due_ms) WHERE state = 'scheduled';
 CREATE INDEX jobs_finished ON jobs (finished_ms) WHERE finished_ms IS NOT NULL;
 CREATE INDEX jobs_unpublished ON jobs (stored_ms) WHERE NOT published;
@@ -415,9 +417,25 @@ impl PostgresStore {
             let rows = c
                 .query(
                     "SELECT id, envelope, extra FROM jobs
-                     WHERE NOT published AND state = 'available' AND stored_ms < $1
+                     WHERE (NOT published AND state = 'available' AND stored_ms < $1)
+                        OR dead = 2
                      ORDER BY stored_ms LIMIT $2",
                     &[&before, &limit],
+                )
+                .map_err(pg)?;
+            rows.iter()
+                .map(|r| decode(r.get(0), r.get(1), r.get(2)))
+                .collect()
+        })
+        .await
+    }
+
+    pub(super) async fn dead_letters(&self) -> Result<Vec<Job>, StoreError> {
+        self.call(|c| {
+            let rows = c
+                .query(
+                    "SELECT id, envelope, extra FROM jobs WHERE dead = 1 ORDER BY finished_ms, seq",
+                    &[],
                 )
                 .map_err(pg)?;
             rows.iter()
@@ -664,7 +682,7 @@ impl Tx for PostgresTx<'_, '_> {
         self.t
             .execute(
                 "UPDATE jobs SET state = $2, envelope = $3, extra = $4, finished_ms = $5,
-                     due_ms = $6,
+                     due_ms = $6, dead = $7,
                      holder = CASE WHEN $2 = 'active' THEN holder END,
                      visible_until_ms = CASE WHEN $2 = 'active' THEN visible_until_ms END
                  WHERE id = $1",
@@ -675,6 +693,7 @@ impl Tx for PostgresTx<'_, '_> {
                     &extra,
                     &finished.map(ms),
                     &due_ms(job),
+                    &job.store_mark(),
                 ],
             )
             .map_err(pg)?;
@@ -707,6 +726,16 @@ impl Tx for PostgresTx<'_, '_> {
 
     fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError> {
         insert(self.t, std::slice::from_ref(job), true)
+    }
+
+    fn delete(&mut self, id: &str) -> Result<(), StoreError> {
+        self.t
+            .execute("DELETE FROM events WHERE job_id = $1", &[&id])
+            .map_err(pg)?;
+        self.t
+            .execute("DELETE FROM jobs WHERE id = $1", &[&id])
+            .map_err(pg)?;
+        Ok(())
     }
 
     fn lease(&mut self, id: &str) -> Result<Option<Lease>, StoreError> {

@@ -34,7 +34,7 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// `PRAGMA user_version` this build writes. Version 1 marked every job
 /// published with an UPDATE of its row and gave each event a random id;
 /// version 2 keeps a watermark in `meta` and numbers events by `seq`.
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -47,9 +47,11 @@ CREATE TABLE IF NOT EXISTS jobs (
     created_ms  INTEGER NOT NULL,
     finished_ms INTEGER,
     envelope    TEXT NOT NULL,
-    extra       TEXT NOT NULL DEFAULT '{}'
+    extra       TEXT NOT NULL DEFAULT '{}',
+    dead        INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_due ON jobs (state, due_ms);
+CREATE INDEX IF NOT EXISTS jobs_dead ON jobs (finished_ms) WHERE dead = 1;
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (finished_ms) WHERE finished_ms IS NOT NULL;
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
@@ -74,6 +76,12 @@ CREATE TABLE IF NOT EXISTS events (
 /// From version 1: the broker-confirmed mark of each row becomes the
 /// watermark (every available job at or below it was confirmed), and
 /// events lose their random ids.
+/// From version 2: dead letters are marked, so that they are listed
+/// without reading every discarded job.
+const MIGRATE_2_TO_3: &str = "
+ALTER TABLE jobs ADD COLUMN dead INTEGER NOT NULL DEFAULT 0;
+";
+
 const MIGRATE_1_TO_2: &str = "
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
@@ -205,6 +213,9 @@ impl SqliteStore {
         let tx = writer.transaction()?;
         if version == 1 {
             tx.execute_batch(MIGRATE_1_TO_2)?;
+        }
+        if version == 1 || version == 2 {
+            tx.execute_batch(MIGRATE_2_TO_3)?;
         }
         tx.execute_batch(SCHEMA)?;
         tx.execute_batch(&format!(
@@ -362,9 +373,31 @@ impl SqliteStore {
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
                 "SELECT id, envelope, extra FROM jobs
-                 WHERE rowid > ?1 AND rowid <= ?2 AND state = 'available' ORDER BY rowid LIMIT ?3",
+                 WHERE (rowid > ?1 AND rowid <= ?2 AND state = 'available') OR dead = 2
+                 ORDER BY rowid LIMIT ?3",
             )?;
             let rows = stmt.query_map(params![above, through, limit as i64], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                ))
+            })?;
+            rows.map(|r| {
+                let (id, envelope, extra) = r?;
+                decode(&id, &envelope, &extra)
+            })
+            .collect()
+        })
+        .await
+    }
+
+    pub(super) async fn dead_letters(&self) -> Result<Vec<Job>, StoreError> {
+        self.read(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT id, envelope, extra FROM jobs WHERE dead = 1 ORDER BY finished_ms, rowid",
+            )?;
+            let rows = stmt.query_map([], |r| {
                 Ok((
                     r.get::<_, String>(0)?,
                     r.get::<_, String>(1)?,
@@ -522,7 +555,8 @@ fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
 fn save(tx: &Connection, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
     let (envelope, extra) = encode(job)?;
     tx.prepare_cached(
-        "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6
+        "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
+             dead = ?7
          WHERE id = ?1",
     )?
     .execute(params![
@@ -531,7 +565,8 @@ fn save(tx: &Connection, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(
         envelope,
         extra,
         finished.map(ms),
-        due_ms(job)
+        due_ms(job),
+        job.store_mark()
     ])?;
     Ok(())
 }
@@ -565,6 +600,16 @@ impl Tx for SqliteTx<'_> {
     fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError> {
         insert(self.conn, std::slice::from_ref(job), *self.next_seq)?;
         *self.next_seq += 1;
+        Ok(())
+    }
+
+    fn delete(&mut self, id: &str) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached("DELETE FROM jobs WHERE id = ?1")?
+            .execute(params![id])?;
+        self.conn
+            .prepare_cached("DELETE FROM events WHERE job_id = ?1")?
+            .execute(params![id])?;
         Ok(())
     }
 }

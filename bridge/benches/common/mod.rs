@@ -1,4 +1,13 @@
-//! What the bridge's benches share.
+//! What the bridge's benches share: the daemon as a process of its own,
+//! rates and latencies, the lines they print.
+
+// Each bench uses its part of this.
+#![allow(dead_code)]
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 /// `VmRSS` / `VmHWM` (the `field` of `/proc/<pid>/status`) of a process, in
 /// MiB.
@@ -10,4 +19,103 @@ pub fn rss_mib(pid: u32, field: &str) -> f64 {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap();
     kib / 1024.0
+}
+
+/// A process serving HTTP on a free loopback port; killed by its PID when
+/// dropped.
+pub struct Server {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub _dir: ojs_bridge_tests::tempdir::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `ojs-bridge run` with `config` in a fresh directory.
+pub fn daemon(config: &str) -> Server {
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("api-bench");
+    let file = dir.path().join("bridge.toml");
+    std::fs::write(&file, config).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .current_dir(dir.path())
+        .env("OJS_BRIDGE_HTTP_LISTEN", "127.0.0.1:0")
+        .env("OJS_BRIDGE_LOG", "warn")
+        .args(["run", "--config", file.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let addr = listening(&mut child, "health on http://");
+    Server {
+        child,
+        addr,
+        _dir: dir,
+    }
+}
+
+/// Reads stderr until the line that says where the process listens; the
+/// rest of stderr is drained (and shown) in the background.
+pub fn listening(child: &mut Child, marker: &str) -> SocketAddr {
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("the server says where it listens")
+            .unwrap();
+        if let Some(rest) = line.split(marker).nth(1) {
+            break rest.split('/').next().unwrap().parse().unwrap();
+        }
+    };
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            eprintln!("  [server] {line}");
+        }
+    });
+    addr
+}
+
+/// Rate and latency of one side.
+pub struct Measured {
+    pub jobs_per_s: f64,
+    pub p50: Duration,
+    pub p99: Duration,
+}
+
+impl Measured {
+    pub fn from(jobs: usize, elapsed: Duration, mut latencies: Vec<Duration>) -> Measured {
+        latencies.sort_unstable();
+        let at = |q: f64| {
+            latencies
+                .get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or_default()
+        };
+        Measured {
+            jobs_per_s: jobs as f64 / elapsed.as_secs_f64(),
+            p50: at(0.50),
+            p99: at(0.99),
+        }
+    }
+}
+
+pub fn median(mut runs: Vec<Measured>) -> Measured {
+    runs.sort_by(|a, b| a.jobs_per_s.total_cmp(&b.jobs_per_s));
+    runs.swap_remove(runs.len() / 2)
+}
+
+pub fn line(what: &str, m: &Measured, against: Option<&Measured>) {
+    let ratio = against
+        .map(|a| format!("  {:.2}× the adapter alone", m.jobs_per_s / a.jobs_per_s))
+        .unwrap_or_default();
+    println!(
+        "  {what:<44} {:>9.0} jobs/s   p50 {:>7.2} ms   p99 {:>7.2} ms{ratio}",
+        m.jobs_per_s,
+        m.p50.as_secs_f64() * 1e3,
+        m.p99.as_secs_f64() * 1e3,
+    );
 }

@@ -117,7 +117,7 @@ pub struct ApiTokenConfig {
 }
 
 /// Reads a token file: its contents, trimmed, refused when empty.
-pub(crate) fn read_token_file(field: &str, path: &Path) -> Result<Secret, ConfigError> {
+pub fn read_token_file(field: &str, path: &Path) -> Result<Secret, ConfigError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
     let token = text.trim();

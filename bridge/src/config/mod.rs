@@ -158,8 +158,7 @@ mod routes;
 mod sources;
 
 pub use adapters::AdapterEntry;
-pub(crate) use api::read_token_file;
-pub use api::{ApiConfig, ApiTokenConfig};
+pub use api::{read_token_file, ApiConfig, ApiTokenConfig};
 use duration::duration_text;
 pub use duration::parse_duration;
 pub use federation::{FederationConfig, RegionConfig};

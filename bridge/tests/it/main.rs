@@ -18,6 +18,7 @@ mod fuzz_corpus;
 mod http_endpoint;
 mod local_processes;
 mod ojs_api;
+mod ojs_api_dead_letters;
 mod ojs_api_replicas;
 mod ojs_api_security;
 mod ojs_api_worker;

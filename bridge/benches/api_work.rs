@@ -1,0 +1,353 @@
+//! The OJS API's worker side, every case in one run, against the adapter it
+//! works over:
+//!
+//! 1. jobs/s through FETCH → ACK: 16 HTTP workers (keep-alive connections
+//!    into `ojs-bridge run`, the release binary in a process of its own),
+//!    each fetching 10 jobs at a time and acking each, until the queue is
+//!    empty — beside the same jobs received (10 at a time) and acked
+//!    straight through the adapter by 16 tasks in this process;
+//! 2. the latency from PUSH to FETCH on an idle queue: a worker's FETCH
+//!    long-polls (`wait_ms`), a job is pushed, and the time from sending
+//!    the PUSH to the FETCH's answer is taken, 200 times (p50/p99);
+//!
+//! on the embedded broker, and on Kafka when a broker answers at
+//! `OJS_BRIDGE_TEST_KAFKA_URL`. The jobs are pushed before each timed run
+//! (untimed). The load generator shares the machine's cores with the
+//! daemon; the adapter alone runs in this process.
+//!
+//! `cargo bench -p ojs-bridge --bench api_work [-- JOBS [ROUNDS]]`
+//! (default 20000 jobs, 3 rounds, median printed).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+use common::{daemon, line, median, Measured};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use ojs_core::{ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use serde_json::{json, Value};
+
+const WORKERS: usize = 16;
+const FETCH: usize = 10;
+const QUEUE: &str = "work";
+
+async fn connect(addr: SocketAddr) -> SendRequest<Full<Bytes>> {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+async fn post(sender: &mut SendRequest<Full<Bytes>>, path: &str, body: Value) -> (u16, Value) {
+    let request = hyper::Request::post(path)
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    sender.ready().await.unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+/// `n` jobs onto the queue through the API, 100 a request (untimed).
+async fn fill(addr: SocketAddr, queue: &str, n: usize) {
+    let mut sender = connect(addr).await;
+    for start in (0..n).step_by(100) {
+        let jobs: Vec<Value> = (start..n.min(start + 100))
+            .map(|i| json!({"type": "email.send", "args": ["user@example.com", i], "options": {"queue": queue}}))
+            .collect();
+        let (status, body) = post(&mut sender, "/ojs/v1/jobs/batch", json!({ "jobs": jobs })).await;
+        assert_eq!(status, 201, "{body}");
+    }
+}
+
+/// 16 HTTP workers FETCH (10 at a time) and ACK until `n` jobs are done.
+async fn http_work(addr: SocketAddr, n: usize) -> Measured {
+    let done = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..WORKERS {
+        let done = done.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut sender = connect(addr).await;
+            let mut latencies = Vec::new();
+            let worker = format!("bench-{w}");
+            while done.load(Ordering::Relaxed) < n {
+                let t = Instant::now();
+                let (status, body) = post(
+                    &mut sender,
+                    "/ojs/v1/workers/fetch",
+                    json!({"queues": [QUEUE], "count": FETCH, "worker_id": worker, "wait_ms": 200}),
+                )
+                .await;
+                assert_eq!(status, 200, "{body}");
+                let jobs = body["jobs"].as_array().cloned().unwrap_or_default();
+                for job in &jobs {
+                    let (status, body) = post(
+                        &mut sender,
+                        "/ojs/v1/workers/ack",
+                        json!({"job_id": job["id"]}),
+                    )
+                    .await;
+                    assert_eq!(status, 200, "{body}");
+                }
+                if !jobs.is_empty() {
+                    latencies.push(t.elapsed());
+                    done.fetch_add(jobs.len(), Ordering::Relaxed);
+                }
+            }
+            latencies
+        }));
+    }
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    Measured::from(done.load(Ordering::Relaxed), started.elapsed(), latencies)
+}
+
+/// The same jobs straight through the adapter: published (untimed), then
+/// received 10 at a time and acked by 16 tasks.
+async fn adapter_work(adapter: Arc<dyn QueueAdapter>, group: &str, n: usize) -> Measured {
+    adapter.prepare(QUEUE).await.unwrap();
+    for start in (0..n).step_by(100) {
+        let messages = (start..n.min(start + 100))
+            .map(|i| {
+                let mut e =
+                    JobEnvelope::new("email.send", vec![json!("user@example.com"), json!(i)]);
+                e.queue = QUEUE.into();
+                OutgoingMessage::from_envelope(&e, Encoding::OjsProto).unwrap()
+            })
+            .collect();
+        adapter.publish(QUEUE, messages).await.unwrap();
+    }
+    let done = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..WORKERS {
+        let (done, adapter, group) = (done.clone(), adapter.clone(), group.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut consumer = adapter
+                .consumer(
+                    QUEUE,
+                    ConsumerOptions {
+                        group,
+                        ..ConsumerOptions::default()
+                    },
+                )
+                .await
+                .unwrap();
+            let mut latencies = Vec::new();
+            let mut idle = Instant::now();
+            while done.load(Ordering::Relaxed) < n && idle.elapsed() < Duration::from_secs(20) {
+                let t = Instant::now();
+                let batch = consumer
+                    .receive(FETCH, Duration::from_millis(200))
+                    .await
+                    .unwrap();
+                for d in &batch {
+                    d.ack().await.unwrap();
+                }
+                if !batch.is_empty() {
+                    idle = Instant::now();
+                    latencies.push(t.elapsed());
+                    done.fetch_add(batch.len(), Ordering::Relaxed);
+                }
+            }
+            consumer.close().await.unwrap();
+            latencies
+        }));
+    }
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    Measured::from(done.load(Ordering::Relaxed), started.elapsed(), latencies)
+}
+
+/// PUSH → FETCH on an idle queue with a FETCH long-polling: `samples`
+/// times, the time from sending the PUSH to the FETCH's answer.
+async fn push_to_fetch(addr: SocketAddr, samples: usize) -> Measured {
+    let queue = "idle";
+    let mut pusher = connect(addr).await;
+    // The queue's consumer exists (a Kafka group has joined) before timing.
+    fill(addr, queue, 1).await;
+    let mut warm = connect(addr).await;
+    loop {
+        let (_, body) = post(
+            &mut warm,
+            "/ojs/v1/workers/fetch",
+            json!({"queues": [queue], "count": 1, "wait_ms": 2000}),
+        )
+        .await;
+        if let Some(job) = body["jobs"].as_array().and_then(|j| j.first()) {
+            post(
+                &mut warm,
+                "/ojs/v1/workers/ack",
+                json!({"job_id": job["id"]}),
+            )
+            .await;
+            break;
+        }
+    }
+    let mut latencies = Vec::new();
+    let started = Instant::now();
+    for i in 0..samples {
+        let fetch = tokio::spawn(async move {
+            let (_, body) = post(
+                &mut warm,
+                "/ojs/v1/workers/fetch",
+                json!({"queues": [queue], "count": 1, "wait_ms": 10_000}),
+            )
+            .await;
+            (Instant::now(), body, warm)
+        });
+        // The FETCH is waiting before the job comes.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let sent = Instant::now();
+        let (status, _) = post(
+            &mut pusher,
+            "/ojs/v1/jobs",
+            json!({"type": "email.send", "args": [i], "options": {"queue": queue}}),
+        )
+        .await;
+        assert_eq!(status, 201);
+        let (answered, body, w) = fetch.await.unwrap();
+        warm = w;
+        let job = body["jobs"][0].clone();
+        assert!(job.is_object(), "the waiting FETCH got the job: {body}");
+        latencies.push(answered.saturating_duration_since(sent));
+        post(
+            &mut warm,
+            "/ojs/v1/workers/ack",
+            json!({"job_id": job["id"]}),
+        )
+        .await;
+    }
+    Measured::from(samples, started.elapsed(), latencies)
+}
+
+async fn backend(
+    name: &str,
+    config: &str,
+    adapter: impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Arc<dyn QueueAdapter>>>>,
+    jobs: usize,
+    rounds: usize,
+) {
+    let (mut api, mut raw, mut latency) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let server = daemon(config);
+        fill(server.addr, QUEUE, jobs).await;
+        api.push(http_work(server.addr, jobs).await);
+        latency.push(push_to_fetch(server.addr, 200).await);
+        drop(server);
+        let a = adapter().await;
+        raw.push(
+            adapter_work(
+                a.clone(),
+                &format!("bench-raw-{round}-{}", uuid::Uuid::new_v4().simple()),
+                jobs,
+            )
+            .await,
+        );
+        a.close().await.unwrap();
+    }
+    let (api, raw, latency) = (median(api), median(raw), median(latency));
+    println!("{name}:");
+    line("FETCH 10 + ACK each, 16 HTTP workers", &api, Some(&raw));
+    line("adapter receive 10 + ack, 16 tasks", &raw, None);
+    println!(
+        "  PUSH → FETCH, idle queue, long-poll waiting: p50 {:.2} ms, p99 {:.2} ms (200 jobs)",
+        latency.p50.as_secs_f64() * 1e3,
+        latency.p99.as_secs_f64() * 1e3
+    );
+}
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let jobs = args.first().copied().unwrap_or(20_000);
+    let rounds = args.get(1).copied().unwrap_or(3).max(1);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        println!("OJS API worker side: {jobs} jobs, {WORKERS} workers fetching {FETCH} at a time, median of {rounds} rounds");
+        let only_kafka = std::env::var("OJS_API_BENCH_ONLY").is_ok_and(|v| v == "kafka");
+        if !only_kafka {
+            backend(
+                "embedded broker (local:)",
+                "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n",
+                || {
+                    Box::pin(async {
+                        let dir = ojs_bridge_tests::tempdir::TempDir::new("api-work-adapter");
+                        let url = format!("local:{}", dir.path().display());
+                        // The directory lives as long as the bench.
+                        std::mem::forget(dir);
+                        let a = ojs_adapter_local::LocalAdapter::open(
+                            ojs_adapter_local::LocalConfig::from_url(&url).unwrap(),
+                        )
+                        .await
+                        .unwrap();
+                        Arc::new(a) as Arc<dyn QueueAdapter>
+                    })
+                },
+                jobs,
+                rounds,
+            )
+            .await;
+        }
+        let kafka = std::env::var("OJS_BRIDGE_TEST_KAFKA_URL")
+            .unwrap_or_else(|_| "kafka://127.0.0.1:9092".into());
+        if ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::Kafka)
+            .await
+            .is_some()
+        {
+            let topic = format!("bench-work-{}-{{queue}}", uuid::Uuid::new_v4().simple());
+            let config = format!(
+                "[adapters.kafka]\nurl = \"{kafka}\"\ntopic_template = \"{topic}\"\npartitions = 4\n[api]\nadapter = \"kafka\"\n"
+            );
+            let url = format!(
+                "{kafka}{}topic_template={topic}&partitions=4",
+                if kafka.contains('?') { "&" } else { "?" }
+            );
+            backend(
+                "Kafka (4 partitions)",
+                &config,
+                move || {
+                    let url = url.clone();
+                    Box::pin(async move {
+                        ojs_bridge::endpoint::connect(&url).await.unwrap()
+                    })
+                },
+                jobs,
+                rounds,
+            )
+            .await;
+        } else {
+            println!("Kafka: no broker at {kafka}; skipped");
+        }
+    });
+}

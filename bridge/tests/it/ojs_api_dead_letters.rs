@@ -1,0 +1,433 @@
+//! Dead letters through the OJS API, a thousand at a time: jobs whose
+//! retries are exhausted are listed (paged, filtered by queue and type),
+//! counted, retried (same id, attempt 0, fetched and completed again) and
+//! deleted; two concurrent retries of one dead letter retry it once. On
+//! the embedded default and on RabbitMQ, whose dead-letter queue is counted
+//! with rabbitmqctl (it keeps the broker's copy of every dead letter).
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use ojs_bridge_tests::brokers::{find, rabbitmqctl_output, unique_queue, Broker};
+use serde_json::{json, Value};
+
+use crate::ojs_server::{get, post_json, request, OjsServer};
+
+const JOBS: usize = 1000;
+
+async fn push(addr: SocketAddr, queue: &str) -> Vec<String> {
+    let mut ids = Vec::new();
+    for chunk in (0..JOBS).collect::<Vec<_>>().chunks(100) {
+        let jobs: Vec<Value> = chunk
+            .iter()
+            .map(|i| {
+                // Half of each type, so that the type filter has something
+                // to tell apart.
+                let kind = if i % 2 == 0 {
+                    "alpha.doomed"
+                } else {
+                    "beta.doomed"
+                };
+                json!({"type": kind, "args": [i],
+                       "options": {"queue": queue, "retry": {"max_attempts": 1}}})
+            })
+            .collect();
+        let a = post_json(addr, "/ojs/v1/jobs/batch", &json!({ "jobs": jobs })).await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        for j in a.json()["jobs"].as_array().unwrap() {
+            ids.push(j["id"].as_str().unwrap().to_owned());
+        }
+    }
+    ids
+}
+
+/// Fetches and fails `n` jobs (each exhausted at its first attempt).
+async fn fail_all(addr: SocketAddr, queue: &str, n: usize) {
+    let mut failed = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while failed < n && Instant::now() < deadline {
+        let a = post_json(
+            addr,
+            "/ojs/v1/workers/fetch",
+            &json!({"queues": [queue], "count": 100, "worker_id": "w", "wait_ms": 500}),
+        )
+        .await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        for job in a.json()["jobs"].as_array().cloned().unwrap_or_default() {
+            let id = job["id"].as_str().unwrap();
+            let n = post_json(
+                addr,
+                "/ojs/v1/workers/nack",
+                &json!({"job_id": id, "error": {"code": "upstream_gone", "message": "the upstream said no"}}),
+            )
+            .await;
+            assert_eq!(n.status, 200, "{:?}", n.body);
+            assert_eq!(n.json()["state"], "discarded");
+            failed += 1;
+        }
+    }
+    assert_eq!(failed, n, "every job fetched and failed");
+}
+
+/// Every dead letter of `queue` (with `extra` query items), page by page.
+async fn list_all(addr: SocketAddr, queue: &str, extra: &str) -> (Vec<Value>, u64) {
+    let mut out = Vec::new();
+    let mut cursor = String::new();
+    loop {
+        let a = get(
+            addr,
+            &format!("/ojs/v1/dead-letter?queue={queue}&limit=300{extra}{cursor}"),
+        )
+        .await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        let body = a.json();
+        let total = body["pagination"]["total"].as_u64().unwrap();
+        out.extend(body["jobs"].as_array().cloned().unwrap_or_default());
+        match body["next_cursor"].as_str() {
+            Some(c) => cursor = format!("&cursor={c}"),
+            None => return (out, total),
+        }
+    }
+}
+
+async fn status_of(addr: SocketAddr, method: &str, path: &str) -> u16 {
+    request(addr, method, path, &[], None).await.status
+}
+
+async fn a_thousand_dead_letters(
+    config: Option<String>,
+    what: &str,
+    broker_count: impl Fn() -> Option<u64>,
+) {
+    let server = OjsServer::start(config.as_deref()).await;
+    let addr = server.addr;
+    let queue = "doomed";
+    let sent = push(addr, queue).await;
+    fail_all(addr, queue, sent.len()).await;
+
+    // Listed, all of them once, newest first, with their errors.
+    let (listed, total) = list_all(addr, queue, "").await;
+    let ids: Vec<&str> = listed.iter().map(|j| j["id"].as_str().unwrap()).collect();
+    let unique: HashSet<&str> = ids.iter().copied().collect();
+    assert_eq!(total, JOBS as u64);
+    assert_eq!(ids.len(), JOBS, "every dead letter listed once");
+    assert_eq!(unique.len(), JOBS);
+    assert!(sent.iter().all(|id| unique.contains(id.as_str())));
+    assert_eq!(listed[0]["state"], "discarded");
+    assert_eq!(
+        listed[0]["errors"][0]["code"], "upstream_gone",
+        "{}",
+        listed[0]
+    );
+    let (alpha, alpha_total) = list_all(addr, queue, "&type=alpha.*").await;
+    assert_eq!(alpha_total, (JOBS / 2) as u64);
+    assert!(alpha.iter().all(|j| j["type"] == "alpha.doomed"));
+    let stats = get(addr, "/ojs/v1/dead-letter/stats").await.json();
+    assert_eq!(stats["by_queue"][queue], JOBS, "{stats}");
+    assert_eq!(stats["by_error_type"]["upstream_gone"], JOBS, "{stats}");
+    let on_broker = broker_count();
+    println!(
+        "{what}: sent {JOBS}, dead letters listed {}, on the broker's dead-letter queue {on_broker:?}",
+        ids.len()
+    );
+    if let Some(n) = on_broker {
+        assert_eq!(
+            n, JOBS as u64,
+            "the broker's dead-letter queue holds each once"
+        );
+    }
+
+    // Two retries of one dead letter at once: one wins.
+    let contested = alpha[0]["id"].as_str().unwrap().to_owned();
+    let path = format!("/ojs/v1/dead-letter/{contested}/retry");
+    let (x, y) = tokio::join!(
+        status_of(addr, "POST", &path),
+        status_of(addr, "POST", &path)
+    );
+    let mut statuses = [x, y];
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 404], "two concurrent retries");
+
+    // The other alpha ones are retried one by one; all go back to work.
+    for job in &alpha[1..] {
+        let id = job["id"].as_str().unwrap();
+        let r = post_json(addr, &format!("/ojs/v1/dead-letter/{id}/retry"), &json!({})).await;
+        assert_eq!(r.status, 200, "{:?}", r.body);
+        assert_eq!(r.json()["job"]["state"], "available");
+        assert_eq!(r.json()["job"]["attempt"], 0);
+    }
+    let mut completed: BTreeMap<String, usize> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while completed.len() < alpha.len() && Instant::now() < deadline {
+        let a = post_json(
+            addr,
+            "/ojs/v1/workers/fetch",
+            &json!({"queues": [queue], "count": 100, "worker_id": "w2", "wait_ms": 500}),
+        )
+        .await;
+        for job in a.json()["jobs"].as_array().cloned().unwrap_or_default() {
+            let id = job["id"].as_str().unwrap().to_owned();
+            assert_eq!(
+                job["attempt"], 1,
+                "a retried dead letter starts again: {job}"
+            );
+            let ack = post_json(addr, "/ojs/v1/workers/ack", &json!({"job_id": id})).await;
+            assert_eq!(ack.status, 200, "{:?}", ack.body);
+            *completed.entry(id).or_default() += 1;
+        }
+    }
+    let twice = completed.values().filter(|n| **n > 1).count();
+    println!(
+        "{what}: retried {}, completed {}, completed twice {twice}",
+        alpha.len(),
+        completed.len()
+    );
+    assert_eq!(
+        completed.len(),
+        alpha.len(),
+        "every retried dead letter ran again"
+    );
+    assert_eq!(twice, 0);
+    let (_, left) = list_all(addr, queue, "").await;
+    assert_eq!(left, (JOBS / 2) as u64);
+
+    // The rest are deleted: gone from the list and from INFO.
+    let (beta, _) = list_all(addr, queue, "&type=beta.*").await;
+    for job in &beta {
+        let id = job["id"].as_str().unwrap();
+        let d = request(
+            addr,
+            "DELETE",
+            &format!("/ojs/v1/dead-letter/{id}"),
+            &[],
+            None,
+        )
+        .await;
+        assert_eq!(d.status, 200, "{:?}", d.body);
+        assert_eq!(d.json()["deleted"], true);
+    }
+    let (_, left) = list_all(addr, queue, "").await;
+    println!("{what}: deleted {}, left {left}", beta.len());
+    assert_eq!(left, 0);
+    let id = beta[0]["id"].as_str().unwrap();
+    assert_eq!(get(addr, &format!("/ojs/v1/jobs/{id}")).await.status, 404);
+    assert_eq!(
+        status_of(addr, "DELETE", &format!("/ojs/v1/dead-letter/{id}")).await,
+        404
+    );
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_dead_letters_listed_retried_and_deleted_on_the_embedded_default() {
+    a_thousand_dead_letters(None, "dead letters, embedded", || None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_dead_letters_listed_retried_and_deleted_on_rabbitmq() {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let prefix = unique_queue("dlq");
+    let config = format!(
+        "[adapters.rabbit]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\ndead_letter_queue_template = \"{prefix}.{{queue}}.dead\"\n\n[api]\nadapter = \"rabbit\"\n",
+        rabbit.url
+    );
+    let dead_queue = format!("{prefix}.doomed.dead");
+    let count = move || {
+        let out = rabbitmqctl_output(&[
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ])?;
+        out.lines().find_map(|l| {
+            let mut parts = l.split_whitespace();
+            (parts.next() == Some(dead_queue.as_str()))
+                .then(|| parts.next()?.parse().ok())
+                .flatten()
+        })
+    };
+    a_thousand_dead_letters(Some(config), "dead letters, RabbitMQ", count).await;
+}
+
+/// Runs `ojs-bridge dead-letters ARGS`; its NDJSON lines.
+fn cli(args: &[&str]) -> Vec<Value> {
+    let mut all = vec!["dead-letters"];
+    all.extend_from_slice(args);
+    let out = crate::support::ojs_bridge(&all, b"");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "dead-letters {args:?}: {stderr}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The broker's own dead letters, through the CLI on the broker's URL:
+/// listed, half retried back to the queue (and completed through the API),
+/// the rest purged; RabbitMQ's queues counted with rabbitmqctl after each
+/// step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_lists_retries_and_purges_dead_letters_on_rabbitmq() {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let prefix = unique_queue("dlq-cli");
+    let settings = format!(
+        "queue_template={prefix}.{{queue}}&dead_letter_queue_template={prefix}.{{queue}}.dead"
+    );
+    let config = format!(
+        "[adapters.rabbit]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\ndead_letter_queue_template = \"{prefix}.{{queue}}.dead\"\n\n[api]\nadapter = \"rabbit\"\n",
+        rabbit.url
+    );
+    let broker_url = if rabbit.url.contains('?') {
+        format!("{}&{settings}", rabbit.url)
+    } else {
+        format!("{}?{settings}", rabbit.url)
+    };
+    let count = |name: String| {
+        let out = rabbitmqctl_output(&[
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ])?;
+        out.lines().find_map(|l| {
+            let mut parts = l.split_whitespace();
+            (parts.next() == Some(name.as_str()))
+                .then(|| parts.next()?.parse::<u64>().ok())
+                .flatten()
+        })
+    };
+    let queue = "doomed";
+    let (main, dead) = (
+        format!("{prefix}.{queue}"),
+        format!("{prefix}.{queue}.dead"),
+    );
+    let server = OjsServer::start(Some(&config)).await;
+    let addr = server.addr;
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let kind = if i % 2 == 0 {
+            "alpha.doomed"
+        } else {
+            "beta.doomed"
+        };
+        let a = post_json(
+            addr,
+            "/ojs/v1/jobs",
+            &json!({"type": kind, "args": [i], "options": {"queue": queue, "retry": {"max_attempts": 1}}}),
+        )
+        .await;
+        assert_eq!(a.status, 201);
+        ids.push(a.json()["job"]["id"].as_str().unwrap().to_owned());
+    }
+    fail_all(addr, queue, 40).await;
+    assert_eq!(count(dead.clone()), Some(40));
+
+    // Listed, and left in place.
+    let listed = cli(&["list", "--from", &broker_url, "--queue", queue]);
+    assert_eq!(listed.len(), 40);
+    assert!(
+        listed.iter().all(|l| l["error_type"] == "upstream_gone"),
+        "{listed:?}"
+    );
+    let listed_ids: HashSet<&str> = listed.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    assert!(ids.iter().all(|id| listed_ids.contains(id.as_str())));
+    assert_eq!(
+        count(dead.clone()),
+        Some(40),
+        "a list leaves every dead letter"
+    );
+
+    // The alpha ones back to the queue.
+    let retried = cli(&[
+        "retry",
+        "--from",
+        &broker_url,
+        "--queue",
+        queue,
+        "--all",
+        "--type",
+        "alpha.*",
+    ]);
+    assert_eq!(retried.len(), 20);
+    let (on_queue, on_dead) = (count(main.clone()), count(dead.clone()));
+    println!("dead-letters CLI on RabbitMQ: dead 40, retried 20 → queue {on_queue:?}, dead-letter queue {on_dead:?}");
+    assert_eq!((on_queue, on_dead), (Some(20), Some(20)));
+    // Moved back on the broker, they are the API's jobs again: fetched
+    // from attempt 1, completed, no longer dead letters.
+    let mut completed = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while completed.len() < 20 && Instant::now() < deadline {
+        let a = post_json(
+            addr,
+            "/ojs/v1/workers/fetch",
+            &json!({"queues": [queue], "count": 100, "wait_ms": 500}),
+        )
+        .await;
+        for job in a.json()["jobs"].as_array().cloned().unwrap_or_default() {
+            assert_eq!(job["type"], "alpha.doomed");
+            assert_eq!(job["attempt"], 1, "{job}");
+            let id = job["id"].as_str().unwrap().to_owned();
+            assert_eq!(
+                post_json(addr, "/ojs/v1/workers/ack", &json!({"job_id": id}))
+                    .await
+                    .status,
+                200
+            );
+            assert!(
+                completed.insert(id),
+                "a retried dead letter handed out twice"
+            );
+        }
+    }
+    assert_eq!(completed.len(), 20);
+    assert_eq!(count(main.clone()), Some(0));
+    let (_, left) = list_all(addr, queue, "").await;
+    assert_eq!(left, 20, "the API lists the 20 that stayed dead letters");
+
+    // The rest purged.
+    let purged = cli(&["purge", "--from", &broker_url, "--queue", queue, "--all"]);
+    assert_eq!(purged.len(), 20);
+    assert!(purged.iter().all(|l| l["type"] == "beta.doomed"));
+    assert_eq!(count(dead.clone()), Some(0));
+    println!(
+        "dead-letters CLI on RabbitMQ: purged {}, dead-letter queue {:?}",
+        purged.len(),
+        count(dead)
+    );
+
+    // Through the OJS server: the API's own record of the 20 left.
+    let base = format!("http://{addr}");
+    let listed = cli(&[
+        "list", "--from", &base, "--queue", queue, "--type", "beta.*",
+    ]);
+    assert_eq!(listed.len(), 20);
+    let one = listed[0]["id"].as_str().unwrap().to_owned();
+    let retried = cli(&["retry", "--from", &base, "--queue", queue, "--id", &one]);
+    assert_eq!(retried.len(), 1);
+    assert_eq!(
+        get(addr, &format!("/ojs/v1/jobs/{one}")).await.json()["job"]["state"],
+        "available"
+    );
+    let purged = cli(&["purge", "--from", &base, "--queue", queue, "--all"]);
+    assert_eq!(purged.len(), 19);
+    let (_, left) = list_all(addr, queue, "").await;
+    assert_eq!(left, 0);
+    // retry and purge name what they act on.
+    let out = crate::support::ojs_bridge(
+        &["dead-letters", "purge", "--from", &base, "--queue", queue],
+        b"",
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "purge without --id or --all is a usage error"
+    );
+    server.stop();
+}
