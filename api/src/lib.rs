@@ -243,6 +243,7 @@ impl Api {
         match self.adapter.publish(queue, messages).await {
             Ok(()) => {
                 self.store.published(ids);
+                self.workers.published.notify_waiters();
                 Ok(())
             }
             Err(ojs_core::Error::Publish(failure)) => {

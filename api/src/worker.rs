@@ -100,6 +100,9 @@ struct Held {
 pub struct Workers {
     feeds: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Feed>>>>,
     held: Mutex<HashMap<String, Held>>,
+    /// Woken when this process published jobs: a waiting FETCH looks again
+    /// at once instead of at its next poll.
+    pub(crate) published: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Workers {
@@ -260,6 +263,9 @@ impl Api {
         let until = Instant::now() + request.wait.min(MAX_FETCH_WAIT);
         let mut out = Vec::new();
         loop {
+            // Registered before looking, so that a publish while this pass
+            // runs is not missed.
+            let published = self.workers().published.notified();
             for queue in &request.queues {
                 if out.len() >= request.count {
                     break;
@@ -283,7 +289,10 @@ impl Api {
             if !out.is_empty() || Instant::now() >= until {
                 return Ok(out);
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::select! {
+                () = published => {}
+                () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
         }
     }
 

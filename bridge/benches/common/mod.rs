@@ -44,7 +44,10 @@ pub fn daemon(config: &str) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
         .current_dir(dir.path())
         .env("OJS_BRIDGE_HTTP_LISTEN", "127.0.0.1:0")
-        .env("OJS_BRIDGE_LOG", "warn")
+        .env(
+            "OJS_BRIDGE_LOG",
+            std::env::var("OJS_BENCH_DAEMON_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .args(["run", "--config", file.to_str().unwrap()])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

@@ -431,3 +431,92 @@ async fn the_cli_lists_retries_and_purges_dead_letters_on_rabbitmq() {
     );
     server.stop();
 }
+
+/// A NACK storm: 8 workers fail 400 jobs at once, half with an error the
+/// jobs' policy lists in `non_retryable_errors` (dead letters at the first
+/// attempt, never retried) and half retryable (tried again after the
+/// backoff, up to `max_attempts`, then dead letters). Every job ends a dead
+/// letter exactly once with the attempts its policy allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nack_storm_follows_each_jobs_retry_policy() {
+    let server = OjsServer::start(None).await;
+    let addr = server.addr;
+    let queue = "storm";
+    let mut ids = Vec::new();
+    for chunk in (0..400).collect::<Vec<usize>>().chunks(100) {
+        let jobs: Vec<Value> = chunk
+            .iter()
+            .map(|i| {
+                json!({"type": if i % 2 == 0 { "storm.fatal" } else { "storm.flaky" }, "args": [i],
+                       "options": {"queue": queue, "retry": {"max_attempts": 3, "initial_interval": "PT0.1S",
+                                   "backoff_coefficient": 1.0, "non_retryable_errors": ["InvalidInput"]}}})
+            })
+            .collect();
+        let a = post_json(addr, "/ojs/v1/jobs/batch", &json!({ "jobs": jobs })).await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        ids.extend(
+            a.json()["jobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|j| j["id"].as_str().unwrap().to_owned()),
+        );
+    }
+    let nacks = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::<String, Vec<u64>>::new()));
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let nacks = nacks.clone();
+        workers.push(tokio::spawn(async move {
+            let mut idle = Instant::now();
+            while idle.elapsed() < Duration::from_secs(3) {
+                let a = post_json(
+                    addr,
+                    "/ojs/v1/workers/fetch",
+                    &json!({"queues": [queue], "count": 20, "worker_id": format!("w{w}"), "wait_ms": 300}),
+                )
+                .await;
+                let jobs = a.json()["jobs"].as_array().cloned().unwrap_or_default();
+                if !jobs.is_empty() {
+                    idle = Instant::now();
+                }
+                for job in jobs {
+                    let id = job["id"].as_str().unwrap().to_owned();
+                    let fatal = job["type"] == "storm.fatal";
+                    let error = if fatal {
+                        json!({"code": "invalid_input", "message": "bad", "details": {"error_class": "InvalidInput"}})
+                    } else {
+                        json!({"code": "flaky", "message": "try again", "retryable": true})
+                    };
+                    let n = post_json(addr, "/ojs/v1/workers/nack", &json!({"job_id": id, "error": error})).await;
+                    assert_eq!(n.status, 200, "{:?}", n.body);
+                    nacks.lock().unwrap().entry(id).or_default().push(job["attempt"].as_u64().unwrap());
+                }
+            }
+        }));
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    let nacks = nacks.lock().unwrap().clone();
+    let (fatal_retried, flaky_wrong): (usize, usize) =
+        ids.iter().enumerate().fold((0, 0), |(f, r), (i, id)| {
+            let attempts = nacks.get(id).cloned().unwrap_or_default();
+            if i % 2 == 0 {
+                (f + usize::from(attempts != vec![1]), r)
+            } else {
+                (f, r + usize::from(attempts != vec![1, 2, 3]))
+            }
+        });
+    let (_, dead) = list_all(addr, queue, "").await;
+    println!(
+        "NACK storm: 400 jobs, {} NACKs; non-retryable retried {fatal_retried}, retryable not tried 3 times {flaky_wrong}, dead letters {dead}",
+        nacks.values().map(Vec::len).sum::<usize>()
+    );
+    assert_eq!(fatal_retried, 0, "a non-retryable error was retried");
+    assert_eq!(
+        flaky_wrong, 0,
+        "a retryable job was not tried exactly 3 times"
+    );
+    assert_eq!(dead, 400, "every job a dead letter once");
+    server.stop();
+}
