@@ -546,6 +546,9 @@ impl Api {
         grant.allow(Operation::Work)?;
         let now = Instant::now();
         let mut extended = Vec::new();
+        // Each job extended here, and by how much (its own visibility when
+        // the heartbeat names none).
+        let mut extended_by: Vec<(String, Duration)> = Vec::new();
         let mut leases = Vec::new();
         {
             let mut held = self
@@ -564,6 +567,7 @@ impl Api {
                 let by = visibility.unwrap_or(h.visibility);
                 h.deadline = now + by;
                 extended.push(id.clone());
+                extended_by.push((id.clone(), by));
                 if by > self.settings.visibility_timeout / 2 {
                     leases.push(id.clone());
                 }
@@ -576,11 +580,11 @@ impl Api {
             // Where replicas share the store, its lease is what another
             // replica goes by: extend it there, and pass the heartbeat of
             // a job held elsewhere to its holder.
-            let here = extended.clone();
+            let here = extended_by;
             let remote: Vec<String> = jobs
                 .unwrap_or_default()
                 .into_iter()
-                .filter(|j| !here.contains(j))
+                .filter(|j| !extended.contains(j))
                 .collect();
             let now = Utc::now();
             let by = visibility;
@@ -589,8 +593,7 @@ impl Api {
                 .store
                 .run(move |tx| {
                     let mut more = Vec::new();
-                    for id in here {
-                        let by = by.unwrap_or(DEFAULT_VISIBILITY);
+                    for (id, by) in here {
                         tx.set_lease(
                             &id,
                             Some(&Lease {
