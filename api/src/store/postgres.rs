@@ -102,9 +102,13 @@ pub struct PostgresSettings {
 }
 
 impl PostgresSettings {
-    /// Checks the URL and the schema name, without connecting.
-    pub fn check(&self) -> Result<(), String> {
-        Config::from_str(self.url.expose()).map_err(|e| e.to_string())?;
+    /// Every problem with these settings, without connecting: the setting
+    /// (`url`, `schema`, `connections`) and why.
+    pub fn problems(&self) -> Vec<(&'static str, String)> {
+        let mut problems = Vec::new();
+        if let Err(e) = Config::from_str(self.url.expose()) {
+            problems.push(("url", e.to_string()));
+        }
         if self.schema.is_empty()
             || self.schema.len() > 63
             || !self
@@ -113,15 +117,26 @@ impl PostgresSettings {
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
             || self.schema.starts_with(|c: char| c.is_ascii_digit())
         {
-            return Err(format!(
-                "schema {:?}: lowercase letters, digits and _, at most 63, not starting with a digit",
-                self.schema
+            problems.push((
+                "schema",
+                format!(
+                    "{:?}: lowercase letters, digits and _, at most 63, not starting with a digit",
+                    self.schema
+                ),
             ));
         }
         if self.connections == 0 {
-            return Err("connections must be at least 1".into());
+            problems.push(("connections", "must be at least 1".into()));
         }
-        Ok(())
+        problems
+    }
+
+    /// The first of [`PostgresSettings::problems`], if any.
+    pub fn check(&self) -> Result<(), String> {
+        match self.problems().into_iter().next() {
+            Some((setting, why)) => Err(format!("{setting}: {why}")),
+            None => Ok(()),
+        }
     }
 }
 

@@ -164,10 +164,7 @@ impl ApiConfig {
             "local" => ojs_adapter_local::LocalConfig::from_url(&url)
                 .map(|c| StateLocation::Dir(c.path))
                 .map_err(|e| e.to_string()),
-            "postgres" | "postgresql" => {
-                self.postgres_settings(&url, None)?;
-                Ok(StateLocation::Postgres(url))
-            }
+            "postgres" | "postgresql" => Ok(StateLocation::Postgres(url)),
             _ => Err(format!(
                 "{:?}: job state is kept in an embedded store (local:./dir) or in PostgreSQL (postgres://…)",
                 ojs_core::redact::url(&url)
@@ -175,19 +172,18 @@ impl ApiConfig {
         }
     }
 
+    /// The PostgreSQL settings as written (`problems` checks them).
     fn postgres_settings(
         &self,
         url: &str,
         password: Option<Secret>,
-    ) -> Result<ojs_api::store::PostgresSettings, String> {
-        let settings = ojs_api::store::PostgresSettings {
+    ) -> ojs_api::store::PostgresSettings {
+        ojs_api::store::PostgresSettings {
             url: Secret::new(url),
             password,
             schema: self.state_schema.clone(),
             connections: self.state_connections,
-        };
-        settings.check()?;
-        Ok(settings)
+        }
     }
 
     /// The API's runtime settings, built once from these.
@@ -236,9 +232,7 @@ impl ApiConfig {
                     .as_deref()
                     .map(|p| read_token_file("api.state_password_file", p))
                     .transpose()?;
-                let pg = self
-                    .postgres_settings(&url, password)
-                    .map_err(|reason| invalid("api.state", reason))?;
+                let pg = self.postgres_settings(&url, password);
                 (ojs_api::ApiSettings::default().state_dir, Some(pg))
             }
         };
@@ -302,7 +296,17 @@ impl ApiConfig {
                     "only a PostgreSQL state has a password",
                 ))
             }
-            Ok(_) => {}
+            Ok(StateLocation::Postgres(url)) => {
+                for (setting, why) in self.postgres_settings(&url, None).problems() {
+                    let field = match setting {
+                        "url" => "api.state",
+                        "schema" => "api.state_schema",
+                        _ => "api.state_connections",
+                    };
+                    errors.push(invalid(field, why));
+                }
+            }
+            Ok(StateLocation::Dir(_)) => {}
         }
         if self.max_body_bytes < 1024 {
             errors.push(invalid("api.max_body_bytes", "must be at least 1024"));

@@ -142,6 +142,31 @@ mod rules {
         }
         assert!(problems.len() >= 6);
         assert!(text.contains("did you mean `rabbit`"), "{text}");
+        // PostgreSQL's settings, each named by its own field.
+        let pg = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nstate = \"postgres://u@db:5432/jobs\"\nstate_schema = \"Bad-Schema\"\nstate_connections = 0\n";
+        let text = BridgeConfig::parse(pg, "t", &[]).unwrap_err().to_string();
+        assert!(text.contains("api.state_schema"), "{text}");
+        assert!(text.contains("api.state_connections"), "{text}");
+        let pg = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nstate = \"postgres://u@db:notaport/jobs\"\n";
+        let text = BridgeConfig::parse(pg, "t", &[]).unwrap_err().to_string();
+        assert!(text.contains("api.state"), "{text}");
+        let local_with_password = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nstate_password_file = \"/run/pg\"\n";
+        let text = BridgeConfig::parse(local_with_password, "t", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("api.state_password_file"), "{text}");
+        let good = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nstate = \"postgres://u@db:5432/jobs\"\nstate_schema = \"ojs_a1\"\n";
+        let settings = BridgeConfig::parse(good, "t", &[])
+            .unwrap()
+            .api
+            .unwrap()
+            .settings(
+                &BTreeMap::from([("local".to_owned(), AdapterEntry::url("local:./d"))]),
+                &HttpConfig::default(),
+            )
+            .unwrap();
+        let pg = settings.postgres.expect("a PostgreSQL store");
+        assert_eq!((pg.schema.as_str(), pg.connections), ("ojs_a1", 8));
         let unknown =
             BridgeConfig::parse("[api]\nadapter = \"a\"\nqueus = []\n", "t", &[]).unwrap_err();
         assert!(unknown.to_string().contains("queus"), "{unknown}");

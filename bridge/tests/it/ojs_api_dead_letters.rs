@@ -216,6 +216,19 @@ async fn a_thousand_dead_letters(
         status_of(addr, "DELETE", &format!("/ojs/v1/dead-letter/{id}")).await,
         404
     );
+    // Bad requests are named, and change nothing.
+    let bad = get(addr, "/ojs/v1/dead-letter?limit=many").await;
+    assert_eq!(bad.status, 400, "{:?}", bad.body);
+    assert_eq!(bad.json()["error"]["code"], "invalid_request");
+    assert_eq!(
+        status_of(addr, "POST", "/ojs/v1/dead-letter/no-such-job/retry").await,
+        404
+    );
+    assert_eq!(status_of(addr, "POST", "/ojs/v1/dead-letter").await, 405);
+    assert_eq!(
+        status_of(addr, "GET", "/ojs/v1/dead-letter/a/b/c").await,
+        404
+    );
     server.stop();
 }
 

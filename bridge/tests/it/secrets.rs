@@ -102,6 +102,42 @@ fn bad_configs_and_unreachable_brokers_never_echo_a_secret() {
             );
         }
     }
+    // The OJS API's job store on PostgreSQL: its password shows neither
+    // beside a bad setting (check-config) nor when the server is not there
+    // (run fails to open the store).
+    for (i, extra) in ["state_connections = 0\n", ""].into_iter().enumerate() {
+        let file = dir.path().join(format!("pg{i}.toml"));
+        std::fs::write(
+            &file,
+            format!("[http]\nlisten = \"127.0.0.1:0\"\n[adapters]\nlocal = \"local:./pg-data\"\n[api]\nadapter = \"local\"\nstate = \"postgres://u:{USERINFO}@127.0.0.1:1/jobs\"\n{extra}"),
+        )
+        .unwrap();
+        for command in ["check-config", "run"] {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"));
+            cmd.current_dir(dir.path()).env("OJS_BRIDGE_LOG", "trace");
+            if command == "run" {
+                cmd.args(["run", "--config"]);
+            } else {
+                cmd.arg("check-config");
+            }
+            let out = cmd.arg(&file).output().unwrap();
+            // A bad setting fails both; the unreachable server fails run.
+            assert_eq!(
+                out.status.success(),
+                extra.is_empty() && command == "check-config",
+                "pg case {i} {command}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_clean(
+                &format!("pg case {i} {command} stdout"),
+                &String::from_utf8_lossy(&out.stdout),
+            );
+            assert_clean(
+                &format!("pg case {i} {command} stderr"),
+                &String::from_utf8_lossy(&out.stderr),
+            );
+        }
+    }
     // A broker that refuses the credentials: the connect error is printed.
     let file = dir.path().join("refused.toml");
     std::fs::write(
