@@ -30,7 +30,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::{daemon, line, listening, median, rss_mib, Measured, Server};
+use common::{daemon, line, listening, local_adapter, median, rss_mib, Measured, Server};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -341,20 +341,7 @@ fn main() {
         backend(
             "embedded broker (local:, durable: every PUSH a store commit and a broker commit)",
             "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n",
-            || {
-                Box::pin(async {
-                    let dir = ojs_bridge_tests::tempdir::TempDir::new("api-bench-adapter");
-                    let url = format!("local:{}", dir.path().display());
-                    // The directory lives as long as the bench.
-                    std::mem::forget(dir);
-                    let a = ojs_adapter_local::LocalAdapter::open(
-                        ojs_adapter_local::LocalConfig::from_url(&url).unwrap(),
-                    )
-                    .await
-                    .unwrap();
-                    Arc::new(a) as Arc<dyn QueueAdapter>
-                })
-            },
+            || Box::pin(local_adapter()),
             single,
             batches,
             rounds,

@@ -22,7 +22,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::{daemon, line, median, Measured};
+use common::{daemon, line, local_adapter, median, Measured};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -307,20 +307,7 @@ fn main() {
             backend(
                 "embedded broker (local:)",
                 "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n",
-                || {
-                    Box::pin(async {
-                        let dir = ojs_bridge_tests::tempdir::TempDir::new("api-work-adapter");
-                        let url = format!("local:{}", dir.path().display());
-                        // The directory lives as long as the bench.
-                        std::mem::forget(dir);
-                        let a = ojs_adapter_local::LocalAdapter::open(
-                            ojs_adapter_local::LocalConfig::from_url(&url).unwrap(),
-                        )
-                        .await
-                        .unwrap();
-                        Arc::new(a) as Arc<dyn QueueAdapter>
-                    })
-                },
+                || Box::pin(local_adapter()),
                 jobs,
                 rounds,
             )

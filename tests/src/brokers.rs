@@ -41,6 +41,25 @@ pub fn rabbitmqctl(args: &[&str]) -> bool {
     rabbitmqctl_output(args).is_some()
 }
 
+/// Messages RabbitMQ holds in the queue named `name` (ready and
+/// unacknowledged), counted by `rabbitmqctl`: a count no client of the
+/// bridge takes part in. `None` when the queue or `rabbitmqctl` is missing.
+pub fn rabbitmq_messages(name: &str) -> Option<u64> {
+    let out = rabbitmqctl_output(&[
+        "list_queues",
+        "-q",
+        "--no-table-headers",
+        "name",
+        "messages",
+    ])?;
+    out.lines().find_map(|l| {
+        let mut parts = l.split_whitespace();
+        (parts.next() == Some(name))
+            .then(|| parts.next()?.parse().ok())
+            .flatten()
+    })
+}
+
 /// [`rabbitmqctl`], returning what it printed when it succeeded.
 pub fn rabbitmqctl_output(args: &[&str]) -> Option<String> {
     let command =

@@ -336,18 +336,7 @@ impl SqliteStore {
                 "SELECT id, envelope, extra FROM jobs WHERE state = 'scheduled' AND due_ms <= ?1
                  ORDER BY due_ms LIMIT ?2",
             )?;
-            let rows = stmt.query_map(params![ms(now), limit as i64], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                ))
-            })?;
-            rows.map(|r| {
-                let (id, envelope, extra) = r?;
-                decode(&id, &envelope, &extra)
-            })
-            .collect()
+            jobs(&mut stmt, params![ms(now), limit as i64])
         })
         .await
     }
@@ -376,18 +365,7 @@ impl SqliteStore {
                  WHERE (rowid > ?1 AND rowid <= ?2 AND state = 'available') OR dead = 2
                  ORDER BY rowid LIMIT ?3",
             )?;
-            let rows = stmt.query_map(params![above, through, limit as i64], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                ))
-            })?;
-            rows.map(|r| {
-                let (id, envelope, extra) = r?;
-                decode(&id, &envelope, &extra)
-            })
-            .collect()
+            jobs(&mut stmt, params![above, through, limit as i64])
         })
         .await
     }
@@ -397,18 +375,7 @@ impl SqliteStore {
             let mut stmt = conn.prepare_cached(
                 "SELECT id, envelope, extra FROM jobs WHERE dead = 1 ORDER BY finished_ms, rowid",
             )?;
-            let rows = stmt.query_map([], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                ))
-            })?;
-            rows.map(|r| {
-                let (id, envelope, extra) = r?;
-                decode(&id, &envelope, &extra)
-            })
-            .collect()
+            jobs(&mut stmt, [])
         })
         .await
     }
@@ -468,6 +435,25 @@ impl SqliteStore {
         })
         .await
     }
+}
+
+/// The jobs a `SELECT id, envelope, extra …` statement finds.
+fn jobs(
+    stmt: &mut rusqlite::CachedStatement<'_>,
+    params: impl rusqlite::Params,
+) -> Result<Vec<Job>, StoreError> {
+    let rows = stmt.query_map(params, |r| {
+        Ok((
+            r.get::<_, String>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, String>(2)?,
+        ))
+    })?;
+    rows.map(|r| {
+        let (id, envelope, extra) = r?;
+        decode(&id, &envelope, &extra)
+    })
+    .collect()
 }
 
 fn event(

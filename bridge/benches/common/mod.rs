@@ -122,3 +122,17 @@ pub fn line(what: &str, m: &Measured, against: Option<&Measured>) {
         m.p99.as_secs_f64() * 1e3,
     );
 }
+
+/// The embedded adapter in a fresh directory that lives as long as the
+/// bench (the adapter-alone side of the API benches).
+pub async fn local_adapter() -> std::sync::Arc<dyn ojs_core::QueueAdapter> {
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("api-bench-adapter");
+    let url = format!("local:{}", dir.path().display());
+    std::mem::forget(dir);
+    let adapter = ojs_adapter_local::LocalAdapter::open(
+        ojs_adapter_local::LocalConfig::from_url(&url).unwrap(),
+    )
+    .await
+    .unwrap();
+    std::sync::Arc::new(adapter)
+}

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use ojs_bridge_tests::brokers::{find, rabbitmqctl_output, unique_queue, Broker};
+use ojs_bridge_tests::brokers::{find, rabbitmq_messages, unique_queue, Broker};
 use serde_json::{json, Value};
 
 use crate::ojs_server::{get, post_json, request, OjsServer};
@@ -248,21 +248,7 @@ async fn a_thousand_dead_letters_listed_retried_and_deleted_on_rabbitmq() {
         rabbit.url
     );
     let dead_queue = format!("{prefix}.doomed.dead");
-    let count = move || {
-        let out = rabbitmqctl_output(&[
-            "list_queues",
-            "-q",
-            "--no-table-headers",
-            "name",
-            "messages",
-        ])?;
-        out.lines().find_map(|l| {
-            let mut parts = l.split_whitespace();
-            (parts.next() == Some(dead_queue.as_str()))
-                .then(|| parts.next()?.parse().ok())
-                .flatten()
-        })
-    };
+    let count = move || rabbitmq_messages(&dead_queue);
     a_thousand_dead_letters(Some(config), "dead letters, RabbitMQ", count).await;
 }
 
@@ -301,21 +287,7 @@ async fn the_cli_lists_retries_and_purges_dead_letters_on_rabbitmq() {
     } else {
         format!("{}?{settings}", rabbit.url)
     };
-    let count = |name: String| {
-        let out = rabbitmqctl_output(&[
-            "list_queues",
-            "-q",
-            "--no-table-headers",
-            "name",
-            "messages",
-        ])?;
-        out.lines().find_map(|l| {
-            let mut parts = l.split_whitespace();
-            (parts.next() == Some(name.as_str()))
-                .then(|| parts.next()?.parse::<u64>().ok())
-                .flatten()
-        })
-    };
+    let count = |name: String| rabbitmq_messages(&name);
     let queue = "doomed";
     let (main, dead) = (
         format!("{prefix}.{queue}"),

@@ -12,12 +12,12 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ojs_bridge_tests::brokers::{find, rabbitmqctl_output, unique_queue, Broker};
+use ojs_bridge_tests::brokers::{find, rabbitmq_messages, unique_queue, Broker};
 use ojs_bridge_tests::fault_proxy::{FaultProxy, Mode};
 use ojs_bridge_tests::postgres::{self, TestSchema};
 use serde_json::{json, Value};
 
-use crate::ojs_server::{get, post_json, OjsServer};
+use crate::ojs_server::{get, post_json, push_all, tally, work_across, OjsServer};
 
 /// Two replicas' configuration: RabbitMQ queues under `prefix`, job state
 /// in `schema` on `pg_url`.
@@ -55,40 +55,8 @@ impl Setup {
     /// unacknowledged).
     fn broker_messages(&self, queue: &str) -> Option<u64> {
         let name = format!("{}.{queue}", self.prefix);
-        let out = rabbitmqctl_output(&[
-            "list_queues",
-            "-q",
-            "--no-table-headers",
-            "name",
-            "messages",
-        ])?;
-        out.lines().find_map(|l| {
-            let mut parts = l.split_whitespace();
-            (parts.next() == Some(name.as_str()))
-                .then(|| parts.next()?.parse().ok())
-                .flatten()
-        })
+        rabbitmq_messages(&name)
     }
-}
-
-async fn push_all(addr: SocketAddr, queue: &str, n: usize, options: Value) -> Vec<String> {
-    let mut ids = Vec::new();
-    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
-        let jobs: Vec<Value> = chunk
-            .iter()
-            .map(|i| {
-                let mut o = options.clone();
-                o["queue"] = json!(queue);
-                json!({"type": "work.item", "args": [i], "options": o})
-            })
-            .collect();
-        let a = post_json(addr, "/ojs/v1/jobs/batch", &json!({ "jobs": jobs })).await;
-        assert_eq!(a.status, 201, "{:?}", a.body);
-        for j in a.json()["jobs"].as_array().unwrap() {
-            ids.push(j["id"].as_str().unwrap().to_owned());
-        }
-    }
-    ids
 }
 
 /// Exactly `n` jobs fetched through `addr` (waits up to 30 s).
@@ -132,72 +100,6 @@ async fn state(addr: SocketAddr, id: &str) -> Value {
     let a = get(addr, &format!("/ojs/v1/jobs/{id}")).await;
     assert_eq!(a.status, 200, "{:?}", a.body);
     a.json()["job"].clone()
-}
-
-/// Workers fetching from every replica in turn and acking each job through
-/// the next replica (never the one that fetched it) until `want` jobs were
-/// completed or nothing came for 15 s; every job id completed.
-async fn work_across(
-    replicas: &[SocketAddr],
-    queue: &str,
-    workers: usize,
-    want: usize,
-) -> Vec<String> {
-    let got = Arc::new(Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
-    for w in 0..workers {
-        let (got, replicas, queue) = (got.clone(), replicas.to_vec(), queue.to_owned());
-        tasks.push(tokio::spawn(async move {
-            let worker = format!("worker-{w}");
-            let mut idle_since = Instant::now();
-            let mut turn = w;
-            while got.lock().unwrap().len() < want && idle_since.elapsed() < Duration::from_secs(15)
-            {
-                let from = replicas[turn % replicas.len()];
-                turn += 1;
-                let a = post_json(
-                    from,
-                    "/ojs/v1/workers/fetch",
-                    &json!({"queues": [queue], "count": 10, "worker_id": worker, "wait_ms": 300}),
-                )
-                .await;
-                assert_eq!(a.status, 200, "{:?}", a.body);
-                let jobs = a.json()["jobs"].as_array().cloned().unwrap_or_default();
-                if !jobs.is_empty() {
-                    idle_since = Instant::now();
-                }
-                for job in jobs {
-                    let id = job["id"].as_str().unwrap().to_owned();
-                    let to = replicas[turn % replicas.len()];
-                    assert_eq!(ack(to, &id).await, 200, "ack of {id}");
-                    got.lock().unwrap().push(id);
-                }
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let got = got.lock().unwrap().clone();
-    got
-}
-
-fn tally(what: &str, sent: &[String], completed: &[String]) -> (usize, usize) {
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    for id in completed {
-        *counts.entry(id.as_str()).or_default() += 1;
-    }
-    let duplicated = counts.values().filter(|n| **n > 1).count();
-    let lost = sent
-        .iter()
-        .filter(|id| !counts.contains_key(id.as_str()))
-        .count();
-    println!(
-        "{what}: sent {}, completed {}, duplicated {duplicated}, lost {lost}",
-        sent.len(),
-        completed.len()
-    );
-    (duplicated, lost)
 }
 
 /// Waits until RabbitMQ holds no message of `queue` (every delivery was

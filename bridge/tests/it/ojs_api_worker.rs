@@ -6,30 +6,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::{BTreeMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use serde_json::{json, Value};
 
-use crate::ojs_server::{post_json, OjsServer};
-
-async fn push_all(server: &OjsServer, queue: &str, n: usize) -> Vec<String> {
-    let mut ids = Vec::new();
-    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
-        let jobs: Vec<Value> = chunk
-            .iter()
-            .map(|i| json!({"type": "work.item", "args": [i], "options": {"queue": queue}}))
-            .collect();
-        let a = post_json(server.addr, "/ojs/v1/jobs/batch", &json!({ "jobs": jobs })).await;
-        assert_eq!(a.status, 201, "{:?}", a.body);
-        for j in a.json()["jobs"].as_array().unwrap() {
-            ids.push(j["id"].as_str().unwrap().to_owned());
-        }
-    }
-    ids
-}
+use crate::ojs_server::{post_json, push_all, tally, work_across, OjsServer};
 
 async fn fetch(server: &OjsServer, queue: &str, count: usize, worker: &str) -> Vec<Value> {
     let a = post_json(
@@ -42,74 +25,11 @@ async fn fetch(server: &OjsServer, queue: &str, count: usize, worker: &str) -> V
     a.json()["jobs"].as_array().cloned().unwrap_or_default()
 }
 
-/// `workers` HTTP workers fetch (10 at a time) and ack until `want` jobs
-/// were completed or nothing came for a while; every job id each got.
-async fn work(server: &OjsServer, queue: &str, workers: usize, want: usize) -> Vec<String> {
-    let got = Arc::new(Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
-    for w in 0..workers {
-        let (got, addr, queue) = (got.clone(), server.addr, queue.to_owned());
-        let server_addr = addr;
-        tasks.push(tokio::spawn(async move {
-            let worker = format!("worker-{w}");
-            let mut idle_since = Instant::now();
-            while got.lock().unwrap().len() < want && idle_since.elapsed() < Duration::from_secs(10)
-            {
-                let a = post_json(
-                    server_addr,
-                    "/ojs/v1/workers/fetch",
-                    &json!({"queues": [queue], "count": 10, "worker_id": worker, "wait_ms": 300}),
-                )
-                .await;
-                assert_eq!(a.status, 200, "{:?}", a.body);
-                let jobs = a.json()["jobs"].as_array().cloned().unwrap_or_default();
-                if !jobs.is_empty() {
-                    idle_since = Instant::now();
-                }
-                for job in jobs {
-                    let id = job["id"].as_str().unwrap().to_owned();
-                    let ack = post_json(
-                        server_addr,
-                        "/ojs/v1/workers/ack",
-                        &json!({"job_id": id, "result": {"by": worker}}),
-                    )
-                    .await;
-                    assert_eq!(ack.status, 200, "{:?}", ack.body);
-                    got.lock().unwrap().push(id);
-                }
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let got = got.lock().unwrap().clone();
-    got
-}
-
-fn tally(what: &str, sent: &[String], completed: &[String]) -> (usize, usize) {
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    for id in completed {
-        *counts.entry(id.as_str()).or_default() += 1;
-    }
-    let duplicated = counts.values().filter(|n| **n > 1).count();
-    let lost = sent
-        .iter()
-        .filter(|id| !counts.contains_key(id.as_str()))
-        .count();
-    println!(
-        "{what}: sent {}, completed {}, duplicated {duplicated}, lost {lost}",
-        sent.len(),
-        completed.len()
-    );
-    (duplicated, lost)
-}
-
 async fn workers_share_a_queue(config: Option<String>, what: &str) {
     let server = OjsServer::start(config.as_deref()).await;
     let queue = "work";
-    let sent = push_all(&server, queue, 300).await;
-    let completed = work(&server, queue, 4, sent.len()).await;
+    let sent = push_all(server.addr, queue, 300, json!({})).await;
+    let completed = work_across(&[server.addr], queue, 4, sent.len()).await;
     let (duplicated, lost) = tally(what, &sent, &completed);
     assert_eq!(lost, 0, "{what}: jobs never completed");
     // One worker per job while it is held: a second ACK would be 409.
@@ -146,7 +66,7 @@ async fn four_http_workers_share_a_queue_on_rabbitmq() {
 async fn kill_9_with_active_jobs(config: Option<String>, what: &str) {
     let server = OjsServer::start(config.as_deref()).await;
     let queue = "held";
-    let sent = push_all(&server, queue, 100).await;
+    let sent = push_all(server.addr, queue, 100, json!({})).await;
     let mut first = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     while first.len() < 60 && Instant::now() < deadline {
@@ -159,7 +79,7 @@ async fn kill_9_with_active_jobs(config: Option<String>, what: &str) {
         .collect();
     let dir = server.kill();
     let server = OjsServer::start_in(dir, config.as_deref()).await;
-    let completed = work(&server, queue, 2, sent.len()).await;
+    let completed = work_across(&[server.addr], queue, 2, sent.len()).await;
     let (duplicated, lost) = tally(what, &sent, &completed);
     assert_eq!(lost, 0, "{what}: jobs lost");
     assert_eq!(duplicated, 0, "{what}: jobs completed twice");

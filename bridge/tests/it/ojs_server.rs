@@ -3,15 +3,18 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::BTreeMap;
 use std::io::BufRead;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use ojs_bridge_tests::tempdir::TempDir;
+use serde_json::{json, Value};
 
 /// A daemon process in a directory of its own; killed (by its PID) when
 /// dropped.
@@ -240,4 +243,99 @@ pub async fn try_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]
     let status = response.status().as_u16();
     response.into_body().collect().await.ok()?;
     Some(status)
+}
+
+/// `n` jobs of type `work.item` onto `queue` through `addr`, 100 a batch,
+/// with `options` (the queue set); their ids.
+pub async fn push_all(addr: SocketAddr, queue: &str, n: usize, options: Value) -> Vec<String> {
+    let mut ids = Vec::new();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
+        let jobs: Vec<Value> = chunk
+            .iter()
+            .map(|i| {
+                let mut o = options.clone();
+                o["queue"] = json!(queue);
+                json!({"type": "work.item", "args": [i], "options": o})
+            })
+            .collect();
+        let a = post_json(addr, "/ojs/v1/jobs/batch", &json!({ "jobs": jobs })).await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        for j in a.json()["jobs"].as_array().unwrap() {
+            ids.push(j["id"].as_str().unwrap().to_owned());
+        }
+    }
+    ids
+}
+
+/// Workers fetching from every replica in turn and acking each job through
+/// the next replica (never the one that fetched it) until `want` jobs were
+/// completed or nothing came for 15 s; every job id completed.
+pub async fn work_across(
+    replicas: &[SocketAddr],
+    queue: &str,
+    workers: usize,
+    want: usize,
+) -> Vec<String> {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let (got, replicas, queue) = (got.clone(), replicas.to_vec(), queue.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let worker = format!("worker-{w}");
+            let mut idle_since = Instant::now();
+            let mut turn = w;
+            while got.lock().unwrap().len() < want && idle_since.elapsed() < Duration::from_secs(15)
+            {
+                let from = replicas[turn % replicas.len()];
+                turn += 1;
+                let a = post_json(
+                    from,
+                    "/ojs/v1/workers/fetch",
+                    &json!({"queues": [queue], "count": 10, "worker_id": worker, "wait_ms": 300}),
+                )
+                .await;
+                assert_eq!(a.status, 200, "{:?}", a.body);
+                let jobs = a.json()["jobs"].as_array().cloned().unwrap_or_default();
+                if !jobs.is_empty() {
+                    idle_since = Instant::now();
+                }
+                for job in jobs {
+                    let id = job["id"].as_str().unwrap().to_owned();
+                    let to = replicas[turn % replicas.len()];
+                    let a = post_json(
+                        to,
+                        "/ojs/v1/workers/ack",
+                        &json!({"job_id": id, "result": {"by": worker}}),
+                    )
+                    .await;
+                    assert_eq!(a.status, 200, "ack of {id}: {:?}", a.body);
+                    got.lock().unwrap().push(id);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let got = got.lock().unwrap().clone();
+    got
+}
+
+/// Prints and returns (duplicated, lost) of `completed` against `sent`.
+pub fn tally(what: &str, sent: &[String], completed: &[String]) -> (usize, usize) {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for id in completed {
+        *counts.entry(id.as_str()).or_default() += 1;
+    }
+    let duplicated = counts.values().filter(|n| **n > 1).count();
+    let lost = sent
+        .iter()
+        .filter(|id| !counts.contains_key(id.as_str()))
+        .count();
+    println!(
+        "{what}: sent {}, completed {}, duplicated {duplicated}, lost {lost}",
+        sent.len(),
+        completed.len()
+    );
+    (duplicated, lost)
 }
