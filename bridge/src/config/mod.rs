@@ -581,7 +581,8 @@ impl BridgeConfig {
 /// Applies `OJS_BRIDGE_…` overrides to the parsed table:
 /// `OJS_BRIDGE_HTTP_LISTEN` → `http.listen`,
 /// `OJS_BRIDGE_API_ADAPTER` → `api.adapter` (serving the API if the file
-/// did not),
+/// did not), `OJS_BRIDGE_API_STATE` → `api.state` (a replica's PostgreSQL
+/// URL, password included, kept out of the file),
 /// `OJS_BRIDGE_SHUTDOWN_TIMEOUT` → `shutdown_timeout`,
 /// `OJS_BRIDGE_WORKER_THREADS` → `worker_threads`,
 /// `OJS_BRIDGE_ADAPTER_<NAME>` → the URL of `adapters.<name>` (the name
@@ -605,14 +606,19 @@ fn apply_env(table: &mut toml::Table, env: &[(String, String)]) -> Result<(), Co
                 return Err(invalid("http", "must be a table"));
             };
             http.insert("listen".into(), toml::Value::String(value.clone()));
-        } else if name == "API_ADAPTER" {
+        } else if name == "API_ADAPTER" || name == "API_STATE" {
             let api = table
                 .entry("api")
                 .or_insert_with(|| toml::Value::Table(toml::Table::new()));
             let toml::Value::Table(api) = api else {
                 return Err(invalid("api", "must be a table"));
             };
-            api.insert("adapter".into(), toml::Value::String(value.clone()));
+            let key = if name == "API_STATE" {
+                "state"
+            } else {
+                "adapter"
+            };
+            api.insert(key.into(), toml::Value::String(value.clone()));
         } else if name == "SHUTDOWN_TIMEOUT" {
             table.insert(
                 "shutdown_timeout".into(),

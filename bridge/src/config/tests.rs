@@ -167,6 +167,19 @@ mod rules {
             .unwrap();
         let pg = settings.postgres.expect("a PostgreSQL store");
         assert_eq!((pg.schema.as_str(), pg.connections), ("ojs_a1", 8));
+        // The URL (password included) from the environment.
+        let env = vec![(
+            "OJS_BRIDGE_API_STATE".to_owned(),
+            "postgres://u:pw@db:5432/from_env".to_owned(),
+        )];
+        let c = BridgeConfig::parse(
+            "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\n",
+            "t",
+            &env,
+        )
+        .unwrap();
+        let state = c.api.and_then(|a| a.state).map(|s| s.0);
+        assert_eq!(state.as_deref(), Some("postgres://u:pw@db:5432/from_env"));
         let unknown =
             BridgeConfig::parse("[api]\nadapter = \"a\"\nqueus = []\n", "t", &[]).unwrap_err();
         assert!(unknown.to_string().contains("queus"), "{unknown}");
