@@ -231,13 +231,15 @@ up_postgres() {
 }
 
 rabbitmqctl_env() {
-  # The node this script started has its own HOME and node name.
+  # The node this script started has its own HOME and node name. Bounded:
+  # a node that does not answer fails the command (and the test that asked
+  # for it) instead of hanging it.
   if [ -f "$STATE/rabbitmq.pid" ]; then
     local r=$STATE/rabbitmq
-    HOME=$r RABBITMQ_NODENAME=rabbit@localhost ERL_EPMD_ADDRESS=127.0.0.1 \
+    timeout 120 env HOME="$r" RABBITMQ_NODENAME=rabbit@localhost ERL_EPMD_ADDRESS=127.0.0.1 \
       /usr/lib/rabbitmq/bin/rabbitmqctl "$@"
   else
-    rabbitmqctl "$@"
+    timeout 120 rabbitmqctl "$@"
   fi
 }
 

@@ -293,13 +293,22 @@ pub fn bounce(command: &str, down_secs: Option<u64>) -> tokio::task::JoinHandle<
         Some(s) => format!("{command} {s}"),
         None => command.to_owned(),
     };
+    // A bounce that does not finish in this time failed: a hung broker tool
+    // must fail the test that asked for it, not hang the suite.
+    let limit = Duration::from_secs(down_secs.unwrap_or(2) + 180);
     tokio::spawn(async move {
-        tokio::process::Command::new("sh")
+        let status = tokio::process::Command::new("sh")
             .arg("-c")
             .arg(&command)
-            .status()
-            .await
-            .is_ok_and(|s| s.success())
+            .kill_on_drop(true)
+            .status();
+        match tokio::time::timeout(limit, status).await {
+            Ok(status) => status.is_ok_and(|s| s.success()),
+            Err(_) => {
+                eprintln!("the bounce command {command:?} did not finish in {limit:?}");
+                false
+            }
+        }
     })
 }
 

@@ -7,6 +7,10 @@
 
 use super::*;
 
+/// How long a channel call may take beyond the caller's own deadline (a
+/// `basic.get` at the end of a receive, a channel close).
+const CALL_GRACE: Duration = Duration::from_secs(5);
+
 /// A consumer's channel and its delivery stream.
 #[derive(Debug)]
 pub(crate) struct Live {
@@ -186,15 +190,20 @@ impl RabbitConsumer {
         channel: &Channel,
         max: usize,
         deadline: Instant,
-    ) -> std::result::Result<Vec<lapin::message::Delivery>, lapin::Error> {
+    ) -> Result<Vec<lapin::message::Delivery>> {
         let source = self.source();
         let mut raw = Vec::new();
         loop {
             while raw.len() < max {
-                match channel
-                    .basic_get(source.as_str().into(), BasicGetOptions { no_ack: false })
-                    .await?
-                {
+                // Bounded like every other call on the channel: on a
+                // half-open connection `basic.get` would wait forever.
+                let get =
+                    channel.basic_get(source.as_str().into(), BasicGetOptions { no_ack: false });
+                let answer = within(deadline.max(Instant::now() + CALL_GRACE), async {
+                    get.await.map_err(|e| amqp_error(&e))
+                })
+                .await?;
+                match answer {
                     Some(m) => raw.push(m.delivery),
                     None => break,
                 }
@@ -299,7 +308,7 @@ impl Consumer for RabbitConsumer {
                         tracing::warn!(error = %e, queue = %self.queue, "rabbitmq basic.get failed; opening a new channel");
                         self.lost(e.to_string());
                         if Instant::now() >= deadline {
-                            return Err(amqp_error(&e));
+                            return Err(e);
                         }
                         continue;
                     }
@@ -334,7 +343,11 @@ impl Consumer for RabbitConsumer {
         if let Some(live) = self.live.take() {
             // Closing the channel hands unacknowledged deliveries back
             // (dropping it would too, without waiting: see `Live`).
-            let _ = live.channel.close(200, "consumer closed".into()).await;
+            // Bounded: a broker that went away without closing the socket
+            // never answers, and the broker hands the deliveries back when
+            // the connection finally drops anyway.
+            let closing = live.channel.close(200, "consumer closed".into());
+            let _ = tokio::time::timeout(CALL_GRACE, closing).await;
         }
         Ok(())
     }

@@ -21,6 +21,16 @@ use ojs_core::federation::{
 use ojs_core::{ConsumerOptions, Encoding, Error, JobEnvelope, OutgoingMessage, QueueAdapter};
 use serde_json::json;
 
+/// Awaits one step of the scenario no longer than `secs`: a step that hangs
+/// fails the test with its name (and the steps before it are in the output).
+async fn step<T>(what: &str, secs: u64, fut: impl std::future::Future<Output = T>) -> T {
+    eprintln!("step: {what}");
+    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("step {what:?} did not finish in {secs} s"),
+    }
+}
+
 async fn drain(adapter: &dyn QueueAdapter, queue: &str, into: &mut Vec<String>) {
     let mut c = adapter
         .consumer(queue, ConsumerOptions::default())
@@ -114,7 +124,7 @@ async fn rabbitmq_region_goes_away_and_comes_back() {
     let mut pinned_refused = 0;
     // Before: affinity lands in rmq.
     for _ in 0..20 {
-        let (id, r) = publish(&federation, &queue, false).await;
+        let (id, r) = step("publish before", 60, publish(&federation, &queue, false)).await;
         r.unwrap();
         tally.sent(id);
     }
@@ -127,7 +137,12 @@ async fn rabbitmq_region_goes_away_and_comes_back() {
     }
     for i in 0..60 {
         let pinned = i % 10 == 0;
-        let (id, r) = publish(&federation, &queue, pinned).await;
+        let (id, r) = step(
+            "publish while away",
+            60,
+            publish(&federation, &queue, pinned),
+        )
+        .await;
         match r {
             Ok(()) => tally.sent(id),
             Err(Error::Publish(f)) if pinned => {
@@ -142,7 +157,10 @@ async fn rabbitmq_region_goes_away_and_comes_back() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(bouncer.await.unwrap(), "bounce command failed");
+    assert!(
+        step("bounce", 300, bouncer).await.unwrap(),
+        "bounce command failed"
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     while breaker(&federation, "rmq") != BreakerState::Closed {
         assert!(
@@ -160,7 +178,7 @@ async fn rabbitmq_region_goes_away_and_comes_back() {
     };
     let before = routed_rmq(&federation);
     for _ in 0..20 {
-        let (id, r) = publish(&federation, &queue, false).await;
+        let (id, r) = step("publish after", 60, publish(&federation, &queue, false)).await;
         r.unwrap();
         tally.sent(id);
     }
@@ -170,12 +188,17 @@ async fn rabbitmq_region_goes_away_and_comes_back() {
         "traffic returned to rmq"
     );
     let _ = stop.send(());
-    monitor.await.unwrap();
+    step("monitor stop", 30, monitor).await.unwrap();
 
     let mut in_rmq = Vec::new();
     let mut in_embedded = Vec::new();
-    drain(&*rabbit, &queue, &mut in_rmq).await;
-    drain(&*embedded, &queue, &mut in_embedded).await;
+    step("drain rmq", 180, drain(&*rabbit, &queue, &mut in_rmq)).await;
+    step(
+        "drain embedded",
+        180,
+        drain(&*embedded, &queue, &mut in_embedded),
+    )
+    .await;
     println!(
         "rmq {} embedded {} pinned refused {pinned_refused} failovers {}",
         in_rmq.len(),
@@ -196,5 +219,5 @@ async fn rabbitmq_region_goes_away_and_comes_back() {
     );
     let distinct: BTreeSet<_> = in_embedded.iter().collect();
     assert_eq!(distinct.len(), in_embedded.len());
-    rabbit.close().await.unwrap();
+    step("close", 30, rabbit.close()).await.unwrap();
 }
