@@ -138,6 +138,17 @@ impl Grant<'_> {
         }
     }
 
+    /// 403 unless the token allows `operation` on every queue (what
+    /// belongs to no queue, such as the workers' roster).
+    pub fn allow_everywhere(&self, operation: Operation) -> Result<(), ApiError> {
+        self.allow(operation)?;
+        if self.scope().is_empty() || self.scope().iter().any(Glob::matches_everything) {
+            Ok(())
+        } else {
+            Err(self.denied(operation, "every queue".into()))
+        }
+    }
+
     /// 403 unless the token allows `operation` on `queue`.
     pub fn allow_on(&self, operation: Operation, queue: &str) -> Result<(), ApiError> {
         self.allow(operation)?;
@@ -225,5 +236,26 @@ mod tests {
         let none = Tokens::default();
         let open = none.identify(None).unwrap();
         assert!(open.allow_on(Operation::Admin, "x").is_ok());
+    }
+
+    #[test]
+    fn what_belongs_to_no_queue_needs_every_queue() {
+        let tokens = Tokens::new(vec![
+            token("tenant", "t-1", &[Operation::Admin], &["tenant-a.*"]),
+            token("stars", "s-1", &[Operation::Admin], &["*"]),
+            token("all", "a-1", &[Operation::Admin], &[]),
+            token("worker", "w-1", &[Operation::Work], &[]),
+        ]);
+        let grant = |secret: &str| tokens.identify(Some(&format!("Bearer {secret}"))).unwrap();
+        assert_eq!(
+            grant("t-1")
+                .allow_everywhere(Operation::Admin)
+                .unwrap_err()
+                .status(),
+            403
+        );
+        assert!(grant("s-1").allow_everywhere(Operation::Admin).is_ok());
+        assert!(grant("a-1").allow_everywhere(Operation::Admin).is_ok());
+        assert!(grant("w-1").allow_everywhere(Operation::Admin).is_err());
     }
 }

@@ -54,6 +54,17 @@ pub enum ApiError {
         /// The states the operation needs, in words.
         expected: &'static str,
     },
+    /// A worker directive the worker's state does not allow (`terminate`
+    /// is final), or the removal of a worker that is not stale.
+    #[error("worker {worker_id} is {current_state}; cannot {asked}")]
+    WorkerConflict {
+        /// The worker.
+        worker_id: String,
+        /// What it is told now.
+        current_state: &'static str,
+        /// What was asked.
+        asked: &'static str,
+    },
     /// A queue outside `[api] queues`.
     #[error("queue {queue:?} is not served here (not in [api] queues)")]
     QueueNotServed {
@@ -185,7 +196,7 @@ impl ApiError {
             | ApiError::MethodNotAllowed { .. } => "invalid_request",
             ApiError::NotFound { .. } | ApiError::QueueNotServed { .. } => "not_found",
             ApiError::Duplicate { .. } => "duplicate",
-            ApiError::Conflict { .. } => "conflict",
+            ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => "conflict",
             ApiError::NotAcceptable { .. } => "not_acceptable",
             ApiError::UnsupportedVersion(_) => "unsupported",
             ApiError::BodyTooLarge { .. }
@@ -213,7 +224,9 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => 405,
             ApiError::BodyTimeout { .. } => 408,
             ApiError::NotAcceptable { .. } => 406,
-            ApiError::Duplicate { .. } | ApiError::Conflict { .. } => 409,
+            ApiError::Duplicate { .. }
+            | ApiError::Conflict { .. }
+            | ApiError::WorkerConflict { .. } => 409,
             ApiError::BodyTooLarge { .. }
             | ApiError::BatchTooLarge { .. }
             | ApiError::JobTooLarge { .. } => 413,
@@ -267,6 +280,11 @@ impl ApiError {
                 "current_state": current_state,
                 "expected_state": expected,
             })),
+            ApiError::WorkerConflict {
+                worker_id,
+                current_state,
+                ..
+            } => Some(json!({"worker_id": worker_id, "current_state": current_state})),
             ApiError::BodyTooLarge { limit } => Some(json!({"limit_bytes": limit})),
             ApiError::BatchTooLarge { count, limit } => {
                 Some(json!({"count": count, "limit": limit}))

@@ -20,6 +20,7 @@ use crate::auth::Grant;
 use crate::dead::DeadLetterQuery;
 use crate::error::ApiError;
 use crate::job::{self, Job};
+use crate::roster::{self, Beat, Directive};
 use crate::store::EventFilter;
 use crate::worker;
 use crate::Api;
@@ -208,6 +209,16 @@ async fn route(
             }
             _ => Err(not_allowed("GET, DELETE")),
         },
+        (_, ["jobs", id, "activate"]) => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            json_only(request.headers())?;
+            let job = api.activate(&grant, id).await?;
+            let mut body = job.to_json();
+            body["previous_state"] = json!("pending");
+            Ok(json_response(200, &json!({ "job": body }), request_id))
+        }
         (_, ["queues"]) => {
             if method != Method::GET {
                 return Err(not_allowed("GET"));
@@ -237,6 +248,10 @@ async fn route(
         (_, ["admin", "dead-letter", rest @ ..]) => {
             json_only(request.headers())?;
             dead_letter_route(api, &grant, request, rest, true, request_id).await
+        }
+        (_, ["admin", "workers", rest @ ..]) => {
+            json_only(request.headers())?;
+            worker_admin_route(api, &grant, request, rest, request_id).await
         }
         (_, ["workers", action]) => {
             if method != Method::POST {
@@ -394,10 +409,33 @@ async fn worker_route(
                 return Err(ApiError::invalid("worker_id", "`worker_id` is required"));
             }
             let visibility = millis(&body, "visibility_timeout_ms")?;
+            // `active_jobs` is a list of ids (binding) or a count (worker
+            // protocol document).
+            let active = body
+                .get("active_jobs")
+                .and_then(Value::as_u64)
+                .or_else(|| jobs.as_ref().map(|j: &Vec<String>| j.len() as u64));
             let extended = api.heartbeat(grant, &worker_id, jobs, visibility).await?;
+            let directive = if worker_id.is_empty() {
+                Directive::Running
+            } else {
+                let about = roster::ABOUT
+                    .iter()
+                    .filter_map(|k| body.get(*k).map(|v| ((*k).to_owned(), v.clone())))
+                    .collect();
+                api.beat(
+                    grant,
+                    Beat {
+                        worker_id,
+                        active_jobs: active,
+                        about,
+                    },
+                )
+                .await?
+            };
             Ok(json_response(
                 200,
-                &json!({"state": "running", "jobs_extended": extended,
+                &json!({"state": directive.as_str(), "jobs_extended": extended,
                         "server_time": crate::job::timestamp(chrono::Utc::now())}),
                 request_id,
             ))
@@ -407,6 +445,93 @@ async fn worker_route(
             path: format!("/ojs/v1/workers/{action}"),
         }),
     }
+}
+
+/// `/ojs/v1/admin/workers…`: the roster, and the operator's directives.
+async fn worker_admin_route(
+    api: &Api,
+    grant: &Grant<'_>,
+    request: &Request<Bytes>,
+    rest: &[&str],
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    let method = request.method();
+    let path = request.uri().path();
+    let not_allowed = |allowed| ApiError::MethodNotAllowed {
+        path: path.to_owned(),
+        allowed,
+    };
+    match rest {
+        [] => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            let (page, per_page) = page_query(request.uri().query().unwrap_or(""))?;
+            Ok(json_response(
+                200,
+                &api.workers_list(grant, page, per_page).await?,
+                request_id,
+            ))
+        }
+        [id] => match *method {
+            Method::GET => Ok(json_response(
+                200,
+                &json!({"worker": api.worker_info(grant, id).await?}),
+                request_id,
+            )),
+            Method::DELETE => {
+                api.deregister(grant, id).await?;
+                Ok(json_response(
+                    200,
+                    &json!({"deleted": true, "worker_id": id}),
+                    request_id,
+                ))
+            }
+            _ => Err(not_allowed("GET, DELETE")),
+        },
+        [id, action @ ("quiet" | "terminate")] => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            let directive = if *action == "quiet" {
+                Directive::Quiet
+            } else {
+                Directive::Terminate
+            };
+            Ok(json_response(
+                200,
+                &json!({"worker": api.direct(grant, id, directive).await?}),
+                request_id,
+            ))
+        }
+        _ => Err(ApiError::NoRoute {
+            method: method.to_string(),
+            path: path.to_owned(),
+        }),
+    }
+}
+
+/// `page` (from 1) and `per_page` (1…100, default 20) of a list.
+fn page_query(query: &str) -> Result<(usize, usize), ApiError> {
+    let mut page = 1;
+    let mut per_page = 20;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let number = |field: &str, max: usize| {
+            v.parse::<usize>()
+                .ok()
+                .filter(|n| (1..=max).contains(n))
+                .ok_or_else(|| {
+                    ApiError::invalid(field, format!("must be a whole number from 1 to {max}"))
+                })
+        };
+        match k {
+            "page" => page = number("page", usize::MAX)?,
+            "per_page" => per_page = number("per_page", 100)?,
+            _ => {}
+        }
+    }
+    Ok((page, per_page))
 }
 
 /// Answers that have only a JSON form.

@@ -15,6 +15,7 @@ pub mod dead;
 pub mod error;
 pub mod http;
 pub mod job;
+pub mod roster;
 pub mod store;
 pub mod worker;
 
@@ -96,6 +97,8 @@ pub struct Api {
     scheduled: Notify,
     /// Deliveries of active jobs, and each queue's consumer.
     workers: worker::Workers,
+    /// Workers told to be quiet or to terminate: FETCH hands them nothing.
+    directives: roster::Directives,
     /// This process among replicas sharing the store: settlements for the
     /// deliveries it holds are addressed to it.
     replica: String,
@@ -131,6 +134,7 @@ impl Api {
             prepared: Mutex::new(HashSet::new()),
             scheduled: Notify::new(),
             workers: worker::Workers::default(),
+            directives: roster::Directives::default(),
             replica: uuid::Uuid::new_v4().simple().to_string(),
             store_down: Mutex::new(None),
         }))
@@ -307,6 +311,39 @@ impl Api {
             })
     }
 
+    /// ACTIVATE: a pending job becomes available and goes to the broker;
+    /// the answer comes after the broker confirmed. When the broker does
+    /// not take it the job is pending again and the answer says why.
+    pub async fn activate(&self, grant: &Grant<'_>, id: &str) -> Result<Job, ApiError> {
+        grant.allow(Operation::Push)?;
+        if !grant.scope().is_empty() {
+            let job = self.job(id).await?;
+            grant.allow_on(Operation::Push, &job.envelope.queue)?;
+        }
+        let now = ojs_core::envelope::now_millis();
+        let job = self
+            .store
+            .activate(id.to_owned(), now)
+            .await
+            .map_err(|e| error::store_error(e, "activate", "pending"))?;
+        let published = match self.message(&job) {
+            Ok(message) => self
+                .publish(&job.envelope.queue, vec![id.to_owned()], vec![message])
+                .await
+                .map_err(|(_, e)| e),
+            Err(e) => Err(e),
+        };
+        match published {
+            Ok(()) => Ok(job),
+            Err(source) => {
+                if let Err(e) = self.store.deactivate(id.to_owned()).await {
+                    tracing::warn!(job_id = %id, error = %e, "putting a job the broker refused back to pending failed; it is published again by recovery");
+                }
+                Err(ApiError::Broker { source })
+            }
+        }
+    }
+
     /// `GET /ojs/v1/events`: the event log after a cursor, within the
     /// token's queues.
     pub async fn events(
@@ -408,6 +445,7 @@ impl Api {
     /// publish was never confirmed, and prunes finished jobs; until `stop`.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         self.recover().await;
+        self.refresh_directives().await;
         let mut last_prune = Instant::now();
         let mut last_recover = Instant::now();
         let mut last_ping = Instant::now();
@@ -424,15 +462,19 @@ impl Api {
                 if last_ping.elapsed() >= Duration::from_secs(1) {
                     last_ping = Instant::now();
                     let down = self.store.ping().await.err().map(|e| e.to_string());
-                    let mut was = self.store_down.lock().unwrap_or_else(|e| e.into_inner());
-                    match (&*was, &down) {
-                        (None, Some(reason)) => {
-                            tracing::warn!(%reason, "the job store does not answer; requests fail as retryable until it does")
+                    {
+                        let mut was = self.store_down.lock().unwrap_or_else(|e| e.into_inner());
+                        match (&*was, &down) {
+                            (None, Some(reason)) => {
+                                tracing::warn!(%reason, "the job store does not answer; requests fail as retryable until it does")
+                            }
+                            (Some(_), None) => tracing::info!("the job store answers again"),
+                            _ => {}
                         }
-                        (Some(_), None) => tracing::info!("the job store answers again"),
-                        _ => {}
+                        *was = down;
                     }
-                    *was = down;
+                    // Directives another replica was given.
+                    self.refresh_directives().await;
                 }
             }
             let wait = match self.publish_due().await {

@@ -83,6 +83,9 @@ struct Feed {
     fresh: bool,
 }
 
+/// Held deliveries taken out of the map, with their job ids.
+type HeldJobs = Vec<(String, Held)>;
+
 /// A delivery whose job is active.
 struct Held {
     delivery: Delivery,
@@ -93,6 +96,9 @@ struct Held {
     visibility: Duration,
     /// When the broker's lease was last extended.
     extended: Instant,
+    /// When the job has run longer than its execution timeout
+    /// (`timeout_ms`): it fails then, as the worker's failure would.
+    timeout: Option<(Instant, Duration)>,
 }
 
 /// The worker side's state in this process.
@@ -260,6 +266,13 @@ impl Api {
                 return Err(ApiError::QueueNotServed { queue: q.clone() });
             }
         }
+        // A worker told to be quiet or to terminate gets nothing more (it
+        // learns why from its next heartbeat).
+        if let Some(worker) = &request.worker_id {
+            if self.told(worker) != crate::roster::Directive::Running {
+                return Ok(Vec::new());
+            }
+        }
         let until = Instant::now() + request.wait.min(MAX_FETCH_WAIT);
         let mut out = Vec::new();
         loop {
@@ -284,7 +297,10 @@ impl Api {
                     .map_err(|source| ApiError::Broker { source })?;
                 feed.fresh = false;
                 drop(feed);
-                out.extend(self.activate(queue, deliveries, &request).await?);
+                out.extend(
+                    self.activate_deliveries(queue, deliveries, &request)
+                        .await?,
+                );
             }
             if !out.is_empty() || Instant::now() >= until {
                 return Ok(out);
@@ -298,7 +314,7 @@ impl Api {
 
     /// Makes the jobs of `deliveries` active (one store commit) and holds
     /// their deliveries.
-    async fn activate(
+    async fn activate_deliveries(
         &self,
         queue: &str,
         deliveries: Vec<Delivery>,
@@ -380,6 +396,7 @@ impl Api {
                         deadline: started + visibility,
                         visibility,
                         extended: started,
+                        timeout: job_timeout(&job).map(|t| (started + t, t)),
                     };
                     self.workers()
                         .held
@@ -400,6 +417,9 @@ impl Api {
                         deadline: started + remaining,
                         visibility: remaining,
                         extended: started,
+                        // Its timeout is enforced by the replica that
+                        // handed it out; an adopted job only waits.
+                        timeout: None,
                     };
                     tracing::debug!(job_id = %job.envelope.id, "a redelivered job still active through another replica is held until its visibility passes");
                     self.workers()
@@ -642,6 +662,50 @@ impl Api {
         Ok(extended)
     }
 
+    /// A job that ran longer than its execution timeout fails as the
+    /// worker's failure of type `timeout` would: its retry policy decides,
+    /// the delivery is settled so, a later ACK of it is a conflict.
+    async fn time_out(&self, id: String, mut held: Held) {
+        let Some((_, limit)) = held.timeout.take() else {
+            return;
+        };
+        let mut error = Map::new();
+        error.insert("code".into(), json!("timeout"));
+        error.insert("type".into(), json!("timeout"));
+        error.insert(
+            "message".into(),
+            json!(format!(
+                "the job ran longer than its execution timeout of {} ms",
+                limit.as_millis()
+            )),
+        );
+        error.insert("retryable".into(), json!(true));
+        let failure = Failure {
+            job_id: id.clone(),
+            error,
+            requeue: false,
+        };
+        let now = Utc::now();
+        match self.store.run(move |tx| fail(tx, &failure, now)).await {
+            Ok((_, decision)) => {
+                tracing::info!(job_id = %id, timeout_ms = limit.as_millis() as u64, "a job ran past its execution timeout and failed");
+                if let Err(e) = settle_delivery(&held.delivery, &decision).await {
+                    tracing::warn!(job_id = %id, error = %e, "settling a timed-out job's delivery failed; the broker gives it back");
+                }
+            }
+            // Settled meanwhile (or moved by another replica): the
+            // visibility reaping decides what becomes of the delivery.
+            Err(StoreError::WrongState { .. } | StoreError::NotFound(_)) => {
+                self.put_back(id, held);
+            }
+            Err(e) => {
+                tracing::warn!(job_id = %id, error = %e, "failing a timed-out job in the store failed; tried again");
+                held.timeout = Some((Instant::now() + Duration::from_secs(1), limit));
+                self.put_back(id, held);
+            }
+        }
+    }
+
     async fn extend_lease(&self, id: &str) {
         let Some(mut held) = self.take_held(id) else {
             return;
@@ -657,12 +721,21 @@ impl Api {
     /// again) and extends the broker's lease of those still held.
     pub(crate) async fn reap(&self) {
         let now = Instant::now();
-        let (expired, renew): (Vec<(String, Held)>, Vec<String>) = {
+        let (timed_out, expired, renew): (HeldJobs, HeldJobs, Vec<String>) = {
             let mut held = self
                 .workers()
                 .held
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
+            let over: Vec<String> = held
+                .iter()
+                .filter(|(_, h)| h.timeout.is_some_and(|(at, _)| at <= now))
+                .map(|(id, _)| id.clone())
+                .collect();
+            let timed_out = over
+                .into_iter()
+                .filter_map(|id| held.remove(&id).map(|h| (id, h)))
+                .collect();
             let ids: Vec<String> = held
                 .iter()
                 .filter(|(_, h)| h.deadline <= now)
@@ -679,10 +752,13 @@ impl Api {
                 })
                 .map(|(id, _)| id.clone())
                 .collect();
-            (expired, renew)
+            (timed_out, expired, renew)
         };
         for id in renew {
             self.extend_lease(&id).await;
+        }
+        for (id, held) in timed_out {
+            self.time_out(id, held).await;
         }
         for (id, mut held) in expired {
             let at = Utc::now();
@@ -835,6 +911,24 @@ fn activate_one(
 
 /// How long a job stays its worker's without a heartbeat when the FETCH
 /// did not say: its own `visibility_timeout_ms`, else 30 s.
+/// The job's execution timeout: `timeout_ms` as the binding sends it,
+/// else the core's `timeout` in seconds; `None` when the job names none
+/// (a default would fail long jobs whose workers heartbeat as asked).
+fn job_timeout(job: &Job) -> Option<Duration> {
+    job.envelope
+        .unknown_attributes
+        .get("timeout_ms")
+        .and_then(Value::as_u64)
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis)
+        .or_else(|| {
+            u64::try_from(job.envelope.timeout)
+                .ok()
+                .filter(|s| *s > 0)
+                .map(Duration::from_secs)
+        })
+}
+
 fn job_visibility(job: &Job) -> Duration {
     job.envelope
         .unknown_attributes

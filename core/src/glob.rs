@@ -26,6 +26,11 @@ impl Glob {
         self.exact.then(|| self.parts[0].as_str())
     }
 
+    /// Whether the pattern is only stars: it matches every text.
+    pub fn matches_everything(&self) -> bool {
+        !self.exact && self.parts.iter().all(String::is_empty)
+    }
+
     /// Whether `text` matches.
     pub fn matches(&self, text: &str) -> bool {
         if self.exact {

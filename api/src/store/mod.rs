@@ -208,6 +208,20 @@ pub trait Tx {
     fn set_lease(&mut self, _id: &str, _lease: Option<&Lease>) -> Result<(), StoreError> {
         Ok(())
     }
+    /// A worker's record (`crate::roster`), if it has one.
+    fn worker(&mut self, id: &str) -> Result<Option<Value>, StoreError>;
+    /// Writes a worker's record; `seen`: its last heartbeat (records not
+    /// seen for `[api] retention` are removed).
+    fn save_worker(
+        &mut self,
+        id: &str,
+        seen: DateTime<Utc>,
+        record: &Value,
+    ) -> Result<(), StoreError>;
+    /// Removes a worker's record; `false` when it had none.
+    fn remove_worker(&mut self, id: &str) -> Result<bool, StoreError>;
+    /// Every worker's record, by id.
+    fn workers(&mut self) -> Result<Vec<Value>, StoreError>;
     /// Asks the replica `holder` to settle the job's delivery.
     fn send_settle(
         &mut self,
@@ -313,6 +327,18 @@ impl Store {
     /// Scheduled jobs the broker confirmed become available.
     pub async fn promote(&self, ids: Vec<String>, now: DateTime<Utc>) -> Result<(), StoreError> {
         self.run(move |tx| promote(tx, &ids, now)).await
+    }
+
+    /// ACTIVATE: a pending job becomes available (not on the broker yet:
+    /// the caller publishes it); returns the job now.
+    pub async fn activate(&self, id: String, now: DateTime<Utc>) -> Result<Job, StoreError> {
+        self.run(move |tx| activate(tx, &id, now)).await
+    }
+
+    /// Puts an activated job back to pending when the broker did not take
+    /// it (unless something else moved it meanwhile).
+    pub async fn deactivate(&self, id: String) -> Result<(), StoreError> {
+        self.run(move |tx| deactivate(tx, &id)).await
     }
 
     /// Runs the transition `f` in one transaction and answers after the
@@ -525,6 +551,45 @@ fn cancel(tx: &mut dyn Tx, id: &str, now: DateTime<Utc>) -> Result<(JobState, Jo
         json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "previous_state": state_name(previous)}),
     )?;
     Ok((previous, job))
+}
+
+fn activate(tx: &mut dyn Tx, id: &str, now: DateTime<Utc>) -> Result<Job, StoreError> {
+    let mut job = tx.load(id)?;
+    if job.state() != JobState::Pending {
+        return Err(StoreError::WrongState {
+            id: id.to_owned(),
+            current: job.state(),
+        });
+    }
+    job.envelope.state = Some(JobState::Available);
+    job.envelope.enqueued_at = Some(now);
+    job.extra
+        .insert("activated_at".into(), json!(timestamp(now)));
+    job.extra.insert("previous_state".into(), json!("pending"));
+    tx.save(&job, None)?;
+    tx.event(
+        "job.enqueued",
+        &job.envelope,
+        now,
+        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available", "previous_state": "pending"}),
+    )?;
+    Ok(job)
+}
+
+fn deactivate(tx: &mut dyn Tx, id: &str) -> Result<(), StoreError> {
+    let mut job = match tx.load(id) {
+        Ok(job) => job,
+        Err(StoreError::NotFound(_)) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if job.state() != JobState::Available || job.extra.get("activated_at").is_none() {
+        return Ok(());
+    }
+    job.envelope.state = Some(JobState::Pending);
+    job.envelope.enqueued_at = None;
+    job.extra.remove("activated_at");
+    job.extra.remove("previous_state");
+    tx.save(&job, None)
 }
 
 fn promote(tx: &mut dyn Tx, ids: &[String], now: DateTime<Utc>) -> Result<(), StoreError> {

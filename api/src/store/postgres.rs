@@ -31,8 +31,8 @@ use super::{
 };
 use crate::job::Job;
 
-/// The schema version this build writes.
-const SCHEMA_VERSION: i32 = 1;
+/// The schema version this build writes: 2 adds the workers' records.
+const SCHEMA_VERSION: i32 = 2;
 /// Taken while the schema is made or migrated: replicas starting together
 /// do it once.
 const MIGRATION_LOCK: i64 = 0x4f4a_5341;
@@ -84,6 +84,15 @@ CREATE TABLE settles (
     action text NOT NULL
 );
 CREATE INDEX settles_holder ON settles (holder);
+";
+
+/// From version 1: the workers' records (`crate::roster`).
+const MIGRATE_1_TO_2: &str = "
+CREATE TABLE workers (
+    id      text PRIMARY KEY,
+    seen_ms bigint NOT NULL,
+    record  text NOT NULL
+);
 ";
 
 /// How to reach PostgreSQL.
@@ -366,6 +375,8 @@ impl PostgresStore {
                 .map_err(pg)?;
             t.execute("DELETE FROM events WHERE time_ms < $1", &[&cut])
                 .map_err(pg)?;
+            t.execute("DELETE FROM workers WHERE seen_ms < $1", &[&cut])
+                .map_err(pg)?;
             Ok(jobs)
         })
         .await
@@ -566,8 +577,11 @@ fn migrate(conn: &mut Connection, schema: &str) -> Result<(), StoreError> {
         .map_err(pg)?
         .and_then(|r| r.get(0));
     match version {
-        None => {
-            t.batch_execute(SCHEMA_V1).map_err(pg)?;
+        None | Some(1) => {
+            if version.is_none() {
+                t.batch_execute(SCHEMA_V1).map_err(pg)?;
+            }
+            t.batch_execute(MIGRATE_1_TO_2).map_err(pg)?;
             t.execute(
                 "INSERT INTO schema_version (version) VALUES ($1)",
                 &[&SCHEMA_VERSION],
@@ -798,4 +812,57 @@ impl Tx for PostgresTx<'_, '_> {
             .map_err(pg)?;
         Ok(())
     }
+
+    fn worker(&mut self, id: &str) -> Result<Option<Value>, StoreError> {
+        let row = self
+            .t
+            .query_opt(
+                "SELECT record FROM workers WHERE id = $1 FOR UPDATE",
+                &[&id],
+            )
+            .map_err(pg)?;
+        row.map(|r| worker_record(id, r.get(0))).transpose()
+    }
+
+    fn save_worker(
+        &mut self,
+        id: &str,
+        seen: DateTime<Utc>,
+        record: &Value,
+    ) -> Result<(), StoreError> {
+        self.t
+            .execute(
+                "INSERT INTO workers (id, seen_ms, record) VALUES ($1, $2, $3)
+                 ON CONFLICT (id) DO UPDATE SET seen_ms = excluded.seen_ms, record = excluded.record",
+                &[&id, &ms(seen), &record.to_string()],
+            )
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn remove_worker(&mut self, id: &str) -> Result<bool, StoreError> {
+        let n = self
+            .t
+            .execute("DELETE FROM workers WHERE id = $1", &[&id])
+            .map_err(pg)?;
+        Ok(n > 0)
+    }
+
+    fn workers(&mut self) -> Result<Vec<Value>, StoreError> {
+        let rows = self
+            .t
+            .query("SELECT id, record FROM workers ORDER BY id", &[])
+            .map_err(pg)?;
+        rows.iter()
+            .map(|r| worker_record(r.get(0), r.get(1)))
+            .collect()
+    }
+}
+
+/// A stored worker record, or why it does not decode.
+fn worker_record(id: &str, record: &str) -> Result<Value, StoreError> {
+    serde_json::from_str(record).map_err(|e| StoreError::Corrupt {
+        id: id.to_owned(),
+        reason: e.to_string(),
+    })
 }

@@ -34,7 +34,8 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// `PRAGMA user_version` this build writes. Version 1 marked every job
 /// published with an UPDATE of its row and gave each event a random id;
 /// version 2 keeps a watermark in `meta` and numbers events by `seq`.
-const SCHEMA_VERSION: i64 = 3;
+/// Version 4 adds the workers' records (`crate::roster`).
+const SCHEMA_VERSION: i64 = 4;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -70,6 +71,11 @@ CREATE TABLE IF NOT EXISTS events (
     job_type TEXT NOT NULL,
     time_ms  INTEGER NOT NULL,
     data     TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS workers (
+    id      TEXT PRIMARY KEY,
+    seen_ms INTEGER NOT NULL,
+    record  TEXT NOT NULL
 );
 ";
 
@@ -598,6 +604,59 @@ impl Tx for SqliteTx<'_> {
             .execute(params![id])?;
         Ok(())
     }
+
+    fn worker(&mut self, id: &str) -> Result<Option<Value>, StoreError> {
+        let record: Option<String> = self
+            .conn
+            .prepare_cached("SELECT record FROM workers WHERE id = ?1")?
+            .query_row(params![id], |r| r.get(0))
+            .optional()?;
+        record.map(|r| worker_record(id, &r)).transpose()
+    }
+
+    fn save_worker(
+        &mut self,
+        id: &str,
+        seen: DateTime<Utc>,
+        record: &Value,
+    ) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO workers (id, seen_ms, record) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (id) DO UPDATE SET seen_ms = excluded.seen_ms, record = excluded.record",
+            )?
+            .execute(params![id, ms(seen), record.to_string()])?;
+        Ok(())
+    }
+
+    fn remove_worker(&mut self, id: &str) -> Result<bool, StoreError> {
+        let n = self
+            .conn
+            .prepare_cached("DELETE FROM workers WHERE id = ?1")?
+            .execute(params![id])?;
+        Ok(n > 0)
+    }
+
+    fn workers(&mut self) -> Result<Vec<Value>, StoreError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT id, record FROM workers ORDER BY id")?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, record) = row?;
+            out.push(worker_record(&id, &record)?);
+        }
+        Ok(out)
+    }
+}
+
+/// A stored worker record, or why it does not decode.
+fn worker_record(id: &str, record: &str) -> Result<Value, StoreError> {
+    serde_json::from_str(record).map_err(|e| StoreError::Corrupt {
+        id: id.to_owned(),
+        reason: e.to_string(),
+    })
 }
 
 /// Which available jobs the broker has not confirmed yet, kept by the
@@ -760,6 +819,8 @@ fn commit_group(
                     )?
                     .execute(params![cut])?;
                 c.prepare_cached("DELETE FROM events WHERE time_ms < ?1")?
+                    .execute(params![cut])?;
+                c.prepare_cached("DELETE FROM workers WHERE seen_ms < ?1")?
                     .execute(params![cut])?;
                 Ok(jobs as u64)
             })),
@@ -1028,6 +1089,15 @@ mod tests {
             .await?;
         assert_eq!(events.len(), 1);
         assert_eq!(events[0].body["id"], "evt_0000000000000001");
+        // The workers' records (version 4) are there too.
+        let now = Utc::now();
+        let record = store
+            .run(move |tx| {
+                tx.save_worker("w1", now, &serde_json::json!({"id": "w1"}))?;
+                tx.worker("w1")
+            })
+            .await?;
+        assert_eq!(record, Some(serde_json::json!({"id": "w1"})));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

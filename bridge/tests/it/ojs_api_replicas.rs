@@ -401,3 +401,62 @@ async fn postgresql_gone_for_20_s_fails_requests_as_retryable_and_loses_nothing(
     assert_eq!(duplicated, 0);
     a.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_direct_workers_through_either_replica() {
+    let Some(setup) = setup("directed").await else {
+        return;
+    };
+    let config = setup.config();
+    let a = OjsServer::start(Some(&config)).await;
+    let b = OjsServer::start(Some(&config)).await;
+    crate::ojs_api_worker::operators_direct_workers(a.addr, b.addr, "two replicas").await;
+    a.stop();
+    b.stop();
+}
+
+/// A job store made by the previous build (schema version 1, before the
+/// workers' records) is migrated by the first replica that starts, and
+/// keeps its jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
+    let Some(setup) = setup("migrated").await else {
+        return;
+    };
+    let config = setup.config();
+    let server = OjsServer::start(Some(&config)).await;
+    let sent = push_all(server.addr, "kept", 3, json!({})).await;
+    server.stop();
+    let schema = &setup.schema.name;
+    setup
+        .schema
+        .execute(&format!(
+            "SET search_path TO \"{schema}\"; DROP TABLE workers; DELETE FROM schema_version;
+             INSERT INTO schema_version (version) VALUES (1);"
+        ))
+        .unwrap();
+    let server = OjsServer::start(Some(&config)).await;
+    assert_eq!(
+        setup
+            .schema
+            .count("SELECT max(version)::bigint FROM schema_version")
+            .unwrap(),
+        2
+    );
+    let beat = post_json(
+        server.addr,
+        "/ojs/v1/workers/heartbeat",
+        &json!({"worker_id": "after-migration"}),
+    )
+    .await;
+    assert_eq!(beat.status, 200, "{:?}", beat.body);
+    assert_eq!(
+        setup.schema.count("SELECT count(*) FROM workers").unwrap(),
+        1
+    );
+    for id in &sent {
+        let a = get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
+        assert_eq!(a.json()["job"]["state"], "available", "{:?}", a.body);
+    }
+    server.stop();
+}

@@ -111,3 +111,351 @@ async fn kill_9_with_active_jobs_loses_none_on_rabbitmq() {
     );
     kill_9_with_active_jobs(Some(config), "kill -9 holding 60 active jobs, RabbitMQ").await;
 }
+
+fn rabbit_config(rabbit_url: &str, prefix: &str) -> String {
+    format!(
+        "[adapters.rabbit]\nurl = \"{rabbit_url}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"rabbit\"\n"
+    )
+}
+
+async fn info(server: &OjsServer, id: &str) -> Value {
+    let a = crate::ojs_server::get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    a.json()["job"].clone()
+}
+
+async fn activate(server: &OjsServer, id: &str) -> crate::ojs_server::Answer {
+    post_json(
+        server.addr,
+        &format!("/ojs/v1/jobs/{id}/activate"),
+        &json!({}),
+    )
+    .await
+}
+
+/// Pending jobs are kept in the store, never on the broker, until
+/// ACTIVATE publishes them; ACTIVATE of anything not pending is 409 with
+/// the state it is in.
+async fn pending_jobs_wait_for_activate(config: Option<String>, what: &str) {
+    let server = OjsServer::start(config.as_deref()).await;
+    let queue = "gated";
+    let pending = push_all(server.addr, queue, 5, json!({"pending": true})).await;
+    for id in &pending {
+        assert_eq!(info(&server, id).await["state"], "pending", "{what}");
+    }
+    assert!(
+        fetch(&server, queue, 10, "eager").await.is_empty(),
+        "{what}: a pending job was handed to a worker"
+    );
+    for id in &pending[..3] {
+        let a = activate(&server, id).await;
+        assert_eq!(a.status, 200, "{what}: {:?}", a.body);
+        let job = &a.json()["job"];
+        assert_eq!(job["id"], json!(id));
+        assert_eq!(job["state"], "available");
+        assert_eq!(job["previous_state"], "pending");
+        assert!(job["activated_at"].is_string(), "{what}: {job}");
+    }
+    // Twice: the job is no longer pending.
+    let again = activate(&server, &pending[0]).await;
+    assert_eq!(again.status, 409, "{what}: {:?}", again.body);
+    assert_eq!(
+        again.json()["error"]["details"]["current_state"],
+        "available"
+    );
+    // Cancelled before it was activated: stays cancelled.
+    let cancel = crate::ojs_server::request(
+        server.addr,
+        "DELETE",
+        &format!("/ojs/v1/jobs/{}", pending[3]),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(cancel.status, 200, "{:?}", cancel.body);
+    let late = activate(&server, &pending[3]).await;
+    assert_eq!(late.status, 409, "{what}: {:?}", late.body);
+    assert_eq!(
+        late.json()["error"]["details"]["current_state"],
+        "cancelled"
+    );
+    let unknown = activate(&server, "01890000-0000-7000-8000-000000000000").await;
+    assert_eq!(unknown.status, 404, "{:?}", unknown.body);
+    let wrong_method = crate::ojs_server::get(
+        server.addr,
+        &format!("/ojs/v1/jobs/{}/activate", pending[4]),
+    )
+    .await;
+    assert_eq!(wrong_method.status, 405);
+
+    // Exactly the three activated ones reach a worker.
+    let mut fetched = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fetched.len() < 3 && Instant::now() < deadline {
+        for job in fetch(&server, queue, 10, "eager").await {
+            fetched.insert(job["id"].as_str().unwrap().to_owned());
+        }
+    }
+    let activated: HashSet<String> = pending[..3].iter().cloned().collect();
+    assert_eq!(
+        fetched, activated,
+        "{what}: the activated jobs, and only those"
+    );
+    assert!(fetch(&server, queue, 10, "eager").await.is_empty());
+    assert_eq!(info(&server, &pending[4]).await["state"], "pending");
+    println!("{what}: 5 pending, 3 activated and fetched, 1 cancelled, 1 still pending");
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_jobs_wait_for_activate_on_the_embedded_default() {
+    pending_jobs_wait_for_activate(None, "embedded").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_jobs_wait_for_activate_on_rabbitmq() {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let config = rabbit_config(&rabbit.url, &unique_queue("gated"));
+    pending_jobs_wait_for_activate(Some(config), "RabbitMQ").await;
+}
+
+/// A job that runs past its `timeout_ms` fails as a failure of type
+/// `timeout` would: retried by its policy (the worker's late ACK is a
+/// conflict), dead-lettered when exhausted; a job that names no timeout
+/// stays its worker's.
+async fn execution_timeouts_fail_jobs(config: Option<String>, what: &str) {
+    let server = OjsServer::start(config.as_deref()).await;
+    let queue = "slow";
+    let retried = push_all(
+        server.addr,
+        queue,
+        1,
+        json!({"timeout_ms": 1000, "retry": {"max_attempts": 2, "initial_interval": "PT1S", "jitter": false}}),
+    )
+    .await
+    .remove(0);
+    let exhausted = push_all(
+        server.addr,
+        queue,
+        1,
+        json!({"timeout_ms": 1000, "retry": {"max_attempts": 1}}),
+    )
+    .await
+    .remove(0);
+    let untimed = push_all(server.addr, queue, 1, json!({})).await.remove(0);
+    let mut fetched = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fetched.len() < 3 && Instant::now() < deadline {
+        for job in fetch(&server, queue, 3, "sluggish").await {
+            fetched.insert(job["id"].as_str().unwrap().to_owned());
+        }
+    }
+    assert_eq!(fetched.len(), 3, "{what}: all three active");
+    // Well past the timeout, well within the visibility (30 s).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let job = info(&server, &retried).await;
+    assert!(
+        job["state"] == "retryable" || job["state"] == "available",
+        "{what}: {job}"
+    );
+    assert_eq!(job["error"]["type"], "timeout", "{what}: {job}");
+    assert_eq!(job["errors"][0]["code"], "timeout", "{what}: {job}");
+    let late = post_json(
+        server.addr,
+        "/ojs/v1/workers/ack",
+        &json!({"job_id": retried, "worker_id": "sluggish"}),
+    )
+    .await;
+    assert_eq!(late.status, 409, "{what}: a late ACK {:?}", late.body);
+    let job = info(&server, &exhausted).await;
+    assert_eq!(job["state"], "discarded", "{what}: {job}");
+    assert_eq!(job["error"]["type"], "timeout");
+    assert_eq!(info(&server, &untimed).await["state"], "active", "{what}");
+    // The dead letter is there, with the error.
+    let dead =
+        crate::ojs_server::get(server.addr, &format!("/ojs/v1/dead-letter?queue={queue}")).await;
+    assert_eq!(dead.status, 200, "{:?}", dead.body);
+    let ids: Vec<Value> = dead.json()["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].clone())
+        .collect();
+    assert_eq!(ids, vec![json!(exhausted)], "{what}: dead letters");
+    // The retry comes back as attempt 2 and completes.
+    let mut again = None;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while again.is_none() && Instant::now() < deadline {
+        again = fetch(&server, queue, 1, "prompt").await.into_iter().next();
+    }
+    let again = again.unwrap_or_else(|| panic!("{what}: the timed-out job came back"));
+    assert_eq!(again["id"], json!(retried));
+    assert_eq!(again["attempt"], 2);
+    let ack = post_json(
+        server.addr,
+        "/ojs/v1/workers/ack",
+        &json!({"job_id": retried, "worker_id": "prompt"}),
+    )
+    .await;
+    assert_eq!(ack.status, 200, "{:?}", ack.body);
+    println!("{what}: one timed out and retried, one timed out and dead-lettered, one without a timeout still active");
+    server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execution_timeouts_fail_jobs_on_the_embedded_default() {
+    execution_timeouts_fail_jobs(None, "embedded").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execution_timeouts_fail_jobs_on_rabbitmq() {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let config = rabbit_config(&rabbit.url, &unique_queue("slow"));
+    execution_timeouts_fail_jobs(Some(config), "RabbitMQ").await;
+}
+
+async fn beat(addr: std::net::SocketAddr, worker: &str, active: &[&str]) -> Value {
+    let a = post_json(
+        addr,
+        "/ojs/v1/workers/heartbeat",
+        &json!({"worker_id": worker, "active_jobs": active, "hostname": format!("{worker}.example"),
+                "version": "sdk-1.2"}),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    a.json()
+}
+
+async fn fetch_at(
+    addr: std::net::SocketAddr,
+    queue: &str,
+    count: usize,
+    worker: &str,
+) -> Vec<Value> {
+    let a = post_json(
+        addr,
+        "/ojs/v1/workers/fetch",
+        &json!({"queues": [queue], "count": count, "worker_id": worker, "wait_ms": 500}),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    a.json()["jobs"].as_array().cloned().unwrap_or_default()
+}
+
+/// An operator tells a worker to be quiet, then to terminate, through `b`;
+/// the worker hears it on its heartbeats through `a`, FETCH hands it
+/// nothing through either, it still finishes the job it holds, other
+/// workers go on; `terminate` is final. `a` and `b` may be one server.
+pub(crate) async fn operators_direct_workers(
+    a: std::net::SocketAddr,
+    b: std::net::SocketAddr,
+    what: &str,
+) {
+    let queue = "directed";
+    let sent = push_all(a, queue, 4, json!({})).await;
+    assert_eq!(beat(a, "w1", &[]).await["state"], "running", "{what}");
+    assert_eq!(beat(b, "w2", &[]).await["state"], "running", "{what}");
+    let mut held = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while held.is_empty() && Instant::now() < deadline {
+        held = fetch_at(a, queue, 1, "w1").await;
+    }
+    let job = held[0]["id"].as_str().unwrap().to_owned();
+
+    let roster = crate::ojs_server::get(b, "/ojs/v1/admin/workers").await;
+    assert_eq!(roster.status, 200, "{:?}", roster.body);
+    let roster = roster.json();
+    assert_eq!(roster["summary"]["total"], 2, "{what}: {roster}");
+    assert_eq!(roster["summary"]["running"], 2);
+    let w1 = &roster["items"][0];
+    assert_eq!(w1["id"], "w1");
+    assert_eq!(w1["state"], "running");
+    assert_eq!(w1["hostname"], "w1.example");
+    assert_eq!(w1["version"], "sdk-1.2");
+    assert_eq!(w1["stale"], false);
+    let page = crate::ojs_server::get(b, "/ojs/v1/admin/workers?page=2&per_page=1").await;
+    assert_eq!(page.json()["items"][0]["id"], "w2", "{:?}", page.body);
+    assert_eq!(page.json()["pagination"]["total"], 2);
+    let bad = crate::ojs_server::get(b, "/ojs/v1/admin/workers?per_page=0").await;
+    assert_eq!(bad.status, 400, "{:?}", bad.body);
+
+    // Quiet: told on the next heartbeat (through the other replica), no
+    // more jobs, the held one still finishes.
+    let quiet = post_json(b, "/ojs/v1/admin/workers/w1/quiet", &json!({})).await;
+    assert_eq!(quiet.status, 200, "{:?}", quiet.body);
+    assert_eq!(quiet.json()["worker"]["state"], "quiet");
+    let answer = beat(a, "w1", &[&job]).await;
+    assert_eq!(answer["state"], "quiet", "{what}: {answer}");
+    assert_eq!(answer["jobs_extended"], json!([job]));
+    assert!(
+        fetch_at(a, queue, 4, "w1").await.is_empty(),
+        "{what}: a quiet worker got a job"
+    );
+    assert!(
+        fetch_at(b, queue, 4, "w1").await.is_empty(),
+        "{what}: a quiet worker got a job"
+    );
+    let ack = post_json(
+        a,
+        "/ojs/v1/workers/ack",
+        &json!({"job_id": job, "worker_id": "w1"}),
+    )
+    .await;
+    assert_eq!(ack.status, 200, "{what}: {:?}", ack.body);
+    // Everyone else goes on.
+    let mut rest = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while rest.len() < 3 && Instant::now() < deadline {
+        for j in fetch_at(b, queue, 3, "w2").await {
+            rest.insert(j["id"].as_str().unwrap().to_owned());
+        }
+    }
+    assert_eq!(rest.len(), 3, "{what}: w2 took the other jobs");
+    for id in &rest {
+        let ack = post_json(b, "/ojs/v1/workers/ack", &json!({"job_id": id})).await;
+        assert_eq!(ack.status, 200, "{:?}", ack.body);
+    }
+    let done: HashSet<String> = rest.into_iter().chain([job]).collect();
+    assert_eq!(done, sent.into_iter().collect::<HashSet<_>>(), "{what}");
+
+    // Terminate is final.
+    let terminate = post_json(b, "/ojs/v1/admin/workers/w1/terminate", &json!({})).await;
+    assert_eq!(terminate.status, 200, "{:?}", terminate.body);
+    let back = post_json(b, "/ojs/v1/admin/workers/w1/quiet", &json!({})).await;
+    assert_eq!(back.status, 409, "{what}: {:?}", back.body);
+    assert_eq!(
+        back.json()["error"]["details"]["current_state"],
+        "terminate"
+    );
+    assert_eq!(beat(a, "w1", &[]).await["state"], "terminate", "{what}");
+    assert_eq!(beat(a, "w2", &[]).await["state"], "running", "{what}");
+    let w1 = crate::ojs_server::get(a, "/ojs/v1/admin/workers/w1").await;
+    assert_eq!(w1.json()["worker"]["state"], "terminate", "{:?}", w1.body);
+    // A worker heard from just now is not removed; unknown ones are 404.
+    let remove =
+        crate::ojs_server::request(a, "DELETE", "/ojs/v1/admin/workers/w1", &[], None).await;
+    assert_eq!(remove.status, 409, "{what}: {:?}", remove.body);
+    let unknown = crate::ojs_server::get(a, "/ojs/v1/admin/workers/nobody").await;
+    assert_eq!(unknown.status, 404);
+    let no_route = post_json(a, "/ojs/v1/admin/workers/w1/pause", &json!({})).await;
+    assert_eq!(no_route.status, 404);
+    let wrong = crate::ojs_server::get(a, "/ojs/v1/admin/workers/w1/quiet").await;
+    assert_eq!(wrong.status, 405);
+    println!("{what}: w1 quiet then terminated through the other server, finished its job; w2 took the other 3");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_direct_workers_on_the_embedded_default() {
+    let server = OjsServer::start(None).await;
+    operators_direct_workers(server.addr, server.addr, "embedded").await;
+    // The directives outlive a restart.
+    let dir = server.stop();
+    let server = OjsServer::start_in(dir, None).await;
+    assert!(fetch_at(server.addr, "directed", 1, "w1").await.is_empty());
+    assert_eq!(beat(server.addr, "w1", &[]).await["state"], "terminate");
+    server.stop();
+}
