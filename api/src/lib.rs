@@ -63,6 +63,9 @@ pub struct ApiSettings {
     /// before, so this is how soon the jobs of a process that died come
     /// back.
     pub visibility_timeout: Duration,
+    /// At shutdown, how long workers may still acknowledge or fail the
+    /// jobs this process handed out (FETCH hands out nothing meanwhile).
+    pub drain_timeout: Duration,
 }
 
 impl Default for ApiSettings {
@@ -78,6 +81,7 @@ impl Default for ApiSettings {
             durability: store::Durability::default(),
             postgres: None,
             visibility_timeout: Duration::from_secs(60),
+            drain_timeout: Duration::from_secs(10),
         }
     }
 }

@@ -96,6 +96,9 @@ struct Held {
     visibility: Duration,
     /// When the broker's lease was last extended.
     extended: Instant,
+    /// Handed out by this process (not adopted from a replica that
+    /// stopped): a shutdown waits for its worker.
+    handed_out: bool,
     /// When the job has run longer than its execution timeout
     /// (`timeout_ms`): it fails then, as the worker's failure would.
     timeout: Option<(Instant, Duration)>,
@@ -109,6 +112,8 @@ pub struct Workers {
     /// Woken when this process published jobs: a waiting FETCH looks again
     /// at once instead of at its next poll.
     pub(crate) published: tokio::sync::Notify,
+    /// Shutting down: FETCH hands out nothing, the held jobs are settled.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Workers {
@@ -266,6 +271,9 @@ impl Api {
                 return Err(ApiError::QueueNotServed { queue: q.clone() });
             }
         }
+        if self.is_draining() {
+            return Ok(Vec::new());
+        }
         // A worker told to be quiet or to terminate gets nothing more (it
         // learns why from its next heartbeat).
         if let Some(worker) = &request.worker_id {
@@ -302,13 +310,64 @@ impl Api {
                         .await?,
                 );
             }
-            if !out.is_empty() || Instant::now() >= until {
+            if !out.is_empty() || Instant::now() >= until || self.is_draining() {
                 return Ok(out);
             }
             tokio::select! {
                 () = published => {}
                 () = tokio::time::sleep(Duration::from_millis(20)) => {}
             }
+        }
+    }
+
+    fn is_draining(&self) -> bool {
+        self.workers()
+            .draining
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Shutdown: FETCH hands out nothing more (a waiting one answers at
+    /// once), and this waits until the workers have acknowledged or failed
+    /// the jobs this process handed out, at most `[api] drain_timeout`. A job still
+    /// held then goes back to the broker when the adapter closes and is
+    /// handed out again (its late ACK is a conflict, or completes it
+    /// twice: at-least-once).
+    pub async fn drain(&self) {
+        let timeout = self.settings.drain_timeout;
+        self.workers()
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.workers().published.notify_waiters();
+        let until = Instant::now() + timeout;
+        let mut said = false;
+        loop {
+            let held = self
+                .workers()
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .filter(|h| h.handed_out)
+                .count();
+            if held == 0 {
+                return;
+            }
+            if !said {
+                said = true;
+                tracing::info!(
+                    held,
+                    timeout_ms = timeout.as_millis() as u64,
+                    "shutdown: waiting for workers to settle the jobs this process handed out"
+                );
+            }
+            if Instant::now() >= until {
+                tracing::warn!(
+                    held,
+                    "shutdown: jobs still active go back to the broker and are handed out again"
+                );
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -396,6 +455,7 @@ impl Api {
                         deadline: started + visibility,
                         visibility,
                         extended: started,
+                        handed_out: true,
                         timeout: job_timeout(&job).map(|t| (started + t, t)),
                     };
                     self.workers()
@@ -417,6 +477,7 @@ impl Api {
                         deadline: started + remaining,
                         visibility: remaining,
                         extended: started,
+                        handed_out: false,
                         // Its timeout is enforced by the replica that
                         // handed it out; an adopted job only waits.
                         timeout: None,

@@ -422,6 +422,9 @@ impl Daemon {
     /// returns. Messages still unsettled after that are delivered again.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> RunSummary {
         let (stop_tx, stop_rx) = watch::channel(false);
+        // The HTTP listener and the OJS API stop after the rest: while the
+        // API drains, workers still ACK the jobs this process holds.
+        let (serve_stop_tx, serve_stop_rx) = watch::channel(false);
         let mut http_task = None;
         let mut monitors = Vec::new();
         let source_alarms: Vec<Arc<Alarm>> = self
@@ -448,7 +451,7 @@ impl Daemon {
             monitors.push(tokio::spawn(
                 board
                     .clone()
-                    .run(http_config.health_interval, stop_rx.clone()),
+                    .run(http_config.health_interval, serve_stop_rx.clone()),
             ));
             let state = Arc::new(HttpState {
                 health: board,
@@ -477,11 +480,11 @@ impl Daemon {
                 listener,
                 self.tls.clone(),
                 state,
-                stop_rx.clone(),
+                serve_stop_rx.clone(),
             )));
         }
         if let Some(api) = &self.api {
-            monitors.push(tokio::spawn(api.clone().run(stop_rx.clone())));
+            monitors.push(tokio::spawn(api.clone().run(serve_stop_rx.clone())));
         }
         for (name, federation) in &self.federations {
             let mut stop = stop_rx.clone();
@@ -526,7 +529,14 @@ impl Daemon {
             "shutting down: no new messages; finishing in-flight ones"
         );
         let _ = stop_tx.send(true);
-        while sources.join_next().await.is_some() {}
+        let drain_api = async {
+            if let Some(api) = &self.api {
+                api.drain().await;
+            }
+        };
+        let drain_sources = async { while sources.join_next().await.is_some() {} };
+        tokio::join!(drain_api, drain_sources);
+        let _ = serve_stop_tx.send(true);
         if let Some(task) = http_task {
             let _ = task.await;
         }

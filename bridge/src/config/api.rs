@@ -57,6 +57,11 @@ pub struct ApiConfig {
     /// it. Default `60s`.
     #[serde(default = "default_visibility_timeout", with = "duration_text")]
     pub visibility_timeout: Duration,
+    /// At shutdown, how long workers may still acknowledge or fail the
+    /// jobs this process handed out, while FETCH hands out nothing;
+    /// `0s`: they go back to the broker at once. Default `10s`.
+    #[serde(default = "default_drain_timeout", with = "duration_text")]
+    pub drain_timeout: Duration,
     /// What a commit of the job store survives: `process` (a crash of
     /// the process; the default, as the embedded broker's) or `power`
     /// (also power loss: an fsync per group commit).
@@ -139,6 +144,9 @@ fn default_retention() -> Duration {
 }
 fn default_visibility_timeout() -> Duration {
     ojs_api::ApiSettings::default().visibility_timeout
+}
+fn default_drain_timeout() -> Duration {
+    ojs_api::ApiSettings::default().drain_timeout
 }
 fn default_state_schema() -> String {
     "ojs_bridge".to_owned()
@@ -255,6 +263,7 @@ impl ApiConfig {
             postgres,
             tokens: Tokens::new(tokens),
             visibility_timeout: self.visibility_timeout,
+            drain_timeout: self.drain_timeout,
             durability: match self.durability {
                 StoreDurability::Process => ojs_api::store::Durability::Process,
                 StoreDurability::Power => ojs_api::store::Durability::Power,

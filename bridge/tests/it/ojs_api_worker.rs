@@ -459,3 +459,72 @@ async fn operators_direct_workers_on_the_embedded_default() {
     assert_eq!(beat(server.addr, "w1", &[]).await["state"], "terminate");
     server.stop();
 }
+
+/// A daemon told to stop lets its workers finish: FETCH hands out nothing,
+/// the jobs it handed out are still acknowledged and failed through it, and
+/// it exits once they are settled; after the restart nothing settled is
+/// handed out again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_workers_settle_the_jobs_they_hold() {
+    let server = OjsServer::start(None).await;
+    let queue = "draining";
+    let sent = push_all(server.addr, queue, 3, json!({})).await;
+    let mut held = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while held.len() < 3 && Instant::now() < deadline {
+        held.extend(fetch(&server, queue, 3 - held.len(), "finisher").await);
+    }
+    assert_eq!(held.len(), 3);
+    let ids: Vec<String> = held
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_owned())
+        .collect();
+    server.terminate();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let more = post_json(
+        server.addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "work.item", "args": [9], "options": {"queue": queue}}),
+    )
+    .await;
+    assert_eq!(
+        more.status, 201,
+        "PUSH still works while draining: {:?}",
+        more.body
+    );
+    let late = more.json()["job"]["id"].as_str().unwrap().to_owned();
+    assert!(
+        fetch(&server, queue, 5, "newcomer").await.is_empty(),
+        "a draining daemon handed out a job"
+    );
+    for id in &ids[..2] {
+        let ack = post_json(server.addr, "/ojs/v1/workers/ack", &json!({"job_id": id})).await;
+        assert_eq!(ack.status, 200, "{:?}", ack.body);
+    }
+    let nack = post_json(
+        server.addr,
+        "/ojs/v1/workers/nack",
+        &json!({"job_id": ids[2], "error": {"code": "flaky", "message": "try again"}}),
+    )
+    .await;
+    assert_eq!(nack.status, 200, "{:?}", nack.body);
+    let dir = server.wait_exit(Duration::from_secs(20));
+    let server = OjsServer::start_in(dir, None).await;
+    for id in &ids[..2] {
+        assert_eq!(info(&server, id).await["state"], "completed");
+    }
+    // The failed one comes back (attempt 2), with the one pushed while
+    // draining; the completed ones never do.
+    let mut again = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while again.len() < 2 && Instant::now() < deadline {
+        for job in fetch(&server, queue, 5, "after").await {
+            again.insert(job["id"].as_str().unwrap().to_owned());
+        }
+    }
+    assert_eq!(again, HashSet::from([ids[2].clone(), late]));
+    assert_eq!(info(&server, &ids[2]).await["attempt"], 2);
+    assert!(sent.iter().all(|id| ids.contains(id)));
+    println!("shutdown with 3 jobs held: 2 acked and 1 failed through the draining daemon, none handed out twice");
+    server.stop();
+}

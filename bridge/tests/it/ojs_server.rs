@@ -108,22 +108,33 @@ impl OjsServer {
     }
 
     /// SIGTERM by PID; the daemon must exit 0. Hands back its directory.
-    pub fn stop(mut self) -> TempDir {
+    pub fn stop(self) -> TempDir {
+        self.terminate();
+        self.wait_exit(Duration::from_secs(30))
+    }
+
+    /// SIGTERM by PID, without waiting.
+    pub fn terminate(&self) {
         let status = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()
             .unwrap();
         assert!(status.success());
+    }
+
+    /// Waits for the daemon to exit 0 (at most `limit`); hands back its
+    /// directory.
+    pub fn wait_exit(mut self, limit: Duration) -> TempDir {
         // Bounded: a daemon that does not exit fails the test, it does not
         // hang it.
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let deadline = std::time::Instant::now() + limit;
         let exited = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
                 break s;
             }
             if std::time::Instant::now() > deadline {
                 let _ = self.child.kill();
-                panic!("the daemon did not exit within 30 s of SIGTERM");
+                panic!("the daemon did not exit within {limit:?} of SIGTERM");
             }
             std::thread::sleep(Duration::from_millis(20));
         };
