@@ -485,27 +485,39 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// Watches SIGINT and SIGTERM from the call on, and resolves on either.
+/// Installed before the daemon says it runs: a signal right after that
+/// line must stop it cleanly, not kill it by the signal's default action.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
+        let term = signal(SignalKind::terminate());
+        let int = signal(SignalKind::interrupt());
+        async move {
+            match (term, int) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = int.recv() => {}
+                    }
                 }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the daemon");
-                let _ = tokio::signal::ctrl_c().await;
+                (Ok(mut only), Err(e)) | (Err(e), Ok(mut only)) => {
+                    tracing::warn!(error = %e, "cannot watch one of SIGTERM and SIGINT; the other stops the daemon");
+                    only.recv().await;
+                }
+                (Err(e), Err(_)) => {
+                    tracing::warn!(error = %e, "cannot watch SIGTERM or SIGINT; stop the daemon with SIGKILL");
+                    std::future::pending::<()>().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -522,13 +534,16 @@ async fn run_daemon(config: BridgeConfig, format: LogFormat) -> ExitCode {
     let daemon = match Daemon::start(config).await {
         Ok(d) => d,
         Err(e) => {
-            fatal(format, &format!("ojs-bridge run: {e}"));
+            // With its causes: "the job store failed" alone does not say
+            // that the role may not create the schema.
+            fatal(format, &format!("ojs-bridge run: {}", chain(&e)));
             return ExitCode::from(match e {
                 DaemonError::Config(_) => EXIT_INVALID_INPUT,
                 _ => EXIT_FAILED,
             });
         }
     };
+    let shutdown = shutdown_signal();
     let scheme = daemon.http_scheme();
     match (daemon.http_addr(), format) {
         (Some(addr), LogFormat::Text) => eprintln!("ojs-bridge: running; health on {scheme}://{addr}/ojs/v1/health, metrics on {scheme}://{addr}/metrics"),
@@ -538,7 +553,7 @@ async fn run_daemon(config: BridgeConfig, format: LogFormat) -> ExitCode {
             "running"
         ),
     }
-    let summary = daemon.run(shutdown_signal()).await;
+    let summary = daemon.run(shutdown).await;
     for s in summary.sources {
         match format {
             LogFormat::Text => eprintln!(

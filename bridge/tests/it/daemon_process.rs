@@ -331,3 +331,26 @@ fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_fi
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/bridge.toml"));
 }
+
+/// SIGTERM right after the daemon says it runs is a clean stop (exit 0):
+/// its handlers are installed before that line (they were installed after
+/// it, and a signal in between killed the process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_right_after_the_running_line_is_a_clean_stop_on_rabbitmq() {
+    // A broker adapter: the first health probe runs between that line and
+    // the daemon's wait for a signal, which made the gap wide enough.
+    let Some(rabbit) =
+        ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::RabbitMq).await
+    else {
+        return;
+    };
+    let config = format!(
+        "[adapters.rabbit]\nurl = \"{}\"\n\n[api]\nadapter = \"rabbit\"\n",
+        rabbit.url
+    );
+    for _ in 0..10 {
+        crate::ojs_server::OjsServer::start(Some(&config))
+            .await
+            .stop();
+    }
+}
