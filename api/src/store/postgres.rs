@@ -282,7 +282,12 @@ impl PostgresStore {
         store
             .call_raw(move |conn| migrate(conn, &schema))
             .await
-            .map_err(|e| open_err(where_, e.to_string()))?;
+            .map_err(|e| match e {
+                StoreError::Open { place, reason } => {
+                    open_err(format!("{where_}, {place}"), reason)
+                }
+                other => open_err(where_, other.to_string()),
+            })?;
         Ok(store)
     }
 
@@ -559,10 +564,56 @@ impl PostgresStore {
     }
 }
 
-/// Makes the schema, or checks that it is one this build can use.
+/// The schema's version, read without creating anything; `None` when it
+/// has no version table (or does not exist).
+fn schema_version(client: &mut Client, schema: &str) -> Result<Option<i32>, StoreError> {
+    let table = format!("\"{schema}\".schema_version");
+    let exists: bool = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+        .map_err(pg)?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    Ok(client
+        .query_one(&format!("SELECT max(version) FROM {table}"), &[])
+        .map_err(pg)?
+        .get(0))
+}
+
+/// Makes the schema, or checks that it is one this build can use. A
+/// schema already at this build's version is used as it is, with no DDL:
+/// a role that may only read and write its tables (made by someone else)
+/// is enough.
 fn migrate(conn: &mut Connection, schema: &str) -> Result<(), StoreError> {
     // Connect without the search path (the schema may not exist yet).
     let client = conn.client()?;
+    match schema_version(client, schema)? {
+        Some(v) if v == SCHEMA_VERSION => return Ok(()),
+        Some(v) if v > SCHEMA_VERSION => {
+            return Err(StoreError::Open {
+                place: format!("schema {schema}"),
+                reason: format!("schema version {v} is newer than this build's {SCHEMA_VERSION}"),
+            })
+        }
+        _ => {}
+    }
+    make_schema(client, schema).map_err(|e| match e {
+        StoreError::Postgres(ref p) if p.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
+            let said = p.as_db_error().map_or_else(|| p.to_string(), |d| d.message().to_owned());
+            StoreError::Open {
+                place: format!("schema {schema}"),
+                reason: format!(
+                    "the role may not create the job store's schema or tables ({said}); have a role that may run ojs-bridge once against this schema (it makes them), then grant this one USAGE on the schema and SELECT, INSERT, UPDATE, DELETE on its tables and USAGE on its sequences"
+                ),
+            }
+        }
+        other => other,
+    })
+}
+
+/// Creates or migrates the schema under the migration lock.
+fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
     let mut t = client.transaction().map_err(pg)?;
     t.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
         .map_err(pg)?;

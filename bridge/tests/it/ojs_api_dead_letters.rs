@@ -252,6 +252,60 @@ async fn a_thousand_dead_letters_listed_retried_and_deleted_on_rabbitmq() {
     a_thousand_dead_letters(Some(config), "dead letters, RabbitMQ", count).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_dead_letters_listed_retried_and_deleted_on_kafka() {
+    let Some(kafka) = find(Broker::Kafka).await else {
+        return;
+    };
+    let prefix = unique_queue("dlq");
+    let config = format!(
+        "[adapters.kafka]\nurl = \"{}\"\ntopic_template = \"{prefix}.{{queue}}\"\nretry_topic_template = \"{prefix}.{{queue}}.retry\"\ndead_topic_template = \"{prefix}.{{queue}}.dead\"\npartitions = 1\n\n[api]\nadapter = \"kafka\"\n",
+        kafka.url
+    );
+    // Read by confluent-kafka with a group of its own: every record of
+    // the dead topic, counted.
+    let dead_topic = format!("{prefix}.doomed.dead");
+    let count = move || {
+        ojs_bridge_tests::independent::available()?;
+        let group = unique_queue("dlq-reader");
+        let records = ojs_bridge_tests::independent::lines(&[
+            "kafka-consume",
+            &dead_topic,
+            "--group",
+            &group,
+            "--count",
+            &(JOBS + 1).to_string(),
+            "--timeout",
+            "15",
+        ])
+        .unwrap();
+        Some(records.len() as u64)
+    };
+    a_thousand_dead_letters(Some(config), "dead letters, Kafka", count).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_dead_letters_listed_retried_and_deleted_on_sqs() {
+    let Some(sqs) = find(Broker::Sqs).await else {
+        return;
+    };
+    let prefix = unique_queue("dlq");
+    let config = format!(
+        "[adapters.sqs]\nurl = \"{}\"\nprefix = \"{prefix}-\"\n\n[api]\nadapter = \"sqs\"\n",
+        sqs.url
+    );
+    // Counted by boto3: the messages in the queue's dead-letter queue.
+    let dead_queue = format!("{prefix}-doomed_dlq");
+    let count = move || {
+        ojs_bridge_tests::independent::available()?;
+        let attrs = ojs_bridge_tests::independent::lines(&["sqs-count", &dead_queue]).unwrap();
+        attrs[0]["ApproximateNumberOfMessages"]
+            .as_str()
+            .and_then(|n| n.parse().ok())
+    };
+    a_thousand_dead_letters(Some(config), "dead letters, SQS", count).await;
+}
+
 /// Runs `ojs-bridge dead-letters ARGS`; its NDJSON lines.
 fn cli(args: &[&str]) -> Vec<Value> {
     let mut all = vec!["dead-letters"];

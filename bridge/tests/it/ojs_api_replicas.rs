@@ -460,3 +460,74 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
     }
     server.stop();
 }
+
+/// Other people's database: a role that may only read and write the job
+/// store's tables (made beforehand by a role that may create them) runs a
+/// replica; with a schema nobody made, the same role gets an error that
+/// says what it lacks, and no password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_cannot_create_anything_works_on_a_schema_made_for_it() {
+    let Some(setup) = setup("limited").await else {
+        return;
+    };
+    // Made by the owner's role.
+    let server = OjsServer::start(Some(&setup.config())).await;
+    server.stop();
+    let schema = &setup.schema.name;
+    let role = format!("ojs_limited_{}", &schema[2..14]);
+    const PASSWORD: &str = "limited-role-secret";
+    setup
+        .schema
+        .execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN PASSWORD '{PASSWORD}';
+             GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\";
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{schema}\" TO \"{role}\";
+             GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA \"{schema}\" TO \"{role}\";"
+        ))
+        .unwrap();
+    let (_, host) = setup.pg_url.split_once('@').unwrap();
+    let limited_url = format!("postgres://{role}:{PASSWORD}@{host}");
+    let limited = config(&setup.rabbit, &setup.prefix, &limited_url, schema);
+    let server = OjsServer::start(Some(&limited)).await;
+    let sent = push_all(server.addr, "limited", 50, json!({})).await;
+    let completed = work_across(&[server.addr], "limited", 2, sent.len()).await;
+    let (duplicated, lost) = tally("a role that cannot create anything", &sent, &completed);
+    assert_eq!((duplicated, lost), (0, 0));
+    let beat = post_json(
+        server.addr,
+        "/ojs/v1/workers/heartbeat",
+        &json!({"worker_id": "limited-worker"}),
+    )
+    .await;
+    assert_eq!(beat.status, 200, "{:?}", beat.body);
+    server.stop();
+
+    // A schema nobody made: the role may not make it.
+    let other = format!("{schema}_unmade");
+    let unmade = config(&setup.rabbit, &setup.prefix, &limited_url, &other);
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("limited");
+    std::fs::write(dir.path().join("bridge.toml"), unmade).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .current_dir(dir.path())
+        .env("OJS_BRIDGE_HTTP_LISTEN", "127.0.0.1:0")
+        .args(["run", "--config", "bridge.toml"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("may not create the job store's schema"),
+        "the error says what the role lacks: {text}"
+    );
+    assert!(!text.contains(PASSWORD), "{text}");
+    println!(
+        "a role without CREATE: 50 jobs pushed, fetched, completed; an unmade schema: {}",
+        text.lines().last().unwrap_or("")
+    );
+    setup
+        .schema
+        .execute(&format!(
+            "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE; DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\";"
+        ))
+        .unwrap();
+}
