@@ -439,6 +439,14 @@ pub(crate) fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
+/// A stored worker record (`crate::roster`), or why it does not decode.
+pub(crate) fn worker_record(id: &str, record: &str) -> Result<Value, StoreError> {
+    serde_json::from_str(record).map_err(|e| StoreError::Corrupt {
+        id: id.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
 pub(crate) fn decode(id: &str, envelope: &str, extra: &str) -> Result<Job, StoreError> {
     let corrupt = |reason: String| StoreError::Corrupt {
         id: id.to_owned(),

@@ -26,8 +26,8 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 
 use super::{
-    decode, due_ms, encode, event_body, ms, state_name, stored_event, Event, EventFilter, Lease,
-    RunFn, Settle, StoreError, Tx, SCHEDULE_CLAIM,
+    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, Event,
+    EventFilter, Lease, RunFn, Settle, StoreError, Tx, SCHEDULE_CLAIM,
 };
 use crate::job::Job;
 
@@ -908,12 +908,4 @@ impl Tx for PostgresTx<'_, '_> {
             .map(|r| worker_record(r.get(0), r.get(1)))
             .collect()
     }
-}
-
-/// A stored worker record, or why it does not decode.
-fn worker_record(id: &str, record: &str) -> Result<Value, StoreError> {
-    serde_json::from_str(record).map_err(|e| StoreError::Corrupt {
-        id: id.to_owned(),
-        reason: e.to_string(),
-    })
 }

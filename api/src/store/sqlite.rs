@@ -21,8 +21,8 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 
 use super::{
-    decode, due_ms, encode, event_body, ms, state_name, stored_event, Durability, Event,
-    EventFilter, RunFn, StoreError, Tx,
+    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, Durability,
+    Event, EventFilter, RunFn, StoreError, Tx,
 };
 use crate::job::Job;
 
@@ -649,14 +649,6 @@ impl Tx for SqliteTx<'_> {
         }
         Ok(out)
     }
-}
-
-/// A stored worker record, or why it does not decode.
-fn worker_record(id: &str, record: &str) -> Result<Value, StoreError> {
-    serde_json::from_str(record).map_err(|e| StoreError::Corrupt {
-        id: id.to_owned(),
-        reason: e.to_string(),
-    })
 }
 
 /// Which available jobs the broker has not confirmed yet, kept by the

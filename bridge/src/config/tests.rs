@@ -165,8 +165,17 @@ mod rules {
                 &HttpConfig::default(),
             )
             .unwrap();
+        assert_eq!(settings.drain_timeout, std::time::Duration::from_secs(10));
         let pg = settings.postgres.expect("a PostgreSQL store");
         assert_eq!((pg.schema.as_str(), pg.connections), ("ojs_a1", 8));
+        let bad_drain = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\ndrain_timeout = \"ten\"\n";
+        let text = BridgeConfig::parse(bad_drain, "t", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("drain_timeout") && text.contains("not a duration"),
+            "{text}"
+        );
         // The URL (password included) from the environment.
         let env = vec![(
             "OJS_BRIDGE_API_STATE".to_owned(),
