@@ -28,9 +28,6 @@ use crate::Api;
 pub const MAX_FETCH_WAIT: Duration = Duration::from_secs(10);
 /// Default visibility of a fetched job.
 pub const DEFAULT_VISIBILITY: Duration = Duration::from_secs(30);
-/// How long the first FETCH of a queue may wait for its consumer to be
-/// ready: a Kafka consumer has no partitions until its group join is done
-/// (seconds), the other brokers deliver at once.
 /// The shortest wait of one receive: a Kafka fetch sees a record the
 /// broker just took only after the broker answers its long fetch (up to
 /// half a second), the other brokers at once.
@@ -41,6 +38,27 @@ fn shortest_receive(kind: &str) -> Duration {
     }
 }
 
+/// How long one receive of a FETCH that began at `began` and may wait
+/// until `until` waits: at least the broker's shortest receive counted
+/// from the FETCH's start, so that FETCHes queued behind one that waited
+/// on the same consumer take what is there and answer instead of each
+/// waiting again (16 idle workers would otherwise answer 16 receives
+/// apart).
+fn receive_wait(kind: &str, began: Instant, until: Instant) -> Duration {
+    let floor = began + shortest_receive(kind);
+    // Records the client library has already fetched are taken within
+    // this; none come from the broker in it.
+    const TAKE_BUFFERED: Duration = Duration::from_millis(1);
+    floor
+        .max(until)
+        .saturating_duration_since(Instant::now())
+        .min(shortest_receive(kind))
+        .max(TAKE_BUFFERED)
+}
+
+/// How long the first FETCH of a queue may wait for its consumer to be
+/// ready: a Kafka consumer has no partitions until its group join is done
+/// (seconds), the other brokers deliver at once.
 fn first_receive(kind: &str) -> Duration {
     match kind {
         "kafka" => Duration::from_secs(6),
@@ -114,6 +132,17 @@ pub struct Workers {
     pub(crate) published: tokio::sync::Notify,
     /// Shutting down: FETCH hands out nothing, the held jobs are settled.
     draining: std::sync::atomic::AtomicBool,
+    /// Deliveries being settled on the broker after their job's
+    /// transition committed.
+    settling: Arc<Settling>,
+}
+
+/// Broker settlements running in the background, counted so that shutdown
+/// waits for them.
+#[derive(Default)]
+struct Settling {
+    running: std::sync::atomic::AtomicUsize,
+    finished: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Workers {
@@ -220,9 +249,7 @@ impl Api {
                 // says what it is when it comes back.
                 continue;
             };
-            if let Err(e) = settle_delivery(&held.delivery, &settle).await {
-                tracing::warn!(job_id = %id, error = %e, "settling a delivery for another replica failed; the broker gives it back");
-            }
+            self.settle_in_background(id, held, settle);
         }
     }
 
@@ -281,7 +308,8 @@ impl Api {
                 return Ok(Vec::new());
             }
         }
-        let until = Instant::now() + request.wait.min(MAX_FETCH_WAIT);
+        let began = Instant::now();
+        let until = began + request.wait.min(MAX_FETCH_WAIT);
         let mut out = Vec::new();
         loop {
             // Registered before looking, so that a publish while this pass
@@ -296,7 +324,7 @@ impl Api {
                 let wait = if feed.fresh {
                     first_receive(self.adapter.kind())
                 } else {
-                    shortest_receive(self.adapter.kind())
+                    receive_wait(self.adapter.kind(), began, until)
                 };
                 let deliveries = feed
                     .consumer
@@ -350,6 +378,7 @@ impl Api {
                 .filter(|h| h.handed_out)
                 .count();
             if held == 0 {
+                self.settled_on_the_broker(until).await;
                 return;
             }
             if !said {
@@ -368,6 +397,29 @@ impl Api {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until the settlements running in the background are done, at
+    /// most until `until` (a delivery not settled by then goes back to the
+    /// broker when the adapter closes; the store says what its job is).
+    async fn settled_on_the_broker(&self, until: Instant) {
+        let settling = &self.workers().settling;
+        loop {
+            let finished = settling.finished.notified();
+            if settling.running.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(until.into(), finished)
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    running = settling.running.load(std::sync::atomic::Ordering::SeqCst),
+                    "shutdown: deliveries still being settled go back to the broker"
+                );
+                return;
+            }
         }
     }
 
@@ -562,9 +614,7 @@ impl Api {
         match done {
             Ok(job) => {
                 if let Some(held) = held {
-                    if let Err(e) = held.delivery.ack().await {
-                        tracing::warn!(job_id = %id, error = %e, "acking a completed job's delivery failed; the broker gives it back and it is settled then");
-                    }
+                    self.settle_in_background(id.to_owned(), held, Settle::Ack);
                 }
                 Ok(job)
             }
@@ -608,11 +658,35 @@ impl Api {
             }
         };
         if let Some(held) = held {
-            if let Err(e) = settle_delivery(&held.delivery, &decision).await {
-                tracing::warn!(job_id = %id, error = %e, "settling a failed job's delivery failed; the broker gives it back");
-            }
+            self.settle_in_background(id, held, decision);
         }
         Ok(job)
+    }
+
+    /// Settles a held delivery on the broker after its job's transition
+    /// committed, without holding the worker's request: the store already
+    /// says what the job is (a delivery the broker gives back because this
+    /// process stopped first is found finished or failed there), and a
+    /// settlement can take long — RabbitMQ with `topology = "existing"`
+    /// has no delay queues and holds a retried delivery for its backoff.
+    fn settle_in_background(&self, id: String, held: Held, settle: Settle) {
+        let settling = self.workers().settling.clone();
+        settling
+            .running
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::spawn(async move {
+            if let Err(e) = settle_delivery(&held.delivery, &settle).await {
+                tracing::warn!(job_id = %id, error = %e, "settling a delivery on the broker failed; the broker gives it back and the job store settles it then");
+            }
+            drop(held);
+            if settling
+                .running
+                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+                == 1
+            {
+                settling.finished.notify_waiters();
+            }
+        });
     }
 
     /// Heartbeat: the worker's active jobs (those named, else all it

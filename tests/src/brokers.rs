@@ -41,6 +41,13 @@ pub fn rabbitmqctl(args: &[&str]) -> bool {
     rabbitmqctl_output(args).is_some()
 }
 
+/// Gives RabbitMQ `user` read and write on every resource of `/` and no
+/// `configure` at all: a user that can declare nothing, as other teams
+/// hand out. Whether rabbitmqctl did it.
+pub fn rabbitmq_may_not_configure(user: &str) -> bool {
+    rabbitmqctl(&["set_permissions", "-p", "/", user, "^$", ".*", ".*"])
+}
+
 /// Messages RabbitMQ holds in the queue named `name` (ready and
 /// unacknowledged), counted by `rabbitmqctl`: a count no client of the
 /// bridge takes part in. `None` when the queue or `rabbitmqctl` is missing.

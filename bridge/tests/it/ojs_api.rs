@@ -676,15 +676,7 @@ async fn pushed_jobs_land_on_a_rabbitmq_queue_another_client_made_for_a_user_tha
         return;
     }
     // Read and write, configure nothing.
-    assert!(ojs_bridge_tests::brokers::rabbitmqctl(&[
-        "set_permissions",
-        "-p",
-        "/",
-        &user,
-        "^$",
-        ".*",
-        ".*"
-    ]));
+    assert!(ojs_bridge_tests::brokers::rabbitmq_may_not_configure(&user));
     // Their queue, their name and arguments, made by their client.
     let prefix = ojs_bridge_tests::brokers::unique_queue("team");
     let theirs = format!("{prefix}.orders.v2");

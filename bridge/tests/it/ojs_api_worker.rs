@@ -528,3 +528,162 @@ async fn shutdown_lets_workers_settle_the_jobs_they_hold() {
     println!("shutdown with 3 jobs held: 2 acked and 1 failed through the draining daemon, none handed out twice");
     server.stop();
 }
+
+/// Workers take jobs off a RabbitMQ queue another team made, through a
+/// user that may read and write but configure nothing: jobs their producer
+/// put there (pika, JSON envelopes) and jobs pushed through the API (some
+/// pending, then ACTIVATEd) are fetched and completed; a failed one is
+/// retried after its backoff (with no delay queues to declare, the adapter
+/// holds the delivery for the delay — the NACK answers at once anyway) and
+/// an exhausted one goes through the queue's own dead-letter exchange.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_take_jobs_off_a_rabbitmq_queue_another_client_made_for_a_user_that_cannot_create_anything(
+) {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    ojs_bridge_tests::independent::available().expect("the independent clients");
+    let user = unique_queue("api-worker-user");
+    const PASSWORD: &str = "Worker-pw-7c1d-secret";
+    assert!(
+        ojs_bridge_tests::brokers::rabbitmqctl(&["add_user", &user, PASSWORD]),
+        "rabbitmqctl add_user"
+    );
+    // Read and write, configure nothing.
+    assert!(ojs_bridge_tests::brokers::rabbitmq_may_not_configure(&user));
+    let prefix = unique_queue("team");
+    let (theirs, their_dlx, their_dlq) = (
+        format!("{prefix}.billing"),
+        format!("{prefix}.dlx"),
+        format!("{prefix}.billing.dead"),
+    );
+    ojs_bridge_tests::independent::run(&[
+        "rabbit-queue",
+        &theirs,
+        "--dead-letter-exchange",
+        &their_dlx,
+        "--dlq",
+        &their_dlq,
+    ])
+    .unwrap();
+    // Their producer's jobs: OJS JSON envelopes, ids of their own.
+    let base = uuid::Uuid::now_v7().to_string();
+    let their_ids: Vec<String> = (0..10).map(|i| format!("{}{i}", &base[..35])).collect();
+    ojs_bridge_tests::independent::run(&[
+        "rabbit-publish",
+        "--routing-key",
+        &theirs,
+        "--content-type",
+        "application/openjobspec+json",
+        "--count",
+        "10",
+        "--body",
+        &format!(
+            r#"{{"specversion":"1.0","id":"{}{{i}}","type":"invoice.send","queue":"billing","args":[{{i}}],"retry":{{"initial_interval":"PT4S","jitter":false}}}}"#,
+            &base[..35]
+        ),
+    ])
+    .unwrap();
+    let host = rabbit.url.rsplit('@').next().unwrap();
+    let config = format!(
+        "[adapters.theirs]\nurl = \"amqp://{user}:{PASSWORD}@{host}\"\ntopology = \"existing\"\nexchange = \"\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"theirs\"\nqueues = [\"billing\"]\nencoding = \"json\"\n"
+    );
+    let server = OjsServer::start(Some(&config)).await;
+    let addr = server.addr;
+    // Pushed through the API: 5 available, 5 pending then activated.
+    let mut ours = Vec::new();
+    for i in 0..10 {
+        let options = if i < 5 {
+            json!({"queue": "billing"})
+        } else {
+            json!({"queue": "billing", "pending": true})
+        };
+        let a = post_json(
+            addr,
+            "/ojs/v1/jobs",
+            &json!({"type": "invoice.send", "args": [100 + i], "options": options}),
+        )
+        .await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        ours.push(a.json()["job"]["id"].as_str().unwrap().to_owned());
+    }
+    for id in &ours[5..] {
+        let a = post_json(addr, &format!("/ojs/v1/jobs/{id}/activate"), &json!({})).await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+    }
+    // One of theirs fails once (retried after its policy's 4 s), one fails
+    // for good (a non-retryable error).
+    let (retried, doomed) = (their_ids[0].clone(), their_ids[1].clone());
+    let mut completed = Vec::new();
+    let mut nack_answers = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let expected = their_ids.len() + ours.len() - 1;
+    while completed.len() < expected && Instant::now() < deadline {
+        for job in fetch(&server, "billing", 10, "team-worker").await {
+            let id = job["id"].as_str().unwrap().to_owned();
+            let first_try = job["attempt"] == 1;
+            if (id == retried && first_try) || id == doomed {
+                let retryable = id == retried;
+                let t = Instant::now();
+                let a = post_json(
+                    addr,
+                    "/ojs/v1/workers/nack",
+                    &json!({"job_id": id, "error": {"code": "card_declined", "message": "declined", "retryable": retryable}}),
+                )
+                .await;
+                nack_answers.push(t.elapsed());
+                assert_eq!(a.status, 200, "{:?}", a.body);
+                continue;
+            }
+            let a = post_json(addr, "/ojs/v1/workers/ack", &json!({"job_id": id})).await;
+            assert_eq!(a.status, 200, "{:?}", a.body);
+            completed.push(id);
+        }
+    }
+    let sent: Vec<String> = their_ids
+        .iter()
+        .filter(|id| **id != doomed)
+        .chain(ours.iter())
+        .cloned()
+        .collect();
+    let (duplicated, lost) = tally(
+        "their 10 jobs and our 10 (5 activated) on their RabbitMQ queue",
+        &sent,
+        &completed,
+    );
+    assert_eq!((duplicated, lost), (0, 0));
+    // The retried one came back after its backoff at attempt 2.
+    let info = crate::ojs_server::get(addr, &format!("/ojs/v1/jobs/{retried}")).await;
+    assert_eq!(info.json()["job"]["state"], "completed");
+    assert_eq!(info.json()["job"]["attempt"], 2, "{:?}", info.body);
+    let info = crate::ojs_server::get(addr, &format!("/ojs/v1/jobs/{doomed}")).await;
+    assert_eq!(info.json()["job"]["state"], "discarded", "{:?}", info.body);
+    // Each NACK answered before the retry was due: the adapter's wait for
+    // the delay is not the worker's.
+    println!("NACK answers on their queue: {nack_answers:?}");
+    assert!(
+        nack_answers.iter().all(|d| *d < Duration::from_secs(2)),
+        "a NACK waited for the retry's 4 s delay: {nack_answers:?}"
+    );
+    // Their queue is empty; the exhausted one is in their dead-letter queue.
+    let server_log = {
+        let log = server.log();
+        server.stop();
+        log
+    };
+    assert_eq!(
+        ojs_bridge_tests::brokers::rabbitmq_messages(&theirs),
+        Some(0)
+    );
+    assert_eq!(
+        ojs_bridge_tests::brokers::rabbitmq_messages(&their_dlq),
+        Some(1)
+    );
+    assert!(
+        !server_log.contains(PASSWORD),
+        "the password reached the log"
+    );
+    let _ = ojs_bridge_tests::independent::run(&["rabbit-delete", &theirs, &their_dlq]);
+    let _ = ojs_bridge_tests::independent::run(&["rabbit-delete", "--exchange", &their_dlx]);
+    let _ = ojs_bridge_tests::brokers::rabbitmqctl(&["delete_user", &user]);
+}

@@ -234,15 +234,7 @@ async fn a_user_without_configure_permission_reads_and_writes_existing_queues() 
         return;
     }
     // No configure (declare) permission at all; read and write everywhere.
-    assert!(rabbitmqctl(&[
-        "set_permissions",
-        "-p",
-        "/",
-        &user,
-        "^$",
-        ".*",
-        ".*"
-    ]));
+    assert!(ojs_bridge_tests::brokers::rabbitmq_may_not_configure(&user));
     let queue = unique_queue("least-privilege");
     independent::run(&["rabbit-queue", &queue]).unwrap();
     let host = f.url.rsplit('@').next().unwrap();
