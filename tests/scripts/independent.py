@@ -283,7 +283,12 @@ def kafka_produce(a):
 def kafka_consume(a):
     from confluent_kafka import Consumer
 
-    c = Consumer(dict(kafka_conf(), **{"group.id": a.group, "auto.offset.reset": "earliest", "session.timeout.ms": 6000}))
+    conf = {"group.id": a.group, "auto.offset.reset": "earliest", "session.timeout.ms": 6000}
+    if a.no_commit:
+        # Reads from where the group is without moving it: what that group
+        # has still to read.
+        conf["enable.auto.commit"] = False
+    c = Consumer(dict(kafka_conf(), **conf))
     c.subscribe([a.topic])
     out = []
     deadline = time.time() + a.timeout
@@ -404,6 +409,7 @@ def main():
     s.add_argument("--group", default="independent-reader")
     s.add_argument("--count", type=int, default=1)
     s.add_argument("--timeout", type=float, default=30)
+    s.add_argument("--no-commit", action="store_true")
     s.set_defaults(fn=kafka_consume)
 
     a = p.parse_args()

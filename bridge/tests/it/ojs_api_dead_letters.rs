@@ -331,35 +331,25 @@ fn cli(args: &[&str]) -> Vec<Value> {
         .collect()
 }
 
+/// How a broker's own client counts what the CLI did, beside ojs-bridge.
+struct BrokerCounts {
+    /// Dead letters left on the queue's dead-letter destination.
+    dead: Box<dyn Fn() -> Option<u64>>,
+    /// Messages a retry put back on the queue (read before any FETCH).
+    retried_onto_queue: Box<dyn Fn() -> Option<u64>>,
+    /// Whether `retried_onto_queue` is the queue's depth (0 once the jobs
+    /// are done); a Kafka topic keeps its records.
+    drains: bool,
+}
+
 /// The broker's own dead letters, through the CLI on the broker's URL:
 /// listed, half retried back to the queue (and completed through the API),
-/// the rest purged; RabbitMQ's queues counted with rabbitmqctl after each
-/// step.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_cli_lists_retries_and_purges_dead_letters_on_rabbitmq() {
-    let Some(rabbit) = find(Broker::RabbitMq).await else {
-        return;
-    };
-    let prefix = unique_queue("dlq-cli");
-    let settings = format!(
-        "queue_template={prefix}.{{queue}}&dead_letter_queue_template={prefix}.{{queue}}.dead"
-    );
-    let config = format!(
-        "[adapters.rabbit]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\ndead_letter_queue_template = \"{prefix}.{{queue}}.dead\"\n\n[api]\nadapter = \"rabbit\"\n",
-        rabbit.url
-    );
-    let broker_url = if rabbit.url.contains('?') {
-        format!("{}&{settings}", rabbit.url)
-    } else {
-        format!("{}?{settings}", rabbit.url)
-    };
-    let count = |name: String| rabbitmq_messages(&name);
+/// the rest purged; the broker's queues counted by its own client after
+/// each step. Then the same through the OJS server's URL.
+async fn the_cli_on_a_broker(what: &str, config: &str, broker_url: &str, counts: BrokerCounts) {
     let queue = "doomed";
-    let (main, dead) = (
-        format!("{prefix}.{queue}"),
-        format!("{prefix}.{queue}.dead"),
-    );
-    let server = OjsServer::start(Some(&config)).await;
+    let dead = &counts.dead;
+    let server = OjsServer::start(Some(config)).await;
     let addr = server.addr;
     let mut ids = Vec::new();
     for i in 0..40 {
@@ -378,10 +368,14 @@ async fn the_cli_lists_retries_and_purges_dead_letters_on_rabbitmq() {
         ids.push(a.json()["job"]["id"].as_str().unwrap().to_owned());
     }
     fail_all(addr, queue, 40).await;
-    assert_eq!(count(dead.clone()), Some(40));
+    assert_eq!(
+        dead(),
+        Some(40),
+        "{what}: the broker's dead letters after the failures"
+    );
 
     // Listed, and left in place.
-    let listed = cli(&["list", "--from", &broker_url, "--queue", queue]);
+    let listed = cli(&["list", "--from", broker_url, "--queue", queue]);
     assert_eq!(listed.len(), 40);
     assert!(
         listed.iter().all(|l| l["error_type"] == "upstream_gone"),
@@ -389,31 +383,20 @@ async fn the_cli_lists_retries_and_purges_dead_letters_on_rabbitmq() {
     );
     let listed_ids: HashSet<&str> = listed.iter().map(|l| l["id"].as_str().unwrap()).collect();
     assert!(ids.iter().all(|id| listed_ids.contains(id.as_str())));
-    assert_eq!(
-        count(dead.clone()),
-        Some(40),
-        "a list leaves every dead letter"
-    );
+    assert_eq!(dead(), Some(40), "{what}: a list leaves every dead letter");
 
     // The alpha ones back to the queue.
     let retried = cli(&[
-        "retry",
-        "--from",
-        &broker_url,
-        "--queue",
-        queue,
-        "--all",
-        "--type",
-        "alpha.*",
+        "retry", "--from", broker_url, "--queue", queue, "--all", "--type", "alpha.*",
     ]);
     assert_eq!(retried.len(), 20);
-    let (on_queue, on_dead) = (count(main.clone()), count(dead.clone()));
-    println!("dead-letters CLI on RabbitMQ: dead 40, retried 20 → queue {on_queue:?}, dead-letter queue {on_dead:?}");
+    let (on_queue, on_dead) = ((counts.retried_onto_queue)(), dead());
+    println!("dead-letters CLI, {what}: dead 40, retried 20 → onto the queue {on_queue:?}, dead letters left {on_dead:?}");
     assert_eq!((on_queue, on_dead), (Some(20), Some(20)));
     // Moved back on the broker, they are the API's jobs again: fetched
     // from attempt 1, completed, no longer dead letters.
     let mut completed = HashSet::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while completed.len() < 20 && Instant::now() < deadline {
         let a = post_json(
             addr,
@@ -438,20 +421,24 @@ async fn the_cli_lists_retries_and_purges_dead_letters_on_rabbitmq() {
         }
     }
     assert_eq!(completed.len(), 20);
-    assert_eq!(count(main.clone()), Some(0));
+    if counts.drains {
+        assert_eq!((counts.retried_onto_queue)(), Some(0));
+    }
     let (_, left) = list_all(addr, queue, "").await;
     assert_eq!(left, 20, "the API lists the 20 that stayed dead letters");
 
     // The rest purged.
-    let purged = cli(&["purge", "--from", &broker_url, "--queue", queue, "--all"]);
+    let purged = cli(&["purge", "--from", broker_url, "--queue", queue, "--all"]);
     assert_eq!(purged.len(), 20);
     assert!(purged.iter().all(|l| l["type"] == "beta.doomed"));
-    assert_eq!(count(dead.clone()), Some(0));
+    let on_dead = dead();
     println!(
-        "dead-letters CLI on RabbitMQ: purged {}, dead-letter queue {:?}",
-        purged.len(),
-        count(dead)
+        "dead-letters CLI, {what}: purged {}, dead letters left {on_dead:?}",
+        purged.len()
     );
+    assert_eq!(on_dead, Some(0));
+    let listed = cli(&["list", "--from", broker_url, "--queue", queue]);
+    assert!(listed.is_empty(), "{what}: purged yet listed: {listed:?}");
 
     // Through the OJS server: the API's own record of the 20 left.
     let base = format!("http://{addr}");
@@ -481,6 +468,116 @@ async fn the_cli_lists_retries_and_purges_dead_letters_on_rabbitmq() {
         "purge without --id or --all is a usage error"
     );
     server.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_lists_retries_and_purges_dead_letters_on_rabbitmq() {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let prefix = unique_queue("dlq-cli");
+    let settings = format!(
+        "queue_template={prefix}.{{queue}}&dead_letter_queue_template={prefix}.{{queue}}.dead"
+    );
+    let config = format!(
+        "[adapters.rabbit]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\ndead_letter_queue_template = \"{prefix}.{{queue}}.dead\"\n\n[api]\nadapter = \"rabbit\"\n",
+        rabbit.url
+    );
+    let broker_url = with_settings(&rabbit.url, &settings);
+    let (main, dead) = (format!("{prefix}.doomed"), format!("{prefix}.doomed.dead"));
+    let counts = BrokerCounts {
+        dead: Box::new(move || rabbitmq_messages(&dead)),
+        retried_onto_queue: Box::new(move || rabbitmq_messages(&main)),
+        drains: true,
+    };
+    the_cli_on_a_broker("RabbitMQ", &config, &broker_url, counts).await;
+}
+
+/// Kafka: the dead topic keeps every record, so what is left is what the
+/// CLI's group has still to read (confluent-kafka in that group, committing
+/// nothing); a retry appends to the queue's topic (its records counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_lists_retries_and_purges_dead_letters_on_kafka() {
+    let Some(kafka) = find(Broker::Kafka).await else {
+        return;
+    };
+    ojs_bridge_tests::independent::available().expect("the independent clients");
+    let prefix = unique_queue("dlq-cli");
+    let settings = format!(
+        "topic_template={prefix}.{{queue}}&retry_topic_template={prefix}.{{queue}}.retry&dead_topic_template={prefix}.{{queue}}.dead&partitions=1"
+    );
+    let config = format!(
+        "[adapters.kafka]\nurl = \"{}\"\ntopic_template = \"{prefix}.{{queue}}\"\nretry_topic_template = \"{prefix}.{{queue}}.retry\"\ndead_topic_template = \"{prefix}.{{queue}}.dead\"\npartitions = 1\n\n[api]\nadapter = \"kafka\"\n",
+        kafka.url
+    );
+    let broker_url = with_settings(&kafka.url, &settings);
+    let records = |topic: &str, group: &str| -> Option<u64> {
+        let read = ojs_bridge_tests::independent::lines(&[
+            "kafka-consume",
+            topic,
+            "--group",
+            group,
+            "--count",
+            "1000",
+            "--timeout",
+            "8",
+            "--no-commit",
+        ])
+        .expect("confluent-kafka reads the topic");
+        Some(read.len() as u64)
+    };
+    let (main, dead) = (format!("{prefix}.doomed"), format!("{prefix}.doomed.dead"));
+    let counts = BrokerCounts {
+        // The CLI reads dead letters as `ojs-bridge-dead-letters.QUEUE`,
+        // which the adapter suffixes for its dead-letter readers.
+        dead: Box::new(move || records(&dead, "ojs-bridge-dead-letters.doomed.dead")),
+        // The 40 pushed at the start, and what the retry appended.
+        retried_onto_queue: Box::new(move || {
+            records(&main, &unique_queue("dlq-cli-reader")).map(|n| n.saturating_sub(40))
+        }),
+        drains: false,
+    };
+    the_cli_on_a_broker("Kafka", &config, &broker_url, counts).await;
+}
+
+/// SQS: the redrive target and the queue, counted by boto3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_lists_retries_and_purges_dead_letters_on_sqs() {
+    let Some(sqs) = find(Broker::Sqs).await else {
+        return;
+    };
+    ojs_bridge_tests::independent::available().expect("the independent clients");
+    let prefix = unique_queue("dlq-cli");
+    let config = format!(
+        "[adapters.sqs]\nurl = \"{}\"\nprefix = \"{prefix}-\"\n\n[api]\nadapter = \"sqs\"\n",
+        sqs.url
+    );
+    let broker_url = with_settings(&sqs.url, &format!("prefix={prefix}-"));
+    let depth = |queue: String| -> Option<u64> {
+        let attrs = ojs_bridge_tests::independent::lines(&["sqs-count", &queue])
+            .expect("boto3 counts the queue");
+        let number = |name: &str| -> Option<u64> { attrs[0][name].as_str()?.parse().ok() };
+        Some(
+            number("ApproximateNumberOfMessages")?
+                + number("ApproximateNumberOfMessagesNotVisible")?,
+        )
+    };
+    let (main, dead) = (format!("{prefix}-doomed"), format!("{prefix}-doomed_dlq"));
+    let counts = BrokerCounts {
+        dead: Box::new(move || depth(dead.clone())),
+        retried_onto_queue: Box::new(move || depth(main.clone())),
+        drains: true,
+    };
+    the_cli_on_a_broker("SQS", &config, &broker_url, counts).await;
+}
+
+/// `url` with adapter settings added to its query.
+fn with_settings(url: &str, settings: &str) -> String {
+    if url.contains('?') {
+        format!("{url}&{settings}")
+    } else {
+        format!("{url}?{settings}")
+    }
 }
 
 /// A NACK storm: 8 workers fail 400 jobs at once, half with an error the
