@@ -30,13 +30,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::{daemon, line, listening, local_adapter, median, rss_mib, Measured, Server};
+use common::{daemon, hello, line, local_adapter, median, rss_mib, serve_hello, Measured};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,57 +47,6 @@ use serde_json::json;
 
 const CONNECTIONS: usize = 64;
 const BATCH: usize = 100;
-
-/// This bench's own executable as the hello-world server.
-fn hello() -> Server {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .env("OJS_API_BENCH_HELLO", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let addr = listening(&mut child, "hello on http://");
-    Server {
-        child,
-        addr,
-        _dir: ojs_bridge_tests::tempdir::TempDir::new("api-bench-hello"),
-    }
-}
-
-/// The hello-world endpoint: the listener stack of the daemon (hyper-util
-/// auto builder, keep-alive) with nothing behind it.
-fn serve_hello() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        eprintln!("hello on http://{}/", listener.local_addr().unwrap());
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
-                    let _ = req.into_body().collect().await;
-                    let mut r = hyper::Response::new(Full::new(Bytes::from_static(
-                        br#"{"job":{"id":"019a0000-0000-7000-8000-000000000000","state":"available"}}"#,
-                    )));
-                    *r.status_mut() = hyper::StatusCode::CREATED;
-                    Ok::<_, std::convert::Infallible>(r)
-                });
-                let mut builder = hyper_util::server::conn::auto::Builder::new(
-                    hyper_util::rt::TokioExecutor::new(),
-                );
-                builder.http1().keep_alive(true);
-                let _ = builder
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-}
 
 fn single_body(i: usize) -> Bytes {
     Bytes::from(

@@ -22,7 +22,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::{daemon, line, local_adapter, median, Measured};
+use common::{daemon, hello, line, local_adapter, median, serve_hello, Measured};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -86,10 +86,17 @@ async fn fill(addr: SocketAddr, queue: &str, n: usize) {
 /// join is not the rate).
 async fn http_work(addr: SocketAddr, n: usize) -> Measured {
     let done = Arc::new(AtomicUsize::new(0));
+    let empty = Arc::new(AtomicUsize::new(0));
     let started = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let finished = Arc::new(std::sync::Mutex::new(None::<Instant>));
     let mut tasks = Vec::new();
     for w in 0..WORKERS {
-        let (done, started) = (done.clone(), started.clone());
+        let (done, started, empty, finished) = (
+            done.clone(),
+            started.clone(),
+            empty.clone(),
+            finished.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let mut sender = connect(addr).await;
             let mut latencies = Vec::new();
@@ -113,10 +120,16 @@ async fn http_work(addr: SocketAddr, n: usize) -> Measured {
                     .await;
                     assert_eq!(status, 200, "{body}");
                 }
-                if !jobs.is_empty() {
+                if jobs.is_empty() {
+                    if started.lock().unwrap().is_some() {
+                        empty.fetch_add(1, Ordering::Relaxed);
+                    }
+                } else {
                     started.lock().unwrap().get_or_insert_with(Instant::now);
                     latencies.push(t.elapsed());
-                    done.fetch_add(jobs.len(), Ordering::Relaxed);
+                    if done.fetch_add(jobs.len(), Ordering::Relaxed) + jobs.len() >= n {
+                        finished.lock().unwrap().get_or_insert_with(Instant::now);
+                    }
                 }
             }
             latencies
@@ -126,11 +139,61 @@ async fn http_work(addr: SocketAddr, n: usize) -> Measured {
     for t in tasks {
         latencies.extend(t.await.unwrap());
     }
+    // Until the last job was acked: the other workers' last, empty FETCH
+    // is not work.
+    let end = finished.lock().unwrap().unwrap_or_else(Instant::now);
     let elapsed = started
         .lock()
         .unwrap()
-        .map_or(Duration::from_secs(1), |s| s.elapsed());
+        .map_or(Duration::from_secs(1), |s| end.saturating_duration_since(s));
+    // A FETCH that found nothing while jobs were left is time the
+    // workers spent waiting on the broker's delivery, not on the API.
+    println!(
+        "  (FETCHes that got jobs: {}, {:.1} jobs each; answered empty after the first jobs: {})",
+        latencies.len(),
+        done.load(Ordering::Relaxed) as f64 / latencies.len().max(1) as f64,
+        empty.load(Ordering::Relaxed)
+    );
     Measured::from(done.load(Ordering::Relaxed), elapsed, latencies)
+}
+
+/// The ceiling of the HTTP side: the same requests (a FETCH, then one ACK
+/// per job, 10 jobs each) from 16 workers to a hello-world endpoint of the
+/// daemon's HTTP stack, which answers each at once: what any API doing the
+/// binding's requests could do on this machine with this client.
+async fn hello_work(addr: SocketAddr, n: usize) -> Measured {
+    let done = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..WORKERS {
+        let done = done.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut sender = connect(addr).await;
+            let mut latencies = Vec::new();
+            let worker = format!("bench-{w}");
+            while done.load(Ordering::Relaxed) < n {
+                let t = Instant::now();
+                post(
+                    &mut sender,
+                    "/ojs/v1/workers/fetch",
+                    json!({"queues": [QUEUE], "count": FETCH, "worker_id": worker, "wait_ms": 200}),
+                )
+                .await;
+                for _ in 0..FETCH {
+                    let id = uuid::Uuid::now_v7().to_string();
+                    post(&mut sender, "/ojs/v1/workers/ack", json!({"job_id": id})).await;
+                }
+                latencies.push(t.elapsed());
+                done.fetch_add(FETCH, Ordering::Relaxed);
+            }
+            latencies
+        }));
+    }
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    Measured::from(done.load(Ordering::Relaxed), started.elapsed(), latencies)
 }
 
 /// The same jobs straight through the adapter: published (untimed), then
@@ -290,6 +353,10 @@ async fn backend(
 }
 
 fn main() {
+    if std::env::var_os("OJS_API_BENCH_HELLO").is_some() {
+        serve_hello();
+        return;
+    }
     let args: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
@@ -302,6 +369,20 @@ fn main() {
         .unwrap();
     runtime.block_on(async {
         println!("OJS API worker side: {jobs} jobs, {WORKERS} workers fetching {FETCH} at a time, median of {rounds} rounds");
+        let ceiling = {
+            let server = hello();
+            let mut rounds_measured = Vec::new();
+            for _ in 0..rounds {
+                rounds_measured.push(hello_work(server.addr, jobs).await);
+            }
+            median(rounds_measured)
+        };
+        line(
+            "same requests to a hello-world endpoint",
+            &ceiling,
+            None,
+        );
+        println!("  (the HTTP ceiling: the daemon's HTTP stack answering at once, same client)");
         let only_kafka = std::env::var("OJS_API_BENCH_ONLY").is_ok_and(|v| v == "kafka");
         if !only_kafka {
             backend(

@@ -136,3 +136,55 @@ pub async fn local_adapter() -> std::sync::Arc<dyn ojs_core::QueueAdapter> {
     .unwrap();
     std::sync::Arc::new(adapter)
 }
+
+/// This bench's own executable as the hello-world server (its `main`
+/// calls [`serve_hello`] when `OJS_API_BENCH_HELLO` is set).
+pub fn hello() -> Server {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env("OJS_API_BENCH_HELLO", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let addr = listening(&mut child, "hello on http://");
+    Server {
+        child,
+        addr,
+        _dir: ojs_bridge_tests::tempdir::TempDir::new("api-bench-hello"),
+    }
+}
+
+/// The hello-world endpoint: the listener stack of the daemon (hyper-util
+/// auto builder, keep-alive) with nothing behind it.
+pub fn serve_hello() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        eprintln!("hello on http://{}/", listener.local_addr().unwrap());
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
+                    let _ = http_body_util::BodyExt::collect(req.into_body()).await;
+                    let mut r = hyper::Response::new(http_body_util::Full::new(bytes::Bytes::from_static(
+                        br#"{"job":{"id":"019a0000-0000-7000-8000-000000000000","state":"available"}}"#,
+                    )));
+                    *r.status_mut() = hyper::StatusCode::CREATED;
+                    Ok::<_, std::convert::Infallible>(r)
+                });
+                let mut builder = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                );
+                builder.http1().keep_alive(true);
+                let _ = builder
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+}
