@@ -79,6 +79,12 @@ pub trait AdapterFactory: Send + Sync {
     async fn queue(&self, prefix: &str) -> Result<String> {
         Ok(unique_queue(prefix))
     }
+    /// The broker's adapter URL, where the suite's independent clients
+    /// check what the adapter did; `None`: the broker the suites'
+    /// environment names.
+    fn broker_url(&self) -> Option<String> {
+        None
+    }
 }
 
 fn job(queue: &str, i: usize) -> JobEnvelope {
@@ -956,8 +962,29 @@ pub use crate::tonic_cases::{
 
 #[macro_export]
 macro_rules! acceptance_tests {
-    ($factory:path) => {
-        $crate::acceptance_tests!($factory =>
+    // Every case in one test, one after the other, each with a factory
+    // made by `$factory(&setup)` from what `$setup().await` gave (a broker
+    // started for this test, dropped at its end).
+    (@in_one_test $name:ident, $setup:path, $factory:path) => {
+        $crate::acceptance_tests!(@cases @one $name $setup, $factory =>);
+    };
+    (@one $name:ident $setup:path, $factory:path => $($case:ident),+ $(,)?) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let Some(setup) = $setup().await else { return };
+            $(
+                println!("acceptance case {}", stringify!($case));
+                let factory = $factory(&setup);
+                if let Err(e) = $crate::acceptance::$case(&factory).await {
+                    panic!("acceptance case {}: {e:#}", stringify!($case));
+                }
+            )+
+            drop(setup);
+        }
+    };
+    // The list of cases, handed to the arm `$($arm)*` names.
+    (@cases $($arm:tt)*) => {
+        $crate::acceptance_tests!($($arm)*
             publish_consume_intact,
             concurrent_publishers_and_consumers,
             queues_are_isolated,
@@ -978,6 +1005,9 @@ macro_rules! acceptance_tests {
             tonic_lost_reply_is_a_timeout,
             tonic_reply_queue_of_its_own,
         );
+    };
+    ($factory:path) => {
+        $crate::acceptance_tests!(@cases $factory =>);
     };
     ($factory:path => $($case:ident),+ $(,)?) => {
         $(

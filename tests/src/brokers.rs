@@ -177,7 +177,7 @@ pub async fn find(broker: Broker) -> Option<Endpoint> {
     }
     if explicit.is_none() {
         #[cfg(feature = "testcontainers")]
-        if let Some(endpoint) = containers::start(broker).await {
+        if let Some(endpoint) = in_a_container(broker).await {
             return Some(endpoint);
         }
     }
@@ -187,94 +187,24 @@ pub async fn find(broker: Broker) -> Option<Endpoint> {
     )
 }
 
+/// One container per broker and test process, started the first time a
+/// suite finds nothing listening (the `testcontainers` feature); it lives
+/// as long as the process.
 #[cfg(feature = "testcontainers")]
-mod containers {
-    //! Brokers in containers for people with Docker; one container per broker
-    //! and test binary, removed by testcontainers' reaper when it exits.
-
-    use super::{Broker, Endpoint};
-    use testcontainers_modules::testcontainers::runners::AsyncRunner;
-    use testcontainers_modules::testcontainers::{ContainerAsync, Image};
+async fn in_a_container(broker: Broker) -> Option<Endpoint> {
     use tokio::sync::OnceCell;
-
-    fn docker_available() -> bool {
-        std::env::var_os("DOCKER_HOST").is_some()
-            || std::path::Path::new("/var/run/docker.sock").exists()
-    }
-
-    async fn run<I: Image>(image: I, port: u16) -> Option<(ContainerAsync<I>, u16)> {
-        let container = match image.start().await {
-            Ok(c) => c,
-            Err(e) => {
-                println!("testcontainers: could not start a container: {e}");
-                return None;
-            }
-        };
-        let host_port = container.get_host_port_ipv4(port).await.ok()?;
-        Some((container, host_port))
-    }
-
-    pub(super) async fn start(broker: Broker) -> Option<Endpoint> {
-        if !docker_available() {
-            return None;
-        }
-        static RABBIT: OnceCell<
-            Option<(
-                ContainerAsync<testcontainers_modules::rabbitmq::RabbitMq>,
-                u16,
-            )>,
-        > = OnceCell::const_new();
-        static KAFKA: OnceCell<
-            Option<(
-                ContainerAsync<testcontainers_modules::kafka::apache::Kafka>,
-                u16,
-            )>,
-        > = OnceCell::const_new();
-        static SQS: OnceCell<
-            Option<(
-                ContainerAsync<testcontainers_modules::localstack::LocalStack>,
-                u16,
-            )>,
-        > = OnceCell::const_new();
-        match broker {
-            Broker::RabbitMq => {
-                let started = RABBIT
-                    .get_or_init(|| {
-                        run(testcontainers_modules::rabbitmq::RabbitMq::default(), 5672)
-                    })
-                    .await;
-                started.as_ref().map(|(_, port)| Endpoint {
-                    url: format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
-                })
-            }
-            Broker::Kafka => {
-                let started = KAFKA
-                    .get_or_init(|| {
-                        run(
-                            testcontainers_modules::kafka::apache::Kafka::default(),
-                            testcontainers_modules::kafka::apache::KAFKA_PORT.as_u16(),
-                        )
-                    })
-                    .await;
-                started.as_ref().map(|(_, port)| Endpoint {
-                    url: format!("kafka://127.0.0.1:{port}"),
-                })
-            }
-            Broker::Sqs => {
-                let started = SQS
-                    .get_or_init(|| {
-                        run(
-                            testcontainers_modules::localstack::LocalStack::default(),
-                            4566,
-                        )
-                    })
-                    .await;
-                started.as_ref().map(|(_, port)| Endpoint {
-                    url: format!("sqs://us-east-1?endpoint=http://127.0.0.1:{port}"),
-                })
-            }
-        }
-    }
+    static RABBITMQ: OnceCell<Option<crate::containers::BrokerContainer>> = OnceCell::const_new();
+    static KAFKA: OnceCell<Option<crate::containers::BrokerContainer>> = OnceCell::const_new();
+    static SQS: OnceCell<Option<crate::containers::BrokerContainer>> = OnceCell::const_new();
+    let cell = match broker {
+        Broker::RabbitMq => &RABBITMQ,
+        Broker::Kafka => &KAFKA,
+        Broker::Sqs => &SQS,
+    };
+    cell.get_or_init(|| crate::containers::start(broker))
+        .await
+        .as_ref()
+        .map(|c| Endpoint { url: c.url.clone() })
 }
 
 /// The command that restarts `broker` (`OJS_BRIDGE_TEST_RABBITMQ_BOUNCE`,

@@ -39,8 +39,12 @@ pub fn available() -> Option<()> {
 
 /// Runs one command of the script; its stdout.
 pub fn run(args: &[&str]) -> Result<String> {
-    let out = Command::new(python())
-        .arg(script())
+    run_at(None, args)
+}
+
+/// [`run`] against the broker at `at` (an adapter URL).
+pub fn run_at(at: Option<&str>, args: &[&str]) -> Result<String> {
+    let out = client(at)
         .args(args)
         .output()
         .with_context(|| format!("running {} {args:?}", python()))?;
@@ -64,13 +68,36 @@ pub fn lines(args: &[&str]) -> Result<Vec<serde_json::Value>> {
         .collect()
 }
 
+/// The client script, talking to the broker at `at` (an adapter URL) or,
+/// without one, to those the suites' environment names.
+fn client(at: Option<&str>) -> Command {
+    let mut command = Command::new(python());
+    command.arg(script());
+    if let Some(url) = at {
+        let var = if url.starts_with("amqp") {
+            "OJS_BRIDGE_TEST_AMQP_URL"
+        } else if url.starts_with("kafka") {
+            "OJS_BRIDGE_TEST_KAFKA_URL"
+        } else {
+            "OJS_BRIDGE_TEST_SQS_URL"
+        };
+        command.env(var, url);
+    }
+    command
+}
+
 /// Whether RabbitMQ has queue (or, with `exchange`, exchange) `name`.
 pub fn rabbit_exists(name: &str, exchange: bool) -> Result<bool> {
+    rabbit_exists_at(None, name, exchange)
+}
+
+/// [`rabbit_exists`] on the RabbitMQ at `at`.
+pub fn rabbit_exists_at(at: Option<&str>, name: &str, exchange: bool) -> Result<bool> {
     let mut args = vec!["rabbit-exists", name];
     if exchange {
         args.push("--exchange");
     }
-    let out = Command::new(python()).arg(script()).args(&args).output()?;
+    let out = client(at).args(&args).output()?;
     match out.status.code() {
         Some(0) => Ok(true),
         Some(3) => Ok(false),
@@ -83,16 +110,26 @@ pub fn rabbit_exists(name: &str, exchange: bool) -> Result<bool> {
 
 /// Kafka topics whose names start with `prefix`, as the broker lists them.
 pub fn kafka_topics(prefix: &str) -> Result<Vec<String>> {
-    Ok(serde_json::from_str(&run(&[
-        "kafka-list",
-        "--prefix",
-        prefix,
-    ])?)?)
+    kafka_topics_at(None, prefix)
+}
+
+/// [`kafka_topics`] of the Kafka at `at`.
+pub fn kafka_topics_at(at: Option<&str>, prefix: &str) -> Result<Vec<String>> {
+    Ok(serde_json::from_str(&run_at(
+        at,
+        &["kafka-list", "--prefix", prefix],
+    )?)?)
 }
 
 /// SQS queues whose names start with `prefix`.
 pub fn sqs_queues(prefix: &str) -> Result<Vec<String>> {
-    Ok(serde_json::from_str(&run(&[
-        "sqs-list", "--prefix", prefix,
-    ])?)?)
+    sqs_queues_at(None, prefix)
+}
+
+/// [`sqs_queues`] of the SQS at `at`.
+pub fn sqs_queues_at(at: Option<&str>, prefix: &str) -> Result<Vec<String>> {
+    Ok(serde_json::from_str(&run_at(
+        at,
+        &["sqs-list", "--prefix", prefix],
+    )?)?)
 }

@@ -10,6 +10,7 @@
 pub mod acceptance;
 pub mod brokers;
 pub mod consume;
+pub mod containers;
 pub mod fault_proxy;
 pub mod independent;
 pub mod kafka;

@@ -387,19 +387,22 @@ pub async fn tonic_lost_reply_is_a_timeout(f: &dyn AdapterFactory) -> Result<()>
 
 /// Whether the broker still has something of reply queue `queue`; `None`
 /// where there is no broker resource to look at (memory, embedded).
-fn broker_has(features_name: &str, queue: &str) -> Result<Option<bool>> {
-    Ok(match features_name {
-        "rabbitmq" => Some(crate::independent::rabbit_exists(
+fn broker_has(f: &dyn AdapterFactory, queue: &str) -> Result<Option<bool>> {
+    let at = f.broker_url();
+    let at = at.as_deref();
+    Ok(match f.features().name {
+        "rabbitmq" => Some(crate::independent::rabbit_exists_at(
+            at,
             &format!("ojs.queue.{queue}"),
             false,
         )?),
         "kafka" => Some(
-            crate::independent::kafka_topics("ojs.")?
+            crate::independent::kafka_topics_at(at, "ojs.")?
                 .iter()
                 .any(|t| t.contains(queue)),
         ),
         "sqs" => Some(
-            crate::independent::sqs_queues("")?
+            crate::independent::sqs_queues_at(at, "")?
                 .iter()
                 .any(|q| q.contains(queue)),
         ),
@@ -452,7 +455,7 @@ pub async fn tonic_reply_queue_of_its_own(f: &dyn AdapterFactory) -> Result<()> 
     }
     if broker_checks {
         ensure!(
-            broker_has(features.name, &reply_queue)? == Some(true),
+            broker_has(f, &reply_queue)? == Some(true),
             "the reply queue is not on the broker"
         );
     }
@@ -460,11 +463,11 @@ pub async fn tonic_reply_queue_of_its_own(f: &dyn AdapterFactory) -> Result<()> 
     if broker_checks {
         // Topic deletion is asynchronous on Kafka brokers.
         let deadline = Instant::now() + features.patience;
-        while broker_has(features.name, &reply_queue)? == Some(true) && Instant::now() < deadline {
+        while broker_has(f, &reply_queue)? == Some(true) && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         ensure!(
-            broker_has(features.name, &reply_queue)? == Some(false),
+            broker_has(f, &reply_queue)? == Some(false),
             "the reply queue {reply_queue} is still on the broker after close()"
         );
     }

@@ -11,10 +11,13 @@ use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use ojs_bridge_tests::kafka::test_config;
 use ojs_core::{ConsumerOptions, QueueAdapter};
 
-struct Kafka {
-    url: String,
+pub(crate) struct Kafka {
+    pub(crate) url: String,
     /// One consumer group per test, so restarts resume its offsets.
-    group: String,
+    pub(crate) group: String,
+    /// Whether the broker reports exact high watermarks (tansu reports a
+    /// batch's base offset + 1: depth is approximate there).
+    pub(crate) exact_depth: bool,
 }
 
 #[async_trait]
@@ -24,6 +27,10 @@ impl AdapterFactory for Kafka {
         // Kafka's depth is the lag of a consumer group: this test's.
         config.depth_group = self.group.clone();
         Ok(Arc::new(KafkaAdapter::connect(config).await?))
+    }
+
+    fn broker_url(&self) -> Option<String> {
+        Some(self.url.clone())
     }
 
     fn features(&self) -> Features {
@@ -36,7 +43,7 @@ impl AdapterFactory for Kafka {
             visibility_timeout: false,
             max_deliveries: true,
             counts_redeliveries: false,
-            exact_depth: std::env::var("OJS_BRIDGE_TEST_KAFKA_FLAVOR").as_deref() != Ok("tansu"),
+            exact_depth: self.exact_depth,
             creates_resources: true,
             consumer_startup: Duration::from_secs(15),
             volume: 1.0,
@@ -56,6 +63,7 @@ async fn kafka() -> Option<Kafka> {
     find(Broker::Kafka).await.map(|e| Kafka {
         url: e.url,
         group: unique_queue("acc-group"),
+        exact_depth: std::env::var("OJS_BRIDGE_TEST_KAFKA_FLAVOR").as_deref() != Ok("tansu"),
     })
 }
 

@@ -10,8 +10,8 @@ use ojs_bridge_tests::acceptance_tests;
 use ojs_bridge_tests::brokers::{find, Broker};
 use ojs_core::QueueAdapter;
 
-struct Sqs {
-    url: String,
+pub(crate) struct Sqs {
+    pub(crate) url: String,
 }
 
 #[async_trait]
@@ -20,6 +20,10 @@ impl AdapterFactory for Sqs {
         Ok(Arc::new(
             SqsAdapter::connect(SqsConfig::from_url(&self.url)?).await?,
         ))
+    }
+
+    fn broker_url(&self) -> Option<String> {
+        Some(self.url.clone())
     }
 
     fn features(&self) -> Features {

@@ -10,6 +10,7 @@ mod acceptance_local;
 mod acceptance_memory;
 mod acceptance_rabbitmq;
 mod acceptance_sqs;
+mod containers;
 mod existing_kafka;
 mod existing_rabbitmq;
 mod existing_sqs;
