@@ -53,37 +53,6 @@ impl BrokerContainer {
     pub fn id(&self) -> &str {
         &self.id
     }
-
-    /// `docker kill`: the broker dies at once, as in a crash (SIGKILL, no
-    /// shutdown); its records in memory are gone with it.
-    pub async fn kill(&self) -> anyhow::Result<()> {
-        let out = tokio::process::Command::new("docker")
-            .args(["kill", self.id()])
-            .output()
-            .await?;
-        anyhow::ensure!(
-            out.status.success(),
-            "docker kill: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    }
-
-    /// `docker start` of the killed container: the same broker, ports and
-    /// configuration, its in-memory state empty (RabbitMQ keeps its durable
-    /// queues and persistent messages in the container's file system).
-    pub async fn restart(&self) -> anyhow::Result<()> {
-        let out = tokio::process::Command::new("docker")
-            .args(["start", self.id()])
-            .output()
-            .await?;
-        anyhow::ensure!(
-            out.status.success(),
-            "docker start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        listening(&self.address).await
-    }
 }
 
 /// Whether a Docker engine is configured here.
