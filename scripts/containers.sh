@@ -36,6 +36,9 @@ install_packages() {
   local missing=()
   command -v dockerd >/dev/null || missing+=(docker.io)
   command -v debootstrap >/dev/null || missing+=(debootstrap)
+  # Compose v1 is what Debian packages; the suites validate the project's
+  # docker-compose.yml with it and bring it up.
+  command -v docker-compose >/dev/null || missing+=(docker-compose)
   # Debian's docker.io brings containerd, runc and tini.
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]} from Debian"
@@ -131,11 +134,34 @@ build_images() {
   done
 }
 
+# The runtime stage of the project's own Dockerfile on the local base: the
+# image the container tests add the binary cargo built to. That stage copies
+# nothing from the build context, so an empty one is sent.
+runtime_image() { echo "ojs-bridge-test/runtime:$(sha256sum "$ROOT/Dockerfile" | cut -c1-12)"; }
+
+build_runtime() {
+  local name context
+  name=$(runtime_image)
+  if docker_ image inspect "$name" >/dev/null 2>&1; then
+    log "image: $name present"
+    return
+  fi
+  log "image: building $name (the Dockerfile's runtime stage)"
+  context="$STATE/empty-context"
+  mkdir -p "$context"
+  docker_ build --quiet --network host --target runtime --build-arg "BASE=$BASE_IMAGE" \
+    -f "$ROOT/Dockerfile" -t "$name" "$context" >> "$STATE/build.log" 2>&1 \
+    || { log "building $name failed; the log:"; tail -30 "$STATE/build.log" >&2; return 1; }
+  docker_ image ls --format '{{.Repository}}:{{.Tag}}' ojs-bridge-test/runtime | grep -vx "$name" \
+    | xargs -r env DOCKER_HOST="$SOCKET" docker rmi >/dev/null 2>&1 || true
+}
+
 print_env() {
   echo "export DOCKER_HOST=$SOCKET"
   echo "export OJS_BRIDGE_TEST_RABBITMQ_IMAGE=$(image_name rabbitmq)"
   echo "export OJS_BRIDGE_TEST_KAFKA_IMAGE=$(image_name tansu)"
   echo "export OJS_BRIDGE_TEST_SQS_IMAGE=$(image_name moto)"
+  echo "export OJS_BRIDGE_TEST_RUNTIME_IMAGE=$(runtime_image)"
   # moto takes any credentials; the AWS SDK wants some.
   echo 'export AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-test}'
   echo 'export AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-test}'
@@ -182,6 +208,7 @@ case "$cmd" in
     start_engine
     build_base
     build_images
+    build_runtime
     ;;
   env) print_env ;;
   status) status ;;

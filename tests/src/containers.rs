@@ -14,7 +14,10 @@
 //! image that will not start: a skip, or a failure under
 //! `OJS_BRIDGE_REQUIRE_BROKERS=1`.
 
+use std::hash::{Hash, Hasher};
 use std::net::TcpListener;
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use testcontainers::core::WaitFor;
@@ -63,7 +66,7 @@ fn engine_configured() -> bool {
 
 /// A free TCP port on 127.0.0.1 (free when asked: the container binds it
 /// a moment later).
-fn free_port() -> anyhow::Result<u16> {
+pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
@@ -207,4 +210,92 @@ async fn official(_broker: Broker) -> Option<BrokerContainer> {
         "the official broker images",
         "OJS_BRIDGE_TEST_IMAGES=official needs the `testcontainers` feature of ojs-bridge-tests",
     )
+}
+
+/// Runs `docker ARGS` (the engine `DOCKER_HOST` names); its stdout, or an
+/// error carrying its stderr.
+pub fn docker(args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("docker")
+        .args(args)
+        .output()
+        .map_err(|e| anyhow::anyhow!("running docker {args:?}: {e}"))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "docker {args:?} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// The project's image as the Dockerfile makes it: its runtime stage
+/// (`OJS_BRIDGE_TEST_RUNTIME_IMAGE`, which `scripts/containers.sh up` builds
+/// on the local Debian base) with `binary`, the `ojs-bridge` cargo built for
+/// this run, added the way the Dockerfile's last stage adds it. Tagged by
+/// the binary's content, so a run builds it once. `None` (a skip, or a
+/// panic under `OJS_BRIDGE_REQUIRE_BROKERS=1`) when that cannot be done here.
+pub fn project_image(binary: &Path) -> Option<String> {
+    if !engine_configured() {
+        return missing(
+            "a Docker engine",
+            "neither DOCKER_HOST nor /var/run/docker.sock; `scripts/containers.sh up` starts one",
+        );
+    }
+    let Ok(runtime) = std::env::var("OJS_BRIDGE_TEST_RUNTIME_IMAGE") else {
+        return missing(
+            "OJS_BRIDGE_TEST_RUNTIME_IMAGE",
+            "it names the Dockerfile's runtime stage `scripts/containers.sh up` built (`eval \"$(scripts/containers.sh env)\"`)",
+        );
+    };
+    match build_project_image(&runtime, binary) {
+        Ok(image) => Some(image),
+        Err(e) => missing("the project's image", &format!("{e:#}")),
+    }
+}
+
+fn build_project_image(runtime: &str, binary: &Path) -> anyhow::Result<String> {
+    let bytes =
+        std::fs::read(binary).map_err(|e| anyhow::anyhow!("reading {}: {e}", binary.display()))?;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    runtime.hash(&mut hasher);
+    bytes.hash(&mut hasher);
+    let image = format!("ojs-bridge-test/ojs-bridge:{:016x}", hasher.finish());
+    if docker(&["image", "inspect", "--format", "{{.Id}}", &image]).is_ok() {
+        return Ok(image);
+    }
+    let context = crate::tempdir::TempDir::new("image-context");
+    std::fs::write(context.path().join("ojs-bridge"), &bytes)?;
+    std::fs::set_permissions(
+        context.path().join("ojs-bridge"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
+    std::fs::write(
+        context.path().join("Dockerfile"),
+        "ARG RUNTIME\nFROM ${RUNTIME}\nCOPY ojs-bridge /usr/local/bin/ojs-bridge\n",
+    )?;
+    let context_path = context.path().to_string_lossy().into_owned();
+    docker(&[
+        "build",
+        "--quiet",
+        "--network",
+        "host",
+        "--build-arg",
+        &format!("RUNTIME={runtime}"),
+        "-t",
+        &image,
+        &context_path,
+    ])?;
+    // Images of earlier binaries go (one still in use stays, refused).
+    if let Ok(tags) = docker(&[
+        "image",
+        "ls",
+        "--format",
+        "{{.Repository}}:{{.Tag}}",
+        "ojs-bridge-test/ojs-bridge",
+    ]) {
+        for old in tags.lines().filter(|t| *t != image) {
+            let _ = docker(&["rmi", old]);
+        }
+    }
+    Ok(image)
 }

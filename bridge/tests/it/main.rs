@@ -9,6 +9,7 @@ mod broker_faults;
 mod cli_brokers;
 mod cli_convert;
 mod conformance;
+mod containers;
 mod daemon;
 mod daemon_brokers;
 mod daemon_process;
