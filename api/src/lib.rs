@@ -13,6 +13,7 @@
 pub mod auth;
 pub mod dead;
 pub mod error;
+pub mod grpc;
 pub mod http;
 pub mod job;
 pub mod roster;
@@ -373,7 +374,7 @@ impl Api {
             },
             "conformance_level": 0,
             "conformance_tier": "runtime",
-            "protocols": ["http"],
+            "protocols": ["http", "grpc"],
             "backend": self.adapter.kind(),
             "capabilities": {
                 "batch_enqueue": true,

@@ -135,6 +135,9 @@ pub struct Workers {
     /// Deliveries being settled on the broker after their job's
     /// transition committed.
     settling: Arc<Settling>,
+    /// Woken when a job this process handed out was acked or failed: a
+    /// job stream at its worker's allowance looks again.
+    pub(crate) settled: Arc<tokio::sync::Notify>,
 }
 
 /// Broker settlements running in the background, counted so that shutdown
@@ -208,7 +211,7 @@ enum Expiry {
 }
 
 impl Api {
-    fn workers(&self) -> &Workers {
+    pub(crate) fn workers(&self) -> &Workers {
         &self.workers
     }
 
@@ -616,6 +619,7 @@ impl Api {
                 if let Some(held) = held {
                     self.settle_in_background(id.to_owned(), held, Settle::Ack);
                 }
+                self.workers().settled.notify_waiters();
                 Ok(job)
             }
             Err(e) => {
@@ -660,6 +664,7 @@ impl Api {
         if let Some(held) = held {
             self.settle_in_background(id, held, decision);
         }
+        self.workers().settled.notify_waiters();
         Ok(job)
     }
 

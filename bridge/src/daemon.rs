@@ -102,6 +102,8 @@ pub struct Daemon {
     tls: Option<crate::tls::ListenerTls>,
     /// The OJS HTTP binding (`[api]`).
     api: Option<Arc<ojs_api::Api>>,
+    /// The OJS gRPC binding over `api`, served on the same listener.
+    grpc: Option<ojs_api::grpc::GrpcServices>,
 }
 
 /// What a run did, per source: received and acked.
@@ -338,6 +340,12 @@ impl Daemon {
                 }
                 None => None,
             };
+        let grpc = match &api {
+            Some(api) => {
+                Some(ojs_api::grpc::GrpcServices::new(api.clone()).map_err(DaemonError::Api)?)
+            }
+            None => None,
+        };
         let http_token = match &config.http.token_file {
             Some(path) => Some(crate::config::read_token_file("http.token_file", path)?),
             None => None,
@@ -395,6 +403,7 @@ impl Daemon {
             http_token,
             tls,
             api,
+            grpc,
         })
     }
 
@@ -468,12 +477,13 @@ impl Daemon {
                     idle_timeout: http_config.idle_timeout,
                     max_connections: http_config.max_connections,
                 },
+                grpc: self.grpc.clone(),
                 api: self.api.clone(),
             });
             if let Ok(addr) = listener.local_addr() {
                 tracing::info!(%addr, token = state.token.is_some(), tls = self.tls.as_ref().map_or("off", |t| if t.mutual { "mutual" } else { "on" }), "health on /ojs/v1/health, metrics on /metrics");
                 if let (Some(api), Some(config)) = (&self.api, &self.config.api) {
-                    tracing::info!(%addr, adapter = %config.adapter, store = %api.store().place(), "OJS HTTP API on /ojs/v1 and /ojs/manifest");
+                    tracing::info!(%addr, adapter = %config.adapter, store = %api.store().place(), "OJS HTTP API on /ojs/v1 and /ojs/manifest, OJS gRPC (ojs.v1.OJSService, reflection, grpc.health.v1) on the same port");
                 }
             }
             http_task = Some(tokio::spawn(http::serve(

@@ -157,7 +157,13 @@ pub struct HttpState {
     pub limits: Limits,
     /// The OJS HTTP binding, with `[api]`.
     pub api: Option<Arc<ojs_api::Api>>,
+    /// The OJS gRPC binding and its companions, with `[api]`: calls come
+    /// over HTTP/2 on the same listener.
+    pub grpc: Option<ojs_api::grpc::GrpcServices>,
 }
+
+/// Every answer's body: the HTTP answers are whole, gRPC ones stream.
+type AnswerBody = tonic::body::Body;
 
 fn response(
     status: StatusCode,
@@ -186,7 +192,16 @@ fn authorized(state: &HttpState, req: &Request<Incoming>) -> bool {
 async fn handle(
     state: Arc<HttpState>,
     req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+) -> Result<Response<AnswerBody>, Infallible> {
+    if ojs_api::grpc::GrpcServices::is_grpc(&req) {
+        if let Some(grpc) = &state.grpc {
+            return Ok(grpc.call(req.map(AnswerBody::new)).await);
+        }
+        return Ok(tonic::Status::unimplemented(
+            "gRPC is served with the OJS API ([api] in the configuration)",
+        )
+        .into_http());
+    }
     let path = req.uri().path().to_owned();
     let ojs = ojs_api::http::is_ojs_path(&path);
     let known = matches!(path.as_str(), "/ojs/v1/health" | "/metrics");
@@ -195,7 +210,7 @@ async fn handle(
     if let Some(id) = &request_id {
         ojs_api::http::standard_headers(response.headers_mut(), id);
     }
-    Ok(response)
+    Ok(response.map(AnswerBody::new))
 }
 
 async fn answer(
@@ -466,9 +481,16 @@ async fn connection<I>(
         let seen = seen.clone();
         async move {
             seen.begin();
+            // The request ends with its answer's body: a gRPC stream keeps
+            // the connection busy for as long as it runs.
+            let request = InFlight::new(seen);
             let r = handle(state, req).await;
-            seen.end();
-            r
+            r.map(|response| {
+                response.map(|body| Tracked {
+                    body,
+                    _request: request,
+                })
+            })
         }
     });
     let mut builder =
@@ -508,6 +530,47 @@ async fn connection<I>(
                 break;
             }
         }
+    }
+}
+
+/// One request in flight; it ends when dropped (with its answer's body).
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn new(activity: Arc<Activity>) -> Self {
+        InFlight(activity)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.end();
+    }
+}
+
+/// An answer's body that ends its request when it is done or dropped.
+struct Tracked {
+    body: AnswerBody,
+    _request: InFlight,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 

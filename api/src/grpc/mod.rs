@@ -1,0 +1,1062 @@
+//! The OJS gRPC binding: `ojs.v1.OJSService` over the same [`Api`] as the
+//! HTTP binding, so a job pushed over one reads the same over the other
+//! and no rule is written twice (messages are turned into the HTTP
+//! binding's JSON and back in [`convert`]).
+//!
+//! [`services`] gives the three gRPC services the daemon serves on its
+//! HTTP listener (HTTP/2, cleartext or TLS with ALPN `h2`): this binding,
+//! server reflection (so `grpcurl` and dynamic clients need no protos)
+//! and `grpc.health.v1`. Methods of the binding it does not declare
+//! (cron, queue pause and statistics) answer `UNIMPLEMENTED`; those it
+//! does not know at all (workflows, `StreamEvents`) get the same from
+//! the router.
+
+pub mod convert;
+
+use std::collections::HashSet;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use serde_json::{json, Value};
+use tokio_stream::Stream;
+use tonic::metadata::MetadataMap;
+use tonic::{Code, Request, Response, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::auth::Grant;
+use crate::dead::DeadLetterQuery;
+use crate::error::ApiError;
+use crate::roster::{Beat, Directive};
+use crate::{worker, Api};
+
+/// The generated `ojs.v1` messages, server and client.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod pb {
+    include!(concat!(env!("OUT_DIR"), "/ojs.v1.rs"));
+}
+
+/// The encoded descriptors of `ojs.v1` (and the well-known types it
+/// imports), which server reflection serves.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ojs_v1.binpb"));
+
+/// The gRPC path prefix of the binding's service.
+pub const SERVICE_PATH: &str = "/ojs.v1.OJSService/";
+
+/// The domain of every `ErrorInfo` this binding sends.
+pub const ERROR_DOMAIN: &str = "openjobspec.org";
+
+/// Longest `Fetch` wait a caller's deadline can ask for.
+const MAX_FETCH_WAIT: Duration = Duration::from_secs(30);
+
+/// How long before the caller's deadline a waiting `Fetch` answers, so the
+/// answer (empty or not) arrives in time.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
+
+/// `ojs.v1.OJSService` over an [`Api`].
+#[derive(Debug, Clone)]
+pub struct OjsGrpc {
+    api: Arc<Api>,
+}
+
+impl OjsGrpc {
+    /// The binding over `api`.
+    pub fn new(api: Arc<Api>) -> Self {
+        OjsGrpc { api }
+    }
+
+    /// The tonic server of the binding, with the API's message-size limit
+    /// for requests.
+    pub fn server(self) -> pb::ojs_service_server::OjsServiceServer<OjsGrpc> {
+        let limit = self.api.settings().max_body_bytes;
+        pb::ojs_service_server::OjsServiceServer::new(self)
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(usize::MAX)
+    }
+}
+
+/// The request id of a call: the caller's `x-ojs-request-id` when it is a
+/// sane token, else a new one.
+fn request_id(metadata: &MetadataMap) -> String {
+    metadata
+        .get("x-ojs-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| format!("req_{}", uuid::Uuid::now_v7()), str::to_owned)
+}
+
+/// The status of an error: the binding's code map, one `ErrorInfo`
+/// (reason = the HTTP binding's code, `retryable`, `request_id`) and, for
+/// a validation error, a `BadRequest` naming the attribute.
+pub fn status(error: &ApiError, request_id: &str) -> Status {
+    let code = match error {
+        ApiError::InvalidPayload { .. }
+        | ApiError::InvalidRequest { .. }
+        | ApiError::UnsupportedContentType { .. }
+        | ApiError::NotAcceptable { .. }
+        | ApiError::NoRoute { .. }
+        | ApiError::MethodNotAllowed { .. } => Code::InvalidArgument,
+        ApiError::NotFound { .. } | ApiError::QueueNotServed { .. } => Code::NotFound,
+        ApiError::Duplicate { .. } => Code::AlreadyExists,
+        ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => Code::FailedPrecondition,
+        ApiError::UnsupportedVersion(_) => Code::FailedPrecondition,
+        ApiError::BodyTooLarge { .. }
+        | ApiError::BatchTooLarge { .. }
+        | ApiError::JobTooLarge { .. } => Code::ResourceExhausted,
+        ApiError::Unauthenticated => Code::Unauthenticated,
+        ApiError::PermissionDenied { .. } => Code::PermissionDenied,
+        ApiError::BodyTimeout { .. } => Code::DeadlineExceeded,
+        ApiError::Broker { .. } => Code::Unavailable,
+        ApiError::Store(e) if e.is_unavailable() => Code::Unavailable,
+        ApiError::Store(_) => Code::Internal,
+    };
+    if error.status() >= 500 {
+        let detail = std::error::Error::source(error)
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        tracing::warn!(code = error.code(), error = %error, %detail, request_id, "OJS gRPC call failed");
+    } else {
+        tracing::debug!(code = error.code(), request_id, "OJS gRPC call refused");
+    }
+    let mut details = ErrorDetails::with_error_info(
+        error.code(),
+        ERROR_DOMAIN,
+        [
+            ("retryable".to_owned(), error.retryable().to_string()),
+            ("request_id".to_owned(), request_id.to_owned()),
+        ],
+    );
+    if let ApiError::InvalidRequest { attribute, .. } = error {
+        details.add_bad_request_violation(attribute.clone().unwrap_or_default(), error.to_string());
+    }
+    Status::with_error_details(code, error.to_string(), details)
+}
+
+/// One call's context: its request id, and the grant of its token.
+struct Call<'a> {
+    request_id: String,
+    grant: Grant<'a>,
+}
+
+impl OjsGrpc {
+    fn call<'a>(&'a self, metadata: &MetadataMap) -> Result<Call<'a>, Status> {
+        let request_id = request_id(metadata);
+        let authorization = metadata.get("authorization").and_then(|v| v.to_str().ok());
+        let grant = self
+            .api
+            .tokens()
+            .identify(authorization)
+            .map_err(|e| status(&e, &request_id))?;
+        Ok(Call { request_id, grant })
+    }
+}
+
+/// An answer with the metadata every answer of the binding carries.
+fn answer<T>(message: T, request_id: &str) -> Response<T> {
+    let mut r = Response::new(message);
+    let m = r.metadata_mut();
+    if let Ok(v) = request_id.parse() {
+        m.insert("x-ojs-request-id", v);
+    }
+    if let Ok(v) = env!("CARGO_PKG_VERSION").parse() {
+        m.insert("x-ojs-server-version", v);
+    }
+    m.insert(
+        "x-ojs-conformance-level",
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    r
+}
+
+/// How long the caller will wait for an answer (`grpc-timeout`), if it
+/// said.
+pub fn deadline(metadata: &MetadataMap) -> Option<Duration> {
+    let text = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+fn job_message(job: &crate::Job) -> pb::Job {
+    convert::job_message(&job.to_json())
+}
+
+fn queues(names: Vec<String>) -> Result<Vec<String>, ApiError> {
+    if names.is_empty() {
+        return Err(ApiError::invalid(
+            "queues",
+            "`queues` is required: one or more queue names",
+        ));
+    }
+    for q in &names {
+        ojs_core::envelope::validate_queue_name(q)
+            .map_err(|e| ApiError::invalid("queues", e.to_string()))?;
+    }
+    Ok(names)
+}
+
+fn job_id(id: &str) -> Result<&str, ApiError> {
+    if id.is_empty() {
+        return Err(ApiError::invalid("job_id", "`job_id` is required"));
+    }
+    Ok(id)
+}
+
+fn unimplemented(method: &str) -> Status {
+    Status::unimplemented(format!(
+        "{method} is not served: ojs-bridge declares conformance level 1 over gRPC (and batch enqueue); cron, queue statistics and pause/resume are not offered"
+    ))
+}
+
+type JobStream = Pin<Box<dyn Stream<Item = Result<pb::Job, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl pb::ojs_service_server::OjsService for OjsGrpc {
+    async fn manifest(
+        &self,
+        request: Request<pb::ManifestRequest>,
+    ) -> Result<Response<pb::ManifestResponse>, Status> {
+        let id = request_id(request.metadata());
+        let m = self.api.manifest();
+        let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
+        Ok(answer(
+            pb::ManifestResponse {
+                ojs_version: text(&m["ojs_version"]),
+                implementation: Some(pb::Implementation {
+                    name: text(&m["implementation"]["name"]),
+                    version: text(&m["implementation"]["version"]),
+                    language: text(&m["implementation"]["language"]),
+                }),
+                conformance_level: m["conformance_level"]
+                    .as_i64()
+                    .and_then(|n| i32::try_from(n).ok())
+                    .unwrap_or(0),
+                protocols: m["protocols"]
+                    .as_array()
+                    .map(|a| a.iter().map(text).collect())
+                    .unwrap_or_default(),
+                backend: text(&m["backend"]),
+                extensions: m["extensions"]
+                    .as_array()
+                    .map(|a| a.iter().map(text).collect())
+                    .unwrap_or_default(),
+                schema_validation: m["capabilities"]["schema_validation"]
+                    .as_bool()
+                    .unwrap_or(false),
+            },
+            &id,
+        ))
+    }
+
+    async fn health(
+        &self,
+        request: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthResponse>, Status> {
+        let id = request_id(request.metadata());
+        let (store_up, store) = self.api.store_health();
+        let mut details = serde_json::Map::new();
+        details.insert("backend".into(), self.api.backend());
+        details.insert("store".into(), store);
+        details.insert("uptime_seconds".into(), json!(self.api.uptime_seconds()));
+        let status = if store_up {
+            pb::HealthStatus::Ok
+        } else {
+            pb::HealthStatus::Unhealthy
+        };
+        Ok(answer(
+            pb::HealthResponse {
+                status: status as i32,
+                timestamp: Some(convert::time_stamp(Utc::now())),
+                details: Some(convert::json_to_struct(&details)),
+            },
+            &id,
+        ))
+    }
+
+    async fn enqueue(
+        &self,
+        request: Request<pb::EnqueueRequest>,
+    ) -> Result<Response<pb::EnqueueResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let traceparent = request
+            .metadata()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let r = request.into_inner();
+        let done = async {
+            let body =
+                convert::enqueue_body(r.r#type, r.args, r.options, None, traceparent.as_deref())?;
+            let job = crate::job::from_json(body, Utc::now())?;
+            let mut jobs = self.api.push(&call.grant, vec![job]).await?;
+            jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))
+        }
+        .await;
+        match done {
+            Ok(job) => Ok(answer(
+                pb::EnqueueResponse {
+                    job: Some(job_message(&job)),
+                },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn enqueue_batch(
+        &self,
+        request: Request<pb::EnqueueBatchRequest>,
+    ) -> Result<Response<pb::EnqueueBatchResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let traceparent = request
+            .metadata()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let r = request.into_inner();
+        let done = async {
+            if r.jobs.is_empty() {
+                return Err(ApiError::invalid(
+                    "jobs",
+                    "`jobs` must hold at least one job",
+                ));
+            }
+            let limit = self.api.settings().max_batch_jobs;
+            if r.jobs.len() > limit {
+                return Err(ApiError::BatchTooLarge {
+                    count: r.jobs.len(),
+                    limit,
+                });
+            }
+            let now = Utc::now();
+            let mut jobs = Vec::with_capacity(r.jobs.len());
+            for (i, entry) in r.jobs.into_iter().enumerate() {
+                let body = convert::enqueue_body(
+                    entry.r#type,
+                    entry.args,
+                    entry.options,
+                    r.default_options.as_ref(),
+                    traceparent.as_deref(),
+                )
+                .map_err(|e| e.at_index(i))?;
+                jobs.push(crate::job::from_json(body, now).map_err(|e| e.at_index(i))?);
+            }
+            self.api.push(&call.grant, jobs).await
+        }
+        .await;
+        match done {
+            Ok(jobs) => Ok(answer(
+                pb::EnqueueBatchResponse {
+                    count: i32::try_from(jobs.len()).unwrap_or(i32::MAX),
+                    jobs: jobs.iter().map(job_message).collect(),
+                    errors: Default::default(),
+                },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn get_job(
+        &self,
+        request: Request<pb::GetJobRequest>,
+    ) -> Result<Response<pb::GetJobResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let r = request.into_inner();
+        let done = async { self.api.info(&call.grant, job_id(&r.job_id)?).await }.await;
+        match done {
+            Ok(job) => Ok(answer(
+                pb::GetJobResponse {
+                    job: Some(job_message(&job)),
+                },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn cancel_job(
+        &self,
+        request: Request<pb::CancelJobRequest>,
+    ) -> Result<Response<pb::CancelJobResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let r = request.into_inner();
+        let done = async { self.api.cancel(&call.grant, job_id(&r.job_id)?).await }.await;
+        match done {
+            Ok((_, job)) => Ok(answer(
+                pb::CancelJobResponse {
+                    job: Some(job_message(&job)),
+                },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn fetch(
+        &self,
+        request: Request<pb::FetchRequest>,
+    ) -> Result<Response<pb::FetchResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        // A long poll as long as the caller waits (less a margin to
+        // answer in), at most MAX_FETCH_WAIT; no deadline, no wait.
+        let wait = deadline(request.metadata())
+            .map(|d| d.saturating_sub(DEADLINE_MARGIN).min(MAX_FETCH_WAIT))
+            .unwrap_or(Duration::ZERO);
+        let r = request.into_inner();
+        let done = async {
+            let count = match r.count {
+                0 => 1,
+                n @ 1..=1000 => n as usize,
+                _ => {
+                    return Err(ApiError::invalid(
+                        "count",
+                        "must be an integer from 1 to 1000",
+                    ))
+                }
+            };
+            let fetch = worker::Fetch {
+                queues: queues(r.queues)?,
+                count,
+                worker_id: (!r.worker_id.is_empty()).then_some(r.worker_id),
+                visibility: None,
+                wait,
+            };
+            self.api.fetch(&call.grant, fetch).await
+        }
+        .await;
+        match done {
+            Ok(jobs) => Ok(answer(
+                pb::FetchResponse {
+                    jobs: jobs.iter().map(job_message).collect(),
+                },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn ack(
+        &self,
+        request: Request<pb::AckRequest>,
+    ) -> Result<Response<pb::AckResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let r = request.into_inner();
+        let result = r.result.map(|s| Value::Object(convert::struct_to_json(s)));
+        let done = async { self.api.ack(&call.grant, job_id(&r.job_id)?, result).await }.await;
+        match done {
+            Ok(_) => Ok(answer(
+                pb::AckResponse { acknowledged: true },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn nack(
+        &self,
+        request: Request<pb::NackRequest>,
+    ) -> Result<Response<pb::NackResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let r = request.into_inner();
+        let done = async {
+            let failure = worker::Failure {
+                job_id: job_id(&r.job_id)?.to_owned(),
+                error: convert::failure_error(r.error),
+                requeue: false,
+            };
+            self.api.nack(&call.grant, failure).await
+        }
+        .await;
+        match done {
+            Ok(job) => {
+                let next = job
+                    .extra
+                    .get("next_attempt_at")
+                    .and_then(Value::as_str)
+                    .and_then(convert::text_timestamp);
+                let state = job.state().as_str().unwrap_or("");
+                Ok(answer(
+                    pb::NackResponse {
+                        state: convert::state_of(state) as i32,
+                        next_attempt_at: next,
+                    },
+                    &call.request_id,
+                ))
+            }
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let r = request.into_inner();
+        let done = async {
+            if r.id.is_empty() && r.worker_id.is_empty() {
+                return Err(ApiError::invalid(
+                    "id",
+                    "`id` (a job's or the worker's) or `worker_id` is required",
+                ));
+            }
+            let extend_by = r
+                .extend_by
+                .as_ref()
+                .map(|d| convert::millis(d, "extend_by"))
+                .transpose()?
+                .map(Duration::from_millis);
+            // `id` names a job unless it is the worker's own id.
+            let worker_level = r.id.is_empty() || r.id == r.worker_id;
+            let jobs = (!worker_level).then(|| vec![r.id.clone()]);
+            let extended = self
+                .api
+                .heartbeat(&call.grant, &r.worker_id, jobs, extend_by)
+                .await?;
+            let directive = if r.worker_id.is_empty() {
+                Directive::Running
+            } else {
+                self.api
+                    .beat(
+                        &call.grant,
+                        Beat {
+                            worker_id: r.worker_id.clone(),
+                            active_jobs: None,
+                            about: serde_json::Map::new(),
+                        },
+                    )
+                    .await?
+            };
+            let deadline = match (extended.is_empty(), extend_by) {
+                (false, Some(d)) => chrono::Duration::from_std(d)
+                    .ok()
+                    .and_then(|d| Utc::now().checked_add_signed(d))
+                    .map(convert::time_stamp),
+                _ => None,
+            };
+            Ok((directive, deadline))
+        }
+        .await;
+        match done {
+            Ok((directive, new_deadline)) => Ok(answer(
+                pb::HeartbeatResponse {
+                    directed_state: worker_state(directive) as i32,
+                    new_deadline,
+                },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    type StreamJobsStream = JobStream;
+
+    async fn stream_jobs(
+        &self,
+        request: Request<pb::StreamJobsRequest>,
+    ) -> Result<Response<Self::StreamJobsStream>, Status> {
+        let call = self.call(request.metadata())?;
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let authorization = authorization.as_deref();
+        let r = request.into_inner();
+        let max = match r.max_concurrent {
+            0 => 1,
+            n @ 1..=1000 => n as usize,
+            _ => {
+                let e = ApiError::invalid("max_concurrent", "must be an integer from 1 to 1000");
+                return Err(status(&e, &call.request_id));
+            }
+        };
+        let queues = queues(r.queues).map_err(|e| status(&e, &call.request_id))?;
+        // The token must allow working those queues now, not at the first
+        // job.
+        for q in &queues {
+            if let Err(e) = call.grant.allow_on(crate::auth::Operation::Work, q) {
+                return Err(status(&e, &call.request_id));
+            }
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let feed = JobFeed {
+            api: self.api.clone(),
+            authorization: authorization.map(str::to_owned),
+            queues,
+            worker_id: (!r.worker_id.is_empty()).then_some(r.worker_id),
+            max,
+            request_id: call.request_id.clone(),
+        };
+        tokio::spawn(feed.run(tx));
+        Ok(answer(
+            Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as JobStream,
+            &call.request_id,
+        ))
+    }
+
+    async fn list_queues(
+        &self,
+        request: Request<pb::ListQueuesRequest>,
+    ) -> Result<Response<pb::ListQueuesResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let r = request.into_inner();
+        let done = async {
+            let limit = match r.limit {
+                0 => 100,
+                n @ 1..=1000 => n as usize,
+                _ => return Err(ApiError::invalid("limit", "must be from 1 to 1000")),
+            };
+            let offset: usize = if r.cursor.is_empty() {
+                0
+            } else {
+                r.cursor
+                    .parse()
+                    .map_err(|_| ApiError::invalid("cursor", "is not a cursor this server gave"))?
+            };
+            let all = self.api.queues(&call.grant).await?;
+            let list: Vec<pb::QueueInfo> = all["queues"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|q| pb::QueueInfo {
+                            name: q["name"].as_str().unwrap_or("").to_owned(),
+                            paused: false,
+                            available_count: 0,
+                            created_at: q["created_at"].as_str().and_then(convert::text_timestamp),
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let total = list.len();
+            let page: Vec<_> = list.into_iter().skip(offset).take(limit).collect();
+            let next = offset + page.len();
+            Ok((page, (next < total).then(|| next.to_string())))
+        }
+        .await;
+        match done {
+            Ok((queues, next)) => Ok(answer(
+                pb::ListQueuesResponse {
+                    queues,
+                    next_cursor: next.unwrap_or_default(),
+                },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn queue_stats(
+        &self,
+        _request: Request<pb::QueueStatsRequest>,
+    ) -> Result<Response<pb::QueueStatsResponse>, Status> {
+        Err(unimplemented("QueueStats"))
+    }
+
+    async fn pause_queue(
+        &self,
+        _request: Request<pb::PauseQueueRequest>,
+    ) -> Result<Response<pb::PauseQueueResponse>, Status> {
+        Err(unimplemented("PauseQueue"))
+    }
+
+    async fn resume_queue(
+        &self,
+        _request: Request<pb::ResumeQueueRequest>,
+    ) -> Result<Response<pb::ResumeQueueResponse>, Status> {
+        Err(unimplemented("ResumeQueue"))
+    }
+
+    async fn list_dead_letter(
+        &self,
+        request: Request<pb::ListDeadLetterRequest>,
+    ) -> Result<Response<pb::ListDeadLetterResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let r = request.into_inner();
+        let done = async {
+            let limit = match r.limit {
+                0 => 50,
+                n @ 1..=1000 => n as usize,
+                _ => return Err(ApiError::invalid("limit", "must be from 1 to 1000")),
+            };
+            let offset: usize = if r.cursor.is_empty() {
+                0
+            } else {
+                r.cursor
+                    .parse()
+                    .map_err(|_| ApiError::invalid("cursor", "is not a cursor this server gave"))?
+            };
+            let query = DeadLetterQuery {
+                queue: (!r.queue.is_empty()).then_some(r.queue),
+                job_type: None,
+                limit,
+                offset,
+            };
+            let (jobs, total) = self.api.dead_letters(&call.grant, &query).await?;
+            let next = offset + jobs.len();
+            Ok((jobs, total, (next < total).then(|| next.to_string())))
+        }
+        .await;
+        match done {
+            Ok((jobs, total, next)) => Ok(answer(
+                pb::ListDeadLetterResponse {
+                    jobs: jobs.iter().map(job_message).collect(),
+                    total_count: i64::try_from(total).unwrap_or(i64::MAX),
+                    next_cursor: next.unwrap_or_default(),
+                },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn retry_dead_letter(
+        &self,
+        request: Request<pb::RetryDeadLetterRequest>,
+    ) -> Result<Response<pb::RetryDeadLetterResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let r = request.into_inner();
+        let done = async {
+            self.api
+                .retry_dead_letter(&call.grant, job_id(&r.job_id)?)
+                .await
+        }
+        .await;
+        match done {
+            Ok(job) => Ok(answer(
+                pb::RetryDeadLetterResponse {
+                    job: Some(job_message(&job)),
+                },
+                &call.request_id,
+            )),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn delete_dead_letter(
+        &self,
+        request: Request<pb::DeleteDeadLetterRequest>,
+    ) -> Result<Response<pb::DeleteDeadLetterResponse>, Status> {
+        let call = self.call(request.metadata())?;
+        let r = request.into_inner();
+        let done = async {
+            self.api
+                .delete_dead_letter(&call.grant, job_id(&r.job_id)?)
+                .await
+        }
+        .await;
+        match done {
+            Ok(()) => Ok(answer(pb::DeleteDeadLetterResponse {}, &call.request_id)),
+            Err(e) => Err(status(&e, &call.request_id)),
+        }
+    }
+
+    async fn register_cron(
+        &self,
+        _request: Request<pb::RegisterCronRequest>,
+    ) -> Result<Response<pb::RegisterCronResponse>, Status> {
+        Err(unimplemented("RegisterCron"))
+    }
+
+    async fn unregister_cron(
+        &self,
+        _request: Request<pb::UnregisterCronRequest>,
+    ) -> Result<Response<pb::UnregisterCronResponse>, Status> {
+        Err(unimplemented("UnregisterCron"))
+    }
+
+    async fn list_cron(
+        &self,
+        _request: Request<pb::ListCronRequest>,
+    ) -> Result<Response<pb::ListCronResponse>, Status> {
+        Err(unimplemented("ListCron"))
+    }
+}
+
+fn worker_state(d: Directive) -> pb::WorkerState {
+    match d {
+        Directive::Running => pb::WorkerState::Running,
+        Directive::Quiet => pb::WorkerState::Quiet,
+        Directive::Terminate => pb::WorkerState::Terminate,
+    }
+}
+
+/// How long one fetch of a job stream waits before it looks again whether
+/// the worker is still there.
+const STREAM_POLL: Duration = Duration::from_secs(1);
+
+/// The jobs of one `StreamJobs` call: fetched for the worker as they come,
+/// never more unsettled at once than it asked for.
+struct JobFeed {
+    api: Arc<Api>,
+    /// The call's `authorization`, identified again for each fetch (a
+    /// stream outlives the call's borrow of the token list).
+    authorization: Option<String>,
+    queues: Vec<String>,
+    worker_id: Option<String>,
+    max: usize,
+    request_id: String,
+}
+
+impl JobFeed {
+    async fn run(self, tx: tokio::sync::mpsc::Sender<Result<pb::Job, Status>>) {
+        let mut unsettled: HashSet<String> = HashSet::new();
+        let settled = self.api.workers().settled.clone();
+        while !tx.is_closed() {
+            let grant = match self.api.tokens().identify(self.authorization.as_deref()) {
+                Ok(g) => g,
+                Err(e) => {
+                    let _ = tx.send(Err(status(&e, &self.request_id))).await;
+                    return;
+                }
+            };
+            if unsettled.len() >= self.max {
+                // Registered before looking, so a settlement in between
+                // is not missed; settlements through another replica are
+                // seen at the next poll.
+                let notified = settled.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                self.forget_settled(&grant, &mut unsettled).await;
+                if unsettled.len() >= self.max {
+                    tokio::select! {
+                        () = notified => {}
+                        () = tokio::time::sleep(STREAM_POLL) => {}
+                        () = tx.closed() => return,
+                    }
+                }
+                continue;
+            }
+            let fetch = worker::Fetch {
+                queues: self.queues.clone(),
+                count: self.max - unsettled.len(),
+                worker_id: self.worker_id.clone(),
+                visibility: None,
+                wait: STREAM_POLL,
+            };
+            let jobs = match self.api.fetch(&grant, fetch).await {
+                Ok(jobs) => jobs,
+                Err(e) => {
+                    // The worker reconnects; a broker or store that is
+                    // down says UNAVAILABLE.
+                    let _ = tx.send(Err(status(&e, &self.request_id))).await;
+                    return;
+                }
+            };
+            let mut jobs = jobs.into_iter();
+            while let Some(job) = jobs.next() {
+                let id = job.envelope.id.clone();
+                if tx.send(Ok(job_message(&job))).await.is_err() {
+                    // The worker left between the fetch and the send:
+                    // these jobs go back at once rather than after their
+                    // visibility timeout.
+                    let back: Vec<String> = std::iter::once(id)
+                        .chain(jobs.map(|j| j.envelope.id))
+                        .collect();
+                    self.put_back(&grant, back).await;
+                    return;
+                }
+                unsettled.insert(id);
+            }
+        }
+    }
+
+    /// Drops the jobs that are no longer active (acked, failed, timed out
+    /// or cancelled) from `unsettled`.
+    async fn forget_settled(&self, grant: &Grant<'_>, unsettled: &mut HashSet<String>) {
+        let mut still = HashSet::new();
+        for id in unsettled.drain() {
+            let active = match self.api.info(grant, &id).await {
+                Ok(job) => job.state() == ojs_core::JobState::Active,
+                // Gone (retention) or unreadable: not held against the
+                // worker's allowance.
+                Err(_) => false,
+            };
+            if active {
+                still.insert(id);
+            }
+        }
+        *unsettled = still;
+    }
+
+    async fn put_back(&self, grant: &Grant<'_>, ids: Vec<String>) {
+        for id in ids {
+            let failure = worker::Failure {
+                job_id: id.clone(),
+                error: serde_json::Map::new(),
+                requeue: true,
+            };
+            if let Err(e) = self.api.nack(grant, failure).await {
+                tracing::debug!(job_id = %id, error = %e, "a streamed job its worker left before receiving comes back after its visibility timeout");
+            }
+        }
+    }
+}
+
+/// The gRPC services the daemon serves beside the HTTP binding: this
+/// binding, server reflection (v1 and v1alpha) and `grpc.health.v1`.
+#[derive(Clone)]
+pub struct GrpcServices {
+    api: Arc<Api>,
+    ojs: Handler,
+    reflection_v1: Handler,
+    reflection_v1alpha: Handler,
+    health: Handler,
+    health_reporter: tonic_health::server::HealthReporter,
+}
+
+type Answer = Pin<Box<dyn std::future::Future<Output = http::Response<GrpcBody>> + Send>>;
+
+/// One tonic service, its type erased (reflection's cannot be named).
+type Handler = Arc<dyn Fn(http::Request<GrpcBody>) -> Answer + Send + Sync>;
+
+fn handler<S>(service: S) -> Handler
+where
+    S: tonic::codegen::Service<
+            http::Request<GrpcBody>,
+            Response = http::Response<GrpcBody>,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    Arc::new(move |request| {
+        let mut service = service.clone();
+        Box::pin(async move {
+            match service.call(request).await {
+                Ok(r) => r,
+                Err(never) => match never {},
+            }
+        })
+    })
+}
+
+impl std::fmt::Debug for GrpcServices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpcServices").finish_non_exhaustive()
+    }
+}
+
+/// The request body the services take.
+pub type GrpcBody = tonic::body::Body;
+
+impl GrpcServices {
+    /// The services over `api`.
+    pub fn new(api: Arc<Api>) -> Result<Self, ApiError> {
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let broken = |e: tonic_reflection::server::Error| {
+            ApiError::invalid("", format!("the gRPC descriptors do not load: {e}"))
+        };
+        let health_reporter = tonic_health::server::HealthReporter::new();
+        let health = tonic_health::pb::health_server::HealthServer::new(
+            tonic_health::server::HealthService::from_health_reporter(health_reporter.clone()),
+        );
+        Ok(GrpcServices {
+            ojs: handler(OjsGrpc::new(api.clone()).server()),
+            api,
+            reflection_v1: handler(reflection().build_v1().map_err(broken)?),
+            reflection_v1alpha: handler(reflection().build_v1alpha().map_err(broken)?),
+            health: handler(health),
+            health_reporter,
+        })
+    }
+
+    /// Whether a request is a gRPC call (by its content type).
+    pub fn is_grpc<B>(request: &http::Request<B>) -> bool {
+        request
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/grpc"))
+    }
+
+    /// Answers one gRPC call; a service or method not served answers
+    /// `UNIMPLEMENTED`.
+    pub async fn call(&self, request: http::Request<GrpcBody>) -> http::Response<GrpcBody> {
+        let path = request.uri().path().to_owned();
+        if path.starts_with(SERVICE_PATH) {
+            match self.read_within_limit(request).await {
+                Ok(request) => (self.ojs)(request).await,
+                Err(refused) => refused,
+            }
+        } else if path.starts_with("/grpc.reflection.v1.ServerReflection/") {
+            (self.reflection_v1)(request).await
+        } else if path.starts_with("/grpc.reflection.v1alpha.ServerReflection/") {
+            (self.reflection_v1alpha)(request).await
+        } else if path.starts_with("/grpc.health.v1.Health/") {
+            self.report_health().await;
+            (self.health)(request).await
+        } else {
+            Status::unimplemented(format!("no gRPC service serves {path}")).into_http()
+        }
+    }
+
+    /// The request with its body read, when it is within `[api]
+    /// max_body_bytes` (and the 5 bytes that frame a message); else the
+    /// binding's answer to a request too large, `RESOURCE_EXHAUSTED` (as
+    /// the HTTP binding answers 413; tonic's own limit would say
+    /// `OUT_OF_RANGE`). Every method of the binding takes one message, so
+    /// reading it whole first costs nothing.
+    async fn read_within_limit(
+        &self,
+        request: http::Request<GrpcBody>,
+    ) -> Result<http::Request<GrpcBody>, http::Response<GrpcBody>> {
+        use http_body_util::BodyExt;
+        let limit = self.api.settings().max_body_bytes;
+        let (parts, body) = request.into_parts();
+        match http_body_util::Limited::new(body, limit.saturating_add(5))
+            .collect()
+            .await
+        {
+            Ok(collected) => Ok(http::Request::from_parts(
+                parts,
+                GrpcBody::new(http_body_util::Full::new(collected.to_bytes())),
+            )),
+            Err(e) => {
+                let request_id = request_id(&MetadataMap::from_headers(parts.headers));
+                let error = if e
+                    .downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some()
+                {
+                    ApiError::BodyTooLarge { limit }
+                } else {
+                    ApiError::InvalidPayload {
+                        encoding: "gRPC",
+                        reason: format!("the request was cut off: {e}"),
+                    }
+                };
+                Err(status(&error, &request_id).into_http())
+            }
+        }
+    }
+
+    /// Brings `grpc.health.v1` up to date: serving while the job store
+    /// answers.
+    async fn report_health(&self) {
+        let (up, _) = self.api.store_health();
+        let status = if up {
+            tonic_health::ServingStatus::Serving
+        } else {
+            tonic_health::ServingStatus::NotServing
+        };
+        for name in ["", "ojs.v1.OJSService"] {
+            self.health_reporter.set_service_status(name, status).await;
+        }
+    }
+}
