@@ -351,7 +351,7 @@ impl Api {
         }
     }
 
-    fn is_draining(&self) -> bool {
+    pub(crate) fn is_draining(&self) -> bool {
         self.workers()
             .draining
             .load(std::sync::atomic::Ordering::Relaxed)

@@ -76,6 +76,9 @@ impl OjsGrpc {
     }
 }
 
+/// The level the manifest declares (`Api::manifest`), said on every answer.
+const CONFORMANCE_LEVEL: &str = "0";
+
 /// The request id of a call: the caller's `x-ojs-request-id` when it is a
 /// sane token, else a new one.
 fn request_id(metadata: &MetadataMap) -> String {
@@ -164,7 +167,7 @@ fn answer<T>(message: T, request_id: &str) -> Response<T> {
     }
     m.insert(
         "x-ojs-conformance-level",
-        tonic::metadata::MetadataValue::from_static("1"),
+        tonic::metadata::MetadataValue::from_static(CONFORMANCE_LEVEL),
     );
     r
 }
@@ -813,6 +816,17 @@ impl JobFeed {
         let mut unsettled: HashSet<String> = HashSet::new();
         let settled = self.api.workers().settled.clone();
         while !tx.is_closed() {
+            if self.api.is_draining() {
+                // Shutting down: the worker's unsettled jobs may still be
+                // acked here until the drain ends; new ones it gets from
+                // another server.
+                let _ = tx
+                    .send(Err(Status::unavailable(
+                        "the server is shutting down; reconnect to another",
+                    )))
+                    .await;
+                return;
+            }
             let grant = match self.api.tokens().identify(self.authorization.as_deref()) {
                 Ok(g) => g,
                 Err(e) => {

@@ -389,7 +389,7 @@ async fn token_settings_that_cannot_work_are_refused_at_start_naming_the_field()
 }
 
 /// The throwaway CA and certificates of `scripts/brokers.sh up tls`.
-fn tls_dir() -> Option<std::path::PathBuf> {
+pub(crate) fn tls_dir() -> Option<std::path::PathBuf> {
     match std::env::var("OJS_BRIDGE_TEST_TLS_DIR") {
         Ok(d) if Path::new(&d).join("server.pem").exists() => Some(d.into()),
         _ => {
@@ -404,7 +404,7 @@ fn tls_dir() -> Option<std::path::PathBuf> {
 
 /// A TLS client of the test CA, with a client certificate or none, offering
 /// one ALPN protocol.
-fn connector(tls: &Path, client: bool, alpn: &[u8]) -> tokio_rustls::TlsConnector {
+pub(crate) fn connector(tls: &Path, client: bool, alpn: &[u8]) -> tokio_rustls::TlsConnector {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_file_iter(tls.join("ca.pem")).unwrap() {

@@ -785,3 +785,191 @@ async fn the_example_grpc_client_enqueues_and_works_a_batch() {
     assert_eq!(dead.json()["jobs"], json!([]), "every job was worked");
     server.stop();
 }
+
+/// A token scoped to push on `orders` may enqueue there and nowhere else,
+/// and may not fetch: `PERMISSION_DENIED`, with the binding's reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scoped_token_may_do_over_grpc_what_it_may_do_over_http() {
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("grpc-scopes");
+    std::fs::write(dir.path().join("producer.token"), "producer-secret\n").unwrap();
+    let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n\n[[api.tokens]]\nname = \"producer\"\nfile = \"producer.token\"\noperations = [\"push\"]\nqueues = [\"orders\"]\n";
+    let server = OjsServer::start_in(dir, Some(config)).await;
+    let channel = Channel::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let token: tonic::metadata::MetadataValue<_> = "Bearer producer-secret".parse().unwrap();
+    let mut c = OjsServiceClient::with_interceptor(channel, move |mut r: Request<()>| {
+        r.metadata_mut().insert("authorization", token.clone());
+        Ok(r)
+    });
+    let job = c
+        .enqueue(enqueue("order.placed", json!([1]), "orders"))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    assert_eq!(state(&job), pb::JobState::Available);
+    let (code, reason, _) = refused(c.enqueue(enqueue("order.placed", json!([1]), "mail")).await);
+    assert_eq!(
+        (code, reason.as_str()),
+        (Code::PermissionDenied, "permission_denied")
+    );
+    let (code, _, _) = refused(
+        c.fetch(pb::FetchRequest {
+            queues: vec!["orders".into()],
+            count: 1,
+            worker_id: String::new(),
+        })
+        .await,
+    );
+    assert_eq!(code, Code::PermissionDenied);
+    let (code, _, _) = refused(
+        c.stream_jobs(pb::StreamJobsRequest {
+            queues: vec!["orders".into()],
+            worker_id: "w".into(),
+            max_concurrent: 1,
+        })
+        .await,
+    );
+    assert_eq!(code, Code::PermissionDenied);
+    assert!(!server.log().contains("producer-secret"));
+    server.stop();
+}
+
+/// A TLS connection to `addr` for tonic, offering ALPN `h2`.
+#[derive(Clone)]
+struct TlsConnect {
+    addr: SocketAddr,
+    connector: tokio_rustls::TlsConnector,
+}
+
+impl tower_service::Service<hyper::Uri> for TlsConnect {
+    type Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: hyper::Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let tcp = tokio::net::TcpStream::connect(this.addr).await?;
+            let name = rustls_pki_types::ServerName::try_from("localhost")
+                .map_err(std::io::Error::other)?;
+            let tls = this.connector.connect(name, tcp).await?;
+            Ok(hyper_util::rt::TokioIo::new(tls))
+        })
+    }
+}
+
+/// With `[http] tls_cert_file`, the same port serves gRPC over TLS (ALPN
+/// `h2`) beside HTTPS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_over_tls_on_the_https_port() {
+    let Some(tls) = crate::ojs_api_security::tls_dir() else {
+        return;
+    };
+    let pem = |f: &str| tls.join(f).display().to_string();
+    let config = format!(
+        "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n\n[http]\ntls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n\n[api]\nadapter = \"local\"\n",
+        pem("server.pem"),
+        pem("server.key")
+    );
+    let server = OjsServer::start(Some(&config)).await;
+    let connect = TlsConnect {
+        addr: server.addr,
+        connector: crate::ojs_api_security::connector(&tls, false, b"h2"),
+    };
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://localhost:{}", server.addr.port()))
+            .unwrap()
+            .connect_with_connector(connect)
+            .await
+            .unwrap();
+    let mut c = OjsServiceClient::new(channel);
+    let job = c
+        .enqueue(enqueue("secure.job", json!(["x"]), "tls"))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    let fetched = fetch(&mut c, "tls", 1, "tls-worker").await;
+    assert_eq!(fetched[0].id, job.id);
+    c.ack(pb::AckRequest {
+        job_id: job.id.clone(),
+        result: None,
+    })
+    .await
+    .unwrap();
+    let got = c
+        .get_job(pb::GetJobRequest { job_id: job.id })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    assert_eq!(state(&got), pb::JobState::Completed);
+    // Cleartext gRPC on the TLS port is not served.
+    let plain = Channel::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await;
+    if let Ok(channel) = plain {
+        let refused = OjsServiceClient::new(channel)
+            .manifest(pb::ManifestRequest {})
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+    }
+    server.stop();
+}
+
+/// SIGTERM with a worker streaming: its stream ends with `UNAVAILABLE`
+/// (reconnect elsewhere), the job it holds may still be acked during the
+/// drain, and the daemon exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_a_job_stream_with_unavailable_and_its_job_may_still_be_acked() {
+    let server = OjsServer::start(None).await;
+    let mut c = client(server.addr).await;
+    let job = c
+        .enqueue(enqueue("drain.me", json!([1]), "draining"))
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    let mut stream = c
+        .stream_jobs(pb::StreamJobsRequest {
+            queues: vec!["draining".into()],
+            worker_id: "drained".into(),
+            max_concurrent: 1,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let got = stream.message().await.unwrap().unwrap();
+    assert_eq!(got.id, job.id);
+    server.terminate();
+    let ended = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("the stream ends at shutdown");
+    let status = ended.expect_err("the stream ends with a status");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    c.ack(pb::AckRequest {
+        job_id: job.id.clone(),
+        result: None,
+    })
+    .await
+    .expect("a held job may be acked while the server drains");
+    server.wait_exit(Duration::from_secs(30));
+}
