@@ -15,7 +15,10 @@
 //!    adapter-alone side is the Kafka adapter in this process), when a
 //!    broker answers at `OJS_BRIDGE_TEST_KAFKA_URL`;
 //! 4. the daemon's resident memory with 1,000 open keep-alive connections
-//!    (each has made one request).
+//!    (each has made one request);
+//! 5. on each backend, the same jobs through the OJS gRPC binding on the
+//!    same port: `Enqueue` (one job a call) and `EnqueueBatch` (100 a
+//!    call), 64 concurrent calls over 4 HTTP/2 connections.
 //!
 //! Each line prints jobs/s, p50 and p99 of one request (or one publish
 //! call), and the ratio to the adapter alone. The load generator runs in
@@ -106,11 +109,79 @@ async fn http_load(
             latencies
         }));
     }
-    let mut latencies = Vec::new();
-    for t in tasks {
-        latencies.extend(t.await.unwrap());
-    }
+    let latencies = common::joined(tasks).await;
     Measured::from(requests * jobs_per_request, started.elapsed(), latencies)
+}
+
+/// HTTP/2 connections the gRPC load multiplexes its calls over.
+const GRPC_CONNECTIONS: usize = 4;
+
+/// `calls` gRPC calls of `per_call` jobs (`Enqueue` for one, else
+/// `EnqueueBatch`), `CONNECTIONS` at a time over `GRPC_CONNECTIONS`
+/// HTTP/2 connections; every call must succeed.
+async fn grpc_load(addr: SocketAddr, calls: usize, per_call: usize) -> Measured {
+    use ojs_api::grpc::convert::json_to_value;
+    use ojs_api::grpc::pb;
+    let channels = common::grpc_channels(addr, GRPC_CONNECTIONS).await;
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for t in 0..CONNECTIONS {
+        let next = next.clone();
+        let mut client =
+            pb::ojs_service_client::OjsServiceClient::new(channels[t % GRPC_CONNECTIONS].clone());
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let options = || {
+                Some(pb::EnqueueOptions {
+                    queue: "bench".into(),
+                    ..Default::default()
+                })
+            };
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= calls {
+                    break;
+                }
+                let args = |n: usize| {
+                    vec![
+                        json_to_value(&json!("user@example.com")),
+                        json_to_value(&json!(n)),
+                    ]
+                };
+                let t = Instant::now();
+                if per_call == 1 {
+                    client
+                        .enqueue(pb::EnqueueRequest {
+                            r#type: "email.send".into(),
+                            args: args(i),
+                            options: options(),
+                        })
+                        .await
+                        .unwrap();
+                } else {
+                    let jobs = (0..per_call)
+                        .map(|j| pb::BatchJobEntry {
+                            r#type: "email.send".into(),
+                            args: args(i * per_call + j),
+                            options: None,
+                        })
+                        .collect();
+                    client
+                        .enqueue_batch(pb::EnqueueBatchRequest {
+                            jobs,
+                            default_options: options(),
+                        })
+                        .await
+                        .unwrap();
+                }
+                latencies.push(t.elapsed());
+            }
+            latencies
+        }));
+    }
+    let latencies = common::joined(tasks).await;
+    Measured::from(calls * per_call, started.elapsed(), latencies)
 }
 
 /// The same jobs as `calls` publish calls of `per_call` jobs from
@@ -147,10 +218,7 @@ async fn adapter_load(adapter: Arc<dyn QueueAdapter>, calls: usize, per_call: us
             latencies
         }));
     }
-    let mut latencies = Vec::new();
-    for t in tasks {
-        latencies.extend(t.await.unwrap());
-    }
+    let latencies = common::joined(tasks).await;
     Measured::from(calls * per_call, started.elapsed(), latencies)
 }
 
@@ -167,6 +235,7 @@ async fn backend(
 ) {
     let (mut push, mut push_batch, mut raw, mut raw_batch) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut enqueue, mut enqueue_batch) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         let server = daemon(config);
         // Untimed: topics and queues exist, connections are up.
@@ -182,6 +251,9 @@ async fn backend(
             )
             .await,
         );
+        grpc_load(server.addr, 256, 1).await;
+        enqueue.push(grpc_load(server.addr, single, 1).await);
+        enqueue_batch.push(grpc_load(server.addr, batches, BATCH).await);
         drop(server);
         let a = adapter().await;
         adapter_load(a.clone(), 256, 1).await;
@@ -195,6 +267,7 @@ async fn backend(
         median(raw),
         median(raw_batch),
     );
+    let (enqueue, enqueue_batch) = (median(enqueue), median(enqueue_batch));
     println!("{name}:");
     line("single PUSH, 64 keep-alive connections", &push, Some(&raw));
     line("adapter publish, 1 job a call, 64 tasks", &raw, None);
@@ -213,6 +286,20 @@ async fn backend(
         "adapter publish, 100 jobs a call, 64 tasks",
         &raw_batch,
         None,
+    );
+    line(
+        "gRPC Enqueue, 64 calls on 4 HTTP/2 conns",
+        &enqueue,
+        Some(&raw),
+    );
+    println!(
+        "  (gRPC Enqueue = {:.2}× single PUSH over HTTP/1.1 keep-alive)",
+        enqueue.jobs_per_s / push.jobs_per_s
+    );
+    line(
+        "gRPC EnqueueBatch, 100 jobs a call",
+        &enqueue_batch,
+        Some(&raw_batch),
     );
 }
 

@@ -7,6 +7,9 @@
 //!    empty — beside the same jobs received (10 at a time) and acked
 //!    straight through the adapter by one consumer in this process (the
 //!    API holds one per queue), timed from its first batch;
+//!    and the same through the OJS gRPC binding on the same port (16
+//!    workers calling `Fetch` for 10 and `Ack` for each, over 4 HTTP/2
+//!    connections);
 //! 2. the latency from PUSH to FETCH on an idle queue: a worker's FETCH
 //!    long-polls (`wait_ms`), a job is pushed, and the time from sending
 //!    the PUSH to the FETCH's answer is taken, 200 times (p50/p99);
@@ -135,10 +138,7 @@ async fn http_work(addr: SocketAddr, n: usize) -> Measured {
             latencies
         }));
     }
-    let mut latencies = Vec::new();
-    for t in tasks {
-        latencies.extend(t.await.unwrap());
-    }
+    let latencies = common::joined(tasks).await;
     // Until the last job was acked: the other workers' last, empty FETCH
     // is not work.
     let end = finished.lock().unwrap().unwrap_or_else(Instant::now);
@@ -153,6 +153,83 @@ async fn http_work(addr: SocketAddr, n: usize) -> Measured {
         latencies.len(),
         done.load(Ordering::Relaxed) as f64 / latencies.len().max(1) as f64,
         empty.load(Ordering::Relaxed)
+    );
+    Measured::from(done.load(Ordering::Relaxed), elapsed, latencies)
+}
+
+/// 16 gRPC workers (`Fetch` 10 with a 2 s deadline, then `Ack` each) over
+/// 4 HTTP/2 connections until `n` jobs are done; timed as [`http_work`].
+async fn grpc_work(addr: SocketAddr, n: usize) -> Measured {
+    use ojs_api::grpc::pb;
+    let channels = common::grpc_channels(addr, 4).await;
+    let done = Arc::new(AtomicUsize::new(0));
+    let late = Arc::new(AtomicUsize::new(0));
+    let started = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let finished = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let mut tasks = Vec::new();
+    for w in 0..WORKERS {
+        let (done, started, finished, late) = (
+            done.clone(),
+            started.clone(),
+            finished.clone(),
+            late.clone(),
+        );
+        let mut client = pb::ojs_service_client::OjsServiceClient::new(channels[w % 4].clone());
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let worker = format!("bench-grpc-{w}");
+            while done.load(Ordering::Relaxed) < n {
+                let t = Instant::now();
+                let mut request = tonic::Request::new(pb::FetchRequest {
+                    queues: vec![QUEUE.into()],
+                    count: FETCH as i32,
+                    worker_id: worker.clone(),
+                });
+                request.set_timeout(Duration::from_secs(2));
+                let jobs = match client.fetch(request).await {
+                    Ok(r) => r.into_inner().jobs,
+                    // Waiting in line for the queue's one consumer on a
+                    // loaded machine can outlast a deadline: an empty
+                    // fetch, as a worker would take it.
+                    Err(e)
+                        if e.code() == tonic::Code::Cancelled
+                            || e.code() == tonic::Code::DeadlineExceeded =>
+                    {
+                        late.fetch_add(1, Ordering::Relaxed);
+                        Vec::new()
+                    }
+                    Err(e) => panic!("Fetch failed: {e:?}"),
+                };
+                for job in &jobs {
+                    client
+                        .ack(pb::AckRequest {
+                            job_id: job.id.clone(),
+                            result: None,
+                        })
+                        .await
+                        .unwrap();
+                }
+                if !jobs.is_empty() {
+                    started.lock().unwrap().get_or_insert_with(Instant::now);
+                    latencies.push(t.elapsed());
+                    if done.fetch_add(jobs.len(), Ordering::Relaxed) + jobs.len() >= n {
+                        finished.lock().unwrap().get_or_insert_with(Instant::now);
+                    }
+                }
+            }
+            latencies
+        }));
+    }
+    let latencies = common::joined(tasks).await;
+    let end = finished.lock().unwrap().unwrap_or_else(Instant::now);
+    let elapsed = started
+        .lock()
+        .unwrap()
+        .map_or(Duration::from_secs(1), |s| end.saturating_duration_since(s));
+    println!(
+        "  (gRPC Fetches that got jobs: {}; past their 2 s deadline: {})",
+        latencies.len(),
+        late.load(Ordering::Relaxed)
     );
     Measured::from(done.load(Ordering::Relaxed), elapsed, latencies)
 }
@@ -189,10 +266,7 @@ async fn hello_work(addr: SocketAddr, n: usize) -> Measured {
             latencies
         }));
     }
-    let mut latencies = Vec::new();
-    for t in tasks {
-        latencies.extend(t.await.unwrap());
-    }
+    let latencies = common::joined(tasks).await;
     Measured::from(done.load(Ordering::Relaxed), started.elapsed(), latencies)
 }
 
@@ -324,10 +398,13 @@ async fn backend(
     rounds: usize,
 ) {
     let (mut api, mut raw, mut latency) = (Vec::new(), Vec::new(), Vec::new());
+    let mut grpc = Vec::new();
     for round in 0..rounds {
         let server = daemon(config);
         fill(server.addr, QUEUE, jobs).await;
         api.push(http_work(server.addr, jobs).await);
+        fill(server.addr, QUEUE, jobs).await;
+        grpc.push(grpc_work(server.addr, jobs).await);
         latency.push(push_to_fetch(server.addr, 200).await);
         drop(server);
         let a = adapter().await;
@@ -342,8 +419,14 @@ async fn backend(
         a.close().await.unwrap();
     }
     let (api, raw, latency) = (median(api), median(raw), median(latency));
+    let grpc = median(grpc);
     println!("{name}:");
     line("FETCH 10 + ACK each, 16 HTTP workers", &api, Some(&raw));
+    line("Fetch 10 + Ack each, 16 gRPC workers", &grpc, Some(&raw));
+    println!(
+        "  (gRPC workers = {:.2}× HTTP/1.1 keep-alive workers)",
+        grpc.jobs_per_s / api.jobs_per_s
+    );
     line("adapter receive 10 + ack, one consumer", &raw, None);
     println!(
         "  PUSH → FETCH, idle queue, long-poll waiting: p50 {:.2} ms, p99 {:.2} ms (200 jobs)",

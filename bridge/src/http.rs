@@ -392,6 +392,12 @@ pub async fn serve(
                 continue;
             }
         };
+        // An HTTP/2 answer is several small writes (headers, data, gRPC's
+        // trailers): with Nagle's algorithm the last one waits for the
+        // client's delayed ACK, some 40 ms a call.
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(%peer, error = %e, "TCP_NODELAY could not be set");
+        }
         // At the cap: evict the oldest connection that has sat for a while
         // without sending a request (a fresh one is probably a real client
         // about to send); otherwise wait for one to finish.

@@ -50,8 +50,9 @@ pub const ERROR_DOMAIN: &str = "openjobspec.org";
 /// Longest `Fetch` wait a caller's deadline can ask for.
 const MAX_FETCH_WAIT: Duration = Duration::from_secs(30);
 
-/// How long before the caller's deadline a waiting `Fetch` answers, so the
-/// answer (empty or not) arrives in time.
+/// How long before the caller's deadline a waiting `Fetch` answers at
+/// least (a tenth of the deadline when that is more), so the answer (empty
+/// or not) arrives in time on a loaded machine.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
 
 /// `ojs.v1.OJSService` over an [`Api`].
@@ -413,7 +414,10 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         // A long poll as long as the caller waits (less a margin to
         // answer in), at most MAX_FETCH_WAIT; no deadline, no wait.
         let wait = deadline(request.metadata())
-            .map(|d| d.saturating_sub(DEADLINE_MARGIN).min(MAX_FETCH_WAIT))
+            .map(|d| {
+                d.saturating_sub(DEADLINE_MARGIN.max(d / 10))
+                    .min(MAX_FETCH_WAIT)
+            })
             .unwrap_or(Duration::ZERO);
         let r = request.into_inner();
         let done = async {

@@ -188,3 +188,28 @@ pub fn serve_hello() {
         }
     });
 }
+
+/// `n` HTTP/2 connections to the OJS gRPC binding of the daemon at `addr`.
+pub async fn grpc_channels(addr: SocketAddr, n: usize) -> Vec<tonic::transport::Channel> {
+    let mut channels = Vec::with_capacity(n);
+    for _ in 0..n {
+        channels.push(
+            tonic::transport::Channel::from_shared(format!("http://{addr}"))
+                .expect("a URI of an address")
+                .tcp_nodelay(true)
+                .connect()
+                .await
+                .expect("the daemon's listener answers"),
+        );
+    }
+    channels
+}
+
+/// The latencies every load task measured, together.
+pub async fn joined(tasks: Vec<tokio::task::JoinHandle<Vec<Duration>>>) -> Vec<Duration> {
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.expect("a load task panicked"));
+    }
+    latencies
+}
