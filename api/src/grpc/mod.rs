@@ -866,8 +866,15 @@ impl JobFeed {
                 Ok(jobs) => jobs,
                 Err(e) => {
                     // The worker reconnects; a broker or store that is
-                    // down says UNAVAILABLE.
-                    let _ = tx.send(Err(status(&e, &self.request_id))).await;
+                    // down says UNAVAILABLE. A fetch that was waiting when
+                    // shutdown closed the adapter is the shutdown, not a
+                    // failure to report.
+                    let answer = if self.api.is_draining() {
+                        Status::unavailable("the server is shutting down; reconnect to another")
+                    } else {
+                        status(&e, &self.request_id)
+                    };
+                    let _ = tx.send(Err(answer)).await;
                     return;
                 }
             };

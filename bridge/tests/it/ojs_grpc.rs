@@ -481,6 +481,27 @@ async fn one_job_reads_the_same_over_grpc_and_http_on_rabbitmq() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_streaming_workers_get_no_more_than_they_allow_and_every_job_once() {
     let server = OjsServer::start(None).await;
+    two_streaming_workers(&server, "embedded").await;
+    server.stop();
+}
+
+/// The same on RabbitMQ: the stream's jobs are the broker's deliveries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_streaming_workers_on_rabbitmq_get_no_more_than_they_allow_and_every_job_once() {
+    let Some(rabbit) = find(Broker::RabbitMq).await else {
+        return;
+    };
+    let prefix = unique_queue("grpc-stream");
+    let config = format!(
+        "[adapters.rabbit]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"rabbit\"\n",
+        rabbit.url
+    );
+    let server = OjsServer::start(Some(&config)).await;
+    two_streaming_workers(&server, "rabbitmq").await;
+    server.stop();
+}
+
+async fn two_streaming_workers(server: &OjsServer, what: &str) {
     let mut c = client(server.addr).await;
     let n = 20;
     let mut sent = Vec::new();
@@ -566,7 +587,7 @@ async fn two_streaming_workers_get_no_more_than_they_allow_and_every_job_once() 
     let lost = sent.iter().filter(|id| !received.contains_key(*id)).count();
     let duplicated: u32 = received.values().map(|c| c - 1).sum();
     println!(
-        "StreamJobs, 2 workers × max_concurrent 2: sent {n} received {} duplicated {duplicated} lost {lost}; most held at once {most:?}",
+        "StreamJobs on {what}, 2 workers × max_concurrent 2: sent {n} received {} duplicated {duplicated} lost {lost}; most held at once {most:?}",
         received.len()
     );
     assert_eq!(lost, 0);
@@ -583,7 +604,6 @@ async fn two_streaming_workers_get_no_more_than_they_allow_and_every_job_once() 
         let a = get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
         assert_eq!(a.json()["job"]["state"], "completed");
     }
-    server.stop();
 }
 
 /// A job the schemas refuse, a message over the size limit, a missing or
