@@ -143,6 +143,17 @@ struct Call<'a> {
     grant: Grant<'a>,
 }
 
+impl Call<'_> {
+    /// The call's answer: the message with the binding's metadata, or the
+    /// error as the binding's status.
+    fn reply<T>(&self, done: Result<T, ApiError>) -> Result<Response<T>, Status> {
+        match done {
+            Ok(message) => Ok(answer(message, &self.request_id)),
+            Err(e) => Err(status(&e, &self.request_id)),
+        }
+    }
+}
+
 impl OjsGrpc {
     fn call<'a>(&'a self, metadata: &MetadataMap) -> Result<Call<'a>, Status> {
         let request_id = request_id(metadata);
@@ -208,6 +219,24 @@ fn queues(names: Vec<String>) -> Result<Vec<String>, ApiError> {
     Ok(names)
 }
 
+/// A list request's page: its `limit` (zero: `default`) and the offset its
+/// `cursor` stands for (this server's cursors are offsets).
+fn page(limit: i32, cursor: &str, default: usize) -> Result<(usize, usize), ApiError> {
+    let limit = match limit {
+        0 => default,
+        n @ 1..=1000 => n as usize,
+        _ => return Err(ApiError::invalid("limit", "must be from 1 to 1000")),
+    };
+    let offset = if cursor.is_empty() {
+        0
+    } else {
+        cursor
+            .parse()
+            .map_err(|_| ApiError::invalid("cursor", "is not a cursor this server gave"))?
+    };
+    Ok((limit, offset))
+}
+
 fn job_id(id: &str) -> Result<&str, ApiError> {
     if id.is_empty() {
         return Err(ApiError::invalid("job_id", "`job_id` is required"));
@@ -217,7 +246,7 @@ fn job_id(id: &str) -> Result<&str, ApiError> {
 
 fn unimplemented(method: &str) -> Status {
     Status::unimplemented(format!(
-        "{method} is not served: ojs-bridge declares conformance level 1 over gRPC (and batch enqueue); cron, queue statistics and pause/resume are not offered"
+        "{method} is not served: ojs-bridge offers no cron, queue statistics or pause/resume (the manifest's capabilities say so)"
     ))
 }
 
@@ -305,15 +334,9 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))
         }
         .await;
-        match done {
-            Ok(job) => Ok(answer(
-                pb::EnqueueResponse {
-                    job: Some(job_message(&job)),
-                },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|job| pb::EnqueueResponse {
+            job: Some(job_message(&job)),
+        }))
     }
 
     async fn enqueue_batch(
@@ -357,17 +380,11 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             self.api.push(&call.grant, jobs).await
         }
         .await;
-        match done {
-            Ok(jobs) => Ok(answer(
-                pb::EnqueueBatchResponse {
-                    count: i32::try_from(jobs.len()).unwrap_or(i32::MAX),
-                    jobs: jobs.iter().map(job_message).collect(),
-                    errors: Default::default(),
-                },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|jobs| pb::EnqueueBatchResponse {
+            count: i32::try_from(jobs.len()).unwrap_or(i32::MAX),
+            jobs: jobs.iter().map(job_message).collect(),
+            errors: Default::default(),
+        }))
     }
 
     async fn get_job(
@@ -377,15 +394,9 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         let call = self.call(request.metadata())?;
         let r = request.into_inner();
         let done = async { self.api.info(&call.grant, job_id(&r.job_id)?).await }.await;
-        match done {
-            Ok(job) => Ok(answer(
-                pb::GetJobResponse {
-                    job: Some(job_message(&job)),
-                },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|job| pb::GetJobResponse {
+            job: Some(job_message(&job)),
+        }))
     }
 
     async fn cancel_job(
@@ -395,15 +406,9 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         let call = self.call(request.metadata())?;
         let r = request.into_inner();
         let done = async { self.api.cancel(&call.grant, job_id(&r.job_id)?).await }.await;
-        match done {
-            Ok((_, job)) => Ok(answer(
-                pb::CancelJobResponse {
-                    job: Some(job_message(&job)),
-                },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|(_, job)| pb::CancelJobResponse {
+            job: Some(job_message(&job)),
+        }))
     }
 
     async fn fetch(
@@ -441,15 +446,9 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             self.api.fetch(&call.grant, fetch).await
         }
         .await;
-        match done {
-            Ok(jobs) => Ok(answer(
-                pb::FetchResponse {
-                    jobs: jobs.iter().map(job_message).collect(),
-                },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|jobs| pb::FetchResponse {
+            jobs: jobs.iter().map(job_message).collect(),
+        }))
     }
 
     async fn ack(
@@ -460,13 +459,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         let r = request.into_inner();
         let result = r.result.map(|s| Value::Object(convert::struct_to_json(s)));
         let done = async { self.api.ack(&call.grant, job_id(&r.job_id)?, result).await }.await;
-        match done {
-            Ok(_) => Ok(answer(
-                pb::AckResponse { acknowledged: true },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|_| pb::AckResponse { acknowledged: true }))
     }
 
     async fn nack(
@@ -484,24 +477,16 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             self.api.nack(&call.grant, failure).await
         }
         .await;
-        match done {
-            Ok(job) => {
-                let next = job
+        call.reply(done.map(|job| {
+            pb::NackResponse {
+                state: convert::state_of(job.state().as_str().unwrap_or("")) as i32,
+                next_attempt_at: job
                     .extra
                     .get("next_attempt_at")
                     .and_then(Value::as_str)
-                    .and_then(convert::text_timestamp);
-                let state = job.state().as_str().unwrap_or("");
-                Ok(answer(
-                    pb::NackResponse {
-                        state: convert::state_of(state) as i32,
-                        next_attempt_at: next,
-                    },
-                    &call.request_id,
-                ))
+                    .and_then(convert::text_timestamp),
             }
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        }))
     }
 
     async fn heartbeat(
@@ -554,16 +539,10 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             Ok((directive, deadline))
         }
         .await;
-        match done {
-            Ok((directive, new_deadline)) => Ok(answer(
-                pb::HeartbeatResponse {
-                    directed_state: worker_state(directive) as i32,
-                    new_deadline,
-                },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|(directive, new_deadline)| pb::HeartbeatResponse {
+            directed_state: worker_state(directive) as i32,
+            new_deadline,
+        }))
     }
 
     type StreamJobsStream = JobStream;
@@ -619,18 +598,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         let call = self.call(request.metadata())?;
         let r = request.into_inner();
         let done = async {
-            let limit = match r.limit {
-                0 => 100,
-                n @ 1..=1000 => n as usize,
-                _ => return Err(ApiError::invalid("limit", "must be from 1 to 1000")),
-            };
-            let offset: usize = if r.cursor.is_empty() {
-                0
-            } else {
-                r.cursor
-                    .parse()
-                    .map_err(|_| ApiError::invalid("cursor", "is not a cursor this server gave"))?
-            };
+            let (limit, offset) = page(r.limit, &r.cursor, 100)?;
             let all = self.api.queues(&call.grant).await?;
             let list: Vec<pb::QueueInfo> = all["queues"]
                 .as_array()
@@ -651,16 +619,10 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             Ok((page, (next < total).then(|| next.to_string())))
         }
         .await;
-        match done {
-            Ok((queues, next)) => Ok(answer(
-                pb::ListQueuesResponse {
-                    queues,
-                    next_cursor: next.unwrap_or_default(),
-                },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|(queues, next)| pb::ListQueuesResponse {
+            queues,
+            next_cursor: next.unwrap_or_default(),
+        }))
     }
 
     async fn queue_stats(
@@ -691,18 +653,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         let call = self.call(request.metadata())?;
         let r = request.into_inner();
         let done = async {
-            let limit = match r.limit {
-                0 => 50,
-                n @ 1..=1000 => n as usize,
-                _ => return Err(ApiError::invalid("limit", "must be from 1 to 1000")),
-            };
-            let offset: usize = if r.cursor.is_empty() {
-                0
-            } else {
-                r.cursor
-                    .parse()
-                    .map_err(|_| ApiError::invalid("cursor", "is not a cursor this server gave"))?
-            };
+            let (limit, offset) = page(r.limit, &r.cursor, 50)?;
             let query = DeadLetterQuery {
                 queue: (!r.queue.is_empty()).then_some(r.queue),
                 job_type: None,
@@ -714,17 +665,11 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             Ok((jobs, total, (next < total).then(|| next.to_string())))
         }
         .await;
-        match done {
-            Ok((jobs, total, next)) => Ok(answer(
-                pb::ListDeadLetterResponse {
-                    jobs: jobs.iter().map(job_message).collect(),
-                    total_count: i64::try_from(total).unwrap_or(i64::MAX),
-                    next_cursor: next.unwrap_or_default(),
-                },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|(jobs, total, next)| pb::ListDeadLetterResponse {
+            jobs: jobs.iter().map(job_message).collect(),
+            total_count: i64::try_from(total).unwrap_or(i64::MAX),
+            next_cursor: next.unwrap_or_default(),
+        }))
     }
 
     async fn retry_dead_letter(
@@ -739,15 +684,9 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
                 .await
         }
         .await;
-        match done {
-            Ok(job) => Ok(answer(
-                pb::RetryDeadLetterResponse {
-                    job: Some(job_message(&job)),
-                },
-                &call.request_id,
-            )),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|job| pb::RetryDeadLetterResponse {
+            job: Some(job_message(&job)),
+        }))
     }
 
     async fn delete_dead_letter(
@@ -762,10 +701,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
                 .await
         }
         .await;
-        match done {
-            Ok(()) => Ok(answer(pb::DeleteDeadLetterResponse {}, &call.request_id)),
-            Err(e) => Err(status(&e, &call.request_id)),
-        }
+        call.reply(done.map(|()| pb::DeleteDeadLetterResponse {}))
     }
 
     async fn register_cron(
@@ -1016,8 +952,11 @@ impl GrpcServices {
     pub async fn call(&self, request: http::Request<GrpcBody>) -> http::Response<GrpcBody> {
         let path = request.uri().path().to_owned();
         if path.starts_with(SERVICE_PATH) {
+            if let Some(refused) = unsupported_codec(&request) {
+                return refused;
+            }
             match self.read_within_limit(request).await {
-                Ok(request) => (self.ojs)(request).await,
+                Ok(request) => malformed_is_invalid_argument((self.ojs)(request).await),
                 Err(refused) => refused,
             }
         } else if path.starts_with("/grpc.reflection.v1.ServerReflection/") {
@@ -1084,4 +1023,77 @@ impl GrpcServices {
             self.health_reporter.set_service_status(name, status).await;
         }
     }
+}
+
+/// A call whose content type names a codec other than protobuf
+/// (`application/grpc+json`): refused by name before anything is read.
+fn unsupported_codec(request: &http::Request<GrpcBody>) -> Option<http::Response<GrpcBody>> {
+    let content_type = request
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let codec = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .strip_prefix("application/grpc")
+        .unwrap_or("");
+    if codec.is_empty() || codec == "+proto" {
+        return None;
+    }
+    let request_id = request_id(&MetadataMap::from_headers(request.headers().clone()));
+    let error = ApiError::UnsupportedContentType {
+        content_type: content_type.to_owned(),
+    };
+    Some(status(&error, &request_id).into_http())
+}
+
+/// tonic answers a message that does not decode as protobuf `INTERNAL`,
+/// before the method runs; that is the caller's bytes, not the server, so
+/// the answer is rewritten as the binding's `INVALID_ARGUMENT`
+/// (`invalid_payload`), as the HTTP binding answers 400.
+fn malformed_is_invalid_argument(response: http::Response<GrpcBody>) -> http::Response<GrpcBody> {
+    let headers = response.headers();
+    if headers.get("grpc-status").map(http::HeaderValue::as_bytes) != Some(b"13") {
+        return response;
+    }
+    let message = headers
+        .get("grpc-message")
+        .and_then(|v| v.to_str().ok())
+        .map(percent_decoded)
+        .unwrap_or_default();
+    let Some(reason) = message.strip_prefix("failed to decode Protobuf message: ") else {
+        return response;
+    };
+    let error = ApiError::InvalidPayload {
+        encoding: "protobuf ojs.v1",
+        reason: reason.to_owned(),
+    };
+    status(&error, &format!("req_{}", uuid::Uuid::now_v7())).into_http()
+}
+
+/// `grpc-message` as text (it is percent-encoded on the wire).
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }

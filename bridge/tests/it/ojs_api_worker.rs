@@ -112,7 +112,7 @@ async fn kill_9_with_active_jobs_loses_none_on_rabbitmq() {
     kill_9_with_active_jobs(Some(config), "kill -9 holding 60 active jobs, RabbitMQ").await;
 }
 
-fn rabbit_config(rabbit_url: &str, prefix: &str) -> String {
+pub(crate) fn rabbit_config(rabbit_url: &str, prefix: &str) -> String {
     format!(
         "[adapters.rabbit]\nurl = \"{rabbit_url}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"rabbit\"\n"
     )

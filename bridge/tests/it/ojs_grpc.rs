@@ -28,6 +28,20 @@ async fn client(addr: SocketAddr) -> OjsServiceClient<Channel> {
     OjsServiceClient::new(channel)
 }
 
+/// A client sending `authorization` with every call.
+fn with_token(
+    channel: Channel,
+    authorization: &str,
+) -> OjsServiceClient<
+    tonic::service::interceptor::InterceptedService<Channel, impl tonic::service::Interceptor>,
+> {
+    let value: tonic::metadata::MetadataValue<_> = authorization.parse().unwrap();
+    OjsServiceClient::with_interceptor(channel, move |mut r: Request<()>| {
+        r.metadata_mut().insert("authorization", value.clone());
+        Ok(r)
+    })
+}
+
 fn enqueue(job_type: &str, args: Value, queue: &str) -> pb::EnqueueRequest {
     pb::EnqueueRequest {
         r#type: job_type.into(),
@@ -319,10 +333,7 @@ async fn every_rpc_and_the_state_machine_over_grpc_on_rabbitmq() {
         return;
     };
     let prefix = unique_queue("grpc");
-    let config = format!(
-        "[adapters.rabbit]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"rabbit\"\n",
-        rabbit.url
-    );
+    let config = crate::ojs_api_worker::rabbit_config(&rabbit.url, &prefix);
     let server = OjsServer::start(Some(&config)).await;
     every_rpc_and_the_state_machine(&server, "grpc-states", "rabbitmq").await;
     server.stop();
@@ -466,10 +477,7 @@ async fn one_job_reads_the_same_over_grpc_and_http_on_rabbitmq() {
         return;
     };
     let prefix = unique_queue("grpc-cross");
-    let config = format!(
-        "[adapters.rabbit]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"rabbit\"\n",
-        rabbit.url
-    );
+    let config = crate::ojs_api_worker::rabbit_config(&rabbit.url, &prefix);
     let server = OjsServer::start(Some(&config)).await;
     one_job_both_bindings(&server, "cross", "rabbitmq").await;
     server.stop();
@@ -492,10 +500,7 @@ async fn two_streaming_workers_on_rabbitmq_get_no_more_than_they_allow_and_every
         return;
     };
     let prefix = unique_queue("grpc-stream");
-    let config = format!(
-        "[adapters.rabbit]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"rabbit\"\n",
-        rabbit.url
-    );
+    let config = crate::ojs_api_worker::rabbit_config(&rabbit.url, &prefix);
     let server = OjsServer::start(Some(&config)).await;
     two_streaming_workers(&server, "rabbitmq").await;
     server.stop();
@@ -620,17 +625,9 @@ async fn bad_input_over_grpc_gets_its_code_and_loses_nothing() {
         .connect()
         .await
         .unwrap();
-    let token: tonic::metadata::MetadataValue<_> = "Bearer s3cret-grpc-token".parse().unwrap();
-    let mut c = OjsServiceClient::with_interceptor(channel.clone(), move |mut r: Request<()>| {
-        r.metadata_mut().insert("authorization", token.clone());
-        Ok(r)
-    });
+    let mut c = with_token(channel.clone(), "Bearer s3cret-grpc-token");
     let mut anonymous = OjsServiceClient::new(channel.clone());
-    let wrong: tonic::metadata::MetadataValue<_> = "Bearer not-the-token".parse().unwrap();
-    let mut wrong_token = OjsServiceClient::with_interceptor(channel, move |mut r: Request<()>| {
-        r.metadata_mut().insert("authorization", wrong.clone());
-        Ok(r)
-    });
+    let mut wrong_token = with_token(channel, "Bearer not-the-token");
 
     let (code, reason, _) = refused(anonymous.enqueue(enqueue("a.b", json!([]), "q")).await);
     assert_eq!(
@@ -819,11 +816,7 @@ async fn a_scoped_token_may_do_over_grpc_what_it_may_do_over_http() {
         .connect()
         .await
         .unwrap();
-    let token: tonic::metadata::MetadataValue<_> = "Bearer producer-secret".parse().unwrap();
-    let mut c = OjsServiceClient::with_interceptor(channel, move |mut r: Request<()>| {
-        r.metadata_mut().insert("authorization", token.clone());
-        Ok(r)
-    });
+    let mut c = with_token(channel, "Bearer producer-secret");
     let job = c
         .enqueue(enqueue("order.placed", json!([1]), "orders"))
         .await
@@ -992,4 +985,66 @@ async fn sigterm_ends_a_job_stream_with_unavailable_and_its_job_may_still_be_ack
     .await
     .expect("a held job may be acked while the server drains");
     server.wait_exit(Duration::from_secs(30));
+}
+
+/// A gRPC call whose message is not protobuf (a frame of 0xff bytes), and
+/// one whose content type names a codec the binding does not speak: each
+/// refused by name, `INVALID_ARGUMENT`, nothing stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_bytes_and_an_unknown_grpc_codec_are_invalid_argument() {
+    use http_body_util::{BodyExt, Full};
+    let server = OjsServer::start(None).await;
+    // (content type, frame) → the grpc-status and grpc-message answered.
+    let send = |content_type: &'static str, frame: Vec<u8>| async move {
+        let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(tcp),
+        )
+        .await
+        .unwrap();
+        tokio::spawn(conn);
+        let request =
+            hyper::Request::post(format!("http://{}/ojs.v1.OJSService/Enqueue", server.addr))
+                .header("content-type", content_type)
+                .header("te", "trailers")
+                .body(Full::new(bytes::Bytes::from(frame)))
+                .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        let mut headers = response.headers().clone();
+        let collected = response.into_body().collect().await.unwrap();
+        if let Some(trailers) = collected.trailers() {
+            headers.extend(trailers.clone());
+        }
+        let text = |k: &str| {
+            headers
+                .get(k)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_owned()
+        };
+        (text("grpc-status"), text("grpc-message"))
+    };
+    let garbage = vec![0, 0, 0, 0, 6, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff];
+    let (code, message) = send("application/grpc", garbage).await;
+    assert_eq!(
+        code,
+        (Code::InvalidArgument as i32).to_string(),
+        "{message}"
+    );
+    assert!(message.contains("protobuf"), "{message}");
+    let (code, message) = send("application/grpc+json", b"\0\0\0\0\x02{}".to_vec()).await;
+    assert_eq!(
+        code,
+        (Code::InvalidArgument as i32).to_string(),
+        "{message}"
+    );
+    let mut c = client(server.addr).await;
+    let q = c
+        .list_queues(pb::ListQueuesRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(q.queues.is_empty(), "{q:?}");
+    server.stop();
 }
