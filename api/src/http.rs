@@ -8,7 +8,7 @@
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue, ACCEPT, CONTENT_TYPE, LOCATION};
 use http::{Method, Request, Response, StatusCode};
-use ojs_core::media::{OJS_JSON, OJS_PROTO};
+use ojs_core::envelope::media::{OJS_JSON, OJS_PROTO};
 use ojs_core::Encoding;
 use serde_json::{json, Value};
 
@@ -575,7 +575,7 @@ fn read_batch(api: &Api, request: &Request<Bytes>) -> Result<Vec<Job>, ApiError>
     let too_many = |count| ApiError::BatchTooLarge { count, limit };
     let jobs = match body_encoding(request.headers())? {
         Encoding::OjsProto => {
-            let parts = ojs_core::stream::split_batch(request.body()).map_err(|e| {
+            let parts = ojs_core::envelope::stream::split_batch(request.body()).map_err(|e| {
                 ApiError::InvalidPayload {
                     encoding: "protobuf BatchEnqueueRequest",
                     reason: e.to_string(),
@@ -670,7 +670,8 @@ fn batch_response(
         ));
     }
     let envelopes: Vec<_> = jobs.iter().map(job_proto).collect();
-    let bytes = ojs_core::stream::encode_batch(&envelopes).map_err(job::invalid_envelope)?;
+    let bytes =
+        ojs_core::envelope::stream::encode_batch(&envelopes).map_err(job::invalid_envelope)?;
     Ok(proto_response(201, bytes, request_id))
 }
 

@@ -11,8 +11,8 @@
 //! decodes (`ojs-bridge convert` applies it too).
 
 use chrono::{DateTime, SecondsFormat, Utc};
+use ojs_core::adapter::settings::suggestion;
 use ojs_core::duration::{format_iso8601_duration, parse_iso8601_duration};
-use ojs_core::settings::suggestion;
 use ojs_core::{JobEnvelope, JobState};
 use serde_json::{json, Map, Value};
 

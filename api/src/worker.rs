@@ -7,15 +7,16 @@
 //! The store keeps the state machine: one worker gets a job, an ACK of a
 //! job that is not active is 409.
 
+use ojs_grpcq::Decode as _;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use ojs_core::adapter::decode::Incoming;
 use ojs_core::{
     Consumer, ConsumerOptions, DeadLetterReason, Delivery, JobEnvelope, JobError, JobState, Nack,
 };
+use ojs_grpcq::decode::Incoming;
 use serde_json::{json, Map, Value};
 
 use crate::auth::{Grant, Operation};

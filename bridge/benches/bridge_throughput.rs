@@ -72,7 +72,8 @@ use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_adapter_memory::MemoryAdapter;
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_bridge::metrics::Metrics;
-use ojs_core::{grpcq, OutgoingMessage, QueueAdapter};
+use ojs_core::{OutgoingMessage, QueueAdapter};
+use ojs_grpcq as grpcq;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -92,7 +93,7 @@ fn calls(n: usize) -> Vec<OutgoingMessage> {
                 metadata: Default::default(),
             };
             m.metadata.insert("tenant".into(), format!("t{}", i % 16));
-            OutgoingMessage::from_grpcq(&m)
+            ojs_grpcq::outgoing(&m)
         })
         .collect()
 }
@@ -430,7 +431,7 @@ const RAW_BATCHES_IN_FLIGHT: usize = 8;
 /// With `map_to_jobs` the loop does what the daemon's route does to each
 /// record, with the same library calls: decode the call, name the job
 /// type, encode the job with its headers and key
-/// ([`ojs_core::mapping::call_to_job_message`]), and produce that — a
+/// ([`ojs_grpcq::mapping::call_to_job_message`]), and produce that — a
 /// hand-rolled bridge doing the daemon's work, to tell the cost of the
 /// daemon's pipeline from the cost of writing a job instead of a copy.
 async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bool) -> RawMeasured {
@@ -481,7 +482,7 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
             }
             received += batch.len();
             // Job types named as the daemon names them: remembered within a batch.
-            let mut job_types = ojs_core::mapping::JobTypes::new();
+            let mut job_types = ojs_grpcq::mapping::JobTypes::new();
             let mut offsets = TopicPartitionList::new();
             let sends: Vec<_> = batch
                 .iter()
@@ -496,7 +497,7 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
                         let call = grpcq::Call::decode_lenient(&body).unwrap();
                         let job_type = job_types.of(call.topic(), call.action()).unwrap();
                         let job =
-                            ojs_core::mapping::call_to_job_message(&call, &job_type, &jobs_queue);
+                            ojs_grpcq::mapping::call_to_job_message(&call, &job_type, &jobs_queue);
                         let mut headers = OwnedHeaders::new_with_capacity(job.headers.len());
                         for (k, v) in &job.headers {
                             headers = headers.insert(Header {

@@ -21,10 +21,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use ojs_bridge::endpoint;
-use ojs_core::publisher::GrpcqPublisher;
-use ojs_core::registry::Registry;
-use ojs_core::worker::{Worker, WorkerConfig};
 use ojs_core::Encoding;
+use ojs_grpcq::publisher::GrpcqPublisher;
+use ojs_grpcq::registry::Registry;
+use ojs_grpcq::worker::{Worker, WorkerConfig};
 
 const QUEUE: &str = "calls";
 const TOPIC: &str = "clock.ClockService";

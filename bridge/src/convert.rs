@@ -4,7 +4,7 @@
 use std::fmt;
 use std::io::Write;
 
-use ojs_core::stream::{decode_delimited, write_delimited};
+use ojs_core::envelope::stream::{decode_delimited, write_delimited};
 use ojs_core::JobEnvelope;
 use serde_json::Value;
 

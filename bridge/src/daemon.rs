@@ -23,12 +23,12 @@ use tokio::task::JoinSet;
 
 use crate::alarm::Alarm;
 use crate::config::{BridgeConfig, ConfigError, InputFormat};
-use crate::connecting::Connecting;
 use crate::http::{self, HealthBoard, HttpState, Limits};
 use crate::metrics::Metrics;
 use crate::pipeline::{run_source, RoutePlan, SourceCtx};
 use crate::probe::HttpHealthProbe;
-use crate::routes::Route;
+use crate::topology::connecting::Connecting;
+use crate::topology::Topology;
 use ojs_core::federation::{AdapterProbe, Federation, HealthProbe, RegionSpec};
 
 /// Why the daemon cannot start.
@@ -155,15 +155,23 @@ impl Daemon {
     /// named in `provided` is used instead of connecting its URL.
     pub async fn start_with(
         config: BridgeConfig,
+        provided: BTreeMap<String, Arc<dyn QueueAdapter>>,
+    ) -> Result<Daemon, DaemonError> {
+        Self::connect(Topology::build(config)?, provided).await
+    }
+
+    /// Connects a built topology: every adapter (or the one `provided` under
+    /// its name), the queues the configuration names, the OJS API's store,
+    /// the listener.
+    pub async fn connect(
+        topology: Topology,
         mut provided: BTreeMap<String, Arc<dyn QueueAdapter>>,
     ) -> Result<Daemon, DaemonError> {
-        config.validate()?;
-        let mut routes = config
-            .routes
-            .iter()
-            .enumerate()
-            .map(|(i, r)| Route::compile(r, i))
-            .collect::<Result<Vec<_>, _>>()?;
+        let Topology {
+            config,
+            adapters: mut compiled_adapters,
+            routes,
+        } = topology;
         // Every queue the config names literally must be usable before the
         // first message: declared where the adapter may declare, checked
         // where the topology is `existing` (a missing one stops the start,
@@ -203,7 +211,12 @@ impl Daemon {
                 adapters.insert(name.clone(), adapter);
                 continue;
             }
-            let compiled = entry.compile(name)?;
+            let compiled = compiled_adapters
+                .remove(name)
+                .ok_or_else(|| ConfigError::Invalid {
+                    field: format!("adapters.{name}"),
+                    reason: "was not built".into(),
+                })?;
             // An unreachable broker is waited for (in the background, health
             // naming it); a bad setting or a missing queue on a reachable
             // broker stops the start.
@@ -294,14 +307,11 @@ impl Daemon {
             }
         }
         let mut sinks = Vec::with_capacity(routes.len());
-        for (i, route) in routes.iter_mut().enumerate() {
+        for (i, route) in routes.iter().enumerate() {
             let federated = federations
                 .iter()
                 .find(|(n, _)| *n == route.sink)
                 .map(|(_, f)| f.clone() as Arc<dyn QueueAdapter>);
-            if federated.is_some() {
-                route.keep_envelopes();
-            }
             let sink = federated
                 .or_else(|| adapters.get(&route.sink).cloned())
                 .ok_or_else(|| ConfigError::Invalid {
@@ -379,7 +389,7 @@ impl Daemon {
             let (name, f) = (name.clone(), f.clone());
             if let Ok(mut extra) = metrics.extra.lock() {
                 extra.push(Box::new(move |out: &mut String| {
-                    f.render_metrics(&name, out)
+                    crate::metrics::render_federation(&name, &f, out)
                 }));
             }
         }

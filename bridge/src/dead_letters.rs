@@ -10,15 +10,16 @@
 //! removed from the dead letters: at least once) or purged, the others
 //! left. One NDJSON line per dead letter on stdout, a summary on stderr.
 
+use ojs_grpcq::Decode as _;
 use std::io::Write;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use ojs_core::adapter::decode::Incoming;
 use ojs_core::glob::Glob;
 use ojs_core::redact::Secret;
 use ojs_core::{header, ConsumerOptions, Delivery, Nack, OutgoingMessage, QueueAdapter, Source};
+use ojs_grpcq::decode::Incoming;
 use serde_json::{json, Value};
 
 /// What to do with the selected dead letters.

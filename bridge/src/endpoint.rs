@@ -10,7 +10,7 @@ use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_adapter_memory::{MemoryAdapter, MemoryConfig};
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
-use ojs_core::settings::SettingValue;
+use ojs_core::adapter::settings::SettingValue;
 use ojs_core::{Error, QueueAdapter, Result};
 
 /// One adapter's settings, typed and validated.
@@ -77,7 +77,7 @@ impl AdapterConfig {
     /// The settings a config-file table may set for the adapter `url`
     /// names (`url` itself excluded).
     pub fn setting_names(url: &str) -> Result<Vec<String>> {
-        use ojs_core::settings::setting_names;
+        use ojs_core::adapter::settings::setting_names;
         let names = match Self::from_url(url)? {
             AdapterConfig::Memory { config, .. } => setting_names(&config),
             AdapterConfig::Local(c) => setting_names(&c),

@@ -9,6 +9,7 @@
 //! little-endian `u16` length and that many bytes (a length past the end
 //! takes what is left), so the fuzzer can grow each part on its own.
 
+use ojs_grpcq::Decode as _;
 use std::collections::HashMap;
 
 use async_trait::async_trait;
@@ -17,7 +18,6 @@ use ojs_core::{Acknowledger, Delivery, DeliveryRef, Encoding, Nack, OutgoingMess
 
 use crate::config::BridgeConfig;
 use crate::routes::transcode::Transcoder;
-use crate::routes::Route;
 
 /// A fuzz target: takes any bytes, panics only on a bug.
 pub type Target = fn(&[u8]);
@@ -125,12 +125,7 @@ pub fn config_toml(data: &[u8]) {
     let Ok(config) = BridgeConfig::parse(text, "fuzz", &env) else {
         return;
     };
-    for (name, entry) in &config.adapters {
-        let _ = entry.compile(name);
-    }
-    for (i, r) in config.routes.iter().enumerate() {
-        let _ = Route::compile(r, i);
-    }
+    let _ = crate::topology::Topology::build(config);
 }
 
 /// A RabbitMQ content header's property list as it comes off the wire

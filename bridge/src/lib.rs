@@ -5,7 +5,6 @@
 
 pub mod alarm;
 pub mod config;
-pub mod connecting;
 pub mod convert;
 pub mod daemon;
 pub mod dead_letters;
@@ -20,3 +19,4 @@ pub mod routes;
 pub mod send;
 pub mod tail;
 pub mod tls;
+pub mod topology;

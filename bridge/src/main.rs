@@ -21,8 +21,8 @@ use ojs_bridge::config::{BridgeConfig, ConfigError};
 use ojs_bridge::convert::{self, Format};
 use ojs_bridge::daemon::{Daemon, DaemonError};
 use ojs_bridge::logging::{self, LogFormat};
-use ojs_bridge::routes::Route;
 use ojs_bridge::send::MessageFormat;
+use ojs_bridge::topology::Topology;
 use ojs_bridge::{endpoint, send, tail};
 use ojs_core::ConsumerOptions;
 
@@ -194,12 +194,12 @@ fn main() -> ExitCode {
         Command::Run {
             config,
             wait_for_brokers,
-        } => match load_config(config.as_deref()) {
-            Ok(mut c) => {
+        } => match load_config(config.as_deref()).and_then(Topology::build) {
+            Ok(mut topology) => {
                 if let Some(wait) = wait_for_brokers {
-                    c.wait_for_brokers = wait;
+                    topology.config.wait_for_brokers = wait;
                 }
-                Work::Daemon(Box::new(c))
+                Work::Daemon(Box::new(topology))
             }
             Err(e) => {
                 fatal(format, &format!("ojs-bridge run: {e}"));
@@ -210,7 +210,8 @@ fn main() -> ExitCode {
     };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
-    if let Work::Daemon(config) = &work {
+    if let Work::Daemon(topology) = &work {
+        let config = &topology.config;
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
         let threads = config.runtime_threads(cpus);
         tracing::info!(
@@ -229,15 +230,15 @@ fn main() -> ExitCode {
         }
     };
     match work {
-        Work::Daemon(config) => runtime.block_on(run_daemon(*config, format)),
+        Work::Daemon(topology) => runtime.block_on(run_daemon(*topology, format)),
         Work::OneShot(command) => runtime.block_on(one_shot(command)),
     }
 }
 
 /// What `main` runs once the runtime is up.
 enum Work {
-    /// `run`, its configuration read and checked.
-    Daemon(Box<BridgeConfig>),
+    /// `run`, its configuration read and built.
+    Daemon(Box<Topology>),
     /// Any other command.
     OneShot(Command),
 }
@@ -436,12 +437,14 @@ fn load_config(path: Option<&std::path::Path>) -> Result<BridgeConfig, ConfigErr
 }
 
 fn check_config(path: &std::path::Path) -> Result<String, ConfigError> {
-    let config = load_config(Some(path))?;
+    // The build `run` does, every rule of the file at once.
+    let topology = Topology::build(load_config(Some(path))?)?;
     // What `run` would find next, all of it: the files adapters read when
-    // they connect, and the descriptor sets routes compile from.
-    let files = config.check_files().err();
+    // they connect.
+    let files = topology.check_files().err();
     // With every file readable, what is in them: token files, the
     // listener's certificate and key.
+    let config = &topology.config;
     let contents = if files.is_none() {
         let api = config
             .api
@@ -452,12 +455,7 @@ fn check_config(path: &std::path::Path) -> Result<String, ConfigError> {
     } else {
         Vec::new()
     };
-    let routes = config
-        .routes
-        .iter()
-        .enumerate()
-        .filter_map(|(i, r)| Route::compile(r, i).err());
-    ConfigError::all(files.into_iter().chain(contents).chain(routes))?;
+    ConfigError::all(files.into_iter().chain(contents))?;
     Ok(format!(
         "{}: ok ({} adapters, {} sources, {} routes)",
         path.display(),
@@ -530,8 +528,8 @@ fn fatal(format: LogFormat, text: &str) {
     }
 }
 
-async fn run_daemon(config: BridgeConfig, format: LogFormat) -> ExitCode {
-    let daemon = match Daemon::start(config).await {
+async fn run_daemon(topology: Topology, format: LogFormat) -> ExitCode {
+    let daemon = match Daemon::connect(topology, Default::default()).await {
         Ok(d) => d,
         Err(e) => {
             // With its causes: "the job store failed" alone does not say

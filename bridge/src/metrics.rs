@@ -11,6 +11,8 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use ojs_core::federation::Federation;
+
 /// Upper bounds (seconds) of the latency histogram buckets.
 const BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -342,6 +344,53 @@ impl Metrics {
     }
 }
 
+/// A federation's state as Prometheus text under `name`: each region's
+/// breaker (0 closed, 1 half-open, 2 open), probe latency, messages routed
+/// and failures, and the federation's failovers.
+pub fn render_federation(name: &str, federation: &Federation, out: &mut String) {
+    let n = label(name);
+    let regions = federation.snapshot();
+    let _ = writeln!(out, "# HELP ojs_bridge_federation_breaker_state Circuit breaker per region: 0 closed, 1 half-open, 2 open.\n# TYPE ojs_bridge_federation_breaker_state gauge");
+    for r in &regions {
+        let _ = writeln!(
+            out,
+            "ojs_bridge_federation_breaker_state{{federation=\"{n}\",region=\"{}\"}} {}",
+            label(&r.name),
+            r.breaker.as_gauge()
+        );
+    }
+    let _ = writeln!(out, "# HELP ojs_bridge_federation_latency_seconds Moving average of health probe round trips.\n# TYPE ojs_bridge_federation_latency_seconds gauge");
+    for r in &regions {
+        if let Some(l) = r.latency {
+            let _ = writeln!(
+                out,
+                "ojs_bridge_federation_latency_seconds{{federation=\"{n}\",region=\"{}\"}} {}",
+                label(&r.name),
+                l.as_secs_f64()
+            );
+        }
+    }
+    let _ = writeln!(out, "# HELP ojs_bridge_federation_routed_total Messages published per region.\n# TYPE ojs_bridge_federation_routed_total counter");
+    for r in &regions {
+        let _ = writeln!(
+            out,
+            "ojs_bridge_federation_routed_total{{federation=\"{n}\",region=\"{}\"}} {}",
+            label(&r.name),
+            r.routed
+        );
+    }
+    let _ = writeln!(out, "# HELP ojs_bridge_federation_failures_total Failed publishes and probes per region.\n# TYPE ojs_bridge_federation_failures_total counter");
+    for r in &regions {
+        let _ = writeln!(
+            out,
+            "ojs_bridge_federation_failures_total{{federation=\"{n}\",region=\"{}\"}} {}",
+            label(&r.name),
+            r.failures
+        );
+    }
+    let _ = writeln!(out, "# HELP ojs_bridge_federation_failovers_total Jobs moved to another region after theirs failed.\n# TYPE ojs_bridge_federation_failovers_total counter\nojs_bridge_federation_failovers_total{{federation=\"{n}\"}} {}", federation.failovers());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -418,5 +467,48 @@ mod tests {
             None,
             "60 s is beyond the last bucket"
         );
+    }
+
+    #[tokio::test]
+    async fn a_federation_is_rendered_per_region_under_its_name() {
+        use ojs_core::federation::{AdapterProbe, FederationSettings, RegionSpec};
+        use ojs_core::QueueAdapter as _;
+        let region = |name: &str| {
+            let adapter: Arc<dyn ojs_core::QueueAdapter> = Arc::new(
+                ojs_adapter_memory::MemoryAdapter::new(ojs_adapter_memory::MemoryConfig::default()),
+            );
+            RegionSpec {
+                name: name.into(),
+                adapter: adapter.clone(),
+                probe: Arc::new(AdapterProbe(adapter)),
+            }
+        };
+        let federation = Federation::new(
+            FederationSettings::new("eu"),
+            vec![region("eu"), region("us")],
+        )
+        .unwrap();
+        federation
+            .publish(
+                "q",
+                vec![ojs_core::OutgoingMessage::new(
+                    b"x".to_vec(),
+                    "application/octet-stream",
+                )],
+            )
+            .await
+            .unwrap();
+        let mut text = String::new();
+        render_federation("glo\"bal", &federation, &mut text);
+        for line in [
+            "ojs_bridge_federation_breaker_state{federation=\"glo\\\"bal\",region=\"eu\"} 0",
+            "ojs_bridge_federation_breaker_state{federation=\"glo\\\"bal\",region=\"us\"} 0",
+            "ojs_bridge_federation_routed_total{federation=\"glo\\\"bal\",region=\"eu\"} 1",
+            "ojs_bridge_federation_routed_total{federation=\"glo\\\"bal\",region=\"us\"} 0",
+            "ojs_bridge_federation_failures_total{federation=\"glo\\\"bal\",region=\"eu\"} 0",
+            "ojs_bridge_federation_failovers_total{federation=\"glo\\\"bal\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} not in\n{text}");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! `ojs-bridge send`: NDJSON in, messages out.
 
-use ojs_core::{grpcq, Encoding, Error, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, Error, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_grpcq as grpcq;
 use serde_json::Value;
 
 /// What the messages are: `send`'s input lines, or how `tail` reads a
@@ -96,7 +97,7 @@ pub async fn send(
                         },
                     }),
                 };
-                (q, OutgoingMessage::from_grpcq(&m))
+                (q, ojs_grpcq::outgoing(&m))
             }
         };
         messages.push((line, q, msg));

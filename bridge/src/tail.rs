@@ -3,7 +3,9 @@
 use std::io::Write;
 use std::time::Duration;
 
-use ojs_core::{grpcq, ConsumerOptions, Decoded, Delivery, Encoding, QueueAdapter, Result};
+use ojs_core::{ConsumerOptions, Delivery, Encoding, QueueAdapter, Result};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::{Decode as _, Decoded};
 use serde_json::{json, Value};
 
 use crate::send::MessageFormat;

@@ -176,21 +176,24 @@ fn at_line(line: Option<usize>) -> String {
 }
 
 impl Error {
-    pub(crate) fn malformed(offset: usize, reason: impl Into<String>) -> Self {
+    /// [`Error::MalformedProtobuf`] at `offset`.
+    pub fn malformed(offset: usize, reason: impl Into<String>) -> Self {
         Error::MalformedProtobuf {
             offset,
             reason: reason.into(),
         }
     }
 
-    pub(crate) fn invalid(attribute: impl Into<String>, reason: impl Into<String>) -> Self {
+    /// [`Error::InvalidAttribute`] naming the attribute.
+    pub fn invalid(attribute: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::InvalidAttribute {
             attribute: attribute.into(),
             reason: reason.into(),
         }
     }
 
-    pub(crate) fn json(reason: impl Into<String>) -> Self {
+    /// [`Error::InvalidJson`] without a line.
+    pub fn json(reason: impl Into<String>) -> Self {
         Error::InvalidJson {
             line: None,
             reason: reason.into(),

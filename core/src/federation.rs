@@ -6,7 +6,6 @@
 //! broker changes: federation attributes travel in the envelope's meta.
 
 use std::collections::{BTreeSet, HashMap};
-use std::fmt::Write as _;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,9 +18,9 @@ use crate::adapter::{
     publish_outcome, Consumer, ConsumerOptions, FailedPublish, Health, OutgoingMessage,
     QueueAdapter,
 };
+use crate::envelope::media::Encoding;
 use crate::envelope::JobEnvelope;
 use crate::error::{Error, Result};
-use crate::media::Encoding;
 
 /// Meta key: UUIDv7 of the federated job, stable across regions.
 pub const META_FEDERATION_ID: &str = "ojs.federation.federation_id";
@@ -709,51 +708,6 @@ impl Federation {
                 }
             }
         }
-    }
-
-    /// Renders federation state as Prometheus text under `name`.
-    pub fn render_metrics(&self, name: &str, out: &mut String) {
-        let label = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
-        let n = label(name);
-        let _ = writeln!(out, "# HELP ojs_bridge_federation_breaker_state Circuit breaker per region: 0 closed, 1 half-open, 2 open.\n# TYPE ojs_bridge_federation_breaker_state gauge");
-        for s in self.snapshot() {
-            let _ = writeln!(
-                out,
-                "ojs_bridge_federation_breaker_state{{federation=\"{n}\",region=\"{}\"}} {}",
-                label(&s.name),
-                s.breaker.as_gauge()
-            );
-        }
-        let _ = writeln!(out, "# HELP ojs_bridge_federation_latency_seconds Moving average of health probe round trips.\n# TYPE ojs_bridge_federation_latency_seconds gauge");
-        for s in self.snapshot() {
-            if let Some(l) = s.latency {
-                let _ = writeln!(
-                    out,
-                    "ojs_bridge_federation_latency_seconds{{federation=\"{n}\",region=\"{}\"}} {}",
-                    label(&s.name),
-                    l.as_secs_f64()
-                );
-            }
-        }
-        let _ = writeln!(out, "# HELP ojs_bridge_federation_routed_total Messages published per region.\n# TYPE ojs_bridge_federation_routed_total counter");
-        for s in self.snapshot() {
-            let _ = writeln!(
-                out,
-                "ojs_bridge_federation_routed_total{{federation=\"{n}\",region=\"{}\"}} {}",
-                label(&s.name),
-                s.routed
-            );
-        }
-        let _ = writeln!(out, "# HELP ojs_bridge_federation_failures_total Failed publishes and probes per region.\n# TYPE ojs_bridge_federation_failures_total counter");
-        for s in self.snapshot() {
-            let _ = writeln!(
-                out,
-                "ojs_bridge_federation_failures_total{{federation=\"{n}\",region=\"{}\"}} {}",
-                label(&s.name),
-                s.failures
-            );
-        }
-        let _ = writeln!(out, "# HELP ojs_bridge_federation_failovers_total Jobs moved to another region after theirs failed.\n# TYPE ojs_bridge_federation_failovers_total counter\nojs_bridge_federation_failovers_total{{federation=\"{n}\"}} {}", self.failovers());
     }
 }
 

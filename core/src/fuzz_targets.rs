@@ -1,14 +1,16 @@
 //! The decoders that take bytes from outside, as fuzz targets: one function
 //! per target, shared by the cargo-fuzz harness (`fuzz/`) and by a normal
-//! test that replays the committed corpus (`core/tests/fuzz_corpus.rs`).
+//! test that replays the committed corpus (`grpcq/tests/fuzz_corpus.rs`,
+//! with the grpcq targets of `ojs_grpcq::fuzz_targets`).
 //!
 //! Each target must never panic, and where a decode succeeds the value must
 //! survive its own encoder: encoding is canonical (decode → encode → decode
 //! → encode gives the same bytes twice), which is what "lossless" means for
 //! bytes the bridge forwards.
 
-use crate::media::Encoding;
-use crate::{grpcq, stream, JobEnvelope};
+use crate::envelope::media::Encoding;
+use crate::envelope::stream;
+use crate::JobEnvelope;
 
 /// A fuzz target: takes any bytes, panics only on a bug.
 pub type Target = fn(&[u8]);
@@ -18,8 +20,6 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("envelope_proto", envelope_proto),
     ("envelope_json", envelope_json),
     ("delimited_stream", delimited_stream),
-    ("grpcq_message", grpcq_message),
-    ("grpcq_json", grpcq_json),
     ("content_type", content_type),
 ];
 
@@ -63,44 +63,6 @@ pub fn delimited_stream(data: &[u8]) {
     }
     let _ = stream::decode_batch(data);
     let _ = Encoding::OjsProtoDelimited.decode_envelopes(data);
-}
-
-/// `grpcq.Message` bytes, strict and as the daemon reads them.
-pub fn grpcq_message(data: &[u8]) {
-    // The call read in place must decode exactly what prost decodes.
-    let bytes = bytes::Bytes::copy_from_slice(data);
-    let lenient = grpcq::decode_lenient(data);
-    let in_place = grpcq::Call::decode_lenient(&bytes).map(|c| c.to_message());
-    assert_eq!(lenient.ok(), in_place.ok(), "lenient decoders disagree");
-    let in_place = grpcq::Call::decode(bytes);
-    let Ok(msg) = grpcq::decode(data) else {
-        assert!(in_place.is_err(), "a call prost refuses was read in place");
-        return;
-    };
-    let call = in_place.unwrap_or_else(|e| panic!("a call prost reads was refused in place: {e}"));
-    assert_eq!(call.to_message(), msg, "the call read in place differs");
-    let first = grpcq::encode(&msg);
-    assert_eq!(
-        call.encode_to_vec(),
-        first,
-        "the call read in place encodes differently"
-    );
-    let again = grpcq::decode(&first)
-        .unwrap_or_else(|e| panic!("an encoded grpcq message does not decode: {e}"));
-    assert_eq!(msg, again, "grpcq message changed through its encoder");
-}
-
-/// The JSON form of a grpcq message (`ojs-bridge send --format grpcq`).
-pub fn grpcq_json(data: &[u8]) {
-    let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else {
-        return;
-    };
-    let Ok(msg) = grpcq::message_from_json(value) else {
-        return;
-    };
-    let again = grpcq::message_from_json(grpcq::message_to_json(&msg))
-        .unwrap_or_else(|e| panic!("grpcq JSON does not read back: {e}"));
-    assert_eq!(msg, again, "grpcq message changed through its JSON form");
 }
 
 /// `content-type` and `accept` header values.

@@ -1,5 +1,7 @@
 //! The heart of ojs-bridge: the OJS job envelope and its codecs, content types,
 //! and the [`QueueAdapter`] contract that every broker adapter implements.
+//! It knows no grpcq: grpcq calls, their runtime and their mapping to jobs
+//! are `ojs-grpcq`, built on this crate.
 //!
 //! ```no_run
 //! use ojs_core::{Encoding, JobEnvelope};
@@ -15,9 +17,8 @@
 
 // The architecture, one folder each: `envelope/` (the OJS envelope, its
 // codecs and media types), `adapter/` (the contract every broker adapter
-// implements, its settings, decoding a delivery), `grpcq/` (the grpcq
-// message and the runtime: publisher, registry, worker, retries, trace
-// context), then the mapping between the two and federation.
+// implements, its settings, the consume loop), then federation (an adapter
+// over adapters).
 pub mod adapter;
 pub mod duration;
 pub mod envelope;
@@ -26,22 +27,14 @@ pub mod federation;
 #[doc(hidden)]
 pub mod fuzz_targets;
 pub mod glob;
-pub mod grpcq;
-pub mod mapping;
 pub mod redact;
-
-// The paths these modules had before the folders, kept for users.
-pub use adapter::{backoff, decode, log_limit, settings};
-pub use envelope::{media, stream};
-pub use grpcq::{publisher, registry, retry, trace, worker};
 
 pub use adapter::{
     batch_of, header, Acknowledger, AsAny, Consumer, ConsumerOptions, DeadLetterKind,
     DeadLetterReason, Delivery, DeliveryRef, FailedPublish, HeaderName, HeaderValue, Headers,
     Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Source,
 };
-pub use decode::{Decoded, Incoming};
+pub use envelope::media::Encoding;
 pub use envelope::value::MAX_VALUE_DEPTH;
 pub use envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
 pub use error::{BoxError, BrokerErrorKind, Error, Result};
-pub use media::Encoding;

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chrono::{TimeZone, Utc};
-use ojs_core::stream::{decode_batch, decode_delimited, encode_batch, encode_delimited};
+use ojs_core::envelope::stream::{decode_batch, decode_delimited, encode_batch, encode_delimited};
 use ojs_core::{Encoding, Error, JobEnvelope, JobState, RetryPolicy};
 use ojs_proto::openjobspec::v1 as pb;
 use prost::Message;

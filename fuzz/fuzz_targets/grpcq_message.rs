@@ -1,3 +1,3 @@
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| ojs_core::fuzz_targets::grpcq_message(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| ojs_grpcq::fuzz_targets::grpcq_message(data));

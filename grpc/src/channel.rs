@@ -1,5 +1,6 @@
 //! A queue-backed channel for tonic-generated clients.
 
+use ojs_grpcq::Decode as _;
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,7 +13,8 @@ use futures::future::BoxFuture;
 use http::header::HeaderValue;
 use http::HeaderMap;
 use http_body_util::{BodyExt, StreamBody};
-use ojs_core::{grpcq, ConsumerOptions, Encoding, OutgoingMessage, QueueAdapter};
+use ojs_core::{ConsumerOptions, Encoding, QueueAdapter};
+use ojs_grpcq as grpcq;
 use tokio::sync::{oneshot, watch};
 use tonic::codegen::Service;
 use tonic::{Code, Status};
@@ -262,7 +264,7 @@ async fn listen(
             Err(e) => {
                 failures = failures.saturating_add(1);
                 tracing::warn!(error = %e, "receiving replies failed; retrying");
-                tokio::time::sleep(ojs_core::backoff::reconnect_delay(
+                tokio::time::sleep(ojs_core::adapter::backoff::reconnect_delay(
                     failures,
                     Duration::from_secs(10),
                 ))
@@ -272,7 +274,7 @@ async fn listen(
         };
         for d in deliveries {
             let reply = match d.decode(Some(Encoding::GrpcqProto)) {
-                Ok(ojs_core::Incoming::Call(m)) => Some(m.to_message()),
+                Ok(ojs_grpcq::Incoming::Call(m)) => Some(m.to_message()),
                 _ => None,
             };
             match reply {
@@ -382,7 +384,7 @@ impl Inner {
         };
         let published = self
             .adapter
-            .publish(&self.queue, vec![OutgoingMessage::from_grpcq(&call)])
+            .publish(&self.queue, vec![ojs_grpcq::outgoing(&call)])
             .await;
         let forget = |r: &Replies| {
             if let Ok(mut p) = r.pending.lock() {

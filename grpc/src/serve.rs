@@ -9,8 +9,9 @@ use bytes::Bytes;
 use futures::FutureExt;
 use http::header::{HeaderName, HeaderValue};
 use http_body_util::{BodyExt, Full};
-use ojs_core::registry::{CallContext, HandlerError, Registry};
-use ojs_core::{grpcq, OutgoingMessage, QueueAdapter};
+use ojs_core::QueueAdapter;
+use ojs_grpcq as grpcq;
+use ojs_grpcq::registry::{CallContext, HandlerError, Registry};
 use tonic::codegen::{Service, StdError};
 use tonic::server::NamedService;
 use tonic::{Code, Status};
@@ -179,7 +180,7 @@ impl QueueServer {
             timestamp_ms: chrono::Utc::now().timestamp_millis(),
             metadata,
         };
-        let mut out = OutgoingMessage::from_grpcq(&reply);
+        let mut out = ojs_grpcq::outgoing(&reply);
         // A reply is addressed to its queue, never routed by service name
         // (RabbitMQ's `grpcq_exchanges` routes grpcq calls by these).
         out.headers.remove(ojs_core::header::GRPCQ_TOPIC);

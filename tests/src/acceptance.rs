@@ -202,7 +202,7 @@ pub async fn publish_consume_intact(f: &dyn AdapterFactory) -> Result<()> {
             let job = &d.encoding(None)?.decode_envelopes(&d.payload)?[0];
             let (i, sent) = expected.get(&job.id).context("unknown id")?;
             assert_eq!(d.payload, sent.payload, "body bytes intact");
-            assert_eq!(d.content_type(), Some(ojs_core::media::OJS_PROTO));
+            assert_eq!(d.content_type(), Some(ojs_core::envelope::media::OJS_PROTO));
             assert_eq!(d.attempt, 1, "first delivery");
             for name in [
                 header::ID,
@@ -896,7 +896,7 @@ pub async fn oversized_message_is_rejected(f: &dyn AdapterFactory) -> Result<()>
     let limit = adapter.max_message_bytes();
     let (id_a, a) = message(&queue, 0);
     let (id_c, c) = message(&queue, 2);
-    let big = OutgoingMessage::new(vec![b'x'; limit + 1], ojs_core::media::OJS_PROTO);
+    let big = OutgoingMessage::new(vec![b'x'; limit + 1], ojs_core::envelope::media::OJS_PROTO);
     let err = adapter.publish(&queue, vec![a, big, c]).await.unwrap_err();
     let Error::Publish(failure) = err else {
         bail!("expected a per-message failure, got {err}")

@@ -6,12 +6,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use ojs_core::registry::Registry;
-use ojs_core::worker::{Worker, WorkerConfig};
 use ojs_core::{ConsumerOptions, Encoding, QueueAdapter, RetryPolicy, Source};
 use ojs_example_invoices::pb::{CreateInvoiceRequest, GetInvoiceRequest, Invoice};
 use ojs_example_invoices::{InvoiceBook, Invoices, InvoicesClient, InvoicesServer};
 use ojs_grpc::{QueueChannel, QueueServer, ReplyOptions};
+use ojs_grpcq::registry::Registry;
+use ojs_grpcq::worker::{Worker, WorkerConfig};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tonic::{Code, Request, Response, Status};
@@ -91,7 +91,7 @@ async fn serve(
     config.default_encoding = Some(Encoding::GrpcqProto);
     config.consumer = f.consumer_options();
     config.receive_wait = Duration::from_millis(200);
-    config.retry = ojs_core::retry::ResolvedRetry::resolve(Some(&retry), &Default::default());
+    config.retry = ojs_grpcq::retry::ResolvedRetry::resolve(Some(&retry), &Default::default());
     let worker = Worker::new(adapter, registry, config);
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {

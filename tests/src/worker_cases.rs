@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use ojs_core::registry::{HandlerError, Registry};
-use ojs_core::worker::{Worker, WorkerConfig, WorkerStats};
 use ojs_core::{
-    grpcq, ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter, RetryPolicy,
-    Source,
+    ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter, RetryPolicy, Source,
 };
+use ojs_grpcq as grpcq;
+use ojs_grpcq::registry::{HandlerError, Registry};
+use ojs_grpcq::worker::{Worker, WorkerConfig, WorkerStats};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -26,7 +26,7 @@ fn call(topic: &str, action: &str, payload: &[u8]) -> OutgoingMessage {
         timestamp_ms: chrono::Utc::now().timestamp_millis(),
         metadata: Default::default(),
     };
-    OutgoingMessage::from_grpcq(&msg)
+    ojs_grpcq::outgoing(&msg)
 }
 
 fn job(job_type: &str, queue: &str, retry: Option<RetryPolicy>) -> OutgoingMessage {
@@ -102,7 +102,10 @@ pub async fn outcome_table(adapter: Arc<dyn QueueAdapter>, group: &str) -> Resul
         on_exhaustion: exhaustion.into(),
         ..RetryPolicy::default()
     };
-    let mut raw = OutgoingMessage::new(b"\xff\x00garbage".to_vec(), ojs_core::media::GRPCQ_PROTO);
+    let mut raw = OutgoingMessage::new(
+        b"\xff\x00garbage".to_vec(),
+        ojs_core::envelope::media::GRPCQ_PROTO,
+    );
     raw.key = Some("x".into());
     let batch = vec![
         call("pay.Payments", "Charge", b"\x08\x01"),

@@ -54,8 +54,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
+use ojs_core::adapter::log_limit::LogLimiter;
 use ojs_core::adapter::{admit, publish_outcome};
-use ojs_core::log_limit::LogLimiter;
 use ojs_core::{
     header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
     DeliveryRef, Error, FailedPublish, HeaderName, Headers, Health, Nack, OutgoingMessage,
@@ -74,7 +74,7 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::time::Instant;
 
 pub use config::KafkaConfig;
-pub use ojs_core::settings::Topology;
+pub use ojs_core::adapter::settings::Topology;
 use record_headers::RecordHeaders;
 use reports::Reports;
 use tracker::{Stale, Tp, Tracker};

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ojs_core::settings::{self, SettingValue};
+use ojs_core::adapter::settings::{self, SettingValue};
 use ojs_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 

@@ -213,7 +213,7 @@ impl QueueAdapter for LocalAdapter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ojs_core::media::OJS_PROTO;
+    use ojs_core::envelope::media::OJS_PROTO;
 
     fn temp_dir(name: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!(

@@ -50,8 +50,8 @@ use lapin::options::{
 };
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use ojs_core::adapter::backoff::reconnect_delay;
 use ojs_core::adapter::{admit, publish_outcome};
-use ojs_core::backoff::reconnect_delay;
 use ojs_core::{
     header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
     DeliveryRef, Error, FailedPublish, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
@@ -65,7 +65,7 @@ pub use config::{
 pub use headers::{
     properties, properties_keeping, received, received_from_wire, to_wire, Received, KEY_HEADER,
 };
-pub use ojs_core::settings::Topology;
+pub use ojs_core::adapter::settings::Topology;
 
 /// Runs a broker call no longer than `deadline`. lapin's RPCs have no
 /// timeout of their own, and on a half-open connection (a broker that went

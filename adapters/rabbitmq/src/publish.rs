@@ -21,7 +21,7 @@ pub(crate) enum Destination {
 
 /// The grpcq topic and action of a message, when it is a grpcq call.
 pub(crate) fn grpcq_route(message: &OutgoingMessage) -> Option<(&str, &str)> {
-    if message.content_type() != Some(ojs_core::media::GRPCQ_PROTO) {
+    if message.content_type() != Some(ojs_core::envelope::media::GRPCQ_PROTO) {
         return None;
     }
     let topic = message.headers.get_str(ojs_core::header::GRPCQ_TOPIC)?;

@@ -1,6 +1,6 @@
 //! SQS adapter settings (serde data; the runtime lives in `lib.rs`).
 
-use ojs_core::settings::{self, SettingValue, Topology};
+use ojs_core::adapter::settings::{self, SettingValue, Topology};
 use ojs_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -144,7 +144,7 @@ impl SqsConfig {
         let name = self.queue_name(queue);
         let name = name.strip_suffix(".fifo").unwrap_or(&name);
         let template = format!("{}{}", self.prefix, self.dead_letter_queue_template);
-        ojs_core::settings::matches_template(&template, name)
+        ojs_core::adapter::settings::matches_template(&template, name)
     }
 
     /// [`Self::call_timeout_secs`] as a duration.

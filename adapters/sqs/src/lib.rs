@@ -56,8 +56,8 @@ use aws_sdk_sqs::Client;
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
 use bytes::Bytes;
+use ojs_core::adapter::backoff::reconnect_delay;
 use ojs_core::adapter::{admit, publish_outcome};
-use ojs_core::backoff::reconnect_delay;
 use ojs_core::{
     header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
     DeliveryRef, Error, FailedPublish, HeaderName, Headers, Health, Nack, OutgoingMessage,
@@ -67,7 +67,7 @@ use ojs_core::{
 /// The SDK types [`received_message`] takes.
 pub use aws_sdk_sqs::{primitives::Blob, types::MessageAttributeValue as AttributeValue};
 pub use config::*;
-pub use ojs_core::settings::Topology;
+pub use ojs_core::adapter::settings::Topology;
 
 use ack::*;
 pub use client::sdk_client;

@@ -26,7 +26,7 @@ impl AdapterEntry {
 
     /// The typed, validated settings of adapter `name`.
     pub fn compile(&self, name: &str) -> Result<crate::endpoint::AdapterConfig, ConfigError> {
-        use ojs_core::settings::SettingValue;
+        use ojs_core::adapter::settings::SettingValue;
         let at = |field: &str| {
             if field == "url" {
                 format!("adapters.{name}")
@@ -49,7 +49,7 @@ impl AdapterEntry {
                     at(key),
                     format!(
                         "unknown setting {key:?} for this adapter{}; known settings: url, {}",
-                        ojs_core::settings::suggestion(
+                        ojs_core::adapter::settings::suggestion(
                             key,
                             known.iter().map(String::as_str).chain(["url"])
                         ),

@@ -67,7 +67,7 @@ fn suggest_known_field(message: String) -> String {
     };
     let unknown = &rest[..end];
     let expected: Vec<&str> = rest[end + 1..].split('`').skip(1).step_by(2).collect();
-    let hint = ojs_core::settings::suggestion(unknown, expected);
+    let hint = ojs_core::adapter::settings::suggestion(unknown, expected);
     if hint.is_empty() {
         return message;
     }
@@ -98,7 +98,7 @@ fn default_true() -> bool {
     true
 }
 
-fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
         reason: reason.into(),
@@ -205,7 +205,7 @@ impl BridgeConfig {
         Self::parse(EMBEDDED_DEFAULT, "built-in default configuration", env)
     }
 
-    /// Reads and validates a file, applying environment overrides.
+    /// Reads and parses a file, applying environment overrides.
     pub fn load(path: &Path, env: &[(String, String)]) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
@@ -214,9 +214,11 @@ impl BridgeConfig {
         Self::parse(&text, &path.display().to_string(), env)
     }
 
-    /// Parses TOML, applies overrides from `env` (name, value pairs; pass
-    /// `std::env::vars()`), validates. Descriptor set paths are taken as
-    /// given (relative to the working directory).
+    /// Parses TOML and applies overrides from `env` (name, value pairs;
+    /// pass `std::env::vars()`): the file's data, its values typed. Its
+    /// rules are checked by [`crate::topology::Topology::build`], which
+    /// makes the runtime from it. Descriptor set paths are taken as given
+    /// (relative to the working directory).
     pub fn parse(text: &str, origin: &str, env: &[(String, String)]) -> Result<Self, ConfigError> {
         let mut table: toml::Table =
             text.parse()
@@ -232,349 +234,7 @@ impl BridgeConfig {
                     origin: origin.to_owned(),
                     message: suggest_known_field(e.to_string()),
                 })?;
-        config.validate()?;
         Ok(config)
-    }
-
-    /// Whether every file the adapters read when they connect
-    /// (certificates, keys, password files) can be read now: what `run`
-    /// would refuse at connect, found by `check-config` without connecting.
-    /// Every unreadable file is named with its setting.
-    pub fn check_files(&self) -> Result<(), ConfigError> {
-        let mut unreadable = Vec::new();
-        let mut listener_files = vec![
-            ("http.token_file".to_owned(), self.http.token_file.clone()),
-            (
-                "http.tls_cert_file".to_owned(),
-                self.http.tls_cert_file.clone(),
-            ),
-            (
-                "http.tls_key_file".to_owned(),
-                self.http.tls_key_file.clone(),
-            ),
-            (
-                "http.tls_client_ca_file".to_owned(),
-                self.http.tls_client_ca_file.clone(),
-            ),
-        ];
-        for (i, token) in self.api.iter().flat_map(|a| a.tokens.iter()).enumerate() {
-            listener_files.push((format!("api.tokens[{i}].file"), Some(token.file.clone())));
-        }
-        for (setting, path) in listener_files {
-            if let Some(path) = path {
-                if let Err(e) = std::fs::File::open(&path) {
-                    unreadable.push(invalid(
-                        setting,
-                        format!("cannot read {}: {e}", path.display()),
-                    ));
-                }
-            }
-        }
-        for (name, entry) in &self.adapters {
-            for (setting, path) in entry.compile(name)?.files_read() {
-                if let Err(e) = std::fs::File::open(&path) {
-                    unreadable.push(invalid(
-                        format!("adapters.{name}.{setting}"),
-                        format!("cannot read {}: {e}", path.display()),
-                    ));
-                }
-            }
-        }
-        ConfigError::all(unreadable)
-    }
-
-    /// Every rule a parsed file must also follow.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        ConfigError::all(self.problems())
-    }
-
-    /// Every rule the file breaks, each with its field path, in file order.
-    fn problems(&self) -> Vec<ConfigError> {
-        let mut errors = Vec::new();
-        if self.http.listen != "off" && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
-            errors.push(invalid(
-                "http.listen",
-                format!(
-                    "{:?} is not an address like 127.0.0.1:9464 (or `off`)",
-                    self.http.listen
-                ),
-            ));
-        }
-        if self.http.tls_cert_file.is_some() != self.http.tls_key_file.is_some() {
-            errors.push(invalid(
-                if self.http.tls_cert_file.is_some() {
-                    "http.tls_key_file"
-                } else {
-                    "http.tls_cert_file"
-                },
-                "tls_cert_file and tls_key_file go together",
-            ));
-        }
-        if self.http.tls_client_ca_file.is_some() && self.http.tls_cert_file.is_none() {
-            errors.push(invalid(
-                "http.tls_client_ca_file",
-                "mutual TLS needs the listener's own tls_cert_file and tls_key_file",
-            ));
-        }
-        if self.http.max_connections == 0 {
-            errors.push(invalid("http.max_connections", "must be at least 1"));
-        }
-        if self.worker_threads == Some(0) {
-            errors.push(invalid("worker_threads", "must be at least 1"));
-        }
-        for (field, d) in [
-            ("http.header_read_timeout", self.http.header_read_timeout),
-            ("http.idle_timeout", self.http.idle_timeout),
-            ("http.health_interval", self.http.health_interval),
-            ("http.health_timeout", self.http.health_timeout),
-        ] {
-            if d.is_zero() {
-                errors.push(invalid(field, "must be longer than 0"));
-            }
-        }
-        if self.adapters.is_empty() {
-            errors.push(invalid(
-                "adapters",
-                "no adapter is defined; add e.g. local = \"local:./ojs-bridge-data\"",
-            ));
-        }
-        for (name, entry) in &self.adapters {
-            if let Err(e) = entry.compile(name) {
-                errors.push(e);
-            }
-        }
-        let adapter = |field: String, name: &str| {
-            if self.adapters.contains_key(name) {
-                Ok(())
-            } else {
-                Err(invalid(
-                    field,
-                    format!(
-                        "names adapter {name:?}, which [adapters] does not define{} (defined: {})",
-                        ojs_core::settings::suggestion(
-                            name,
-                            self.adapters.keys().map(String::as_str)
-                        ),
-                        self.adapters.keys().cloned().collect::<Vec<_>>().join(", ")
-                    ),
-                ))
-            }
-        };
-        for (name, f) in &self.federations {
-            let at = |field: &str| format!("federations.{name}.{field}");
-            if self.adapters.contains_key(name) {
-                errors.push(invalid(
-                    format!("federations.{name}"),
-                    "an adapter has the same name; sinks would be ambiguous",
-                ));
-            }
-            if f.regions.is_empty() {
-                errors.push(invalid(
-                    at("regions"),
-                    "a federation needs at least one region",
-                ));
-            }
-            for (id, region) in &f.regions {
-                if let Err(e) = adapter(
-                    format!("federations.{name}.regions.{id}.adapter"),
-                    &region.adapter,
-                ) {
-                    errors.push(e);
-                }
-                if let Some(url) = &region.health {
-                    if !url.starts_with("http://") {
-                        errors.push(invalid(
-                            format!("federations.{name}.regions.{id}.health"),
-                            format!("{url:?} must be http://host:port/ojs/v1/health"),
-                        ));
-                    }
-                }
-            }
-            let named = std::iter::once(("local", &f.local))
-                .chain(f.fallback.iter().map(|r| ("fallback", r)));
-            for (field, region) in named {
-                if !f.regions.contains_key(region) {
-                    errors.push(invalid(
-                        at(field),
-                        format!("{region:?} is not one of its regions"),
-                    ));
-                }
-            }
-            if f.strategy == ojs_core::federation::Strategy::GeoPin {
-                errors.push(invalid(
-                    at("strategy"),
-                    "geo-pin is chosen per job (meta ojs.federation.region); the default must be affinity or overflow",
-                ));
-            }
-        }
-        if let Some(api) = &self.api {
-            errors.extend(api.problems(&self.adapters));
-        }
-        // A file may serve the OJS API alone: adapters and [api], nothing
-        // to consume.
-        if self.sources.is_empty() && self.api.is_none() {
-            errors.push(invalid(
-                "sources",
-                "no source is defined; the daemon would consume nothing",
-            ));
-        }
-        let mut source_names = BTreeSet::new();
-        for (i, s) in self.sources.iter().enumerate() {
-            let at = |f: &str| format!("sources[{i}].{f}");
-            if s.name.is_empty() {
-                errors.push(invalid(at("name"), "must not be empty"));
-            }
-            if !source_names.insert(s.name.as_str()) {
-                errors.push(invalid(
-                    at("name"),
-                    format!("{:?} is used by two sources", s.name),
-                ));
-            }
-            if let Err(e) = adapter(at("adapter"), &s.adapter) {
-                errors.push(e);
-            }
-            if s.queue.is_empty() {
-                errors.push(invalid(at("queue"), "must not be empty"));
-            }
-            if s.batch_size == 0 {
-                errors.push(invalid(at("batch_size"), "must be at least 1"));
-            }
-            if s.max_in_flight_bytes == 0 {
-                errors.push(invalid(
-                    at("max_in_flight_bytes"),
-                    "must be at least 1 (it bounds the payload bytes held at once)",
-                ));
-            }
-            if s.lanes == Some(0) {
-                errors.push(invalid(at("lanes"), "must be at least 1"));
-            }
-            if s.lanes.is_some() && s.ordering == OrderingMode::None {
-                errors.push(invalid(
-                    at("lanes"),
-                    "only means something with ordering = \"per_key\"",
-                ));
-            }
-            if s.max_in_flight < s.batch_size {
-                errors.push(invalid(
-                    at("max_in_flight"),
-                    format!("must be at least batch_size ({})", s.batch_size),
-                ));
-            }
-            if let Some(dl) = &s.dead_letter {
-                if let Err(e) = adapter(at("dead_letter.adapter"), &dl.adapter) {
-                    errors.push(e);
-                }
-                if dl.queue.is_empty() {
-                    errors.push(invalid(at("dead_letter.queue"), "must not be empty"));
-                }
-            }
-        }
-        if self.routes.is_empty() && (self.api.is_none() || !self.sources.is_empty()) {
-            errors.push(invalid(
-                "routes",
-                "no route is defined; every message would be dead-lettered",
-            ));
-        }
-        let mut route_names = BTreeSet::new();
-        for (i, r) in self.routes.iter().enumerate() {
-            let at = |f: &str| format!("routes[{i}].{f}");
-            if r.name.is_empty() {
-                errors.push(invalid(at("name"), "must not be empty"));
-            }
-            if !route_names.insert(r.name.as_str()) {
-                errors.push(invalid(
-                    at("name"),
-                    format!("{:?} is used by two routes", r.name),
-                ));
-            }
-            for (j, s) in r.sources.iter().enumerate() {
-                if !source_names.contains(s.as_str()) {
-                    errors.push(invalid(
-                        format!("routes[{i}].sources[{j}]"),
-                        format!("names source {s:?}, which [[sources]] does not define"),
-                    ));
-                }
-            }
-            if !self.federations.contains_key(&r.sink) {
-                if let Err(e) = adapter(at("sink"), &r.sink) {
-                    errors.push(e);
-                }
-            }
-            for (field, pattern) in [
-                ("match.topic", &r.matcher.topic),
-                ("match.action", &r.matcher.action),
-                ("match.type", &r.matcher.job_type),
-            ] {
-                if let Some(p) = pattern {
-                    if let Err(e) = Glob::new(p) {
-                        errors.push(invalid(at(field), e));
-                    }
-                }
-            }
-            if r.matcher.job_type.is_some()
-                && (r.matcher.topic.is_some() || r.matcher.action.is_some())
-            {
-                errors.push(invalid(
-                    at("match"),
-                    "match.type matches OJS jobs and match.topic/action grpcq calls; one route cannot require both",
-                ));
-            }
-            for (field, template) in [
-                ("queue", &r.queue),
-                ("type", &r.job_type),
-                ("topic", &r.topic),
-                ("action", &r.action),
-            ] {
-                if let Some(t) = template {
-                    if let Err(e) = Template::parse(t, TemplateVar::ALL) {
-                        errors.push(invalid(at(field), e));
-                    }
-                }
-            }
-            // A type template that does not parse is reported above.
-            if let Some((t, Ok(template))) = r
-                .job_type
-                .as_ref()
-                .map(|t| (t, Template::parse(t, TemplateVar::ALL)))
-            {
-                // Placeholders render in type form; the literal text must
-                // be type text too, or every job would be unmappable.
-                let bad_text = template.literal_pieces().find(|text| {
-                    !text.bytes().all(|b| {
-                        b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'.'
-                    })
-                });
-                if let Some(text) = bad_text {
-                    errors.push(invalid(
-                        at("type"),
-                        format!("{t:?}: the text {text:?} cannot be part of an OJS type (^[a-z][a-z0-9_]*(\\.[a-z][a-z0-9_]*)*$); placeholders are inserted as lowercase snake_case"),
-                    ));
-                } else if template.literal_pieces().next().is_none()
-                    || template.as_literal().is_some()
-                {
-                    if let Some(literal) = template.as_literal() {
-                        if let Err(e) = ojs_core::envelope::validate_job_type(&literal) {
-                            errors.push(invalid(at("type"), e.to_string()));
-                        }
-                    }
-                }
-            }
-            for (j, g) in r.allowed_queues.iter().enumerate() {
-                if let Err(e) = Glob::new(g) {
-                    errors.push(invalid(format!("routes[{i}].allowed_queues[{j}]"), e));
-                }
-            }
-            if let Err(e) = allowed_destinations(r) {
-                errors.push(invalid(at("allowed_queues"), e));
-            }
-            if r.max_destinations == 0 {
-                errors.push(invalid(at("max_destinations"), "must be at least 1"));
-            }
-            if r.message_type.is_some() && r.descriptor_set.is_none() {
-                errors.push(invalid(at("message_type"), "needs descriptor_set"));
-            }
-        }
-        errors
     }
 }
 

@@ -2,11 +2,28 @@
 
 use super::*;
 
+/// A parsed file whose build succeeded (the topology is dropped: these
+/// tests are about the rules).
+fn built(config: Result<BridgeConfig, ConfigError>) -> Result<BridgeConfig, ConfigError> {
+    let config = config?;
+    crate::topology::Topology::build(config.clone())?;
+    Ok(config)
+}
+
+fn parse_built(
+    text: &str,
+    origin: &str,
+    env: &[(String, String)],
+) -> Result<BridgeConfig, ConfigError> {
+    built(BridgeConfig::parse(text, origin, env))
+}
+
 mod rules {
     use super::*;
 
+    /// Parsed and built, as `run` and `check-config` do.
     fn parse(text: &str) -> Result<BridgeConfig, ConfigError> {
-        BridgeConfig::parse(text, "test.toml", &[])
+        built(BridgeConfig::parse(text, "test.toml", &[]))
     }
 
     const MINIMAL: &str = r#"
@@ -23,7 +40,7 @@ mod rules {
 
     #[test]
     fn the_embedded_default_is_valid_and_documented_values_hold() {
-        let c = BridgeConfig::embedded_default(&[]).unwrap();
+        let c = built(BridgeConfig::embedded_default(&[])).unwrap();
         assert_eq!(c.http.listen, "127.0.0.1:9464");
         assert_eq!(
             c.adapters.get("local").map(|a| a.url.as_str()),
@@ -55,10 +72,10 @@ mod rules {
         let file = format!("worker_threads = 1\n{MINIMAL}");
         assert_eq!(parse(&file).unwrap().worker_threads, Some(1));
         let env = |v: &str| vec![("OJS_BRIDGE_WORKER_THREADS".to_owned(), v.to_owned())];
-        let c = BridgeConfig::parse(&file, "t", &env("3")).unwrap();
+        let c = parse_built(&file, "t", &env("3")).unwrap();
         assert_eq!(c.worker_threads, Some(3), "the environment wins");
         for bad in ["0", "two"] {
-            match BridgeConfig::parse(MINIMAL, "t", &env(bad)) {
+            match parse_built(MINIMAL, "t", &env(bad)) {
                 Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "worker_threads"),
                 other => panic!("{bad}: expected worker_threads refused, got {other:?}"),
             }
@@ -99,7 +116,7 @@ mod rules {
             ("OJS_BRIDGE_LOG".to_owned(), "debug".to_owned()),
             ("PATH".to_owned(), "/bin".to_owned()),
         ];
-        let c = BridgeConfig::parse(MINIMAL, "t", &env).unwrap();
+        let c = parse_built(MINIMAL, "t", &env).unwrap();
         assert_eq!(c.http.listen, "127.0.0.1:19464");
         assert_eq!(c.shutdown_timeout, Duration::from_secs(5));
         assert_eq!(
@@ -112,7 +129,7 @@ mod rules {
     #[test]
     fn the_api_table_is_checked_and_may_stand_alone() {
         let alone = "[adapters]\nrabbit = \"amqp://u:p@127.0.0.1:5672/%2f\"\n[api]\nadapter = \"rabbit\"\nqueues = [\"orders\", \"mail.*\"]\n";
-        let c = BridgeConfig::parse(alone, "t", &[]).unwrap();
+        let c = parse_built(alone, "t", &[]).unwrap();
         let api = c.api.as_ref().unwrap();
         assert!(c.sources.is_empty() && c.routes.is_empty());
         let settings = api.settings(&c.adapters, &c.http).unwrap();
@@ -122,10 +139,10 @@ mod rules {
         assert_eq!(settings.max_batch_jobs, 1000);
         // The environment names the adapter, even for a file without [api].
         let env = vec![("OJS_BRIDGE_API_ADAPTER".to_owned(), "local".to_owned())];
-        let c = BridgeConfig::parse(MINIMAL, "t", &env).unwrap();
+        let c = parse_built(MINIMAL, "t", &env).unwrap();
         assert_eq!(c.api.map(|a| a.adapter), Some("local".to_owned()));
         let bad = "[adapters]\nrabbit = \"amqp://127.0.0.1\"\n[api]\nadapter = \"rabit\"\nqueues = [\"\", \"Bad Queue\"]\nstate = \"redis://db/ojs\"\nmax_batch_jobs = 0\nmax_body_bytes = 10\n";
-        let err = BridgeConfig::parse(bad, "t", &[]).unwrap_err();
+        let err = parse_built(bad, "t", &[]).unwrap_err();
         let ConfigError::Several(problems) = &err else {
             panic!("expected every problem, got {err}");
         };
@@ -144,19 +161,19 @@ mod rules {
         assert!(text.contains("did you mean `rabbit`"), "{text}");
         // PostgreSQL's settings, each named by its own field.
         let pg = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nstate = \"postgres://u@db:5432/jobs\"\nstate_schema = \"Bad-Schema\"\nstate_connections = 0\n";
-        let text = BridgeConfig::parse(pg, "t", &[]).unwrap_err().to_string();
+        let text = parse_built(pg, "t", &[]).unwrap_err().to_string();
         assert!(text.contains("api.state_schema"), "{text}");
         assert!(text.contains("api.state_connections"), "{text}");
         let pg = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nstate = \"postgres://u@db:notaport/jobs\"\n";
-        let text = BridgeConfig::parse(pg, "t", &[]).unwrap_err().to_string();
+        let text = parse_built(pg, "t", &[]).unwrap_err().to_string();
         assert!(text.contains("api.state"), "{text}");
         let local_with_password = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nstate_password_file = \"/run/pg\"\n";
-        let text = BridgeConfig::parse(local_with_password, "t", &[])
+        let text = parse_built(local_with_password, "t", &[])
             .unwrap_err()
             .to_string();
         assert!(text.contains("api.state_password_file"), "{text}");
         let good = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nstate = \"postgres://u@db:5432/jobs\"\nstate_schema = \"ojs_a1\"\n";
-        let settings = BridgeConfig::parse(good, "t", &[])
+        let settings = parse_built(good, "t", &[])
             .unwrap()
             .api
             .unwrap()
@@ -169,9 +186,7 @@ mod rules {
         let pg = settings.postgres.expect("a PostgreSQL store");
         assert_eq!((pg.schema.as_str(), pg.connections), ("ojs_a1", 8));
         let bad_drain = "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\ndrain_timeout = \"ten\"\n";
-        let text = BridgeConfig::parse(bad_drain, "t", &[])
-            .unwrap_err()
-            .to_string();
+        let text = parse_built(bad_drain, "t", &[]).unwrap_err().to_string();
         assert!(
             text.contains("drain_timeout") && text.contains("not a duration"),
             "{text}"
@@ -181,7 +196,7 @@ mod rules {
             "OJS_BRIDGE_API_STATE".to_owned(),
             "postgres://u:pw@db:5432/from_env".to_owned(),
         )];
-        let c = BridgeConfig::parse(
+        let c = parse_built(
             "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\n",
             "t",
             &env,
@@ -189,8 +204,7 @@ mod rules {
         .unwrap();
         let state = c.api.and_then(|a| a.state).map(|s| s.0);
         assert_eq!(state.as_deref(), Some("postgres://u:pw@db:5432/from_env"));
-        let unknown =
-            BridgeConfig::parse("[api]\nadapter = \"a\"\nqueus = []\n", "t", &[]).unwrap_err();
+        let unknown = parse_built("[api]\nadapter = \"a\"\nqueus = []\n", "t", &[]).unwrap_err();
         assert!(unknown.to_string().contains("queus"), "{unknown}");
     }
 
@@ -226,6 +240,42 @@ mod rules {
         let text = err.to_string();
         assert!(text.starts_with("3 problems:\n"), "{text}");
         assert_eq!(text.lines().count(), 4, "one line each: {text}");
+    }
+
+    #[test]
+    fn a_route_is_refused_with_every_rule_it_breaks_in_file_order() {
+        // One build holds every rule: the source's, the route's references
+        // and what the route itself compiles (templates, type text,
+        // bounds), all reported at once.
+        let text = MINIMAL
+            .replace("queue = \"calls\"", "queue = \"calls\"\nbatch_size = 0")
+            .replace(
+                "sink = \"local\"",
+                "sink = \"local\"\nsources = [\"x\"]\ntype = \"Billing.{action}\"\ntopic = \"{nope}\"\nmax_destinations = 0\nmessage_type = \"a.B\"",
+            );
+        let err = parse(&text).unwrap_err();
+        let ConfigError::Several(problems) = &err else {
+            panic!("expected every problem, got {err}");
+        };
+        let fields: Vec<&str> = problems
+            .iter()
+            .map(|p| match p {
+                ConfigError::Invalid { field, .. } => field.as_str(),
+                _ => "",
+            })
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "sources[0].batch_size",
+                "routes[0].sources[0]",
+                "routes[0].topic",
+                "routes[0].type",
+                "routes[0].max_destinations",
+                "routes[0].message_type"
+            ],
+            "{err}"
+        );
     }
 
     #[test]
@@ -435,7 +485,7 @@ mod documented_settings {
     fn every_documented_setting_is_reachable_from_a_config_file() {
         let documented = documented_settings();
         let text = include_str!("../../../examples/all-adapter-settings.toml");
-        let config = BridgeConfig::parse(text, "all-adapter-settings.toml", &[]).unwrap();
+        let config = parse_built(text, "all-adapter-settings.toml", &[]).unwrap();
         let mut kinds = BTreeSet::new();
         for (name, entry) in &config.adapters {
             let compiled = entry.compile(name).unwrap();
@@ -509,7 +559,7 @@ mod documented_settings {
                 "{queue}".to_owned(),
             ),
         ];
-        let config = BridgeConfig::parse(text, "t", &env).unwrap();
+        let config = parse_built(text, "t", &env).unwrap();
         let AdapterConfig::Kafka(k) = config.adapters["events"].compile("events").unwrap() else {
             panic!()
         };
@@ -520,7 +570,7 @@ mod documented_settings {
         let AdapterConfig::Rabbit(r) = config.adapters["rabbit"].compile("rabbit").unwrap() else {
             panic!()
         };
-        assert_eq!(r.topology, ojs_core::settings::Topology::Existing);
+        assert_eq!(r.topology, ojs_core::adapter::settings::Topology::Existing);
         assert_eq!(r.queue_name_of("orders"), "orders");
     }
 
@@ -535,12 +585,10 @@ mod documented_settings {
             let text = format!(
                 "[adapters.events]\nurl = \"kafka://h:9092\"\n{table}\n[[sources]]\nname = \"s\"\nadapter = \"events\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"events\"\n"
             );
-            let e = BridgeConfig::parse(&text, "t", &[])
-                .unwrap_err()
-                .to_string();
+            let e = parse_built(&text, "t", &[]).unwrap_err().to_string();
             assert!(e.starts_with(field), "{table}: {e}");
         }
-        let e = BridgeConfig::parse(
+        let e = parse_built(
             "[adapters.x]\nqueue_template = \"{queue}\"\n[[sources]]\nname = \"s\"\nadapter = \"x\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"x\"\n",
             "t",
             &[],
@@ -555,13 +603,13 @@ mod type_templates {
     use super::*;
 
     fn with_type(t: &str) -> Result<BridgeConfig, ConfigError> {
-        BridgeConfig::parse(
+        built(BridgeConfig::parse(
             &format!(
                 "[adapters]\nm = \"memory://x\"\n[[sources]]\nname = \"s\"\nadapter = \"m\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"m\"\ntype = \"{t}\"\n"
             ),
             "t",
             &[],
-        )
+        ))
     }
 
     #[test]
@@ -585,13 +633,13 @@ mod destinations {
     use super::*;
 
     fn route(extra: &str) -> Result<BridgeConfig, ConfigError> {
-        BridgeConfig::parse(
+        built(BridgeConfig::parse(
             &format!(
                 "[adapters]\nm = \"memory://x\"\n[[sources]]\nname = \"s\"\nadapter = \"m\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"m\"\n{extra}\n"
             ),
             "t",
             &[],
-        )
+        ))
     }
 
     #[test]
@@ -605,7 +653,7 @@ mod destinations {
             "",
         ] {
             let c = route(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
-            crate::routes::Route::compile(&c.routes[0], 0).unwrap();
+            crate::routes::Route::build(&c.routes[0], 0, false).unwrap();
         }
         assert_eq!(
             crate::config::allowed_destinations(

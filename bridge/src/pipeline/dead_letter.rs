@@ -7,7 +7,7 @@
 
 use std::sync::atomic::Ordering;
 
-use ojs_core::backoff::reconnect_delay;
+use ojs_core::adapter::backoff::reconnect_delay;
 use ojs_core::{header, DeadLetterReason, Delivery, Error, Nack, OutgoingMessage};
 
 use super::publish::is_permanent;

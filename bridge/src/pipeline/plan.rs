@@ -3,11 +3,12 @@
 //! job) and its destination checked, then grouped by (route, queue) for
 //! publishing. What cannot be planned is dead-lettered with its reason.
 
+use ojs_grpcq::Decode as _;
 use std::borrow::Cow;
 use std::time::Instant;
 
-use ojs_core::mapping::JobTypes;
 use ojs_core::{DeadLetterKind, DeadLetterReason, Delivery, OutgoingMessage};
+use ojs_grpcq::mapping::JobTypes;
 
 use super::dead_letter::dead_letter;
 use super::publish::publish_group;

@@ -10,7 +10,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use ojs_core::backoff::reconnect_delay;
+use ojs_core::adapter::backoff::reconnect_delay;
+use ojs_core::adapter::receiver::keep_leased;
 use ojs_core::{DeadLetterKind, DeadLetterReason, Delivery, Error, Nack, OutgoingMessage};
 
 use super::plan::Group;
@@ -136,17 +137,8 @@ async fn hold_leases<T>(
     held: &[(Delivery, Option<i64>)],
     publish: impl Future<Output = T>,
 ) -> T {
-    let lease = ctx.config.visibility_timeout;
-    let every = (lease / 2).max(Duration::from_millis(50));
-    tokio::pin!(publish);
-    loop {
-        tokio::select! {
-            done = &mut publish => return done,
-            () = tokio::time::sleep(every) => {
-                join_all(held.iter().map(|(d, _)| d.extend(lease))).await;
-            }
-        }
-    }
+    let deliveries: Vec<&Delivery> = held.iter().map(|(d, _)| d).collect();
+    keep_leased(&deliveries, ctx.config.visibility_timeout, publish).await
 }
 
 /// The sink confirmed these: ack them at the source.

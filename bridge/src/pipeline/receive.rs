@@ -9,8 +9,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::join_all;
-use ojs_core::backoff::reconnect_delay;
+use ojs_core::adapter::receiver::{
+    renew, renew_every, ReceiveFailure, ReceiveStage, Received, Receiver, ReceiverSettings,
+};
 use ojs_core::{ConsumerOptions, Delivery};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -31,7 +32,6 @@ pub(crate) async fn run_source(
         prefetch: u16::try_from(ctx.config.max_in_flight).unwrap_or(u16::MAX),
         ..ConsumerOptions::default()
     };
-    let permits = Arc::new(Semaphore::new(ctx.config.max_in_flight));
     // Payload bytes, as permits.
     let bytes = Arc::new(Semaphore::new(
         ctx.config.max_in_flight_bytes.min(Semaphore::MAX_PERMITS),
@@ -45,7 +45,7 @@ pub(crate) async fn run_source(
         let ctx = ctx.clone();
         tasks.spawn(async move {
             let lease = ctx.config.visibility_timeout;
-            let every = (lease / 2).max(Duration::from_millis(50));
+            let every = renew_every(lease);
             let mut queued: VecDeque<(Vec<Delivery>, Arc<Held>)> = VecDeque::new();
             loop {
                 if queued.is_empty() {
@@ -68,8 +68,9 @@ pub(crate) async fn run_source(
                             while let Ok(next) = rx.try_recv() {
                                 queued.push_back(next);
                             }
-                            let waiting = queued.iter().flat_map(|(b, _)| b.iter());
-                            join_all(waiting.map(|d| d.extend(lease))).await;
+                            let waiting: Vec<&Delivery> =
+                                queued.iter().flat_map(|(b, _)| b.iter()).collect();
+                            renew(&waiting, lease).await;
                         }
                     }
                 }
@@ -79,125 +80,104 @@ pub(crate) async fn run_source(
         lanes.push(tx);
     }
     let mut keyless = 0usize;
-    let mut consumer = None;
-    let mut failures = 0u32;
+    let mut receiver = Receiver::new(
+        ctx.adapter.clone(),
+        ReceiverSettings {
+            queue: ctx.config.queue.clone(),
+            consumer: options,
+            batch_size: ctx.config.batch_size,
+            max_in_flight: ctx.config.max_in_flight,
+            receive_wait: RECEIVE_WAIT,
+            max_backoff: MAX_BACKOFF,
+        },
+    );
+    let report = ctx.clone();
+    let mut on_failure = move |f: ReceiveFailure<'_>| {
+        let (stage, what) = match f.stage {
+            ReceiveStage::Open => ("consumer", "cannot open the consumer"),
+            ReceiveStage::Receive => ("receive", "receive failed"),
+        };
+        report.metrics.error(report.name(), stage);
+        tracing::debug!(source = %report.name(), error = %f.error, delay_ms = f.delay.as_millis() as u64, "{what}; retrying");
+        report.alarm.failing(
+            &report.config.queue,
+            &format!("{what}: {}", f.error),
+            f.delay,
+        );
+    };
     loop {
         while tasks.try_join_next().is_some() {}
         if *stop.borrow() {
             break;
         }
-        let c = match consumer.as_mut() {
-            Some(c) => c,
-            None => match tokio::select! {
-                _ = stop.wait_for(|s| *s) => break,
-                c = ctx.adapter.consumer(&ctx.config.queue, options.clone()) => c,
-            } {
-                Ok(c) => {
-                    failures = 0;
-                    consumer.insert(c)
-                }
-                Err(e) => {
-                    failures += 1;
-                    ctx.metrics.error(ctx.name(), "consumer");
-                    let delay = reconnect_delay(failures, MAX_BACKOFF);
-                    tracing::debug!(source = %ctx.name(), error = %e, delay_ms = delay.as_millis() as u64, "cannot open the consumer; retrying");
-                    ctx.alarm.failing(
-                        &ctx.config.queue,
-                        &format!("cannot open the consumer: {e}"),
-                        delay,
-                    );
-                    tokio::select! {
-                        _ = stop.wait_for(|s| *s) => break,
-                        () = tokio::time::sleep(delay) => continue,
-                    }
-                }
-            },
-        };
-        let free = permits.available_permits();
-        if free == 0 || bytes.available_permits() == 0 {
-            // Backpressure: wait for a batch to finish before fetching more.
+        if bytes.available_permits() == 0 {
+            // Backpressure on bytes (the receiver keeps the message
+            // budget): wait for a batch to finish before fetching more.
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => break,
-                () = capacity(&permits, &bytes) => continue,
+                _ = bytes.acquire() => continue,
             }
         }
-        let want = free.min(ctx.config.batch_size);
         let received = tokio::select! {
             biased;
             _ = stop.wait_for(|s| *s) => break,
-            received = c.receive(want, RECEIVE_WAIT) => received,
+            received = receiver.next(&mut on_failure) => received,
         };
-        match received {
-            Ok(batch) if batch.is_empty() => ctx.alarm.ok(),
-            Ok(batch) => {
-                failures = 0;
-                ctx.alarm.ok();
-                let n = batch.len();
-                let size: usize = batch.iter().map(|d| d.payload.len()).sum();
-                tracing::trace!(source = %ctx.name(), messages = n, bytes = size, "received a batch");
-                let counters = ctx.counters();
-                counters.received.fetch_add(n as u64, Ordering::Relaxed);
-                counters.in_flight.fetch_add(n as i64, Ordering::Relaxed);
-                counters
-                    .in_flight_bytes
-                    .fetch_add(size as i64, Ordering::Relaxed);
-                // Capacity was checked above: this does not wait.
-                let Ok(permit) = permits.clone().acquire_many_owned(n as u32).await else {
-                    break;
-                };
-                // The batch is in memory already, so it runs even when it
-                // is larger than what is free: it takes what is free and
-                // the next receive waits until the budget has room again.
-                let take = size.min(bytes.available_permits());
-                let byte_permit = bytes
-                    .clone()
-                    .try_acquire_many_owned(u32::try_from(take).unwrap_or(u32::MAX))
-                    .ok();
-                let held = Held {
-                    ctx: ctx.clone(),
-                    n,
-                    size,
-                    _permits: (permit, byte_permit),
-                };
-                if lanes.is_empty() {
-                    let ctx = ctx.clone();
-                    tasks.spawn(async move {
-                        process_batch(&ctx, batch).await;
-                        drop(held);
-                    });
-                } else {
-                    let held = Arc::new(held);
-                    let mut by_lane: Vec<Vec<Delivery>> =
-                        (0..lanes.len()).map(|_| Vec::new()).collect();
-                    for d in batch {
-                        let lane = match &d.key {
-                            Some(key) => lane_of(key, lanes.len()),
-                            // No key, no order to keep: spread them.
-                            None => {
-                                keyless = keyless.wrapping_add(1);
-                                keyless % lanes.len()
-                            }
-                        };
-                        by_lane[lane].push(d);
+        ctx.alarm.ok();
+        let Received {
+            deliveries: batch,
+            permit: Some(permit),
+        } = received
+        else {
+            continue;
+        };
+        let n = batch.len();
+        let size: usize = batch.iter().map(|d| d.payload.len()).sum();
+        tracing::trace!(source = %ctx.name(), messages = n, bytes = size, "received a batch");
+        let counters = ctx.counters();
+        counters.received.fetch_add(n as u64, Ordering::Relaxed);
+        counters.in_flight.fetch_add(n as i64, Ordering::Relaxed);
+        counters
+            .in_flight_bytes
+            .fetch_add(size as i64, Ordering::Relaxed);
+        // The batch is in memory already, so it runs even when it is
+        // larger than what is free: it takes what is free and the next
+        // receive waits until the budget has room again.
+        let take = size.min(bytes.available_permits());
+        let byte_permit = bytes
+            .clone()
+            .try_acquire_many_owned(u32::try_from(take).unwrap_or(u32::MAX))
+            .ok();
+        let held = Held {
+            ctx: ctx.clone(),
+            n,
+            size,
+            _permits: (permit, byte_permit),
+        };
+        if lanes.is_empty() {
+            let ctx = ctx.clone();
+            tasks.spawn(async move {
+                process_batch(&ctx, batch).await;
+                drop(held);
+            });
+        } else {
+            let held = Arc::new(held);
+            let mut by_lane: Vec<Vec<Delivery>> = (0..lanes.len()).map(|_| Vec::new()).collect();
+            for d in batch {
+                let lane = match &d.key {
+                    Some(key) => lane_of(key, lanes.len()),
+                    // No key, no order to keep: spread them.
+                    None => {
+                        keyless = keyless.wrapping_add(1);
+                        keyless % lanes.len()
                     }
-                    for (lane, part) in lanes.iter().zip(by_lane) {
-                        if !part.is_empty() {
-                            // A lane ends only when `lanes` is dropped.
-                            let _ = lane.send((part, held.clone()));
-                        }
-                    }
-                }
+                };
+                by_lane[lane].push(d);
             }
-            Err(e) => {
-                failures += 1;
-                ctx.metrics.error(ctx.name(), "receive");
-                let delay = reconnect_delay(failures, MAX_BACKOFF);
-                tracing::debug!(source = %ctx.name(), error = %e, delay_ms = delay.as_millis() as u64, "receive failed; retrying");
-                ctx.alarm
-                    .failing(&ctx.config.queue, &format!("receive failed: {e}"), delay);
-                tokio::select! {
-                    _ = stop.wait_for(|s| *s) => break,
-                    () = tokio::time::sleep(delay) => {}
+            for (lane, part) in lanes.iter().zip(by_lane) {
+                if !part.is_empty() {
+                    // A lane ends only when `lanes` is dropped.
+                    let _ = lane.send((part, held.clone()));
                 }
             }
         }
@@ -210,10 +190,8 @@ pub(crate) async fn run_source(
         tracing::warn!(source = %ctx.name(), batches = tasks.len(), "shutdown timeout: abandoning in-flight messages; they will be delivered again");
         tasks.shutdown().await;
     }
-    if let Some(c) = consumer {
-        if let Err(e) = c.close().await {
-            tracing::warn!(source = %ctx.name(), error = %e, "closing the consumer failed");
-        }
+    if let Err(e) = receiver.close().await {
+        tracing::warn!(source = %ctx.name(), error = %e, "closing the consumer failed");
     }
 }
 
@@ -237,12 +215,6 @@ impl Drop for Held {
             .in_flight_bytes
             .fetch_sub(self.size as i64, Ordering::Relaxed);
     }
-}
-
-/// Resolves once a message and a byte of budget are free.
-async fn capacity(permits: &Semaphore, bytes: &Semaphore) {
-    let _ = permits.acquire().await;
-    let _ = bytes.acquire().await;
 }
 
 /// The lane of a key: the same key, the same lane.

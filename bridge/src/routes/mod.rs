@@ -6,13 +6,14 @@
 use std::borrow::Cow;
 use std::collections::BTreeSet;
 
-use ojs_core::mapping::{self, JobPayload, JobTypes};
-use ojs_core::{
-    envelope, grpcq, DeadLetterReason, Encoding, HeaderValue, JobEnvelope, OutgoingMessage,
-};
+use ojs_core::{envelope, DeadLetterReason, Encoding, HeaderValue, JobEnvelope, OutgoingMessage};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::mapping::{self, JobPayload, JobTypes};
 use serde_json::Value;
 
-use crate::config::{allowed_destinations, EnvelopeEncoding, OutputFormat, RouteConfig};
+use crate::config::{
+    allowed_destinations, ConfigError, EnvelopeEncoding, OutputFormat, RouteConfig,
+};
 pub mod template;
 pub mod transcode;
 
@@ -21,7 +22,7 @@ use template::{Template, TemplateVar, Vars};
 use transcode::Transcoder;
 
 /// A decoded source message (defined in core, where it is decoded).
-pub use ojs_core::Incoming;
+pub use ojs_grpcq::Incoming;
 
 /// A compiled `[[routes]]` entry.
 #[derive(Debug)]
@@ -65,41 +66,122 @@ fn unmappable(reason: impl Into<String>) -> DeadLetterReason {
     DeadLetterReason::of(ojs_core::DeadLetterKind::Unmappable, reason)
 }
 
+/// The problems of one route, each with its field path.
+struct Problems {
+    index: usize,
+    errors: Vec<ConfigError>,
+}
+
+impl Problems {
+    fn push(&mut self, field: &str, reason: impl Into<String>) {
+        self.errors.push(ConfigError::Invalid {
+            field: format!("routes[{}].{field}", self.index),
+            reason: reason.into(),
+        });
+    }
+
+    /// The value, or `None` with the problem noted.
+    fn check<T>(&mut self, field: &str, result: Result<T, String>) -> Option<T> {
+        result.map_err(|reason| self.push(field, reason)).ok()
+    }
+}
+
+/// Placeholders render in type form; the literal text of a type template
+/// must be type text too, or every job would be unmappable.
+fn check_type_template(text: &str, template: &Template) -> Result<(), String> {
+    let bad_text = template.literal_pieces().find(|piece| {
+        !piece
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'.')
+    });
+    if let Some(piece) = bad_text {
+        return Err(format!("{text:?}: the text {piece:?} cannot be part of an OJS type (^[a-z][a-z0-9_]*(\\.[a-z][a-z0-9_]*)*$); placeholders are inserted as lowercase snake_case"));
+    }
+    if let Some(literal) = template.as_literal() {
+        envelope::validate_job_type(&literal).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
 impl Route {
-    /// Compiles a validated route (descriptor sets are read here).
-    pub fn compile(
+    /// Builds `[[routes]]` entry `index`, or refuses it with every rule it
+    /// breaks (each with its field path). `federated`: its sink is a
+    /// federation, which works on the job, so jobs keep their envelope on
+    /// the message. Descriptor sets are read here.
+    pub fn build(
         config: &RouteConfig,
         index: usize,
-    ) -> Result<Route, crate::config::ConfigError> {
-        let field = |f: &str| format!("routes[{index}].{f}");
-        let err = |f: &str, reason: String| crate::config::ConfigError::Invalid {
-            field: field(f),
-            reason,
+        federated: bool,
+    ) -> Result<Route, Vec<ConfigError>> {
+        let mut problems = Problems {
+            index,
+            errors: Vec::new(),
         };
-        let glob = |f: &str, p: &Option<String>| {
-            p.as_deref()
-                .map(Glob::new)
-                .transpose()
-                .map_err(|e| err(f, e))
+        let glob = |problems: &mut Problems, field: &str, pattern: &Option<String>| {
+            pattern
+                .as_deref()
+                .and_then(|p| problems.check(field, Glob::new(p)))
         };
-        let template = |f: &str, t: &Option<String>| {
-            t.as_deref()
-                .map(|t| Template::parse(t, TemplateVar::ALL))
-                .transpose()
-                .map_err(|e| err(f, e))
+        let topic = glob(&mut problems, "match.topic", &config.matcher.topic);
+        let action = glob(&mut problems, "match.action", &config.matcher.action);
+        let job_type = glob(&mut problems, "match.type", &config.matcher.job_type);
+        if config.matcher.job_type.is_some()
+            && (config.matcher.topic.is_some() || config.matcher.action.is_some())
+        {
+            problems.push(
+                "match",
+                "match.type matches OJS jobs and match.topic/action grpcq calls; one route cannot require both",
+            );
+        }
+        let template = |problems: &mut Problems, field: &str, text: &Option<String>| {
+            text.as_deref()
+                .and_then(|t| problems.check(field, Template::parse(t, TemplateVar::ALL)))
         };
+        let queue = template(&mut problems, "queue", &config.queue);
+        let type_template = template(&mut problems, "type", &config.job_type);
+        let topic_template = template(&mut problems, "topic", &config.topic);
+        let action_template = template(&mut problems, "action", &config.action);
+        if let (Some(text), Some(t)) = (&config.job_type, &type_template) {
+            if let Err(reason) = check_type_template(text, t) {
+                problems.push("type", reason);
+            }
+        }
+        let mut allowed_globs = Vec::new();
+        for (j, g) in config.allowed_queues.iter().enumerate() {
+            if let Some(glob) = problems.check(&format!("allowed_queues[{j}]"), Glob::new(g)) {
+                allowed_globs.push(glob);
+            }
+        }
+        let allowed = match allowed_destinations(config) {
+            // Listed globs are parsed above; a bound drawn from `match`
+            // renders a glob of those already parsed.
+            Ok(globs) if config.allowed_queues.is_empty() => globs
+                .iter()
+                .filter_map(|g| problems.check("allowed_queues", Glob::new(g)))
+                .collect(),
+            Ok(_) => allowed_globs,
+            Err(reason) => {
+                problems.push("allowed_queues", reason);
+                Vec::new()
+            }
+        };
+        if config.max_destinations == 0 {
+            problems.push("max_destinations", "must be at least 1");
+        }
+        if config.message_type.is_some() && config.descriptor_set.is_none() {
+            problems.push("message_type", "needs descriptor_set");
+        }
         let transcoder = match &config.descriptor_set {
-            Some(path) => Some(
-                Transcoder::load(path, config.message_type.as_deref())
-                    .map_err(|e| err("descriptor_set", e))?,
+            Some(path) if problems.errors.is_empty() => problems.check(
+                "descriptor_set",
+                Transcoder::load(path, config.message_type.as_deref()),
             ),
-            None => None,
+            _ => None,
         };
-        let literal = config
-            .queue
-            .as_deref()
-            .and_then(|q| Template::parse(q, TemplateVar::ALL).ok())
-            .and_then(|t| t.as_literal());
+        if !problems.errors.is_empty() {
+            return Err(problems.errors);
+        }
+        let literal = queue.as_ref().and_then(Template::as_literal);
         let call_job_queue = match (&config.queue, &literal) {
             (None, _) => Some(envelope::DEFAULT_QUEUE.to_owned()),
             // An invalid literal is refused per message, with its reason.
@@ -111,30 +193,24 @@ impl Route {
             (q, header)
         });
         Ok(Route {
-            keep_envelope: false,
+            keep_envelope: federated,
             name: config.name.clone(),
             sink: config.sink.clone(),
             sources: (!config.sources.is_empty()).then(|| config.sources.iter().cloned().collect()),
-            topic: glob("match.topic", &config.matcher.topic)?,
-            action: glob("match.action", &config.matcher.action)?,
-            job_type: glob("match.type", &config.matcher.job_type)?,
+            topic,
+            action,
+            job_type,
             to: config.to,
             encoding: match config.encoding {
                 EnvelopeEncoding::Proto => Encoding::OjsProto,
                 EnvelopeEncoding::Json => Encoding::OjsJson,
             },
-            queue: template("queue", &config.queue)?,
-            type_template: template("type", &config.job_type)?,
-            topic_template: template("topic", &config.topic)?,
-            action_template: template("action", &config.action)?,
+            queue,
+            type_template,
+            topic_template,
+            action_template,
             transcoder,
-            allowed: match allowed_destinations(config) {
-                Ok(globs) => globs
-                    .iter()
-                    .map(|g| Glob::new(g).map_err(|e| err("allowed_queues", e)))
-                    .collect::<Result<_, _>>()?,
-                Err(reason) => return Err(err("allowed_queues", reason)),
-            },
+            allowed,
             literal,
             call_job_queue,
             max_destinations: config.max_destinations,
@@ -236,12 +312,6 @@ impl Route {
         }
     }
 
-    /// Jobs this route makes carry their envelope to the sink
-    /// ([`OutgoingMessage::envelope`]): for a sink that works on the job.
-    pub fn keep_envelopes(&mut self) {
-        self.keep_envelope = true;
-    }
-
     /// What `msg` becomes on this route: the sink queue and the message.
     /// `job_types` names the job types of calls (keep one per batch: it
     /// remembers the last).
@@ -258,7 +328,7 @@ impl Route {
             (Incoming::Call(call), OutputFormat::Grpcq) => {
                 let vars = incoming_call_vars(&call, source_queue);
                 let queue = self.render_queue(&vars, vars.topic)?;
-                Ok((Cow::Owned(queue), OutgoingMessage::from_call(&call)))
+                Ok((Cow::Owned(queue), call.to_outgoing()))
             }
             (Incoming::Job(job), OutputFormat::Ojs) => {
                 self.job_to_job(*job).map(|(q, m)| (Cow::Owned(q), m))
@@ -429,7 +499,7 @@ impl Route {
         let call = mapping::job_to_call(job, topic, action, payload);
         let vars = call_vars(&call.topic, &call.action, &call.originator, &job.queue);
         let queue = self.render_queue(&vars, vars.topic)?;
-        Ok((queue, OutgoingMessage::from_grpcq(&call)))
+        Ok((queue, ojs_grpcq::outgoing(&call)))
     }
 }
 
@@ -513,7 +583,7 @@ mod tests {
             "#
         );
         let config = crate::config::BridgeConfig::parse(&text, "test.toml", &[]).unwrap();
-        Route::compile(&config.routes[0], 0).unwrap()
+        Route::build(&config.routes[0], 0, false).unwrap()
     }
 
     fn call(topic: &str, action: &str) -> Incoming {

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use ojs_core::mapping::TranscodedPayload;
+use ojs_grpcq::mapping::TranscodedPayload;
 use prost::Message as _;
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, ReflectMessage};
 use serde_json::Value;

@@ -31,8 +31,8 @@ use ojs_bridge_tests::brokers::{find, probe_address, unique_queue, Broker};
 use ojs_bridge_tests::fault_proxy::{unused_port, FaultProxy, Mode};
 use ojs_bridge_tests::processes::{own_moto, own_tansu, rabbitmq_pid, Frozen, OwnBroker};
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::mapping::call_job_id;
-use ojs_core::{ConsumerOptions, Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::{ConsumerOptions, Encoding, QueueAdapter, Source};
+use ojs_grpcq::mapping::call_job_id;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -136,9 +136,7 @@ fn feeder(
                 // Bounded by the adapter's own publish timeout: a publish
                 // future dropped half-way leaves its record queued in the
                 // client (a retry then sends it twice).
-                let attempt = adapter
-                    .publish(&queue, vec![OutgoingMessage::from_grpcq(&c)])
-                    .await;
+                let attempt = adapter.publish(&queue, vec![ojs_grpcq::outgoing(&c)]).await;
                 if attempt.is_ok() {
                     break;
                 }

@@ -17,7 +17,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use ojs_bridge_tests::brokers::missing;
-use ojs_core::{grpcq, mapping, JobEnvelope, QueueAdapter};
+use ojs_core::{JobEnvelope, QueueAdapter};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::mapping;
 use serde_json::{json, Value};
 
 fn conformance_dir() -> Option<PathBuf> {
@@ -304,7 +306,7 @@ async fn every_envelope_the_bridge_produces_is_schema_valid() {
     let memory: Arc<dyn QueueAdapter> = Arc::new(ojs_adapter_memory::MemoryAdapter::named(
         &uuid::Uuid::new_v4().to_string(),
     ));
-    let client = ojs_core::publisher::JobClient::new(memory.clone());
+    let client = ojs_grpcq::publisher::JobClient::new(memory.clone());
     let enqueued = client
         .enqueue(JobEnvelope::new("email.send", vec![json!("a@b.c")]).with_queue("mail"))
         .await

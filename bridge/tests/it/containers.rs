@@ -20,8 +20,9 @@ use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
 use ojs_bridge_tests::brokers::{missing, unique_queue, Broker};
 use ojs_bridge_tests::containers::{docker, free_port, project_image, start};
 use ojs_bridge_tests::tempdir::TempDir;
-use ojs_core::mapping::call_job_id;
-use ojs_core::{grpcq, header, Delivery, Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::{header, Delivery, Encoding, QueueAdapter, Source};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::mapping::call_job_id;
 use testcontainers::core::{AccessMode, Mount, WaitFor};
 use testcontainers::runners::AsyncRunner;
 use testcontainers::{GenericImage, ImageExt};
@@ -182,10 +183,7 @@ async fn the_project_image_runs_as_10001_read_only_and_carries_grpcq_calls_to_a_
     let sent = sent_calls(&calls);
     let local = LocalAdapter::open(LocalConfig::new(&data)).await.unwrap();
     local
-        .publish(
-            "calls",
-            calls.iter().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish("calls", calls.iter().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     let sink = RabbitAdapter::connect(RabbitConfig::new(&rabbit.url))
@@ -375,14 +373,11 @@ async fn the_compose_stack_brought_up_from_containers_carries_a_call_through_eac
     let via_rabbit = call(1, "compose.RabbitService", "Carry");
     let via_sqs = call(2, "compose.SqsService", "Carry");
     rabbit
-        .publish(
-            "grpcq-calls",
-            vec![OutgoingMessage::from_grpcq(&via_rabbit)],
-        )
+        .publish("grpcq-calls", vec![ojs_grpcq::outgoing(&via_rabbit)])
         .await
         .unwrap();
     sqs_adapter
-        .publish("grpcq-calls", vec![OutgoingMessage::from_grpcq(&via_sqs)])
+        .publish("grpcq-calls", vec![ojs_grpcq::outgoing(&via_sqs)])
         .await
         .unwrap();
 

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use crate::support::{call, collect, http_get, metric, start, TestSink};
 use ojs_adapter_memory::{MemoryAdapter, MemoryConfig};
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::mapping::{self, call_job_id};
-use ojs_core::{grpcq, header, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::{header, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter, Source};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::mapping::{self, call_job_id};
 use prost::Message as _;
 use serde_json::json;
 
@@ -81,7 +82,7 @@ async fn grpcq_calls_become_ojs_jobs_with_binding_headers_and_deterministic_ids(
         let msg = call(i, topic, "Process");
         let id = call_job_id(&msg.message_id, msg.timestamp_ms);
         tally.sent(id.clone());
-        batch.push(OutgoingMessage::from_grpcq(&msg));
+        batch.push(ojs_grpcq::outgoing(&msg));
         sent.insert(id, msg);
     }
     broker.publish("calls", batch).await.unwrap();
@@ -181,10 +182,7 @@ async fn call_to_job_to_call_returns_the_original_message() {
         })
         .collect();
     broker
-        .publish(
-            "calls",
-            originals.iter().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish("calls", originals.iter().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     let back = collect(&broker, "back", Source::Queue, originals.len(), IDLE).await;
@@ -257,7 +255,7 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_the_daemon_goes
     let bad_envelope =
         OutgoingMessage::new(b"\x0a\xff\xff".to_vec(), "application/openjobspec+proto");
     let two_jobs = OutgoingMessage::new(
-        ojs_core::stream::encode_delimited([
+        ojs_core::envelope::stream::encode_delimited([
             &JobEnvelope::new("a.b", vec![]),
             &JobEnvelope::new("a.b", vec![]),
         ])
@@ -276,10 +274,10 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_the_daemon_goes
         (bad_envelope, "undecodable"),
         (two_jobs, "unsupported_batch"),
         (
-            OutgoingMessage::from_grpcq(&call(2, "unrouted.Service", "Do")),
+            ojs_grpcq::outgoing(&call(2, "unrouted.Service", "Do")),
             "unknown_route",
         ),
-        (OutgoingMessage::from_grpcq(&nameless), "unmappable"),
+        (ojs_grpcq::outgoing(&nameless), "unmappable"),
         // Parses, but the official schema refuses an uppercase type.
         (
             OutgoingMessage::new(
@@ -288,7 +286,7 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_the_daemon_goes
             ),
             "invalid_envelope",
         ),
-        (OutgoingMessage::from_grpcq(&big), "payload_too_large"),
+        (ojs_grpcq::outgoing(&big), "payload_too_large"),
     ];
     let mut expected: HashMap<Vec<u8>, &str> = HashMap::new();
     for (i, (mut m, reason)) in cases.into_iter().enumerate() {
@@ -300,7 +298,7 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_the_daemon_goes
     // A good call after all the poison still goes through.
     let good = call(3, "payment.PaymentService", "Pay");
     broker
-        .publish("calls", vec![OutgoingMessage::from_grpcq(&good)])
+        .publish("calls", vec![ojs_grpcq::outgoing(&good)])
         .await
         .unwrap();
     let out = collect(&broker, "out", Source::Queue, 1, IDLE).await;
@@ -374,7 +372,7 @@ async fn a_configured_dead_letter_queue_receives_poison_with_its_reason() {
     let daemon = start(&toml, BTreeMap::new()).await;
     let stray = call(0, "other.Service", "Do");
     broker
-        .publish("calls", vec![OutgoingMessage::from_grpcq(&stray)])
+        .publish("calls", vec![ojs_grpcq::outgoing(&stray)])
         .await
         .unwrap();
     let dead = collect(&broker, "bridge-dead", Source::Queue, 1, IDLE).await;
@@ -469,10 +467,7 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
     broker
         .publish(
             "calls",
-            vec![
-                OutgoingMessage::from_grpcq(&typed),
-                OutgoingMessage::from_grpcq(&unknown),
-            ],
+            vec![ojs_grpcq::outgoing(&typed), ojs_grpcq::outgoing(&unknown)],
         )
         .await
         .unwrap();
@@ -488,11 +483,11 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
 
     // The job in between, as the route builds it.
     let config = ojs_bridge::config::BridgeConfig::parse(&toml, "t", &[]).unwrap();
-    let route = ojs_bridge::routes::Route::compile(&config.routes[0], 0).unwrap();
-    let mut job_types = ojs_core::mapping::JobTypes::new();
+    let route = ojs_bridge::routes::Route::build(&config.routes[0], 0, false).unwrap();
+    let mut job_types = ojs_grpcq::mapping::JobTypes::new();
     let (_, out) = route
         .map(
-            ojs_bridge::routes::Incoming::Call(ojs_core::grpcq::Call::from_message(&typed)),
+            ojs_bridge::routes::Incoming::Call(ojs_grpcq::Call::from_message(&typed)),
             "calls",
             &mut job_types,
         )
@@ -512,7 +507,7 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
     );
     let (_, out) = route
         .map(
-            ojs_bridge::routes::Incoming::Call(ojs_core::grpcq::Call::from_message(&unknown)),
+            ojs_bridge::routes::Incoming::Call(ojs_grpcq::Call::from_message(&unknown)),
             "calls",
             &mut job_types,
         )
@@ -527,7 +522,7 @@ async fn a_descriptor_set_transcodes_requests_to_proto3_json_and_back() {
     wrong.payload = vec![0x0a, 0xff];
     let reason = route
         .map(
-            ojs_bridge::routes::Incoming::Call(ojs_core::grpcq::Call::from_message(&wrong)),
+            ojs_bridge::routes::Incoming::Call(ojs_grpcq::Call::from_message(&wrong)),
             "calls",
             &mut job_types,
         )
@@ -570,7 +565,7 @@ async fn a_stalled_sink_holds_back_consumption_and_shutdown_is_bounded() {
         .map(|i| {
             let c = call(i, "payment.PaymentService", "Pay");
             tally.sent(c.message_id.clone());
-            OutgoingMessage::from_grpcq(&c)
+            ojs_grpcq::outgoing(&c)
         })
         .collect();
     broker.publish("calls", calls).await.unwrap();
@@ -637,10 +632,7 @@ async fn health_is_200_when_every_adapter_is_healthy_and_503_naming_the_one_that
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["status"], "ok");
     MemoryAdapter::named(&name)
-        .publish(
-            "calls",
-            vec![OutgoingMessage::from_grpcq(&call(0, "a.B", "C"))],
-        )
+        .publish("calls", vec![ojs_grpcq::outgoing(&call(0, "a.B", "C"))])
         .await
         .unwrap();
     let deadline = Instant::now() + IDLE;
@@ -736,7 +728,7 @@ async fn a_federated_sink_routes_by_region_meta_and_reports_its_state() {
         .publish(
             "calls",
             [&plain, &pinned, &nowhere]
-                .map(OutgoingMessage::from_grpcq)
+                .map(ojs_grpcq::outgoing)
                 .to_vec(),
         )
         .await
@@ -844,7 +836,7 @@ async fn a_call_delivered_twice_becomes_the_same_job_id_twice() {
     let c = call(0, "payment.PaymentService", "Pay");
     for _ in 0..2 {
         broker
-            .publish("calls", vec![OutgoingMessage::from_grpcq(&c)])
+            .publish("calls", vec![ojs_grpcq::outgoing(&c)])
             .await
             .unwrap();
     }
@@ -918,10 +910,7 @@ async fn messages_cannot_choose_destinations_the_config_does_not_allow() {
         call(4, "payment.C", "Pay"),      // third: over max_destinations
     ];
     broker
-        .publish(
-            "calls",
-            calls.iter().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish("calls", calls.iter().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     let dead = collect(&broker, "bridge-dead", Source::Queue, 3, IDLE).await;
@@ -991,10 +980,7 @@ async fn source_leases_are_extended_while_the_sink_is_down_for_many_visibility_t
         .map(|i| call(i, "payment.PaymentService", "Pay"))
         .collect();
     broker
-        .publish(
-            "calls",
-            calls.iter().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish("calls", calls.iter().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -1085,10 +1071,7 @@ async fn the_byte_budget_bounds_what_a_held_source_takes_in() {
         .max()
         .unwrap();
     broker
-        .publish(
-            "calls",
-            sent.values().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish("calls", sent.values().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     let source = &daemon.metrics.sources[0].1;
@@ -1169,7 +1152,7 @@ async fn publishes_that_outlast_the_lease_are_not_delivered_twice() {
     let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
     let c = call(0, "payment.PaymentService", "Pay");
     broker
-        .publish("calls", vec![OutgoingMessage::from_grpcq(&c)])
+        .publish("calls", vec![ojs_grpcq::outgoing(&c)])
         .await
         .unwrap();
     let jobs = collect(
@@ -1224,7 +1207,7 @@ async fn per_key_ordering_keeps_each_keys_order_across_batches_and_a_slow_publis
             let c = call(i, "payment.PaymentService", "Pay");
             let key = ["a", "b", "c"][i % 3];
             of_id.insert(call_job_id(&c.message_id, c.timestamp_ms), (key, i));
-            messages.push(OutgoingMessage::from_grpcq(&c).with_key(key));
+            messages.push(ojs_grpcq::outgoing(&c).with_key(key));
         }
         // Queued before the daemon starts, so batches are full and many
         // run at once.

@@ -15,8 +15,9 @@ use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
 use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::mapping::call_job_id;
-use ojs_core::{grpcq, header, Delivery, Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::{header, Delivery, Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::mapping::call_job_id;
 
 /// Checks every job against the call it came from and counts them.
 fn check_jobs(sent: &HashMap<String, grpcq::Message>, jobs: &[Delivery], context: &str) {
@@ -94,10 +95,7 @@ async fn grpcq_calls_on_rabbitmq_become_ojs_jobs_on_kafka() {
         rabbit
             .publish(
                 &source_queue,
-                chunk
-                    .iter()
-                    .map(|c| OutgoingMessage::from_grpcq(c))
-                    .collect(),
+                chunk.iter().map(|c| ojs_grpcq::outgoing(c)).collect(),
             )
             .await
             .unwrap();
@@ -175,7 +173,7 @@ async fn a_call_rabbitmq_cannot_carry_is_dead_lettered_and_the_rest_flow() {
             "calls",
             [&before, &long, &after]
                 .into_iter()
-                .map(OutgoingMessage::from_grpcq)
+                .map(ojs_grpcq::outgoing)
                 .collect(),
         )
         .await
@@ -269,7 +267,7 @@ async fn a_call_over_the_sqs_queues_own_size_limit_is_dead_lettered_and_the_rest
             "calls",
             [&before, &large, &after]
                 .into_iter()
-                .map(OutgoingMessage::from_grpcq)
+                .map(ojs_grpcq::outgoing)
                 .collect(),
         )
         .await
@@ -525,7 +523,7 @@ async fn grpcq_calls_on_sqs_become_ojs_jobs_on_rabbitmq() {
     let messages: Vec<OutgoingMessage> = sent
         .values()
         .map(|c| {
-            let mut m = OutgoingMessage::from_grpcq(c);
+            let mut m = ojs_grpcq::outgoing(c);
             m.headers.remove(header::CONTENT_TYPE);
             m
         })
@@ -615,10 +613,7 @@ async fn health_turns_503_when_rabbitmq_goes_away_and_200_when_it_is_back() {
             .unwrap(),
     );
     rabbit
-        .publish(
-            &queue,
-            vec![OutgoingMessage::from_grpcq(&call(0, "a.B", "C"))],
-        )
+        .publish(&queue, vec![ojs_grpcq::outgoing(&call(0, "a.B", "C"))])
         .await
         .unwrap();
     let sink = ojs_adapter_memory::MemoryAdapter::named(&format!("health-{queue}"));

@@ -13,8 +13,8 @@ use crate::support::{call, collect, spawn_daemon};
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_bridge_tests::tally::Tally;
 use ojs_bridge_tests::tempdir::TempDir;
-use ojs_core::mapping::{self, call_job_id};
 use ojs_core::{Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_grpcq::mapping::{self, call_job_id};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
@@ -79,10 +79,7 @@ async fn sigkill_while_10000_calls_flow_then_restart_loses_nothing_and_duplicate
         tokio::spawn(async move {
             for chunk in calls.chunks(250) {
                 broker
-                    .publish(
-                        "calls",
-                        chunk.iter().map(OutgoingMessage::from_grpcq).collect(),
-                    )
+                    .publish("calls", chunk.iter().map(ojs_grpcq::outgoing).collect())
                     .await
                     .unwrap();
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -176,7 +173,7 @@ async fn sigterm_finishes_in_flight_work_and_exits_0() {
     let config = config_file(dir.path(), &data, "worker_threads = 1");
     let broker = LocalAdapter::open(LocalConfig::new(&data)).await.unwrap();
     let calls: Vec<OutgoingMessage> = (0..2000)
-        .map(|i| OutgoingMessage::from_grpcq(&call(i, "a.B", "C")))
+        .map(|i| ojs_grpcq::outgoing(&call(i, "a.B", "C")))
         .collect();
     broker.publish("calls", calls).await.unwrap();
     let mut daemon = spawn_daemon(&config);

@@ -556,7 +556,7 @@ async fn a_missing_permission_at_the_sink_makes_the_daemon_wait_not_dead_letter(
         .publish(
             "calls",
             (0..5)
-                .map(|i| ojs_core::OutgoingMessage::from_grpcq(&support::call(i, "a.B", "C")))
+                .map(|i| ojs_grpcq::outgoing(&support::call(i, "a.B", "C")))
                 .collect(),
         )
         .await
@@ -785,7 +785,7 @@ async fn calls_to_existing_rabbitmq(
         .publish(
             "calls",
             (0..sent)
-                .map(|i| ojs_core::OutgoingMessage::from_grpcq(&support::call(i, "a.B", "C")))
+                .map(|i| ojs_grpcq::outgoing(&support::call(i, "a.B", "C")))
                 .collect(),
         )
         .await

@@ -17,8 +17,9 @@ use ojs_bridge::endpoint::AdapterConfig;
 use ojs_bridge_tests::brokers::{find, probe_address, unique_queue, Broker};
 use ojs_bridge_tests::fault_proxy::{unused_port, FaultProxy, Mode};
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::mapping::call_job_id;
-use ojs_core::{grpcq, Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::{Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::mapping::call_job_id;
 
 /// The broker's URL with its address replaced by `addr`.
 fn through(url: &str, addr: SocketAddr) -> String {
@@ -149,19 +150,13 @@ async fn starts_before_the_broker(broker: Broker, tag: &str) {
     let to_sink = calls(50, &format!("{tag}.out"));
     let from_source = calls(50, &format!("{tag}.in"));
     memory_adapter
-        .publish(
-            "calls",
-            to_sink.values().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish("calls", to_sink.values().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     direct
         .publish(
             &from_broker,
-            from_source
-                .values()
-                .map(OutgoingMessage::from_grpcq)
-                .collect(),
+            from_source.values().map(ojs_grpcq::outgoing).collect(),
         )
         .await
         .unwrap();
@@ -383,10 +378,7 @@ async fn a_rabbitmq_memory_alarm_holds_the_sink_and_loses_nothing() {
     let memory_adapter = MemoryAdapter::named(&memory);
     let before = calls(20, "alarm.before");
     memory_adapter
-        .publish(
-            "calls",
-            before.values().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish("calls", before.values().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     let first = collect(
@@ -408,10 +400,7 @@ async fn a_rabbitmq_memory_alarm_holds_the_sink_and_loses_nothing() {
     };
     let during = calls(200, "alarm.during");
     memory_adapter
-        .publish(
-            "calls",
-            during.values().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish("calls", during.values().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     let body = wait_for_health(&daemon, 503, Duration::from_secs(20)).await;
@@ -482,10 +471,7 @@ async fn a_full_embedded_sink_holds_the_source_until_room_is_freed() {
         })
         .collect();
     memory_adapter
-        .publish(
-            "calls",
-            sent.values().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish("calls", sent.values().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     let body = wait_for_health(&daemon, 503, Duration::from_secs(30)).await;
@@ -583,7 +569,7 @@ async fn sigkill_at_30_percent(source_kind: KillSource, tag: &str, n: usize, at:
         .unwrap();
     source.prepare(&queue).await.unwrap();
     let sent = calls(n, &format!("kill.{tag}"));
-    let messages: Vec<OutgoingMessage> = sent.values().map(OutgoingMessage::from_grpcq).collect();
+    let messages: Vec<OutgoingMessage> = sent.values().map(ojs_grpcq::outgoing).collect();
     for chunk in messages.chunks(500) {
         source.publish(&queue, chunk.to_vec()).await.unwrap();
     }
@@ -849,7 +835,7 @@ async fn kafka_rebalance_two_daemons_in_one_group() {
         .unwrap();
     source.prepare(&queue).await.unwrap();
     let sent = calls(n, "rebalance");
-    let messages: Vec<OutgoingMessage> = sent.values().map(OutgoingMessage::from_grpcq).collect();
+    let messages: Vec<OutgoingMessage> = sent.values().map(ojs_grpcq::outgoing).collect();
     for chunk in messages.chunks(500) {
         source.publish(&queue, chunk.to_vec()).await.unwrap();
     }
@@ -985,10 +971,7 @@ async fn a_kafka_source_behind_a_stalled_sink_stays_in_its_group() {
     let sink: std::sync::Arc<dyn QueueAdapter> = std::sync::Arc::new(sink);
     let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
     source
-        .publish(
-            &queue,
-            sent.values().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish(&queue, sent.values().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     // 12 s of failing sink: four times max.poll.interval.ms.
@@ -1069,10 +1052,7 @@ async fn an_sqs_source_outlives_a_sink_down_for_ten_visibility_timeouts() {
     let sink: std::sync::Arc<dyn QueueAdapter> = std::sync::Arc::new(sink);
     let daemon = start(&toml, BTreeMap::from([("sink".to_owned(), sink)])).await;
     source
-        .publish(
-            &queue,
-            sent.values().map(OutgoingMessage::from_grpcq).collect(),
-        )
+        .publish(&queue, sent.values().map(ojs_grpcq::outgoing).collect())
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_secs(20)).await;

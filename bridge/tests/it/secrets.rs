@@ -515,7 +515,7 @@ async fn content_never_reaches_the_log(
     assert!(out.status.success(), "{out:?}");
     outputs.push(("send".into(), String::from_utf8_lossy(&out.stderr).into()));
     let adapter = ojs_bridge::endpoint::connect(url).await.unwrap();
-    let mut call = ojs_core::grpcq::Message {
+    let mut call = ojs_grpcq::Message {
         originator: "o".into(),
         topic: "mark.Service".into(),
         action: "Do".into(),
@@ -534,8 +534,8 @@ async fn content_never_reaches_the_log(
         .publish(
             &inq,
             vec![
-                ojs_core::OutgoingMessage::from_grpcq(&call),
-                ojs_core::OutgoingMessage::from_grpcq(&unrouted),
+                ojs_grpcq::outgoing(&call),
+                ojs_grpcq::outgoing(&unrouted),
                 ojs_core::OutgoingMessage::new(broken_json, "application/openjobspec+json"),
                 ojs_core::OutgoingMessage::new(
                     format!("{PAYLOAD} {METADATA}"),

@@ -18,9 +18,9 @@
 //!   consumer goes away or its visibility timeout ends.
 
 pub mod backoff;
-pub mod decode;
 mod headers;
 pub mod log_limit;
+pub mod receiver;
 pub mod settings;
 
 use std::any::Any;
@@ -34,9 +34,9 @@ use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use futures::future::join_all;
 
+use crate::envelope::media::Encoding;
 use crate::envelope::JobEnvelope;
 use crate::error::{Error, Result};
-use crate::media::Encoding;
 
 pub use headers::{HeaderName, HeaderValue, Headers};
 
@@ -138,7 +138,7 @@ impl OutgoingMessage {
         let payload = match encoding {
             Encoding::OjsProto => job.to_proto_bytes()?,
             Encoding::OjsJson => job.to_json_vec()?,
-            Encoding::OjsProtoDelimited => crate::stream::encode_delimited([job])?,
+            Encoding::OjsProtoDelimited => crate::envelope::stream::encode_delimited([job])?,
             Encoding::GrpcqProto => {
                 return Err(Error::UnknownContentType(format!(
                     "{encoding} cannot carry an OJS envelope"
@@ -167,49 +167,6 @@ impl OutgoingMessage {
         msg.priority = job.priority;
         msg.deliver_at = job.scheduled_at;
         Ok(msg)
-    }
-
-    /// Encodes a grpcq call: binary `grpcq.Message`, content type
-    /// `application/grpcq+proto`, `topic`/`action`/`originator` headers,
-    /// key = action (grpcq's Kafka convention), id = message id.
-    pub fn from_grpcq(msg: &crate::grpcq::Message) -> Self {
-        Self::grpcq(
-            crate::grpcq::encode(msg),
-            &msg.topic,
-            &msg.action,
-            &msg.originator,
-            &msg.message_id,
-        )
-    }
-
-    /// [`OutgoingMessage::from_grpcq`] for a call read in place: the same
-    /// bytes and headers.
-    pub fn from_call(call: &crate::grpcq::Call) -> Self {
-        Self::grpcq(
-            call.encode_to_vec(),
-            call.topic(),
-            call.action(),
-            call.originator(),
-            call.message_id(),
-        )
-    }
-
-    fn grpcq(
-        encoded: Vec<u8>,
-        topic: &str,
-        action: &str,
-        originator: &str,
-        message_id: &str,
-    ) -> Self {
-        let mut out = OutgoingMessage::new(encoded, crate::media::GRPCQ_PROTO);
-        out.headers.insert(header::GRPCQ_TOPIC, topic);
-        out.headers.insert(header::GRPCQ_ACTION, action);
-        if !originator.is_empty() {
-            out.headers.insert(header::GRPCQ_ORIGINATOR, originator);
-        }
-        out.key = Some(Bytes::copy_from_slice(action.as_bytes()));
-        out.message_id = Some(message_id.to_owned());
-        out
     }
 
     /// Sets one header (builder style).

@@ -2,9 +2,9 @@
 
 use std::fmt;
 
+use crate::envelope::stream;
 use crate::envelope::JobEnvelope;
 use crate::error::{Error, Result};
-use crate::stream;
 
 /// `application/openjobspec+proto`: one binary envelope.
 pub const OJS_PROTO: &str = "application/openjobspec+proto";

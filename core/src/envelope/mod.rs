@@ -2,10 +2,10 @@
 
 pub(crate) mod json;
 pub mod media;
-pub(crate) mod proto;
+pub mod proto;
 pub mod stream;
-pub(crate) mod value;
-pub(crate) mod wire;
+pub mod value;
+pub mod wire;
 
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};

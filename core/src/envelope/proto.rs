@@ -317,7 +317,8 @@ pub(crate) fn split_backtrace(s: &str) -> Vec<String> {
 // ---- encoding -----------------------------------------------------------------
 
 /// A `google.protobuf.Timestamp`'s two fields: seconds and nanoseconds.
-pub(crate) type TimestampParts = (i64, i32);
+/// A timestamp as protobuf writes it: seconds and nanoseconds.
+pub type TimestampParts = (i64, i32);
 
 fn parts(t: &DateTime<Utc>) -> TimestampParts {
     (t.timestamp(), t.timestamp_subsec_nanos() as i32)
@@ -336,12 +337,12 @@ pub(crate) fn put_timestamp(out: &mut Vec<u8>, field: u32, t: &Option<DateTime<U
 }
 
 /// [`timestamp_len`] of a time already in seconds and nanoseconds.
-pub(crate) fn timestamp_parts_len(field: u32, t: Option<TimestampParts>) -> usize {
+pub fn timestamp_parts_len(field: u32, t: Option<TimestampParts>) -> usize {
     t.map_or(0, |t| wire::len_field_len(field, timestamp_body_len(t)))
 }
 
 /// [`put_timestamp`] of a time already in seconds and nanoseconds.
-pub(crate) fn put_timestamp_parts(out: &mut Vec<u8>, field: u32, t: Option<TimestampParts>) {
+pub fn put_timestamp_parts(out: &mut Vec<u8>, field: u32, t: Option<TimestampParts>) {
     if let Some(t @ (seconds, nanos)) = t {
         wire::put_len_header(out, field, timestamp_body_len(t));
         wire::put_int64(out, 1, seconds);

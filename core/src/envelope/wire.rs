@@ -1,22 +1,23 @@
 //! Protobuf wire-format primitives: just enough to decode and encode the OJS
 //! envelope by hand, which is what lets us keep unknown fields byte-for-byte
-//! (prost-generated structs drop them).
+//! (prost-generated structs drop them). Public for the other codecs built on
+//! them (ojs-grpcq reads a call in place and writes a call's job directly).
 
 use crate::error::{Error, Result};
 
-pub(crate) const WT_VARINT: u8 = 0;
-pub(crate) const WT_I64: u8 = 1;
-pub(crate) const WT_LEN: u8 = 2;
-pub(crate) const WT_START_GROUP: u8 = 3;
-pub(crate) const WT_END_GROUP: u8 = 4;
-pub(crate) const WT_I32: u8 = 5;
+pub const WT_VARINT: u8 = 0;
+pub const WT_I64: u8 = 1;
+pub const WT_LEN: u8 = 2;
+pub const WT_START_GROUP: u8 = 3;
+pub const WT_END_GROUP: u8 = 4;
+pub const WT_I32: u8 = 5;
 
 /// Groups are deprecated but legal; skipping them needs a bound like any recursion.
 const MAX_GROUP_DEPTH: usize = 64;
 
 /// A cursor over protobuf bytes that reports absolute offsets in its errors.
 #[derive(Debug, Clone)]
-pub(crate) struct Reader<'a> {
+pub struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
     /// Offset of `buf[0]` in the outermost input, for error messages.
@@ -24,7 +25,7 @@ pub(crate) struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    pub(crate) fn new(buf: &'a [u8]) -> Self {
+    pub fn new(buf: &'a [u8]) -> Self {
         Reader {
             buf,
             pos: 0,
@@ -32,27 +33,27 @@ impl<'a> Reader<'a> {
         }
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.pos >= self.buf.len()
     }
 
-    pub(crate) fn pos(&self) -> usize {
+    pub fn pos(&self) -> usize {
         self.pos
     }
 
-    pub(crate) fn offset(&self) -> usize {
+    pub fn offset(&self) -> usize {
         self.base + self.pos
     }
 
-    pub(crate) fn slice(&self, from: usize, to: usize) -> &'a [u8] {
+    pub fn slice(&self, from: usize, to: usize) -> &'a [u8] {
         &self.buf[from..to]
     }
 
-    pub(crate) fn err(&self, reason: impl Into<String>) -> Error {
+    pub fn err(&self, reason: impl Into<String>) -> Error {
         Error::malformed(self.offset(), reason)
     }
 
-    pub(crate) fn varint(&mut self) -> Result<u64> {
+    pub fn varint(&mut self) -> Result<u64> {
         let mut value: u64 = 0;
         for i in 0..10 {
             let Some(&byte) = self.buf.get(self.pos) else {
@@ -71,7 +72,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads a field key; returns (field number, wire type).
-    pub(crate) fn key(&mut self) -> Result<(u32, u8)> {
+    pub fn key(&mut self) -> Result<(u32, u8)> {
         let start = self.offset();
         let key = self.varint()?;
         let wire_type = (key & 7) as u8;
@@ -91,7 +92,7 @@ impl<'a> Reader<'a> {
         Ok((field as u32, wire_type))
     }
 
-    pub(crate) fn fixed64(&mut self) -> Result<u64> {
+    pub fn fixed64(&mut self) -> Result<u64> {
         let bytes = self.take(8)?;
         let mut arr = [0u8; 8];
         arr.copy_from_slice(bytes);
@@ -99,13 +100,13 @@ impl<'a> Reader<'a> {
     }
 
     /// Everything not read yet.
-    pub(crate) fn rest(&mut self) -> &'a [u8] {
+    pub fn rest(&mut self) -> &'a [u8] {
         let out = &self.buf[self.pos.min(self.buf.len())..];
         self.pos = self.buf.len();
         out
     }
 
-    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         let end = self.pos.checked_add(n).filter(|&end| end <= self.buf.len());
         let Some(end) = end else {
             return Err(self.err(format!(
@@ -119,7 +120,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads a length-delimited field's body as a sub-reader that keeps offsets.
-    pub(crate) fn sub(&mut self) -> Result<Reader<'a>> {
+    pub fn sub(&mut self) -> Result<Reader<'a>> {
         let len = self.varint()?;
         let len = usize::try_from(len).map_err(|_| self.err("length does not fit in memory"))?;
         let base = self.offset();
@@ -127,7 +128,7 @@ impl<'a> Reader<'a> {
         Ok(Reader { buf, pos: 0, base })
     }
 
-    pub(crate) fn string(&mut self) -> Result<&'a str> {
+    pub fn string(&mut self) -> Result<&'a str> {
         let at = self.offset();
         let bytes = self.sub()?.rest();
         std::str::from_utf8(bytes)
@@ -135,7 +136,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Skips the body of a field whose key was just read.
-    pub(crate) fn skip(&mut self, field: u32, wire_type: u8) -> Result<()> {
+    pub fn skip(&mut self, field: u32, wire_type: u8) -> Result<()> {
         self.skip_depth(field, wire_type, 0)
     }
 
@@ -177,7 +178,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Checks the wire type of a known field.
-    pub(crate) fn expect(&self, name: &str, got: u8, want: u8) -> Result<()> {
+    pub fn expect(&self, name: &str, got: u8, want: u8) -> Result<()> {
         if got == want {
             Ok(())
         } else {
@@ -190,7 +191,7 @@ impl<'a> Reader<'a> {
 
 // ---- writing ----------------------------------------------------------------
 
-pub(crate) fn varint_len(mut v: u64) -> usize {
+pub fn varint_len(mut v: u64) -> usize {
     let mut n = 1;
     while v >= 0x80 {
         v >>= 7;
@@ -199,7 +200,7 @@ pub(crate) fn varint_len(mut v: u64) -> usize {
     n
 }
 
-pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
         v >>= 7;
@@ -207,35 +208,35 @@ pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
-pub(crate) fn key_len(field: u32) -> usize {
+pub fn key_len(field: u32) -> usize {
     varint_len(u64::from(field) << 3)
 }
 
-pub(crate) fn put_key(out: &mut Vec<u8>, field: u32, wire_type: u8) {
+pub fn put_key(out: &mut Vec<u8>, field: u32, wire_type: u8) {
     put_varint(out, (u64::from(field) << 3) | u64::from(wire_type));
 }
 
 /// Length of a length-delimited field whose body is `body` bytes.
-pub(crate) fn len_field_len(field: u32, body: usize) -> usize {
+pub fn len_field_len(field: u32, body: usize) -> usize {
     key_len(field) + varint_len(body as u64) + body
 }
 
-pub(crate) fn put_len_header(out: &mut Vec<u8>, field: u32, body: usize) {
+pub fn put_len_header(out: &mut Vec<u8>, field: u32, body: usize) {
     put_key(out, field, WT_LEN);
     put_varint(out, body as u64);
 }
 
-pub(crate) fn string_len(field: u32, s: &str) -> usize {
+pub fn string_len(field: u32, s: &str) -> usize {
     bytes_len(field, s.as_bytes())
 }
 
 /// proto3 scalar rule: the default value (empty) is not written.
-pub(crate) fn put_string(out: &mut Vec<u8>, field: u32, s: &str) {
+pub fn put_string(out: &mut Vec<u8>, field: u32, s: &str) {
     put_bytes(out, field, s.as_bytes());
 }
 
 /// [`string_len`] of text held as bytes (the wire format is the same).
-pub(crate) fn bytes_len(field: u32, b: &[u8]) -> usize {
+pub fn bytes_len(field: u32, b: &[u8]) -> usize {
     if b.is_empty() {
         0
     } else {
@@ -244,7 +245,7 @@ pub(crate) fn bytes_len(field: u32, b: &[u8]) -> usize {
 }
 
 /// [`put_string`] of text held as bytes.
-pub(crate) fn put_bytes(out: &mut Vec<u8>, field: u32, b: &[u8]) {
+pub fn put_bytes(out: &mut Vec<u8>, field: u32, b: &[u8]) {
     if !b.is_empty() {
         put_len_header(out, field, b.len());
         out.extend_from_slice(b);
@@ -252,7 +253,7 @@ pub(crate) fn put_bytes(out: &mut Vec<u8>, field: u32, b: &[u8]) {
 }
 
 /// int32 is encoded sign-extended to 64 bits, as protobuf requires.
-pub(crate) fn int32_len(field: u32, v: i32) -> usize {
+pub fn int32_len(field: u32, v: i32) -> usize {
     if v == 0 {
         0
     } else {
@@ -260,7 +261,7 @@ pub(crate) fn int32_len(field: u32, v: i32) -> usize {
     }
 }
 
-pub(crate) fn put_int32(out: &mut Vec<u8>, field: u32, v: i32) {
+pub fn put_int32(out: &mut Vec<u8>, field: u32, v: i32) {
     if v != 0 {
         put_key(out, field, WT_VARINT);
         put_varint(out, i64::from(v) as u64);
@@ -268,19 +269,19 @@ pub(crate) fn put_int32(out: &mut Vec<u8>, field: u32, v: i32) {
 }
 
 /// An `optional int32`: present (even 0) or absent.
-pub(crate) fn optional_int32_len(field: u32, v: Option<i32>) -> usize {
+pub fn optional_int32_len(field: u32, v: Option<i32>) -> usize {
     v.map_or(0, |v| key_len(field) + varint_len(i64::from(v) as u64))
 }
 
 /// Writes an `optional int32` when present, 0 included.
-pub(crate) fn put_optional_int32(out: &mut Vec<u8>, field: u32, v: Option<i32>) {
+pub fn put_optional_int32(out: &mut Vec<u8>, field: u32, v: Option<i32>) {
     if let Some(v) = v {
         put_key(out, field, WT_VARINT);
         put_varint(out, i64::from(v) as u64);
     }
 }
 
-pub(crate) fn int64_len(field: u32, v: i64) -> usize {
+pub fn int64_len(field: u32, v: i64) -> usize {
     if v == 0 {
         0
     } else {
@@ -288,14 +289,14 @@ pub(crate) fn int64_len(field: u32, v: i64) -> usize {
     }
 }
 
-pub(crate) fn put_int64(out: &mut Vec<u8>, field: u32, v: i64) {
+pub fn put_int64(out: &mut Vec<u8>, field: u32, v: i64) {
     if v != 0 {
         put_key(out, field, WT_VARINT);
         put_varint(out, v as u64);
     }
 }
 
-pub(crate) fn bool_len(field: u32, v: bool) -> usize {
+pub fn bool_len(field: u32, v: bool) -> usize {
     if v {
         key_len(field) + 1
     } else {
@@ -303,14 +304,14 @@ pub(crate) fn bool_len(field: u32, v: bool) -> usize {
     }
 }
 
-pub(crate) fn put_bool(out: &mut Vec<u8>, field: u32, v: bool) {
+pub fn put_bool(out: &mut Vec<u8>, field: u32, v: bool) {
     if v {
         put_key(out, field, WT_VARINT);
         out.push(1);
     }
 }
 
-pub(crate) fn double_len(field: u32, v: f64) -> usize {
+pub fn double_len(field: u32, v: f64) -> usize {
     if v == 0.0 {
         0
     } else {
@@ -318,7 +319,7 @@ pub(crate) fn double_len(field: u32, v: f64) -> usize {
     }
 }
 
-pub(crate) fn put_double(out: &mut Vec<u8>, field: u32, v: f64) {
+pub fn put_double(out: &mut Vec<u8>, field: u32, v: f64) {
     if v != 0.0 {
         put_key(out, field, WT_I64);
         out.extend_from_slice(&v.to_bits().to_le_bytes());

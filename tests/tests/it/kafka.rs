@@ -311,8 +311,8 @@ async fn publishing_continues_across_a_broker_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_from_native_grpcq_publishers_are_handled() {
-    use ojs_core::registry::Registry;
-    use ojs_core::worker::{Worker, WorkerConfig};
+    use ojs_grpcq::registry::Registry;
+    use ojs_grpcq::worker::{Worker, WorkerConfig};
     use rdkafka::producer::{FutureProducer, FutureRecord};
     use std::sync::atomic::Ordering;
     use std::sync::{Arc, Mutex};
@@ -327,7 +327,7 @@ async fn records_from_native_grpcq_publishers_are_handled() {
     config.dead_topic_template = "{queue}.ojs-dead".into();
     let kafka = KafkaAdapter::connect(config.clone()).await.unwrap();
     let topic = format!("pay.Payments{}", &unique_queue("x")[2..]);
-    let call = ojs_core::grpcq::Message {
+    let call = ojs_grpcq::Message {
         originator: "go-service".into(),
         topic: topic.clone(),
         action: "Charge".into(),
@@ -349,7 +349,7 @@ async fn records_from_native_grpcq_publishers_are_handled() {
         .set("bootstrap.servers", &config.brokers)
         .create()
         .unwrap();
-    let bytes = ojs_core::grpcq::encode(&call);
+    let bytes = ojs_grpcq::encode(&call);
     producer
         .send(
             FutureRecord::to(&topic).key("Charge").payload(&bytes),

@@ -372,8 +372,8 @@ async fn health_answers_promptly_while_a_publisher_is_reconnecting() {
 }
 
 /// A grpcq call as grpcq's publishers build it.
-fn grpcq_call(topic: &str, action: &str, n: u8) -> ojs_core::grpcq::Message {
-    ojs_core::grpcq::Message {
+fn grpcq_call(topic: &str, action: &str, n: u8) -> ojs_grpcq::Message {
+    ojs_grpcq::Message {
         originator: "native-grpcq".into(),
         topic: topic.into(),
         action: action.into(),
@@ -434,7 +434,7 @@ async fn calls_from_a_native_grpcq_publisher_reach_a_bound_queue_and_the_worker(
             c.topic.as_str().into(),
             c.action.as_str().into(),
             BasicPublishOptions::default(),
-            &ojs_core::grpcq::encode(c),
+            &ojs_grpcq::encode(c),
             BasicProperties::default(),
         )
         .await
@@ -447,7 +447,7 @@ async fn calls_from_a_native_grpcq_publisher_reach_a_bound_queue_and_the_worker(
         direct.as_str().into(),
         "Void".into(),
         BasicPublishOptions::default(),
-        &ojs_core::grpcq::encode(&grpcq_call(&direct, "Void", 4)),
+        &ojs_grpcq::encode(&grpcq_call(&direct, "Void", 4)),
         BasicProperties::default(),
     )
     .await
@@ -456,7 +456,7 @@ async fn calls_from_a_native_grpcq_publisher_reach_a_bound_queue_and_the_worker(
     .unwrap();
 
     // The worker handles them (no content type: default_encoding grpcq).
-    let mut registry = ojs_core::registry::Registry::new();
+    let mut registry = ojs_grpcq::registry::Registry::new();
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     for (t, a) in [
         (&topic, "ProcessPayment"),
@@ -476,10 +476,10 @@ async fn calls_from_a_native_grpcq_publisher_reach_a_bound_queue_and_the_worker(
             })
             .unwrap();
     }
-    let mut config = ojs_core::worker::WorkerConfig::new(&queue);
+    let mut config = ojs_grpcq::worker::WorkerConfig::new(&queue);
     config.default_encoding = Some(Encoding::GrpcqProto);
     let adapter = Arc::new(adapter);
-    let worker = ojs_core::worker::Worker::new(adapter.clone(), registry, config);
+    let worker = ojs_grpcq::worker::Worker::new(adapter.clone(), registry, config);
     let stats = worker.stats();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let run = tokio::spawn(worker.run(async {
@@ -528,7 +528,7 @@ async fn grpcq_exchanges_publish_calls_the_way_grpcq_workers_read_them() {
     let call = grpcq_call(&topic, "ProcessPayment", 9);
     // Nobody reads the exchange yet: mandatory publishing reports it.
     let err = adapter
-        .publish("ignored", vec![OutgoingMessage::from_grpcq(&call)])
+        .publish("ignored", vec![ojs_grpcq::outgoing(&call)])
         .await
         .unwrap_err();
     assert!(
@@ -555,7 +555,7 @@ async fn grpcq_exchanges_publish_calls_the_way_grpcq_workers_read_them() {
     .await
     .unwrap();
     adapter
-        .publish("ignored", vec![OutgoingMessage::from_grpcq(&call)])
+        .publish("ignored", vec![ojs_grpcq::outgoing(&call)])
         .await
         .unwrap();
     let got = ch
@@ -566,7 +566,7 @@ async fn grpcq_exchanges_publish_calls_the_way_grpcq_workers_read_them() {
         .await
         .unwrap()
         .expect("the call reached the grpcq worker's queue");
-    assert_eq!(ojs_core::grpcq::decode(&got.delivery.data).unwrap(), call);
+    assert_eq!(ojs_grpcq::decode(&got.delivery.data).unwrap(), call);
     assert_eq!(got.delivery.routing_key.as_str(), "ProcessPayment");
     assert_eq!(got.delivery.exchange.as_str(), topic);
     // OJS envelopes still go to their OJS queue.

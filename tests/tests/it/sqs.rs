@@ -12,9 +12,10 @@ use aws_sdk_sqs::types::MessageAttributeValue;
 use base64::Engine as _;
 use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
-use ojs_core::registry::Registry;
-use ojs_core::worker::{Worker, WorkerConfig};
-use ojs_core::{grpcq, ConsumerOptions, Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::{ConsumerOptions, Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::registry::Registry;
+use ojs_grpcq::worker::{Worker, WorkerConfig};
 use tokio::time::Instant;
 
 async fn setup(query: &str) -> Option<(SqsAdapter, SqsConfig, aws_sdk_sqs::Client)> {

@@ -16,10 +16,11 @@ use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use ojs_bridge_tests::tempdir::TempDir;
 use ojs_bridge_tests::worker_cases::outcome_table;
-use ojs_core::publisher::{EnqueueMiddleware, EnqueueNext, GrpcqPublisher, JobClient};
-use ojs_core::registry::{HandlerError, HandlerResult, Registry};
-use ojs_core::worker::{MessageInfo, Middleware, Next, Worker, WorkerConfig};
-use ojs_core::{grpcq, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::publisher::{EnqueueMiddleware, EnqueueNext, GrpcqPublisher, JobClient};
+use ojs_grpcq::registry::{HandlerError, HandlerResult, Registry};
+use ojs_grpcq::worker::{MessageInfo, Middleware, Next, Worker, WorkerConfig};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -55,7 +56,7 @@ async fn outcome_table_on_rabbitmq() {
 fn calls(n: usize, action: &str) -> Vec<OutgoingMessage> {
     (0..n)
         .map(|i| {
-            OutgoingMessage::from_grpcq(&grpcq::Message {
+            ojs_grpcq::outgoing(&grpcq::Message {
                 topic: "t.Svc".into(),
                 action: action.into(),
                 payload: vec![i as u8],
@@ -502,7 +503,7 @@ async fn consume_errors_do_not_kill_the_worker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_and_jobs_published_by_a_handler_continue_its_trace() {
-    use ojs_core::trace::TraceContext;
+    use ojs_grpcq::trace::TraceContext;
     let adapter = memory();
     let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let mut call = grpcq::Message {
@@ -516,7 +517,7 @@ async fn calls_and_jobs_published_by_a_handler_continue_its_trace() {
     };
     call.metadata.insert("traceparent".into(), incoming.into());
     adapter
-        .publish("q", vec![OutgoingMessage::from_grpcq(&call)])
+        .publish("q", vec![ojs_grpcq::outgoing(&call)])
         .await
         .unwrap();
     // One call without trace context: nothing is invented for it.
@@ -524,7 +525,7 @@ async fn calls_and_jobs_published_by_a_handler_continue_its_trace() {
     bare.metadata.clear();
     bare.message_id = "m-2".into();
     adapter
-        .publish("q", vec![OutgoingMessage::from_grpcq(&bare)])
+        .publish("q", vec![ojs_grpcq::outgoing(&bare)])
         .await
         .unwrap();
 

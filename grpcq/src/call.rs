@@ -18,8 +18,8 @@ use bytes::Bytes;
 use prost::encoding::{decode_key, decode_varint, WireType};
 
 use super::Message;
-use crate::envelope::wire;
-use crate::error::{Error, Result};
+use ojs_core::envelope::wire;
+use ojs_core::{Error, Result};
 
 /// How deep unknown groups may nest, as prost counts it (its recursion
 /// limit; a metadata entry is one level already).

@@ -1,11 +1,13 @@
-//! Decoding a delivery by its content type: the one function the daemon,
-//! the grpcq worker and `ojs-bridge tail` share, so that a body means the
-//! same everywhere and fails with the same named reason.
+//! Decoding a delivery by its content type, here where both codecs are
+//! known (an OJS envelope or a grpcq call): the one function the daemon,
+//! the grpcq worker, the OJS API's workers and `ojs-bridge tail` share, so
+//! that a body means the same everywhere and fails with the same named
+//! reason.
 
-use crate::adapter::{DeadLetterReason, Delivery};
-use crate::error::Error;
-use crate::media::Encoding;
-use crate::{grpcq, JobEnvelope};
+use ojs_core::envelope::media::Encoding;
+use ojs_core::{DeadLetterReason, Delivery, Error, JobEnvelope};
+
+use crate as grpcq;
 
 /// The message a delivery carries.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,19 +60,32 @@ fn decode_parts(d: &Delivery, default: Option<Encoding>) -> Result<Decoded, Fail
     }
 }
 
-impl Delivery {
+/// Decoding of a [`Delivery`] (`use ojs_grpcq::Decode as _`).
+pub trait Decode {
     /// The one message this delivery carries, decoded by its content type
     /// (`default` when it has none), or why it belongs in the dead letters:
     /// `unknown_content_type`, `undecodable`, `invalid_envelope`,
     /// `unsupported_batch` (more than one envelope).
-    pub fn decode(&self, default: Option<Encoding>) -> Result<Incoming, DeadLetterReason> {
+    fn decode(&self, default: Option<Encoding>) -> Result<Incoming, DeadLetterReason>;
+
+    /// Everything this delivery carries, decoded by its content type
+    /// (`default` when it has none).
+    fn decode_all(&self, default: Option<Encoding>) -> Result<Decoded, Error>;
+}
+
+impl Decode for Delivery {
+    /// The one message this delivery carries, decoded by its content type
+    /// (`default` when it has none), or why it belongs in the dead letters:
+    /// `unknown_content_type`, `undecodable`, `invalid_envelope`,
+    /// `unsupported_batch` (more than one envelope).
+    fn decode(&self, default: Option<Encoding>) -> Result<Incoming, DeadLetterReason> {
         match decode_parts(self, default) {
             Ok(Decoded::Call(call)) => Ok(Incoming::Call(call)),
             Ok(Decoded::Jobs(mut jobs)) if jobs.len() == 1 => {
                 Ok(Incoming::Job(Box::new(jobs.remove(0))))
             }
             Ok(Decoded::Jobs(jobs)) => Err(DeadLetterReason::of(
-                crate::DeadLetterKind::UnsupportedBatch,
+                ojs_core::DeadLetterKind::UnsupportedBatch,
                 format!(
                     "a message must carry one envelope, this one has {}",
                     jobs.len()
@@ -78,13 +93,13 @@ impl Delivery {
             )),
             Err(Failed::Encoding(e)) => Err(DeadLetterReason::of(
                 match e {
-                    Error::UnknownContentType(_) => crate::DeadLetterKind::UnknownContentType,
-                    _ => crate::DeadLetterKind::Undecodable,
+                    Error::UnknownContentType(_) => ojs_core::DeadLetterKind::UnknownContentType,
+                    _ => ojs_core::DeadLetterKind::Undecodable,
                 },
                 e.to_string(),
             )),
             Err(Failed::Call(e)) => Err(DeadLetterReason::of(
-                crate::DeadLetterKind::Undecodable,
+                ojs_core::DeadLetterKind::Undecodable,
                 format!("not a grpcq.Message: {e}"),
             )),
             Err(Failed::Envelope(e)) => Err(DeadLetterReason::for_envelope(&e)),
@@ -93,7 +108,7 @@ impl Delivery {
 
     /// Everything this delivery carries, decoded by its content type
     /// (`default` when it has none).
-    pub fn decode_all(&self, default: Option<Encoding>) -> Result<Decoded, Error> {
+    fn decode_all(&self, default: Option<Encoding>) -> Result<Decoded, Error> {
         decode_parts(self, default).map_err(|f| match f {
             Failed::Encoding(e) | Failed::Call(e) | Failed::Envelope(e) => e,
         })

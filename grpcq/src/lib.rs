@@ -1,8 +1,19 @@
-//! grpcq messages: the JSON form the CLI reads and prints, and decoding that
-//! accepts both binary and base64 bodies (grpcq's SQS adapter sends base64;
-//! legacy publishers sent raw bytes).
+//! grpcq calls over any `ojs_core::QueueAdapter`: the `grpcq.Message`, read
+//! in place ([`Call`]) or through prost, its JSON form (what the CLI reads
+//! and prints), decoding that accepts binary and base64 bodies (grpcq's SQS
+//! adapter sends base64; legacy publishers sent raw bytes); the runtime
+//! (`publisher`, `registry`, `worker`, `retry`, `trace`); decoding a
+//! delivery where both codecs are known (`decode`: a call or a job); and
+//! the mapping of a call to an OJS job (`mapping`).
+//!
+//! Built on `ojs-core`, which knows no grpcq: Cargo keeps the queue
+//! contract below this crate.
 
 mod call;
+pub mod decode;
+#[doc(hidden)]
+pub mod fuzz_targets;
+pub mod mapping;
 pub mod publisher;
 pub mod registry;
 pub mod retry;
@@ -16,7 +27,10 @@ pub use ojs_proto::grpcq::Message;
 use prost::Message as _;
 use serde_json::{json, Map, Value};
 
-use crate::error::{Error, Result};
+use ojs_core::{header, OutgoingMessage};
+use ojs_core::{Error, Result};
+
+pub use decode::{Decode, Decoded, Incoming};
 
 /// Builds a `grpcq.Message` from its JSON form, with the proto's own field
 /// names: `originator`, `topic`, `action`, `payload` (standard base64),
@@ -162,6 +176,50 @@ fn base64_body(body: &[u8]) -> Option<Vec<u8>> {
         return None;
     }
     STANDARD.decode(text).ok()
+}
+
+/// A call as a message to publish: binary `grpcq.Message`, content type
+/// `application/grpcq+proto`, `topic`/`action`/`originator` headers,
+/// key = action (grpcq's Kafka convention), id = message id.
+pub fn outgoing(msg: &Message) -> OutgoingMessage {
+    outgoing_parts(
+        encode(msg),
+        &msg.topic,
+        &msg.action,
+        &msg.originator,
+        &msg.message_id,
+    )
+}
+
+impl Call {
+    /// [`outgoing`] for a call read in place: the same bytes and headers.
+    pub fn to_outgoing(&self) -> OutgoingMessage {
+        outgoing_parts(
+            self.encode_to_vec(),
+            self.topic(),
+            self.action(),
+            self.originator(),
+            self.message_id(),
+        )
+    }
+}
+
+fn outgoing_parts(
+    encoded: Vec<u8>,
+    topic: &str,
+    action: &str,
+    originator: &str,
+    message_id: &str,
+) -> OutgoingMessage {
+    let mut out = OutgoingMessage::new(encoded, ojs_core::envelope::media::GRPCQ_PROTO);
+    out.headers.insert(header::GRPCQ_TOPIC, topic);
+    out.headers.insert(header::GRPCQ_ACTION, action);
+    if !originator.is_empty() {
+        out.headers.insert(header::GRPCQ_ORIGINATOR, originator);
+    }
+    out.key = Some(bytes::Bytes::copy_from_slice(action.as_bytes()));
+    out.message_id = Some(message_id.to_owned());
+    out
 }
 
 #[cfg(test)]

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use crate::backoff::random_unit;
-use crate::duration::parse_iso8601_duration;
-use crate::envelope::RetryPolicy;
+use ojs_core::adapter::backoff::random_unit;
+use ojs_core::duration::parse_iso8601_duration;
+use ojs_core::envelope::RetryPolicy;
 
 /// What to do when attempts run out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

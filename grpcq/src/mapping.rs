@@ -18,10 +18,10 @@ use sha2::{Digest, Sha256};
 
 use bytes::Bytes;
 
-use crate::adapter::{header, HeaderValue, OutgoingMessage};
-use crate::envelope::{proto, value, wire, JobEnvelope, SPEC_VERSION};
-use crate::error::{Error, Result};
-use crate::grpcq::{Call, Message};
+use crate::{Call, Message};
+use ojs_core::adapter::{header, HeaderValue, OutgoingMessage};
+use ojs_core::envelope::{proto, value, wire, JobEnvelope, SPEC_VERSION};
+use ojs_core::{Error, Result};
 
 /// Meta key: the call's originator.
 pub const META_ORIGINATOR: &str = "grpcq.originator";
@@ -86,7 +86,7 @@ pub fn call_job_id_of(msg: &Message) -> String {
     if !msg.message_id.is_empty() {
         return call_job_id(&msg.message_id, msg.timestamp_ms);
     }
-    content_job_id(&crate::grpcq::encode(msg), msg.timestamp_ms)
+    content_job_id(&crate::encode(msg), msg.timestamp_ms)
 }
 
 /// [`call_job_id_of`] for a call read in place: the same id (a call
@@ -272,7 +272,7 @@ pub fn call_to_job_message(
     // The id is the `ojs-id` header and, without a partition key, the key:
     // one copy shared by both.
     let id_bytes = Bytes::copy_from_slice(id.as_bytes());
-    let mut message = OutgoingMessage::new(out, crate::media::OJS_PROTO);
+    let mut message = OutgoingMessage::new(out, ojs_core::envelope::media::OJS_PROTO);
     // In name order (content-type is there already): each insert is a push.
     let h = &mut message.headers;
     h.insert(header::ID, id_bytes.clone());
@@ -332,8 +332,8 @@ fn merge_meta<'a>(
 /// remembered name costs a comparison and a reference count. Keep one per
 /// batch (or per thread): it is not shared.
 ///
-/// [`type_from_topic_action`]: crate::envelope::type_from_topic_action
-/// [`validate_job_type`]: crate::envelope::validate_job_type
+/// [`type_from_topic_action`]: ojs_core::envelope::type_from_topic_action
+/// [`validate_job_type`]: ojs_core::envelope::validate_job_type
 #[derive(Debug, Default)]
 pub struct JobTypes {
     /// Topic, action and their checked job type.
@@ -355,8 +355,8 @@ impl JobTypes {
                 return Ok(job_type.clone());
             }
         }
-        let name = crate::envelope::type_from_topic_action(topic, action);
-        crate::envelope::validate_job_type(&name)?;
+        let name = ojs_core::envelope::type_from_topic_action(topic, action);
+        ojs_core::envelope::validate_job_type(&name)?;
         let job_type = HeaderValue::from(name);
         match &mut self.last {
             // The strings' buffers reused.
@@ -527,7 +527,7 @@ mod tests {
 
     fn via_envelope(msg: &Message, job_type: &str, queue: &str) -> OutgoingMessage {
         let job = call_to_job(msg, job_type.into(), queue.into(), None);
-        OutgoingMessage::from_envelope(&job, crate::Encoding::OjsProto).unwrap()
+        OutgoingMessage::from_envelope(&job, ojs_core::Encoding::OjsProto).unwrap()
     }
 
     #[test]
@@ -635,7 +635,7 @@ mod tests {
         let msg = call();
         let job = call_to_job(
             &msg,
-            crate::envelope::type_from_topic_action(&msg.topic, &msg.action),
+            ojs_core::envelope::type_from_topic_action(&msg.topic, &msg.action),
             "payments".into(),
             None,
         );
@@ -673,10 +673,10 @@ mod tests {
             secs * 1000 + u64::from(nanos) / 1_000_000,
             1_763_700_000_123
         );
-        crate::envelope::validate_job_id(&a).unwrap();
+        ojs_core::envelope::validate_job_id(&a).unwrap();
         // Hostile timestamps still give valid ids.
-        crate::envelope::validate_job_id(&call_job_id("x", -5)).unwrap();
-        crate::envelope::validate_job_id(&call_job_id("x", i64::MAX)).unwrap();
+        ojs_core::envelope::validate_job_id(&call_job_id("x", -5)).unwrap();
+        ojs_core::envelope::validate_job_id(&call_job_id("x", i64::MAX)).unwrap();
     }
 
     #[test]
@@ -739,7 +739,7 @@ mod tests {
             ("payment.PaymentService", "ProcessPayment"),
         ];
         for (topic, action) in calls {
-            let named = crate::envelope::type_from_topic_action(topic, action);
+            let named = ojs_core::envelope::type_from_topic_action(topic, action);
             assert_eq!(types.of(topic, action).unwrap(), named.as_str());
         }
         // A name the schema refuses is refused every time, also right

@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 
-use crate::adapter::{OutgoingMessage, QueueAdapter};
-use crate::envelope::{JobEnvelope, JobState};
-use crate::error::{Error, Result};
-use crate::grpcq::Message;
-use crate::media::Encoding;
+use crate::Message;
+use ojs_core::adapter::{OutgoingMessage, QueueAdapter};
+use ojs_core::envelope::media::Encoding;
+use ojs_core::envelope::{JobEnvelope, JobState};
+use ojs_core::{Error, Result};
 
 /// Publishes grpcq calls to one queue.
 #[derive(Clone)]
@@ -88,8 +88,7 @@ impl GrpcqPublisher {
 
     /// Publishes prepared calls; failures are reported per message.
     pub async fn publish_batch(&self, messages: Vec<Message>) -> Result<()> {
-        let outgoing: Vec<OutgoingMessage> =
-            messages.iter().map(OutgoingMessage::from_grpcq).collect();
+        let outgoing: Vec<OutgoingMessage> = messages.iter().map(crate::outgoing).collect();
         self.adapter.publish(&self.queue, outgoing).await
     }
 }

@@ -11,7 +11,9 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use ojs_core::{grpcq, mapping, Encoding, OutgoingMessage};
+use ojs_core::{Encoding, OutgoingMessage};
+use ojs_grpcq as grpcq;
+use ojs_grpcq::mapping;
 
 fn call() -> grpcq::Message {
     let mut m = grpcq::Message {

@@ -8,8 +8,8 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 
-use crate::envelope::JobEnvelope;
-use crate::error::{Error, Result};
+use ojs_core::envelope::JobEnvelope;
+use ojs_core::{Error, Result};
 
 /// Why a handler failed: what the retry policy matches on and what a dead
 /// letter records.

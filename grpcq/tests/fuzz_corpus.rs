@@ -3,15 +3,17 @@
 //! (and what they start from) is checked by every `cargo test`, with or
 //! without cargo-fuzz.
 //!
-//! `OJS_BRIDGE_WRITE_FUZZ_SEEDS=1 cargo test -p ojs-core --test fuzz_corpus`
+//! The envelope's targets (`ojs_core::fuzz_targets`) are replayed here with
+//! grpcq's, in the crate that sees both.
+//! `OJS_BRIDGE_WRITE_FUZZ_SEEDS=1 cargo test -p ojs-grpcq --test fuzz_corpus`
 //! writes the vector-derived seeds into the corpus folders.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 
-use ojs_core::fuzz_targets::TARGETS;
-use ojs_core::{grpcq, JobEnvelope};
+use ojs_core::JobEnvelope;
+use ojs_grpcq as grpcq;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -53,8 +55,8 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
             .filter_map(|j| j.to_proto_bytes().ok())
             .collect(),
         "delimited_stream" => vec![
-            ojs_core::stream::encode_delimited(&jobs).unwrap_or_default(),
-            ojs_core::stream::encode_batch(&jobs).unwrap_or_default(),
+            ojs_core::envelope::stream::encode_delimited(&jobs).unwrap_or_default(),
+            ojs_core::envelope::stream::encode_batch(&jobs).unwrap_or_default(),
         ],
         "grpcq_message" => vec![grpcq::encode(&call)],
         "grpcq_json" => vec![serde_json::to_vec(&grpcq::message_to_json(&call)).unwrap()],
@@ -75,7 +77,10 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
 #[test]
 fn every_target_takes_its_corpus_and_the_vector_seeds_without_a_panic() {
     let write = std::env::var_os("OJS_BRIDGE_WRITE_FUZZ_SEEDS").is_some();
-    for (name, target) in TARGETS {
+    let targets = ojs_core::fuzz_targets::TARGETS
+        .iter()
+        .chain(ojs_grpcq::fuzz_targets::TARGETS);
+    for (name, target) in targets {
         let dir = repo().join("fuzz/corpus").join(name);
         let seeds = seeds(name);
         assert!(!seeds.is_empty(), "{name}: no seeds");

@@ -25,18 +25,20 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-use crate::adapter::{ConsumerOptions, DeadLetterReason, Delivery, Nack, QueueAdapter};
-use crate::backoff::reconnect_delay;
-use crate::decode::Incoming;
-use crate::error::Result;
-use crate::media::Encoding;
+use crate::decode::{Decode, Incoming};
 use crate::registry::{CallContext, HandlerError, HandlerResult, Registry};
 use crate::retry::{OnExhaustion, ResolvedRetry, RetryDecision};
 use crate::trace::TraceContext;
+use ojs_core::adapter::receiver::{
+    keep_leased, ReceiveFailure, ReceiveStage, Receiver, ReceiverSettings,
+};
+use ojs_core::adapter::{ConsumerOptions, DeadLetterReason, Delivery, Nack, QueueAdapter};
+use ojs_core::envelope::media::Encoding;
+use ojs_core::Result;
 
 /// Settings of a worker (plain data).
 #[derive(Debug, Clone)]
@@ -232,10 +234,28 @@ impl Worker {
         });
         tokio::pin!(shutdown);
         let mut state = self.lifecycle.subscribe();
-        let semaphore = Arc::new(Semaphore::new(self.config.concurrency.max(1)));
+        let mut receiver = Receiver::new(
+            self.adapter.clone(),
+            ReceiverSettings {
+                queue: self.config.queue.clone(),
+                consumer: self.config.consumer.clone(),
+                batch_size: self.config.batch_size,
+                max_in_flight: self.config.concurrency.max(1),
+                receive_wait: self.config.receive_wait,
+                max_backoff: Duration::from_secs(30),
+            },
+        );
+        let queue = self.config.queue.clone();
+        let stats = self.stats.clone();
+        let mut on_failure = move |f: ReceiveFailure<'_>| {
+            bump(&stats.consume_errors);
+            let what = match f.stage {
+                ReceiveStage::Open => "cannot open consumer; retrying",
+                ReceiveStage::Receive => "receive failed; retrying",
+            };
+            tracing::warn!(queue = %queue, error = %f.error, delay_ms = f.delay.as_millis() as u64, "{what}");
+        };
         let mut tasks: JoinSet<()> = JoinSet::new();
-        let mut failures = 0u32;
-        let mut consumer = None;
         loop {
             while tasks.try_join_next().is_some() {}
             let now = *state.borrow_and_update();
@@ -250,64 +270,21 @@ impl Worker {
                 }
                 Lifecycle::Running => {}
             }
-            let free = semaphore.available_permits();
-            if free == 0 {
-                tokio::select! {
-                    () = &mut shutdown => break,
-                    _ = state.changed() => continue,
-                    Some(_) = tasks.join_next() => continue,
-                }
-            }
-            let c = match consumer.as_mut() {
-                Some(c) => c,
-                None => match self
-                    .adapter
-                    .consumer(&self.config.queue, self.config.consumer.clone())
-                    .await
-                {
-                    Ok(c) => consumer.insert(c),
-                    Err(e) => {
-                        failures += 1;
-                        bump(&self.stats.consume_errors);
-                        let delay = reconnect_delay(failures, Duration::from_secs(30));
-                        tracing::warn!(queue = %self.config.queue, error = %e, delay_ms = delay.as_millis() as u64, "cannot open consumer; retrying");
-                        tokio::select! {
-                            () = &mut shutdown => break,
-                            () = tokio::time::sleep(delay) => continue,
-                        }
-                    }
-                },
-            };
-            let want = free.min(self.config.batch_size.max(1));
-            tokio::select! {
+            let mut received = tokio::select! {
                 biased;
                 () = &mut shutdown => break,
                 _ = state.changed() => continue,
-                received = c.receive(want, self.config.receive_wait) => match received {
-                    Ok(batch) => {
-                        failures = 0;
-                        for delivery in batch {
-                            bump(&self.stats.received);
-                            // Capacity was checked above: this does not wait.
-                            let Ok(permit) = semaphore.clone().acquire_owned().await else { break };
-                            let shared = shared.clone();
-                            tasks.spawn(async move {
-                                shared.process(delivery).await;
-                                drop(permit);
-                            });
-                        }
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        bump(&self.stats.consume_errors);
-                        let delay = reconnect_delay(failures, Duration::from_secs(30));
-                        tracing::warn!(queue = %self.config.queue, error = %e, delay_ms = delay.as_millis() as u64, "receive failed; retrying");
-                        tokio::select! {
-                            () = &mut shutdown => break,
-                            () = tokio::time::sleep(delay) => {}
-                        }
-                    }
-                }
+                received = receiver.next(&mut on_failure) => received,
+            };
+            for delivery in received.deliveries {
+                bump(&self.stats.received);
+                // Each handler holds its delivery's unit of the budget.
+                let unit = received.permit.as_mut().and_then(|p| p.split(1));
+                let shared = shared.clone();
+                tasks.spawn(async move {
+                    shared.process(delivery).await;
+                    drop(unit);
+                });
             }
         }
         // Stop fetching; let in-flight handlers finish within the bound.
@@ -319,10 +296,8 @@ impl Worker {
             tracing::warn!(queue = %self.config.queue, left = tasks.len(), "shutdown timeout: cancelling handlers; their messages will be delivered again");
             tasks.shutdown().await;
         }
-        if let Some(c) = consumer {
-            if let Err(e) = c.close().await {
-                tracing::warn!(error = %e, "closing the consumer failed");
-            }
+        if let Err(e) = receiver.close().await {
+            tracing::warn!(error = %e, "closing the consumer failed");
         }
         Ok(self.stats)
     }
@@ -355,7 +330,7 @@ impl Shared {
             Incoming::Call(msg) => {
                 let Some(handler) = self.registry.call(msg.topic(), msg.action()) else {
                     return Work::DeadLetter(DeadLetterReason::of(
-                        crate::DeadLetterKind::UnknownRoute,
+                        ojs_core::DeadLetterKind::UnknownRoute,
                         format!("no handler for grpcq call {}/{}", msg.topic(), msg.action()),
                     ));
                 };
@@ -390,7 +365,7 @@ impl Shared {
                 let job = *job;
                 let Some(handler) = self.registry.job(&job.job_type) else {
                     return Work::DeadLetter(DeadLetterReason::of(
-                        crate::DeadLetterKind::UnknownRoute,
+                        ojs_core::DeadLetterKind::UnknownRoute,
                         format!("no handler for job type {}", job.job_type),
                     ));
                 };
@@ -508,24 +483,11 @@ impl Shared {
         .await;
     }
 
-    /// Runs `work`, extending the message's visibility every half timeout.
+    /// Runs `work`, keeping the message leased while it runs.
     async fn with_heartbeat<T>(&self, d: &Delivery, work: impl Future<Output = T>) -> T {
         if !self.config.heartbeat {
             return work.await;
         }
-        let visibility = self.config.consumer.visibility_timeout;
-        let every = (visibility / 2).max(Duration::from_millis(100));
-        tokio::pin!(work);
-        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        loop {
-            tokio::select! {
-                out = &mut work => return out,
-                _ = ticker.tick() => {
-                    if let Err(e) = d.extend(visibility).await {
-                        tracing::warn!(error = %e, "visibility heartbeat failed");
-                    }
-                }
-            }
-        }
+        keep_leased(&[d], self.config.consumer.visibility_timeout, work).await
     }
 }

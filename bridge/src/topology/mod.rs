@@ -1,0 +1,321 @@
+//! Build once, then run: the configuration (plain data) is turned into a
+//! [`Topology`] by one [`Topology::build`], which holds every rule and
+//! reports every problem of a file at once, each with its field path.
+//! `check-config` is that build plus reading the files `run` would read;
+//! `run` is that build plus connecting ([`crate::daemon::Daemon::connect`]).
+//! Nothing built here is changed afterwards.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::config::{invalid, BridgeConfig, ConfigError, OrderingMode};
+use crate::endpoint::AdapterConfig;
+use crate::routes::Route;
+
+pub mod connecting;
+
+/// A configuration built into what the daemon runs: every adapter's typed
+/// settings and every route compiled, in configuration order.
+#[derive(Debug)]
+pub struct Topology {
+    /// The configuration it was built from (sources, listener, API,
+    /// federations are read from it as they are).
+    pub config: BridgeConfig,
+    /// Each adapter's typed, validated settings, by name.
+    pub adapters: BTreeMap<String, AdapterConfig>,
+    /// The routes, first match wins; a route whose sink is a federation
+    /// keeps its jobs' envelopes (the federation works on the job).
+    pub routes: Vec<Route>,
+}
+
+impl Topology {
+    /// Builds `config`, or refuses it with every rule it breaks, in file
+    /// order (descriptor sets are read here: a route compiles from them).
+    pub fn build(config: BridgeConfig) -> Result<Topology, ConfigError> {
+        let mut errors: Vec<ConfigError> = Vec::new();
+        if config.http.listen != "off"
+            && config.http.listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            errors.push(invalid(
+                "http.listen",
+                format!(
+                    "{:?} is not an address like 127.0.0.1:9464 (or `off`)",
+                    config.http.listen
+                ),
+            ));
+        }
+        if config.http.tls_cert_file.is_some() != config.http.tls_key_file.is_some() {
+            errors.push(invalid(
+                if config.http.tls_cert_file.is_some() {
+                    "http.tls_key_file"
+                } else {
+                    "http.tls_cert_file"
+                },
+                "tls_cert_file and tls_key_file go together",
+            ));
+        }
+        if config.http.tls_client_ca_file.is_some() && config.http.tls_cert_file.is_none() {
+            errors.push(invalid(
+                "http.tls_client_ca_file",
+                "mutual TLS needs the listener's own tls_cert_file and tls_key_file",
+            ));
+        }
+        if config.http.max_connections == 0 {
+            errors.push(invalid("http.max_connections", "must be at least 1"));
+        }
+        if config.worker_threads == Some(0) {
+            errors.push(invalid("worker_threads", "must be at least 1"));
+        }
+        for (field, d) in [
+            ("http.header_read_timeout", config.http.header_read_timeout),
+            ("http.idle_timeout", config.http.idle_timeout),
+            ("http.health_interval", config.http.health_interval),
+            ("http.health_timeout", config.http.health_timeout),
+        ] {
+            if d.is_zero() {
+                errors.push(invalid(field, "must be longer than 0"));
+            }
+        }
+        if config.adapters.is_empty() {
+            errors.push(invalid(
+                "adapters",
+                "no adapter is defined; add e.g. local = \"local:./ojs-bridge-data\"",
+            ));
+        }
+        let mut adapters = BTreeMap::new();
+        for (name, entry) in &config.adapters {
+            match entry.compile(name) {
+                Ok(compiled) => {
+                    adapters.insert(name.clone(), compiled);
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        let adapter =
+            |field: String, name: &str| {
+                if config.adapters.contains_key(name) {
+                    Ok(())
+                } else {
+                    Err(invalid(
+                        field,
+                        format!(
+                        "names adapter {name:?}, which [adapters] does not define{} (defined: {})",
+                        ojs_core::adapter::settings::suggestion(
+                            name,
+                            config.adapters.keys().map(String::as_str)
+                        ),
+                        config.adapters.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                    ))
+                }
+            };
+        for (name, f) in &config.federations {
+            let at = |field: &str| format!("federations.{name}.{field}");
+            if config.adapters.contains_key(name) {
+                errors.push(invalid(
+                    format!("federations.{name}"),
+                    "an adapter has the same name; sinks would be ambiguous",
+                ));
+            }
+            if f.regions.is_empty() {
+                errors.push(invalid(
+                    at("regions"),
+                    "a federation needs at least one region",
+                ));
+            }
+            for (id, region) in &f.regions {
+                if let Err(e) = adapter(
+                    format!("federations.{name}.regions.{id}.adapter"),
+                    &region.adapter,
+                ) {
+                    errors.push(e);
+                }
+                if let Some(url) = &region.health {
+                    if !url.starts_with("http://") {
+                        errors.push(invalid(
+                            format!("federations.{name}.regions.{id}.health"),
+                            format!("{url:?} must be http://host:port/ojs/v1/health"),
+                        ));
+                    }
+                }
+            }
+            let named = std::iter::once(("local", &f.local))
+                .chain(f.fallback.iter().map(|r| ("fallback", r)));
+            for (field, region) in named {
+                if !f.regions.contains_key(region) {
+                    errors.push(invalid(
+                        at(field),
+                        format!("{region:?} is not one of its regions"),
+                    ));
+                }
+            }
+            if f.strategy == ojs_core::federation::Strategy::GeoPin {
+                errors.push(invalid(
+                    at("strategy"),
+                    "geo-pin is chosen per job (meta ojs.federation.region); the default must be affinity or overflow",
+                ));
+            }
+        }
+        if let Some(api) = &config.api {
+            errors.extend(api.problems(&config.adapters));
+        }
+        // A file may serve the OJS API alone: adapters and [api], nothing
+        // to consume.
+        if config.sources.is_empty() && config.api.is_none() {
+            errors.push(invalid(
+                "sources",
+                "no source is defined; the daemon would consume nothing",
+            ));
+        }
+        let mut source_names = BTreeSet::new();
+        for (i, s) in config.sources.iter().enumerate() {
+            let at = |f: &str| format!("sources[{i}].{f}");
+            if s.name.is_empty() {
+                errors.push(invalid(at("name"), "must not be empty"));
+            }
+            if !source_names.insert(s.name.as_str()) {
+                errors.push(invalid(
+                    at("name"),
+                    format!("{:?} is used by two sources", s.name),
+                ));
+            }
+            if let Err(e) = adapter(at("adapter"), &s.adapter) {
+                errors.push(e);
+            }
+            if s.queue.is_empty() {
+                errors.push(invalid(at("queue"), "must not be empty"));
+            }
+            if s.batch_size == 0 {
+                errors.push(invalid(at("batch_size"), "must be at least 1"));
+            }
+            if s.max_in_flight_bytes == 0 {
+                errors.push(invalid(
+                    at("max_in_flight_bytes"),
+                    "must be at least 1 (it bounds the payload bytes held at once)",
+                ));
+            }
+            if s.lanes == Some(0) {
+                errors.push(invalid(at("lanes"), "must be at least 1"));
+            }
+            if s.lanes.is_some() && s.ordering == OrderingMode::None {
+                errors.push(invalid(
+                    at("lanes"),
+                    "only means something with ordering = \"per_key\"",
+                ));
+            }
+            if s.max_in_flight < s.batch_size {
+                errors.push(invalid(
+                    at("max_in_flight"),
+                    format!("must be at least batch_size ({})", s.batch_size),
+                ));
+            }
+            if let Some(dl) = &s.dead_letter {
+                if let Err(e) = adapter(at("dead_letter.adapter"), &dl.adapter) {
+                    errors.push(e);
+                }
+                if dl.queue.is_empty() {
+                    errors.push(invalid(at("dead_letter.queue"), "must not be empty"));
+                }
+            }
+        }
+        if config.routes.is_empty() && (config.api.is_none() || !config.sources.is_empty()) {
+            errors.push(invalid(
+                "routes",
+                "no route is defined; every message would be dead-lettered",
+            ));
+        }
+        let mut routes = Vec::with_capacity(config.routes.len());
+        let mut route_names = BTreeSet::new();
+        for (i, r) in config.routes.iter().enumerate() {
+            let at = |f: &str| format!("routes[{i}].{f}");
+            if r.name.is_empty() {
+                errors.push(invalid(at("name"), "must not be empty"));
+            }
+            if !route_names.insert(r.name.as_str()) {
+                errors.push(invalid(
+                    at("name"),
+                    format!("{:?} is used by two routes", r.name),
+                ));
+            }
+            for (j, s) in r.sources.iter().enumerate() {
+                if !source_names.contains(s.as_str()) {
+                    errors.push(invalid(
+                        format!("routes[{i}].sources[{j}]"),
+                        format!("names source {s:?}, which [[sources]] does not define"),
+                    ));
+                }
+            }
+            if !config.federations.contains_key(&r.sink) {
+                if let Err(e) = adapter(at("sink"), &r.sink) {
+                    errors.push(e);
+                }
+            }
+            let federated = config.federations.contains_key(&r.sink);
+            match Route::build(r, i, federated) {
+                Ok(route) => routes.push(route),
+                Err(problems) => errors.extend(problems),
+            }
+        }
+        ConfigError::all(errors)?;
+        Ok(Topology {
+            config,
+            adapters,
+            routes,
+        })
+    }
+
+    /// Whether every file the adapters read when they connect
+    /// (certificates, keys, password files) can be read now: what `run`
+    /// would refuse at connect, found by `check-config` without connecting.
+    /// Every unreadable file is named with its setting.
+    pub fn check_files(&self) -> Result<(), ConfigError> {
+        let mut unreadable = Vec::new();
+        let mut listener_files = vec![
+            (
+                "http.token_file".to_owned(),
+                self.config.http.token_file.clone(),
+            ),
+            (
+                "http.tls_cert_file".to_owned(),
+                self.config.http.tls_cert_file.clone(),
+            ),
+            (
+                "http.tls_key_file".to_owned(),
+                self.config.http.tls_key_file.clone(),
+            ),
+            (
+                "http.tls_client_ca_file".to_owned(),
+                self.config.http.tls_client_ca_file.clone(),
+            ),
+        ];
+        for (i, token) in self
+            .config
+            .api
+            .iter()
+            .flat_map(|a| a.tokens.iter())
+            .enumerate()
+        {
+            listener_files.push((format!("api.tokens[{i}].file"), Some(token.file.clone())));
+        }
+        for (setting, path) in listener_files {
+            if let Some(path) = path {
+                if let Err(e) = std::fs::File::open(&path) {
+                    unreadable.push(invalid(
+                        setting,
+                        format!("cannot read {}: {e}", path.display()),
+                    ));
+                }
+            }
+        }
+        for (name, adapter) in &self.adapters {
+            for (setting, path) in adapter.files_read() {
+                if let Err(e) = std::fs::File::open(&path) {
+                    unreadable.push(invalid(
+                        format!("adapters.{name}.{setting}"),
+                        format!("cannot read {}: {e}", path.display()),
+                    ));
+                }
+            }
+        }
+        ConfigError::all(unreadable)
+    }
+}
