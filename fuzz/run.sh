@@ -5,7 +5,7 @@
 #
 #   fuzz/run.sh [SECONDS] [core|daemon|all]     (default: core)
 #
-# core:   ojs-core's wire-format decoders (fuzz/), under AddressSanitizer.
+# core:   the envelope's and grpcq's wire-format decoders (fuzz/), under AddressSanitizer.
 # daemon: the daemon's decoders: configuration, adapter headers,
 #         descriptor-set transcoding (fuzz/daemon/). Built without a
 #         sanitizer: librdkafka's C dependencies do not link under ASan, and
