@@ -28,7 +28,7 @@ use crate::metrics::Metrics;
 use crate::pipeline::{run_source, RoutePlan, SourceCtx};
 use crate::probe::HttpHealthProbe;
 use crate::topology::connecting::Connecting;
-use crate::topology::Topology;
+use crate::topology::{NamedQueue, Topology};
 use ojs_core::federation::{AdapterProbe, Federation, HealthProbe, RegionSpec};
 
 /// Why the daemon cannot start.
@@ -176,28 +176,12 @@ impl Daemon {
         // first message: declared where the adapter may declare, checked
         // where the topology is `existing` (a missing one stops the start,
         // named, with nothing created).
-        let mut named: Vec<(String, &str, String)> = Vec::new();
-        for (i, s) in config.sources.iter().enumerate() {
-            named.push((format!("sources[{i}].queue"), &s.adapter, s.queue.clone()));
-            if let Some(dl) = &s.dead_letter {
-                named.push((
-                    format!("sources[{i}].dead_letter.queue"),
-                    &dl.adapter,
-                    dl.queue.clone(),
-                ));
-            }
-        }
-        for (i, r) in routes.iter().enumerate() {
-            if let Some(queue) = r.literal_queue() {
-                named.push((format!("routes[{i}].queue"), &r.sink, queue.to_owned()));
-            }
-        }
+        let named = Topology::named_queues(&config, &routes);
         let mut adapters = BTreeMap::new();
         for (name, entry) in &config.adapters {
-            let queues: Vec<&(String, &str, String)> =
-                named.iter().filter(|(_, a, _)| a == name).collect();
+            let queues: Vec<&NamedQueue> = named.iter().filter(|q| q.adapter == *name).collect();
             if let Some(adapter) = provided.remove(name) {
-                for (field, _, queue) in &queues {
+                for NamedQueue { field, queue, .. } in &queues {
                     adapter
                         .prepare(queue)
                         .await
@@ -222,7 +206,7 @@ impl Daemon {
             // broker stops the start.
             let attempt = tokio::time::timeout(START_ATTEMPT, async {
                 let adapter = compiled.connect().await.map_err(|e| (None, e))?;
-                for (field, _, queue) in &queues {
+                for NamedQueue { field, queue, .. } in &queues {
                     if let Err(e) = adapter.prepare(queue).await {
                         let _ = adapter.close().await;
                         return Err((Some((field.clone(), queue.clone())), e));
@@ -254,7 +238,7 @@ impl Daemon {
                     })
                 }
             };
-            let queues = queues.iter().map(|(_, _, q)| q.clone()).collect();
+            let queues = queues.iter().map(|q| q.queue.clone()).collect();
             let waiting: Arc<dyn QueueAdapter> =
                 Connecting::start(name, compiled, queues, &unreachable);
             adapters.insert(name.clone(), waiting);

@@ -27,7 +27,49 @@ pub struct Topology {
     pub routes: Vec<Route>,
 }
 
+/// A queue the configuration names literally, which must be usable before
+/// the first message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedQueue {
+    /// The field that names it, e.g. `sources[0].queue`.
+    pub field: String,
+    /// The adapter it is on.
+    pub adapter: String,
+    /// The OJS queue.
+    pub queue: String,
+}
+
 impl Topology {
+    /// Every queue `config` and its built `routes` name literally: each
+    /// source's queue and dead-letter queue, each route's literal
+    /// destination.
+    pub fn named_queues(config: &BridgeConfig, routes: &[Route]) -> Vec<NamedQueue> {
+        let mut named = Vec::new();
+        let mut name = |field: String, adapter: &str, queue: &str| {
+            named.push(NamedQueue {
+                field,
+                adapter: adapter.to_owned(),
+                queue: queue.to_owned(),
+            });
+        };
+        for (i, s) in config.sources.iter().enumerate() {
+            name(format!("sources[{i}].queue"), &s.adapter, &s.queue);
+            if let Some(dl) = &s.dead_letter {
+                name(
+                    format!("sources[{i}].dead_letter.queue"),
+                    &dl.adapter,
+                    &dl.queue,
+                );
+            }
+        }
+        for (i, r) in routes.iter().enumerate() {
+            if let Some(queue) = r.literal_queue() {
+                name(format!("routes[{i}].queue"), &r.sink, queue);
+            }
+        }
+        named
+    }
+
     /// Builds `config`, or refuses it with every rule it breaks, in file
     /// order (descriptor sets are read here: a route compiles from them).
     pub fn build(config: BridgeConfig) -> Result<Topology, ConfigError> {
