@@ -165,7 +165,7 @@ impl Api {
             })?;
         let message = self
             .message(&job)
-            .map_err(|source| ApiError::Broker { source })?;
+            .map_err(|e| ApiError::Broker { source: e.into() })?;
         match self
             .publish(&queue, vec![id.to_owned()], vec![message])
             .await

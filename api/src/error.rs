@@ -151,7 +151,7 @@ pub enum ApiError {
     Broker {
         /// The adapter's error.
         #[source]
-        source: ojs_core::Error,
+        source: ojs_queue::Error,
     },
     /// The job store failed (its detail stays in the log).
     #[error("the job store failed")]

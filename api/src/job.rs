@@ -11,9 +11,9 @@
 //! decodes (`ojs-bridge convert` applies it too).
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use ojs_core::adapter::settings::suggestion;
 use ojs_core::duration::{format_iso8601_duration, parse_iso8601_duration};
 use ojs_core::{JobEnvelope, JobState};
+use ojs_queue::settings::suggestion;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;

@@ -28,7 +28,8 @@ use std::time::{Duration, Instant};
 use auth::{Grant, Operation, Tokens};
 use chrono::{DateTime, Utc};
 use ojs_core::glob::Glob;
-use ojs_core::{Encoding, JobState, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobState};
+use ojs_queue::{OutgoingMessage, QueueAdapter};
 use serde_json::{json, Value};
 use tokio::sync::{watch, Notify};
 
@@ -234,7 +235,7 @@ impl Api {
         queue: &str,
         ids: Vec<String>,
         messages: Vec<OutgoingMessage>,
-    ) -> Result<(), (Vec<String>, ojs_core::Error)> {
+    ) -> Result<(), (Vec<String>, ojs_queue::Error)> {
         let fresh = !self
             .prepared
             .lock()
@@ -255,7 +256,7 @@ impl Api {
                 self.workers.published.notify_waiters();
                 Ok(())
             }
-            Err(ojs_core::Error::Publish(failure)) => {
+            Err(ojs_queue::Error::Publish(failure)) => {
                 let failed: HashSet<usize> = failure.failed.iter().map(|f| f.index).collect();
                 let (bad, good): (Vec<_>, Vec<_>) = ids
                     .into_iter()
@@ -265,7 +266,7 @@ impl Api {
                     .published(good.into_iter().map(|(_, id)| id).collect());
                 Err((
                     bad.into_iter().map(|(_, id)| id).collect(),
-                    ojs_core::Error::Publish(failure),
+                    ojs_queue::Error::Publish(failure),
                 ))
             }
             Err(e) => Err((ids, e)),
@@ -336,7 +337,7 @@ impl Api {
                 .publish(&job.envelope.queue, vec![id.to_owned()], vec![message])
                 .await
                 .map_err(|(_, e)| e),
-            Err(e) => Err(e),
+            Err(e) => Err(e.into()),
         };
         match published {
             Ok(()) => Ok(job),

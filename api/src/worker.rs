@@ -13,10 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use ojs_core::{
-    Consumer, ConsumerOptions, DeadLetterReason, Delivery, JobEnvelope, JobError, JobState, Nack,
-};
+use ojs_core::{JobEnvelope, JobError, JobState};
 use ojs_grpcq::decode::Incoming;
+use ojs_queue::{Consumer, ConsumerOptions, DeadLetterReason, Delivery, Nack};
 use serde_json::{json, Map, Value};
 
 use crate::auth::{Grant, Operation};
@@ -171,7 +170,7 @@ enum Activation {
 }
 
 /// Does to a held delivery what a settlement says.
-async fn settle_delivery(delivery: &Delivery, settle: &Settle) -> Result<(), ojs_core::Error> {
+async fn settle_delivery(delivery: &Delivery, settle: &Settle) -> Result<(), ojs_queue::Error> {
     match settle {
         Settle::Ack | Settle::Drop => delivery.ack().await,
         Settle::Retry { delay_ms } => {
@@ -276,7 +275,7 @@ impl Api {
             // from the broker only what it hands out (RabbitMQ basic.get).
             prefetch: if self.store.is_shared() { 0 } else { 100 },
             max_deliveries: None,
-            source: ojs_core::adapter::Source::Queue,
+            source: ojs_queue::Source::Queue,
             may_dead_letter: true,
         };
         let consumer = self
@@ -445,7 +444,7 @@ impl Api {
                 }
                 Ok(Incoming::Call(_)) => {
                     let reason = DeadLetterReason::of(
-                        ojs_core::DeadLetterKind::Undecodable,
+                        ojs_queue::DeadLetterKind::Undecodable,
                         "a grpcq call where OJS jobs are expected",
                     );
                     if let Err(e) = d.nack(Nack::DeadLetter(reason)).await {

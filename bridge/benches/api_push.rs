@@ -45,7 +45,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use ojs_core::{Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{OutgoingMessage, QueueAdapter};
 use serde_json::json;
 
 const CONNECTIONS: usize = 64;

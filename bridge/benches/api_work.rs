@@ -38,7 +38,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
-use ojs_core::{ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 use serde_json::{json, Value};
 
 const WORKERS: usize = 16;

@@ -72,8 +72,8 @@ use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_adapter_memory::MemoryAdapter;
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_bridge::metrics::Metrics;
-use ojs_core::{OutgoingMessage, QueueAdapter};
 use ojs_grpcq as grpcq;
+use ojs_queue::{OutgoingMessage, QueueAdapter};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -466,7 +466,7 @@ async fn raw_copy(brokers: &str, from: &str, to: &str, n: usize, map_to_jobs: bo
         .await
         .map_err(|(e, _)| e)
         .unwrap();
-    let jobs_queue = ojs_core::HeaderValue::from_static("jobs");
+    let jobs_queue = ojs_queue::HeaderValue::from_static("jobs");
     let mut in_flight = FuturesOrdered::new();
     let (mut received, mut copied) = (0, 0);
     let mut started = None;

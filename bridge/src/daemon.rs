@@ -16,7 +16,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ojs_core::{Encoding, Error, QueueAdapter};
+use ojs_core::Encoding;
+use ojs_queue::{Error, QueueAdapter};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -29,7 +30,7 @@ use crate::pipeline::{run_source, RoutePlan, SourceCtx};
 use crate::probe::HttpHealthProbe;
 use crate::topology::connecting::Connecting;
 use crate::topology::{NamedQueue, Topology};
-use ojs_core::federation::{AdapterProbe, Federation, HealthProbe, RegionSpec};
+use ojs_queue::federation::{AdapterProbe, Federation, HealthProbe, RegionSpec};
 
 /// Why the daemon cannot start.
 #[derive(Debug, thiserror::Error)]

@@ -18,8 +18,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use ojs_core::glob::Glob;
 use ojs_core::redact::Secret;
-use ojs_core::{header, ConsumerOptions, Delivery, Nack, OutgoingMessage, QueueAdapter, Source};
 use ojs_grpcq::decode::Incoming;
+use ojs_queue::{header, ConsumerOptions, Delivery, Nack, OutgoingMessage, QueueAdapter, Source};
 use serde_json::{json, Value};
 
 /// What to do with the selected dead letters.
@@ -83,7 +83,7 @@ pub struct Summary {
 pub enum DeadLetterError {
     /// The broker failed.
     #[error(transparent)]
-    Broker(#[from] ojs_core::Error),
+    Broker(#[from] ojs_queue::Error),
     /// The OJS server failed or answered with an error.
     #[error("{0}")]
     Server(String),

@@ -10,8 +10,8 @@ use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_adapter_memory::{MemoryAdapter, MemoryConfig};
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
-use ojs_core::adapter::settings::SettingValue;
-use ojs_core::{Error, QueueAdapter, Result};
+use ojs_queue::settings::SettingValue;
+use ojs_queue::{Error, QueueAdapter, Result};
 
 /// One adapter's settings, typed and validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,7 +77,7 @@ impl AdapterConfig {
     /// The settings a config-file table may set for the adapter `url`
     /// names (`url` itself excluded).
     pub fn setting_names(url: &str) -> Result<Vec<String>> {
-        use ojs_core::adapter::settings::setting_names;
+        use ojs_queue::settings::setting_names;
         let names = match Self::from_url(url)? {
             AdapterConfig::Memory { config, .. } => setting_names(&config),
             AdapterConfig::Local(c) => setting_names(&c),

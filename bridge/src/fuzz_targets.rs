@@ -14,7 +14,8 @@ use std::collections::HashMap;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use ojs_core::{Acknowledger, Delivery, DeliveryRef, Encoding, Nack, OutgoingMessage};
+use ojs_core::Encoding;
+use ojs_queue::{Acknowledger, Delivery, DeliveryRef, Nack, OutgoingMessage};
 
 use crate::config::BridgeConfig;
 use crate::routes::transcode::Transcoder;
@@ -83,10 +84,10 @@ struct Unsettled;
 
 #[async_trait]
 impl Acknowledger for Unsettled {
-    async fn ack(&self) -> ojs_core::Result<()> {
+    async fn ack(&self) -> ojs_queue::Result<()> {
         Ok(())
     }
-    async fn nack(&self, _action: Nack, _delivery: DeliveryRef<'_>) -> ojs_core::Result<()> {
+    async fn nack(&self, _action: Nack, _delivery: DeliveryRef<'_>) -> ojs_queue::Result<()> {
         Ok(())
     }
 }
@@ -95,7 +96,7 @@ impl Acknowledger for Unsettled {
 /// content type, read a dead-letter reason. Both must take anything.
 fn decode_like_the_daemon(
     payload: Bytes,
-    headers: ojs_core::Headers,
+    headers: ojs_queue::Headers,
     attempt: u32,
     key: Option<Bytes>,
 ) {

@@ -24,7 +24,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use ojs_core::QueueAdapter;
+use ojs_queue::QueueAdapter;
 use serde_json::{json, Map, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};

@@ -24,7 +24,7 @@ use ojs_bridge::logging::{self, LogFormat};
 use ojs_bridge::send::MessageFormat;
 use ojs_bridge::topology::Topology;
 use ojs_bridge::{endpoint, send, tail};
-use ojs_core::ConsumerOptions;
+use ojs_queue::ConsumerOptions;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -378,9 +378,9 @@ async fn one_shot(command: Command) -> ExitCode {
                     group,
                     visibility_timeout: Duration::from_secs(visibility_timeout_secs),
                     source: if dead_letters {
-                        ojs_core::Source::DeadLetters
+                        ojs_queue::Source::DeadLetters
                     } else {
-                        ojs_core::Source::Queue
+                        ojs_queue::Source::Queue
                     },
                     // `tail` reads; it never dead-letters what it prints.
                     may_dead_letter: false,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ojs_core::federation::Federation;
+use ojs_queue::federation::Federation;
 
 /// Upper bounds (seconds) of the latency histogram buckets.
 const BUCKETS: [f64; 14] = [
@@ -471,10 +471,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_federation_is_rendered_per_region_under_its_name() {
-        use ojs_core::federation::{AdapterProbe, FederationSettings, RegionSpec};
-        use ojs_core::QueueAdapter as _;
+        use ojs_queue::federation::{AdapterProbe, FederationSettings, RegionSpec};
+        use ojs_queue::QueueAdapter as _;
         let region = |name: &str| {
-            let adapter: Arc<dyn ojs_core::QueueAdapter> = Arc::new(
+            let adapter: Arc<dyn ojs_queue::QueueAdapter> = Arc::new(
                 ojs_adapter_memory::MemoryAdapter::new(ojs_adapter_memory::MemoryConfig::default()),
             );
             RegionSpec {
@@ -491,7 +491,7 @@ mod tests {
         federation
             .publish(
                 "q",
-                vec![ojs_core::OutgoingMessage::new(
+                vec![ojs_queue::OutgoingMessage::new(
                     b"x".to_vec(),
                     "application/octet-stream",
                 )],

@@ -8,8 +8,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper::Request;
 use hyper_util::rt::TokioIo;
-use ojs_core::federation::HealthProbe;
-use ojs_core::Health;
+use ojs_queue::federation::HealthProbe;
+use ojs_queue::Health;
 
 /// Probes an `http://host:port/path` health endpoint.
 #[derive(Debug, Clone)]

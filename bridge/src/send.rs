@@ -1,7 +1,8 @@
 //! `ojs-bridge send`: NDJSON in, messages out.
 
-use ojs_core::{Encoding, Error, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope};
 use ojs_grpcq as grpcq;
+use ojs_queue::{Error, OutgoingMessage, QueueAdapter};
 use serde_json::Value;
 
 /// What the messages are: `send`'s input lines, or how `tail` reads a
@@ -25,7 +26,7 @@ pub enum SendError {
         /// 1-based line number.
         line: usize,
         /// What is wrong.
-        error: Error,
+        error: ojs_core::Error,
     },
     /// A message the broker did not accept.
     #[error("line {line}: not published: {error}")]
@@ -62,7 +63,7 @@ pub async fn send(
         }
         let value: Value = serde_json::from_str(text).map_err(|e| SendError::Line {
             line,
-            error: Error::InvalidJson {
+            error: ojs_core::Error::InvalidJson {
                 line: None,
                 reason: e.to_string(),
             },
@@ -89,7 +90,7 @@ pub async fn send(
                     None if !m.topic.is_empty() => m.topic.clone(),
                     None => return Err(SendError::Line {
                         line,
-                        error: Error::InvalidAttribute {
+                        error: ojs_core::Error::InvalidAttribute {
                             attribute: "topic".into(),
                             reason:
                                 "a call without --queue goes to its topic, and this one has none"

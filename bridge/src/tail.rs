@@ -3,9 +3,10 @@
 use std::io::Write;
 use std::time::Duration;
 
-use ojs_core::{ConsumerOptions, Delivery, Encoding, QueueAdapter, Result};
+use ojs_core::Encoding;
 use ojs_grpcq as grpcq;
 use ojs_grpcq::{Decode as _, Decoded};
+use ojs_queue::{ConsumerOptions, Delivery, QueueAdapter, Result};
 use serde_json::{json, Value};
 
 use crate::send::MessageFormat;
@@ -39,7 +40,8 @@ pub fn render(d: &Delivery, format: MessageFormat) -> (Value, bool) {
         .and_then(|decoded| match decoded {
             Decoded::Call(m) => Ok(grpcq::message_to_json(&m.to_message())),
             Decoded::Jobs(jobs) => {
-                let values: Result<Vec<Value>> = jobs.iter().map(|j| j.to_json_value()).collect();
+                let values: ojs_core::Result<Vec<Value>> =
+                    jobs.iter().map(|j| j.to_json_value()).collect();
                 values.map(|mut v| {
                     if v.len() == 1 {
                         v.remove(0)

@@ -1,7 +1,7 @@
-//! The heart of ojs-bridge: the OJS job envelope and its codecs, content types,
-//! and the [`QueueAdapter`] contract that every broker adapter implements.
-//! It knows no grpcq: grpcq calls, their runtime and their mapping to jobs
-//! are `ojs-grpcq`, built on this crate.
+//! The OJS job envelope, its protobuf and JSON codecs, delimited streams and
+//! batches, and its media types: what a job is and how its bytes look. It
+//! knows neither queues nor grpcq: the queue contract is `ojs-queue`, grpcq
+//! calls and their mapping to jobs are `ojs-grpcq`, both built on this crate.
 //!
 //! ```no_run
 //! use ojs_core::{Encoding, JobEnvelope};
@@ -15,26 +15,15 @@
 //! # Ok::<(), ojs_core::Error>(())
 //! ```
 
-// The architecture, one folder each: `envelope/` (the OJS envelope, its
-// codecs and media types), `adapter/` (the contract every broker adapter
-// implements, its settings, the consume loop), then federation (an adapter
-// over adapters).
-pub mod adapter;
 pub mod duration;
 pub mod envelope;
 mod error;
-pub mod federation;
 #[doc(hidden)]
 pub mod fuzz_targets;
 pub mod glob;
 pub mod redact;
 
-pub use adapter::{
-    batch_of, header, Acknowledger, AsAny, Consumer, ConsumerOptions, DeadLetterKind,
-    DeadLetterReason, Delivery, DeliveryRef, FailedPublish, HeaderName, HeaderValue, Headers,
-    Health, Nack, OutgoingMessage, PublishFailure, QueueAdapter, Source,
-};
 pub use envelope::media::Encoding;
 pub use envelope::value::MAX_VALUE_DEPTH;
 pub use envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
-pub use error::{BoxError, BrokerErrorKind, Error, Result};
+pub use error::{Error, Result};

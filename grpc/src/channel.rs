@@ -13,8 +13,9 @@ use futures::future::BoxFuture;
 use http::header::HeaderValue;
 use http::HeaderMap;
 use http_body_util::{BodyExt, StreamBody};
-use ojs_core::{ConsumerOptions, Encoding, QueueAdapter};
+use ojs_core::Encoding;
 use ojs_grpcq as grpcq;
+use ojs_queue::{ConsumerOptions, QueueAdapter};
 use tokio::sync::{oneshot, watch};
 use tonic::codegen::Service;
 use tonic::{Code, Status};
@@ -242,7 +243,7 @@ impl QueueChannel {
 
 /// Delivers replies to the calls waiting for them, until stopped.
 async fn listen(
-    mut consumer: Box<dyn ojs_core::Consumer>,
+    mut consumer: Box<dyn ojs_queue::Consumer>,
     pending: Pending,
     stats: Arc<ReplyStats>,
     mut stopped: watch::Receiver<bool>,
@@ -264,7 +265,7 @@ async fn listen(
             Err(e) => {
                 failures = failures.saturating_add(1);
                 tracing::warn!(error = %e, "receiving replies failed; retrying");
-                tokio::time::sleep(ojs_core::adapter::backoff::reconnect_delay(
+                tokio::time::sleep(ojs_queue::backoff::reconnect_delay(
                     failures,
                     Duration::from_secs(10),
                 ))

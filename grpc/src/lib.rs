@@ -2,7 +2,7 @@
 //!
 //! grpcq's promise is that an ordinary gRPC service becomes a
 //! queue-dispatched service without rewriting it. This crate keeps it for
-//! tonic, on every [`QueueAdapter`](ojs_core::QueueAdapter):
+//! tonic, on every [`QueueAdapter`](ojs_queue::QueueAdapter):
 //!
 //! - **Serve** ([`QueueServer`]): a worker serves any tonic-generated server
 //!   from a queue. A grpcq call (topic = fully-qualified service name,
@@ -61,7 +61,7 @@ pub const DEFAULT_REPLY_PREFIX: &str = "grpcq-reply-";
 pub enum Error {
     /// The queue side failed (publish, consume, reply queue).
     #[error(transparent)]
-    Queue(#[from] ojs_core::Error),
+    Queue(#[from] ojs_queue::Error),
     /// A reply-queue setting is unusable.
     #[error("invalid reply queue {queue:?}: {reason}")]
     InvalidReplyQueue {

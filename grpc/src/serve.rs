@@ -9,9 +9,9 @@ use bytes::Bytes;
 use futures::FutureExt;
 use http::header::{HeaderName, HeaderValue};
 use http_body_util::{BodyExt, Full};
-use ojs_core::QueueAdapter;
 use ojs_grpcq as grpcq;
 use ojs_grpcq::registry::{CallContext, HandlerError, Registry};
+use ojs_queue::QueueAdapter;
 use tonic::codegen::{Service, StdError};
 use tonic::server::NamedService;
 use tonic::{Code, Status};
@@ -74,7 +74,7 @@ impl QueueServer {
     /// Registers every method of `service` (a tonic-generated server, or
     /// anything that answers gRPC requests the way one does) as the
     /// handler of topic `S::NAME`.
-    pub fn add_service<S, B>(&self, registry: &mut Registry, service: S) -> ojs_core::Result<()>
+    pub fn add_service<S, B>(&self, registry: &mut Registry, service: S) -> ojs_queue::Result<()>
     where
         S: Service<http::Request<tonic::body::Body>, Response = http::Response<B>>
             + NamedService
@@ -164,7 +164,7 @@ impl QueueServer {
         ctx: &CallContext,
         status: &Status,
         body: Bytes,
-    ) -> ojs_core::Result<()> {
+    ) -> ojs_queue::Result<()> {
         let mut metadata = BTreeMap::new();
         metadata.insert(CORRELATION_ID.to_owned(), ctx.message_id.clone());
         metadata.insert(REPLY_STATUS.to_owned(), (status.code() as i32).to_string());
@@ -183,8 +183,8 @@ impl QueueServer {
         let mut out = ojs_grpcq::outgoing(&reply);
         // A reply is addressed to its queue, never routed by service name
         // (RabbitMQ's `grpcq_exchanges` routes grpcq calls by these).
-        out.headers.remove(ojs_core::header::GRPCQ_TOPIC);
-        out.headers.remove(ojs_core::header::GRPCQ_ACTION);
+        out.headers.remove(ojs_queue::header::GRPCQ_TOPIC);
+        out.headers.remove(ojs_queue::header::GRPCQ_ACTION);
         self.replies.publish(queue, vec![out]).await
     }
 }

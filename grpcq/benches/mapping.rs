@@ -11,9 +11,10 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use ojs_core::{Encoding, OutgoingMessage};
+use ojs_core::Encoding;
 use ojs_grpcq as grpcq;
 use ojs_grpcq::mapping;
+use ojs_queue::OutgoingMessage;
 
 fn call() -> grpcq::Message {
     let mut m = grpcq::Message {
@@ -40,9 +41,9 @@ fn stages(c: &mut Criterion) {
     let bytes = bytes::Bytes::from(grpcq::encode(&call));
     let in_place = grpcq::Call::decode(bytes.clone()).unwrap();
     let job = to_job(&call);
-    let job_type = ojs_core::HeaderValue::from("payment.payment_service.process_payment");
+    let job_type = ojs_queue::HeaderValue::from("payment.payment_service.process_payment");
     // A route's queue, named once when the daemon starts.
-    let queue = ojs_core::HeaderValue::from_static("default");
+    let queue = ojs_queue::HeaderValue::from_static("default");
     let mut group = c.benchmark_group("call_to_job");
     group.throughput(Throughput::Elements(1));
     // As the daemon reads a call: in place, sharing the delivery's bytes.
@@ -78,7 +79,7 @@ fn stages(c: &mut Criterion) {
                 black_box(&call.action),
             );
             ojs_core::envelope::validate_job_type(&name).unwrap();
-            black_box(ojs_core::HeaderValue::from(name))
+            black_box(ojs_queue::HeaderValue::from(name))
         })
     });
     // What the daemon does per call on a route to OJS protobuf: decode,

@@ -5,7 +5,8 @@
 //! reason.
 
 use ojs_core::envelope::media::Encoding;
-use ojs_core::{DeadLetterReason, Delivery, Error, JobEnvelope};
+use ojs_core::{Error, JobEnvelope};
+use ojs_queue::{DeadLetterReason, Delivery};
 
 use crate as grpcq;
 
@@ -85,7 +86,7 @@ impl Decode for Delivery {
                 Ok(Incoming::Job(Box::new(jobs.remove(0))))
             }
             Ok(Decoded::Jobs(jobs)) => Err(DeadLetterReason::of(
-                ojs_core::DeadLetterKind::UnsupportedBatch,
+                ojs_queue::DeadLetterKind::UnsupportedBatch,
                 format!(
                     "a message must carry one envelope, this one has {}",
                     jobs.len()
@@ -93,13 +94,13 @@ impl Decode for Delivery {
             )),
             Err(Failed::Encoding(e)) => Err(DeadLetterReason::of(
                 match e {
-                    Error::UnknownContentType(_) => ojs_core::DeadLetterKind::UnknownContentType,
-                    _ => ojs_core::DeadLetterKind::Undecodable,
+                    Error::UnknownContentType(_) => ojs_queue::DeadLetterKind::UnknownContentType,
+                    _ => ojs_queue::DeadLetterKind::Undecodable,
                 },
                 e.to_string(),
             )),
             Err(Failed::Call(e)) => Err(DeadLetterReason::of(
-                ojs_core::DeadLetterKind::Undecodable,
+                ojs_queue::DeadLetterKind::Undecodable,
                 format!("not a grpcq.Message: {e}"),
             )),
             Err(Failed::Envelope(e)) => Err(DeadLetterReason::for_envelope(&e)),

@@ -1,4 +1,4 @@
-//! grpcq calls over any `ojs_core::QueueAdapter`: the `grpcq.Message`, read
+//! grpcq calls over any `ojs_queue::QueueAdapter`: the `grpcq.Message`, read
 //! in place ([`Call`]) or through prost, its JSON form (what the CLI reads
 //! and prints), decoding that accepts binary and base64 bodies (grpcq's SQS
 //! adapter sends base64; legacy publishers sent raw bytes); the runtime
@@ -6,8 +6,8 @@
 //! delivery where both codecs are known (`decode`: a call or a job); and
 //! the mapping of a call to an OJS job (`mapping`).
 //!
-//! Built on `ojs-core`, which knows no grpcq: Cargo keeps the queue
-//! contract below this crate.
+//! Built on `ojs-queue` and `ojs-core`, which know no grpcq: Cargo keeps
+//! the queue contract below this crate.
 
 mod call;
 pub mod decode;
@@ -27,8 +27,8 @@ pub use ojs_proto::grpcq::Message;
 use prost::Message as _;
 use serde_json::{json, Map, Value};
 
-use ojs_core::{header, OutgoingMessage};
 use ojs_core::{Error, Result};
+use ojs_queue::{header, OutgoingMessage};
 
 pub use decode::{Decode, Decoded, Incoming};
 

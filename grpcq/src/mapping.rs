@@ -19,9 +19,9 @@ use sha2::{Digest, Sha256};
 use bytes::Bytes;
 
 use crate::{Call, Message};
-use ojs_core::adapter::{header, HeaderValue, OutgoingMessage};
 use ojs_core::envelope::{proto, value, wire, JobEnvelope, SPEC_VERSION};
 use ojs_core::{Error, Result};
+use ojs_queue::{header, HeaderValue, OutgoingMessage};
 
 /// Meta key: the call's originator.
 pub const META_ORIGINATOR: &str = "grpcq.originator";

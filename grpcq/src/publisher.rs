@@ -7,10 +7,10 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 
 use crate::Message;
-use ojs_core::adapter::{OutgoingMessage, QueueAdapter};
 use ojs_core::envelope::media::Encoding;
 use ojs_core::envelope::{JobEnvelope, JobState};
-use ojs_core::{Error, Result};
+use ojs_queue::{Error, Result};
+use ojs_queue::{OutgoingMessage, QueueAdapter};
 
 /// Publishes grpcq calls to one queue.
 #[derive(Clone)]

@@ -9,7 +9,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 
 use ojs_core::envelope::JobEnvelope;
-use ojs_core::{Error, Result};
+use ojs_queue::{Error, Result};
 
 /// Why a handler failed: what the retry policy matches on and what a dead
 /// letter records.

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use ojs_core::adapter::backoff::random_unit;
 use ojs_core::duration::parse_iso8601_duration;
 use ojs_core::envelope::RetryPolicy;
+use ojs_queue::backoff::random_unit;
 
 /// What to do when attempts run out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -33,12 +33,10 @@ use crate::decode::{Decode, Incoming};
 use crate::registry::{CallContext, HandlerError, HandlerResult, Registry};
 use crate::retry::{OnExhaustion, ResolvedRetry, RetryDecision};
 use crate::trace::TraceContext;
-use ojs_core::adapter::receiver::{
-    keep_leased, ReceiveFailure, ReceiveStage, Receiver, ReceiverSettings,
-};
-use ojs_core::adapter::{ConsumerOptions, DeadLetterReason, Delivery, Nack, QueueAdapter};
 use ojs_core::envelope::media::Encoding;
-use ojs_core::Result;
+use ojs_queue::receiver::{keep_leased, ReceiveFailure, ReceiveStage, Receiver, ReceiverSettings};
+use ojs_queue::Result;
+use ojs_queue::{ConsumerOptions, DeadLetterReason, Delivery, Nack, QueueAdapter};
 
 /// Settings of a worker (plain data).
 #[derive(Debug, Clone)]
@@ -330,7 +328,7 @@ impl Shared {
             Incoming::Call(msg) => {
                 let Some(handler) = self.registry.call(msg.topic(), msg.action()) else {
                     return Work::DeadLetter(DeadLetterReason::of(
-                        ojs_core::DeadLetterKind::UnknownRoute,
+                        ojs_queue::DeadLetterKind::UnknownRoute,
                         format!("no handler for grpcq call {}/{}", msg.topic(), msg.action()),
                     ));
                 };
@@ -365,7 +363,7 @@ impl Shared {
                 let job = *job;
                 let Some(handler) = self.registry.job(&job.job_type) else {
                     return Work::DeadLetter(DeadLetterReason::of(
-                        ojs_core::DeadLetterKind::UnknownRoute,
+                        ojs_queue::DeadLetterKind::UnknownRoute,
                         format!("no handler for job type {}", job.job_type),
                     ));
                 };

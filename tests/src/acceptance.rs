@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
-use ojs_core::{
-    header, ConsumerOptions, DeadLetterReason, Delivery, Encoding, Error, JobEnvelope, Nack,
-    OutgoingMessage, QueueAdapter, Source,
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{
+    header, ConsumerOptions, DeadLetterReason, Delivery, Error, Nack, OutgoingMessage,
+    QueueAdapter, Source,
 };
 use serde_json::json;
 use tokio::time::Instant;
@@ -136,7 +137,7 @@ async fn publish_all(
 
 /// Receives and acks until every sent id arrived or patience runs out.
 async fn drain_acking(
-    consumer: &mut dyn ojs_core::Consumer,
+    consumer: &mut dyn ojs_queue::Consumer,
     tally: &mut Tally,
     patience: Duration,
 ) -> Result<()> {
@@ -153,7 +154,7 @@ async fn drain_acking(
 /// Receives until exactly `n` deliveries are held (none settled), or fails
 /// once `patience` runs out.
 async fn receive_exactly(
-    consumer: &mut dyn ojs_core::Consumer,
+    consumer: &mut dyn ojs_queue::Consumer,
     n: usize,
     patience: Duration,
 ) -> Result<Vec<Delivery>> {

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use ojs_core::{Consumer, ConsumerOptions, Delivery, QueueAdapter};
+use ojs_queue::{Consumer, ConsumerOptions, Delivery, QueueAdapter};
 use tokio::time::Instant;
 
 /// Receives and acks from `queue` until `want` payloads arrived or

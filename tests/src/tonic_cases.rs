@@ -6,12 +6,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use ojs_core::{ConsumerOptions, Encoding, QueueAdapter, RetryPolicy, Source};
+use ojs_core::{Encoding, RetryPolicy};
 use ojs_example_invoices::pb::{CreateInvoiceRequest, GetInvoiceRequest, Invoice};
 use ojs_example_invoices::{InvoiceBook, Invoices, InvoicesClient, InvoicesServer};
 use ojs_grpc::{QueueChannel, QueueServer, ReplyOptions};
 use ojs_grpcq::registry::Registry;
 use ojs_grpcq::worker::{Worker, WorkerConfig};
+use ojs_queue::{ConsumerOptions, QueueAdapter, Source};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tonic::{Code, Request, Response, Status};

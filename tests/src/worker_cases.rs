@@ -5,12 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use ojs_core::{
-    ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter, RetryPolicy, Source,
-};
+use ojs_core::{Encoding, JobEnvelope, RetryPolicy};
 use ojs_grpcq as grpcq;
 use ojs_grpcq::registry::{HandlerError, Registry};
 use ojs_grpcq::worker::{Worker, WorkerConfig, WorkerStats};
+use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter, Source};
 use serde_json::json;
 use tokio::time::Instant;
 

@@ -24,7 +24,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::time::{Duration, Instant};
 
 use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
-use ojs_core::{ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};

@@ -100,7 +100,7 @@ impl Acknowledger for KafkaAcker {
     /// tracker, not one each.
     async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
         let members =
-            ojs_core::batch_of::<KafkaAcker>(batch, |k| Arc::ptr_eq(&k.settler, &self.settler))?;
+            ojs_queue::batch_of::<KafkaAcker>(batch, |k| Arc::ptr_eq(&k.settler, &self.settler))?;
         let mut context = self.settler.context.lock();
         Some(
             members
@@ -126,7 +126,7 @@ impl Acknowledger for KafkaAcker {
             Nack::Retry { delay } if *source == Source::Queue => {
                 if max_deliveries.is_some_and(|m| self.attempt >= m) {
                     DeadLetterReason::of(
-                        ojs_core::DeadLetterKind::MaxDeliveries,
+                        ojs_queue::DeadLetterKind::MaxDeliveries,
                         format!(
                             "delivered {} times without being acknowledged",
                             self.attempt

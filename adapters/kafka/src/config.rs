@@ -3,8 +3,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ojs_core::adapter::settings::{self, SettingValue, Topology};
-use ojs_core::{Error, Result};
+use ojs_queue::settings::{self, SettingValue, Topology};
+use ojs_queue::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// Settings of a `kafka://` adapter.
@@ -213,8 +213,8 @@ impl KafkaConfig {
     /// topics (a job must not pick it as its destination).
     pub fn is_reserved(&self, queue: &str) -> bool {
         let topic = self.topic_of(queue);
-        ojs_core::adapter::settings::matches_template(&self.retry_topic_template, &topic)
-            || ojs_core::adapter::settings::matches_template(&self.dead_topic_template, &topic)
+        ojs_queue::settings::matches_template(&self.retry_topic_template, &topic)
+            || ojs_queue::settings::matches_template(&self.dead_topic_template, &topic)
     }
 
     /// Checks the settings once, naming the field to change.

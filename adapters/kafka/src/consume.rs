@@ -727,7 +727,7 @@ pub struct ReceivedRecord {
 
 /// Reads a record's value, headers and key as librdkafka hands them over.
 /// Header values and the key are kept as bytes (a binary value goes out
-/// again exactly as it came in); the names of `ojs_core::header` are not
+/// again exactly as it came in); the names of `ojs_queue::header` are not
 /// allocated. A header name is text to every OJS binding, but the Kafka
 /// protocol lets a client write any bytes there: one that is not UTF-8 is
 /// read as Kafka's Java client reads it (each invalid sequence becomes

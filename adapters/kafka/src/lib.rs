@@ -28,9 +28,9 @@
 //! librdkafka's `max.poll.interval.ms`); close consumers you stop using.
 //!
 //! ```no_run
-//! # async fn demo() -> ojs_core::Result<()> {
+//! # async fn demo() -> ojs_queue::Result<()> {
 //! use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
-//! use ojs_core::{OutgoingMessage, QueueAdapter};
+//! use ojs_queue::{OutgoingMessage, QueueAdapter};
 //! let adapter = KafkaAdapter::connect(KafkaConfig::from_url("kafka://127.0.0.1:9092")?).await?;
 //! adapter.publish("default", vec![OutgoingMessage::new("hi", "text/plain")]).await?;
 //! # Ok(()) }
@@ -54,9 +54,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
-use ojs_core::adapter::log_limit::LogLimiter;
-use ojs_core::adapter::{admit, publish_outcome};
-use ojs_core::{
+use ojs_queue::log_limit::LogLimiter;
+use ojs_queue::{admit, publish_outcome};
+use ojs_queue::{
     header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
     DeliveryRef, Error, FailedPublish, HeaderName, Headers, Health, Nack, OutgoingMessage,
     QueueAdapter, Result, Source,
@@ -74,7 +74,7 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::time::Instant;
 
 pub use config::KafkaConfig;
-pub use ojs_core::adapter::settings::Topology;
+pub use ojs_queue::settings::Topology;
 use record_headers::RecordHeaders;
 use reports::Reports;
 use tracker::{Stale, Tp, Tracker};

@@ -11,7 +11,8 @@
 use std::time::{Duration, Instant};
 
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
-use ojs_core::{ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 use serde_json::json;
 
 fn messages(n: usize) -> Vec<OutgoingMessage> {

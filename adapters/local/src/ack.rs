@@ -116,7 +116,7 @@ impl Acknowledger for LocalAcker {
     /// A batch of this consumer's deliveries as one request to the ack
     /// writer (one commit, one reply), not one each.
     async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
-        let members = ojs_core::batch_of::<LocalAcker>(batch, |l| {
+        let members = ojs_queue::batch_of::<LocalAcker>(batch, |l| {
             Arc::ptr_eq(&l.inner, &self.inner) && Arc::ptr_eq(&l.held, &self.held)
         })?;
         let keys = members.iter().map(|l| (l.id, l.lease)).collect();
@@ -130,7 +130,7 @@ impl Acknowledger for LocalAcker {
         Some(results)
     }
 
-    async fn nack(&self, action: Nack, _delivery: ojs_core::DeliveryRef<'_>) -> Result<()> {
+    async fn nack(&self, action: Nack, _delivery: ojs_queue::DeliveryRef<'_>) -> Result<()> {
         let (id, lease) = (self.id, self.lease);
         let result = blocking(&self.inner, move |_, conn| match action {
             Nack::Retry { delay } => store::retry(conn, id, lease, delay),

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ojs_core::adapter::settings::{self, SettingValue};
-use ojs_core::{Error, Result};
+use ojs_queue::settings::{self, SettingValue};
+use ojs_queue::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// File name of the queue database inside the data directory.

@@ -12,9 +12,9 @@
 //! `deliver_at` (OJS `scheduled_at`) is honoured.
 //!
 //! ```no_run
-//! # async fn demo() -> ojs_core::Result<()> {
+//! # async fn demo() -> ojs_queue::Result<()> {
 //! use ojs_adapter_local::{LocalAdapter, LocalConfig};
-//! use ojs_core::{ConsumerOptions, OutgoingMessage, QueueAdapter};
+//! use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 //! use std::time::Duration;
 //!
 //! let adapter = LocalAdapter::open(LocalConfig::from_url("local:./ojs-bridge-data")?).await?;
@@ -37,8 +37,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use ojs_core::adapter::{admit, publish_outcome};
-use ojs_core::{
+use ojs_queue::{admit, publish_outcome};
+use ojs_queue::{
     Acknowledger, Consumer, ConsumerOptions, Delivery, Error, Health, Nack, OutgoingMessage,
     QueueAdapter, Result, Source,
 };
@@ -153,7 +153,7 @@ impl QueueAdapter for LocalAdapter {
                     let kind_retryable = e.is_retryable();
                     let text = e.to_string();
                     failed.extend(indices.into_iter().zip(batch).map(|(index, message)| {
-                        ojs_core::FailedPublish {
+                        ojs_queue::FailedPublish {
                             index,
                             message,
                             error: Error::broker("local", text.clone(), kind_retryable),
@@ -344,7 +344,7 @@ mod tests {
                 .enumerate()
             {
                 let nack = if i % 2 == 0 {
-                    Nack::DeadLetter(ojs_core::DeadLetterReason::new("test", "dead"))
+                    Nack::DeadLetter(ojs_queue::DeadLetterReason::new("test", "dead"))
                 } else {
                     Nack::retry_after(Duration::from_secs(3600))
                 };

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ojs_core::{BrokerErrorKind, DeadLetterReason, Error, Headers, OutgoingMessage, Result};
+use ojs_queue::{BrokerErrorKind, DeadLetterReason, Error, Headers, OutgoingMessage, Result};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use crate::config::{Durability, LocalConfig};
@@ -320,7 +320,7 @@ fn sweep_exhausted(conn: &Connection, queue: &str, now: i64) -> Result<()> {
 
 fn exhausted_reason(deliveries: i64) -> DeadLetterReason {
     DeadLetterReason::of(
-        ojs_core::DeadLetterKind::MaxDeliveries,
+        ojs_queue::DeadLetterKind::MaxDeliveries,
         format!("delivered {deliveries} times without being acknowledged"),
     )
 }

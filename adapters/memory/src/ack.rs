@@ -34,7 +34,7 @@ impl Acknowledger for MemoryAcker {
     /// A batch of this queue's deliveries under one lock, not one each.
     async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
         let members =
-            ojs_core::batch_of::<MemoryAcker>(batch, |m| Arc::ptr_eq(&m.queue, &self.queue))?;
+            ojs_queue::batch_of::<MemoryAcker>(batch, |m| Arc::ptr_eq(&m.queue, &self.queue))?;
         let mut settled = Vec::with_capacity(members.len());
         let results = {
             let mut state = self.queue.lock();
@@ -54,7 +54,7 @@ impl Acknowledger for MemoryAcker {
         Some(results)
     }
 
-    async fn nack(&self, action: Nack, _delivery: ojs_core::DeliveryRef<'_>) -> Result<()> {
+    async fn nack(&self, action: Nack, _delivery: ojs_queue::DeliveryRef<'_>) -> Result<()> {
         {
             let mut state = self.queue.lock();
             let flight = state

@@ -81,7 +81,7 @@ impl QueueState {
         } = flight;
         if max_deliveries.is_some_and(|max| message.deliveries >= max) {
             DeadLetterReason::of(
-                ojs_core::DeadLetterKind::MaxDeliveries,
+                ojs_queue::DeadLetterKind::MaxDeliveries,
                 format!(
                     "delivered {} times without being acknowledged",
                     message.deliveries

@@ -24,9 +24,9 @@ impl MemoryConfig {
     /// the settings, with `settings` over them.
     pub fn from_url_with(
         url: &str,
-        settings: Vec<(String, ojs_core::adapter::settings::SettingValue)>,
+        settings: Vec<(String, ojs_queue::settings::SettingValue)>,
     ) -> Result<(String, MemoryConfig)> {
-        let (base, query) = ojs_core::adapter::settings::split_query(url)?;
+        let (base, query) = ojs_queue::settings::split_query(url)?;
         let name = base
             .strip_prefix("memory://")
             .ok_or_else(|| Error::InvalidConfig {
@@ -36,9 +36,9 @@ impl MemoryConfig {
             .trim_end_matches('/');
         let items = query
             .into_iter()
-            .map(|(k, v)| (k, ojs_core::adapter::settings::SettingValue::Text(v)))
+            .map(|(k, v)| (k, ojs_queue::settings::SettingValue::Text(v)))
             .chain(settings);
-        let config = ojs_core::adapter::settings::overlay(&MemoryConfig::default(), items)?;
+        let config = ojs_queue::settings::overlay(&MemoryConfig::default(), items)?;
         let name = if name.is_empty() { "default" } else { name };
         Ok((name.to_owned(), config))
     }

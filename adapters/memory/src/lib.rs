@@ -12,9 +12,9 @@
 //! higher priority first, then publish order.
 //!
 //! ```no_run
-//! # async fn demo() -> ojs_core::Result<()> {
+//! # async fn demo() -> ojs_queue::Result<()> {
 //! use ojs_adapter_memory::MemoryAdapter;
-//! use ojs_core::{ConsumerOptions, OutgoingMessage, QueueAdapter};
+//! use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 //! use std::time::Duration;
 //!
 //! let adapter = MemoryAdapter::named("demo");
@@ -35,8 +35,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use ojs_core::adapter::{admit, publish_outcome};
-use ojs_core::{
+use ojs_queue::{admit, publish_outcome};
+use ojs_queue::{
     Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, Error, Headers, Health,
     Nack, OutgoingMessage, QueueAdapter, Result, Source,
 };

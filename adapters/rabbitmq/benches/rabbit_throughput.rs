@@ -24,7 +24,8 @@ use lapin::{BasicProperties, Connection, ConnectionProperties};
 use ojs_adapter_rabbitmq::{
     properties, queue_name, RabbitAdapter, RabbitConfig, DIRECT_EXCHANGE, DLX_EXCHANGE,
 };
-use ojs_core::{ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 use serde_json::json;
 
 const WINDOW: usize = 1000;

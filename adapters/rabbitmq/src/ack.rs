@@ -115,7 +115,7 @@ impl Acknowledger for RabbitAcker {
             Nack::Retry { .. } if self.max_deliveries.is_some_and(|m| self.attempt >= m) => {
                 self.dead_letter(
                     &DeadLetterReason::of(
-                        ojs_core::DeadLetterKind::MaxDeliveries,
+                        ojs_queue::DeadLetterKind::MaxDeliveries,
                         format!(
                             "delivered {} times without being acknowledged",
                             self.attempt

@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ojs_core::adapter::settings::{self, SettingValue, Topology};
-use ojs_core::{Error, Result};
+use ojs_queue::settings::{self, SettingValue, Topology};
+use ojs_queue::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// Query items of an AMQP URL that belong to the AMQP client (lapin), not to
@@ -314,8 +314,8 @@ impl RabbitConfig {
     /// queues (a job must not pick it as its destination).
     pub fn is_reserved(&self, queue: &str) -> bool {
         let name = self.queue_name_of(queue);
-        ojs_core::adapter::settings::matches_template(&self.dead_letter_queue_template, &name)
-            || ojs_core::adapter::settings::matches_template(&self.retry_queue_template, &name)
+        ojs_queue::settings::matches_template(&self.dead_letter_queue_template, &name)
+            || ojs_queue::settings::matches_template(&self.retry_queue_template, &name)
     }
 
     /// Checks the settings once, naming the field to change.
@@ -425,7 +425,7 @@ impl RabbitConfig {
         let user = userinfo.split(':').next().unwrap_or(userinfo);
         Ok(format!(
             "{scheme}://{user}:{}@{host}",
-            ojs_core::adapter::settings::percent_encode(password)
+            ojs_queue::settings::percent_encode(password)
         ))
     }
 

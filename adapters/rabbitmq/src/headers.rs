@@ -14,7 +14,7 @@
 use bytes::Bytes;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::BasicProperties;
-use ojs_core::{header, HeaderName, HeaderValue, Headers, OutgoingMessage, Result};
+use ojs_queue::{header, HeaderName, HeaderValue, Headers, OutgoingMessage, Result};
 
 use crate::topology::short;
 

@@ -20,9 +20,9 @@
 //!   `ojs.exchange.direct`.
 //!
 //! ```no_run
-//! # async fn demo() -> ojs_core::Result<()> {
+//! # async fn demo() -> ojs_queue::Result<()> {
 //! use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
-//! use ojs_core::{OutgoingMessage, QueueAdapter};
+//! use ojs_queue::{OutgoingMessage, QueueAdapter};
 //! let adapter = RabbitAdapter::connect(RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")).await?;
 //! adapter.publish("default", vec![OutgoingMessage::new("hi", "text/plain")]).await?;
 //! # Ok(()) }
@@ -50,9 +50,9 @@ use lapin::options::{
 };
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
-use ojs_core::adapter::backoff::reconnect_delay;
-use ojs_core::adapter::{admit, publish_outcome};
-use ojs_core::{
+use ojs_queue::backoff::reconnect_delay;
+use ojs_queue::{admit, publish_outcome};
+use ojs_queue::{
     header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
     DeliveryRef, Error, FailedPublish, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
 };
@@ -65,7 +65,7 @@ pub use config::{
 pub use headers::{
     properties, properties_keeping, received, received_from_wire, to_wire, Received, KEY_HEADER,
 };
-pub use ojs_core::adapter::settings::Topology;
+pub use ojs_queue::settings::Topology;
 
 /// Runs a broker call no longer than `deadline`. lapin's RPCs have no
 /// timeout of their own, and on a half-open connection (a broker that went

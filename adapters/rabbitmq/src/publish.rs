@@ -24,8 +24,8 @@ pub(crate) fn grpcq_route(message: &OutgoingMessage) -> Option<(&str, &str)> {
     if message.content_type() != Some(ojs_core::envelope::media::GRPCQ_PROTO) {
         return None;
     }
-    let topic = message.headers.get_str(ojs_core::header::GRPCQ_TOPIC)?;
-    let action = message.headers.get_str(ojs_core::header::GRPCQ_ACTION)?;
+    let topic = message.headers.get_str(ojs_queue::header::GRPCQ_TOPIC)?;
+    let action = message.headers.get_str(ojs_queue::header::GRPCQ_ACTION)?;
     Some((topic, action))
 }
 

@@ -13,7 +13,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Connection, ErrorKind, ExchangeKind};
-use ojs_core::{BrokerErrorKind, Error, Result};
+use ojs_queue::{BrokerErrorKind, Error, Result};
 
 /// AMQP reply codes this module tells apart.
 const ACCESS_REFUSED: u16 = 403;

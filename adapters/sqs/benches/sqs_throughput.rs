@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
 use base64::Engine as _;
 use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
-use ojs_core::{ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 use serde_json::json;
 
 fn messages(n: usize) -> Vec<OutgoingMessage> {

@@ -182,7 +182,7 @@ impl Acknowledger for SqsAcker {
         match action {
             Nack::Retry { .. } if self.max_deliveries.is_some_and(|m| self.attempt >= m) => {
                 let reason = DeadLetterReason::of(
-                    ojs_core::DeadLetterKind::MaxDeliveries,
+                    ojs_queue::DeadLetterKind::MaxDeliveries,
                     format!(
                         "delivered {} times without being acknowledged",
                         self.attempt

@@ -12,7 +12,7 @@
 use std::borrow::Cow;
 use std::fmt::Write as _;
 
-use ojs_core::{BrokerErrorKind, Error, Result};
+use ojs_queue::{BrokerErrorKind, Error, Result};
 use sha2::{Digest, Sha256};
 
 /// Longest attribute name SQS accepts.

@@ -1,7 +1,7 @@
 //! SQS adapter settings (serde data; the runtime lives in `lib.rs`).
 
-use ojs_core::adapter::settings::{self, SettingValue, Topology};
-use ojs_core::{Error, Result};
+use ojs_queue::settings::{self, SettingValue, Topology};
+use ojs_queue::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// SQS's largest message: body plus attributes (1 MiB since 2025).
@@ -144,7 +144,7 @@ impl SqsConfig {
         let name = self.queue_name(queue);
         let name = name.strip_suffix(".fifo").unwrap_or(&name);
         let template = format!("{}{}", self.prefix, self.dead_letter_queue_template);
-        ojs_core::adapter::settings::matches_template(&template, name)
+        ojs_queue::settings::matches_template(&template, name)
     }
 
     /// [`Self::call_timeout_secs`] as a duration.

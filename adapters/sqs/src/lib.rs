@@ -26,9 +26,9 @@
 //!   is SQS's ApproximateReceiveCount.
 //!
 //! ```no_run
-//! # async fn demo() -> ojs_core::Result<()> {
+//! # async fn demo() -> ojs_queue::Result<()> {
 //! use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
-//! use ojs_core::{OutgoingMessage, QueueAdapter};
+//! use ojs_queue::{OutgoingMessage, QueueAdapter};
 //! let adapter = SqsAdapter::connect(SqsConfig::from_url("sqs://us-east-1")?).await?;
 //! adapter.publish("default", vec![OutgoingMessage::new("hi", "text/plain")]).await?;
 //! # Ok(()) }
@@ -56,9 +56,9 @@ use aws_sdk_sqs::Client;
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
 use bytes::Bytes;
-use ojs_core::adapter::backoff::reconnect_delay;
-use ojs_core::adapter::{admit, publish_outcome};
-use ojs_core::{
+use ojs_queue::backoff::reconnect_delay;
+use ojs_queue::{admit, publish_outcome};
+use ojs_queue::{
     header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
     DeliveryRef, Error, FailedPublish, HeaderName, Headers, Health, Nack, OutgoingMessage,
     QueueAdapter, Result, Source,
@@ -67,7 +67,7 @@ use ojs_core::{
 /// The SDK types [`received_message`] takes.
 pub use aws_sdk_sqs::{primitives::Blob, types::MessageAttributeValue as AttributeValue};
 pub use config::*;
-pub use ojs_core::adapter::settings::Topology;
+pub use ojs_queue::settings::Topology;
 
 use ack::*;
 pub use client::sdk_client;

@@ -125,7 +125,7 @@ pub fn line(what: &str, m: &Measured, against: Option<&Measured>) {
 
 /// The embedded adapter in a fresh directory that lives as long as the
 /// bench (the adapter-alone side of the API benches).
-pub async fn local_adapter() -> std::sync::Arc<dyn ojs_core::QueueAdapter> {
+pub async fn local_adapter() -> std::sync::Arc<dyn ojs_queue::QueueAdapter> {
     let dir = ojs_bridge_tests::tempdir::TempDir::new("api-bench-adapter");
     let url = format!("local:{}", dir.path().display());
     std::mem::forget(dir);

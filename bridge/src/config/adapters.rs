@@ -26,7 +26,7 @@ impl AdapterEntry {
 
     /// The typed, validated settings of adapter `name`.
     pub fn compile(&self, name: &str) -> Result<crate::endpoint::AdapterConfig, ConfigError> {
-        use ojs_core::adapter::settings::SettingValue;
+        use ojs_queue::settings::SettingValue;
         let at = |field: &str| {
             if field == "url" {
                 format!("adapters.{name}")
@@ -49,7 +49,7 @@ impl AdapterEntry {
                     at(key),
                     format!(
                         "unknown setting {key:?} for this adapter{}; known settings: url, {}",
-                        ojs_core::adapter::settings::suggestion(
+                        ojs_queue::settings::suggestion(
                             key,
                             known.iter().map(String::as_str).chain(["url"])
                         ),
@@ -70,9 +70,9 @@ impl AdapterEntry {
     }
 }
 
-pub(crate) fn core_invalid(at: &dyn Fn(&str) -> String, e: ojs_core::Error) -> ConfigError {
+pub(crate) fn core_invalid(at: &dyn Fn(&str) -> String, e: ojs_queue::Error) -> ConfigError {
     match e {
-        ojs_core::Error::InvalidConfig { field, reason } => invalid(at(&field), reason),
+        ojs_queue::Error::InvalidConfig { field, reason } => invalid(at(&field), reason),
         other => invalid(at("url"), other.to_string()),
     }
 }

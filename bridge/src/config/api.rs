@@ -280,7 +280,7 @@ impl ApiConfig {
                 format!(
                     "names adapter {:?}, which [adapters] does not define{}",
                     self.adapter,
-                    ojs_core::adapter::settings::suggestion(
+                    ojs_queue::settings::suggestion(
                         &self.adapter,
                         adapters.keys().map(String::as_str)
                     )

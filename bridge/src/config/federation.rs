@@ -16,7 +16,7 @@ pub struct FederationConfig {
     /// Strategy of jobs whose meta names none: `affinity` (default) or
     /// `overflow`.
     #[serde(default)]
-    pub strategy: ojs_core::federation::Strategy,
+    pub strategy: ojs_queue::federation::Strategy,
     /// Consecutive failures that open a region's breaker. Default 5.
     #[serde(default = "default_failure_threshold")]
     pub failure_threshold: u32,
@@ -81,8 +81,8 @@ pub(crate) fn default_replication_queue() -> String {
 
 impl FederationConfig {
     /// The core settings.
-    pub fn settings(&self) -> ojs_core::federation::FederationSettings {
-        let mut s = ojs_core::federation::FederationSettings::new(self.local.clone());
+    pub fn settings(&self) -> ojs_queue::federation::FederationSettings {
+        let mut s = ojs_queue::federation::FederationSettings::new(self.local.clone());
         s.fallback = self.fallback.clone();
         s.default_strategy = self.strategy;
         s.failure_threshold = self.failure_threshold;

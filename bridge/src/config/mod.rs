@@ -67,7 +67,7 @@ fn suggest_known_field(message: String) -> String {
     };
     let unknown = &rest[..end];
     let expected: Vec<&str> = rest[end + 1..].split('`').skip(1).step_by(2).collect();
-    let hint = ojs_core::adapter::settings::suggestion(unknown, expected);
+    let hint = ojs_queue::settings::suggestion(unknown, expected);
     if hint.is_empty() {
         return message;
     }

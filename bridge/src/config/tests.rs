@@ -473,7 +473,7 @@ mod documented_settings {
     #[test]
     fn every_dead_letter_reason_is_documented() {
         let operations = include_str!("../../../docs/operations.md");
-        for kind in ojs_core::DeadLetterKind::ALL {
+        for kind in ojs_queue::DeadLetterKind::ALL {
             assert!(
                 operations.contains(&format!("`{kind}`")),
                 "docs/operations.md does not name dead-letter reason {kind}"
@@ -570,7 +570,7 @@ mod documented_settings {
         let AdapterConfig::Rabbit(r) = config.adapters["rabbit"].compile("rabbit").unwrap() else {
             panic!()
         };
-        assert_eq!(r.topology, ojs_core::adapter::settings::Topology::Existing);
+        assert_eq!(r.topology, ojs_queue::settings::Topology::Existing);
         assert_eq!(r.queue_name_of("orders"), "orders");
     }
 

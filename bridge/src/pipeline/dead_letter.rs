@@ -7,8 +7,8 @@
 
 use std::sync::atomic::Ordering;
 
-use ojs_core::adapter::backoff::reconnect_delay;
-use ojs_core::{header, DeadLetterReason, Delivery, Error, Nack, OutgoingMessage};
+use ojs_queue::backoff::reconnect_delay;
+use ojs_queue::{header, DeadLetterReason, Delivery, Error, Nack, OutgoingMessage};
 
 use super::publish::is_permanent;
 use super::{SourceCtx, MAX_BACKOFF};

@@ -19,7 +19,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ojs_core::{Encoding, QueueAdapter};
+use ojs_core::Encoding;
+use ojs_queue::QueueAdapter;
 
 use crate::alarm::Alarm;
 use crate::config::SourceConfig;

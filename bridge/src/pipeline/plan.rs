@@ -7,8 +7,8 @@ use ojs_grpcq::Decode as _;
 use std::borrow::Cow;
 use std::time::Instant;
 
-use ojs_core::{DeadLetterKind, DeadLetterReason, Delivery, OutgoingMessage};
 use ojs_grpcq::mapping::JobTypes;
+use ojs_queue::{DeadLetterKind, DeadLetterReason, Delivery, OutgoingMessage};
 
 use super::dead_letter::dead_letter;
 use super::publish::publish_group;

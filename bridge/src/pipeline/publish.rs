@@ -10,9 +10,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use ojs_core::adapter::backoff::reconnect_delay;
-use ojs_core::adapter::receiver::keep_leased;
-use ojs_core::{DeadLetterKind, DeadLetterReason, Delivery, Error, Nack, OutgoingMessage};
+use ojs_queue::backoff::reconnect_delay;
+use ojs_queue::receiver::keep_leased;
+use ojs_queue::{DeadLetterKind, DeadLetterReason, Delivery, Error, Nack, OutgoingMessage};
 
 use super::plan::Group;
 use super::{SourceCtx, MAX_BACKOFF};

@@ -9,10 +9,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ojs_core::adapter::receiver::{
+use ojs_queue::receiver::{
     renew, renew_every, ReceiveFailure, ReceiveStage, Received, Receiver, ReceiverSettings,
 };
-use ojs_core::{ConsumerOptions, Delivery};
+use ojs_queue::{ConsumerOptions, Delivery};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 

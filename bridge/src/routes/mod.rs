@@ -6,9 +6,10 @@
 use std::borrow::Cow;
 use std::collections::BTreeSet;
 
-use ojs_core::{envelope, DeadLetterReason, Encoding, HeaderValue, JobEnvelope, OutgoingMessage};
+use ojs_core::{envelope, Encoding, JobEnvelope};
 use ojs_grpcq as grpcq;
 use ojs_grpcq::mapping::{self, JobPayload, JobTypes};
+use ojs_queue::{DeadLetterReason, HeaderValue, OutgoingMessage};
 use serde_json::Value;
 
 use crate::config::{
@@ -63,7 +64,7 @@ pub struct Route {
 }
 
 fn unmappable(reason: impl Into<String>) -> DeadLetterReason {
-    DeadLetterReason::of(ojs_core::DeadLetterKind::Unmappable, reason)
+    DeadLetterReason::of(ojs_queue::DeadLetterKind::Unmappable, reason)
 }
 
 /// The problems of one route, each with its field path.
@@ -249,7 +250,7 @@ impl Route {
     ) -> Result<(), DeadLetterReason> {
         let forbidden = |why: &str| {
             Err(DeadLetterReason::of(
-                ojs_core::DeadLetterKind::ForbiddenDestination,
+                ojs_queue::DeadLetterKind::ForbiddenDestination,
                 format!("route {} may not publish to {queue:?}: {why}", self.name),
             ))
         };
@@ -274,7 +275,7 @@ impl Route {
         if !seen.contains(queue) {
             if seen.len() >= self.max_destinations {
                 return Err(DeadLetterReason::of(
-                    ojs_core::DeadLetterKind::TooManyDestinations,
+                    ojs_queue::DeadLetterKind::TooManyDestinations,
                     format!(
                         "route {} already publishes to {} destinations (max_destinations); {queue:?} would be one more",
                         self.name, self.max_destinations
@@ -386,7 +387,7 @@ impl Route {
         let payload = match &self.transcoder {
             Some(t) => t
                 .to_json(call.topic(), call.action(), call.payload())
-                .map_err(|e| DeadLetterReason::of(ojs_core::DeadLetterKind::Untranscodable, e))?,
+                .map_err(|e| DeadLetterReason::of(ojs_queue::DeadLetterKind::Untranscodable, e))?,
             None => None,
         };
         if payload.is_none() && self.encoding == Encoding::OjsProto && !self.keep_envelope {
@@ -479,7 +480,7 @@ impl Route {
             JobPayload::Proto3Json { json, message_type } => match &self.transcoder {
                 Some(t) => t
                     .from_json(json, message_type, &topic, &action)
-                    .map_err(|e| DeadLetterReason::of(ojs_core::DeadLetterKind::Untranscodable, e))?,
+                    .map_err(|e| DeadLetterReason::of(ojs_queue::DeadLetterKind::Untranscodable, e))?,
                 None => {
                     return Err(unmappable(format!(
                         "job {} carries a proto3 JSON request; route {} needs descriptor_set to encode it",
@@ -490,7 +491,7 @@ impl Route {
             JobPayload::Native(args) => match (&self.transcoder, args) {
                 (Some(t), [single]) => t
                     .from_json(single, None, &topic, &action)
-                    .map_err(|e| DeadLetterReason::of(ojs_core::DeadLetterKind::Untranscodable, e))?,
+                    .map_err(|e| DeadLetterReason::of(ojs_queue::DeadLetterKind::Untranscodable, e))?,
                 // A job that never was a call: its args as JSON text.
                 _ => serde_json::to_vec(&Value::Array(args.to_vec()))
                     .map_err(|e| unmappable(e.to_string()))?,
@@ -602,8 +603,8 @@ mod tests {
         let (queue, out) = route.map(msg, "calls", types).unwrap();
         let header = |name| out.headers.get_str(name).unwrap().to_owned();
         let job = &Encoding::OjsProto.decode_envelopes(&out.payload).unwrap()[0];
-        assert_eq!(job.job_type, header(ojs_core::header::TYPE));
-        assert_eq!(job.queue, header(ojs_core::header::QUEUE));
+        assert_eq!(job.job_type, header(ojs_queue::header::TYPE));
+        assert_eq!(job.queue, header(ojs_queue::header::QUEUE));
         assert_eq!(job.queue, queue);
         (job.job_type.clone(), job.queue.clone(), queue.into_owned())
     }

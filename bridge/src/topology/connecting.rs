@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use ojs_core::adapter::backoff::reconnect_delay;
-use ojs_core::adapter::PublishFailure;
-use ojs_core::{Consumer, ConsumerOptions, Error, Health, OutgoingMessage, QueueAdapter, Result};
+use ojs_queue::backoff::reconnect_delay;
+use ojs_queue::PublishFailure;
+use ojs_queue::{Consumer, ConsumerOptions, Error, Health, OutgoingMessage, QueueAdapter, Result};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 

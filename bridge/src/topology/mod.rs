@@ -141,7 +141,7 @@ impl Topology {
                         field,
                         format!(
                         "names adapter {name:?}, which [adapters] does not define{} (defined: {})",
-                        ojs_core::adapter::settings::suggestion(
+                        ojs_queue::settings::suggestion(
                             name,
                             config.adapters.keys().map(String::as_str)
                         ),
@@ -190,7 +190,7 @@ impl Topology {
                     ));
                 }
             }
-            if f.strategy == ojs_core::federation::Strategy::GeoPin {
+            if f.strategy == ojs_queue::federation::Strategy::GeoPin {
                 errors.push(invalid(
                     at("strategy"),
                     "geo-pin is chosen per job (meta ojs.federation.region); the default must be affinity or overflow",

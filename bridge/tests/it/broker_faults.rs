@@ -31,8 +31,9 @@ use ojs_bridge_tests::brokers::{find, probe_address, unique_queue, Broker};
 use ojs_bridge_tests::fault_proxy::{unused_port, FaultProxy, Mode};
 use ojs_bridge_tests::processes::{own_moto, own_tansu, rabbitmq_pid, Frozen, OwnBroker};
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::{ConsumerOptions, Encoding, QueueAdapter, Source};
+use ojs_core::Encoding;
 use ojs_grpcq::mapping::call_job_id;
+use ojs_queue::{ConsumerOptions, QueueAdapter, Source};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {

@@ -17,9 +17,10 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use ojs_bridge_tests::brokers::missing;
-use ojs_core::{JobEnvelope, QueueAdapter};
+use ojs_core::JobEnvelope;
 use ojs_grpcq as grpcq;
 use ojs_grpcq::mapping;
+use ojs_queue::QueueAdapter;
 use serde_json::{json, Value};
 
 fn conformance_dir() -> Option<PathBuf> {
@@ -318,17 +319,17 @@ async fn every_envelope_the_bridge_produces_is_schema_valid() {
     );
 
     // A federated publish (federation meta stamped).
-    let regions = vec![ojs_core::federation::RegionSpec {
+    let regions = vec![ojs_queue::federation::RegionSpec {
         name: "eu".into(),
         adapter: memory.clone(),
-        probe: Arc::new(ojs_core::federation::AdapterProbe(memory.clone())),
+        probe: Arc::new(ojs_queue::federation::AdapterProbe(memory.clone())),
     }];
-    let federation = ojs_core::federation::Federation::new(
-        ojs_core::federation::FederationSettings::new("eu"),
+    let federation = ojs_queue::federation::Federation::new(
+        ojs_queue::federation::FederationSettings::new("eu"),
         regions,
     )
     .unwrap();
-    let out = ojs_core::OutgoingMessage::from_envelope(
+    let out = ojs_queue::OutgoingMessage::from_envelope(
         &JobEnvelope::new("report.build", vec![json!(1)]).with_queue("reports"),
         ojs_core::Encoding::OjsProto,
     )

@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use crate::support::{call, collect, http_get, metric, start, TestSink};
 use ojs_adapter_memory::{MemoryAdapter, MemoryConfig};
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::{header, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::{Encoding, JobEnvelope};
 use ojs_grpcq as grpcq;
 use ojs_grpcq::mapping::{self, call_job_id};
+use ojs_queue::{header, OutgoingMessage, QueueAdapter, Source};
 use prost::Message as _;
 use serde_json::json;
 
@@ -735,7 +736,7 @@ async fn a_federated_sink_routes_by_region_meta_and_reports_its_state() {
         .unwrap();
     let in_us = collect(&us_broker, "jobs", Source::Queue, 1, IDLE).await;
     let in_eu = collect(&eu_broker, "jobs", Source::Queue, 1, IDLE).await;
-    let job_of = |d: &ojs_core::Delivery| {
+    let job_of = |d: &ojs_queue::Delivery| {
         Encoding::OjsProto
             .decode_envelopes(&d.payload)
             .unwrap()
@@ -750,7 +751,7 @@ async fn a_federated_sink_routes_by_region_meta_and_reports_its_state() {
         "affinity: local region"
     );
     assert!(us_job
-        .meta_str(ojs_core::federation::META_FEDERATION_ID)
+        .meta_str(ojs_queue::federation::META_FEDERATION_ID)
         .is_some());
     assert_eq!(
         job_of(&in_eu[0]).id,
@@ -780,7 +781,7 @@ async fn a_federated_sink_routes_by_region_meta_and_reports_its_state() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_http_health_probe_reads_a_daemons_health_endpoint() {
-    use ojs_core::federation::HealthProbe;
+    use ojs_queue::federation::HealthProbe;
     let name = broker_name();
     let toml = one_route_config(&name);
     let daemon = start(&toml, BTreeMap::new()).await;

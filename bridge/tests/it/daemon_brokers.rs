@@ -15,9 +15,10 @@ use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
 use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::{header, Delivery, Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::Encoding;
 use ojs_grpcq as grpcq;
 use ojs_grpcq::mapping::call_job_id;
+use ojs_queue::{header, Delivery, OutgoingMessage, QueueAdapter, Source};
 
 /// Checks every job against the call it came from and counts them.
 fn check_jobs(sent: &HashMap<String, grpcq::Message>, jobs: &[Delivery], context: &str) {

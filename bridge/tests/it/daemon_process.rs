@@ -13,8 +13,9 @@ use crate::support::{call, collect, spawn_daemon};
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_bridge_tests::tally::Tally;
 use ojs_bridge_tests::tempdir::TempDir;
-use ojs_core::{Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::Encoding;
 use ojs_grpcq::mapping::{self, call_job_id};
+use ojs_queue::{OutgoingMessage, QueueAdapter, Source};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use crate::support::ojs_bridge;
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use ojs_bridge_tests::independent;
-use ojs_core::QueueAdapter as _;
+use ojs_queue::QueueAdapter as _;
 use serde_json::{json, Value};
 
 fn ok(out: &Output) -> String {

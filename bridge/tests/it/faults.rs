@@ -17,9 +17,10 @@ use ojs_bridge::endpoint::AdapterConfig;
 use ojs_bridge_tests::brokers::{find, probe_address, unique_queue, Broker};
 use ojs_bridge_tests::fault_proxy::{unused_port, FaultProxy, Mode};
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::{Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::Encoding;
 use ojs_grpcq as grpcq;
 use ojs_grpcq::mapping::call_job_id;
+use ojs_queue::{OutgoingMessage, QueueAdapter, Source};
 
 /// The broker's URL with its address replaced by `addr`.
 fn through(url: &str, addr: SocketAddr) -> String {
@@ -41,7 +42,7 @@ fn calls(n: usize, tag: &str) -> HashMap<String, grpcq::Message> {
         .collect()
 }
 
-fn tally(sent: &HashMap<String, grpcq::Message>, jobs: &[ojs_core::Delivery]) -> Tally {
+fn tally(sent: &HashMap<String, grpcq::Message>, jobs: &[ojs_queue::Delivery]) -> Tally {
     let mut t = Tally::new();
     for id in sent.keys() {
         t.sent(id.clone());
@@ -299,7 +300,7 @@ async fn sqs_calls_time_out_in_a_black_hole() {
     let message = || OutgoingMessage::new(b"x".to_vec(), "application/octet-stream");
     sqs.publish(&queue, vec![message()]).await.unwrap();
     let mut consumer = sqs
-        .consumer(&queue, ojs_core::ConsumerOptions::default())
+        .consumer(&queue, ojs_queue::ConsumerOptions::default())
         .await
         .unwrap();
     let delivery =
@@ -314,7 +315,7 @@ async fn sqs_calls_time_out_in_a_black_hole() {
         .expect("a publish into a black hole returns");
     let e = publish.unwrap_err();
     assert!(
-        e.is_retryable() || matches!(e, ojs_core::Error::Publish(_)),
+        e.is_retryable() || matches!(e, ojs_queue::Error::Publish(_)),
         "{e}"
     );
     let ack = tokio::time::timeout(patience, delivery.ack())
@@ -753,7 +754,7 @@ async fn sigkill_during_the_drain_with_an_embedded_source() {
 /// What reached the memory sink `name` once it works again: `n` jobs (the
 /// daemon retries on its backoff, up to 10 s apart), then anything more
 /// within 2 s (duplicates).
-async fn settled_jobs(name: &str, n: usize) -> Vec<ojs_core::Delivery> {
+async fn settled_jobs(name: &str, n: usize) -> Vec<ojs_queue::Delivery> {
     let sink = MemoryAdapter::named(name);
     let mut jobs = collect(&sink, "jobs", Source::Queue, n, Duration::from_secs(40)).await;
     jobs.extend(

@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
 use ojs_bridge::fuzz_targets::{Parts, TARGETS};
-use ojs_core::{Encoding, JobEnvelope, OutgoingMessage};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::OutgoingMessage;
 use prost::Message as _;
 
 fn repo() -> PathBuf {

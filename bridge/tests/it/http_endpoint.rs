@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::support::{http_get, start, TestSink};
-use ojs_core::QueueAdapter;
+use ojs_queue::QueueAdapter;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn config(http: &str) -> String {

@@ -10,7 +10,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
-use ojs_core::{ConsumerOptions, Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 use serde_json::json;
 
 fn temp_dir(name: &str) -> PathBuf {

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
-use ojs_core::{ConsumerOptions, JobEnvelope, QueueAdapter};
+use ojs_core::JobEnvelope;
+use ojs_queue::{ConsumerOptions, QueueAdapter};
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 

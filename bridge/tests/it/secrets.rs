@@ -536,8 +536,8 @@ async fn content_never_reaches_the_log(
             vec![
                 ojs_grpcq::outgoing(&call),
                 ojs_grpcq::outgoing(&unrouted),
-                ojs_core::OutgoingMessage::new(broken_json, "application/openjobspec+json"),
-                ojs_core::OutgoingMessage::new(
+                ojs_queue::OutgoingMessage::new(broken_json, "application/openjobspec+json"),
+                ojs_queue::OutgoingMessage::new(
                     format!("{PAYLOAD} {METADATA}"),
                     "application/x-marker",
                 ),

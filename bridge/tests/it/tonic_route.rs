@@ -10,12 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
-use ojs_core::{Encoding, QueueAdapter};
+use ojs_core::Encoding;
 use ojs_example_invoices::pb::GetInvoiceRequest;
 use ojs_example_invoices::{InvoiceBook, Invoices, InvoicesServer};
 use ojs_grpc::QueueServer;
 use ojs_grpcq::registry::Registry;
 use ojs_grpcq::worker::{Worker, WorkerConfig};
+use ojs_queue::QueueAdapter;
 use tokio::time::Instant;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

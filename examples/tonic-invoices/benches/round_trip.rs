@@ -16,12 +16,13 @@ use std::time::{Duration, Instant};
 
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
-use ojs_core::{Encoding, QueueAdapter};
+use ojs_core::Encoding;
 use ojs_example_invoices::pb::CreateInvoiceRequest;
 use ojs_example_invoices::{InvoiceBook, InvoicesClient, InvoicesServer};
 use ojs_grpc::{QueueChannel, QueueServer, ReplyOptions};
 use ojs_grpcq::registry::Registry;
 use ojs_grpcq::worker::{Worker, WorkerConfig};
+use ojs_queue::QueueAdapter;
 use tonic::codegen::{Body, Bytes, StdError};
 
 struct Figures {

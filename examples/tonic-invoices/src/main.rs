@@ -10,12 +10,13 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use ojs_adapter_local::{LocalAdapter, LocalConfig};
-use ojs_core::{Encoding, QueueAdapter};
+use ojs_core::Encoding;
 use ojs_example_invoices::pb::{CreateInvoiceRequest, GetInvoiceRequest, Invoice};
 use ojs_example_invoices::{InvoiceBook, Invoices, InvoicesClient, InvoicesServer};
 use ojs_grpc::{QueueChannel, QueueServer, ReplyOptions};
 use ojs_grpcq::registry::Registry;
 use ojs_grpcq::worker::{Worker, WorkerConfig};
+use ojs_queue::QueueAdapter;
 
 #[derive(Parser)]
 struct Cli {

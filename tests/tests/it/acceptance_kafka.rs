@@ -9,7 +9,7 @@ use ojs_bridge_tests::acceptance::{AdapterFactory, Features};
 use ojs_bridge_tests::acceptance_tests;
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use ojs_bridge_tests::kafka::test_config;
-use ojs_core::{ConsumerOptions, QueueAdapter};
+use ojs_queue::{ConsumerOptions, QueueAdapter};
 
 pub(crate) struct Kafka {
     pub(crate) url: String,

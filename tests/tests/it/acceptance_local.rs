@@ -8,7 +8,7 @@ use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_bridge_tests::acceptance::{AdapterFactory, Features};
 use ojs_bridge_tests::acceptance_tests;
 use ojs_bridge_tests::tempdir::TempDir;
-use ojs_core::QueueAdapter;
+use ojs_queue::QueueAdapter;
 
 struct Local {
     dir: TempDir,

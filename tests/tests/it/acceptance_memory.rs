@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use ojs_adapter_memory::{MemoryAdapter, MemoryConfig};
 use ojs_bridge_tests::acceptance::{AdapterFactory, Features};
 use ojs_bridge_tests::acceptance_tests;
-use ojs_core::QueueAdapter;
+use ojs_queue::QueueAdapter;
 
 struct Memory {
     broker: MemoryAdapter,

@@ -8,7 +8,7 @@ use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_bridge_tests::acceptance::{AdapterFactory, Features};
 use ojs_bridge_tests::acceptance_tests;
 use ojs_bridge_tests::brokers::{find, Broker};
-use ojs_core::QueueAdapter;
+use ojs_queue::QueueAdapter;
 
 pub(crate) struct Rabbit {
     pub(crate) url: String,

@@ -17,7 +17,7 @@ use ojs_bridge_tests::brokers::{find, missing, unique_queue, Broker};
 use ojs_bridge_tests::consume::drain_payloads;
 use ojs_bridge_tests::independent;
 use ojs_bridge_tests::kafka::test_config;
-use ojs_core::{ConsumerOptions, OutgoingMessage, QueueAdapter};
+use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 
 struct ExistingKafka {
     url: String,
@@ -99,7 +99,7 @@ async fn existing_topology_creates_nothing_and_names_the_missing_topic() {
     };
     assert_eq!(
         err.broker_kind(),
-        Some(ojs_core::BrokerErrorKind::NotFound),
+        Some(ojs_queue::BrokerErrorKind::NotFound),
         "{err}"
     );
     let err = err.to_string();

@@ -15,7 +15,7 @@ use ojs_bridge_tests::acceptance_tests;
 use ojs_bridge_tests::brokers::{find, missing, rabbitmqctl, unique_queue, Broker};
 use ojs_bridge_tests::consume::{drain_payloads, first_delivery, next_delivery};
 use ojs_bridge_tests::independent;
-use ojs_core::{ConsumerOptions, DeadLetterReason, Nack, OutgoingMessage, QueueAdapter};
+use ojs_queue::{ConsumerOptions, DeadLetterReason, Nack, OutgoingMessage, QueueAdapter};
 
 /// Exchange the acceptance queues' dead letters go to (made by pika).
 const DEAD_EXCHANGE: &str = "acc.existing.dead";
@@ -105,7 +105,7 @@ async fn existing_topology_never_declares_and_names_what_is_missing() {
     // Callers match on the kind, and lapin's own error is the source.
     assert_eq!(
         err.broker_kind(),
-        Some(ojs_core::BrokerErrorKind::NotFound),
+        Some(ojs_queue::BrokerErrorKind::NotFound),
         "{err}"
     );
     let source = std::error::Error::source(&err).expect("lapin's error is kept");
@@ -292,7 +292,7 @@ async fn a_user_without_configure_permission_reads_and_writes_existing_queues() 
         .unwrap_err();
     assert_eq!(
         err.broker_kind(),
-        Some(ojs_core::BrokerErrorKind::AccessDenied),
+        Some(ojs_queue::BrokerErrorKind::AccessDenied),
         "{err}"
     );
     let err = err.to_string();

@@ -14,7 +14,7 @@ use ojs_bridge_tests::acceptance_tests;
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use ojs_bridge_tests::consume::first_delivery;
 use ojs_bridge_tests::independent;
-use ojs_core::{ConsumerOptions, DeadLetterReason, Nack, OutgoingMessage, QueueAdapter};
+use ojs_queue::{ConsumerOptions, DeadLetterReason, Nack, OutgoingMessage, QueueAdapter};
 
 struct ExistingSqs {
     url: String,
@@ -88,7 +88,7 @@ async fn existing_topology_creates_nothing_and_names_the_missing_queue() {
     };
     assert_eq!(
         err.broker_kind(),
-        Some(ojs_core::BrokerErrorKind::NotFound),
+        Some(ojs_queue::BrokerErrorKind::NotFound),
         "{err}"
     );
     let err = err.to_string();
@@ -179,7 +179,7 @@ async fn a_batch_sqs_refuses_for_one_message_fails_that_message_alone() {
         )
         .await
         .unwrap_err();
-    let ojs_core::Error::Publish(failure) = err else {
+    let ojs_queue::Error::Publish(failure) = err else {
         panic!("expected per-message failures, got {err}")
     };
     let failed: Vec<(usize, String, bool)> = failure

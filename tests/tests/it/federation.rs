@@ -11,14 +11,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use ojs_adapter_memory::MemoryAdapter;
-use ojs_core::federation::{
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::federation::{
     resolve_conflict, Admission, BreakerState, CircuitBreaker, Federation, FederationSettings,
     HealthProbe, RegionSpec, Strategy, META_FEDERATION_ID, META_REGION, META_REGION_AFFINITY,
     META_REPLICATED_FROM,
 };
-use ojs_core::{
-    Consumer, ConsumerOptions, Encoding, Error, Health, JobEnvelope, OutgoingMessage,
-    PublishFailure, QueueAdapter,
+use ojs_queue::{
+    Consumer, ConsumerOptions, Error, Health, OutgoingMessage, PublishFailure, QueueAdapter,
 };
 use serde_json::json;
 
@@ -52,7 +52,7 @@ impl QueueAdapter for Switch {
     fn max_message_bytes(&self) -> usize {
         self.inner.max_message_bytes()
     }
-    async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> ojs_core::Result<()> {
+    async fn publish(&self, queue: &str, messages: Vec<OutgoingMessage>) -> ojs_queue::Result<()> {
         let delay = self.publish_delay_ms.load(Ordering::SeqCst);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -68,7 +68,7 @@ impl QueueAdapter for Switch {
         &self,
         queue: &str,
         o: ConsumerOptions,
-    ) -> ojs_core::Result<Box<dyn Consumer>> {
+    ) -> ojs_queue::Result<Box<dyn Consumer>> {
         self.inner.consumer(queue, o).await
     }
     async fn health(&self) -> Health {
@@ -78,10 +78,10 @@ impl QueueAdapter for Switch {
             Health::ok("on")
         }
     }
-    async fn depth(&self, queue: &str) -> ojs_core::Result<Option<u64>> {
+    async fn depth(&self, queue: &str) -> ojs_queue::Result<Option<u64>> {
         self.inner.depth(queue).await
     }
-    async fn close(&self) -> ojs_core::Result<()> {
+    async fn close(&self) -> ojs_queue::Result<()> {
         Ok(())
     }
 }

@@ -15,10 +15,11 @@ use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
 use ojs_bridge_tests::tally::Tally;
 use ojs_bridge_tests::tempdir::TempDir;
-use ojs_core::federation::{
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::federation::{
     AdapterProbe, BreakerState, Federation, FederationSettings, RegionSpec, META_REGION,
 };
-use ojs_core::{ConsumerOptions, Encoding, Error, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_queue::{ConsumerOptions, Error, OutgoingMessage, QueueAdapter};
 use serde_json::json;
 
 /// Awaits one step of the scenario no longer than `secs`: a step that hangs
@@ -53,7 +54,7 @@ async fn drain(adapter: &dyn QueueAdapter, queue: &str, into: &mut Vec<String>) 
     c.close().await.unwrap();
 }
 
-async fn publish(f: &Federation, queue: &str, pinned: bool) -> (String, ojs_core::Result<()>) {
+async fn publish(f: &Federation, queue: &str, pinned: bool) -> (String, ojs_queue::Result<()>) {
     let mut job = JobEnvelope::new("fed.item", vec![json!(1)]);
     if pinned {
         job.meta.insert(META_REGION.into(), json!("rmq"));

@@ -10,10 +10,8 @@ use ojs_adapter_kafka::{KafkaAdapter, KafkaConfig};
 use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
 use ojs_bridge_tests::kafka::{produce_raw_header_names, test_config};
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::{
-    Consumer, ConsumerOptions, Delivery, Encoding, Error, JobEnvelope, OutgoingMessage,
-    QueueAdapter,
-};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{Consumer, ConsumerOptions, Delivery, Error, OutgoingMessage, QueueAdapter};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -495,16 +493,16 @@ async fn an_oversized_dead_letter_goes_without_its_body_and_never_holds_the_comm
     let mut c = kafka.consumer(&queue, group(&g)).await.unwrap();
     let got = receive_n(&mut c, 2, Duration::from_secs(30)).await;
     assert_eq!(got.len(), 2);
-    let reason = ojs_core::DeadLetterReason::new("sink_rejected", "r".repeat(500));
+    let reason = ojs_queue::DeadLetterReason::new("sink_rejected", "r".repeat(500));
     got[0]
-        .nack(ojs_core::Nack::DeadLetter(reason))
+        .nack(ojs_queue::Nack::DeadLetter(reason))
         .await
         .unwrap();
     got[1].ack().await.unwrap();
     c.close().await.unwrap();
 
     let dead_options = ConsumerOptions {
-        source: ojs_core::Source::DeadLetters,
+        source: ojs_queue::Source::DeadLetters,
         ..group(&unique_queue("g-dead"))
     };
     let mut dead = kafka.consumer(&queue, dead_options).await.unwrap();
@@ -512,8 +510,8 @@ async fn an_oversized_dead_letter_goes_without_its_body_and_never_holds_the_comm
     assert_eq!(stubs.len(), 1, "the dead letter arrived");
     let stub = &stubs[0];
     assert!(stub.payload.is_empty());
-    assert_eq!(stub.headers[ojs_core::header::PAYLOAD_OMITTED], "4000");
-    assert_eq!(stub.headers[ojs_core::header::ERROR_TYPE], "sink_rejected");
+    assert_eq!(stub.headers[ojs_queue::header::PAYLOAD_OMITTED], "4000");
+    assert_eq!(stub.headers[ojs_queue::header::ERROR_TYPE], "sink_rejected");
     assert_eq!(stub.headers["ojs-source-offset"], "0");
     assert_eq!(stub.headers["ojs-source-partition"], "0");
     dead.close().await.unwrap();

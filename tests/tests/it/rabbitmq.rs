@@ -18,10 +18,8 @@ use ojs_adapter_rabbitmq::{
 use ojs_bridge_tests::brokers::{bounce, bounce_command, find, unique_queue, Broker};
 use ojs_bridge_tests::independent;
 use ojs_bridge_tests::tally::Tally;
-use ojs_core::{
-    ConsumerOptions, DeadLetterReason, Encoding, Error, JobEnvelope, Nack, OutgoingMessage,
-    QueueAdapter,
-};
+use ojs_core::{Encoding, JobEnvelope};
+use ojs_queue::{ConsumerOptions, DeadLetterReason, Error, Nack, OutgoingMessage, QueueAdapter};
 use serde_json::json;
 use tokio::time::Instant;
 

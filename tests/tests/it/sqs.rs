@@ -12,10 +12,11 @@ use aws_sdk_sqs::types::MessageAttributeValue;
 use base64::Engine as _;
 use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
-use ojs_core::{ConsumerOptions, Encoding, OutgoingMessage, QueueAdapter, Source};
+use ojs_core::Encoding;
 use ojs_grpcq as grpcq;
 use ojs_grpcq::registry::Registry;
 use ojs_grpcq::worker::{Worker, WorkerConfig};
+use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter, Source};
 use tokio::time::Instant;
 
 async fn setup(query: &str) -> Option<(SqsAdapter, SqsConfig, aws_sdk_sqs::Client)> {

@@ -16,11 +16,12 @@ use ojs_adapter_rabbitmq::{RabbitAdapter, RabbitConfig};
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
 use ojs_bridge_tests::tempdir::TempDir;
 use ojs_bridge_tests::worker_cases::outcome_table;
-use ojs_core::{Encoding, JobEnvelope, OutgoingMessage, QueueAdapter};
+use ojs_core::{Encoding, JobEnvelope};
 use ojs_grpcq as grpcq;
 use ojs_grpcq::publisher::{EnqueueMiddleware, EnqueueNext, GrpcqPublisher, JobClient};
 use ojs_grpcq::registry::{HandlerError, HandlerResult, Registry};
 use ojs_grpcq::worker::{MessageInfo, Middleware, Next, Worker, WorkerConfig};
+use ojs_queue::{OutgoingMessage, QueueAdapter};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -347,7 +348,7 @@ impl EnqueueMiddleware for Traceparent {
         &self,
         mut job: JobEnvelope,
         next: EnqueueNext,
-    ) -> BoxFuture<'static, ojs_core::Result<JobEnvelope>> {
+    ) -> BoxFuture<'static, ojs_queue::Result<JobEnvelope>> {
         job.meta.insert(
             "traceparent".into(),
             json!("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
@@ -363,10 +364,10 @@ impl EnqueueMiddleware for RejectTests {
         &self,
         job: JobEnvelope,
         next: EnqueueNext,
-    ) -> BoxFuture<'static, ojs_core::Result<JobEnvelope>> {
+    ) -> BoxFuture<'static, ojs_queue::Result<JobEnvelope>> {
         if job.job_type.starts_with("test.") {
             return Box::pin(async {
-                Err(ojs_core::Error::InvalidConfig {
+                Err(ojs_queue::Error::InvalidConfig {
                     field: "type".into(),
                     reason: "test jobs are not enqueued".into(),
                 })
@@ -473,7 +474,7 @@ async fn middleware_on_both_sides_and_typed_requests() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, ojs_core::Error::PayloadTooLarge { .. }),
+        matches!(err, ojs_queue::Error::PayloadTooLarge { .. }),
         "{err}"
     );
     assert_eq!(small.depth("q").await.unwrap(), Some(0));

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use ojs_bridge::config::BridgeConfig;
 use ojs_bridge::daemon::{Daemon, RunSummary};
 use ojs_bridge::metrics::Metrics;
-use ojs_core::{ConsumerOptions, Delivery, QueueAdapter, Source};
 use ojs_grpcq as grpcq;
+use ojs_queue::{ConsumerOptions, Delivery, QueueAdapter, Source};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -194,13 +194,13 @@ impl QueueAdapter for TestSink {
     async fn publish(
         &self,
         queue: &str,
-        messages: Vec<ojs_core::OutgoingMessage>,
-    ) -> ojs_core::Result<()> {
+        messages: Vec<ojs_queue::OutgoingMessage>,
+    ) -> ojs_queue::Result<()> {
         use std::sync::atomic::Ordering;
         if self.down.load(Ordering::SeqCst) {
-            return Err(ojs_core::Error::Publish(ojs_core::PublishFailure::all(
+            return Err(ojs_queue::Error::Publish(ojs_queue::PublishFailure::all(
                 messages,
-                || ojs_core::Error::broker("test-sink", "sink is down", true),
+                || ojs_queue::Error::broker("test-sink", "sink is down", true),
             )));
         }
         if let Some(delay) = self.first_publish_delay {
@@ -214,21 +214,21 @@ impl QueueAdapter for TestSink {
         &self,
         queue: &str,
         options: ConsumerOptions,
-    ) -> ojs_core::Result<Box<dyn ojs_core::Consumer>> {
+    ) -> ojs_queue::Result<Box<dyn ojs_queue::Consumer>> {
         self.inner.consumer(queue, options).await
     }
     fn is_reserved(&self, queue: &str) -> bool {
         self.reserved_suffix.is_some_and(|s| queue.ends_with(s))
     }
-    async fn health(&self) -> ojs_core::Health {
+    async fn health(&self) -> ojs_queue::Health {
         self.health_probes
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.inner.health().await
     }
-    async fn depth(&self, queue: &str) -> ojs_core::Result<Option<u64>> {
+    async fn depth(&self, queue: &str) -> ojs_queue::Result<Option<u64>> {
         self.inner.depth(queue).await
     }
-    async fn close(&self) -> ojs_core::Result<()> {
+    async fn close(&self) -> ojs_queue::Result<()> {
         self.inner.close().await
     }
 }

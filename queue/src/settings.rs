@@ -350,7 +350,7 @@ pub fn split_query(url: &str) -> Result<(&str, Vec<(String, String)>)> {
             field: "url".into(),
             reason: format!(
                 "query item {:?} is not name=value",
-                crate::redact::query_item_for_display(item)
+                ojs_core::redact::query_item_for_display(item)
             ),
         })?;
         items.push((percent_decode(k)?, percent_decode(v)?));

@@ -1,4 +1,5 @@
-//! The backend-agnostic queue contract every broker adapter implements.
+//! The backend-agnostic queue contract every broker adapter implements,
+//! built on the OJS envelope (`ojs-core`) and knowing no grpcq.
 //!
 //! Object-safe (`Arc<dyn QueueAdapter>`) so that the daemon picks backends from
 //! configuration. Semantics, the same for every adapter:
@@ -18,6 +19,8 @@
 //!   consumer goes away or its visibility timeout ends.
 
 pub mod backoff;
+mod error;
+pub mod federation;
 mod headers;
 pub mod log_limit;
 pub mod receiver;
@@ -34,9 +37,9 @@ use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use futures::future::join_all;
 
-use crate::envelope::media::Encoding;
-use crate::envelope::JobEnvelope;
-use crate::error::{Error, Result};
+pub use error::{BoxError, BrokerErrorKind, Error, Result};
+use ojs_core::envelope::media::Encoding;
+use ojs_core::envelope::JobEnvelope;
 
 pub use headers::{HeaderName, HeaderValue, Headers};
 
@@ -134,13 +137,13 @@ impl OutgoingMessage {
     /// `content-type`, `ojs-specversion`, `ojs-id`, `ojs-type`, `ojs-queue`,
     /// `ojs-attempt`, `traceparent`/`tracestate` from meta; key = meta
     /// `partition_key` or the job id.
-    pub fn from_envelope(job: &JobEnvelope, encoding: Encoding) -> Result<Self> {
+    pub fn from_envelope(job: &JobEnvelope, encoding: Encoding) -> ojs_core::Result<Self> {
         let payload = match encoding {
             Encoding::OjsProto => job.to_proto_bytes()?,
             Encoding::OjsJson => job.to_json_vec()?,
-            Encoding::OjsProtoDelimited => crate::envelope::stream::encode_delimited([job])?,
+            Encoding::OjsProtoDelimited => ojs_core::envelope::stream::encode_delimited([job])?,
             Encoding::GrpcqProto => {
-                return Err(Error::UnknownContentType(format!(
+                return Err(ojs_core::Error::UnknownContentType(format!(
                     "{encoding} cannot carry an OJS envelope"
                 )))
             }
@@ -368,7 +371,7 @@ impl DeadLetterReason {
     /// Why an envelope read from a broker is refused: `invalid_envelope`
     /// (with the attribute and the rule) when it parsed but breaks the OJS
     /// schema, `undecodable` when it did not parse.
-    pub fn for_envelope(error: &Error) -> Self {
+    pub fn for_envelope(error: &ojs_core::Error) -> Self {
         let kind = if error.is_schema_violation() {
             DeadLetterKind::InvalidEnvelope
         } else {
@@ -564,13 +567,15 @@ impl Delivery {
     /// the OJS project's own Kafka and SQS backends write JSON envelopes
     /// without a content type, and no binary `JobEnvelope` starts with that
     /// byte (it would open a protobuf group, which the schema never uses).
-    pub fn encoding(&self, default: Option<Encoding>) -> Result<Encoding> {
+    pub fn encoding(&self, default: Option<Encoding>) -> ojs_core::Result<Encoding> {
         match (self.content_type(), default) {
             (Some(ct), _) => Encoding::from_content_type(ct),
             (None, Some(Encoding::OjsProto)) if looks_like_json_object(&self.payload) => {
                 Ok(Encoding::OjsJson)
             }
-            (None, default) => default.ok_or_else(|| Error::UnknownContentType(String::new())),
+            (None, default) => {
+                default.ok_or_else(|| ojs_core::Error::UnknownContentType(String::new()))
+            }
         }
     }
 

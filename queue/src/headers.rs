@@ -189,10 +189,12 @@ impl HeaderValue {
         HeaderValue(Bytes::from_static(value.as_bytes()))
     }
 
-    /// A content type: the media types of [`crate::envelope::media`] are static (no
+    /// A content type: the media types of [`ojs_core::envelope::media`] are static (no
     /// allocation), any other is copied.
     pub fn media_type(content_type: &str) -> Self {
-        use crate::envelope::media::{GRPCQ_PROTO, JSON, OJS_JSON, OJS_PROTO, OJS_PROTO_DELIMITED};
+        use ojs_core::envelope::media::{
+            GRPCQ_PROTO, JSON, OJS_JSON, OJS_PROTO, OJS_PROTO_DELIMITED,
+        };
         match [OJS_PROTO, GRPCQ_PROTO, OJS_JSON, OJS_PROTO_DELIMITED, JSON]
             .into_iter()
             .find(|m| *m == content_type)

@@ -14,13 +14,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::time::Instant;
 
-use crate::adapter::{
+use crate::error::{Error, Result};
+use crate::{
     publish_outcome, Consumer, ConsumerOptions, FailedPublish, Health, OutgoingMessage,
     QueueAdapter,
 };
-use crate::envelope::media::Encoding;
-use crate::envelope::JobEnvelope;
-use crate::error::{Error, Result};
+use ojs_core::envelope::media::Encoding;
+use ojs_core::envelope::JobEnvelope;
 
 /// Meta key: UUIDv7 of the federated job, stable across regions.
 pub const META_FEDERATION_ID: &str = "ojs.federation.federation_id";
@@ -619,7 +619,7 @@ impl Federation {
                         );
                     }
                     if j.enqueued_at.is_none() {
-                        j.enqueued_at = Some(crate::envelope::now_millis());
+                        j.enqueued_at = Some(ojs_core::envelope::now_millis());
                     }
                     if let Some(s) = j.meta_str(META_REGION_AFFINITY).and_then(Strategy::parse) {
                         strategy = s;
@@ -640,7 +640,7 @@ impl Federation {
                             return Err(Box::new(FailedPublish {
                                 index,
                                 message,
-                                error,
+                                error: error.into(),
                             }))
                         }
                     }
@@ -654,7 +654,10 @@ impl Federation {
             return Err(Box::new(FailedPublish {
                 index,
                 message,
-                error: Error::invalid(META_REGION_AFFINITY, "geo-pin needs ojs.federation.region"),
+                error: Error::Codec(ojs_core::Error::invalid(
+                    META_REGION_AFFINITY,
+                    "geo-pin needs ojs.federation.region",
+                )),
             }));
         }
         match self.plan(strategy, pinned.as_deref(), queue) {
