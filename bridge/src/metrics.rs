@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use ojs_queue::federation::Federation;
+use ojs_queue::federation::{Federation, RegionSnapshot};
 
 /// Upper bounds (seconds) of the latency histogram buckets.
 const BUCKETS: [f64; 14] = [
@@ -350,44 +350,46 @@ impl Metrics {
 pub fn render_federation(name: &str, federation: &Federation, out: &mut String) {
     let n = label(name);
     let regions = federation.snapshot();
-    let _ = writeln!(out, "# HELP ojs_bridge_federation_breaker_state Circuit breaker per region: 0 closed, 1 half-open, 2 open.\n# TYPE ojs_bridge_federation_breaker_state gauge");
-    for r in &regions {
-        let _ = writeln!(
-            out,
-            "ojs_bridge_federation_breaker_state{{federation=\"{n}\",region=\"{}\"}} {}",
-            label(&r.name),
-            r.breaker.as_gauge()
-        );
-    }
-    let _ = writeln!(out, "# HELP ojs_bridge_federation_latency_seconds Moving average of health probe round trips.\n# TYPE ojs_bridge_federation_latency_seconds gauge");
-    for r in &regions {
-        if let Some(l) = r.latency {
-            let _ = writeln!(
-                out,
-                "ojs_bridge_federation_latency_seconds{{federation=\"{n}\",region=\"{}\"}} {}",
-                label(&r.name),
-                l.as_secs_f64()
-            );
-        }
-    }
-    let _ = writeln!(out, "# HELP ojs_bridge_federation_routed_total Messages published per region.\n# TYPE ojs_bridge_federation_routed_total counter");
-    for r in &regions {
-        let _ = writeln!(
-            out,
-            "ojs_bridge_federation_routed_total{{federation=\"{n}\",region=\"{}\"}} {}",
-            label(&r.name),
-            r.routed
-        );
-    }
-    let _ = writeln!(out, "# HELP ojs_bridge_federation_failures_total Failed publishes and probes per region.\n# TYPE ojs_bridge_federation_failures_total counter");
-    for r in &regions {
-        let _ = writeln!(
-            out,
-            "ojs_bridge_federation_failures_total{{federation=\"{n}\",region=\"{}\"}} {}",
-            label(&r.name),
-            r.failures
-        );
-    }
+    let mut per_region =
+        |metric: &str,
+         help: &str,
+         kind: &str,
+         value: &dyn Fn(&RegionSnapshot) -> Option<String>| {
+            let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} {kind}");
+            for r in &regions {
+                if let Some(v) = value(r) {
+                    let region = label(&r.name);
+                    let _ = writeln!(
+                        out,
+                        "{metric}{{federation=\"{n}\",region=\"{region}\"}} {v}"
+                    );
+                }
+            }
+        };
+    per_region(
+        "ojs_bridge_federation_breaker_state",
+        "Circuit breaker per region: 0 closed, 1 half-open, 2 open.",
+        "gauge",
+        &|r| Some(r.breaker.as_gauge().to_string()),
+    );
+    per_region(
+        "ojs_bridge_federation_latency_seconds",
+        "Moving average of health probe round trips.",
+        "gauge",
+        &|r| r.latency.map(|l| l.as_secs_f64().to_string()),
+    );
+    per_region(
+        "ojs_bridge_federation_routed_total",
+        "Messages published per region.",
+        "counter",
+        &|r| Some(r.routed.to_string()),
+    );
+    per_region(
+        "ojs_bridge_federation_failures_total",
+        "Failed publishes and probes per region.",
+        "counter",
+        &|r| Some(r.failures.to_string()),
+    );
     let _ = writeln!(out, "# HELP ojs_bridge_federation_failovers_total Jobs moved to another region after theirs failed.\n# TYPE ojs_bridge_federation_failovers_total counter\nojs_bridge_federation_failovers_total{{federation=\"{n}\"}} {}", federation.failovers());
 }
 
