@@ -337,11 +337,13 @@ pub(crate) fn put_timestamp(out: &mut Vec<u8>, field: u32, t: &Option<DateTime<U
 }
 
 /// [`timestamp_len`] of a time already in seconds and nanoseconds.
+#[inline]
 pub fn timestamp_parts_len(field: u32, t: Option<TimestampParts>) -> usize {
     t.map_or(0, |t| wire::len_field_len(field, timestamp_body_len(t)))
 }
 
 /// [`put_timestamp`] of a time already in seconds and nanoseconds.
+#[inline]
 pub fn put_timestamp_parts(out: &mut Vec<u8>, field: u32, t: Option<TimestampParts>) {
     if let Some(t @ (seconds, nanos)) = t {
         wire::put_len_header(out, field, timestamp_body_len(t));

@@ -162,6 +162,7 @@ pub(crate) fn put_value_field(out: &mut Vec<u8>, field: u32, value: &Value) {
 
 /// Length of one `map<string, Value>` entry holding a string, as field
 /// `field` (what [`put_string_map_entry`] writes).
+#[inline]
 pub fn string_map_entry_len(field: u32, key: &str, value: &str) -> usize {
     let body =
         wire::string_len(1, key) + wire::len_field_len(2, wire::len_field_len(3, value.len()));
@@ -170,6 +171,7 @@ pub fn string_map_entry_len(field: u32, key: &str, value: &str) -> usize {
 
 /// Writes one `map<string, Value>` entry holding a string, byte for byte
 /// what [`put_map_entry`] writes for `Value::String` (without building it).
+#[inline]
 pub fn put_string_map_entry(out: &mut Vec<u8>, field: u32, key: &str, value: &str) {
     let string_body = wire::len_field_len(3, value.len());
     wire::put_len_header(
