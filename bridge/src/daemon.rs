@@ -80,6 +80,22 @@ pub fn redact(url: &str) -> String {
     ojs_core::redact::url(url)
 }
 
+/// Adapter `name`, connected. The build checked that every adapter a field
+/// names exists, so a miss here is a bug: reported, never panicked on.
+fn connected(
+    adapters: &BTreeMap<String, Arc<dyn QueueAdapter>>,
+    field: String,
+    name: &str,
+) -> Result<Arc<dyn QueueAdapter>, ConfigError> {
+    adapters
+        .get(name)
+        .cloned()
+        .ok_or_else(|| ConfigError::Invalid {
+            field,
+            reason: format!("names adapter {name:?}, which was not built"),
+        })
+}
+
 /// How long the first attempt to connect an adapter and prepare its queues
 /// may take before the broker counts as unreachable (librdkafka, say, waits
 /// a minute for metadata by itself).
@@ -249,17 +265,7 @@ impl Daemon {
             let mut regions = Vec::new();
             for (id, region) in &f.regions {
                 let field = |f: &str| format!("federations.{name}.regions.{id}.{f}");
-                let adapter =
-                    adapters
-                        .get(&region.adapter)
-                        .cloned()
-                        .ok_or_else(|| ConfigError::Invalid {
-                            field: field("adapter"),
-                            reason: format!(
-                                "names adapter {:?}, which [adapters] does not define",
-                                region.adapter
-                            ),
-                        })?;
+                let adapter = connected(&adapters, field("adapter"), &region.adapter)?;
                 let probe: Arc<dyn HealthProbe> = match &region.health {
                     Some(url) => Arc::new(HttpHealthProbe::new(url, f.health_timeout).map_err(
                         |reason| ConfigError::Invalid {
@@ -297,44 +303,30 @@ impl Daemon {
                 .iter()
                 .find(|(n, _)| *n == route.sink)
                 .map(|(_, f)| f.clone() as Arc<dyn QueueAdapter>);
-            let sink = federated
-                .or_else(|| adapters.get(&route.sink).cloned())
-                .ok_or_else(|| ConfigError::Invalid {
-                    field: format!("routes[{i}].sink"),
-                    reason: format!(
-                        "names adapter {:?}, which [adapters] does not define",
-                        route.sink
-                    ),
-                })?;
+            let sink = match federated {
+                Some(federation) => federation,
+                None => connected(&adapters, format!("routes[{i}].sink"), &route.sink)?,
+            };
             sinks.push(sink);
         }
-        let api =
-            match &config.api {
-                // Nothing to serve it on (`OJS_BRIDGE_HTTP_LISTEN=off` with the
-                // built-in default): the daemon runs without it, as before.
-                Some(_) if config.http.listen == "off" => {
-                    tracing::info!("http.listen is off: the OJS HTTP API of [api] is not served");
-                    None
-                }
-                Some(api) => {
-                    let adapter = adapters.get(&api.adapter).cloned().ok_or_else(|| {
-                        ConfigError::Invalid {
-                            field: "api.adapter".into(),
-                            reason: format!(
-                                "names adapter {:?}, which [adapters] does not define",
-                                api.adapter
-                            ),
-                        }
-                    })?;
-                    let settings = api.settings(&config.adapters, &config.http)?;
-                    Some(
-                        ojs_api::Api::open(settings, adapter, api.adapter.clone())
-                            .await
-                            .map_err(DaemonError::Api)?,
-                    )
-                }
-                None => None,
-            };
+        let api = match &config.api {
+            // Nothing to serve it on (`OJS_BRIDGE_HTTP_LISTEN=off` with the
+            // built-in default): the daemon runs without it, as before.
+            Some(_) if config.http.listen == "off" => {
+                tracing::info!("http.listen is off: the OJS HTTP API of [api] is not served");
+                None
+            }
+            Some(api) => {
+                let adapter = connected(&adapters, "api.adapter".into(), &api.adapter)?;
+                let settings = api.settings(&config.adapters, &config.http)?;
+                Some(
+                    ojs_api::Api::open(settings, adapter, api.adapter.clone())
+                        .await
+                        .map_err(DaemonError::Api)?,
+                )
+            }
+            None => None,
+        };
         let grpc = match &api {
             Some(api) => {
                 Some(ojs_api::grpc::GrpcServices::new(api.clone()).map_err(DaemonError::Api)?)

@@ -327,14 +327,19 @@ async fn every_rpc_and_the_state_machine_over_grpc_on_the_embedded_default() {
     server.stop();
 }
 
+/// A server whose `[api]` is on RabbitMQ, its queues named from `prefix`
+/// (`None` when RabbitMQ is not there; a failure when it is required).
+async fn rabbit_server(prefix: &str) -> Option<OjsServer> {
+    let rabbit = find(Broker::RabbitMq).await?;
+    let config = crate::ojs_api_worker::rabbit_config(&rabbit.url, &unique_queue(prefix));
+    Some(OjsServer::start(Some(&config)).await)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_rpc_and_the_state_machine_over_grpc_on_rabbitmq() {
-    let Some(rabbit) = find(Broker::RabbitMq).await else {
+    let Some(server) = rabbit_server("grpc").await else {
         return;
     };
-    let prefix = unique_queue("grpc");
-    let config = crate::ojs_api_worker::rabbit_config(&rabbit.url, &prefix);
-    let server = OjsServer::start(Some(&config)).await;
     every_rpc_and_the_state_machine(&server, "grpc-states", "rabbitmq").await;
     server.stop();
 }
@@ -473,12 +478,9 @@ async fn one_job_reads_the_same_over_grpc_and_http_on_the_embedded_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_job_reads_the_same_over_grpc_and_http_on_rabbitmq() {
-    let Some(rabbit) = find(Broker::RabbitMq).await else {
+    let Some(server) = rabbit_server("grpc-cross").await else {
         return;
     };
-    let prefix = unique_queue("grpc-cross");
-    let config = crate::ojs_api_worker::rabbit_config(&rabbit.url, &prefix);
-    let server = OjsServer::start(Some(&config)).await;
     one_job_both_bindings(&server, "cross", "rabbitmq").await;
     server.stop();
 }
@@ -496,12 +498,9 @@ async fn two_streaming_workers_get_no_more_than_they_allow_and_every_job_once() 
 /// The same on RabbitMQ: the stream's jobs are the broker's deliveries.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_streaming_workers_on_rabbitmq_get_no_more_than_they_allow_and_every_job_once() {
-    let Some(rabbit) = find(Broker::RabbitMq).await else {
+    let Some(server) = rabbit_server("grpc-stream").await else {
         return;
     };
-    let prefix = unique_queue("grpc-stream");
-    let config = crate::ojs_api_worker::rabbit_config(&rabbit.url, &prefix);
-    let server = OjsServer::start(Some(&config)).await;
     two_streaming_workers(&server, "rabbitmq").await;
     server.stop();
 }
