@@ -3,9 +3,13 @@
 # corpus, and prints execs and crashes per target. Needs cargo-fuzz; on a
 # stable toolchain RUSTC_BOOTSTRAP=1 lets it use the sanitizer flags.
 #
-#   fuzz/run.sh [SECONDS] [core|daemon|all]     (default: core)
+#   fuzz/run.sh [SECONDS] [core|daemon|api|all]     (default: core)
 #
 # core:   the envelope's and grpcq's wire-format decoders (fuzz/), under AddressSanitizer.
+# api:    the OJS API's request parsing and validation (fuzz/api/), under
+#         AddressSanitizer; its build compiles tonic, the PostgreSQL client
+#         and SQLite (over ten minutes on 2 cores), which is why CI replays
+#         its corpus in `cargo test` instead.
 # daemon: the daemon's decoders: configuration, adapter headers,
 #         descriptor-set transcoding (fuzz/daemon/). Built without a
 #         sanitizer: librdkafka's C dependencies do not link under ASan, and
@@ -48,7 +52,8 @@ run_crate() { # dir sanitizer
 case "$which" in
   core) run_crate . address ;;
   daemon) run_crate daemon none ;;
-  all) run_crate . address; run_crate daemon none ;;
-  *) echo "usage: $0 [SECONDS] [core|daemon|all]" >&2; exit 2 ;;
+  api) run_crate api address ;;
+  all) run_crate . address; run_crate api address; run_crate daemon none ;;
+  *) echo "usage: $0 [SECONDS] [core|daemon|api|all]" >&2; exit 2 ;;
 esac
 exit $status

@@ -74,6 +74,16 @@ impl Token {
     }
 }
 
+/// The token of an `Authorization: Bearer <token>` header; the scheme's
+/// name in any case (RFC 9110), surrounding spaces ignored.
+pub fn bearer(authorization: Option<&str>) -> Option<&str> {
+    let (scheme, value) = authorization?.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(value.trim())
+        .filter(|v| !v.is_empty())
+}
+
 /// The tokens of one API; empty: no token needed.
 #[derive(Debug, Clone, Default)]
 pub struct Tokens(Vec<Token>);
@@ -96,13 +106,7 @@ impl Tokens {
         if self.0.is_empty() {
             return Ok(Grant(None));
         }
-        let given = authorization
-            .and_then(|v| {
-                let (scheme, value) = v.trim().split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then_some(value)
-            })
-            .map(str::trim)
-            .ok_or(ApiError::Unauthenticated)?;
+        let given = bearer(authorization).ok_or(ApiError::Unauthenticated)?;
         let mut found = None;
         for token in &self.0 {
             if token.secret.matches(given) && found.is_none() {
@@ -159,6 +163,26 @@ impl Grant<'_> {
     }
 
     /// The queue patterns of the token (empty: every queue).
+    /// Whether the token may do `operation` to the job `id` on `queue`.
+    /// Outside the token's queues the job does not exist for it (404
+    /// `not_found`, nothing naming its queue), so that a token cannot
+    /// learn which ids exist elsewhere; inside them, an operation it lacks
+    /// is 403.
+    pub fn allow_job(&self, operation: Operation, queue: &str, id: &str) -> Result<(), ApiError> {
+        if !self.sees(queue) {
+            tracing::debug!(
+                token = self.token_name().unwrap_or(""),
+                operation = operation.as_str(),
+                "OJS request for a job outside the token's queues"
+            );
+            return Err(ApiError::NotFound {
+                resource_type: "job",
+                resource_id: id.to_owned(),
+            });
+        }
+        self.allow_on(operation, queue)
+    }
+
     pub fn scope(&self) -> &[Glob] {
         self.0.map_or(&[], |t| t.queues.as_slice())
     }

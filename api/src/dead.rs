@@ -119,7 +119,7 @@ impl Api {
     /// no dead letter (404).
     pub async fn retry_dead_letter(&self, grant: &Grant<'_>, id: &str) -> Result<Job, ApiError> {
         let queue = self.dead_letter(grant, id).await?.envelope.queue;
-        grant.allow_on(Operation::Admin, &queue)?;
+        grant.allow_job(Operation::Admin, &queue, id)?;
         let now = Utc::now();
         let job_id = id.to_owned();
         let (before, job) = self
@@ -221,7 +221,7 @@ impl Api {
     /// Deletes a dead letter for good.
     pub async fn delete_dead_letter(&self, grant: &Grant<'_>, id: &str) -> Result<(), ApiError> {
         let queue = self.dead_letter(grant, id).await?.envelope.queue;
-        grant.allow_on(Operation::Admin, &queue)?;
+        grant.allow_job(Operation::Admin, &queue, id)?;
         let job_id = id.to_owned();
         self.store
             .run(move |tx| {

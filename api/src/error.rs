@@ -117,6 +117,10 @@ pub enum ApiError {
         /// The adapter's limit.
         limit: usize,
     },
+    /// Request bodies in flight fill `[api] max_body_bytes_in_flight`: the
+    /// request was refused before its body was read.
+    #[error("the server is reading as many request bodies as it takes at once; retry shortly")]
+    Busy,
     /// No valid bearer token.
     #[error("a valid bearer token is required")]
     Unauthenticated,
@@ -203,9 +207,11 @@ impl ApiError {
             | ApiError::BatchTooLarge { .. }
             | ApiError::JobTooLarge { .. } => "payload_too_large",
             ApiError::Unauthenticated => "unauthenticated",
+            ApiError::Busy => "rate_limited",
             ApiError::PermissionDenied { .. } => "permission_denied",
             ApiError::Broker { .. } => "backend_unavailable",
             ApiError::Store(e) if e.is_unavailable() => "backend_unavailable",
+            ApiError::Store(e) if e.is_data_error() => "internal_error",
             ApiError::Store(_) => "backend_error",
         }
     }
@@ -217,6 +223,7 @@ impl ApiError {
             | ApiError::InvalidRequest { .. }
             | ApiError::UnsupportedContentType { .. } => 400,
             ApiError::Unauthenticated => 401,
+            ApiError::Busy => 429,
             ApiError::PermissionDenied { .. } => 403,
             ApiError::NotFound { .. }
             | ApiError::QueueNotServed { .. }
@@ -243,8 +250,8 @@ impl ApiError {
     pub fn retryable(&self) -> bool {
         matches!(
             self,
-            ApiError::Broker { .. } | ApiError::Store(_) | ApiError::BodyTimeout { .. }
-        )
+            ApiError::Broker { .. } | ApiError::BodyTimeout { .. } | ApiError::Busy
+        ) || matches!(self, ApiError::Store(e) if !e.is_data_error())
     }
 
     /// The binding's `details`, when the error has any.

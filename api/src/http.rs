@@ -20,6 +20,7 @@ use crate::auth::Grant;
 use crate::dead::DeadLetterQuery;
 use crate::error::ApiError;
 use crate::job::{self, Job};
+use crate::limits;
 use crate::roster::{self, Beat, Directive};
 use crate::store::EventFilter;
 use crate::worker;
@@ -86,7 +87,7 @@ pub fn error_response(error: &ApiError, request_id: &str) -> Response<Bytes> {
             HeaderValue::from_static("Bearer"),
         );
     }
-    if matches!(error, ApiError::Broker { .. }) {
+    if matches!(error, ApiError::Broker { .. } | ApiError::Busy) {
         r.headers_mut()
             .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
     }
@@ -128,10 +129,32 @@ fn body_encoding(headers: &HeaderMap) -> Result<Encoding, ApiError> {
     }
 }
 
+/// What the head of a request must pass before its body is read: a valid
+/// token (401), and for the routes that take a body, the operation they
+/// need (403). The queue a body names is checked once it is read.
+pub fn admit(api: &Api, method: &Method, path: &str, headers: &HeaderMap) -> Result<(), ApiError> {
+    let authorization = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let grant = api.tokens().identify(authorization)?;
+    if method == Method::POST {
+        let segments: Vec<&str> = path
+            .strip_prefix("/ojs/v1/")
+            .map(|p| p.trim_end_matches('/').split('/').collect())
+            .unwrap_or_default();
+        match segments.as_slice() {
+            ["jobs"] | ["jobs", "batch"] => grant.allow(crate::auth::Operation::Push)?,
+            ["workers", _] => grant.allow(crate::auth::Operation::Work)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Serves one request of the binding; `request_id` is [`request_id`] of
 /// its headers (the caller may have logged it already).
 pub async fn handle(api: &Api, request: Request<Bytes>, request_id: &str) -> Response<Bytes> {
-    match route(api, &request, request_id).await {
+    match route(api, request, request_id).await {
         Ok(r) => r,
         Err(e) => error_response(&e, request_id),
     }
@@ -139,9 +162,13 @@ pub async fn handle(api: &Api, request: Request<Bytes>, request_id: &str) -> Res
 
 async fn route(
     api: &Api,
-    request: &Request<Bytes>,
+    request: Request<Bytes>,
     request_id: &str,
 ) -> Result<Response<Bytes>, ApiError> {
+    // The body is taken by what parses it, and dropped once parsed: a
+    // request does not hold its bytes beside the values made of them.
+    let (parts, mut body) = request.into_parts();
+    let request = &Request::from_parts(parts, ());
     if let Some(v) = request.headers().get("ojs-version") {
         let v = v.to_str().unwrap_or("").trim();
         if !(v == "1" || v == "1.0" || v.starts_with("1.0.")) {
@@ -153,6 +180,9 @@ async fn route(
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
     let grant = api.tokens().identify(authorization)?;
+    if !body.is_empty() && matches!(body_encoding(request.headers()), Ok(Encoding::OjsJson)) {
+        limits::check_json_shape(&body, api.settings().max_json_values)?;
+    }
     let path = request.uri().path();
     let method = request.method();
     let segments: Vec<&str> = path
@@ -176,7 +206,7 @@ async fn route(
                 return Err(not_allowed("POST"));
             }
             let answer = answer_encoding(request.headers())?;
-            let job = read_job(request)?;
+            let job = read_job(request.headers(), std::mem::take(&mut body))?;
             let mut jobs = api.push(&grant, vec![job]).await?;
             let job = jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))?;
             let mut r = job_response(201, &job, answer, request_id)?;
@@ -190,7 +220,7 @@ async fn route(
                 return Err(not_allowed("POST"));
             }
             let answer = answer_encoding(request.headers())?;
-            let jobs = read_batch(api, request)?;
+            let jobs = read_batch(api, request.headers(), std::mem::take(&mut body))?;
             let jobs = api.push(&grant, jobs).await?;
             batch_response(&jobs, answer, request_id)
         }
@@ -232,9 +262,12 @@ async fn route(
             }
             json_only(request.headers())?;
             let filter = event_filter(request.uri().query().unwrap_or(""))?;
-            let (events, has_more) = api.events(&grant, filter).await?;
-            let cursor = events.last().map(|e| e.seq.to_string());
-            let events: Vec<Value> = events.into_iter().map(|e| e.body).collect();
+            let page = api.events(&grant, filter).await?;
+            let has_more = page.has_more;
+            // Past what was looked at (filtered-out events included), so
+            // that the next read does not look at them again.
+            let cursor = (page.cursor > 0).then(|| page.cursor.to_string());
+            let events: Vec<Value> = page.events.into_iter().map(|e| e.body).collect();
             Ok(json_response(
                 200,
                 &json!({"events": events, "cursor": cursor, "has_more": has_more}),
@@ -258,7 +291,7 @@ async fn route(
                 return Err(not_allowed("POST"));
             }
             json_only(request.headers())?;
-            let body = match parse_json(request.body())? {
+            let body = match parse_json(&std::mem::take(&mut body))? {
                 Value::Object(m) => m,
                 _ => return Err(ApiError::invalid("", "the body must be a JSON object")),
             };
@@ -274,16 +307,7 @@ async fn route(
 fn millis(body: &Map<String, Value>, key: &str) -> Result<Option<Duration>, ApiError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .filter(|ms| *ms > 0 && *ms <= 43_200_000)
-            .map(|ms| Some(Duration::from_millis(ms)))
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    key,
-                    "must be a whole number of milliseconds from 1 to 43200000",
-                )
-            }),
+        Some(v) => limits::millis(key, v, limits::MAX_VISIBILITY).map(Some),
     }
 }
 
@@ -296,13 +320,42 @@ fn job_id(body: &Map<String, Value>) -> Result<String, ApiError> {
         .ok_or_else(|| ApiError::invalid("job_id", "`job_id` is required"))
 }
 
-async fn worker_route(
-    api: &Api,
-    grant: &Grant<'_>,
+/// A worker's request (`POST /ojs/v1/workers/{action}`), parsed and
+/// validated before anything is asked of the service.
+#[derive(Debug)]
+pub enum WorkerRequest {
+    /// FETCH.
+    Fetch(worker::Fetch),
+    /// ACK, with the job's result.
+    Ack {
+        /// The job.
+        job_id: String,
+        /// What the handler returned.
+        result: Option<Value>,
+    },
+    /// NACK (or `fail`).
+    Nack(worker::Failure),
+    /// A heartbeat.
+    Heartbeat {
+        /// The worker (empty: the jobs alone are named).
+        worker_id: String,
+        /// The jobs it names; none: all it holds.
+        jobs: Option<Vec<String>>,
+        /// How much longer they stay its.
+        visibility: Option<Duration>,
+        /// How many jobs it runs, as it says.
+        active: Option<u64>,
+        /// What it says of itself (`crate::roster::ABOUT`).
+        about: Map<String, Value>,
+    },
+}
+
+/// Parses a worker's request body; every rule of the binding is applied
+/// here (400 naming the field), none needs the service.
+pub fn worker_request(
     action: &str,
     mut body: Map<String, Value>,
-    request_id: &str,
-) -> Result<Response<Bytes>, ApiError> {
+) -> Result<WorkerRequest, ApiError> {
     match action {
         "fetch" => {
             let queues = match body.get("queues") {
@@ -321,20 +374,21 @@ async fn worker_route(
                     ))
                 }
             };
-            for q in &queues {
-                ojs_core::envelope::validate_queue_name(q)
-                    .map_err(|e| ApiError::invalid("queues", e.to_string()))?;
-            }
+            limits::check_fetch_queues(&queues)?;
             let count = match body.get("count") {
                 None | Some(Value::Null) => 1,
                 Some(v) => v
                     .as_u64()
-                    .filter(|n| (1..=1000).contains(n))
+                    .and_then(|n| usize::try_from(n).ok())
+                    .filter(|n| (1..=limits::MAX_FETCH_COUNT).contains(n))
                     .ok_or_else(|| {
-                        ApiError::invalid("count", "must be an integer from 1 to 1000")
-                    })? as usize,
+                        ApiError::invalid(
+                            "count",
+                            format!("must be an integer from 1 to {}", limits::MAX_FETCH_COUNT),
+                        )
+                    })?,
             };
-            let fetch = worker::Fetch {
+            Ok(WorkerRequest::Fetch(worker::Fetch {
                 queues,
                 count,
                 worker_id: body
@@ -343,22 +397,14 @@ async fn worker_route(
                     .map(str::to_owned),
                 visibility: millis(&body, "visibility_timeout_ms")?,
                 wait: millis(&body, "wait_ms")?.unwrap_or(Duration::ZERO),
-            };
-            let jobs = api.fetch(grant, fetch).await?;
-            let list: Vec<Value> = jobs.iter().map(Job::to_json).collect();
-            Ok(json_response(200, &json!({"jobs": list}), request_id))
+            }))
         }
-        "ack" => {
-            let id = job_id(&body)?;
-            let job = api.ack(grant, &id, body.remove("result")).await?;
-            Ok(json_response(
-                200,
-                &worker::settle_body(&job, true),
-                request_id,
-            ))
-        }
+        "ack" => Ok(WorkerRequest::Ack {
+            job_id: job_id(&body)?,
+            result: body.remove("result"),
+        }),
         "nack" | "fail" => {
-            let id = job_id(&body)?;
+            let job_id = job_id(&body)?;
             let error = match body.remove("error") {
                 Some(Value::Object(e)) => e,
                 None | Some(Value::Null) => Map::new(),
@@ -369,25 +415,26 @@ async fn worker_route(
                     ))
                 }
             };
+            for key in ["code", "message", "type"] {
+                if error
+                    .get(key)
+                    .is_some_and(|v| !v.is_string() && !v.is_null())
+                {
+                    return Err(ApiError::invalid(
+                        format!("error.{key}"),
+                        "must be a string",
+                    ));
+                }
+            }
             let requeue = body
                 .get("requeue")
                 .and_then(Value::as_bool)
                 .unwrap_or(false);
-            let job = api
-                .nack(
-                    grant,
-                    worker::Failure {
-                        job_id: id,
-                        error,
-                        requeue,
-                    },
-                )
-                .await?;
-            Ok(json_response(
-                200,
-                &worker::settle_body(&job, false),
-                request_id,
-            ))
+            Ok(WorkerRequest::Nack(worker::Failure {
+                job_id,
+                error,
+                requeue,
+            }))
         }
         "heartbeat" => {
             let worker_id = body
@@ -415,14 +462,65 @@ async fn worker_route(
                 .get("active_jobs")
                 .and_then(Value::as_u64)
                 .or_else(|| jobs.as_ref().map(|j: &Vec<String>| j.len() as u64));
+            let about = roster::ABOUT
+                .iter()
+                .filter_map(|k| body.get(*k).map(|v| ((*k).to_owned(), v.clone())))
+                .collect();
+            Ok(WorkerRequest::Heartbeat {
+                worker_id,
+                jobs,
+                visibility,
+                active,
+                about,
+            })
+        }
+        _ => Err(ApiError::NoRoute {
+            method: "POST".into(),
+            path: format!("/ojs/v1/workers/{action}"),
+        }),
+    }
+}
+
+async fn worker_route(
+    api: &Api,
+    grant: &Grant<'_>,
+    action: &str,
+    body: Map<String, Value>,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    match worker_request(action, body)? {
+        WorkerRequest::Fetch(fetch) => {
+            let jobs = api.fetch(grant, fetch).await?;
+            let list: Vec<Value> = jobs.iter().map(Job::to_json).collect();
+            Ok(json_response(200, &json!({"jobs": list}), request_id))
+        }
+        WorkerRequest::Ack { job_id, result } => {
+            let job = api.ack(grant, &job_id, result).await?;
+            Ok(json_response(
+                200,
+                &worker::settle_body(&job, true),
+                request_id,
+            ))
+        }
+        WorkerRequest::Nack(failure) => {
+            let job = api.nack(grant, failure).await?;
+            Ok(json_response(
+                200,
+                &worker::settle_body(&job, false),
+                request_id,
+            ))
+        }
+        WorkerRequest::Heartbeat {
+            worker_id,
+            jobs,
+            visibility,
+            active,
+            about,
+        } => {
             let extended = api.heartbeat(grant, &worker_id, jobs, visibility).await?;
             let directive = if worker_id.is_empty() {
                 Directive::Running
             } else {
-                let about = roster::ABOUT
-                    .iter()
-                    .filter_map(|k| body.get(*k).map(|v| ((*k).to_owned(), v.clone())))
-                    .collect();
                 api.beat(
                     grant,
                     Beat {
@@ -440,10 +538,6 @@ async fn worker_route(
                 request_id,
             ))
         }
-        _ => Err(ApiError::NoRoute {
-            method: "POST".into(),
-            path: format!("/ojs/v1/workers/{action}"),
-        }),
     }
 }
 
@@ -451,7 +545,7 @@ async fn worker_route(
 async fn worker_admin_route(
     api: &Api,
     grant: &Grant<'_>,
-    request: &Request<Bytes>,
+    request: &Request<()>,
     rest: &[&str],
     request_id: &str,
 ) -> Result<Response<Bytes>, ApiError> {
@@ -548,15 +642,18 @@ fn json_only(headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-fn read_job(request: &Request<Bytes>) -> Result<Job, ApiError> {
+/// The job of a PUSH body, validated.
+pub fn read_job(headers: &HeaderMap, body: Bytes) -> Result<Job, ApiError> {
     let now = ojs_core::envelope::now_millis();
-    match body_encoding(request.headers())? {
-        Encoding::OjsProto => job::from_proto(request.body(), now),
-        _ => job::from_json(parse_json(request.body())?, now),
+    match body_encoding(headers)? {
+        Encoding::OjsProto => job::from_proto(&body, now),
+        _ => job::from_json(parse_json(&body)?, now),
     }
 }
 
-fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+/// A JSON body, parsed (its shape checked first by the caller,
+/// [`limits::check_json_shape`]).
+pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::InvalidPayload {
             encoding: "JSON",
@@ -569,13 +666,17 @@ fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
     })
 }
 
-fn read_batch(api: &Api, request: &Request<Bytes>) -> Result<Vec<Job>, ApiError> {
+fn read_batch(api: &Api, headers: &HeaderMap, body: Bytes) -> Result<Vec<Job>, ApiError> {
+    batch(headers, &body, api.settings().max_batch_jobs)
+}
+
+/// The jobs of a batch PUSH body (at most `limit`), validated.
+pub fn batch(headers: &HeaderMap, body: &[u8], limit: usize) -> Result<Vec<Job>, ApiError> {
     let now = ojs_core::envelope::now_millis();
-    let limit = api.settings().max_batch_jobs;
     let too_many = |count| ApiError::BatchTooLarge { count, limit };
-    let jobs = match body_encoding(request.headers())? {
+    let jobs = match body_encoding(headers)? {
         Encoding::OjsProto => {
-            let parts = ojs_core::envelope::stream::split_batch(request.body()).map_err(|e| {
+            let parts = ojs_core::envelope::stream::split_batch(body).map_err(|e| {
                 ApiError::InvalidPayload {
                     encoding: "protobuf BatchEnqueueRequest",
                     reason: e.to_string(),
@@ -591,7 +692,7 @@ fn read_batch(api: &Api, request: &Request<Bytes>) -> Result<Vec<Job>, ApiError>
                 .collect::<Result<Vec<_>, _>>()?
         }
         _ => {
-            let body = parse_json(request.body())?;
+            let body = parse_json(body)?;
             let Value::Object(mut body) = body else {
                 return Err(ApiError::invalid(
                     "jobs",
@@ -690,7 +791,7 @@ fn proto_response(status: u16, body: Vec<u8>, request_id: &str) -> Response<Byte
 async fn dead_letter_route(
     api: &Api,
     grant: &crate::auth::Grant<'_>,
-    request: &Request<Bytes>,
+    request: &Request<()>,
     rest: &[&str],
     admin: bool,
     request_id: &str,

@@ -222,6 +222,7 @@ fn finish(mut envelope: JobEnvelope, pending: bool, now: DateTime<Utc>) -> Resul
     envelope.created_at = Some(now);
     envelope.enqueued_at = (state == JobState::Available).then_some(now);
     envelope.validate().map_err(invalid_envelope)?;
+    crate::limits::check_job(&envelope)?;
     Ok(Job {
         envelope,
         extra: Extra::new(),

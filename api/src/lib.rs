@@ -11,11 +11,14 @@
 //! again, so nothing is half-stored.
 
 pub mod auth;
+pub mod body;
 pub mod dead;
 pub mod error;
+pub mod fuzz_targets;
 pub mod grpc;
 pub mod http;
 pub mod job;
+pub mod limits;
 pub mod roster;
 pub mod store;
 pub mod worker;
@@ -55,6 +58,10 @@ pub struct ApiSettings {
     pub state_dir: PathBuf,
     /// Bearer tokens; none: the API is open.
     pub tokens: Tokens,
+    /// The listener's own token (`[http] token_file`), which health needs
+    /// where it is set and which alone sees health's detail where any
+    /// token is set.
+    pub health_token: Option<ojs_core::redact::Secret>,
     /// What a commit of the embedded job store survives.
     pub durability: store::Durability,
     /// The job store on PostgreSQL, shared by replicas; none: the embedded
@@ -68,6 +75,26 @@ pub struct ApiSettings {
     /// At shutdown, how long workers may still acknowledge or fail the
     /// jobs this process handed out (FETCH hands out nothing meanwhile).
     pub drain_timeout: Duration,
+    /// Most values (arrays, objects and their members) in one JSON body,
+    /// checked on its bytes before it is parsed.
+    pub max_json_values: usize,
+    /// Request bodies being read or served at once, in bytes, across every
+    /// connection and both bindings: past it a request is answered 429
+    /// without its body being read.
+    pub max_body_bytes_in_flight: usize,
+    /// Longest time one request body may take to arrive.
+    pub body_timeout: Duration,
+    /// Slowest a request body may arrive, bytes per second, after a first
+    /// second of grace.
+    pub body_min_rate: u64,
+    /// Most bytes of jobs one FETCH answers with (by their size on the
+    /// broker); it always answers at least one job when one is there.
+    pub max_fetch_bytes: usize,
+    /// Most queues this process holds a consumer of for FETCH; the one
+    /// idle longest is closed to make room.
+    pub max_consumers: usize,
+    /// A queue's consumer no FETCH used for this long is closed.
+    pub consumer_idle_timeout: Duration,
 }
 
 impl Default for ApiSettings {
@@ -80,10 +107,18 @@ impl Default for ApiSettings {
             retention: Duration::from_secs(7 * 86_400),
             state_dir: PathBuf::from("./ojs-bridge-data"),
             tokens: Tokens::default(),
+            health_token: None,
             durability: store::Durability::default(),
             postgres: None,
             visibility_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(10),
+            max_json_values: 200_000,
+            max_body_bytes_in_flight: 64 << 20,
+            body_timeout: Duration::from_secs(30),
+            body_min_rate: 16 << 10,
+            max_fetch_bytes: 8 << 20,
+            max_consumers: 256,
+            consumer_idle_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -110,6 +145,8 @@ pub struct Api {
     replica: String,
     /// Why the store did not answer the last check, while it does not.
     store_down: Mutex<Option<String>>,
+    /// Request bodies in flight, across both bindings.
+    body_budget: Arc<body::BodyBudget>,
 }
 
 /// Scheduled jobs published per pass.
@@ -134,7 +171,6 @@ impl Api {
             adapter,
             adapter_name: adapter_name.into(),
             store,
-            settings,
             started: Instant::now(),
             started_at: Utc::now(),
             prepared: Mutex::new(HashSet::new()),
@@ -143,12 +179,35 @@ impl Api {
             directives: roster::Directives::default(),
             replica: uuid::Uuid::new_v4().simple().to_string(),
             store_down: Mutex::new(None),
+            body_budget: body::BodyBudget::new(settings.max_body_bytes_in_flight),
+            settings,
         }))
     }
 
     /// The settings.
     pub fn settings(&self) -> &ApiSettings {
         &self.settings
+    }
+
+    /// The budget of request bodies in flight.
+    pub fn body_budget(&self) -> &Arc<body::BodyBudget> {
+        &self.body_budget
+    }
+
+    /// Health's rule, the same in both bindings (HTTP `/ojs/v1/health`,
+    /// gRPC `Health` and `grpc.health.v1`): where `[http] token_file` is
+    /// set, health needs that token; elsewhere it is open (probes). The
+    /// answer is whether the caller sees the detail (the backend's name,
+    /// why a part is down): the `[http]` token's holder, or anyone where no
+    /// token at all is set; never a token of `[[api.tokens]]`.
+    pub fn health_access(&self, authorization: Option<&str>) -> Result<bool, ApiError> {
+        match &self.settings.health_token {
+            Some(token) => match auth::bearer(authorization) {
+                Some(given) if token.matches(given) => Ok(true),
+                _ => Err(ApiError::Unauthenticated),
+            },
+            None => Ok(self.settings.tokens.is_open()),
+        }
     }
 
     /// The store.
@@ -188,7 +247,7 @@ impl Api {
             }
             messages.push(message);
         }
-        self.store.insert(jobs.clone()).await.map_err(|e| match e {
+        let jobs = self.store.insert(jobs).await.map_err(|e| match e {
             StoreError::Duplicate(id) => ApiError::Duplicate { id },
             other => ApiError::Store(other),
         })?;
@@ -282,7 +341,7 @@ impl Api {
     pub async fn info(&self, grant: &Grant<'_>, id: &str) -> Result<Job, ApiError> {
         grant.allow(Operation::Read)?;
         let job = self.job(id).await?;
-        grant.allow_on(Operation::Read, &job.envelope.queue)?;
+        grant.allow_job(Operation::Read, &job.envelope.queue, id)?;
         Ok(job)
     }
 
@@ -303,7 +362,7 @@ impl Api {
         grant.allow(Operation::Admin)?;
         if !grant.scope().is_empty() {
             let job = self.job(id).await?;
-            grant.allow_on(Operation::Admin, &job.envelope.queue)?;
+            grant.allow_job(Operation::Admin, &job.envelope.queue, id)?;
         }
         self.store
             .cancel(id.to_owned(), Utc::now())
@@ -324,7 +383,7 @@ impl Api {
         grant.allow(Operation::Push)?;
         if !grant.scope().is_empty() {
             let job = self.job(id).await?;
-            grant.allow_on(Operation::Push, &job.envelope.queue)?;
+            grant.allow_job(Operation::Push, &job.envelope.queue, id)?;
         }
         let now = ojs_core::envelope::now_millis();
         let job = self
@@ -356,7 +415,7 @@ impl Api {
         &self,
         grant: &Grant<'_>,
         mut filter: store::EventFilter,
-    ) -> Result<(Vec<store::Event>, bool), ApiError> {
+    ) -> Result<store::EventPage, ApiError> {
         grant.allow(Operation::Read)?;
         filter.scope = grant.scope().to_vec();
         Ok(self.store.events(filter).await?)
@@ -455,30 +514,35 @@ impl Api {
         let mut last_prune = Instant::now();
         let mut last_recover = Instant::now();
         let mut last_ping = Instant::now();
+        let mut last_feed_reap = Instant::now();
         loop {
             if self.store.is_shared() {
                 // Replicas: what other replicas decided for deliveries held
-                // here, jobs a stopped replica stored but never published,
-                // and whether PostgreSQL answers (health says so).
+                // here, and jobs a stopped replica stored but never
+                // published.
                 self.apply_settles().await;
                 if last_recover.elapsed() >= Duration::from_secs(30) {
                     last_recover = Instant::now();
                     self.recover().await;
                 }
-                if last_ping.elapsed() >= Duration::from_secs(1) {
-                    last_ping = Instant::now();
-                    let down = self.store.ping().await.err().map(|e| e.to_string());
-                    {
-                        let mut was = self.store_down.lock().unwrap_or_else(|e| e.into_inner());
-                        match (&*was, &down) {
-                            (None, Some(reason)) => {
-                                tracing::warn!(%reason, "the job store does not answer; requests fail as retryable until it does")
-                            }
-                            (Some(_), None) => tracing::info!("the job store answers again"),
-                            _ => {}
+            }
+            if last_ping.elapsed() >= Duration::from_secs(1) {
+                last_ping = Instant::now();
+                // Whether the store answers (PostgreSQL) or writes (the
+                // embedded one): health says so.
+                let down = self.store.ping().await.err().map(|e| e.to_string());
+                {
+                    let mut was = self.store_down.lock().unwrap_or_else(|e| e.into_inner());
+                    match (&*was, &down) {
+                        (None, Some(reason)) => {
+                            tracing::warn!(%reason, "the job store does not answer; requests fail as retryable until it does")
                         }
-                        *was = down;
+                        (Some(_), None) => tracing::info!("the job store answers again"),
+                        _ => {}
                     }
+                    *was = down;
+                }
+                if self.store.is_shared() {
                     // Directives another replica was given.
                     self.refresh_directives().await;
                 }
@@ -498,6 +562,10 @@ impl Api {
                 }
             };
             self.reap().await;
+            if last_feed_reap.elapsed() >= Duration::from_secs(1) {
+                last_feed_reap = Instant::now();
+                self.reap_feeds().await;
+            }
             // Visibility deadlines (and settlements from other replicas)
             // are checked this often.
             let wait = wait.min(if self.store.is_shared() {

@@ -8,7 +8,7 @@
 //! job that is not active is 409.
 
 use ojs_grpcq::Decode as _;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -99,7 +99,20 @@ struct Feed {
     consumer: Box<dyn Consumer>,
     /// Nothing was received yet (the consumer may still be joining).
     fresh: bool,
+    /// When a FETCH last used it: one idle for `[api]
+    /// consumer_idle_timeout` is closed.
+    used: Instant,
+    /// About the largest job (bytes on the broker) this queue delivers
+    /// lately: a FETCH asks the broker for no more jobs than its byte
+    /// bound holds of these.
+    largest: usize,
 }
+
+/// The smallest job size a FETCH plans with.
+const SMALLEST_PLANNED: usize = 256;
+/// Jobs a queue's first receive asks for at most, before its jobs' size
+/// is known.
+const FIRST_RECEIVE_JOBS: usize = 16;
 
 /// Held deliveries taken out of the map, with their job ids.
 type HeldJobs = Vec<(String, Held)>;
@@ -126,6 +139,8 @@ struct Held {
 #[derive(Default)]
 pub struct Workers {
     feeds: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Feed>>>>,
+    /// How many `feeds` holds, for the metrics.
+    consumers: std::sync::atomic::AtomicUsize,
     held: Mutex<HashMap<String, Held>>,
     /// Woken when this process published jobs: a waiting FETCH looks again
     /// at once instead of at its next poll.
@@ -167,6 +182,10 @@ enum Activation {
     /// still has it: held here until its visibility passes or it is
     /// settled, not handed out again.
     Adopt(Box<Job>, Duration),
+    /// A second copy of a job active here (a publish repeated after a
+    /// crash, a broker's redelivery): the copy this process holds carries
+    /// the job, so this one is acked and never handed out beside it.
+    Duplicate,
 }
 
 /// Does to a held delivery what a settlement says.
@@ -243,7 +262,8 @@ impl Api {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner());
                 if let Some(h) = held.get_mut(&id) {
-                    h.deadline = Instant::now() + Duration::from_millis(by_ms);
+                    h.deadline = Instant::now()
+                        + Duration::from_millis(by_ms).min(crate::limits::MAX_VISIBILITY);
                 }
                 continue;
             }
@@ -260,6 +280,21 @@ impl Api {
         let mut feeds = self.workers().feeds.lock().await;
         if let Some(f) = feeds.get(queue) {
             return Ok(f.clone());
+        }
+        if feeds.len() >= self.settings.max_consumers {
+            // Room for one more: the consumer idle longest goes, unless
+            // every one is in use or holds deliveries of active jobs.
+            let busy = self.queues_held();
+            let idlest = feeds
+                .iter()
+                .filter(|(q, _)| !busy.contains(q.as_str()))
+                .filter_map(|(q, f)| f.try_lock().ok().map(|f| (q.clone(), f.used)))
+                .min_by_key(|(_, used)| *used)
+                .map(|(q, _)| q);
+            match idlest.and_then(|q| feeds.remove(&q).map(|f| (q, f))) {
+                Some((q, f)) => self.close_feed(q, f),
+                None => return Err(ApiError::Busy),
+            }
         }
         self.adapter
             .prepare(queue)
@@ -286,13 +321,77 @@ impl Api {
         let feed = Arc::new(tokio::sync::Mutex::new(Feed {
             consumer,
             fresh: true,
+            used: Instant::now(),
+            largest: (self.settings.max_fetch_bytes / FIRST_RECEIVE_JOBS).max(SMALLEST_PLANNED),
         }));
         feeds.insert(queue.to_owned(), feed.clone());
+        self.workers()
+            .consumers
+            .store(feeds.len(), std::sync::atomic::Ordering::Relaxed);
         Ok(feed)
     }
 
+    /// Queues with deliveries held for active jobs: their consumers stay
+    /// open (closing one would give its deliveries back).
+    fn queues_held(&self) -> std::collections::HashSet<String> {
+        self.workers()
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|h| h.queue.clone())
+            .collect()
+    }
+
+    /// Closes a queue's consumer in the background.
+    fn close_feed(&self, queue: String, feed: Arc<tokio::sync::Mutex<Feed>>) {
+        tokio::spawn(async move {
+            let Ok(feed) = Arc::try_unwrap(feed) else {
+                // A FETCH still has it: it closes when that one drops it.
+                return;
+            };
+            if let Err(e) = feed.into_inner().consumer.close().await {
+                tracing::debug!(%queue, error = %e, "closing an idle queue consumer failed");
+            }
+            tracing::debug!(%queue, "an idle queue consumer was closed");
+        });
+    }
+
+    /// Closes the consumers no FETCH used for `[api] consumer_idle_timeout`
+    /// (and that hold no delivery of an active job).
+    pub(crate) async fn reap_feeds(&self) {
+        let idle_for = self.settings.consumer_idle_timeout;
+        let busy = self.queues_held();
+        let mut feeds = self.workers().feeds.lock().await;
+        let idle: Vec<String> = feeds
+            .iter()
+            .filter(|(q, _)| !busy.contains(q.as_str()))
+            .filter(|(_, f)| f.try_lock().is_ok_and(|f| f.used.elapsed() >= idle_for))
+            .map(|(q, _)| q.clone())
+            .collect();
+        for q in idle {
+            if let Some(f) = feeds.remove(&q) {
+                self.close_feed(q, f);
+            }
+        }
+        self.workers()
+            .consumers
+            .store(feeds.len(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Consumers open for FETCH now.
+    pub fn consumers(&self) -> usize {
+        self.workers()
+            .consumers
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// FETCH: up to `count` jobs from the first queues that have them;
-    /// waits up to `wait` when none has.
+    /// waits up to `wait` when none has. The answer holds at most `[api]
+    /// max_fetch_bytes` of jobs (by their size on the broker), and at
+    /// least one job when one is there: the broker is asked for no more
+    /// jobs than that holds of the queue's recent largest, and what came
+    /// beyond it goes back to the broker.
     pub async fn fetch(&self, grant: &Grant<'_>, request: Fetch) -> Result<Vec<Job>, ApiError> {
         grant.allow(Operation::Work)?;
         for q in &request.queues {
@@ -313,13 +412,15 @@ impl Api {
         }
         let began = Instant::now();
         let until = began + request.wait.min(MAX_FETCH_WAIT);
+        let max_bytes = self.settings.max_fetch_bytes;
+        let mut bytes = 0usize;
         let mut out = Vec::new();
         loop {
             // Registered before looking, so that a publish while this pass
             // runs is not missed.
             let published = self.workers().published.notified();
             for queue in &request.queues {
-                if out.len() >= request.count {
+                if out.len() >= request.count || bytes >= max_bytes {
                     break;
                 }
                 let feed = self.feed(queue).await?;
@@ -329,17 +430,31 @@ impl Api {
                 } else {
                     receive_wait(self.adapter.kind(), began, until)
                 };
+                let room = ((max_bytes - bytes) / feed.largest.max(1)).max(1);
                 let deliveries = feed
                     .consumer
-                    .receive(request.count - out.len(), wait)
+                    .receive((request.count - out.len()).min(room), wait)
                     .await
                     .map_err(|source| ApiError::Broker { source })?;
                 feed.fresh = false;
+                feed.used = Instant::now();
+                if let Some(biggest) = deliveries.iter().map(|d| d.payload.len()).max() {
+                    feed.largest = biggest.max(feed.largest / 2).max(SMALLEST_PLANNED);
+                }
                 drop(feed);
-                out.extend(
-                    self.activate_deliveries(queue, deliveries, &request)
-                        .await?,
-                );
+                let mut taken = Vec::with_capacity(deliveries.len());
+                for d in deliveries {
+                    let size = d.payload.len();
+                    if bytes.saturating_add(size) <= max_bytes
+                        || (out.is_empty() && taken.is_empty())
+                    {
+                        bytes = bytes.saturating_add(size);
+                        taken.push(d);
+                    } else if let Err(e) = d.nack(Nack::requeue()).await {
+                        tracing::debug!(%queue, error = %e, "giving back a delivery beyond the FETCH's byte bound failed; its lease runs out instead");
+                    }
+                }
+                out.extend(self.activate_deliveries(queue, taken, &request).await?);
             }
             if !out.is_empty() || Instant::now() >= until || self.is_draining() {
                 return Ok(out);
@@ -466,6 +581,20 @@ impl Api {
         let worker = request.worker_id.clone();
         let visibility = request.visibility;
         let replica = self.shared_replica();
+        // Jobs whose delivery this process holds already: another copy of
+        // one of them is not handed out.
+        let mut active_here: HashSet<String> = {
+            let held = self
+                .workers()
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            envelopes
+                .iter()
+                .filter(|e| held.contains_key(&e.id))
+                .map(|e| e.id.clone())
+                .collect()
+        };
         let decided = self
             .store
             .run(move |tx| {
@@ -479,6 +608,7 @@ impl Api {
                             visibility,
                             now,
                             replica.as_deref(),
+                            &mut active_here,
                         )
                     })
                     .collect::<Result<Vec<_>, _>>()
@@ -549,6 +679,12 @@ impl Api {
                         tracing::warn!(%queue, error = %e, "acking the broker copy of a finished job failed; it comes back and is settled again");
                     }
                 }
+                Activation::Duplicate => {
+                    tracing::debug!(%queue, "a second copy of a job active here is acked, not handed out");
+                    if let Err(e) = delivery.ack().await {
+                        tracing::debug!(%queue, error = %e, "acking a second copy of an active job failed; it comes back and is looked at again");
+                    }
+                }
             }
         }
         Ok(out)
@@ -584,7 +720,7 @@ impl Api {
                 Some(q) => q,
                 None => self.info(&Grant::open(), id).await?.envelope.queue,
             };
-            grant.allow_on(Operation::Work, &queue)?;
+            grant.allow_job(Operation::Work, &queue, id)?;
         }
         Ok(())
     }
@@ -598,6 +734,12 @@ impl Api {
         result: Option<Value>,
     ) -> Result<Job, ApiError> {
         self.check_scope(grant, id).await?;
+        // A result the job cannot carry is the request's fault (400), and
+        // the job stays active for a valid ACK or NACK.
+        if let Some(r) = &result {
+            ojs_core::envelope::value::check_json_value("result", r)
+                .map_err(crate::job::invalid_envelope)?;
+        }
         let held = self.take_held(id);
         let now = Utc::now();
         let job_id = id.to_owned();
@@ -943,6 +1085,7 @@ fn activate_one(
     visibility: Option<Duration>,
     now: DateTime<Utc>,
     replica: Option<&str>,
+    active_here: &mut HashSet<String>,
 ) -> Result<Activation, StoreError> {
     let mut job = match tx.load(&envelope.id) {
         Ok(job) => job,
@@ -961,6 +1104,11 @@ fn activate_one(
         Err(e) => return Err(e),
     };
     match job.state() {
+        // Active through a delivery this process holds (or one activated
+        // earlier in this FETCH): this copy is a duplicate.
+        JobState::Active if active_here.contains(&job.envelope.id) => {
+            return Ok(Activation::Duplicate)
+        }
         JobState::Active => {
             // Where replicas share the store, a job whose lease is still
             // running is its worker's: the delivery came back because the
@@ -1039,6 +1187,7 @@ fn activate_one(
             }),
         )?;
     }
+    active_here.insert(job.envelope.id.clone());
     tx.event(
         "job.started",
         &job.envelope,
@@ -1067,6 +1216,9 @@ fn job_timeout(job: &Job) -> Option<Duration> {
                 .filter(|s| *s > 0)
                 .map(Duration::from_secs)
         })
+        // Jobs other producers put on the broker are held to the bound
+        // pushes are validated against.
+        .map(|t| t.min(crate::limits::MAX_EXECUTION_TIMEOUT))
 }
 
 fn job_visibility(job: &Job) -> Duration {
@@ -1076,6 +1228,7 @@ fn job_visibility(job: &Job) -> Duration {
         .and_then(Value::as_u64)
         .filter(|ms| *ms > 0)
         .map_or(DEFAULT_VISIBILITY, Duration::from_millis)
+        .min(crate::limits::MAX_VISIBILITY)
 }
 
 /// Locks the job and names the replica holding its delivery when that is
@@ -1140,16 +1293,23 @@ fn backoff(job: &JobEnvelope, attempt: i32) -> Duration {
             ojs_core::duration::parse_iso8601_duration(s).unwrap_or(default)
         }
     };
-    let initial = parse(&policy.initial_interval, Duration::from_secs(1));
-    let max = parse(&policy.max_interval, Duration::from_secs(300));
-    let coefficient = if policy.backoff_coefficient > 0.0 {
+    // Validation bounds both intervals; a job stored before it did (or
+    // put on the broker by another producer) is held to the same bound
+    // here, so that no policy makes a time this server cannot compute.
+    let bound = |d: Duration| d.min(crate::limits::MAX_RETRY_INTERVAL);
+    let initial = bound(parse(&policy.initial_interval, Duration::from_secs(1)));
+    let max = bound(parse(&policy.max_interval, Duration::from_secs(300)));
+    let coefficient = if policy.backoff_coefficient.is_finite() && policy.backoff_coefficient > 0.0
+    {
         policy.backoff_coefficient
     } else {
         2.0
     };
     let exponent = (attempt - 1).clamp(0, 60);
     let secs = initial.as_secs_f64() * coefficient.powi(exponent);
-    let mut delay = Duration::from_secs_f64(secs.min(max.as_secs_f64()).max(0.0));
+    let secs = if secs.is_finite() { secs } else { f64::MAX };
+    let mut delay =
+        Duration::try_from_secs_f64(secs.min(max.as_secs_f64()).max(0.0)).unwrap_or(max);
     if policy.jitter {
         // ±25 % around the interval, from the clock's sub-second noise:
         // spreads retries of jobs that failed together.
@@ -1157,6 +1317,16 @@ fn backoff(job: &JobEnvelope, attempt: i32) -> Duration {
         delay = delay.mul_f64(0.75 + noise * 0.5);
     }
     delay
+}
+
+/// `now` plus `delay`, or the latest time the calendar holds when that is
+/// past it (never a panic: a bound was missed somewhere, not a reason to
+/// stop the store).
+fn later(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(delay)
+        .ok()
+        .and_then(|d| now.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 fn fail(
@@ -1172,8 +1342,11 @@ fn fail(
             .and_then(Value::as_str)
             .map(str::to_owned)
     };
+    // `code` and `message` are optional in a NACK; the job's history
+    // needs both non-empty.
+    let text = |k: &str| text(k).filter(|s| !s.is_empty());
     let code = text("code").unwrap_or_else(|| "handler_error".into());
-    let message = text("message").unwrap_or_default();
+    let message = text("message").unwrap_or_else(|| "the worker gave no message".into());
     let class = failure
         .error
         .get("details")
@@ -1218,7 +1391,7 @@ fn fail(
     } else if retryable && !non_retryable && attempt < max {
         let delay = backoff(&job.envelope, attempt);
         job.envelope.state = Some(JobState::Retryable);
-        let next = now + chrono::Duration::milliseconds(delay.as_millis() as i64);
+        let next = later(now, delay);
         job.extra
             .insert("next_attempt_at".into(), json!(timestamp(next)));
         job.extra

@@ -370,6 +370,14 @@ impl Daemon {
                 }));
             }
         }
+        if let Some(api) = &api {
+            let api = api.clone();
+            if let Ok(mut extra) = metrics.extra.lock() {
+                extra.push(Box::new(move |out: &mut String| {
+                    crate::metrics::render_api(&api, out)
+                }));
+            }
+        }
         let plans = routes
             .into_iter()
             .zip(sinks)

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -178,20 +178,30 @@ fn response(
     r
 }
 
-fn authorized(state: &HttpState, req: &Request<Incoming>) -> bool {
-    let Some(token) = &state.token else {
-        return true;
-    };
-    req.headers()
+/// Whether a request may read health or metrics (`[http] token_file`,
+/// when set), and whether it sees health's detail: with the API, its
+/// rule ([`ojs_api::Api::health_access`], the same over gRPC); without,
+/// whoever passes.
+fn authorized(state: &HttpState, req: &Request<Incoming>) -> Option<bool> {
+    let authorization = req
+        .headers()
         .get(hyper::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|given| token.matches(given.trim()))
+        .and_then(|v| v.to_str().ok());
+    if let Some(api) = &state.api {
+        return api.health_access(authorization).ok();
+    }
+    match &state.token {
+        None => Some(true),
+        Some(token) => ojs_api::auth::bearer(authorization)
+            .is_some_and(|given| token.matches(given))
+            .then_some(true),
+    }
 }
 
 async fn handle(
     state: Arc<HttpState>,
     req: Request<Incoming>,
+    activity: Arc<Activity>,
 ) -> Result<Response<AnswerBody>, Infallible> {
     if ojs_api::grpc::GrpcServices::is_grpc(&req) {
         if let Some(grpc) = &state.grpc {
@@ -206,7 +216,7 @@ async fn handle(
     let ojs = ojs_api::http::is_ojs_path(&path);
     let known = matches!(path.as_str(), "/ojs/v1/health" | "/metrics");
     let request_id = ojs.then(|| ojs_api::http::request_id(req.headers()));
-    let mut response = answer(&state, req, &path, known, request_id.as_deref()).await;
+    let mut response = answer(&state, req, &path, known, request_id.as_deref(), &activity).await;
     if let Some(id) = &request_id {
         ojs_api::http::standard_headers(response.headers_mut(), id);
     }
@@ -219,13 +229,19 @@ async fn answer(
     path: &str,
     known: bool,
     request_id: Option<&str>,
+    activity: &Activity,
 ) -> Response<Full<Bytes>> {
     let api = state
         .api
         .as_ref()
         .filter(|_| request_id.is_some() && !known);
     // The binding checks its own tokens (`[http] token_file` among them).
-    if known && !authorized(state, &req) {
+    let access = if known {
+        authorized(state, &req)
+    } else {
+        Some(true)
+    };
+    let Some(detail) = access else {
         let mut r = response(
             StatusCode::UNAUTHORIZED,
             "text/plain",
@@ -235,9 +251,9 @@ async fn answer(
             r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, v);
         }
         return r;
-    }
+    };
     if let (Some(api), Some(id)) = (api, request_id) {
-        return full(serve_api(api, req, id, state.limits.idle_timeout).await);
+        return full(serve_api(api, req, id, activity).await);
     }
     if known && req.method() != Method::GET && req.method() != Method::HEAD {
         return response(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "use GET\n");
@@ -279,6 +295,9 @@ async fn answer(
                     body["status"] = json!("degraded");
                 }
             }
+            if !detail {
+                without_detail(&mut body);
+            }
             let status = if ok {
                 StatusCode::OK
             } else {
@@ -299,49 +318,79 @@ async fn answer(
     }
 }
 
-/// Reads the body within `[api] max_body_bytes` and `deadline` (a client
-/// that stalls mid-body gets 408 and loses the connection's slot) and
-/// hands the request to the binding.
+/// Health as anyone may read it: status only, without the adapters'
+/// details, the backend's name or why a part is down.
+fn without_detail(body: &mut Value) {
+    if let Some(adapters) = body.get_mut("adapters").and_then(Value::as_object_mut) {
+        for entry in adapters.values_mut() {
+            if let Some(entry) = entry.as_object_mut() {
+                entry.remove("detail");
+            }
+        }
+    }
+    if let Some(failing) = body.get_mut("failing").and_then(Value::as_object_mut) {
+        for entry in failing.values_mut() {
+            if let Some(entry) = entry.as_object_mut() {
+                entry.remove("reason");
+            }
+        }
+    }
+    if let Some(backend) = body.get_mut("backend").and_then(Value::as_object_mut) {
+        backend.remove("name");
+    }
+    if let Some(store) = body.get_mut("store").and_then(Value::as_object_mut) {
+        store.remove("reason");
+    }
+}
+
+/// Checks the request's head (token, operation), then reads its body
+/// within the API's body bounds (`ojs_api::body`) and hands the request to
+/// the binding. A request refused before its body was read, or whose body
+/// did not arrive in time, closes its connection.
 async fn serve_api(
     api: &Arc<ojs_api::Api>,
     req: Request<Incoming>,
     request_id: &str,
-    deadline: Duration,
+    activity: &Activity,
 ) -> hyper::Response<Bytes> {
-    let limit = api.settings().max_body_bytes;
-    let (parts, body) = req.into_parts();
-    let read = tokio::time::timeout(deadline, Limited::new(body, limit).collect()).await;
-    let Ok(read) = read else {
-        let mut r = ojs_api::http::error_response(
-            &ojs_api::ApiError::BodyTimeout {
-                seconds: deadline.as_secs(),
-            },
-            request_id,
-        );
+    let closing = |error: ojs_api::ApiError| {
+        let mut r = ojs_api::http::error_response(&error, request_id);
         r.headers_mut().insert(
             hyper::header::CONNECTION,
             hyper::header::HeaderValue::from_static("close"),
         );
-        return r;
+        r
     };
-    let body = match read {
-        Ok(collected) => collected.to_bytes(),
+    let declared = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let admitted = ojs_api::http::admit(api, req.method(), req.uri().path(), req.headers())
+        .and_then(|()| ojs_api::body::admit(declared, api.settings(), api.body_budget(), 0));
+    let (parts, body) = req.into_parts();
+    let permit = match admitted {
+        Ok(permit) => permit,
         Err(e) => {
-            let error = if e
-                .downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some()
-            {
-                ojs_api::ApiError::BodyTooLarge { limit }
-            } else {
-                ojs_api::ApiError::InvalidPayload {
-                    encoding: "HTTP",
-                    reason: format!("the body was cut off: {e}"),
-                }
-            };
-            return ojs_api::http::error_response(&error, request_id);
+            // Answered at once; what the client sends meanwhile is read and
+            // dropped behind the answer (within the body's deadline), so that
+            // it reads the answer instead of a reset.
+            let api = api.clone();
+            tokio::spawn(async move { ojs_api::body::discard(body, api.settings()).await });
+            return ojs_api::http::error_response(&e, request_id);
         }
     };
-    ojs_api::http::handle(api, Request::from_parts(parts, body), request_id).await
+    let read = {
+        let _reading = activity.reading();
+        ojs_api::body::read(body, permit, api.settings(), 0).await
+    };
+    let (body, permit) = match read {
+        Ok(read) => read,
+        Err(e) => return closing(e),
+    };
+    let answer = ojs_api::http::handle(api, Request::from_parts(parts, body), request_id).await;
+    drop(permit);
+    answer
 }
 
 fn full(r: hyper::Response<Bytes>) -> Response<Full<Bytes>> {
@@ -354,10 +403,8 @@ const EVICTABLE_AFTER: Duration = Duration::from_millis(500);
 
 /// One open connection, as the accept loop tracks it.
 struct Open {
-    /// When it was accepted.
-    since: Instant,
-    /// Its request head arrived (it is being answered).
-    answered: Arc<AtomicBool>,
+    /// Its requests: whether it is doing anything a real client does.
+    activity: Arc<Activity>,
     /// It has ended.
     closed: Arc<AtomicBool>,
     /// Closes it early.
@@ -367,9 +414,10 @@ struct Open {
 /// Serves until `stop` turns true.
 ///
 /// At `max_connections`, a new connection evicts the oldest one that has
-/// sat for half a second without a request head, or waits for one to end:
-/// idle or slow clients can hold at most the cap, and never keep a real
-/// request (which sends its head at once) waiting longer than that.
+/// sat for half a second without a request head, without a request, or
+/// waiting on request bodies, or waits for one to end: idle or slow
+/// clients can hold at most the cap, and never keep a real request (which
+/// sends its head and body at once) waiting longer than that.
 pub async fn serve(
     listener: TcpListener,
     tls: Option<crate::tls::ListenerTls>,
@@ -406,9 +454,9 @@ pub async fn serve(
             if open.len() < state.limits.max_connections.max(1) {
                 break;
             }
-            let idle = open.iter().position(|c| {
-                !c.answered.load(Ordering::Acquire) && c.since.elapsed() >= EVICTABLE_AFTER
-            });
+            let idle = open
+                .iter()
+                .position(|c| c.activity.stalled_for() >= EVICTABLE_AFTER);
             if let Some(c) = idle.and_then(|i| open.remove(i)) {
                 c.evict.notify_one();
                 break;
@@ -420,13 +468,12 @@ pub async fn serve(
             }
         }
         let conn = Open {
-            since: Instant::now(),
-            answered: Arc::new(AtomicBool::new(false)),
+            activity: Arc::new(Activity::default()),
             closed: Arc::new(AtomicBool::new(false)),
             evict: Arc::new(Notify::new()),
         };
-        let (answered, closed, evict) = (
-            conn.answered.clone(),
+        let (activity, closed, evict) = (
+            conn.activity.clone(),
             conn.closed.clone(),
             conn.evict.clone(),
         );
@@ -437,7 +484,7 @@ pub async fn serve(
         tokio::spawn(async move {
             let limits = state.limits.clone();
             match tls {
-                None => connection(TokioIo::new(stream), peer, state, answered, &evict).await,
+                None => connection(TokioIo::new(stream), peer, state, activity, &evict).await,
                 Some(tls) => {
                     // The handshake counts against the head's deadline.
                     let handshake = tokio::time::timeout(
@@ -447,7 +494,7 @@ pub async fn serve(
                     tokio::select! {
                         done = handshake => match done {
                             Ok(Ok(stream)) => {
-                                connection(TokioIo::new(stream), peer, state, answered, &evict).await;
+                                connection(TokioIo::new(stream), peer, state, activity, &evict).await;
                             }
                             Ok(Err(e)) => {
                                 tracing::debug!(%peer, error = %e, "TLS handshake refused");
@@ -473,24 +520,22 @@ async fn connection<I>(
     io: TokioIo<I>,
     peer: std::net::SocketAddr,
     state: Arc<HttpState>,
-    answered: Arc<AtomicBool>,
+    activity: Arc<Activity>,
     evict: &Notify,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let limits = state.limits.clone();
-    let activity = Arc::new(Activity::default());
     let seen = activity.clone();
     let service = hyper::service::service_fn(move |req| {
-        answered.store(true, Ordering::Release);
         let state = state.clone();
         let seen = seen.clone();
         async move {
             seen.begin();
             // The request ends with its answer's body: a gRPC stream keeps
             // the connection busy for as long as it runs.
-            let request = InFlight::new(seen);
-            let r = handle(state, req).await;
+            let request = InFlight::new(seen.clone());
+            let r = handle(state, req, seen).await;
             r.map(|response| {
                 response.map(|body| Tracked {
                     body,
@@ -584,6 +629,11 @@ impl hyper::body::Body for Tracked {
 #[derive(Debug)]
 struct Activity {
     in_flight: AtomicUsize,
+    /// Requests whose body is being read.
+    reading: AtomicUsize,
+    /// Milliseconds after `since` when `reading` last went from none to
+    /// some.
+    reading_ms: AtomicU64,
     /// A request has begun on this connection.
     begun: AtomicBool,
     since: Instant,
@@ -595,6 +645,8 @@ impl Default for Activity {
     fn default() -> Self {
         Activity {
             in_flight: AtomicUsize::new(0),
+            reading: AtomicUsize::new(0),
+            reading_ms: AtomicU64::new(0),
             begun: AtomicBool::new(false),
             since: Instant::now(),
             last_ms: AtomicU64::new(0),
@@ -602,7 +654,44 @@ impl Default for Activity {
     }
 }
 
+/// A request body being read; it ends when dropped.
+struct Reading<'a>(&'a Activity);
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.0.reading.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl Activity {
+    /// Marks a request body as being read until the guard is dropped.
+    fn reading(&self) -> Reading<'_> {
+        if self.reading.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.reading_ms
+                .store(self.since.elapsed().as_millis() as u64, Ordering::Release);
+        }
+        Reading(self)
+    }
+
+    /// How long the connection has done nothing a real client does: no
+    /// request head since it opened, no request since the last one
+    /// ended, or every request in flight waiting on its body; zero while
+    /// a request is being served.
+    fn stalled_for(&self) -> Duration {
+        if !self.started() {
+            return self.since.elapsed();
+        }
+        let in_flight = self.in_flight.load(Ordering::Acquire);
+        if in_flight == 0 {
+            return self.idle_for();
+        }
+        if self.reading.load(Ordering::Acquire) >= in_flight {
+            let began = Duration::from_millis(self.reading_ms.load(Ordering::Acquire));
+            return self.since.elapsed().saturating_sub(began);
+        }
+        Duration::ZERO
+    }
+
     fn begin(&self) {
         self.begun.store(true, Ordering::Release);
         self.in_flight.fetch_add(1, Ordering::AcqRel);

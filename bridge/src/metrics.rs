@@ -347,6 +347,27 @@ impl Metrics {
 /// A federation's state as Prometheus text under `name`: each region's
 /// breaker (0 closed, 1 half-open, 2 open), probe latency, messages routed
 /// and failures, and the federation's failovers.
+/// The OJS API's gauges: whether its job store answers and writes, the
+/// request bodies it holds, and the queue consumers it keeps for FETCH.
+pub fn render_api(api: &ojs_api::Api, out: &mut String) {
+    let (store_up, _) = api.store_health();
+    let _ = writeln!(
+        out,
+        "# HELP ojs_bridge_api_store_up Whether the OJS API's job store answers and writes (1) or not (0).\n# TYPE ojs_bridge_api_store_up gauge\nojs_bridge_api_store_up {}",
+        u8::from(store_up)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP ojs_bridge_api_body_bytes_in_flight Request bytes the OJS API holds now ([api] max_body_bytes_in_flight).\n# TYPE ojs_bridge_api_body_bytes_in_flight gauge\nojs_bridge_api_body_bytes_in_flight {}",
+        api.body_budget().used()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP ojs_bridge_api_consumers Queue consumers the OJS API keeps for FETCH ([api] max_consumers).\n# TYPE ojs_bridge_api_consumers gauge\nojs_bridge_api_consumers {}",
+        api.consumers()
+    );
+}
+
 pub fn render_federation(name: &str, federation: &Federation, out: &mut String) {
     let n = label(name);
     let regions = federation.snapshot();

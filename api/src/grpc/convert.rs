@@ -180,10 +180,10 @@ fn fold_options(
     }
     if let Some(d) = &o.ttl {
         let ms = millis(d, "options.ttl")?;
-        let at = Utc::now()
-            .checked_add_signed(chrono::Duration::milliseconds(
-                i64::try_from(ms).unwrap_or(i64::MAX),
-            ))
+        let at = i64::try_from(ms)
+            .ok()
+            .and_then(chrono::Duration::try_milliseconds)
+            .and_then(|d| Utc::now().checked_add_signed(d))
             .ok_or_else(|| ApiError::invalid("options.ttl", "is too long"))?;
         opts.insert("expires_at".into(), json!(crate::job::timestamp(at)));
     }

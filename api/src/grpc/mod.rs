@@ -107,7 +107,8 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         ApiError::UnsupportedVersion(_) => Code::FailedPrecondition,
         ApiError::BodyTooLarge { .. }
         | ApiError::BatchTooLarge { .. }
-        | ApiError::JobTooLarge { .. } => Code::ResourceExhausted,
+        | ApiError::JobTooLarge { .. }
+        | ApiError::Busy => Code::ResourceExhausted,
         ApiError::Unauthenticated => Code::Unauthenticated,
         ApiError::PermissionDenied { .. } => Code::PermissionDenied,
         ApiError::BodyTimeout { .. } => Code::DeadlineExceeded,
@@ -212,10 +213,7 @@ fn queues(names: Vec<String>) -> Result<Vec<String>, ApiError> {
             "`queues` is required: one or more queue names",
         ));
     }
-    for q in &names {
-        ojs_core::envelope::validate_queue_name(q)
-            .map_err(|e| ApiError::invalid("queues", e.to_string()))?;
-    }
+    crate::limits::check_fetch_queues(&names)?;
     Ok(names)
 }
 
@@ -258,7 +256,8 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::ManifestRequest>,
     ) -> Result<Response<pb::ManifestResponse>, Status> {
-        let id = request_id(request.metadata());
+        let call = self.call(request.metadata())?;
+        let id = call.request_id;
         let m = self.api.manifest();
         let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
         Ok(answer(
@@ -295,11 +294,23 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         request: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthResponse>, Status> {
         let id = request_id(request.metadata());
-        let (store_up, store) = self.api.store_health();
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        let detail = self
+            .api
+            .health_access(authorization)
+            .map_err(|e| status(&e, &id))?;
+        let (store_up, mut store) = self.api.store_health();
         let mut details = serde_json::Map::new();
-        details.insert("backend".into(), self.api.backend());
+        if detail {
+            details.insert("backend".into(), self.api.backend());
+            details.insert("uptime_seconds".into(), json!(self.api.uptime_seconds()));
+        } else if let Some(store) = store.as_object_mut() {
+            store.remove("reason");
+        }
         details.insert("store".into(), store);
-        details.insert("uptime_seconds".into(), json!(self.api.uptime_seconds()));
         let status = if store_up {
             pb::HealthStatus::Ok
         } else {
@@ -505,9 +516,12 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             let extend_by = r
                 .extend_by
                 .as_ref()
-                .map(|d| convert::millis(d, "extend_by"))
-                .transpose()?
-                .map(Duration::from_millis);
+                .map(|d| {
+                    convert::millis(d, "extend_by").and_then(|ms| {
+                        crate::limits::bounded_ms("extend_by", ms, crate::limits::MAX_VISIBILITY)
+                    })
+                })
+                .transpose()?;
             // `id` names a job unless it is the worker's own id.
             let worker_level = r.id.is_empty() || r.id == r.worker_id;
             let jobs = (!worker_level).then(|| vec![r.id.clone()]);
@@ -948,22 +962,51 @@ impl GrpcServices {
     }
 
     /// Answers one gRPC call; a service or method not served answers
-    /// `UNIMPLEMENTED`.
+    /// `UNIMPLEMENTED`. The token is checked on the call's head, before
+    /// its message is read, by the rule of each service
+    /// ([`Api::admit`](crate::Api::admit), [`Api::health_access`](crate::Api::health_access)).
     pub async fn call(&self, request: http::Request<GrpcBody>) -> http::Response<GrpcBody> {
         let path = request.uri().path().to_owned();
+        let authorization = request
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let refused = |error: ApiError| {
+            let request_id = request_id(&MetadataMap::from_headers(request.headers().clone()));
+            status(&error, &request_id).into_http()
+        };
         if path.starts_with(SERVICE_PATH) {
             if let Some(refused) = unsupported_codec(&request) {
                 return refused;
             }
+            if let Err(e) = self.api.tokens().identify(authorization.as_deref()) {
+                return refused(e);
+            }
             match self.read_within_limit(request).await {
-                Ok(request) => malformed_is_invalid_argument((self.ojs)(request).await),
+                Ok((request, permit)) => {
+                    let answer = malformed_is_invalid_argument((self.ojs)(request).await);
+                    drop(permit);
+                    answer
+                }
                 Err(refused) => refused,
             }
-        } else if path.starts_with("/grpc.reflection.v1.ServerReflection/") {
-            (self.reflection_v1)(request).await
-        } else if path.starts_with("/grpc.reflection.v1alpha.ServerReflection/") {
-            (self.reflection_v1alpha)(request).await
+        } else if path.starts_with("/grpc.reflection.") {
+            // What the service is, as the manifest: any valid token.
+            if let Err(e) = self.api.tokens().identify(authorization.as_deref()) {
+                return refused(e);
+            }
+            if path.starts_with("/grpc.reflection.v1.ServerReflection/") {
+                (self.reflection_v1)(request).await
+            } else if path.starts_with("/grpc.reflection.v1alpha.ServerReflection/") {
+                (self.reflection_v1alpha)(request).await
+            } else {
+                Status::unimplemented(format!("no gRPC service serves {path}")).into_http()
+            }
         } else if path.starts_with("/grpc.health.v1.Health/") {
+            if let Err(e) = self.api.health_access(authorization.as_deref()) {
+                return refused(e);
+            }
             self.report_health().await;
             (self.health)(request).await
         } else {
@@ -971,39 +1014,36 @@ impl GrpcServices {
         }
     }
 
-    /// The request with its body read, when it is within `[api]
-    /// max_body_bytes` (and the 5 bytes that frame a message); else the
-    /// binding's answer to a request too large, `RESOURCE_EXHAUSTED` (as
-    /// the HTTP binding answers 413; tonic's own limit would say
-    /// `OUT_OF_RANGE`). Every method of the binding takes one message, so
-    /// reading it whole first costs nothing.
+    /// The request with its body read within the API's body bounds
+    /// ([`crate::body`]: `[api] max_body_bytes` and the 5 bytes that frame
+    /// a message, the budget of bodies in flight, the deadline and the
+    /// minimum rate), and the budget it holds; else the binding's answer
+    /// (`RESOURCE_EXHAUSTED` for a request too large or past the budget,
+    /// as the HTTP binding answers 413 and 429; tonic's own limit would
+    /// say `OUT_OF_RANGE`). Every method of the binding takes one message,
+    /// so reading it whole first costs nothing.
     async fn read_within_limit(
         &self,
         request: http::Request<GrpcBody>,
-    ) -> Result<http::Request<GrpcBody>, http::Response<GrpcBody>> {
-        use http_body_util::BodyExt;
-        let limit = self.api.settings().max_body_bytes;
+    ) -> Result<(http::Request<GrpcBody>, crate::body::BodyPermit), http::Response<GrpcBody>> {
         let (parts, body) = request.into_parts();
-        match http_body_util::Limited::new(body, limit.saturating_add(5))
-            .collect()
-            .await
-        {
-            Ok(collected) => Ok(http::Request::from_parts(
-                parts,
-                GrpcBody::new(http_body_util::Full::new(collected.to_bytes())),
+        let read = match crate::body::admit(None, self.api.settings(), self.api.body_budget(), 5) {
+            Ok(permit) => crate::body::read(body, permit, self.api.settings(), 5).await,
+            Err(e) => Err(e),
+        };
+        match read {
+            Ok((bytes, permit)) => Ok((
+                http::Request::from_parts(parts, GrpcBody::new(http_body_util::Full::new(bytes))),
+                permit,
             )),
-            Err(e) => {
+            Err(error) => {
                 let request_id = request_id(&MetadataMap::from_headers(parts.headers));
-                let error = if e
-                    .downcast_ref::<http_body_util::LengthLimitError>()
-                    .is_some()
-                {
-                    ApiError::BodyTooLarge { limit }
-                } else {
-                    ApiError::InvalidPayload {
+                let error = match error {
+                    ApiError::InvalidPayload { reason, .. } => ApiError::InvalidPayload {
                         encoding: "gRPC",
-                        reason: format!("the request was cut off: {e}"),
-                    }
+                        reason,
+                    },
+                    other => other,
                 };
                 Err(status(&error, &request_id).into_http())
             }

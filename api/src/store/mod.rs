@@ -78,6 +78,14 @@ pub enum StoreError {
     /// The store's threads are gone (the store is closing).
     #[error("the job store is closed")]
     Closed,
+    /// A transition failed in a way no request should be able to cause (a
+    /// bug): that request fails, its writes are rolled back, and the store
+    /// goes on serving every other request.
+    #[error("a job store transition failed unexpectedly: {reason}")]
+    Internal {
+        /// What the failure said.
+        reason: String,
+    },
 }
 
 impl StoreError {
@@ -85,6 +93,16 @@ impl StoreError {
     /// the request, failed).
     pub fn is_unavailable(&self) -> bool {
         matches!(self, StoreError::Unavailable { .. } | StoreError::Closed)
+    }
+
+    /// Whether the failure belongs to the data, not to the store: a
+    /// stored job this build cannot read, or a transition that failed
+    /// unexpectedly. Repeating the request cannot help.
+    pub fn is_data_error(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Corrupt { .. } | StoreError::Internal { .. }
+        )
     }
 }
 
@@ -114,13 +132,60 @@ pub struct EventFilter {
     pub limit: usize,
 }
 
+/// Positions of the log one read looks at, at most: a filter that
+/// matches little is answered with what it found so far and a cursor past
+/// what it looked at, so that no reader scans the whole log at once.
+pub const MAX_EVENTS_SCANNED: i64 = 5_000;
+
+/// A page of the event log.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EventPage {
+    /// The events that matched.
+    pub events: Vec<Event>,
+    /// More of the log may match after `cursor`.
+    pub has_more: bool,
+    /// Where the next read starts: the last event looked at.
+    pub cursor: i64,
+}
+
 impl EventFilter {
-    fn wants(&self, event_type: &str, queue: &str, job_type: &str) -> bool {
-        let wanted = |list: &[String], v: &str| list.is_empty() || list.iter().any(|x| x == v);
-        wanted(&self.types, event_type)
-            && wanted(&self.queues, queue)
-            && wanted(&self.job_types, job_type)
-            && (self.scope.is_empty() || self.scope.iter().any(|g| g.matches(queue)))
+    /// The query of one read: events at positions after `after` and at
+    /// most [`MAX_EVENTS_SCANNED`] past it, with the filter's lists as SQL
+    /// (the token's scope is matched on the rows), `placeholder(n)` naming
+    /// the n-th parameter; and the parameters after the two bounds.
+    pub(crate) fn sql(&self, placeholder: impl Fn(usize) -> String) -> (String, Vec<String>) {
+        let mut sql = format!(
+            "SELECT seq, type, job_id, queue, job_type, time_ms, data FROM events
+             WHERE seq > {} AND seq <= {}",
+            placeholder(1),
+            placeholder(2)
+        );
+        let mut params = Vec::new();
+        for (column, values) in [
+            ("type", &self.types),
+            ("queue", &self.queues),
+            ("job_type", &self.job_types),
+        ] {
+            if values.is_empty() {
+                continue;
+            }
+            let names: Vec<String> = values
+                .iter()
+                .map(|v| {
+                    params.push(v.clone());
+                    placeholder(params.len() + 2)
+                })
+                .collect();
+            sql.push_str(&format!(" AND {column} IN ({})", names.join(", ")));
+        }
+        sql.push_str(" ORDER BY seq");
+        (sql, params)
+    }
+
+    /// Whether the reader may see events of `queue` (the token's scope;
+    /// the other filters are the query's).
+    fn sees(&self, queue: &str) -> bool {
+        self.scope.is_empty() || self.scope.iter().any(|g| g.matches(queue))
     }
 }
 
@@ -279,18 +344,23 @@ impl Store {
         matches!(self.backend, Backend::Postgres(_))
     }
 
-    /// Whether the store answers now.
+    /// Whether the store answers now (the embedded one: whether its last
+    /// commit went through).
     pub async fn ping(&self) -> Result<(), StoreError> {
         match &self.backend {
-            Backend::Sqlite(_) => Ok(()),
+            Backend::Sqlite(s) => match s.down() {
+                None => Ok(()),
+                Some(reason) => Err(StoreError::Commit(reason)),
+            },
             Backend::Postgres(p) => p.ping().await,
         }
     }
 
     /// Stores new jobs, all or none: a stored id is
     /// [`StoreError::Duplicate`]. They count as not yet on the broker until
-    /// [`Store::published`].
-    pub async fn insert(&self, jobs: Vec<Job>) -> Result<(), StoreError> {
+    /// [`Store::published`]. The jobs come back (a request's jobs are not
+    /// copied to be stored).
+    pub async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
         match &self.backend {
             Backend::Sqlite(s) => s.insert(jobs).await,
             Backend::Postgres(p) => p.insert(jobs).await,
@@ -417,8 +487,9 @@ impl Store {
         }
     }
 
-    /// Events matching `filter`, oldest first, and whether more match.
-    pub async fn events(&self, filter: EventFilter) -> Result<(Vec<Event>, bool), StoreError> {
+    /// Events matching `filter`, oldest first, looking at no more than
+    /// [`MAX_EVENTS_SCANNED`] of the log.
+    pub async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError> {
         match &self.backend {
             Backend::Sqlite(s) => s.events(filter).await,
             Backend::Postgres(p) => p.events(filter).await,
@@ -431,6 +502,24 @@ impl Store {
         match &self.backend {
             Backend::Sqlite(_) => Ok(Vec::new()),
             Backend::Postgres(p) => p.take_settles(holder.to_owned()).await,
+        }
+    }
+}
+
+/// Runs one store request so that a panic in it (a bug) fails that request
+/// alone with [`StoreError::Internal`] instead of taking the store's thread,
+/// and with it every later request, down.
+pub(crate) fn guarded<T>(f: impl FnOnce() -> Result<T, StoreError>) -> Result<T, StoreError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(done) => done,
+        Err(panic) => {
+            let reason = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            tracing::error!(%reason, "a job store request failed unexpectedly; it was rolled back and the store goes on");
+            Err(StoreError::Internal { reason })
         }
     }
 }

@@ -26,8 +26,8 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 
 use super::{
-    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, Event,
-    EventFilter, Lease, RunFn, Settle, StoreError, Tx, SCHEDULE_CLAIM,
+    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, EventFilter,
+    EventPage, Lease, RunFn, Settle, StoreError, Tx, MAX_EVENTS_SCANNED, SCHEDULE_CLAIM,
 };
 use crate::job::Job;
 
@@ -302,7 +302,7 @@ impl PostgresStore {
     ) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
         let job: Job1 = Box::new(move |conn| {
-            let _ = reply.send(f(conn));
+            let _ = reply.send(super::guarded(|| f(conn)));
         });
         self.jobs.send(job).map_err(|_| StoreError::Closed)?;
         answer.await.map_err(|_| StoreError::Closed)?
@@ -334,8 +334,9 @@ impl PostgresStore {
             .await
     }
 
-    pub(super) async fn insert(&self, jobs: Vec<Job>) -> Result<(), StoreError> {
-        self.transaction(move |t| insert(t, &jobs, false)).await
+    pub(super) async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
+        self.transaction(move |t| insert(t, &jobs, false).map(|()| jobs))
+            .await
     }
 
     pub(super) fn published(&self, ids: Vec<String>) {
@@ -494,44 +495,48 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn events(
-        &self,
-        filter: EventFilter,
-    ) -> Result<(Vec<Event>, bool), StoreError> {
+    pub(super) async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError> {
         self.call(move |c| {
-            let mut after = filter.after;
-            let mut out = Vec::new();
-            loop {
-                let rows = c
-                    .query(
-                        "SELECT seq, type, job_id, queue, job_type, time_ms, data FROM events
-                         WHERE seq > $1 ORDER BY seq LIMIT 1000",
-                        &[&after],
-                    )
-                    .map_err(pg)?;
-                for r in &rows {
-                    after = r.get(0);
-                    let (event_type, queue, job_type): (&str, &str, &str) =
-                        (r.get(1), r.get(3), r.get(4));
-                    if !filter.wants(event_type, queue, job_type) {
-                        continue;
-                    }
-                    if out.len() == filter.limit {
-                        return Ok((out, true));
-                    }
-                    out.push(event_body(
-                        after,
-                        event_type,
-                        r.get(2),
-                        queue,
-                        r.get(5),
-                        r.get(6),
-                    ));
+            let last: i64 = c
+                .query_one("SELECT coalesce(max(seq), 0)::bigint FROM events", &[])
+                .map_err(pg)?
+                .get(0);
+            let until = filter.after.saturating_add(MAX_EVENTS_SCANNED).min(last);
+            let (sql, lists) = filter.sql(|n| format!("${n}"));
+            let mut values: Vec<&(dyn ::postgres::types::ToSql + Sync)> =
+                vec![&filter.after, &until];
+            values.extend(
+                lists
+                    .iter()
+                    .map(|v| v as &(dyn ::postgres::types::ToSql + Sync)),
+            );
+            let rows = c.query(sql.as_str(), &values).map_err(pg)?;
+            let mut page = EventPage {
+                cursor: until.max(filter.after),
+                has_more: until < last,
+                ..EventPage::default()
+            };
+            for r in &rows {
+                let seq: i64 = r.get(0);
+                let queue: &str = r.get(3);
+                if !filter.sees(queue) {
+                    continue;
                 }
-                if rows.len() < 1000 {
-                    return Ok((out, false));
+                if page.events.len() == filter.limit {
+                    page.has_more = true;
+                    page.cursor = page.events.last().map_or(filter.after, |e| e.seq);
+                    return Ok(page);
                 }
+                page.events.push(event_body(
+                    seq,
+                    r.get(1),
+                    r.get(2),
+                    queue,
+                    r.get(5),
+                    r.get(6),
+                ));
             }
+            Ok(page)
         })
         .await
     }

@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 
 use super::{
     decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, Durability,
-    Event, EventFilter, RunFn, StoreError, Tx,
+    EventFilter, EventPage, RunFn, StoreError, Tx, MAX_EVENTS_SCANNED,
 };
 use crate::job::Job;
 
@@ -72,6 +72,7 @@ CREATE TABLE IF NOT EXISTS events (
     time_ms  INTEGER NOT NULL,
     data     TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS events_job ON events (job_id);
 CREATE TABLE IF NOT EXISTS workers (
     id      TEXT PRIMARY KEY,
     seen_ms INTEGER NOT NULL,
@@ -105,7 +106,7 @@ ALTER TABLE events DROP COLUMN id;
 enum Write {
     Insert {
         jobs: Vec<Job>,
-        reply: oneshot::Sender<Result<(), StoreError>>,
+        reply: oneshot::Sender<Result<Vec<Job>, StoreError>>,
     },
     Published {
         ids: Vec<String>,
@@ -131,11 +132,53 @@ enum Write {
 #[derive(Debug, Clone)]
 pub(super) struct SqliteStore {
     writes: mpsc::Sender<WriteBox>,
-    reader: Arc<Mutex<Connection>>,
+    readers: Arc<Readers>,
     path: PathBuf,
     /// The watermark and the last job number when the store was opened:
     /// available jobs between them may never have reached the broker.
     recover: (i64, i64),
+    /// Whether the writer's commits fail.
+    health: Arc<WriterHealth>,
+}
+
+/// Reader connections: a long read (the event log, a list) does not hold
+/// up the others; the first is kept for point reads (INFO).
+const READERS: usize = 4;
+
+/// The reader connections, each used by one read at a time.
+#[derive(Debug)]
+struct Readers {
+    connections: Vec<Mutex<Connection>>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Readers {
+    /// The connection of point reads (the first), or any free one.
+    fn point(&self) -> std::sync::MutexGuard<'_, Connection> {
+        for conn in &self.connections {
+            if let Ok(conn) = conn.try_lock() {
+                return conn;
+            }
+        }
+        self.connections[0]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A free connection other than the point reads', else the next in
+    /// turn once it is free.
+    fn take(&self) -> std::sync::MutexGuard<'_, Connection> {
+        let start = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = self.connections.len() - 1;
+        for i in 0..n {
+            if let Ok(conn) = self.connections[1 + (start + i) % n].try_lock() {
+                return conn;
+            }
+        }
+        self.connections[1 + start % n]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// `Write` is not `Debug` (it holds reply channels); the channel needs a
@@ -185,11 +228,7 @@ fn open_connection(path: &Path, durability: Durability) -> Result<Connection, St
         Durability::Process => "NORMAL",
         Durability::Power => "FULL",
     };
-    // A larger page cache than SQLite's 2 MiB: the jobs table and its
-    // indexes are written on every push.
-    conn.execute_batch(&format!(
-        "PRAGMA synchronous = {sync}; PRAGMA cache_size = -32768;"
-    ))?;
+    conn.execute_batch(&format!("PRAGMA synchronous = {sync};"))?;
     Ok(conn)
 }
 
@@ -215,6 +254,10 @@ impl SqliteStore {
         })?;
         let path = dir.join(STORE_FILE);
         let mut writer = open_connection(&path, durability)?;
+        // A larger page cache than SQLite's 2 MiB for the writer: the jobs
+        // table and its indexes are written on every push. The readers
+        // keep SQLite's default.
+        writer.execute_batch("PRAGMA cache_size = -32768;")?;
         let version: i64 = writer.query_row("PRAGMA user_version", [], |r| r.get(0))?;
         let tx = writer.transaction()?;
         if version == 1 {
@@ -230,7 +273,12 @@ impl SqliteStore {
         tx.commit()?;
         let confirmed = Confirmed::load(&writer)?;
         let recover = (confirmed.persisted, confirmed.next_seq - 1);
-        let reader = Arc::new(Mutex::new(open_connection(&path, durability)?));
+        let reader = Arc::new(Readers {
+            connections: (0..READERS)
+                .map(|_| open_connection(&path, durability).map(Mutex::new))
+                .collect::<Result<_, _>>()?,
+            next: std::sync::atomic::AtomicUsize::new(0),
+        });
         let (tx, rx) = mpsc::channel::<WriteBox>();
         // The writer thread keeps the reader alive until it has closed the
         // writer: SQLite's unix VFS deadlocks when two connections to one
@@ -238,10 +286,12 @@ impl SqliteStore {
         // VFS mutex and waits for the file's, the other the reverse; seen
         // as a daemon that never exited after SIGTERM).
         let keep_reader = reader.clone();
+        let health = Arc::new(WriterHealth::default());
+        let writer_health = health.clone();
         std::thread::Builder::new()
             .name("ojs-api-store".into())
             .spawn(move || {
-                write_loop(writer, rx, confirmed);
+                write_loop(writer, rx, confirmed, &writer_health);
                 drop(keep_reader);
             })
             .map_err(|e| StoreError::Open {
@@ -250,10 +300,16 @@ impl SqliteStore {
             })?;
         Ok(SqliteStore {
             writes: tx,
-            reader,
+            readers: reader,
             path,
             recover,
+            health,
         })
+    }
+
+    /// Why the store cannot write now, while it cannot.
+    pub(super) fn down(&self) -> Option<String> {
+        self.health.down()
     }
 
     /// The store's file.
@@ -276,9 +332,24 @@ impl SqliteStore {
         &self,
         f: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let reader = self.reader.clone();
+        self.read_on(false, f).await
+    }
+
+    /// A read on a connection of its own kind: `point` reads (one job by
+    /// its key) have one that lists and log reads never take, so that
+    /// INFO does not wait behind them.
+    async fn read_on<T: Send + 'static>(
+        &self,
+        point: bool,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let readers = self.readers.clone();
         tokio::task::spawn_blocking(move || {
-            let conn = reader.lock().unwrap_or_else(|e| e.into_inner());
+            let conn = if point {
+                readers.point()
+            } else {
+                readers.take()
+            };
             f(&conn)
         })
         .await
@@ -288,7 +359,7 @@ impl SqliteStore {
     /// Stores new jobs, all or none: a stored id is
     /// [`StoreError::Duplicate`]. They count as not yet on the broker until
     /// [`Store::published`].
-    pub(super) async fn insert(&self, jobs: Vec<Job>) -> Result<(), StoreError> {
+    pub(super) async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
         self.write(|reply| Write::Insert { jobs, reply }).await
     }
 
@@ -317,7 +388,7 @@ impl SqliteStore {
 
     /// One job.
     pub(super) async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
-        self.read(move |conn| {
+        self.read_on(true, move |conn| {
             let row = conn
                 .query_row(
                     "SELECT envelope, extra FROM jobs WHERE id = ?1",
@@ -404,31 +475,38 @@ impl SqliteStore {
         .await
     }
 
-    /// Events matching `filter`, oldest first, and whether more match.
-    pub(super) async fn events(
-        &self,
-        filter: EventFilter,
-    ) -> Result<(Vec<Event>, bool), StoreError> {
+    /// Events matching `filter`, oldest first, looking at no more than
+    /// [`MAX_EVENTS_SCANNED`] positions of the log (a range of its key,
+    /// filtered by SQLite).
+    pub(super) async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError> {
         self.read(move |conn| {
-            let mut stmt = conn.prepare_cached(
-                "SELECT seq, type, job_id, queue, job_type, time_ms, data FROM events
-                 WHERE seq > ?1 ORDER BY seq",
-            )?;
-            let mut rows = stmt.query(params![filter.after])?;
-            let mut out = Vec::new();
+            let last: i64 =
+                conn.query_row("SELECT coalesce(max(seq), 0) FROM events", [], |r| r.get(0))?;
+            let until = filter.after.saturating_add(MAX_EVENTS_SCANNED).min(last);
+            let (sql, lists) = filter.sql(|n| format!("?{n}"));
+            let mut stmt = conn.prepare_cached(&sql)?;
+            let mut values: Vec<&dyn rusqlite::ToSql> = vec![&filter.after, &until];
+            values.extend(lists.iter().map(|v| v as &dyn rusqlite::ToSql));
+            let mut rows = stmt.query(values.as_slice())?;
+            let mut page = EventPage {
+                cursor: until.max(filter.after),
+                has_more: until < last,
+                ..EventPage::default()
+            };
             while let Some(r) = rows.next()? {
-                let (event_type, queue, job_type): (String, String, String) =
-                    (r.get(1)?, r.get(3)?, r.get(4)?);
-                if !filter.wants(&event_type, &queue, &job_type) {
+                let seq: i64 = r.get(0)?;
+                let queue: String = r.get(3)?;
+                if !filter.sees(&queue) {
                     continue;
                 }
-                if out.len() == filter.limit {
-                    return Ok((out, true));
+                if page.events.len() == filter.limit {
+                    page.has_more = true;
+                    page.cursor = page.events.last().map_or(filter.after, |e| e.seq);
+                    return Ok(page);
                 }
-                let seq: i64 = r.get(0)?;
-                let (job_id, time_ms, data): (String, i64, String) =
-                    (r.get(2)?, r.get(5)?, r.get(6)?);
-                out.push(event_body(
+                let (event_type, job_id, time_ms, data): (String, String, i64, String) =
+                    (r.get(1)?, r.get(2)?, r.get(5)?, r.get(6)?);
+                page.events.push(event_body(
                     seq,
                     &event_type,
                     &job_id,
@@ -437,7 +515,7 @@ impl SqliteStore {
                     &data,
                 ));
             }
-            Ok((out, false))
+            Ok(page)
         })
         .await
     }
@@ -720,7 +798,12 @@ impl Confirmed {
     }
 }
 
-fn write_loop(mut conn: Connection, rx: mpsc::Receiver<WriteBox>, mut confirmed: Confirmed) {
+fn write_loop(
+    mut conn: Connection,
+    rx: mpsc::Receiver<WriteBox>,
+    mut confirmed: Confirmed,
+    health: &WriterHealth,
+) {
     while let Ok(first) = rx.recv() {
         let mut group = vec![first.0];
         while group.len() < MAX_GROUP {
@@ -729,8 +812,66 @@ fn write_loop(mut conn: Connection, rx: mpsc::Receiver<WriteBox>, mut confirmed:
                 Err(_) => break,
             }
         }
-        let results = commit_group(&mut conn, &mut group, &mut confirmed);
+        // Each transition runs guarded already; this catches a failure of
+        // the group's own steps, so that the group's requests fail and the
+        // writer goes on (its transaction is rolled back as it unwinds).
+        let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            commit_group(&mut conn, &mut group, &mut confirmed)
+        }))
+        .unwrap_or_else(|_| {
+            tracing::error!(
+                "a job store commit failed unexpectedly; its requests fail and the store goes on"
+            );
+            group
+                .iter()
+                .map(|_| failed("the commit failed unexpectedly"))
+                .collect()
+        });
+        health.record(&results);
         deliver(group, results);
+    }
+    health.set(Some("the job store's writer stopped".to_owned()));
+}
+
+/// Whether the writer's last commit failed, and why: while it does, the
+/// store cannot write and health says so.
+#[derive(Debug, Default)]
+pub(super) struct WriterHealth(Mutex<Option<String>>);
+
+impl WriterHealth {
+    fn set(&self, down: Option<String>) {
+        let mut was = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match (&*was, &down) {
+            (None, Some(reason)) => {
+                tracing::warn!(%reason, "the job store cannot write; requests fail as retryable until it can")
+            }
+            (Some(_), None) => tracing::info!("the job store writes again"),
+            _ => {}
+        }
+        *was = down;
+    }
+
+    fn record(&self, results: &[Outcome]) {
+        let commit_failed = results.iter().find_map(|o| match o {
+            Outcome::Unit(Err(StoreError::Commit(reason))) => Some(reason.clone()),
+            _ => None,
+        });
+        // A group that committed (or failed only requests of its own)
+        // shows the store writes.
+        if commit_failed.is_some()
+            && results
+                .iter()
+                .all(|o| matches!(o, Outcome::Unit(Err(StoreError::Commit(_)))))
+        {
+            self.set(commit_failed);
+        } else {
+            self.set(None);
+        }
+    }
+
+    /// Why the store cannot write, while it cannot.
+    pub(super) fn down(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -772,9 +913,11 @@ fn commit_group(
                 Some(f) => {
                     let before = next_seq;
                     let r = in_savepoint(&tx, |conn| {
-                        f(&mut SqliteTx {
-                            conn,
-                            next_seq: &mut next_seq,
+                        super::guarded(|| {
+                            f(&mut SqliteTx {
+                                conn,
+                                next_seq: &mut next_seq,
+                            })
                         })
                     });
                     if r.is_err() {
@@ -890,8 +1033,10 @@ fn in_savepoint<T>(
 fn deliver(group: Vec<Write>, results: Vec<Outcome>) {
     for (write, outcome) in group.into_iter().zip(results) {
         match (write, outcome) {
-            (Write::Insert { reply, .. }, Outcome::Unit(r))
-            | (Write::Remove { reply, .. }, Outcome::Unit(r)) => {
+            (Write::Insert { reply, jobs }, Outcome::Unit(r)) => {
+                let _ = reply.send(r.map(|()| jobs));
+            }
+            (Write::Remove { reply, .. }, Outcome::Unit(r)) => {
                 let _ = reply.send(r);
             }
             (Write::Prune { reply, .. }, Outcome::Pruned(r)) => {
@@ -1073,12 +1218,13 @@ mod tests {
                 .map(|j| j.envelope.id),
             Some(a.envelope.id.clone())
         );
-        let (events, _) = store
+        let events = store
             .events(EventFilter {
                 limit: 10,
                 ..EventFilter::default()
             })
-            .await?;
+            .await?
+            .events;
         assert_eq!(events.len(), 1);
         assert_eq!(events[0].body["id"], "evt_0000000000000001");
         // The workers' records (version 4) are there too.
@@ -1090,6 +1236,61 @@ mod tests {
             })
             .await?;
         assert_eq!(record, Some(serde_json::json!({"id": "w1"})));
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transition_that_panics_fails_alone_and_the_store_goes_on() -> Result<(), StoreError>
+    {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let store = Store::open(&dir, Durability::Process).await?;
+        let a = job(None);
+        let id = a.envelope.id.clone();
+        store.insert(vec![a]).await?;
+        let panicked = store
+            .run(move |tx| -> Result<(), StoreError> {
+                let mut job = tx.load(&id)?;
+                job.envelope.priority = 7;
+                tx.save(&job, None)?;
+                panic!("a bug in a transition");
+            })
+            .await;
+        match panicked {
+            Err(StoreError::Internal { reason }) => assert!(reason.contains("a bug"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        // Its write was rolled back; the writer serves the next requests.
+        let b = job(None);
+        let b_id = b.envelope.id.clone();
+        store.insert(vec![b]).await?;
+        assert!(store.get(b_id).await?.is_some());
+        let all = store.run(|tx| tx.workers().map(|w| w.len())).await?;
+        assert_eq!(all, 0);
+        assert!(store.ping().await.is_ok());
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_that_cannot_write_says_so_until_it_writes_again() -> Result<(), StoreError> {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let store = Store::open(&dir, Durability::Process).await?;
+        store.insert(vec![job(None)]).await?;
+        // Another process holds the file's write lock past the busy wait.
+        let blocker = Connection::open(dir.join(STORE_FILE))?;
+        blocker.execute_batch("BEGIN EXCLUSIVE")?;
+        match store.insert(vec![job(None)]).await {
+            Err(StoreError::Commit(_)) => {}
+            other => panic!("{other:?}"),
+        }
+        let down = store.ping().await.unwrap_err();
+        assert!(down.to_string().contains("locked"), "{down}");
+        blocker.execute_batch("ROLLBACK")?;
+        store.insert(vec![job(None)]).await?;
+        assert!(store.ping().await.is_ok());
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

@@ -62,6 +62,39 @@ pub struct ApiConfig {
     /// `0s`: they go back to the broker at once. Default `10s`.
     #[serde(default = "default_drain_timeout", with = "duration_text")]
     pub drain_timeout: Duration,
+    /// Most values (arrays, objects and their members) one JSON body may
+    /// hold, counted on its bytes before it is parsed; more is 400.
+    /// Default 200000.
+    #[serde(default = "default_max_json_values")]
+    pub max_json_values: usize,
+    /// Request bodies being read or served at once, bytes, across every
+    /// connection and both bindings; a request past it is answered 429
+    /// with `Retry-After` (gRPC `RESOURCE_EXHAUSTED`) before its body is
+    /// read. Default 67108864 (64 MiB).
+    #[serde(default = "default_max_body_bytes_in_flight")]
+    pub max_body_bytes_in_flight: usize,
+    /// Longest one request body may take to arrive; past it, 408 and the
+    /// connection is closed. Default `30s`.
+    #[serde(default = "default_body_timeout", with = "duration_text")]
+    pub body_timeout: Duration,
+    /// Slowest a request body may arrive after its first second, bytes
+    /// per second; slower is 408 and the connection is closed. Default
+    /// 16384.
+    #[serde(default = "default_body_min_rate")]
+    pub body_min_rate: u64,
+    /// Most bytes of jobs (their size on the broker) one FETCH answers
+    /// with; a FETCH always gets at least one job when one is there.
+    /// Default 8388608 (8 MiB).
+    #[serde(default = "default_max_fetch_bytes")]
+    pub max_fetch_bytes: usize,
+    /// Most queues this process keeps a consumer of for FETCH; the one
+    /// idle longest is closed to make room. Default 256.
+    #[serde(default = "default_max_consumers")]
+    pub max_consumers: usize,
+    /// A queue's consumer that no FETCH used for this long is closed.
+    /// Default `5m`.
+    #[serde(default = "default_consumer_idle_timeout", with = "duration_text")]
+    pub consumer_idle_timeout: Duration,
     /// What a commit of the job store survives: `process` (a crash of
     /// the process; the default, as the embedded broker's) or `power`
     /// (also power loss: an fsync per group commit).
@@ -148,6 +181,27 @@ fn default_visibility_timeout() -> Duration {
 fn default_drain_timeout() -> Duration {
     ojs_api::ApiSettings::default().drain_timeout
 }
+fn default_max_json_values() -> usize {
+    ojs_api::ApiSettings::default().max_json_values
+}
+fn default_max_body_bytes_in_flight() -> usize {
+    ojs_api::ApiSettings::default().max_body_bytes_in_flight
+}
+fn default_body_timeout() -> Duration {
+    ojs_api::ApiSettings::default().body_timeout
+}
+fn default_body_min_rate() -> u64 {
+    ojs_api::ApiSettings::default().body_min_rate
+}
+fn default_max_fetch_bytes() -> usize {
+    ojs_api::ApiSettings::default().max_fetch_bytes
+}
+fn default_max_consumers() -> usize {
+    ojs_api::ApiSettings::default().max_consumers
+}
+fn default_consumer_idle_timeout() -> Duration {
+    ojs_api::ApiSettings::default().consumer_idle_timeout
+}
 fn default_state_schema() -> String {
     "ojs_bridge".to_owned()
 }
@@ -204,10 +258,15 @@ impl ApiConfig {
     ) -> Result<ojs_api::ApiSettings, ConfigError> {
         ConfigError::all(self.problems(adapters))?;
         let mut tokens = Vec::new();
-        if let Some(path) = &http.token_file {
+        let health_token = http
+            .token_file
+            .as_deref()
+            .map(|path| read_token_file("http.token_file", path))
+            .transpose()?;
+        if let Some(secret) = &health_token {
             tokens.push(Token {
                 name: "http.token_file".into(),
-                secret: read_token_file("http.token_file", path)?,
+                secret: secret.clone(),
                 operations: vec![Operation::Admin],
                 queues: Vec::new(),
             });
@@ -262,8 +321,16 @@ impl ApiConfig {
             state_dir,
             postgres,
             tokens: Tokens::new(tokens),
+            health_token,
             visibility_timeout: self.visibility_timeout,
             drain_timeout: self.drain_timeout,
+            max_json_values: self.max_json_values,
+            max_body_bytes_in_flight: self.max_body_bytes_in_flight,
+            body_timeout: self.body_timeout,
+            body_min_rate: self.body_min_rate,
+            max_fetch_bytes: self.max_fetch_bytes,
+            max_consumers: self.max_consumers,
+            consumer_idle_timeout: self.consumer_idle_timeout,
             durability: match self.durability {
                 StoreDurability::Process => ojs_api::store::Durability::Process,
                 StoreDurability::Power => ojs_api::store::Durability::Power,
@@ -325,6 +392,36 @@ impl ApiConfig {
         }
         if self.visibility_timeout < Duration::from_secs(1) {
             errors.push(invalid("api.visibility_timeout", "must be at least 1s"));
+        }
+        if self.max_json_values < 100 {
+            errors.push(invalid("api.max_json_values", "must be at least 100"));
+        }
+        if self.max_body_bytes_in_flight < self.max_body_bytes {
+            errors.push(invalid(
+                "api.max_body_bytes_in_flight",
+                format!(
+                    "must be at least api.max_body_bytes ({}): one largest body must fit",
+                    self.max_body_bytes
+                ),
+            ));
+        }
+        if self.body_timeout < Duration::from_secs(1) {
+            errors.push(invalid("api.body_timeout", "must be at least 1s"));
+        }
+        if self.body_min_rate == 0 {
+            errors.push(invalid(
+                "api.body_min_rate",
+                "must be at least 1 byte per second",
+            ));
+        }
+        if self.max_fetch_bytes < 1024 {
+            errors.push(invalid("api.max_fetch_bytes", "must be at least 1024"));
+        }
+        if self.max_consumers == 0 {
+            errors.push(invalid("api.max_consumers", "must be at least 1"));
+        }
+        if self.consumer_idle_timeout < Duration::from_secs(1) {
+            errors.push(invalid("api.consumer_idle_timeout", "must be at least 1s"));
         }
         let mut names = BTreeSet::new();
         for (i, token) in self.tokens.iter().enumerate() {

@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod abuse;
 mod broker_faults;
 mod cli_brokers;
 mod cli_convert;

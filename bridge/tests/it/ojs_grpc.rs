@@ -19,7 +19,7 @@ use tonic_types::StatusExt;
 
 use crate::ojs_server::{get, post_json, OjsServer};
 
-async fn client(addr: SocketAddr) -> OjsServiceClient<Channel> {
+pub(crate) async fn client(addr: SocketAddr) -> OjsServiceClient<Channel> {
     let channel = Channel::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
@@ -29,7 +29,7 @@ async fn client(addr: SocketAddr) -> OjsServiceClient<Channel> {
 }
 
 /// A client sending `authorization` with every call.
-fn with_token(
+pub(crate) fn with_token(
     channel: Channel,
     authorization: &str,
 ) -> OjsServiceClient<
@@ -42,7 +42,7 @@ fn with_token(
     })
 }
 
-fn enqueue(job_type: &str, args: Value, queue: &str) -> pb::EnqueueRequest {
+pub(crate) fn enqueue(job_type: &str, args: Value, queue: &str) -> pb::EnqueueRequest {
     pb::EnqueueRequest {
         r#type: job_type.into(),
         args: args.as_array().unwrap().iter().map(json_to_value).collect(),
@@ -58,7 +58,9 @@ fn state(job: &pb::Job) -> pb::JobState {
 }
 
 /// The code and the binding's `ErrorInfo` reason of a failed call.
-fn refused<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> (Code, String, tonic::Status) {
+pub(crate) fn refused<T: std::fmt::Debug>(
+    r: Result<T, tonic::Status>,
+) -> (Code, String, tonic::Status) {
     let status = r.expect_err("the call must be refused");
     let info = status
         .get_details_error_info()

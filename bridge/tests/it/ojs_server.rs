@@ -94,6 +94,11 @@ impl OjsServer {
         }
     }
 
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// What the daemon logged so far.
     pub fn log(&self) -> String {
         self.log.lock().unwrap().join("\n")

@@ -34,6 +34,13 @@ impl Path<'_> {
     }
 }
 
+/// Checks that a JSON value named `root` (`result`, `args`) can be
+/// carried in an envelope: nesting within [`MAX_VALUE_DEPTH`], integers
+/// within ±2^53.
+pub fn check_json_value(root: &str, value: &Value) -> Result<()> {
+    check_value(value, &Path::Root(root), 0)
+}
+
 /// Checks that a JSON value can be carried as `google.protobuf.Value`.
 pub(crate) fn check_value(value: &Value, path: &Path<'_>, depth: usize) -> Result<()> {
     match value {
