@@ -10,7 +10,6 @@
 
 use std::collections::BTreeMap;
 
-use chrono::Utc;
 use ojs_core::glob::Glob;
 use ojs_core::JobState;
 use serde_json::{json, Value};
@@ -120,7 +119,7 @@ impl Api {
     pub async fn retry_dead_letter(&self, grant: &Grant<'_>, id: &str) -> Result<Job, ApiError> {
         let queue = self.dead_letter(grant, id).await?.envelope.queue;
         grant.allow_job(Operation::Admin, &queue, id)?;
-        let now = Utc::now();
+        let now = ojs_core::envelope::now_millis();
         let job_id = id.to_owned();
         let (before, job) = self
             .store

@@ -132,6 +132,13 @@ pub enum ApiError {
         /// The queue or `this server`.
         scope: String,
     },
+    /// An endpoint of an OJS feature this server does not serve (yet):
+    /// the binding's 422 `unsupported`, naming the feature.
+    #[error("{feature} are not supported by this server (see /ojs/manifest for what is)")]
+    Unsupported {
+        /// The feature, as a plural: `cron jobs`, `workflows`.
+        feature: &'static str,
+    },
     /// A path this binding does not have.
     #[error("no such endpoint: {method} {path}")]
     NoRoute {
@@ -202,7 +209,7 @@ impl ApiError {
             ApiError::Duplicate { .. } => "duplicate",
             ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => "conflict",
             ApiError::NotAcceptable { .. } => "not_acceptable",
-            ApiError::UnsupportedVersion(_) => "unsupported",
+            ApiError::UnsupportedVersion(_) | ApiError::Unsupported { .. } => "unsupported",
             ApiError::BodyTooLarge { .. }
             | ApiError::BatchTooLarge { .. }
             | ApiError::JobTooLarge { .. } => "payload_too_large",
@@ -237,7 +244,7 @@ impl ApiError {
             ApiError::BodyTooLarge { .. }
             | ApiError::BatchTooLarge { .. }
             | ApiError::JobTooLarge { .. } => 413,
-            ApiError::UnsupportedVersion(_) => 422,
+            ApiError::UnsupportedVersion(_) | ApiError::Unsupported { .. } => 422,
             // The store cannot be reached (PostgreSQL restarting): the
             // request may be repeated, like a broker that is down.
             ApiError::Store(e) if e.is_unavailable() => 503,

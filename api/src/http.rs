@@ -235,7 +235,7 @@ async fn route(
                 let (previous, job) = api.cancel(&grant, id).await?;
                 let mut body = job.to_json();
                 body["previous_state"] = json!(previous.as_str().unwrap_or("unknown"));
-                Ok(json_response(200, &json!({ "job": body }), request_id))
+                Ok(json_response(200, &job_body(body), request_id))
             }
             _ => Err(not_allowed("GET, DELETE")),
         },
@@ -247,7 +247,7 @@ async fn route(
             let job = api.activate(&grant, id).await?;
             let mut body = job.to_json();
             body["previous_state"] = json!("pending");
-            Ok(json_response(200, &json!({ "job": body }), request_id))
+            Ok(json_response(200, &job_body(body), request_id))
         }
         (_, ["queues"]) => {
             if method != Method::GET {
@@ -297,10 +297,30 @@ async fn route(
             };
             worker_route(api, &grant, action, body, request_id).await
         }
-        _ => Err(ApiError::NoRoute {
-            method: method.to_string(),
-            path: path.to_owned(),
+        _ => Err(match unserved_feature(&segments) {
+            Some(feature) => ApiError::Unsupported { feature },
+            None => ApiError::NoRoute {
+                method: method.to_string(),
+                path: path.to_owned(),
+            },
         }),
+    }
+}
+
+/// The OJS feature a path of the binding belongs to, when this server does
+/// not serve it: clients (the SDKs) are told it is unsupported (422), not
+/// that the resource is missing.
+fn unserved_feature(segments: &[&str]) -> Option<&'static str> {
+    match segments {
+        ["cron", ..] => Some("cron jobs"),
+        ["workflows", ..] => Some("workflows"),
+        ["queues", _, _, ..] => Some("queue operations (pause, resume, stats)"),
+        ["rate-limits", ..] => Some("rate limits"),
+        ["admin", second, ..] if !matches!(*second, "workers" | "dead-letter") => {
+            Some("admin endpoints other than workers and dead letters")
+        }
+        ["events", "stream", ..] | ["ws", ..] => Some("live event streams"),
+        _ => None,
     }
 }
 
@@ -728,6 +748,19 @@ pub fn batch(headers: &HeaderMap, body: &[u8], limit: usize) -> Result<Vec<Job>,
     Ok(jobs)
 }
 
+/// An answer about one job: the job under `job` (as the conformance cases
+/// read it) and its fields at the top level too (as the official Rust SDK
+/// and the admin UI's job page read them), as ACK answers `id` beside
+/// `job_id`.
+fn job_body(job: Value) -> Value {
+    let mut body = match &job {
+        Value::Object(fields) => fields.clone(),
+        _ => Map::new(),
+    };
+    body.insert("job".into(), job);
+    Value::Object(body)
+}
+
 /// The job as a protobuf `JobEnvelope`: the binding's fields the envelope
 /// has no number for ride in its unknown attributes.
 fn job_proto(job: &Job) -> ojs_core::JobEnvelope {
@@ -745,11 +778,7 @@ fn job_response(
     request_id: &str,
 ) -> Result<Response<Bytes>, ApiError> {
     if answer != Encoding::OjsProto {
-        return Ok(json_response(
-            status,
-            &json!({"job": job.to_json()}),
-            request_id,
-        ));
+        return Ok(json_response(status, &job_body(job.to_json()), request_id));
     }
     let bytes = job_proto(job)
         .to_proto_bytes()
@@ -835,11 +864,7 @@ async fn dead_letter_route(
         [id] => match *method {
             Method::GET => {
                 let job = api.dead_letter(grant, id).await?;
-                Ok(json_response(
-                    200,
-                    &json!({"job": job.to_json()}),
-                    request_id,
-                ))
+                Ok(json_response(200, &job_body(job.to_json()), request_id))
             }
             Method::DELETE => {
                 api.delete_dead_letter(grant, id).await?;
@@ -863,11 +888,7 @@ async fn dead_letter_route(
                 return Err(not_allowed("POST"));
             }
             let job = api.retry_dead_letter(grant, id).await?;
-            Ok(json_response(
-                200,
-                &json!({"job": job.to_json()}),
-                request_id,
-            ))
+            Ok(json_response(200, &job_body(job.to_json()), request_id))
         }
         _ => Err(ApiError::NoRoute {
             method: method.to_string(),

@@ -365,7 +365,7 @@ impl Api {
             grant.allow_job(Operation::Admin, &job.envelope.queue, id)?;
         }
         self.store
-            .cancel(id.to_owned(), Utc::now())
+            .cancel(id.to_owned(), ojs_core::envelope::now_millis())
             .await
             .map_err(|e| {
                 error::store_error(

@@ -168,6 +168,17 @@ fn shown(mut record: Value, now: DateTime<Utc>) -> Value {
                 .is_ok_and(|age| age > STALE_AFTER)
         });
     record["stale"] = json!(stale);
+    // What the admin UI reads without checking: always there, of its type
+    // (a heartbeat over gRPC, or an operator's directive before any
+    // heartbeat, names none of them).
+    if !record["queues"].is_array() {
+        record["queues"] = json!([]);
+    }
+    for key in ["concurrency", "active_jobs"] {
+        if !record[key].is_number() {
+            record[key] = json!(0);
+        }
+    }
     record
 }
 
@@ -344,6 +355,24 @@ mod tests {
         assert_eq!(shown(at(31), now)["stale"], true);
         // Directed before it ever beat: stale until it does.
         assert_eq!(shown(new_record("w", now), now)["stale"], true);
+    }
+
+    #[test]
+    fn what_the_admin_ui_reads_is_always_there() {
+        let now = Utc::now();
+        let bare = shown(json!({"id": "w", "state": "quiet"}), now);
+        assert_eq!(bare["queues"], json!([]));
+        assert_eq!(bare["concurrency"], 0);
+        assert_eq!(bare["active_jobs"], 0);
+        let told = shown(
+            json!({"id": "w", "queues": ["a"], "concurrency": 4, "active_jobs": 2}),
+            now,
+        );
+        assert_eq!(told["queues"], json!(["a"]));
+        assert_eq!(
+            (told["concurrency"].clone(), told["active_jobs"].clone()),
+            (json!(4), json!(2))
+        );
     }
 
     #[test]

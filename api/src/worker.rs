@@ -577,7 +577,7 @@ impl Api {
         if envelopes.is_empty() {
             return Ok(Vec::new());
         }
-        let now = Utc::now();
+        let now = ojs_core::envelope::now_millis();
         let worker = request.worker_id.clone();
         let visibility = request.visibility;
         let replica = self.shared_replica();
@@ -741,7 +741,7 @@ impl Api {
                 .map_err(crate::job::invalid_envelope)?;
         }
         let held = self.take_held(id);
-        let now = Utc::now();
+        let now = ojs_core::envelope::now_millis();
         let job_id = id.to_owned();
         let remote = self.remote(held.is_some());
         let done = self
@@ -780,7 +780,7 @@ impl Api {
         let id = failure.job_id.clone();
         self.check_scope(grant, &id).await?;
         let held = self.take_held(&id);
-        let now = Utc::now();
+        let now = ojs_core::envelope::now_millis();
         let remote = self.remote(held.is_some());
         let decided = self
             .store
@@ -967,7 +967,7 @@ impl Api {
             error,
             requeue: false,
         };
-        let now = Utc::now();
+        let now = ojs_core::envelope::now_millis();
         match self.store.run(move |tx| fail(tx, &failure, now)).await {
             Ok((_, decision)) => {
                 tracing::info!(job_id = %id, timeout_ms = limit.as_millis() as u64, "a job ran past its execution timeout and failed");
@@ -1043,7 +1043,7 @@ impl Api {
             self.time_out(id, held).await;
         }
         for (id, mut held) in expired {
-            let at = Utc::now();
+            let at = ojs_core::envelope::now_millis();
             let job_id = id.clone();
             let replica = self.shared_replica();
             match self

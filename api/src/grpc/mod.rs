@@ -105,6 +105,7 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         ApiError::Duplicate { .. } => Code::AlreadyExists,
         ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => Code::FailedPrecondition,
         ApiError::UnsupportedVersion(_) => Code::FailedPrecondition,
+        ApiError::Unsupported { .. } => Code::Unimplemented,
         ApiError::BodyTooLarge { .. }
         | ApiError::BatchTooLarge { .. }
         | ApiError::JobTooLarge { .. }

@@ -24,6 +24,7 @@ mod ojs_api_dead_letters;
 mod ojs_api_replicas;
 mod ojs_api_security;
 mod ojs_api_worker;
+mod ojs_clients;
 mod ojs_conformance;
 mod ojs_grpc;
 mod ojs_server;

@@ -199,35 +199,6 @@ struct Report {
     skipped: Vec<(String, &'static str)>,
 }
 
-/// The case with each job type that has a '-' (which the official JSON
-/// schema's type pattern refuses, and this server with it) spelled with
-/// '_' instead, everywhere in the case: what the case tests is the same.
-fn schema_valid_types(case: &Value) -> Value {
-    let mut types = Vec::new();
-    for step in case["steps"].as_array().into_iter().flatten() {
-        let body = &step["body"];
-        for t in std::iter::once(&body["type"]).chain(
-            body["jobs"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|j| &j["type"]),
-        ) {
-            if let Some(t) = t.as_str().filter(|t| t.contains('-')) {
-                types.push(t.to_owned());
-            }
-        }
-    }
-    if types.is_empty() {
-        return case.clone();
-    }
-    let mut text = case.to_string();
-    for t in types {
-        text = text.replace(&format!("\"{t}\""), &format!("\"{}\"", t.replace('-', "_")));
-    }
-    serde_json::from_str(&text).unwrap_or_else(|_| case.clone())
-}
-
 /// The case with each queue it names (but `default`) given a suffix of
 /// its own: several cases share a queue and leave jobs in retry behind
 /// them, which would reach the next case's FETCH.
@@ -276,7 +247,7 @@ fn own_queues(case: &Value, n: usize) -> Value {
 async fn run_all(servers: &Servers, dir: &Path) -> Report {
     let mut report = Report::default();
     for (n, mut c) in load_cases(dir).into_iter().enumerate() {
-        c.case = own_queues(&schema_valid_types(&c.case), n);
+        c.case = own_queues(&c.case, n);
         let entry = report.folders.entry(c.folder.clone()).or_default();
         if let Some(reason) = skip_reason(&c.case) {
             entry.2 += 1;

@@ -648,13 +648,19 @@ pub const MAX_TYPE_LEN: usize = 255;
 /// Longest `queue` (schema: `maxLength` 128).
 pub const MAX_QUEUE_LEN: usize = 128;
 
-/// `type`: `^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$`, 1..=255 characters (the
-/// official JSON Schema).
+/// `type`: `^[a-z][a-z0-9_-]*[a-z0-9_]?(\.…)*$` — the official JSON
+/// Schema's dot-separated lowercase segments (`^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$`),
+/// each also taking `-` inside it (not at its end), as the public OJS
+/// servers, the official conformance cases and the SDKs' users do
+/// (`retry.test.attempt-counter`); 1..=255 characters.
 pub fn validate_job_type(job_type: &str) -> Result<()> {
     let segment_ok = |seg: &str| {
-        let mut bytes = seg.bytes();
-        bytes.next().is_some_and(|b| b.is_ascii_lowercase())
-            && bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        let bytes = seg.as_bytes();
+        bytes.first().is_some_and(u8::is_ascii_lowercase)
+            && bytes.last() != Some(&b'-')
+            && bytes
+                .iter()
+                .all(|&b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
     };
     if job_type.len() > MAX_TYPE_LEN {
         return Err(Error::invalid(
@@ -670,7 +676,7 @@ pub fn validate_job_type(job_type: &str) -> Result<()> {
     } else {
         Err(Error::invalid(
             "type",
-            format!("{job_type:?} does not match ^[a-z][a-z0-9_]*(\\.[a-z][a-z0-9_]*)*$ (dot-separated lowercase segments, each starting with a letter; schema: pattern)"),
+            format!("{job_type:?} does not match ^[a-z][a-z0-9_-]*(\\.[a-z][a-z0-9_-]*)*$ with no segment ending in - (dot-separated lowercase segments, each starting with a letter; the schema's pattern, with - inside a segment as the public OJS servers take it)"),
         ))
     }
 }
@@ -803,6 +809,9 @@ mod tests {
         assert!(validate_queue_name(&"q".repeat(128)).is_ok());
         assert!(validate_queue_name(&"q".repeat(129)).is_err());
         assert!(validate_job_type("payment.payment_service.process_payment").is_ok());
+        for good in ["retry.test.attempt-counter", "email-send", "a-b-c.d_e-9"] {
+            assert!(validate_job_type(good).is_ok(), "{good:?}");
+        }
         for bad in [
             "",
             ".a",
@@ -810,7 +819,10 @@ mod tests {
             "a..b",
             "a b",
             "Email.send",
-            "email-send",
+            "email-",
+            "a.-b",
+            "-a",
+            "a.b-",
             "2fa.send",
             "a._b",
             "payment.PaymentService.ProcessPayment",
