@@ -675,3 +675,27 @@ mod destinations {
         }
     }
 }
+
+/// The built-in default names every environment variable `run` reads,
+/// so that a user who starts from it finds them all.
+#[test]
+fn the_built_in_default_names_every_environment_variable() {
+    for name in [
+        "OJS_BRIDGE_CONFIG",
+        "OJS_BRIDGE_HTTP_LISTEN",
+        "OJS_BRIDGE_API_ADAPTER",
+        "OJS_BRIDGE_API_STATE",
+        "OJS_BRIDGE_SHUTDOWN_TIMEOUT",
+        "OJS_BRIDGE_WORKER_THREADS",
+        "OJS_BRIDGE_WAIT_FOR_BROKERS",
+        "OJS_BRIDGE_ADAPTER_<NAME>",
+        "OJS_BRIDGE_ADAPTER_<NAME>__<SETTING>",
+        crate::logging::FILTER_ENV,
+        "OJS_BRIDGE_LOG_FORMAT",
+    ] {
+        assert!(
+            EMBEDDED_DEFAULT.contains(name),
+            "examples/embedded.toml does not name {name}"
+        );
+    }
+}
