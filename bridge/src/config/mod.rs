@@ -57,6 +57,35 @@ pub enum ConfigError {
 
 /// Adds "did you mean" to serde's "unknown field `sourcs`, expected one of
 /// `adapters`, `sources`, …" when one of the expected names is close.
+/// A typing error of the file as one line that names where it is: the
+/// field's path (`sources[1].formt`) and, when the file alone has it, its
+/// line.
+fn placed(text: &str, error: serde_path_to_error::Error<toml::de::Error>) -> String {
+    let path = error.path().to_string();
+    let message = error.into_inner().to_string();
+    // toml's own "in `sources`" trailer says less than the path does.
+    let message = message
+        .split("\nin `")
+        .next()
+        .unwrap_or(&message)
+        .trim_end()
+        .to_owned();
+    // The file parsed with its spans finds the line (an error that came
+    // from an environment override has none there).
+    let line = toml::from_str::<BridgeConfig>(text)
+        .err()
+        .filter(|e| e.message().lines().next() == message.lines().next())
+        .and_then(|e| e.span())
+        .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
+    let at = match (path.as_str(), line) {
+        (".", None) => String::new(),
+        (".", Some(line)) => format!("line {line}: "),
+        (path, None) => format!("{path}: "),
+        (path, Some(line)) => format!("{path} (line {line}): "),
+    };
+    format!("{at}{}", suggest_known_field(message))
+}
+
 fn suggest_known_field(message: String) -> String {
     let Some(start) = message.find("unknown field `") else {
         return message;
@@ -227,13 +256,11 @@ impl BridgeConfig {
                     message: e.to_string(),
                 })?;
         apply_env(&mut table, env)?;
-        let config: BridgeConfig =
-            toml::Value::Table(table)
-                .try_into()
-                .map_err(|e: toml::de::Error| ConfigError::Parse {
-                    origin: origin.to_owned(),
-                    message: suggest_known_field(e.to_string()),
-                })?;
+        let config: BridgeConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
+            .map_err(|e| ConfigError::Parse {
+                origin: origin.to_owned(),
+                message: placed(text, e),
+            })?;
         Ok(config)
     }
 }

@@ -699,3 +699,22 @@ fn the_built_in_default_names_every_environment_variable() {
         );
     }
 }
+
+/// A typing error names the field's path and its line, not only the table
+/// it is in.
+#[test]
+fn a_misspelled_field_is_named_by_its_path_and_line() {
+    let text = "[adapters]\nlocal = \"local:./d\"\n\n[[sources]]\nname = \"a\"\nadapter = \"local\"\nqueue = \"q1\"\n\n[[sources]]\nname = \"b\"\nadapter = \"local\"\nqueue = \"q2\"\nformt = \"ojs\"\n";
+    let e = BridgeConfig::parse(text, "b.toml", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sources[1].formt (line 13)"), "{e}");
+    assert!(e.contains("did you mean `format`"), "{e}");
+    // An override from the environment has a path but no line.
+    let env = vec![("OJS_BRIDGE_SHUTDOWN_TIMEOUT".to_owned(), "soon".to_owned())];
+    let e = BridgeConfig::parse("", "b.toml", &env)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shutdown_timeout: "), "{e}");
+    assert!(!e.contains("line"), "{e}");
+}
