@@ -39,7 +39,7 @@ pub fn api_request(data: &[u8]) {
     }
     match selector & 0x07 {
         0 => {
-            if let Ok(job) = read_job(&headers, Bytes::copy_from_slice(body)) {
+            if let Ok(job) = read_job(&headers, Bytes::copy_from_slice(body), 10_000) {
                 storable(&job);
             }
         }

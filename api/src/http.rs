@@ -206,7 +206,11 @@ async fn route(
                 return Err(not_allowed("POST"));
             }
             let answer = answer_encoding(request.headers())?;
-            let job = read_job(request.headers(), std::mem::take(&mut body))?;
+            let job = read_job(
+                request.headers(),
+                std::mem::take(&mut body),
+                api.settings().max_json_values,
+            )?;
             let mut jobs = api.push(&grant, vec![job]).await?;
             let job = jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))?;
             let mut r = job_response(201, &job, answer, request_id)?;
@@ -663,10 +667,14 @@ fn json_only(headers: &HeaderMap) -> Result<(), ApiError> {
 }
 
 /// The job of a PUSH body, validated.
-pub fn read_job(headers: &HeaderMap, body: Bytes) -> Result<Job, ApiError> {
+pub fn read_job(headers: &HeaderMap, body: Bytes, max_values: usize) -> Result<Job, ApiError> {
     let now = ojs_core::envelope::now_millis();
     match body_encoding(headers)? {
-        Encoding::OjsProto => job::from_proto(&body, now),
+        // As a JSON body's values are counted on its bytes, a protobuf
+        // body's are counted as they are decoded.
+        Encoding::OjsProto => {
+            ojs_core::envelope::value::with_value_budget(max_values, || job::from_proto(&body, now))
+        }
         _ => job::from_json(parse_json(&body)?, now),
     }
 }
@@ -687,7 +695,9 @@ pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
 }
 
 fn read_batch(api: &Api, headers: &HeaderMap, body: Bytes) -> Result<Vec<Job>, ApiError> {
-    batch(headers, &body, api.settings().max_batch_jobs)
+    ojs_core::envelope::value::with_value_budget(api.settings().max_json_values, || {
+        batch(headers, &body, api.settings().max_batch_jobs)
+    })
 }
 
 /// The jobs of a batch PUSH body (at most `limit`), validated.
@@ -778,7 +788,15 @@ fn job_response(
     request_id: &str,
 ) -> Result<Response<Bytes>, ApiError> {
     if answer != Encoding::OjsProto {
-        return Ok(json_response(status, &job_body(job.to_json()), request_id));
+        // INFO answers with the job's fields at the top too; a PUSH answers
+        // `{"job": …}` alone, as every SDK reads it (a large job is not
+        // answered twice over).
+        let body = if status == 201 {
+            json!({"job": job.to_json()})
+        } else {
+            job_body(job.to_json())
+        };
+        return Ok(json_response(status, &body, request_id));
     }
     let bytes = job_proto(job)
         .to_proto_bytes()

@@ -397,6 +397,10 @@ fn full(r: hyper::Response<Bytes>) -> Response<Full<Bytes>> {
     r.map(Full::new)
 }
 
+/// The most an HTTP/1.1 connection buffers ahead of its handler, its
+/// request head included (a larger head is 431).
+const HTTP1_READ_BUFFER: usize = 64 << 10;
+
 /// How long a connection may sit without a request before a new connection
 /// at the cap may evict it.
 const EVICTABLE_AFTER: Duration = Duration::from_millis(500);
@@ -550,6 +554,10 @@ async fn connection<I>(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
+        // What one connection reads ahead of its request's handler (its
+        // head included): hyper's default of about 400 KiB, times every
+        // open connection, was more than the bodies being served.
+        .max_buf_size(HTTP1_READ_BUFFER)
         .keep_alive(true);
     builder.http2().timer(TokioTimer::new());
     let conn = builder.serve_connection(io, service);

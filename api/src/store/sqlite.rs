@@ -830,7 +830,9 @@ fn write_loop(
         health.record(&results);
         deliver(group, results);
     }
-    health.set(Some("the job store's writer stopped".to_owned()));
+    // Every sender is gone: the store is closing, nothing to warn of.
+    *health.0.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some("the job store is closed".to_owned());
 }
 
 /// Whether the writer's last commit failed, and why: while it does, the

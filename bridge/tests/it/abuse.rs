@@ -304,6 +304,24 @@ async fn abuse_large_pushes_stay_within_the_budget_of_bodies_in_flight() {
         .as_str()
         .unwrap()
         .contains("max_json_values"));
+    // The same in protobuf: its values are counted as they are decoded.
+    let lists: Vec<Value> = (0..300_000).map(|_| json!([])).collect();
+    let envelope = ojs_core::JobEnvelope::from_json_value(json!({
+        "specversion": "1.0", "id": ojs_core::envelope::new_job_id(), "type": "t.a",
+        "args": [lists]}))
+    .unwrap();
+    let a = request(
+        addr,
+        "POST",
+        "/ojs/v1/jobs",
+        &[(
+            "content-type".into(),
+            "application/openjobspec+proto".into(),
+        )],
+        Some(&envelope.to_proto_bytes().unwrap()),
+    )
+    .await;
+    assert_eq!(a.status, 400, "{:?}", &a.body[..a.body.len().min(300)]);
     let huge = br#"{"type":"t.i","args":[123456789012345678901234567890123456789]}"#;
     let a = request(
         addr,

@@ -199,8 +199,40 @@ pub(crate) fn put_map_entry(out: &mut Vec<u8>, field: u32, key: &str, value: &Va
     put_value_field(out, 2, value);
 }
 
+thread_local! {
+    /// Values the protobuf decoder may still build on this thread, while
+    /// [`with_value_budget`] runs; none: no bound.
+    static VALUE_BUDGET: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `decode` with at most `limit` JSON values built by the protobuf
+/// decoder on this thread: a message of a few bytes per nested empty list
+/// would otherwise cost tens of bytes of memory per byte. Past the limit
+/// the decode fails naming the value where it stopped.
+pub fn with_value_budget<T>(limit: usize, decode: impl FnOnce() -> T) -> T {
+    let before = VALUE_BUDGET.with(|b| b.replace(Some(limit)));
+    let out = decode();
+    VALUE_BUDGET.with(|b| b.set(before));
+    out
+}
+
+fn spend_value(path: &Path<'_>) -> Result<()> {
+    VALUE_BUDGET.with(|b| match b.get() {
+        Some(0) => Err(Error::invalid(
+            path.render(),
+            "the message holds more values than this reader takes in one request",
+        )),
+        Some(n) => {
+            b.set(Some(n - 1));
+            Ok(())
+        }
+        None => Ok(()),
+    })
+}
+
 /// Decodes a `google.protobuf.Value` body into JSON.
 pub(crate) fn read_value(r: &mut Reader<'_>, path: &Path<'_>, depth: usize) -> Result<Value> {
+    spend_value(path)?;
     let mut value = Value::Null;
     while !r.is_empty() {
         let (field, wt) = r.key()?;
