@@ -28,6 +28,24 @@ fn memory(server: &OjsServer, field: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {field} in /proc status"))
 }
 
+/// A configuration on the embedded broker with the API, `api` more lines
+/// of `[api]` (and tables after it).
+fn embedded(api: &str) -> String {
+    format!("[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n{api}")
+}
+
+/// A PUSH of `body` as it is, in `content_type`.
+async fn push_bytes(addr: SocketAddr, content_type: &str, body: &[u8]) -> Answer {
+    request(
+        addr,
+        "POST",
+        "/ojs/v1/jobs",
+        &[("content-type".into(), content_type.into())],
+        Some(body),
+    )
+    .await
+}
+
 fn error_code(a: &Answer) -> String {
     a.json()["error"]["code"].as_str().unwrap_or("").to_owned()
 }
@@ -145,6 +163,62 @@ async fn abuse_a_nack_with_an_overflowing_backoff_leaves_the_store_serving() {
     server.stop();
 }
 
+/// The store that cannot write (another process holds its file's write
+/// lock past the busy wait) fails requests as retryable, and health says
+/// so, 503 with the reason, as does the metric; once it writes again both
+/// say so within the probe's second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abuse_a_store_that_cannot_write_turns_health_503_until_it_can() {
+    let server = OjsServer::start(None).await;
+    let addr = server.addr;
+    let push = json!({"type": "t.w", "args": []});
+    assert_eq!(post_json(addr, "/ojs/v1/jobs", &push).await.status, 201);
+    let file = server
+        .dir
+        .path()
+        .join("ojs-bridge-data")
+        .join("jobs.sqlite");
+    let blocker = rusqlite::Connection::open(&file).unwrap();
+    blocker.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    let refused = post_json(addr, "/ojs/v1/jobs", &push).await;
+    assert_eq!(refused.status, 500, "{:?}", refused.body);
+    assert_eq!(refused.json()["error"]["retryable"], true);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut health = get(addr, "/ojs/v1/health").await;
+    while health.status != 503 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        health = get(addr, "/ojs/v1/health").await;
+    }
+    assert_eq!(health.status, 503, "{:?}", health.body);
+    assert_eq!(health.json()["store"]["status"], "unavailable");
+    assert!(
+        health.json()["store"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("locked")),
+        "{:?}",
+        health.body
+    );
+    let metrics = String::from_utf8_lossy(&get(addr, "/metrics").await.body).to_string();
+    assert_eq!(
+        crate::support::metric(&metrics, "ojs_bridge_api_store_up"),
+        Some(0.0)
+    );
+    blocker.execute_batch("ROLLBACK").unwrap();
+    drop(blocker);
+    assert_eq!(post_json(addr, "/ojs/v1/jobs", &push).await.status, 201);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while get(addr, "/ojs/v1/health").await.status != 200 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(get(addr, "/ojs/v1/health").await.status, 200);
+    let metrics = String::from_utf8_lossy(&get(addr, "/metrics").await.body).to_string();
+    assert_eq!(
+        crate::support::metric(&metrics, "ojs_bridge_api_store_up"),
+        Some(1.0)
+    );
+    server.stop();
+}
+
 /// Finding 3: a NACK without `error`, without `error.message`, or with
 /// empty strings fails the job (never 500, never left active); fields of
 /// the wrong type are 400 naming them.
@@ -221,8 +295,8 @@ async fn abuse_a_nack_without_a_message_fails_the_job_not_the_request() {
 /// the daemon's peak memory stays a small multiple of what it answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abuse_one_fetch_answer_is_bounded_by_bytes() {
-    let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\nmax_fetch_bytes = 4194304\n";
-    let server = OjsServer::start(Some(config)).await;
+    let config = embedded("max_fetch_bytes = 4194304\n");
+    let server = OjsServer::start(Some(&config)).await;
     let addr = server.addr;
     let big = "x".repeat(1 << 20);
     let sent = 12;
@@ -287,18 +361,11 @@ async fn abuse_one_fetch_answer_is_bounded_by_bytes() {
 /// multiple of the budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abuse_large_pushes_stay_within_the_budget_of_bodies_in_flight() {
-    let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\nmax_body_bytes_in_flight = 16777216\n";
-    let server = OjsServer::start(Some(config)).await;
+    let config = embedded("max_body_bytes_in_flight = 16777216\n");
+    let server = OjsServer::start(Some(&config)).await;
     let addr = server.addr;
     let arrays = format!(r#"{{"type":"t.a","args":[{}[]]}}"#, "[],".repeat(1_300_000));
-    let a = request(
-        addr,
-        "POST",
-        "/ojs/v1/jobs",
-        &[("content-type".into(), JSON.into())],
-        Some(arrays.as_bytes()),
-    )
-    .await;
+    let a = push_bytes(addr, JSON, arrays.as_bytes()).await;
     assert_eq!(a.status, 400, "{:?}", &a.body[..a.body.len().min(300)]);
     assert!(a.json()["error"]["message"]
         .as_str()
@@ -323,14 +390,7 @@ async fn abuse_large_pushes_stay_within_the_budget_of_bodies_in_flight() {
     .await;
     assert_eq!(a.status, 400, "{:?}", &a.body[..a.body.len().min(300)]);
     let huge = br#"{"type":"t.i","args":[123456789012345678901234567890123456789]}"#;
-    let a = request(
-        addr,
-        "POST",
-        "/ojs/v1/jobs",
-        &[("content-type".into(), JSON.into())],
-        Some(huge),
-    )
-    .await;
+    let a = push_bytes(addr, JSON, huge).await;
     assert_eq!(
         a.status, 400,
         "an integer beyond 64 bits is refused, never rounded"
@@ -344,14 +404,7 @@ async fn abuse_large_pushes_stay_within_the_budget_of_bodies_in_flight() {
     // the first large jobs (a fixed cost, not a request's): filled first,
     // so that what follows measures what requests hold.
     for _ in 0..8 {
-        let a = request(
-            addr,
-            "POST",
-            "/ojs/v1/jobs",
-            &[("content-type".into(), JSON.into())],
-            Some(&body),
-        )
-        .await;
+        let a = push_bytes(addr, JSON, &body).await;
         assert_eq!(a.status, 201);
     }
     let before = memory(&server, "VmHWM");
@@ -359,14 +412,7 @@ async fn abuse_large_pushes_stay_within_the_budget_of_bodies_in_flight() {
     for _ in 0..64 {
         let body = body.clone();
         tasks.push(tokio::spawn(async move {
-            let a = request(
-                addr,
-                "POST",
-                "/ojs/v1/jobs",
-                &[("content-type".into(), JSON.into())],
-                Some(&body),
-            )
-            .await;
+            let a = push_bytes(addr, JSON, &body).await;
             (a.status, a.header("retry-after"))
         }));
     }
@@ -419,8 +465,8 @@ async fn slow_body(addr: SocketAddr, token: Option<&str>) -> tokio::net::TcpStre
 async fn abuse_slow_bodies_do_not_starve_the_listener() {
     let dir = TempDir::new("abuse-slow");
     std::fs::write(dir.path().join("push.token"), "push-secret\n").unwrap();
-    let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\nbody_timeout = \"5s\"\n\n[[api.tokens]]\nname = \"push\"\nfile = \"push.token\"\noperations = [\"push\", \"read\"]\n";
-    let server = OjsServer::start_in(dir, Some(config)).await;
+    let config = embedded("body_timeout = \"5s\"\n\n[[api.tokens]]\nname = \"push\"\nfile = \"push.token\"\noperations = [\"push\", \"read\"]\n");
+    let server = OjsServer::start_in(dir, Some(&config)).await;
     let addr = server.addr;
 
     // A bad token: 401 before the body, which is never sent.
@@ -597,29 +643,11 @@ async fn abuse_a_republished_copy_is_never_handed_out_beside_the_active_job() {
 /// A PUSH whose answer may never come (the daemon is killed): the job's
 /// id when it was answered 201.
 async fn try_push(addr: SocketAddr, body: &Value) -> Option<String> {
-    let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .ok()?;
-    tokio::spawn(conn);
-    let request = hyper::Request::builder()
-        .method("POST")
-        .uri("/ojs/v1/jobs")
-        .header("host", addr.to_string())
-        .header("content-type", JSON)
-        .body(http_body_util::Full::new(bytes::Bytes::from(
-            body.to_string(),
-        )))
-        .ok()?;
-    let response = sender.send_request(request).await.ok()?;
-    if response.status() != 201 {
-        return None;
-    }
-    use http_body_util::BodyExt;
-    let body = response.into_body().collect().await.ok()?.to_bytes();
+    let (status, body) =
+        crate::ojs_server::try_answer(addr, "POST", "/ojs/v1/jobs", body.to_string().as_bytes())
+            .await?;
     let v: Value = serde_json::from_slice(&body).ok()?;
-    v["job"]["id"].as_str().map(str::to_owned)
+    (status == 201).then(|| v["job"]["id"].as_str().map(str::to_owned))?
 }
 
 /// Finding 7: outside the token's queues a job does not exist: INFO,
@@ -629,8 +657,8 @@ async fn abuse_a_job_outside_the_token_s_queues_does_not_exist_for_it() {
     let dir = TempDir::new("abuse-scope");
     std::fs::write(dir.path().join("ops.token"), "ops-secret\n").unwrap();
     std::fs::write(dir.path().join("tenant.token"), "tenant-secret\n").unwrap();
-    let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n\n[[api.tokens]]\nname = \"ops\"\nfile = \"ops.token\"\noperations = [\"admin\"]\n\n[[api.tokens]]\nname = \"tenant\"\nfile = \"tenant.token\"\noperations = [\"admin\"]\nqueues = [\"tenant-a.*\"]\n";
-    let server = OjsServer::start_in(dir, Some(config)).await;
+    let config = embedded("\n[[api.tokens]]\nname = \"ops\"\nfile = \"ops.token\"\noperations = [\"admin\"]\n\n[[api.tokens]]\nname = \"tenant\"\nfile = \"tenant.token\"\noperations = [\"admin\"]\nqueues = [\"tenant-a.*\"]\n");
+    let server = OjsServer::start_in(dir, Some(&config)).await;
     let addr = server.addr;
     let with = |token: &str| {
         vec![
@@ -728,7 +756,7 @@ async fn abuse_durations_queues_and_schemes_are_bounded_and_named() {
     let dir = TempDir::new("abuse-bounds");
     std::fs::write(dir.path().join("http.token"), "http-secret\n").unwrap();
     let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[http]\ntoken_file = \"http.token\"\n[api]\nadapter = \"local\"\n";
-    let server = OjsServer::start_in(dir, Some(config)).await;
+    let server = OjsServer::start_in(dir, Some(&config)).await;
     let addr = server.addr;
     let auth = |scheme: &str| {
         vec![
@@ -825,8 +853,8 @@ async fn consumers(addr: SocketAddr) -> f64 {
 /// (the idlest makes room).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abuse_idle_consumers_are_reaped_and_capped() {
-    let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\nconsumer_idle_timeout = \"2s\"\nmax_consumers = 4\n";
-    let server = OjsServer::start(Some(config)).await;
+    let config = embedded("consumer_idle_timeout = \"2s\"\nmax_consumers = 4\n");
+    let server = OjsServer::start(Some(&config)).await;
     let addr = server.addr;
     for i in 0..6 {
         let queue = format!("idle{i}");
@@ -860,7 +888,7 @@ async fn abuse_grpc_follows_the_same_auth_rules_and_bounds_as_http() {
     std::fs::write(dir.path().join("http.token"), "http-secret\n").unwrap();
     std::fs::write(dir.path().join("tenant.token"), "tenant-secret\n").unwrap();
     let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[http]\ntoken_file = \"http.token\"\n[api]\nadapter = \"local\"\n\n[[api.tokens]]\nname = \"tenant\"\nfile = \"tenant.token\"\noperations = [\"admin\"]\nqueues = [\"tenant-a.*\"]\n";
-    let server = OjsServer::start_in(dir, Some(config)).await;
+    let server = OjsServer::start_in(dir, Some(&config)).await;
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", server.addr))
         .unwrap()
         .connect()

@@ -242,6 +242,18 @@ pub async fn get(addr: SocketAddr, path: &str) -> Answer {
 /// A JSON POST on a new connection; its status, or `None` when the
 /// connection failed (the daemon is gone).
 pub async fn try_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Option<u16> {
+    try_answer(addr, method, path, body)
+        .await
+        .map(|(status, _)| status)
+}
+
+/// The same with the answer's body, when it came whole.
+pub async fn try_answer(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> Option<(u16, Bytes)> {
     let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
     let (mut sender, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
@@ -257,8 +269,8 @@ pub async fn try_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]
         .ok()?;
     let response = sender.send_request(request).await.ok()?;
     let status = response.status().as_u16();
-    response.into_body().collect().await.ok()?;
-    Some(status)
+    let body = response.into_body().collect().await.ok()?.to_bytes();
+    Some((status, body))
 }
 
 /// `n` jobs of type `work.item` onto `queue` through `addr`, 100 a batch,
