@@ -295,7 +295,10 @@ fn fold_options(
                 let Value::Object(policy) = v else {
                     return Err(ApiError::invalid(&at, "must be an object"));
                 };
-                body.insert("retry".into(), Value::Object(retry_aliases(policy)?));
+                let mut policy = retry_aliases(policy)?;
+                // Unset: the spec's default.
+                policy.entry("jitter").or_insert(json!(true));
+                body.insert("retry".into(), Value::Object(policy));
             }
             "unique" => {
                 let Value::Object(mut policy) = v else {

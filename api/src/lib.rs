@@ -40,6 +40,18 @@ pub use error::ApiError;
 pub use job::Job;
 pub use store::{Store, StoreError};
 
+/// What becomes of a job whose attempts are exhausted when its own retry
+/// policy does not say (`on_exhaustion`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Exhaustion {
+    /// Discarded and not kept as a dead letter: the spec's default.
+    #[default]
+    Discard,
+    /// Discarded into the queue's dead-letter path, listed as a dead
+    /// letter.
+    DeadLetter,
+}
+
 /// The API's settings, built once from `[api]`.
 #[derive(Debug, Clone)]
 pub struct ApiSettings {
@@ -95,6 +107,8 @@ pub struct ApiSettings {
     pub max_consumers: usize,
     /// A queue's consumer no FETCH used for this long is closed.
     pub consumer_idle_timeout: Duration,
+    /// What an exhausted job whose policy names no `on_exhaustion` becomes.
+    pub on_exhaustion: Exhaustion,
 }
 
 impl Default for ApiSettings {
@@ -119,6 +133,7 @@ impl Default for ApiSettings {
             max_fetch_bytes: 8 << 20,
             max_consumers: 256,
             consumer_idle_timeout: Duration::from_secs(300),
+            on_exhaustion: Exhaustion::Discard,
         }
     }
 }

@@ -782,11 +782,12 @@ impl Api {
         let held = self.take_held(&id);
         let now = ojs_core::envelope::now_millis();
         let remote = self.remote(held.is_some());
+        let exhausted = self.settings.on_exhaustion;
         let decided = self
             .store
             .run(move |tx| {
                 let holder = remote_holder(tx, &failure.job_id, remote.as_deref())?;
-                let (job, decision) = fail(tx, &failure, now)?;
+                let (job, decision) = fail(tx, &failure, now, exhausted)?;
                 if let Some(holder) = holder {
                     tx.send_settle(&holder, &failure.job_id, &decision)?;
                 }
@@ -968,7 +969,12 @@ impl Api {
             requeue: false,
         };
         let now = ojs_core::envelope::now_millis();
-        match self.store.run(move |tx| fail(tx, &failure, now)).await {
+        let exhausted = self.settings.on_exhaustion;
+        match self
+            .store
+            .run(move |tx| fail(tx, &failure, now, exhausted))
+            .await
+        {
             Ok((_, decision)) => {
                 tracing::info!(job_id = %id, timeout_ms = limit.as_millis() as u64, "a job ran past its execution timeout and failed");
                 if let Err(e) = settle_delivery(&held.delivery, &decision).await {
@@ -1285,6 +1291,8 @@ fn complete(
 /// The delay before retry `attempt` (1-based: the first retry follows the
 /// first failure) under the job's policy.
 fn backoff(job: &JobEnvelope, attempt: i32) -> Duration {
+    // A job without a policy gets the spec's, jitter included.
+    let jitter = job.retry.as_ref().is_none_or(|p| p.jitter);
     let policy = job.retry.clone().unwrap_or_default();
     let parse = |s: &str, default: Duration| {
         if s.is_empty() {
@@ -1310,7 +1318,7 @@ fn backoff(job: &JobEnvelope, attempt: i32) -> Duration {
     let secs = if secs.is_finite() { secs } else { f64::MAX };
     let mut delay =
         Duration::try_from_secs_f64(secs.min(max.as_secs_f64()).max(0.0)).unwrap_or(max);
-    if policy.jitter {
+    if jitter {
         // ±25 % around the interval, from the clock's sub-second noise:
         // spreads retries of jobs that failed together.
         let noise = (Utc::now().timestamp_subsec_nanos() % 1000) as f64 / 1000.0;
@@ -1333,6 +1341,7 @@ fn fail(
     tx: &mut dyn Tx,
     failure: &Failure,
     now: DateTime<Utc>,
+    exhausted: crate::Exhaustion,
 ) -> Result<(Job, Settle), StoreError> {
     let mut job = active(tx, &failure.job_id)?;
     let text = |k: &str| {
@@ -1407,7 +1416,14 @@ fn fail(
         job.envelope.completed_at = Some(now);
         job.extra
             .insert("discarded_at".into(), json!(timestamp(now)));
-        let decision = if policy.on_exhaustion == "discard" {
+        // The job's own `on_exhaustion`, else `[api] on_exhaustion` (the
+        // spec's `discard` by default).
+        let dead_letter = match policy.on_exhaustion.as_str() {
+            "dead_letter" => true,
+            "discard" => false,
+            _ => exhausted == crate::Exhaustion::DeadLetter,
+        };
+        let decision = if !dead_letter {
             Settle::Drop
         } else {
             job.extra.insert("dead_letter".into(), json!(true));

@@ -219,9 +219,13 @@ fn fold_options(
                 json!(format_iso8601_duration(Duration::from_millis(ms))),
             );
         }
-        retry.insert("jitter".into(), json!(r.jitter));
+        // Unset: the spec's default.
+        retry.insert("jitter".into(), json!(r.jitter.unwrap_or(true)));
         if !r.non_retryable_errors.is_empty() {
             retry.insert("non_retryable_errors".into(), json!(r.non_retryable_errors));
+        }
+        if !r.on_exhaustion.is_empty() {
+            retry.insert("on_exhaustion".into(), json!(r.on_exhaustion));
         }
     }
     if !retry.is_empty() {
@@ -239,8 +243,14 @@ fn fold_options(
                 json!(format_iso8601_duration(Duration::from_millis(ms))),
             );
         }
+        for (key, list) in [("args_keys", &u.args_keys), ("meta_keys", &u.meta_keys)] {
+            if !list.is_empty() {
+                unique.insert(key.into(), json!(list));
+            }
+        }
         let on_conflict = match pb::UniqueConflictAction::try_from(u.on_conflict) {
             Ok(pb::UniqueConflictAction::Replace) => Some("replace"),
+            Ok(pb::UniqueConflictAction::ReplaceExceptSchedule) => Some("replace_except_schedule"),
             Ok(pb::UniqueConflictAction::Ignore) => Some("ignore"),
             Ok(pb::UniqueConflictAction::Reject) => Some("reject"),
             _ => None,
@@ -367,8 +377,13 @@ pub fn job_message(j: &Value) -> pb::Job {
             .and_then(Value::as_f64)
             .unwrap_or(0.0),
         max_interval: iso_duration(r.get("max_interval")),
-        jitter: r.get("jitter").and_then(Value::as_bool).unwrap_or(false),
+        jitter: Some(r.get("jitter").and_then(Value::as_bool).unwrap_or(true)),
         non_retryable_errors: strings(r.get("non_retryable_errors")),
+        on_exhaustion: r
+            .get("on_exhaustion")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned(),
     });
     let unique = j.get("unique").map(|u| pb::UniquePolicy {
         key: strings(u.get("keys")),
@@ -376,6 +391,9 @@ pub fn job_message(j: &Value) -> pb::Job {
         on_conflict: match u.get("on_conflict").and_then(Value::as_str) {
             Some("reject") => pb::UniqueConflictAction::Reject as i32,
             Some("replace") => pb::UniqueConflictAction::Replace as i32,
+            Some("replace_except_schedule") => {
+                pb::UniqueConflictAction::ReplaceExceptSchedule as i32
+            }
             Some("ignore") => pb::UniqueConflictAction::Ignore as i32,
             _ => pb::UniqueConflictAction::Unspecified as i32,
         },
@@ -383,6 +401,8 @@ pub fn job_message(j: &Value) -> pb::Job {
             .iter()
             .map(|s| state_of(s) as i32)
             .collect(),
+        args_keys: strings(u.get("args_keys")),
+        meta_keys: strings(u.get("meta_keys")),
     });
     let mut errors: Vec<pb::JobError> = j
         .get("errors")

@@ -95,6 +95,11 @@ pub struct ApiConfig {
     /// Default `5m`.
     #[serde(default = "default_consumer_idle_timeout", with = "duration_text")]
     pub consumer_idle_timeout: Duration,
+    /// What an exhausted job becomes when its own retry policy names no
+    /// `on_exhaustion`: `discard` (the spec's default: not kept as a dead
+    /// letter) or `dead_letter` (every exhausted job kept as one).
+    #[serde(default)]
+    pub on_exhaustion: ExhaustionConfig,
     /// What a commit of the job store survives: `process` (a crash of
     /// the process; the default, as the embedded broker's) or `power`
     /// (also power loss: an fsync per group commit).
@@ -125,6 +130,17 @@ pub enum StateLocation {
     Dir(PathBuf),
     /// A PostgreSQL URL.
     Postgres(String),
+}
+
+/// `[api] on_exhaustion`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExhaustionConfig {
+    /// Dropped, not listed as a dead letter.
+    #[default]
+    Discard,
+    /// Kept as a dead letter.
+    DeadLetter,
 }
 
 /// `[api] durability`.
@@ -331,6 +347,10 @@ impl ApiConfig {
             max_fetch_bytes: self.max_fetch_bytes,
             max_consumers: self.max_consumers,
             consumer_idle_timeout: self.consumer_idle_timeout,
+            on_exhaustion: match self.on_exhaustion {
+                ExhaustionConfig::Discard => ojs_api::Exhaustion::Discard,
+                ExhaustionConfig::DeadLetter => ojs_api::Exhaustion::DeadLetter,
+            },
             durability: match self.durability {
                 StoreDurability::Process => ojs_api::store::Durability::Process,
                 StoreDurability::Power => ojs_api::store::Durability::Power,

@@ -30,7 +30,7 @@ async fn push(addr: SocketAddr, queue: &str) -> Vec<String> {
                     "beta.doomed"
                 };
                 json!({"type": kind, "args": [i],
-                       "options": {"queue": queue, "retry": {"max_attempts": 1}}})
+                       "options": {"queue": queue, "retry": {"max_attempts": 1, "on_exhaustion": "dead_letter"}}})
             })
             .collect();
         let a = post_json(addr, "/ojs/v1/jobs/batch", &json!({ "jobs": jobs })).await;
@@ -361,7 +361,7 @@ async fn the_cli_on_a_broker(what: &str, config: &str, broker_url: &str, counts:
         let a = post_json(
             addr,
             "/ojs/v1/jobs",
-            &json!({"type": kind, "args": [i], "options": {"queue": queue, "retry": {"max_attempts": 1}}}),
+            &json!({"type": kind, "args": [i], "options": {"queue": queue, "retry": {"max_attempts": 1, "on_exhaustion": "dead_letter"}}}),
         )
         .await;
         assert_eq!(a.status, 201);
@@ -597,7 +597,8 @@ async fn a_nack_storm_follows_each_jobs_retry_policy() {
             .map(|i| {
                 json!({"type": if i % 2 == 0 { "storm.fatal" } else { "storm.flaky" }, "args": [i],
                        "options": {"queue": queue, "retry": {"max_attempts": 3, "initial_interval": "PT0.1S",
-                                   "backoff_coefficient": 1.0, "non_retryable_errors": ["InvalidInput"]}}})
+                                   "backoff_coefficient": 1.0, "non_retryable_errors": ["InvalidInput"],
+                                   "on_exhaustion": "dead_letter"}}})
             })
             .collect();
         let a = post_json(addr, "/ojs/v1/jobs/batch", &json!({ "jobs": jobs })).await;

@@ -240,7 +240,7 @@ async fn execution_timeouts_fail_jobs(config: Option<String>, what: &str) {
         server.addr,
         queue,
         1,
-        json!({"timeout_ms": 1000, "retry": {"max_attempts": 1}}),
+        json!({"timeout_ms": 1000, "retry": {"max_attempts": 1, "on_exhaustion": "dead_letter"}}),
     )
     .await
     .remove(0);
@@ -586,7 +586,7 @@ async fn workers_take_jobs_off_a_rabbitmq_queue_another_client_made_for_a_user_t
     .unwrap();
     let host = rabbit.url.rsplit('@').next().unwrap();
     let config = format!(
-        "[adapters.theirs]\nurl = \"amqp://{user}:{PASSWORD}@{host}\"\ntopology = \"existing\"\nexchange = \"\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"theirs\"\nqueues = [\"billing\"]\nencoding = \"json\"\n"
+        "[adapters.theirs]\nurl = \"amqp://{user}:{PASSWORD}@{host}\"\ntopology = \"existing\"\nexchange = \"\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"theirs\"\nqueues = [\"billing\"]\nencoding = \"json\"\n# Their jobs name no on_exhaustion; the operator keeps every exhausted one.\non_exhaustion = \"dead_letter\"\n"
     );
     let server = OjsServer::start(Some(&config)).await;
     let addr = server.addr;

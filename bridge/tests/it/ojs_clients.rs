@@ -127,3 +127,151 @@ async fn what_the_sdks_and_the_conformance_runner_send_is_answered_as_they_read_
     assert_eq!(get(addr, "/ojs/v1/no-such-thing").await.status, 404);
     server.stop();
 }
+
+/// Every retry and unique option the public OJS protos carry, set over
+/// gRPC, reads back the same over HTTP, and the reverse; an unset
+/// `jitter` is the spec's `true` in both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_option_reads_back_the_same_through_both_bindings() {
+    use ojs_api::grpc::pb;
+    let server = OjsServer::start(None).await;
+    let addr = server.addr;
+    let mut grpc = crate::ojs_grpc::client(addr).await;
+    let unique = pb::UniquePolicy {
+        key: vec!["type".into(), "args".into(), "meta".into()],
+        args_keys: vec!["order".into()],
+        meta_keys: vec!["tenant".into()],
+        on_conflict: pb::UniqueConflictAction::ReplaceExceptSchedule as i32,
+        ..Default::default()
+    };
+    let cases = [
+        (
+            pb::RetryPolicy {
+                on_exhaustion: "dead_letter".into(),
+                ..Default::default()
+            },
+            json!({"on_exhaustion": "dead_letter", "jitter": true}),
+        ),
+        (
+            pb::RetryPolicy {
+                jitter: Some(false),
+                on_exhaustion: "discard".into(),
+                max_attempts: 4,
+                ..Default::default()
+            },
+            json!({"on_exhaustion": "discard", "jitter": false, "max_attempts": 4}),
+        ),
+    ];
+    for (retry, expected) in cases {
+        let mut request = crate::ojs_grpc::enqueue("a.b", json!([{"order": 1}]), "both");
+        let options = request.options.as_mut().unwrap();
+        options.retry = Some(retry);
+        options.unique = Some(unique.clone());
+        options.meta = Some(ojs_api::grpc::convert::json_to_struct(
+            json!({"tenant": "t"}).as_object().unwrap(),
+        ));
+        let job = grpc
+            .enqueue(request)
+            .await
+            .unwrap()
+            .into_inner()
+            .job
+            .unwrap();
+        let http = get(addr, &format!("/ojs/v1/jobs/{}", job.id)).await.json();
+        for (k, v) in expected.as_object().unwrap() {
+            assert_eq!(&http["retry"][k], v, "{k}: {}", http["retry"]);
+        }
+        assert_eq!(http["unique"]["args_keys"], json!(["order"]));
+        assert_eq!(http["unique"]["meta_keys"], json!(["tenant"]));
+        assert_eq!(http["unique"]["on_conflict"], "replace_except_schedule");
+        // And the same job read over gRPC.
+        let back = grpc
+            .get_job(pb::GetJobRequest { job_id: job.id })
+            .await
+            .unwrap()
+            .into_inner()
+            .job
+            .unwrap();
+        let policy = back.retry_policy.unwrap();
+        assert_eq!(
+            policy.on_exhaustion,
+            expected["on_exhaustion"].as_str().unwrap()
+        );
+        assert_eq!(policy.jitter, expected["jitter"].as_bool());
+        let u = back.unique_policy.unwrap();
+        assert_eq!(
+            (u.args_keys, u.meta_keys),
+            (vec!["order".to_owned()], vec!["tenant".to_owned()])
+        );
+        assert_eq!(
+            u.on_conflict,
+            pb::UniqueConflictAction::ReplaceExceptSchedule as i32
+        );
+    }
+    // The reverse: pushed over HTTP, read over gRPC.
+    let a = post_json(
+        addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "a.b", "args": [{"order": 2}], "meta": {"tenant": "t"},
+                "options": {"queue": "both", "retry": {"max_attempts": 2, "on_exhaustion": "dead_letter"},
+                            "unique": {"keys": ["args", "meta"], "args_keys": ["order"], "meta_keys": ["tenant"],
+                                       "on_conflict": "replace_except_schedule"}}}),
+    )
+    .await;
+    assert_eq!(a.status, 201, "{:?}", a.body);
+    let id = a.json()["job"]["id"].as_str().unwrap().to_owned();
+    let back = grpc
+        .get_job(pb::GetJobRequest { job_id: id })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    let policy = back.retry_policy.unwrap();
+    assert_eq!(
+        (
+            policy.max_attempts,
+            policy.on_exhaustion.as_str(),
+            policy.jitter
+        ),
+        (2, "dead_letter", Some(true))
+    );
+    let u = back.unique_policy.unwrap();
+    assert_eq!(u.args_keys, vec!["order".to_owned()]);
+    assert_eq!(
+        u.on_conflict,
+        pb::UniqueConflictAction::ReplaceExceptSchedule as i32
+    );
+    server.stop();
+}
+
+/// An exhausted job whose policy names no `on_exhaustion` is discarded
+/// and not kept as a dead letter (the spec's default); with `[api]
+/// on_exhaustion = "dead_letter"` every such job is kept and listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_job_is_discarded_unless_the_operator_keeps_dead_letters() {
+    let keep = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\non_exhaustion = \"dead_letter\"\n";
+    for (config, listed) in [(None, 0), (Some(keep), 1)] {
+        let server = OjsServer::start(config).await;
+        let addr = server.addr;
+        let a = post_json(
+            addr,
+            "/ojs/v1/jobs",
+            &json!({"type": "a.b", "args": [], "options": {"queue": "x", "retry": {"max_attempts": 1}}}),
+        )
+        .await;
+        let id = a.json()["job"]["id"].as_str().unwrap().to_owned();
+        let f = post_json(addr, "/ojs/v1/workers/fetch", &json!({"queues": ["x"]})).await;
+        assert_eq!(f.json()["jobs"][0]["id"], json!(id));
+        let n = post_json(
+            addr,
+            "/ojs/v1/workers/nack",
+            &json!({"job_id": id, "error": {"code": "no_handler", "message": "no handler registered"}}),
+        )
+        .await;
+        assert_eq!(n.json()["state"], "discarded", "{:?}", n.body);
+        let dead = get(addr, "/ojs/v1/dead-letter").await.json();
+        assert_eq!(dead["pagination"]["total"], listed, "{config:?}: {dead}");
+        server.stop();
+    }
+}

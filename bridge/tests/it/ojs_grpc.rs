@@ -184,7 +184,12 @@ async fn every_rpc_and_the_state_machine(server: &OjsServer, queue: &str, what: 
 
     // Failed once with one attempt allowed: discarded into dead letters.
     let mut once = enqueue("report.build", json!([1]), queue);
-    once.options.as_mut().unwrap().max_attempts = 1;
+    let options = once.options.as_mut().unwrap();
+    options.max_attempts = 1;
+    options.retry = Some(pb::RetryPolicy {
+        on_exhaustion: "dead_letter".into(),
+        ..Default::default()
+    });
     let failing = c.enqueue(once).await.unwrap().into_inner().job.unwrap();
     assert_eq!(failing.max_attempts, 1);
     let fetched = fetch(&mut c, queue, 1, "w-1").await;
