@@ -302,8 +302,14 @@ impl Api {
             .map_err(|source| ApiError::Broker { source })?;
         let options = ConsumerOptions {
             // A group per queue: a Kafka group spanning topics rebalances
-            // every member whenever one more queue is fetched from.
-            group: format!("ojs-bridge-api.{queue}"),
+            // every member whenever one more queue is fetched from. Named
+            // by the queue's topic where the adapter's template makes it
+            // this deployment's own, so that two deployments on one
+            // cluster never share a group.
+            group: match self.adapter.group_scope(queue) {
+                Some(scope) => format!("ojs-bridge-api.{scope}"),
+                None => format!("ojs-bridge-api.{queue}"),
+            },
             visibility_timeout: self.settings.visibility_timeout,
             // Replicas: nothing may wait in this process's buffer where a
             // FETCH through another replica cannot reach it; a FETCH takes

@@ -139,6 +139,14 @@ impl AdapterConfig {
         }
     }
 
+    /// [`QueueAdapter::group_scope`], from the settings alone.
+    pub fn group_scope(&self, queue: &str) -> Option<String> {
+        match self {
+            AdapterConfig::Kafka(c) => c.custom_topics().then(|| c.topic_of(queue)),
+            _ => None,
+        }
+    }
+
     /// Opens the adapter.
     pub async fn connect(&self) -> Result<Arc<dyn QueueAdapter>> {
         Ok(match self {

@@ -852,6 +852,16 @@ pub trait QueueAdapter: Send + Sync + fmt::Debug {
         false
     }
 
+    /// What, beside its name, makes this adapter's `queue` another than a
+    /// same-named queue of another deployment on the same broker (a Kafka
+    /// topic made by a topic template of its own), for naming the
+    /// consumer groups of that queue apart; none where the adapter's names
+    /// are its defaults (or the broker has no groups).
+    fn group_scope(&self, queue: &str) -> Option<String> {
+        let _ = queue;
+        None
+    }
+
     /// Checks the connection to the broker.
     async fn health(&self) -> Health;
 

@@ -13,6 +13,11 @@ pub(crate) const QUEUE_FULL_WAIT: Duration = Duration::from_millis(10);
 
 /// Header with the earliest delivery time (Unix ms) of a retry record.
 pub const NOT_BEFORE_HEADER: &str = "ojs-not-before";
+/// Header of a record on a retry topic: the queue topic it belongs to. A
+/// consumer goes back only to its own: deployments that share a cluster
+/// (and, by their settings, a retry topic) never take each other's
+/// retries.
+pub const ORIGIN_TOPIC_HEADER: &str = "ojs-origin-topic";
 
 pub(crate) fn kafka_error(e: &KafkaError) -> Error {
     let retryable = !matches!(

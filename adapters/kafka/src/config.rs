@@ -23,10 +23,13 @@ pub struct KafkaConfig {
     /// Topic of a queue; `{queue}` is replaced by the OJS queue name.
     #[serde(default = "default_topic_template")]
     pub topic_template: String,
-    /// Topic of delayed retries and scheduled jobs.
+    /// Topic of delayed retries and scheduled jobs. Default
+    /// `ojs.queue.{queue}.retry`, or `{topic_template}.retry` where
+    /// `topic_template` is set.
     #[serde(default = "default_retry_topic_template")]
     pub retry_topic_template: String,
-    /// Topic of dead letters.
+    /// Topic of dead letters. Default `ojs.dead.{queue}`, or
+    /// `{topic_template}.dead` where `topic_template` is set.
     #[serde(default = "default_dead_topic_template")]
     pub dead_topic_template: String,
     /// Partitions of topics the adapter creates.
@@ -204,7 +207,22 @@ impl KafkaConfig {
                 config.librdkafka_options.insert(name, value.into_text());
             }
         }
+        let named = |field: &str| ours.iter().any(|(name, _)| name == field);
+        let (retry_named, dead_named) =
+            (named("retry_topic_template"), named("dead_topic_template"));
         config = settings::overlay(&config, ours)?;
+        // A deployment's own topic template makes its retry and dead topics
+        // its own too, unless they are named: with the defaults, two
+        // deployments on one cluster would share `ojs.queue.{queue}.retry`
+        // and `ojs.dead.{queue}` and receive each other's jobs.
+        if config.custom_topics() {
+            if !retry_named {
+                config.retry_topic_template = format!("{}.retry", config.topic_template);
+            }
+            if !dead_named {
+                config.dead_topic_template = format!("{}.dead", config.topic_template);
+            }
+        }
         config.validate()?;
         Ok(config)
     }
@@ -351,6 +369,12 @@ impl KafkaConfig {
         std::time::Duration::from_millis(ms)
     }
 
+    /// Whether the topics are named by a template of the user's, not the
+    /// default one.
+    pub fn custom_topics(&self) -> bool {
+        self.topic_template != default_topic_template()
+    }
+
     /// Topic of `queue`.
     pub fn topic_of(&self, queue: &str) -> String {
         self.topic_template.replace("{queue}", queue)
@@ -414,6 +438,26 @@ impl std::fmt::Debug for KafkaConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_deployment_s_own_topic_template_makes_its_retry_and_dead_topics_its_own() {
+        let mine = KafkaConfig::from_url("kafka://k:9092?topic_template=tenant-a.{queue}")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(mine.retry_topic_of("orders"), "tenant-a.orders.retry");
+        assert_eq!(mine.dead_topic_of("orders"), "tenant-a.orders.dead");
+        assert!(mine.custom_topics());
+        // Named ones are kept; the defaults stay as they were.
+        let named = KafkaConfig::from_url(
+            "kafka://k:9092?topic_template=t.{queue}&retry_topic_template=r.{queue}",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(named.retry_topic_of("q"), "r.q");
+        assert_eq!(named.dead_topic_of("q"), "t.q.dead");
+        let plain = KafkaConfig::from_url("kafka://k:9092").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(plain.retry_topic_of("q"), "ojs.queue.q.retry");
+        assert_eq!(plain.dead_topic_of("q"), "ojs.dead.q");
+        assert!(!plain.custom_topics());
+    }
 
     #[test]
     fn urls_and_templates() {

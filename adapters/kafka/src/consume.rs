@@ -483,6 +483,23 @@ impl KafkaConsumer {
         }
     }
 
+    /// Whether a record of the retry topic belongs to another queue topic
+    /// (another deployment sharing the retry topic): it is not ours to
+    /// deliver.
+    fn foreign_retry<M: Detach>(&self, m: &M, tp: &Tp) -> bool {
+        let (Some(queue_topic), Some(retry_topic)) = (self.topics.first(), self.topics.last())
+        else {
+            return false;
+        };
+        if self.topics.len() < 2 || tp.0 != *retry_topic {
+            return false;
+        }
+        m.header_parts()
+            .find(|(name, _)| *name == ORIGIN_TOPIC_HEADER.as_bytes())
+            .and_then(|(_, value)| value)
+            .is_some_and(|origin| origin != queue_topic.as_bytes())
+    }
+
     pub(crate) fn accept<M: Detach>(
         &self,
         m: &M,
@@ -490,6 +507,22 @@ impl KafkaConsumer {
         generation: u64,
         out: &mut Vec<Delivery>,
     ) {
+        if self.foreign_retry(m, &tp) {
+            // Its own deployment's group reads it; this group only moves
+            // past it.
+            let settled = self
+                .context
+                .lock()
+                .tracker
+                .settle(&tp, m.offset(), generation);
+            if settled.is_err() {
+                tracing::debug!(
+                    partition = tp.1,
+                    "a foreign retry record of a revoked partition is left"
+                );
+            }
+            return;
+        }
         match Self::not_before(m) {
             Some(due) if due > now_ms() => {
                 let seq = self.seq.fetch_add(1, Ordering::Relaxed);

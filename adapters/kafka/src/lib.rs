@@ -261,6 +261,11 @@ impl QueueAdapter for KafkaAdapter {
         self.inner.config.is_reserved(queue)
     }
 
+    fn group_scope(&self, queue: &str) -> Option<String> {
+        let config = &self.inner.config;
+        config.custom_topics().then(|| config.topic_of(queue))
+    }
+
     async fn health(&self) -> Health {
         let inner = self.inner.clone();
         let r = tokio::task::spawn_blocking(move || {

@@ -53,11 +53,24 @@ impl Inner {
                 );
                 continue;
             };
-            let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
+            // A retry record says which queue topic it goes back to.
+            let origin = (*destination == Destination::Retry)
+                .then(|| topics[Destination::Queue as usize].as_deref())
+                .flatten();
+            let mut headers = OwnedHeaders::new_with_capacity(m.headers.len() + 1);
             for (k, v) in &m.headers {
+                if origin.is_some() && k == ORIGIN_TOPIC_HEADER {
+                    continue;
+                }
                 headers = headers.insert(Header {
                     key: k.as_str(),
                     value: Some(v.as_bytes()),
+                });
+            }
+            if let Some(origin) = origin {
+                headers = headers.insert(Header {
+                    key: ORIGIN_TOPIC_HEADER,
+                    value: Some(origin.as_bytes()),
                 });
             }
             let mut record: BaseRecord<'_, [u8], [u8], usize> =

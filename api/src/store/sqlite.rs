@@ -72,7 +72,6 @@ CREATE TABLE IF NOT EXISTS events (
     time_ms  INTEGER NOT NULL,
     data     TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS events_job ON events (job_id);
 CREATE TABLE IF NOT EXISTS workers (
     id      TEXT PRIMARY KEY,
     seen_ms INTEGER NOT NULL,

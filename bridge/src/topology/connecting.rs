@@ -183,6 +183,13 @@ impl QueueAdapter for Connecting {
         }
     }
 
+    fn group_scope(&self, queue: &str) -> Option<String> {
+        match self.adapter() {
+            Some(a) => a.group_scope(queue),
+            None => self.config.group_scope(queue),
+        }
+    }
+
     async fn health(&self) -> Health {
         match self.adapter() {
             Some(a) => a.health().await,

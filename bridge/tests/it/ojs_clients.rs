@@ -275,3 +275,80 @@ async fn an_exhausted_job_is_discarded_unless_the_operator_keeps_dead_letters() 
         server.stop();
     }
 }
+
+/// Two deployments on one Kafka cluster, each with its own topic template
+/// and the same queue name: a job pushed, fetched and failed (retry after
+/// a second) through the first comes back through the first only; the
+/// second never sees it, because the retry and dead topics follow each
+/// one's template, its consumer groups are named by its topics, and a
+/// retry record goes back only to the topic it came from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_deployments_on_one_kafka_cluster_never_take_each_other_s_jobs() {
+    let Some(kafka) =
+        ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::Kafka).await
+    else {
+        return;
+    };
+    let id = ojs_bridge_tests::brokers::unique_queue("t");
+    let config = |tenant: &str| {
+        format!(
+            "[adapters.kafka]\nurl = \"{}\"\ntopic_template = \"{tenant}{id}.{{queue}}\"\n\n[api]\nadapter = \"kafka\"\n",
+            kafka.url
+        )
+    };
+    let a = OjsServer::start(Some(&config("tenanta"))).await;
+    let b = OjsServer::start(Some(&config("tenantb"))).await;
+    let pushed = post_json(
+        a.addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "a.b", "args": [1], "options": {"queue": "default",
+                "retry": {"max_attempts": 3, "initial_interval": "PT1S", "jitter": false}}}),
+    )
+    .await;
+    assert_eq!(pushed.status, 201, "{:?}", pushed.body);
+    let job_id = pushed.json()["job"]["id"].clone();
+    let fetch = |addr| async move {
+        post_json(
+            addr,
+            "/ojs/v1/workers/fetch",
+            &json!({"queues": ["default"], "wait_ms": 2000}),
+        )
+        .await
+        .json()["jobs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    let mut first = Vec::new();
+    for _ in 0..10 {
+        first = fetch(a.addr).await;
+        if !first.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(first.first().map(|j| j["id"].clone()), Some(job_id.clone()));
+    let nack = post_json(
+        a.addr,
+        "/ojs/v1/workers/nack",
+        &json!({"job_id": job_id, "error": {"code": "flaky", "message": "again"}}),
+    )
+    .await;
+    assert_eq!(nack.json()["state"], "retryable", "{:?}", nack.body);
+    // B looks for 8 s (the retry is due after 1 s); A gets it back.
+    let started = std::time::Instant::now();
+    while started.elapsed() < std::time::Duration::from_secs(8) {
+        let jobs = fetch(b.addr).await;
+        assert!(jobs.is_empty(), "the other deployment took {jobs:?}");
+    }
+    let mut again = Vec::new();
+    for _ in 0..10 {
+        again = fetch(a.addr).await;
+        if !again.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(again.first().map(|j| j["id"].clone()), Some(job_id));
+    assert_eq!(again[0]["attempt"], 2);
+    a.stop();
+    b.stop();
+}
