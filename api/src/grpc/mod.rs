@@ -965,7 +965,7 @@ impl GrpcServices {
     /// Answers one gRPC call; a service or method not served answers
     /// `UNIMPLEMENTED`. The token is checked on the call's head, before
     /// its message is read, by the rule of each service
-    /// ([`Api::admit`](crate::Api::admit), [`Api::health_access`](crate::Api::health_access)).
+    /// ([`crate::http::admit`], [`Api::health_access`](crate::Api::health_access)).
     pub async fn call(&self, request: http::Request<GrpcBody>) -> http::Response<GrpcBody> {
         let path = request.uri().path().to_owned();
         let authorization = request

@@ -756,7 +756,7 @@ async fn abuse_durations_queues_and_schemes_are_bounded_and_named() {
     let dir = TempDir::new("abuse-bounds");
     std::fs::write(dir.path().join("http.token"), "http-secret\n").unwrap();
     let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[http]\ntoken_file = \"http.token\"\n[api]\nadapter = \"local\"\n";
-    let server = OjsServer::start_in(dir, Some(&config)).await;
+    let server = OjsServer::start_in(dir, Some(config)).await;
     let addr = server.addr;
     let auth = |scheme: &str| {
         vec![
@@ -888,7 +888,7 @@ async fn abuse_grpc_follows_the_same_auth_rules_and_bounds_as_http() {
     std::fs::write(dir.path().join("http.token"), "http-secret\n").unwrap();
     std::fs::write(dir.path().join("tenant.token"), "tenant-secret\n").unwrap();
     let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[http]\ntoken_file = \"http.token\"\n[api]\nadapter = \"local\"\n\n[[api.tokens]]\nname = \"tenant\"\nfile = \"tenant.token\"\noperations = [\"admin\"]\nqueues = [\"tenant-a.*\"]\n";
-    let server = OjsServer::start_in(dir, Some(&config)).await;
+    let server = OjsServer::start_in(dir, Some(config)).await;
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", server.addr))
         .unwrap()
         .connect()
