@@ -212,7 +212,7 @@ impl Api {
                 if let Err(e) = restored {
                     tracing::warn!(job_id = %id, error = %e, "putting back a dead letter whose retry failed failed; a start publishes it");
                 }
-                Err(ApiError::Broker { source })
+                Err(ApiError::broker(&queue, source))
             }
         }
     }

@@ -164,6 +164,28 @@ pub enum ApiError {
         #[source]
         source: ojs_queue::Error,
     },
+    /// The queue's destination does not exist on the broker and this server
+    /// creates none (`topology = "existing"`): the same request fails until
+    /// whoever owns the topology creates it, so it is not retryable. The
+    /// answer names the OJS queue, never the broker's address or account.
+    #[error("queue {queue:?} does not exist on the broker, and this server creates none; nothing was stored")]
+    QueueMissing {
+        /// The OJS queue.
+        queue: String,
+        /// The adapter's error (for the log).
+        #[source]
+        source: ojs_queue::Error,
+    },
+    /// The broker refuses this server's credentials for the queue: not the
+    /// client's fault, and not fixed by retrying.
+    #[error("the broker refuses this server's access to queue {queue:?}; nothing was stored")]
+    BrokerDenied {
+        /// The OJS queue.
+        queue: String,
+        /// The adapter's error (for the log).
+        #[source]
+        source: ojs_queue::Error,
+    },
     /// The job store failed (its detail stays in the log).
     #[error("the job store failed")]
     Store(#[from] StoreError),
@@ -173,6 +195,29 @@ pub enum ApiError {
 const DOCS_URL: &str = "https://github.com/ojs-bridge/ojs-bridge/blob/main/docs/api.md#errors";
 
 impl ApiError {
+    /// What a broker's refusal to take a job of `queue` is to the client:
+    /// a missing destination or a refused account is the operator's to
+    /// fix (not retryable); anything else may pass later.
+    pub fn broker(queue: &str, source: ojs_queue::Error) -> Self {
+        let kind = match &source {
+            ojs_queue::Error::Publish(failure) => {
+                failure.failed.first().and_then(|f| f.error.broker_kind())
+            }
+            other => other.broker_kind(),
+        };
+        match kind {
+            Some(ojs_queue::BrokerErrorKind::NotFound) => ApiError::QueueMissing {
+                queue: queue.to_owned(),
+                source,
+            },
+            Some(ojs_queue::BrokerErrorKind::AccessDenied) => ApiError::BrokerDenied {
+                queue: queue.to_owned(),
+                source,
+            },
+            _ => ApiError::Broker { source },
+        }
+    }
+
     /// A validation error of one attribute.
     pub fn invalid(attribute: impl Into<String>, message: impl Into<String>) -> Self {
         ApiError::InvalidRequest {
@@ -205,7 +250,9 @@ impl ApiError {
             | ApiError::BodyTimeout { .. }
             | ApiError::NoRoute { .. }
             | ApiError::MethodNotAllowed { .. } => "invalid_request",
-            ApiError::NotFound { .. } | ApiError::QueueNotServed { .. } => "not_found",
+            ApiError::NotFound { .. }
+            | ApiError::QueueNotServed { .. }
+            | ApiError::QueueMissing { .. } => "not_found",
             ApiError::Duplicate { .. } => "duplicate",
             ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => "conflict",
             ApiError::NotAcceptable { .. } => "not_acceptable",
@@ -217,6 +264,7 @@ impl ApiError {
             ApiError::Busy => "rate_limited",
             ApiError::PermissionDenied { .. } => "permission_denied",
             ApiError::Broker { .. } => "backend_unavailable",
+            ApiError::BrokerDenied { .. } => "backend_error",
             ApiError::Store(e) if e.is_unavailable() => "backend_unavailable",
             ApiError::Store(e) if e.is_data_error() => "internal_error",
             ApiError::Store(_) => "backend_error",
@@ -234,6 +282,7 @@ impl ApiError {
             ApiError::PermissionDenied { .. } => 403,
             ApiError::NotFound { .. }
             | ApiError::QueueNotServed { .. }
+            | ApiError::QueueMissing { .. }
             | ApiError::NoRoute { .. } => 404,
             ApiError::MethodNotAllowed { .. } => 405,
             ApiError::BodyTimeout { .. } => 408,
@@ -250,7 +299,15 @@ impl ApiError {
             ApiError::Store(e) if e.is_unavailable() => 503,
             ApiError::Store(_) => 500,
             ApiError::Broker { .. } => 503,
+            ApiError::BrokerDenied { .. } => 500,
         }
+    }
+
+    /// Whether the operator has something to fix (logged as a warning
+    /// with the source's detail): a failure of the server or its
+    /// backends, or a queue missing on the broker.
+    pub fn needs_operator(&self) -> bool {
+        self.status() >= 500 || matches!(self, ApiError::QueueMissing { .. })
     }
 
     /// Whether the same request may succeed later.
@@ -280,7 +337,7 @@ impl ApiError {
                 resource_type,
                 resource_id,
             } => Some(json!({"resource_type": resource_type, "resource_id": resource_id})),
-            ApiError::QueueNotServed { queue } => {
+            ApiError::QueueNotServed { queue } | ApiError::QueueMissing { queue, .. } => {
                 Some(json!({"resource_type": "queue", "resource_id": queue}))
             }
             ApiError::Duplicate { id } => Some(json!({"existing_job_id": id})),
@@ -335,6 +392,12 @@ impl ApiError {
                 "check the id; finished jobs are kept for [api] retention and then removed"
             }
             ApiError::QueueNotServed { .. } => "ask the operator to add the queue to [api] queues",
+            ApiError::QueueMissing { .. } => {
+                "ask the operator to create the queue on the broker (docs/adapters) or use another queue"
+            }
+            ApiError::BrokerDenied { .. } => {
+                "ask the operator to grant the server's broker account access to the queue"
+            }
             ApiError::NoRoute { .. } => {
                 "the OJS HTTP binding lives under /ojs/v1 and /ojs/manifest"
             }

@@ -67,7 +67,7 @@ pub fn json_response(status: u16, body: &Value, request_id: &str) -> Response<By
 
 /// An error answer.
 pub fn error_response(error: &ApiError, request_id: &str) -> Response<Bytes> {
-    if error.status() >= 500 {
+    if error.needs_operator() {
         let detail = std::error::Error::source(error)
             .map(ToString::to_string)
             .unwrap_or_default();

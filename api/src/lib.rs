@@ -288,13 +288,13 @@ impl Api {
                     if let Err(e) = self.store.remove(failed).await {
                         tracing::warn!(error = %e, "removing jobs the broker refused from the store failed; they are published again after a restart");
                     }
-                    first_error.get_or_insert(error);
+                    first_error.get_or_insert_with(|| ApiError::broker(queue, error));
                 }
             }
         }
         match first_error {
             None => Ok(jobs),
-            Some(source) => Err(ApiError::Broker { source }),
+            Some(error) => Err(error),
         }
     }
 
@@ -419,7 +419,7 @@ impl Api {
                 if let Err(e) = self.store.deactivate(id.to_owned()).await {
                     tracing::warn!(job_id = %id, error = %e, "putting a job the broker refused back to pending failed; it is published again by recovery");
                 }
-                Err(ApiError::Broker { source })
+                Err(ApiError::broker(&job.envelope.queue, source))
             }
         }
     }

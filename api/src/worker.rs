@@ -299,7 +299,7 @@ impl Api {
         self.adapter
             .prepare(queue)
             .await
-            .map_err(|source| ApiError::Broker { source })?;
+            .map_err(|source| ApiError::broker(queue, source))?;
         let options = ConsumerOptions {
             // A group per queue: a Kafka group spanning topics rebalances
             // every member whenever one more queue is fetched from. Named
@@ -323,7 +323,7 @@ impl Api {
             .adapter
             .consumer(queue, options)
             .await
-            .map_err(|source| ApiError::Broker { source })?;
+            .map_err(|source| ApiError::broker(queue, source))?;
         let feed = Arc::new(tokio::sync::Mutex::new(Feed {
             consumer,
             fresh: true,
@@ -441,7 +441,7 @@ impl Api {
                     .consumer
                     .receive((request.count - out.len()).min(room), wait)
                     .await
-                    .map_err(|source| ApiError::Broker { source })?;
+                    .map_err(|source| ApiError::broker(queue, source))?;
                 feed.fresh = false;
                 feed.used = Instant::now();
                 if let Some(biggest) = deliveries.iter().map(|d| d.payload.len()).max() {
@@ -456,7 +456,7 @@ impl Api {
                     {
                         bytes = bytes.saturating_add(size);
                         taken.push(d);
-                    } else if let Err(e) = d.nack(Nack::requeue()).await {
+                    } else if let Err(e) = d.nack(Nack::Release).await {
                         tracing::debug!(%queue, error = %e, "giving back a delivery beyond the FETCH's byte bound failed; its lease runs out instead");
                     }
                 }
@@ -627,7 +627,7 @@ impl Api {
                 // at once (not after a lease), and the FETCH fails as
                 // retryable.
                 for delivery in kept {
-                    if let Err(e) = delivery.nack(Nack::requeue()).await {
+                    if let Err(e) = delivery.nack(Nack::Release).await {
                         tracing::debug!(%queue, error = %e, "giving a delivery back failed; its lease runs out instead");
                     }
                 }

@@ -167,18 +167,15 @@ pub async fn on_broker(
         }
     }
     for delivery in left {
-        // Listed: the broker keeps them where they are. Kafka's commits
-        // are contiguous: after a retry or purge the records left are
-        // moved to the back of the dead topic so that the consumed ones
-        // are not read again; a list commits nothing.
-        let settled = if kafka {
-            if action == Action::List {
-                Ok(())
-            } else {
-                delivery.nack(Nack::requeue()).await
-            }
+        // Listed: the broker keeps them where they are, uncounted (a look
+        // is not a delivery attempt). Kafka's commits are contiguous:
+        // after a retry or purge the records left are moved to the back of
+        // the dead topic so that the consumed ones are not read again; a
+        // list commits nothing.
+        let settled = if kafka && action == Action::List {
+            Ok(())
         } else {
-            delivery.nack(Nack::requeue()).await
+            delivery.nack(Nack::Release).await
         };
         if let Err(e) = settled {
             tracing::warn!(error = %e, "leaving a dead letter in place failed; it comes back when its lease ends");

@@ -6,7 +6,7 @@ use std::time::Duration;
 use ojs_core::Encoding;
 use ojs_grpcq as grpcq;
 use ojs_grpcq::{Decode as _, Decoded};
-use ojs_queue::{ConsumerOptions, Delivery, QueueAdapter, Result};
+use ojs_queue::{ConsumerOptions, Delivery, Nack, QueueAdapter, Result};
 use serde_json::{json, Value};
 
 use crate::send::MessageFormat;
@@ -93,6 +93,15 @@ pub async fn tail(
                 d.ack().await?;
             } else {
                 held.push(d);
+            }
+        }
+    }
+    // Shown, not handled: given back uncounted (a look is not a delivery
+    // attempt). Kafka's are simply not committed.
+    if adapter.kind() != "kafka" {
+        for d in held.drain(..) {
+            if let Err(e) = d.nack(Nack::Release).await {
+                tracing::debug!(error = %e, "giving back a message tail showed failed; it comes back when its lease ends");
             }
         }
     }

@@ -398,6 +398,13 @@ pub enum Nack {
     },
     /// Move to the queue's dead-letter destination with the reason.
     DeadLetter(DeadLetterReason),
+    /// Give the message back as it was, to be delivered again as soon as
+    /// possible: it was looked at or never handed out (a listing, a `tail`
+    /// without `--ack`, a FETCH's excess), so it is not a delivery attempt
+    /// and its attempt count stays. Where the broker itself counts
+    /// receives (SQS's `ApproximateReceiveCount`) that count still rises.
+    /// Never dead-letters, whatever `max_deliveries` says.
+    Release,
 }
 
 impl Nack {

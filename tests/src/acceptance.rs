@@ -42,6 +42,10 @@ pub struct Features {
     /// A message the broker delivers again (its consumer went away) comes
     /// with a higher attempt. Kafka has no delivery counter, so it cannot.
     pub counts_redeliveries: bool,
+    /// The broker counts every receive itself (SQS's
+    /// `ApproximateReceiveCount`): a released message comes back with one
+    /// more attempt.
+    pub counts_receives: bool,
     /// `depth` is exact. False only for test brokers known to report
     /// approximate watermarks (tansu reports a batch's base offset + 1).
     pub exact_depth: bool,
@@ -360,6 +364,76 @@ pub async fn nacked_messages_are_redelivered(f: &dyn AdapterFactory) -> Result<(
     }
     acked.assert_none_lost(&format!("{} nack→redelivery", features.name));
     assert_eq!(nacked, n, "every first delivery was nacked once");
+    Ok(())
+}
+
+/// Receives until every id of `tally` came once more; gives each back with
+/// `Nack::Release` unless `settle` says otherwise. Returns the attempt seen
+/// per id.
+async fn attempts_seen(
+    consumer: &mut dyn ojs_queue::Consumer,
+    tally: &Tally,
+    patience: Duration,
+    release: bool,
+) -> Result<HashMap<String, u32>> {
+    let mut seen = HashMap::new();
+    let deadline = Instant::now() + patience;
+    let mut left = tally.clone();
+    while !left.complete() && Instant::now() < deadline {
+        for d in consumer.receive(10, Duration::from_millis(500)).await? {
+            let id = id_of(&d)?;
+            left.received(id.clone());
+            seen.insert(id, d.attempt);
+            if release {
+                d.nack(Nack::Release).await?;
+            } else {
+                d.ack().await?;
+            }
+        }
+    }
+    left.assert_none_lost("released messages come back");
+    Ok(seen)
+}
+
+/// A message given back with `Nack::Release` (looked at, not attempted)
+/// comes back with the attempt it had, from the queue and from the dead
+/// letters alike; where the broker counts receives itself (SQS) it is one
+/// more, as documented.
+pub async fn released_messages_keep_their_attempt(f: &dyn AdapterFactory) -> Result<()> {
+    let features = f.features();
+    let adapter = f.connect().await?;
+    let queue = f.queue("acc-release").await?;
+    let mut sent = Tally::new();
+    publish_all(&*adapter, &queue, 2, &mut sent).await?;
+    let expected = |before: u32| before + u32::from(features.counts_receives);
+    let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
+    let first = attempts_seen(&mut *consumer, &sent, features.patience, true).await?;
+    let again = attempts_seen(&mut *consumer, &sent, features.patience, true).await?;
+    for (id, a) in &first {
+        assert_eq!(again[id], expected(*a), "{}: attempt after a release", features.name);
+    }
+    // Dead-lettered, then listed twice: a look is not an attempt there either.
+    let mut dead = 0;
+    let deadline = Instant::now() + features.patience;
+    while dead < 2 {
+        if Instant::now() >= deadline {
+            bail!("{}: the released messages did not come back a third time", features.name);
+        }
+        for d in consumer.receive(2, Duration::from_millis(500)).await? {
+            d.nack(Nack::DeadLetter(DeadLetterReason::new("test", "released")))
+                .await?;
+            dead += 1;
+        }
+    }
+    consumer.close().await?;
+    let mut options = f.consumer_options();
+    options.source = Source::DeadLetters;
+    let mut dlq = adapter.consumer(&queue, options).await?;
+    let first = attempts_seen(&mut *dlq, &sent, features.patience, true).await?;
+    let again = attempts_seen(&mut *dlq, &sent, features.patience, false).await?;
+    for (id, a) in &first {
+        assert_eq!(again[id], expected(*a), "{}: a dead letter's attempt after a listing", features.name);
+    }
     Ok(())
 }
 
@@ -990,6 +1064,7 @@ macro_rules! acceptance_tests {
             concurrent_publishers_and_consumers,
             queues_are_isolated,
             nacked_messages_are_redelivered,
+            released_messages_keep_their_attempt,
             delayed_nack_waits,
             unacked_messages_come_back,
             consumer_restarts_lose_nothing,

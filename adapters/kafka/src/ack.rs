@@ -143,6 +143,13 @@ impl Acknowledger for KafkaAcker {
                 copy.headers.insert(NOT_BEFORE_HEADER, due.to_string());
                 self.move_to(Destination::Retry, copy).await
             }
+            // Given back uncounted: to the retry topic, due now, with its
+            // attempt as it was (a dead letter to the back of the dead topic).
+            Nack::Release if *source == Source::Queue => {
+                copy.headers.insert(NOT_BEFORE_HEADER, now_ms().to_string());
+                self.move_to(Destination::Retry, copy).await
+            }
+            Nack::Release => self.move_to(Destination::DeadLetters, copy).await,
             // A dead letter that is retried goes to the back of the dead topic.
             Nack::Retry { .. } => self.move_to(Destination::DeadLetters, copy).await,
             Nack::DeadLetter(reason) => {

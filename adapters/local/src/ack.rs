@@ -135,6 +135,7 @@ impl Acknowledger for LocalAcker {
         let result = blocking(&self.inner, move |_, conn| match action {
             Nack::Retry { delay } => store::retry(conn, id, lease, delay),
             Nack::DeadLetter(reason) => store::dead_letter(conn, id, lease, &reason),
+            Nack::Release => store::give_back(conn, id, lease),
         })
         .await;
         if !matches!(result, Err(ref e) if e.is_retryable()) {

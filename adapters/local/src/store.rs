@@ -431,6 +431,22 @@ pub(crate) fn extend(conn: &Connection, id: i64, lease: i64, by: Duration) -> Re
     }
 }
 
+/// Makes a leased message deliverable now without counting the delivery
+/// (`Nack::Release`: it was looked at, not attempted).
+pub(crate) fn give_back(conn: &mut Connection, id: i64, lease: i64) -> Result<()> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE messages SET lease = NULL, visible_at = ?3, deliveries = max(deliveries - 1, 0) WHERE id = ?1 AND lease = ?2",
+        )
+        .and_then(|mut s| s.execute(params![id, lease, now_ms()]))
+        .map_err(db_error)?;
+    if n == 1 {
+        Ok(())
+    } else {
+        Err(Error::DeliveryExpired)
+    }
+}
+
 /// Makes leased messages deliverable now (their consumer went away).
 pub(crate) fn release(conn: &mut Connection, leases: &[(i64, i64)]) -> Result<()> {
     let tx = write_transaction(conn)?;

@@ -63,6 +63,7 @@ impl Acknowledger for MemoryAcker {
                 .ok_or(Error::DeliveryExpired)?;
             match action {
                 Nack::Retry { delay } => state.release(flight, Instant::now(), delay),
+                Nack::Release => state.give_back(flight),
                 Nack::DeadLetter(reason) => {
                     let mut message = flight.message;
                     reason.write_headers(&mut message.headers);

@@ -22,6 +22,8 @@ pub(crate) struct InFlight {
     pub(crate) deadline: Instant,
     pub(crate) consumer: u64,
     pub(crate) max_deliveries: Option<u32>,
+    /// Taken from the dead letters (and given back there).
+    pub(crate) dead: bool,
 }
 
 /// Hashes delivery tags, which are a counter: one multiply spreads them
@@ -69,6 +71,18 @@ impl QueueState {
     pub(crate) fn make_ready(&mut self, message: Stored) {
         self.ready
             .insert((Reverse(message.priority), message.seq), message);
+    }
+
+    /// Returns a delivered message to where it came from, uncounted
+    /// (`Nack::Release`).
+    pub(crate) fn give_back(&mut self, flight: InFlight) {
+        let mut message = flight.message;
+        message.deliveries = message.deliveries.saturating_sub(1);
+        if flight.dead {
+            self.dead.insert(message.seq, message);
+        } else {
+            self.make_ready(message);
+        }
     }
 
     /// Returns a delivered message to the queue, or to the dead letters once

@@ -50,6 +50,7 @@ impl MemoryConsumer {
                     deadline: now + self.options.visibility_timeout,
                     consumer: self.id,
                     max_deliveries,
+                    dead: self.options.source == Source::DeadLetters,
                 },
             );
             out.push(delivery);

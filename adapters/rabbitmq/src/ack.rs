@@ -91,6 +91,9 @@ impl RabbitAcker {
         }
         let mut copy = self.copy_of(delivery);
         reason.write_headers(&mut copy.headers);
+        // The attempts it had, redeliveries included: the dead queue's own
+        // redeliveries (listings) are not counted on top.
+        copy.headers.insert(header::ATTEMPT, self.attempt.to_string());
         self.move_to(Destination::DeadLetters, copy).await
     }
 }
@@ -143,6 +146,25 @@ impl Acknowledger for RabbitAcker {
                 self.move_to(route, copy).await
             }
             Nack::DeadLetter(reason) => self.dead_letter(&reason, &delivery).await,
+            // A dead letter stays where it is (its attempt is read from
+            // its header alone, see `RabbitConsumer::delivery`).
+            Nack::Release if self.source == Source::DeadLetters => self
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await
+                .map(|_| ())
+                .map_err(|_| Error::DeliveryExpired),
+            // A requeue would count as a redelivery (the redelivered flag,
+            // a quorum queue's x-delivery-count): a copy carrying the
+            // attempt as it was goes to the back of the queue instead.
+            Nack::Release => {
+                let mut copy = self.copy_of(&delivery);
+                copy.headers.insert(header::ATTEMPT, self.attempt.to_string());
+                self.move_to(Destination::Queue, copy).await
+            }
         }
     }
 }

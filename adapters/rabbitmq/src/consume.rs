@@ -219,7 +219,13 @@ impl RabbitConsumer {
     }
 
     pub(crate) fn delivery(&self, d: lapin::message::Delivery) -> Delivery {
-        let r = headers::received(&d.properties, d.redelivered);
+        let mut r = headers::received(&d.properties, d.redelivered);
+        if self.options.source == Source::DeadLetters {
+            // A dead letter is redelivered when it is listed and left
+            // (`Nack::Release`): that is a look, not an attempt. Its
+            // attempts are the ones its header recorded.
+            r.attempt = r.base_attempt;
+        }
         let payload = Bytes::from(d.data);
         let acker = RabbitAcker {
             inner: self.inner.clone(),

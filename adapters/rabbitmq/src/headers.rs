@@ -161,6 +161,8 @@ pub struct Received {
     /// 1-based attempt: `x-ojs-attempt` (set when a retry was republished),
     /// plus the broker's redeliveries.
     pub attempt: u32,
+    /// The attempt the header recorded, before this delivery's redeliveries.
+    pub base_attempt: u32,
     /// Header entries `headers` cannot give back as they came: numbers,
     /// booleans, short strings and byte arrays (read as text or bytes, which
     /// would go out again as long strings), and tables, arrays, floats,
@@ -226,6 +228,7 @@ pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
         message_id,
         priority: props.priority().map_or(0, i32::from),
         attempt: base.saturating_add(redeliveries),
+        base_attempt: base,
         typed,
     }
 }

@@ -191,6 +191,9 @@ impl Acknowledger for SqsAcker {
                 self.dead_letter(&reason, &delivery).await
             }
             Nack::Retry { delay } => self.visibility(delay.as_secs_f64().ceil() as u64).await,
+            // SQS counts every receive itself (ApproximateReceiveCount):
+            // a released message's next receive still shows one more.
+            Nack::Release => self.visibility(0).await,
             Nack::DeadLetter(reason) => self.dead_letter(&reason, &delivery).await,
         }
     }

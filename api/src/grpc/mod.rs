@@ -101,7 +101,9 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         | ApiError::NotAcceptable { .. }
         | ApiError::NoRoute { .. }
         | ApiError::MethodNotAllowed { .. } => Code::InvalidArgument,
-        ApiError::NotFound { .. } | ApiError::QueueNotServed { .. } => Code::NotFound,
+        ApiError::NotFound { .. }
+        | ApiError::QueueNotServed { .. }
+        | ApiError::QueueMissing { .. } => Code::NotFound,
         ApiError::Duplicate { .. } => Code::AlreadyExists,
         ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => Code::FailedPrecondition,
         ApiError::UnsupportedVersion(_) => Code::FailedPrecondition,
@@ -114,10 +116,11 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         ApiError::PermissionDenied { .. } => Code::PermissionDenied,
         ApiError::BodyTimeout { .. } => Code::DeadlineExceeded,
         ApiError::Broker { .. } => Code::Unavailable,
+        ApiError::BrokerDenied { .. } => Code::Internal,
         ApiError::Store(e) if e.is_unavailable() => Code::Unavailable,
         ApiError::Store(_) => Code::Internal,
     };
-    if error.status() >= 500 {
+    if error.needs_operator() {
         let detail = std::error::Error::source(error)
             .map(ToString::to_string)
             .unwrap_or_default();

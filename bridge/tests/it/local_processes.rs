@@ -174,3 +174,59 @@ async fn a_consumer_killed_mid_batch_loses_nothing() {
     assert_eq!(lost, 0);
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A look is not a delivery attempt: `dead-letters list` and `tail`
+/// without `--ack`, run again and again on the embedded broker, show each
+/// message's attempt as it was, and a consumer then gets attempt 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_and_tailing_count_no_attempt() {
+    let dir = temp_dir("looks");
+    let url = format!("local:{}", dir.display());
+    let adapter = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+    let messages: Vec<OutgoingMessage> = (0..2)
+        .map(|i| {
+            let job = JobEnvelope::new("look.item", vec![json!(i)]).with_queue("looked");
+            OutgoingMessage::from_envelope(&job, Encoding::OjsProto).unwrap()
+        })
+        .collect();
+    adapter.publish("looked", messages).await.unwrap();
+    let mut consumer = adapter
+        .consumer("looked", ConsumerOptions::default())
+        .await
+        .unwrap();
+    let first = consumer.receive(1, Duration::from_secs(5)).await.unwrap();
+    let dead = first.into_iter().next().unwrap();
+    dead.nack(ojs_queue::Nack::DeadLetter(ojs_queue::DeadLetterReason::new(
+        "test", "looked at",
+    )))
+    .await
+    .unwrap();
+    consumer.close().await.unwrap();
+    let run = |args: &[&str]| -> Vec<serde_json::Value> {
+        let out = bin().args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let listed = run(&[
+            "dead-letters", "list", "--from", &url, "--queue", "looked", "--timeout-secs", "1",
+        ]);
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        seen.push(listed[0]["attempt"].clone());
+        let tailed = run(&["tail", "--from", &url, "--queue", "looked", "--timeout-secs", "1"]);
+        assert_eq!(tailed.len(), 1, "{tailed:?}");
+        seen.push(tailed[0]["attempt"].clone());
+    }
+    assert!(seen.iter().all(|a| *a == json!(1)), "attempts shown: {seen:?}");
+    let mut consumer = adapter
+        .consumer("looked", ConsumerOptions::default())
+        .await
+        .unwrap();
+    let next = consumer.receive(1, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(next[0].attempt, 1, "the first real delivery");
+    next[0].ack().await.unwrap();
+}

@@ -713,7 +713,8 @@ async fn pushed_jobs_land_on_a_rabbitmq_queue_another_client_made_for_a_user_tha
         ids.push(a.json()["job"]["id"].as_str().unwrap().to_owned());
     }
     // A queue [api] allows but nobody made: with topology = "existing" the
-    // push is refused, names no secret, and nothing is stored.
+    // push is refused as not found and not retryable (retrying cannot make
+    // the queue), naming the OJS queue and no secret, and nothing is stored.
     let id = ojs_core::envelope::new_job_id();
     let missing = post_json(
         server.addr,
@@ -721,8 +722,14 @@ async fn pushed_jobs_land_on_a_rabbitmq_queue_another_client_made_for_a_user_tha
         &json!({"type": "order.ship", "args": [], "id": id, "options": {"queue": "missing"}}),
     )
     .await;
-    assert_eq!(missing.status, 503, "{:?}", missing.body);
-    assert!(!String::from_utf8_lossy(&missing.body).contains(PASSWORD));
+    assert_eq!(missing.status, 404, "{:?}", missing.body);
+    let error = &missing.json()["error"];
+    assert_eq!(error["code"], "not_found", "{error}");
+    assert_eq!(error["retryable"], false, "{error}");
+    assert_eq!(error["details"]["resource_id"], "missing", "{error}");
+    assert!(missing.header("retry-after").is_none());
+    let text = String::from_utf8_lossy(&missing.body);
+    assert!(!text.contains(PASSWORD) && !text.contains(host) && !text.contains(&user));
     assert_eq!(
         get(server.addr, &format!("/ojs/v1/jobs/{id}")).await.status,
         404

@@ -43,6 +43,7 @@ impl AdapterFactory for Kafka {
             visibility_timeout: false,
             max_deliveries: true,
             counts_redeliveries: false,
+            counts_receives: false,
             exact_depth: self.exact_depth,
             creates_resources: true,
             consumer_startup: Duration::from_secs(15),

@@ -33,6 +33,7 @@ impl AdapterFactory for Local {
             visibility_timeout: true,
             max_deliveries: true,
             counts_redeliveries: true,
+            counts_receives: false,
             exact_depth: true,
             creates_resources: true,
             consumer_startup: Duration::from_secs(1),

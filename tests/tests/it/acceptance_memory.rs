@@ -31,6 +31,7 @@ impl AdapterFactory for Memory {
             visibility_timeout: true,
             max_deliveries: true,
             counts_redeliveries: true,
+            counts_receives: false,
             exact_depth: true,
             creates_resources: true,
             consumer_startup: Duration::from_secs(1),

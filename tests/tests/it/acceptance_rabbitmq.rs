@@ -37,6 +37,7 @@ impl AdapterFactory for Rabbit {
             visibility_timeout: false,
             max_deliveries: true,
             counts_redeliveries: true,
+            counts_receives: false,
             exact_depth: true,
             creates_resources: true,
             consumer_startup: Duration::from_secs(1),

@@ -36,6 +36,7 @@ impl AdapterFactory for Sqs {
             visibility_timeout: true,
             max_deliveries: true,
             counts_redeliveries: true,
+            counts_receives: true,
             exact_depth: true,
             creates_resources: true,
             consumer_startup: Duration::from_secs(2),

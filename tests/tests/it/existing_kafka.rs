@@ -50,6 +50,7 @@ impl AdapterFactory for ExistingKafka {
             visibility_timeout: false,
             max_deliveries: true,
             counts_redeliveries: false,
+            counts_receives: false,
             exact_depth: std::env::var("OJS_BRIDGE_TEST_KAFKA_FLAVOR").as_deref() != Ok("tansu"),
             creates_resources: false,
             consumer_startup: Duration::from_secs(15),

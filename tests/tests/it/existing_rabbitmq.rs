@@ -51,6 +51,7 @@ impl AdapterFactory for ExistingRabbit {
             visibility_timeout: false,
             max_deliveries: true,
             counts_redeliveries: true,
+            counts_receives: false,
             exact_depth: true,
             creates_resources: false,
             consumer_startup: Duration::from_secs(1),

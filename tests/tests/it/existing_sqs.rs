@@ -43,6 +43,7 @@ impl AdapterFactory for ExistingSqs {
             visibility_timeout: true,
             max_deliveries: true,
             counts_redeliveries: true,
+            counts_receives: true,
             exact_depth: true,
             creates_resources: false,
             consumer_startup: Duration::from_secs(2),
