@@ -19,6 +19,38 @@ pub const NOT_BEFORE_HEADER: &str = "ojs-not-before";
 /// retries.
 pub const ORIGIN_TOPIC_HEADER: &str = "ojs-origin-topic";
 
+/// How long a request made while starting (a topic's metadata, creating
+/// topics) waits: less than the daemon's start attempt, so that an
+/// unreachable cluster is reported with librdkafka's reason rather than as
+/// the attempt's time-out.
+pub(crate) const START_REQUEST_TIMEOUT: Duration = Duration::from_secs(8);
+
+impl Inner {
+    /// A client error as the adapter reports it: where the cluster did not
+    /// answer and librdkafka said why (connection refused, a TLS or SASL
+    /// failure), `Unreachable` with the brokers' addresses and that reason.
+    pub(crate) fn unreachable(&self, e: &KafkaError) -> Error {
+        use RDKafkaErrorCode as C;
+        let silent = matches!(
+            e.rdkafka_error_code(),
+            Some(
+                C::OperationTimedOut
+                    | C::RequestTimedOut
+                    | C::AllBrokersDown
+                    | C::BrokerTransportFailure
+                    | C::BrokerNotAvailable
+            )
+        );
+        match self.log.recent_error() {
+            Some(reason) if silent => Error::Unreachable {
+                broker: "kafka",
+                message: format!("{}: {reason}", self.config.brokers),
+            },
+            _ => kafka_error(e),
+        }
+    }
+}
+
 pub(crate) fn kafka_error(e: &KafkaError) -> Error {
     let retryable = !matches!(
         e.rdkafka_error_code(),
@@ -97,7 +129,7 @@ pub(crate) fn apply_overrides(c: &mut ClientConfig, config: &KafkaConfig) -> Res
     Ok(())
 }
 
-pub(crate) fn make_producer(config: &KafkaConfig) -> Result<Producer> {
+pub(crate) fn make_producer(config: &KafkaConfig, log: &Arc<ClientLog>) -> Result<Producer> {
     let mut p = client_config(config);
     p.set("enable.idempotence", "true")
         .set("acks", "all")
@@ -108,6 +140,6 @@ pub(crate) fn make_producer(config: &KafkaConfig) -> Result<Producer> {
         )
         .set("linger.ms", "5");
     apply_overrides(&mut p, config)?;
-    p.create_with_context(Reports::default())
+    p.create_with_context(Reports::new(log.clone()))
         .map_err(|e| kafka_error(&e))
 }

@@ -107,6 +107,7 @@ pub(crate) fn detach(m: &rdkafka::message::BorrowedMessage<'_>) -> OwnedMessage 
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Context {
     pub(crate) shared: Arc<Mutex<Shared>>,
+    pub(crate) log: Arc<ClientLog>,
 }
 
 impl Context {
@@ -123,7 +124,15 @@ pub(crate) fn commit_list(offsets: &[(String, i32, i64)]) -> TopicPartitionList 
     tpl
 }
 
-impl ClientContext for Context {}
+impl ClientContext for Context {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.log.log(level, fac, log_message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.log.error(&error, reason);
+    }
+}
 
 impl ConsumerContext for Context {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -304,7 +313,10 @@ impl KafkaConsumer {
             .set("enable.partition.eof", "false")
             .set("session.timeout.ms", config.session_timeout_ms.to_string());
         apply_overrides(&mut c, config)?;
-        let context = Context::default();
+        let context = Context {
+            log: inner.log.clone(),
+            ..Context::default()
+        };
         let consumer: StreamConsumer<Context> = c
             .create_with_context(context.clone())
             .map_err(|e| kafka_error(&e))?;

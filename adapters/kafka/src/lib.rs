@@ -38,6 +38,7 @@
 
 mod ack;
 mod client;
+mod client_log;
 mod config;
 mod consume;
 mod publish;
@@ -62,7 +63,6 @@ use ojs_queue::{
     QueueAdapter, Result, Source,
 };
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer,
@@ -76,6 +76,7 @@ use tokio::time::Instant;
 pub use config::KafkaConfig;
 pub use ojs_queue::settings::Topology;
 use record_headers::RecordHeaders;
+use client_log::{ClientLog, LogContext};
 use reports::Reports;
 use tracker::{Stale, Tp, Tracker};
 
@@ -89,7 +90,9 @@ struct Inner {
     config: KafkaConfig,
     /// Replaced when it fails fatally (see `produce`).
     producer: std::sync::RwLock<Arc<Producer>>,
-    admin: AdminClient<DefaultClientContext>,
+    admin: AdminClient<LogContext>,
+    /// librdkafka's reports of every client of this adapter, gated.
+    log: Arc<ClientLog>,
     /// Topics known to exist (created or found).
     topics: Mutex<HashSet<String>>,
     /// `topology = "existing"`: each queue's destinations as found on the broker.
@@ -115,15 +118,19 @@ impl KafkaAdapter {
     /// Validates the settings and creates the producer and admin clients.
     pub async fn connect(config: KafkaConfig) -> Result<Self> {
         config.validate()?;
-        let producer = make_producer(&config)?;
+        let log = Arc::new(ClientLog::default());
+        let producer = make_producer(&config, &log)?;
         let mut a = client_config(&config);
         apply_overrides(&mut a, &config)?;
-        let admin: AdminClient<DefaultClientContext> = a.create().map_err(|e| kafka_error(&e))?;
+        let admin: AdminClient<LogContext> = a
+            .create_with_context(LogContext(log.clone()))
+            .map_err(|e| kafka_error(&e))?;
         Ok(KafkaAdapter {
             inner: Arc::new(Inner {
                 config,
                 producer: std::sync::RwLock::new(Arc::new(producer)),
                 admin,
+                log,
                 topics: Mutex::new(HashSet::new()),
                 resolved: Mutex::new(HashMap::new()),
                 closed: AtomicBool::new(false),
@@ -273,13 +280,15 @@ impl QueueAdapter for KafkaAdapter {
             inner
                 .producer()
                 .client()
-                .fetch_metadata(None, Duration::from_secs(3))
+                // Under the health probe's own 3 s, so that an unreachable
+                // cluster is reported with its reason.
+                .fetch_metadata(None, Duration::from_secs(2))
                 .map(|m| m.brokers().len())
         })
         .await;
         match r {
             Ok(Ok(n)) => Health::ok(format!("{n} broker(s) at {}", self.inner.config.brokers)),
-            Ok(Err(e)) => Health::down(e.to_string()),
+            Ok(Err(e)) => Health::down(self.inner.unreachable(&e).to_string()),
             Err(e) => Health::down(e.to_string()),
         }
     }
@@ -288,13 +297,16 @@ impl QueueAdapter for KafkaAdapter {
     /// committed by that group).
     async fn depth(&self, queue: &str) -> Result<Option<u64>> {
         let config = self.inner.config.clone();
+        let log = self.inner.log.clone();
         let queue = queue.to_owned();
         tokio::task::spawn_blocking(move || -> Result<Option<u64>> {
             let mut c = client_config(&config);
             c.set("group.id", &config.depth_group)
                 .set("enable.auto.commit", "false");
             apply_overrides(&mut c, &config)?;
-            let consumer: BaseConsumer = c.create().map_err(|e| kafka_error(&e))?;
+            let consumer: BaseConsumer<LogContext> = c
+                .create_with_context(LogContext(log))
+                .map_err(|e| kafka_error(&e))?;
             let timeout = Duration::from_secs(5);
             let mut total = 0u64;
             for topic in [config.topic_of(&queue), config.retry_topic_of(&queue)] {

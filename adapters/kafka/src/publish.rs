@@ -13,7 +13,7 @@ impl Inner {
 
     /// Swaps in a new producer unless someone already replaced `broken`.
     pub(crate) fn rebuild_producer(&self, broken: &Arc<Producer>) -> Result<()> {
-        let fresh = Arc::new(make_producer(&self.config)?);
+        let fresh = Arc::new(make_producer(&self.config, &self.log)?);
         let mut slot = self.producer.write().unwrap_or_else(|e| e.into_inner());
         if Arc::ptr_eq(&slot, broken) {
             *slot = fresh;

@@ -23,6 +23,8 @@ use rdkafka::error::KafkaError;
 use rdkafka::producer::{DeliveryResult, ProducerContext};
 use rdkafka::ClientContext;
 
+use crate::client_log::ClientLog;
+
 /// Bits of an opaque that hold the record's index; the slot is above them.
 const INDEX_BITS: u32 = usize::BITS / 2;
 
@@ -34,6 +36,7 @@ pub(crate) const MAX_RECORDS: usize = (1 << INDEX_BITS) - 1;
 #[derive(Debug, Default)]
 pub(crate) struct Reports {
     slots: Mutex<Slots>,
+    log: Arc<ClientLog>,
 }
 
 #[derive(Debug, Default)]
@@ -54,6 +57,13 @@ struct Slot {
 }
 
 impl Reports {
+    pub(crate) fn new(log: Arc<ClientLog>) -> Self {
+        Reports {
+            slots: Mutex::default(),
+            log,
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Slots> {
         // A panic while holding this lock leaves counts that are still
         // consistent (each step is one assignment).
@@ -115,7 +125,15 @@ impl Reports {
     }
 }
 
-impl ClientContext for Reports {}
+impl ClientContext for Reports {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.log.log(level, fac, log_message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.log.error(&error, reason);
+    }
+}
 
 impl ProducerContext for Reports {
     type DeliveryOpaque = usize;

@@ -76,19 +76,19 @@ impl Inner {
     pub(crate) async fn topic_exists(&self, topic: &str) -> Result<bool> {
         let producer = self.producer();
         let name = topic.to_owned();
-        tokio::task::spawn_blocking(move || {
+        let md = tokio::task::spawn_blocking(move || {
             use rdkafka::producer::Producer as _;
-            let md = producer
+            producer
                 .client()
-                .fetch_metadata(Some(&name), Duration::from_secs(10))
-                .map_err(|e| kafka_error(&e))?;
-            Ok(md
-                .topics()
-                .iter()
-                .any(|t| t.name() == name && t.error().is_none() && !t.partitions().is_empty()))
+                .fetch_metadata(Some(&name), START_REQUEST_TIMEOUT)
         })
         .await
         .map_err(|e| Error::broker("kafka", e.to_string(), true))?
+        .map_err(|e| self.unreachable(&e))?;
+        Ok(md
+            .topics()
+            .iter()
+            .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
     }
 
     /// Creates the queue's three topics if this process has not seen them.
@@ -111,12 +111,14 @@ impl Inner {
                 )
             })
             .collect();
-        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let opts = AdminOptions::new()
+            .operation_timeout(Some(START_REQUEST_TIMEOUT))
+            .request_timeout(Some(START_REQUEST_TIMEOUT));
         let results = self
             .admin
             .create_topics(new.iter(), &opts)
             .await
-            .map_err(|e| kafka_error(&e))?;
+            .map_err(|e| self.unreachable(&e))?;
         for r in results {
             match r {
                 // An existing topic is used with the settings it has.

@@ -2,6 +2,8 @@
 //! conformance runner) found against `ojs-bridge run`, each as it would
 //! meet it, through a real daemon on the embedded default.
 
+use std::time::Duration;
+
 use serde_json::{json, Value};
 
 use crate::ojs_server::{get, post_json, request, OjsServer};
@@ -351,4 +353,36 @@ async fn two_deployments_on_one_kafka_cluster_never_take_each_other_s_jobs() {
     assert_eq!(again[0]["attempt"], 2);
     a.stop();
     b.stop();
+}
+
+/// A Kafka cluster nobody answers at: librdkafka reports it several
+/// times a second per client; the log gets a line when a kind of report
+/// starts (and a reminder a minute), and health names the address and
+/// librdkafka's reason, not a time-out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_kafka_cluster_is_named_in_health_without_flooding_the_log() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let config =
+        format!("[adapters.kafka]\nurl = \"kafka://127.0.0.1:{port}\"\n\n[api]\nadapter = \"kafka\"\n");
+    let started = std::time::Instant::now();
+    let server = OjsServer::start(Some(&config)).await;
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(started.elapsed())).await;
+    let health = get(server.addr, "/ojs/v1/health").await;
+    assert_eq!(health.status, 503, "{:?}", health.body);
+    let detail = health.json()["adapters"]["kafka"]["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        detail.contains(&format!("127.0.0.1:{port}")) && detail.contains("refused"),
+        "health names the address and the reason: {detail}"
+    );
+    let log = server.log();
+    let librdkafka = log.lines().filter(|l| l.contains("librdkafka")).count();
+    println!("unreachable Kafka, 10 s: {librdkafka} librdkafka lines, {} in all; health: {detail}", log.lines().count());
+    assert!(librdkafka <= 8, "the log was flooded:\n{log}");
+    server.stop();
 }
