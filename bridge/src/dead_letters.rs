@@ -117,18 +117,15 @@ pub async fn on_broker(
         .await?;
     let mut summary = Summary::default();
     let mut left: Vec<Delivery> = Vec::new();
-    // A Kafka consumer needs its group join before the first record.
-    let mut wait = if kafka {
-        selection.idle.max(Duration::from_secs(8))
-    } else {
-        selection.idle
-    };
+    // A Kafka consumer's group join comes before the idle timeout counts.
+    if !consumer.ready(crate::tail::JOIN_LIMIT).await? {
+        tracing::warn!(queue = %selection.queue, "the dead-letter consumer is not assigned anything yet; reading anyway");
+    }
     loop {
-        let batch = consumer.receive(100, wait).await?;
+        let batch = consumer.receive(100, selection.idle).await?;
         if batch.is_empty() {
             break;
         }
-        wait = selection.idle;
         for delivery in batch {
             summary.seen += 1;
             let (id, job_type) = identify(&delivery);

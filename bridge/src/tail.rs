@@ -28,6 +28,11 @@ pub struct TailOptions {
     pub consumer: ConsumerOptions,
 }
 
+/// How long a reader waits for its consumer to be ready (a Kafka group
+/// join: at most a session timeout for a member that left without saying so,
+/// then the rebalance) before its idle timeout starts.
+pub const JOIN_LIMIT: Duration = Duration::from_secs(30);
+
 /// The JSON line for one delivery.
 pub fn render(d: &Delivery, format: MessageFormat) -> (Value, bool) {
     let default = match format {
@@ -70,6 +75,11 @@ pub async fn tail(
     out: &mut impl Write,
 ) -> Result<usize> {
     let mut consumer = adapter.consumer(&opts.queue, opts.consumer.clone()).await?;
+    // The idle timeout counts from when the consumer can receive: a Kafka
+    // group join can take longer than a short timeout.
+    if !consumer.ready(JOIN_LIMIT).await? {
+        tracing::warn!(queue = %opts.queue, limit_s = JOIN_LIMIT.as_secs(), "the consumer is not assigned anything yet; reading anyway");
+    }
     let mut printed = 0;
     // Unacked deliveries are held until we exit, so nothing is shown twice.
     let mut held = Vec::new();

@@ -776,6 +776,16 @@ pub trait Consumer: Send + fmt::Debug {
     /// An empty vector means nothing arrived in time. Cancellation-safe.
     async fn receive(&mut self, max: usize, wait: Duration) -> Result<Vec<Delivery>>;
 
+    /// Waits, at most `limit`, until the consumer can receive: a Kafka
+    /// consumer's group join and partition assignment, which a short
+    /// `receive` timeout would otherwise spend. Whether it is ready; brokers
+    /// without a join are ready at once. A reader with an idle timeout
+    /// (`tail`) starts its clock after this.
+    async fn ready(&mut self, limit: Duration) -> Result<bool> {
+        let _ = limit;
+        Ok(true)
+    }
+
     /// Leaves the queue: unacknowledged deliveries of this consumer become
     /// available to others. Dropping a consumer does the same, less politely.
     async fn close(self: Box<Self>) -> Result<()>;

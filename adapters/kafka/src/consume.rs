@@ -730,6 +730,33 @@ impl Consumer for KafkaConsumer {
         received
     }
 
+    async fn ready(&mut self, limit: Duration) -> Result<bool> {
+        let deadline = Instant::now() + limit;
+        let _poll = self.poll_lock.clone().lock_owned().await;
+        loop {
+            let assigned = self
+                .consumer
+                .assignment()
+                .is_ok_and(|a| a.count() > 0);
+            if assigned {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            // The join happens while polling; a record that comes meanwhile
+            // waits (parked) for the next `receive`.
+            let consumer = self.consumer.clone();
+            let mut stream = consumer.stream();
+            let step = deadline.min(Instant::now() + Duration::from_millis(100));
+            match tokio::time::timeout_at(step, stream.next()).await {
+                Ok(Some(Ok(m))) => self.context.lock().parked.push_back(m.detach()),
+                Ok(Some(Err(e))) => return Err(kafka_error(&e)),
+                Ok(None) | Err(_) => {}
+            }
+        }
+    }
+
     async fn close(self: Box<Self>) -> Result<()> {
         let consumer = self.consumer.clone();
         let offsets = self.context.lock().tracker.committable();

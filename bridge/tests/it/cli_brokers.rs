@@ -139,12 +139,36 @@ async fn send_and_tail_over_kafka() {
     let Some(endpoint) = find(Broker::Kafka).await else {
         return;
     };
-    // Short sessions keep the test broker's group joins quick.
-    let url = format!(
-        "{}?session.timeout.ms=2000&heartbeat.interval.ms=500",
-        endpoint.url
-    );
-    send_then_tail(&url, &unique_queue("cli"), 30);
+    // A 2 s timeout, default sessions: the group join is not counted in it.
+    send_then_tail(&endpoint.url, &unique_queue("cli"), 2);
+}
+
+/// `tail` on Kafka with a short timeout and a group of one's own, twice:
+/// each prints the record (the join is not counted in the timeout), and
+/// the first, leaving without `--ack`, neither commits nor keeps the second
+/// from its partitions.
+#[tokio::test]
+async fn tail_on_kafka_twice_in_one_group_with_a_short_timeout() {
+    let Some(endpoint) = find(Broker::Kafka).await else {
+        return;
+    };
+    let queue = unique_queue("tail");
+    let url = format!("{}?topic_template={{queue}}", endpoint.url);
+    let ojs = r#"{"specversion":"1.0","id":"019539a4-b68c-7def-8000-1a2b3c4d5e70","type":"email.send","queue":"default","args":["a@b.c"]}"#;
+    let out = run(&["send", "--to", &url, "--queue", &queue], format!("{ojs}\n").as_bytes());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let group = unique_queue("group");
+    for round in 1..=2 {
+        let started = std::time::Instant::now();
+        let out = run(
+            &["tail", "--from", &url, "--queue", &queue, "--timeout-secs", "2", "--group", &group],
+            b"",
+        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let lines = String::from_utf8_lossy(&out.stdout).lines().count();
+        println!("tail on Kafka, round {round}: {lines} line(s) in {:?}", started.elapsed());
+        assert_eq!(lines, 1, "round {round}: {}", String::from_utf8_lossy(&out.stderr));
+    }
 }
 
 #[tokio::test]

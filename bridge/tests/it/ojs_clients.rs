@@ -360,7 +360,7 @@ async fn two_deployments_on_one_kafka_cluster_never_take_each_other_s_jobs() {
 /// starts (and a reminder a minute), and health names the address and
 /// librdkafka's reason, not a time-out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unreachable_kafka_cluster_is_named_in_health_without_flooding_the_log() {
+async fn an_unreachable_cluster_is_named_in_health_without_flooding_the_log() {
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
