@@ -161,6 +161,51 @@ impl SourceSummary {
     }
 }
 
+/// The listener while the daemon starts (`http::serve_starting`); the
+/// task ends (closing the listener) if the start fails.
+struct Starting {
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<TcpListener>>,
+}
+
+impl Starting {
+    fn serve(listener: TcpListener, tls: Option<crate::tls::ListenerTls>) -> Self {
+        let (ready, wait) = tokio::sync::oneshot::channel();
+        Starting {
+            ready: Some(ready),
+            task: Some(tokio::spawn(crate::http::serve_starting(
+                listener, tls, wait,
+            ))),
+        }
+    }
+
+    /// Stops answering `starting`; the listener, for the daemon.
+    async fn finish(mut self) -> Result<TcpListener, DaemonError> {
+        if let Some(ready) = self.ready.take() {
+            let _ = ready.send(());
+        }
+        let task = self.task.take();
+        match task {
+            Some(task) => task.await.map_err(|e| DaemonError::Listen {
+                addr: "the starting listener".into(),
+                source: std::io::Error::other(e.to_string()),
+            }),
+            None => Err(DaemonError::Listen {
+                addr: "the starting listener".into(),
+                source: std::io::Error::other("already handed over"),
+            }),
+        }
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
 impl Daemon {
     /// Compiles routes, connects every adapter, binds the endpoint.
     pub async fn start(config: BridgeConfig) -> Result<Daemon, DaemonError> {
@@ -189,6 +234,24 @@ impl Daemon {
             adapters: mut compiled_adapters,
             routes,
         } = topology;
+        // The listener first: probes get 503 `starting` while the brokers
+        // and the store are connected, and a port already taken stops the
+        // start before anything else.
+        let tls = crate::tls::acceptor(&config.http)?;
+        let starting = if config.http.listen == "off" {
+            None
+        } else {
+            let listener = TcpListener::bind(&config.http.listen)
+                .await
+                .map_err(|source| DaemonError::Listen {
+                    addr: config.http.listen.clone(),
+                    source,
+                })?;
+            if let Ok(addr) = listener.local_addr() {
+                tracing::info!(%addr, "listening; 503 (starting) until the brokers and the job store are connected");
+            }
+            Some(Starting::serve(listener, tls.clone()))
+        };
         // Every queue the config names literally must be usable before the
         // first message: declared where the adapter may declare, checked
         // where the topology is `existing` (a missing one stops the start,
@@ -337,18 +400,9 @@ impl Daemon {
             Some(path) => Some(crate::config::read_token_file("http.token_file", path)?),
             None => None,
         };
-        let tls = crate::tls::acceptor(&config.http)?;
-        let listener = if config.http.listen == "off" {
-            None
-        } else {
-            Some(
-                TcpListener::bind(&config.http.listen)
-                    .await
-                    .map_err(|source| DaemonError::Listen {
-                        addr: config.http.listen.clone(),
-                        source,
-                    })?,
-            )
+        let listener = match starting {
+            Some(starting) => Some(starting.finish().await?),
+            None => None,
         };
         let metrics = Arc::new(Metrics::new(
             &config

@@ -725,3 +725,111 @@ impl Activity {
         self.since.elapsed().saturating_sub(last)
     }
 }
+
+/// Connections served at once while starting; more wait in the kernel's
+/// backlog (or are closed at once when this many are open).
+const STARTING_CONNECTIONS: usize = 64;
+/// How long one connection is served while starting.
+const STARTING_CONNECTION_LIMIT: Duration = Duration::from_secs(10);
+
+/// The listener while the daemon connects to its brokers and its job
+/// store: bound first, so that a probe meets a server that says it is not
+/// ready (503, health `starting`) instead of a refused connection, and a
+/// port already taken stops the start before anything else. Every request
+/// gets that answer and the connection is closed. Ends, handing the
+/// listener back, when `ready` fires (or its sender is dropped).
+pub async fn serve_starting(
+    listener: TcpListener,
+    tls: Option<crate::tls::ListenerTls>,
+    mut ready: tokio::sync::oneshot::Receiver<()>,
+) -> TcpListener {
+    let started = Instant::now();
+    let slots = Arc::new(tokio::sync::Semaphore::new(STARTING_CONNECTIONS));
+    loop {
+        let accepted = tokio::select! {
+            _ = &mut ready => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting an HTTP connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            continue;
+        };
+        let tls = tls.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let serve = async move {
+                match tls {
+                    None => starting_connection(TokioIo::new(stream)).await,
+                    Some(tls) => match tls.acceptor.accept(stream).await {
+                        Ok(stream) => starting_connection(TokioIo::new(stream)).await,
+                        Err(e) => tracing::debug!(%peer, error = %e, "TLS handshake refused"),
+                    },
+                }
+            };
+            if tokio::time::timeout(STARTING_CONNECTION_LIMIT, serve)
+                .await
+                .is_err()
+            {
+                tracing::debug!(%peer, "connection closed while starting");
+            }
+        });
+    }
+    tracing::debug!(
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "started: the listener serves the daemon"
+    );
+    listener
+}
+
+async fn starting_connection<I>(io: TokioIo<I>)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+        Ok::<_, Infallible>(starting_answer(req.uri().path()))
+    });
+    let mut builder =
+        hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(5))
+        .keep_alive(false);
+    builder.http2().timer(TokioTimer::new());
+    if let Err(e) = builder.serve_connection(io, service).await {
+        tracing::debug!(error = %e, "HTTP connection while starting ended with an error");
+    }
+}
+
+/// What every request gets while the daemon starts: health says
+/// `starting`; anything else is the OJS binding's retryable 503.
+fn starting_answer(path: &str) -> Response<Full<Bytes>> {
+    let body = if path == "/ojs/v1/health" || path == "/health" {
+        json!({"status": "starting", "detail": "connecting to the brokers and the job store"})
+    } else {
+        json!({"error": {
+            "code": "backend_unavailable",
+            "message": "the server is starting: it is connecting to its brokers and job store; retry shortly",
+            "retryable": true,
+        }})
+    };
+    let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
+    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    let headers = r.headers_mut();
+    headers.insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        hyper::header::RETRY_AFTER,
+        hyper::header::HeaderValue::from_static("1"),
+    );
+    r
+}

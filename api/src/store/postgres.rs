@@ -253,6 +253,17 @@ impl PostgresStore {
         if config.get_application_name().is_none() {
             config.application_name("ojs-bridge");
         }
+        // The client's default logs every notice at INFO; the ones this
+        // store meets ("already exists, skipping" when replicas start
+        // together) are expected, so they are debug lines.
+        config.notice_callback(|notice| {
+            tracing::debug!(
+                severity = notice.severity(),
+                code = notice.code().code(),
+                "PostgreSQL notice: {}",
+                notice.message()
+            );
+        });
         let where_ = place(&config);
         let (tx, rx) = mpsc::channel::<Job1>();
         let rx = Arc::new(Mutex::new(rx));

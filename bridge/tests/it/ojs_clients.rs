@@ -386,3 +386,49 @@ async fn an_unreachable_cluster_is_named_in_health_without_flooding_the_log() {
     assert!(librdkafka <= 8, "the log was flooded:\n{log}");
     server.stop();
 }
+
+/// The listener comes first: while a broker is still being reached (a
+/// wrong RabbitMQ port), a probe gets health 503 `starting` and a request
+/// the binding's retryable 503, never a refused connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_answers_503_starting_while_the_brokers_are_reached() {
+    let free = || {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let (nobody, listen) = (free(), free());
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("starting");
+    let file = dir.path().join("bridge.toml");
+    std::fs::write(
+        &file,
+        format!("[adapters.rabbit]\nurl = \"amqp://guest:guest@{nobody}/%2f\"\n\n[api]\nadapter = \"rabbit\"\n"),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .current_dir(dir.path())
+        .env("OJS_BRIDGE_HTTP_LISTEN", listen.to_string())
+        .args(["run", "--config", file.to_str().unwrap()])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut refused = 0;
+    let first = loop {
+        if let Some(answer) = crate::ojs_server::try_answer(listen, "GET", "/ojs/v1/health", b"").await {
+            break answer;
+        }
+        refused += 1;
+        assert!(refused < 200, "no answer in 10 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let push = crate::ojs_server::try_answer(listen, "POST", "/ojs/v1/jobs", br#"{"type":"a.b","args":[]}"#).await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    println!("starting: {refused} refused connect(s) before the first answer");
+    assert_eq!(first.0, 503);
+    let health: Value = serde_json::from_slice(&first.1).unwrap();
+    assert_eq!(health["status"], "starting", "{health}");
+    let (status, body) = push.expect("answered while starting");
+    assert_eq!(status, 503);
+    let error: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(error["error"]["retryable"], true, "{error}");
+}
