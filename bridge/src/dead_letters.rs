@@ -57,6 +57,8 @@ pub struct Selection {
     pub job_type: Option<(String, Glob)>,
     /// Stop reading after this long without a dead letter (brokers).
     pub idle: Duration,
+    /// Where the count of dead letters read is drawn.
+    pub progress: crate::progress::Progress,
 }
 
 impl Selection {
@@ -128,6 +130,7 @@ pub async fn on_broker(
         }
         for delivery in batch {
             summary.seen += 1;
+            selection.progress.add(1);
             let (id, job_type) = identify(&delivery);
             if !selection.wants(&id, &job_type) {
                 left.push(delivery);
@@ -179,6 +182,7 @@ pub async fn on_broker(
         }
     }
     consumer.close().await?;
+    selection.progress.finish();
     Ok(summary)
 }
 
@@ -235,6 +239,7 @@ pub async fn on_server(
         let jobs = body["jobs"].as_array().cloned().unwrap_or_default();
         for job in jobs {
             summary.seen += 1;
+            selection.progress.add(1);
             let id = job["id"].as_str().unwrap_or_default().to_owned();
             let job_type = job["type"].as_str().unwrap_or_default().to_owned();
             if selection.wants(&id, &job_type) {
@@ -275,6 +280,7 @@ pub async fn on_server(
             })
         )?;
     }
+    selection.progress.finish();
     Ok(summary)
 }
 

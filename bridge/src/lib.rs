@@ -15,6 +15,7 @@ pub mod logging;
 pub mod metrics;
 mod pipeline;
 pub mod probe;
+pub mod progress;
 pub mod routes;
 pub mod send;
 pub mod tail;

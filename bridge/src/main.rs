@@ -44,6 +44,11 @@ struct Cli {
         default_value = "text"
     )]
     log_format: LogFormat,
+    /// No progress line on standard error (`send`, `tail`,
+    /// `dead-letters`). It is drawn only on a terminal anyway, and not
+    /// while the command's own lines go to the same terminal.
+    #[arg(long, short = 'q', global = true)]
+    quiet: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -231,7 +236,7 @@ fn main() -> ExitCode {
     };
     match work {
         Work::Daemon(topology) => runtime.block_on(run_daemon(*topology, format)),
-        Work::OneShot(command) => runtime.block_on(one_shot(command)),
+        Work::OneShot(command) => runtime.block_on(one_shot(command, cli.quiet)),
     }
 }
 
@@ -244,7 +249,8 @@ enum Work {
 }
 
 /// Every command but `run`.
-async fn one_shot(command: Command) -> ExitCode {
+async fn one_shot(command: Command, quiet: bool) -> ExitCode {
+    use ojs_bridge::progress::{Progress, Show};
     match command {
         Command::Convert { from, to, file } => match run_convert(from, to, file) {
             Ok(()) => ExitCode::SUCCESS,
@@ -258,7 +264,7 @@ async fn one_shot(command: Command) -> ExitCode {
             queue,
             format,
             file,
-        } => match run_send(&to, queue.as_deref(), format, &file).await {
+        } => match run_send(&to, queue.as_deref(), format, &file, quiet).await {
             Ok(n) => {
                 println!("sent {n}");
                 ExitCode::SUCCESS
@@ -321,6 +327,7 @@ async fn one_shot(command: Command) -> ExitCode {
                 all,
                 job_type,
                 idle: Duration::from_secs(timeout_secs),
+                progress: Progress::start("read", None, Show::BesideLines, quiet),
             };
             let stdout = std::io::stdout();
             let mut out = stdout.lock();
@@ -373,6 +380,13 @@ async fn one_shot(command: Command) -> ExitCode {
                 format,
                 count,
                 idle_timeout: Duration::from_secs(timeout_secs),
+                progress: match count {
+                    // A few messages need no progress line.
+                    Some(n) if n >= 1000 => {
+                        Progress::start("read", Some(n as u64), Show::BesideLines, quiet)
+                    }
+                    _ => Progress::hidden(),
+                },
                 ack,
                 consumer: ConsumerOptions {
                     group,
@@ -413,11 +427,20 @@ async fn run_send(
     queue: Option<&str>,
     format: MessageFormat,
     file: &Option<PathBuf>,
+    quiet: bool,
 ) -> anyhow::Result<usize> {
+    use ojs_bridge::progress::{Progress, Show};
     let input = read_input(file)?;
     let text = String::from_utf8(input).context("input is not UTF-8")?;
     let adapter = endpoint::connect(to).await?;
-    Ok(send::send(&*adapter, &text, queue, format).await?)
+    let lines = text.lines().filter(|l| !l.trim().is_empty()).count() as u64;
+    // A few lines need no progress line.
+    let progress = if lines >= 1000 {
+        Progress::start("sent", Some(lines), Show::Alone, quiet)
+    } else {
+        Progress::hidden()
+    };
+    Ok(send::send(&*adapter, &text, queue, format, &progress).await?)
 }
 
 async fn run_tail(from: &str, opts: tail::TailOptions) -> anyhow::Result<()> {

@@ -54,6 +54,7 @@ pub async fn send(
     input: &str,
     queue: Option<&str>,
     format: MessageFormat,
+    progress: &crate::progress::Progress,
 ) -> Result<usize, SendError> {
     let mut messages: Vec<(usize, String, OutgoingMessage)> = Vec::new();
     for (i, text) in input.lines().enumerate() {
@@ -136,8 +137,10 @@ pub async fn send(
                 })
             }
         }
+        progress.add((end - start) as u64);
         start = end;
     }
+    progress.finish();
     adapter.close().await.map_err(SendError::Broker)?;
     Ok(total)
 }

@@ -22,6 +22,8 @@ pub struct TailOptions {
     pub count: Option<usize>,
     /// Stop after this long without a message.
     pub idle_timeout: Duration,
+    /// Where the count of messages shown is drawn.
+    pub progress: crate::progress::Progress,
     /// Acknowledge what was printed.
     pub ack: bool,
     /// Consumer settings (group, visibility timeout).
@@ -97,6 +99,7 @@ pub async fn tail(
             writeln!(out, "{line}")?;
             out.flush()?;
             printed += 1;
+            opts.progress.add(1);
             // Undecodable messages are shown but never acknowledged here:
             // they wait for a consumer that can dead-letter them.
             if opts.ack && decoded {
@@ -116,6 +119,7 @@ pub async fn tail(
         }
     }
     drop(held);
+    opts.progress.finish();
     consumer.close().await?;
     Ok(printed)
 }

@@ -410,14 +410,22 @@ pub async fn released_messages_keep_their_attempt(f: &dyn AdapterFactory) -> Res
     let first = attempts_seen(&mut *consumer, &sent, features.patience, true).await?;
     let again = attempts_seen(&mut *consumer, &sent, features.patience, true).await?;
     for (id, a) in &first {
-        assert_eq!(again[id], expected(*a), "{}: attempt after a release", features.name);
+        assert_eq!(
+            again[id],
+            expected(*a),
+            "{}: attempt after a release",
+            features.name
+        );
     }
     // Dead-lettered, then listed twice: a look is not an attempt there either.
     let mut dead = 0;
     let deadline = Instant::now() + features.patience;
     while dead < 2 {
         if Instant::now() >= deadline {
-            bail!("{}: the released messages did not come back a third time", features.name);
+            bail!(
+                "{}: the released messages did not come back a third time",
+                features.name
+            );
         }
         for d in consumer.receive(2, Duration::from_millis(500)).await? {
             d.nack(Nack::DeadLetter(DeadLetterReason::new("test", "released")))
@@ -432,7 +440,12 @@ pub async fn released_messages_keep_their_attempt(f: &dyn AdapterFactory) -> Res
     let first = attempts_seen(&mut *dlq, &sent, features.patience, true).await?;
     let again = attempts_seen(&mut *dlq, &sent, features.patience, false).await?;
     for (id, a) in &first {
-        assert_eq!(again[id], expected(*a), "{}: a dead letter's attempt after a listing", features.name);
+        assert_eq!(
+            again[id],
+            expected(*a),
+            "{}: a dead letter's attempt after a listing",
+            features.name
+        );
     }
     Ok(())
 }

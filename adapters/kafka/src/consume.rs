@@ -734,10 +734,7 @@ impl Consumer for KafkaConsumer {
         let deadline = Instant::now() + limit;
         let _poll = self.poll_lock.clone().lock_owned().await;
         loop {
-            let assigned = self
-                .consumer
-                .assignment()
-                .is_ok_and(|a| a.count() > 0);
+            let assigned = self.consumer.assignment().is_ok_and(|a| a.count() > 0);
             if assigned {
                 return Ok(true);
             }

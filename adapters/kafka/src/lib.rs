@@ -73,10 +73,10 @@ use rdkafka::producer::{BaseRecord, ThreadedProducer};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::time::Instant;
 
+use client_log::{ClientLog, LogContext};
 pub use config::KafkaConfig;
 pub use ojs_queue::settings::Topology;
 use record_headers::RecordHeaders;
-use client_log::{ClientLog, LogContext};
 use reports::Reports;
 use tracker::{Stale, Tp, Tracker};
 

@@ -93,7 +93,8 @@ impl RabbitAcker {
         reason.write_headers(&mut copy.headers);
         // The attempts it had, redeliveries included: the dead queue's own
         // redeliveries (listings) are not counted on top.
-        copy.headers.insert(header::ATTEMPT, self.attempt.to_string());
+        copy.headers
+            .insert(header::ATTEMPT, self.attempt.to_string());
         self.move_to(Destination::DeadLetters, copy).await
     }
 }
@@ -162,7 +163,8 @@ impl Acknowledger for RabbitAcker {
             // attempt as it was goes to the back of the queue instead.
             Nack::Release => {
                 let mut copy = self.copy_of(&delivery);
-                copy.headers.insert(header::ATTEMPT, self.attempt.to_string());
+                copy.headers
+                    .insert(header::ATTEMPT, self.attempt.to_string());
                 self.move_to(Destination::Queue, copy).await
             }
         }

@@ -155,19 +155,48 @@ async fn tail_on_kafka_twice_in_one_group_with_a_short_timeout() {
     let queue = unique_queue("tail");
     let url = format!("{}?topic_template={{queue}}", endpoint.url);
     let ojs = r#"{"specversion":"1.0","id":"019539a4-b68c-7def-8000-1a2b3c4d5e70","type":"email.send","queue":"default","args":["a@b.c"]}"#;
-    let out = run(&["send", "--to", &url, "--queue", &queue], format!("{ojs}\n").as_bytes());
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run(
+        &["send", "--to", &url, "--queue", &queue],
+        format!("{ojs}\n").as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let group = unique_queue("group");
     for round in 1..=2 {
         let started = std::time::Instant::now();
         let out = run(
-            &["tail", "--from", &url, "--queue", &queue, "--timeout-secs", "2", "--group", &group],
+            &[
+                "tail",
+                "--from",
+                &url,
+                "--queue",
+                &queue,
+                "--timeout-secs",
+                "2",
+                "--group",
+                &group,
+            ],
             b"",
         );
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let lines = String::from_utf8_lossy(&out.stdout).lines().count();
-        println!("tail on Kafka, round {round}: {lines} line(s) in {:?}", started.elapsed());
-        assert_eq!(lines, 1, "round {round}: {}", String::from_utf8_lossy(&out.stderr));
+        println!(
+            "tail on Kafka, round {round}: {lines} line(s) in {:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            lines,
+            1,
+            "round {round}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 

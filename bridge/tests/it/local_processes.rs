@@ -196,15 +196,19 @@ async fn listing_and_tailing_count_no_attempt() {
         .unwrap();
     let first = consumer.receive(1, Duration::from_secs(5)).await.unwrap();
     let dead = first.into_iter().next().unwrap();
-    dead.nack(ojs_queue::Nack::DeadLetter(ojs_queue::DeadLetterReason::new(
-        "test", "looked at",
-    )))
+    dead.nack(ojs_queue::Nack::DeadLetter(
+        ojs_queue::DeadLetterReason::new("test", "looked at"),
+    ))
     .await
     .unwrap();
     consumer.close().await.unwrap();
     let run = |args: &[&str]| -> Vec<serde_json::Value> {
         let out = bin().args(args).output().unwrap();
-        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout)
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
@@ -213,15 +217,33 @@ async fn listing_and_tailing_count_no_attempt() {
     let mut seen = Vec::new();
     for _ in 0..2 {
         let listed = run(&[
-            "dead-letters", "list", "--from", &url, "--queue", "looked", "--timeout-secs", "1",
+            "dead-letters",
+            "list",
+            "--from",
+            &url,
+            "--queue",
+            "looked",
+            "--timeout-secs",
+            "1",
         ]);
         assert_eq!(listed.len(), 1, "{listed:?}");
         seen.push(listed[0]["attempt"].clone());
-        let tailed = run(&["tail", "--from", &url, "--queue", "looked", "--timeout-secs", "1"]);
+        let tailed = run(&[
+            "tail",
+            "--from",
+            &url,
+            "--queue",
+            "looked",
+            "--timeout-secs",
+            "1",
+        ]);
         assert_eq!(tailed.len(), 1, "{tailed:?}");
         seen.push(tailed[0]["attempt"].clone());
     }
-    assert!(seen.iter().all(|a| *a == json!(1)), "attempts shown: {seen:?}");
+    assert!(
+        seen.iter().all(|a| *a == json!(1)),
+        "attempts shown: {seen:?}"
+    );
     let mut consumer = adapter
         .consumer("looked", ConsumerOptions::default())
         .await
@@ -229,4 +251,67 @@ async fn listing_and_tailing_count_no_attempt() {
     let next = consumer.receive(1, Duration::from_secs(5)).await.unwrap();
     assert_eq!(next[0].attempt, 1, "the first real delivery");
     next[0].ack().await.unwrap();
+}
+
+/// Long CLI work shows its progress on a terminal (a pseudo-terminal made
+/// by `script`): `send` of 2,000 lines, and `tail --count 2000` writing to
+/// a file; piped, or with `--quiet`, nothing but the command's own output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_cli_work_shows_progress_on_a_terminal_only() {
+    if Command::new("script").arg("--version").output().is_err() {
+        panic!("`script` (util-linux) is needed to give the CLI a terminal");
+    }
+    let dir = temp_dir("progress");
+    let url = format!("local:{}", dir.display());
+    let mut ndjson = String::new();
+    for i in 0..2000 {
+        let job = JobEnvelope::new("progress.item", vec![json!(i)]).with_queue("shown");
+        ndjson.push_str(&String::from_utf8(job.to_json_vec().unwrap()).unwrap());
+        ndjson.push('\n');
+    }
+    let file = dir.join("jobs.ndjson");
+    std::fs::write(&file, ndjson).unwrap();
+    let bin = env!("CARGO_BIN_EXE_ojs-bridge");
+    let on_terminal = |command: &str| -> String {
+        let out = Command::new("script")
+            .args(["-qec", command, "/dev/null"])
+            .env("TERM", "xterm")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{command}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let file = file.display();
+    let shown = on_terminal(&format!("{bin} send --to {url} {file}"));
+    assert!(
+        shown.contains("2000/2000") && shown.contains("sent 2000"),
+        "{shown:?}"
+    );
+    let quiet = on_terminal(&format!("{bin} send --quiet --to {url} {file}"));
+    assert!(
+        !quiet.contains("/2000") && quiet.contains("sent 2000"),
+        "{quiet:?}"
+    );
+    let piped = bin_output(&["send", "--to", &url, &file.to_string()]);
+    assert!(!String::from_utf8_lossy(&piped.stderr).contains("/2000"));
+    assert_eq!(String::from_utf8_lossy(&piped.stdout).trim(), "sent 2000");
+    let lines = dir.join("tail.ndjson");
+    let tailed = on_terminal(&format!(
+        "{bin} tail --from {url} --queue shown --count 2000 --timeout-secs 2 --ack > {}",
+        lines.display()
+    ));
+    assert!(tailed.contains("2000/2000"), "{tailed:?}");
+    assert_eq!(
+        std::fs::read_to_string(&lines).unwrap().lines().count(),
+        2000
+    );
+    println!("progress on a terminal: {:?}", shown.lines().last());
+}
+
+fn bin_output(args: &[&str]) -> std::process::Output {
+    bin().args(args).output().unwrap()
 }

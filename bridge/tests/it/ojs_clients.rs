@@ -365,8 +365,9 @@ async fn an_unreachable_cluster_is_named_in_health_without_flooding_the_log() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let config =
-        format!("[adapters.kafka]\nurl = \"kafka://127.0.0.1:{port}\"\n\n[api]\nadapter = \"kafka\"\n");
+    let config = format!(
+        "[adapters.kafka]\nurl = \"kafka://127.0.0.1:{port}\"\n\n[api]\nadapter = \"kafka\"\n"
+    );
     let started = std::time::Instant::now();
     let server = OjsServer::start(Some(&config)).await;
     tokio::time::sleep(Duration::from_secs(10).saturating_sub(started.elapsed())).await;
@@ -382,7 +383,10 @@ async fn an_unreachable_cluster_is_named_in_health_without_flooding_the_log() {
     );
     let log = server.log();
     let librdkafka = log.lines().filter(|l| l.contains("librdkafka")).count();
-    println!("unreachable Kafka, 10 s: {librdkafka} librdkafka lines, {} in all; health: {detail}", log.lines().count());
+    println!(
+        "unreachable Kafka, 10 s: {librdkafka} librdkafka lines, {} in all; health: {detail}",
+        log.lines().count()
+    );
     assert!(librdkafka <= 8, "the log was flooded:\n{log}");
     server.stop();
 }
@@ -413,14 +417,22 @@ async fn the_listener_answers_503_starting_while_the_brokers_are_reached() {
         .unwrap();
     let mut refused = 0;
     let first = loop {
-        if let Some(answer) = crate::ojs_server::try_answer(listen, "GET", "/ojs/v1/health", b"").await {
+        if let Some(answer) =
+            crate::ojs_server::try_answer(listen, "GET", "/ojs/v1/health", b"").await
+        {
             break answer;
         }
         refused += 1;
         assert!(refused < 200, "no answer in 10 s");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let push = crate::ojs_server::try_answer(listen, "POST", "/ojs/v1/jobs", br#"{"type":"a.b","args":[]}"#).await;
+    let push = crate::ojs_server::try_answer(
+        listen,
+        "POST",
+        "/ojs/v1/jobs",
+        br#"{"type":"a.b","args":[]}"#,
+    )
+    .await;
     child.kill().unwrap();
     child.wait().unwrap();
     println!("starting: {refused} refused connect(s) before the first answer");
