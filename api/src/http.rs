@@ -154,10 +154,19 @@ pub fn admit(api: &Api, method: &Method, path: &str, headers: &HeaderMap) -> Res
 /// Serves one request of the binding; `request_id` is [`request_id`] of
 /// its headers (the caller may have logged it already).
 pub async fn handle(api: &Api, request: Request<Bytes>, request_id: &str) -> Response<Bytes> {
-    match route(api, request, request_id).await {
+    let began = std::time::Instant::now();
+    let counted = crate::metrics::http_route(request.method().as_str(), request.uri().path());
+    let answer = match route(api, request, request_id).await {
         Ok(r) => r,
         Err(e) => error_response(&e, request_id),
-    }
+    };
+    api.metrics().request(
+        crate::metrics::Binding::Http,
+        counted,
+        answer.status().as_u16(),
+        began.elapsed(),
+    );
+    answer
 }
 
 async fn route(

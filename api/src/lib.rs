@@ -19,6 +19,7 @@ pub mod grpc;
 pub mod http;
 pub mod job;
 pub mod limits;
+pub mod metrics;
 pub mod roster;
 pub mod store;
 pub mod worker;
@@ -162,6 +163,8 @@ pub struct Api {
     store_down: Mutex<Option<String>>,
     /// Request bodies in flight, across both bindings.
     body_budget: Arc<body::BodyBudget>,
+    /// The figures `/metrics` shows (the store records its own latency).
+    metrics: Arc<metrics::ApiMetrics>,
 }
 
 /// Scheduled jobs published per pass.
@@ -178,10 +181,12 @@ impl Api {
         adapter: Arc<dyn QueueAdapter>,
         adapter_name: impl Into<String>,
     ) -> Result<Arc<Api>, ApiError> {
+        let metrics = Arc::new(metrics::ApiMetrics::default());
         let store = match &settings.postgres {
             Some(pg) => Store::connect(pg).await?,
             None => Store::open(&settings.state_dir, settings.durability).await?,
-        };
+        }
+        .timed_into(metrics.clone());
         Ok(Arc::new(Api {
             adapter,
             adapter_name: adapter_name.into(),
@@ -195,6 +200,7 @@ impl Api {
             replica: uuid::Uuid::new_v4().simple().to_string(),
             store_down: Mutex::new(None),
             body_budget: body::BodyBudget::new(settings.max_body_bytes_in_flight),
+            metrics,
             settings,
         }))
     }
@@ -202,6 +208,11 @@ impl Api {
     /// The settings.
     pub fn settings(&self) -> &ApiSettings {
         &self.settings
+    }
+
+    /// The figures `/metrics` shows.
+    pub fn metrics(&self) -> &metrics::ApiMetrics {
+        &self.metrics
     }
 
     /// The budget of request bodies in flight.
@@ -293,7 +304,10 @@ impl Api {
             }
         }
         match first_error {
-            None => Ok(jobs),
+            None => {
+                worker::count_by_queue(&self.metrics, &jobs, metrics::JobEvent::Pushed);
+                Ok(jobs)
+            }
             Some(error) => Err(error),
         }
     }

@@ -21,6 +21,7 @@ use serde_json::{json, Map, Value};
 use crate::auth::{Grant, Operation};
 use crate::error::{store_error, ApiError};
 use crate::job::{self, timestamp, Job};
+use crate::metrics::JobEvent;
 use crate::store::{Lease, Settle, StoreError, Tx};
 use crate::Api;
 
@@ -392,6 +393,20 @@ impl Api {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Jobs workers hold through this process now, per queue.
+    pub fn active_by_queue(&self) -> std::collections::BTreeMap<String, u64> {
+        let held = self
+            .workers()
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let mut by_queue = std::collections::BTreeMap::new();
+        for h in held.values() {
+            *by_queue.entry(h.queue.clone()).or_default() += 1;
+        }
+        by_queue
+    }
+
     /// FETCH: up to `count` jobs from the first queues that have them;
     /// waits up to `wait` when none has. The answer holds at most `[api]
     /// max_fetch_bytes` of jobs (by their size on the broker), and at
@@ -399,6 +414,12 @@ impl Api {
     /// jobs than that holds of the queue's recent largest, and what came
     /// beyond it goes back to the broker.
     pub async fn fetch(&self, grant: &Grant<'_>, request: Fetch) -> Result<Vec<Job>, ApiError> {
+        let jobs = self.fetch_jobs(grant, request).await?;
+        count_by_queue(self.metrics(), &jobs, JobEvent::Fetched);
+        Ok(jobs)
+    }
+
+    async fn fetch_jobs(&self, grant: &Grant<'_>, request: Fetch) -> Result<Vec<Job>, ApiError> {
         grant.allow(Operation::Work)?;
         for q in &request.queues {
             grant.allow_on(Operation::Work, q)?;
@@ -764,6 +785,7 @@ impl Api {
             .map_err(|e| store_error(e, "ack", "active"));
         match done {
             Ok(job) => {
+                self.metrics().jobs(&job.envelope.queue, JobEvent::Acked, 1);
                 if let Some(held) = held {
                     self.settle_in_background(id.to_owned(), held, Settle::Ack);
                 }
@@ -810,6 +832,17 @@ impl Api {
                 return Err(e);
             }
         };
+        let metrics = self.metrics();
+        let queue = &job.envelope.queue;
+        metrics.jobs(queue, JobEvent::Nacked, 1);
+        match job.state() {
+            JobState::Retryable => metrics.jobs(queue, JobEvent::Retried, 1),
+            JobState::Discarded if job.is_dead_letter() => {
+                metrics.jobs(queue, JobEvent::DeadLettered, 1);
+            }
+            JobState::Discarded => metrics.jobs(queue, JobEvent::Discarded, 1),
+            _ => {}
+        }
         if let Some(held) = held {
             self.settle_in_background(id, held, decision);
         }
@@ -1532,4 +1565,15 @@ pub fn settle_body(job: &Job, acknowledged: bool) -> Value {
         }
     }
     body
+}
+
+/// Counts `jobs` under `event`, per queue (one lock per queue, not per job).
+pub(crate) fn count_by_queue(metrics: &crate::metrics::ApiMetrics, jobs: &[Job], event: JobEvent) {
+    let mut by_queue: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+    for job in jobs {
+        *by_queue.entry(job.envelope.queue.as_str()).or_default() += 1;
+    }
+    for (queue, n) in by_queue {
+        metrics.jobs(queue, event, n);
+    }
 }

@@ -353,8 +353,20 @@ async fn serve_api(
     request_id: &str,
     activity: &Activity,
 ) -> hyper::Response<Bytes> {
+    let began = Instant::now();
+    let route = ojs_api::metrics::http_route(req.method().as_str(), req.uri().path());
+    // Refused before the binding's handler (which counts what it answers).
+    let refused = |error: &ojs_api::ApiError| {
+        api.metrics().request(
+            ojs_api::metrics::Binding::Http,
+            route,
+            error.status(),
+            began.elapsed(),
+        );
+        ojs_api::http::error_response(error, request_id)
+    };
     let closing = |error: ojs_api::ApiError| {
-        let mut r = ojs_api::http::error_response(&error, request_id);
+        let mut r = refused(&error);
         r.headers_mut().insert(
             hyper::header::CONNECTION,
             hyper::header::HeaderValue::from_static("close"),
@@ -377,7 +389,7 @@ async fn serve_api(
             // it reads the answer instead of a reset.
             let api = api.clone();
             tokio::spawn(async move { ojs_api::body::discard(body, api.settings()).await });
-            return ojs_api::http::error_response(&e, request_id);
+            return refused(&e);
         }
     };
     let read = {

@@ -23,6 +23,7 @@ mod error;
 pub mod federation;
 mod headers;
 pub mod log_limit;
+pub mod metrics;
 pub mod receiver;
 pub mod settings;
 

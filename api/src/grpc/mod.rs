@@ -16,7 +16,7 @@ pub mod convert;
 use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use serde_json::{json, Value};
@@ -28,6 +28,7 @@ use tonic_types::{ErrorDetails, StatusExt};
 use crate::auth::Grant;
 use crate::dead::DeadLetterQuery;
 use crate::error::ApiError;
+use crate::metrics::Binding;
 use crate::roster::{Beat, Directive};
 use crate::{worker, Api};
 
@@ -142,16 +143,25 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
     Status::with_error_details(code, error.to_string(), details)
 }
 
-/// One call's context: its request id, and the grant of its token.
+/// One call's context: its request id, the grant of its token, and what
+/// its metrics are counted under.
 struct Call<'a> {
     request_id: String,
     grant: Grant<'a>,
+    api: &'a Api,
+    route: &'static str,
+    began: Instant,
 }
 
 impl Call<'_> {
     /// The call's answer: the message with the binding's metadata, or the
-    /// error as the binding's status.
+    /// error as the binding's status. Counted in the metrics, under the
+    /// HTTP status of the same answer.
     fn reply<T>(&self, done: Result<T, ApiError>) -> Result<Response<T>, Status> {
+        let code = done.as_ref().map_or_else(ApiError::status, |_| 200);
+        self.api
+            .metrics()
+            .request(Binding::Grpc, self.route, code, self.began.elapsed());
         match done {
             Ok(message) => Ok(answer(message, &self.request_id)),
             Err(e) => Err(status(&e, &self.request_id)),
@@ -160,15 +170,26 @@ impl Call<'_> {
 }
 
 impl OjsGrpc {
-    fn call<'a>(&'a self, metadata: &MetadataMap) -> Result<Call<'a>, Status> {
+    fn call<'a>(&'a self, metadata: &MetadataMap, route: &'static str) -> Result<Call<'a>, Status> {
+        let began = Instant::now();
         let request_id = request_id(metadata);
         let authorization = metadata.get("authorization").and_then(|v| v.to_str().ok());
-        let grant = self
-            .api
-            .tokens()
-            .identify(authorization)
-            .map_err(|e| status(&e, &request_id))?;
-        Ok(Call { request_id, grant })
+        let grant = match self.api.tokens().identify(authorization) {
+            Ok(grant) => grant,
+            Err(e) => {
+                self.api
+                    .metrics()
+                    .request(Binding::Grpc, route, e.status(), began.elapsed());
+                return Err(status(&e, &request_id));
+            }
+        };
+        Ok(Call {
+            request_id,
+            grant,
+            api: &self.api,
+            route,
+            began,
+        })
     }
 }
 
@@ -260,7 +281,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::ManifestRequest>,
     ) -> Result<Response<pb::ManifestResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "manifest")?;
         let id = call.request_id;
         let m = self.api.manifest();
         let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
@@ -334,7 +355,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::EnqueueRequest>,
     ) -> Result<Response<pb::EnqueueResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "push")?;
         let traceparent = request
             .metadata()
             .get("traceparent")
@@ -358,7 +379,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::EnqueueBatchRequest>,
     ) -> Result<Response<pb::EnqueueBatchResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "batch")?;
         let traceparent = request
             .metadata()
             .get("traceparent")
@@ -406,7 +427,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::GetJobRequest>,
     ) -> Result<Response<pb::GetJobResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "info")?;
         let r = request.into_inner();
         let done = async { self.api.info(&call.grant, job_id(&r.job_id)?).await }.await;
         call.reply(done.map(|job| pb::GetJobResponse {
@@ -418,7 +439,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::CancelJobRequest>,
     ) -> Result<Response<pb::CancelJobResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "cancel")?;
         let r = request.into_inner();
         let done = async { self.api.cancel(&call.grant, job_id(&r.job_id)?).await }.await;
         call.reply(done.map(|(_, job)| pb::CancelJobResponse {
@@ -430,7 +451,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::FetchRequest>,
     ) -> Result<Response<pb::FetchResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "fetch")?;
         // A long poll as long as the caller waits (less a margin to
         // answer in), at most MAX_FETCH_WAIT; no deadline, no wait.
         let wait = deadline(request.metadata())
@@ -470,7 +491,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::AckRequest>,
     ) -> Result<Response<pb::AckResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "ack")?;
         let r = request.into_inner();
         let result = r.result.map(|s| Value::Object(convert::struct_to_json(s)));
         let done = async { self.api.ack(&call.grant, job_id(&r.job_id)?, result).await }.await;
@@ -481,7 +502,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::NackRequest>,
     ) -> Result<Response<pb::NackResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "nack")?;
         let r = request.into_inner();
         let done = async {
             let failure = worker::Failure {
@@ -508,7 +529,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "heartbeat")?;
         let r = request.into_inner();
         let done = async {
             if r.id.is_empty() && r.worker_id.is_empty() {
@@ -569,7 +590,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::StreamJobsRequest>,
     ) -> Result<Response<Self::StreamJobsStream>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "fetch")?;
         let authorization = request
             .metadata()
             .get("authorization")
@@ -613,7 +634,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::ListQueuesRequest>,
     ) -> Result<Response<pb::ListQueuesResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "queues")?;
         let r = request.into_inner();
         let done = async {
             let (limit, offset) = page(r.limit, &r.cursor, 100)?;
@@ -668,7 +689,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::ListDeadLetterRequest>,
     ) -> Result<Response<pb::ListDeadLetterResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "dead_letters")?;
         let r = request.into_inner();
         let done = async {
             let (limit, offset) = page(r.limit, &r.cursor, 50)?;
@@ -694,7 +715,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::RetryDeadLetterRequest>,
     ) -> Result<Response<pb::RetryDeadLetterResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "dead_letters")?;
         let r = request.into_inner();
         let done = async {
             self.api
@@ -711,7 +732,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::DeleteDeadLetterRequest>,
     ) -> Result<Response<pb::DeleteDeadLetterResponse>, Status> {
-        let call = self.call(request.metadata())?;
+        let call = self.call(request.metadata(), "dead_letters")?;
         let r = request.into_inner();
         let done = async {
             self.api

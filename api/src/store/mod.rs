@@ -10,6 +10,7 @@
 
 use std::any::Any;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -306,6 +307,8 @@ pub(crate) type RunFn =
 #[derive(Debug, Clone)]
 pub struct Store {
     backend: Backend,
+    /// Where each operation's latency is recorded.
+    timings: Arc<crate::metrics::ApiMetrics>,
 }
 
 #[derive(Debug, Clone)]
@@ -319,6 +322,7 @@ impl Store {
     pub async fn open(dir: &Path, durability: Durability) -> Result<Store, StoreError> {
         Ok(Store {
             backend: Backend::Sqlite(sqlite::SqliteStore::open(dir, durability).await?),
+            timings: Arc::default(),
         })
     }
 
@@ -326,7 +330,26 @@ impl Store {
     pub async fn connect(settings: &PostgresSettings) -> Result<Store, StoreError> {
         Ok(Store {
             backend: Backend::Postgres(postgres::PostgresStore::connect(settings).await?),
+            timings: Arc::default(),
         })
+    }
+
+    /// The same store, recording its latency in `metrics`.
+    pub fn timed_into(mut self, metrics: Arc<crate::metrics::ApiMetrics>) -> Self {
+        self.timings = metrics;
+        self
+    }
+
+    /// Runs one operation, recording how long it took under `op`.
+    async fn timed<T>(
+        &self,
+        op: &'static str,
+        work: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let began = std::time::Instant::now();
+        let done = work.await;
+        self.timings.store_op(op, began.elapsed(), done.is_err());
+        done
     }
 
     /// Where the store is, for the log (a file, or a PostgreSQL server
@@ -361,10 +384,13 @@ impl Store {
     /// [`Store::published`]. The jobs come back (a request's jobs are not
     /// copied to be stored).
     pub async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.insert(jobs).await,
-            Backend::Postgres(p) => p.insert(jobs).await,
-        }
+        self.timed("insert", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.insert(jobs).await,
+                Backend::Postgres(p) => p.insert(jobs).await,
+            }
+        })
+        .await
     }
 
     /// Records that the broker confirmed these jobs. Not awaited: a job
@@ -378,10 +404,13 @@ impl Store {
 
     /// Removes jobs the broker did not take, so that nothing is half-stored.
     pub async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.remove(ids).await,
-            Backend::Postgres(p) => p.remove(ids).await,
-        }
+        self.timed("other", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.remove(ids).await,
+                Backend::Postgres(p) => p.remove(ids).await,
+            }
+        })
+        .await
     }
 
     /// Cancels a job that is not finished; returns its previous state and
@@ -418,10 +447,14 @@ impl Store {
         f: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let f: RunFn = Box::new(move |tx| f(tx).map(|v| Box::new(v) as Box<dyn Any + Send>));
-        let any = match &self.backend {
-            Backend::Sqlite(s) => s.run(f).await?,
-            Backend::Postgres(p) => p.run(f).await?,
-        };
+        let any = self
+            .timed("transition", async {
+                match &self.backend {
+                    Backend::Sqlite(s) => s.run(f).await,
+                    Backend::Postgres(p) => p.run(f).await,
+                }
+            })
+            .await?;
         any.downcast::<T>()
             .map(|b| *b)
             .map_err(|_| StoreError::Commit("a store answer of the wrong type".into()))
@@ -429,80 +462,107 @@ impl Store {
 
     /// Removes finished jobs (and events) older than `before`.
     pub async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.prune(before).await,
-            Backend::Postgres(p) => p.prune(before).await,
-        }
+        self.timed("maintenance", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.prune(before).await,
+                Backend::Postgres(p) => p.prune(before).await,
+            }
+        })
+        .await
     }
 
     /// One job.
     pub async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.get(id).await,
-            Backend::Postgres(p) => p.get(id).await,
-        }
+        self.timed("get", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.get(id).await,
+                Backend::Postgres(p) => p.get(id).await,
+            }
+        })
+        .await
     }
 
     /// Scheduled jobs due at `now`, oldest first. Where replicas share the
     /// store, the jobs returned are claimed for a while, so that one
     /// replica publishes each.
     pub async fn due(&self, now: DateTime<Utc>, limit: usize) -> Result<Vec<Job>, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.due(now, limit).await,
-            Backend::Postgres(p) => p.due(now, limit).await,
-        }
+        self.timed("scheduled", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.due(now, limit).await,
+                Backend::Postgres(p) => p.due(now, limit).await,
+            }
+        })
+        .await
     }
 
     /// When the next scheduled job is due, if any is.
     pub async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.next_due().await,
-            Backend::Postgres(p) => p.next_due().await,
-        }
+        self.timed("scheduled", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.next_due().await,
+                Backend::Postgres(p) => p.next_due().await,
+            }
+        })
+        .await
     }
 
     /// Available jobs whose publish was never confirmed (a process stopped
     /// between storing and publishing them): publish them again.
     pub async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.unpublished(limit).await,
-            Backend::Postgres(p) => p.unpublished(limit).await,
-        }
+        self.timed("scheduled", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.unpublished(limit).await,
+                Backend::Postgres(p) => p.unpublished(limit).await,
+            }
+        })
+        .await
     }
 
     /// Every dead letter (a job discarded into its queue's dead-letter
     /// path), oldest first.
     pub async fn dead_letters(&self) -> Result<Vec<Job>, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.dead_letters().await,
-            Backend::Postgres(p) => p.dead_letters().await,
-        }
+        self.timed("other", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.dead_letters().await,
+                Backend::Postgres(p) => p.dead_letters().await,
+            }
+        })
+        .await
     }
 
     /// Queues that have had a job, with when the first arrived.
     pub async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.queues().await,
-            Backend::Postgres(p) => p.queues().await,
-        }
+        self.timed("other", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.queues().await,
+                Backend::Postgres(p) => p.queues().await,
+            }
+        })
+        .await
     }
 
     /// Events matching `filter`, oldest first, looking at no more than
     /// [`MAX_EVENTS_SCANNED`] of the log.
     pub async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => s.events(filter).await,
-            Backend::Postgres(p) => p.events(filter).await,
-        }
+        self.timed("events", async {
+            match &self.backend {
+                Backend::Sqlite(s) => s.events(filter).await,
+                Backend::Postgres(p) => p.events(filter).await,
+            }
+        })
+        .await
     }
 
     /// Settlements other replicas asked of `holder`, taken (each is
     /// handed out once).
     pub async fn take_settles(&self, holder: &str) -> Result<Vec<(String, Settle)>, StoreError> {
-        match &self.backend {
-            Backend::Sqlite(_) => Ok(Vec::new()),
-            Backend::Postgres(p) => p.take_settles(holder.to_owned()).await,
-        }
+        self.timed("maintenance", async {
+            match &self.backend {
+                Backend::Sqlite(_) => Ok(Vec::new()),
+                Backend::Postgres(p) => p.take_settles(holder.to_owned()).await,
+            }
+        })
+        .await
     }
 }
 

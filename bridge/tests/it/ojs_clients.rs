@@ -444,3 +444,106 @@ async fn the_listener_answers_503_starting_while_the_brokers_are_reached() {
     let error: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(error["error"]["retryable"], true, "{error}");
 }
+
+/// `/metrics` carries the OJS API's figures: requests by binding, route
+/// and status with their latency; jobs pushed, fetched, acked, nacked,
+/// retried, discarded and active per queue; the store's latency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_show_what_the_api_did() {
+    use crate::support::metric;
+    let server = OjsServer::start(None).await;
+    let addr = server.addr;
+    let mut ids = Vec::new();
+    for max_attempts in [1, 1, 3] {
+        let a = post_json(
+            addr,
+            "/ojs/v1/jobs",
+            &json!({"type": "m.job", "args": [], "options": {"queue": "measured", "retry": {"max_attempts": max_attempts}}}),
+        )
+        .await;
+        assert_eq!(a.status, 201);
+        ids.push(a.json()["job"]["id"].as_str().unwrap().to_owned());
+    }
+    let mut fetched = 0;
+    while fetched < 3 {
+        let f = post_json(
+            addr,
+            "/ojs/v1/workers/fetch",
+            &json!({"queues": ["measured"], "count": 3}),
+        )
+        .await;
+        fetched += f.json()["jobs"].as_array().map_or(0, Vec::len);
+    }
+    let held = get(addr, "/metrics").await;
+    let text = String::from_utf8_lossy(&held.body).into_owned();
+    assert_eq!(
+        metric(&text, "ojs_bridge_api_jobs_active{queue=\"measured\"}"),
+        Some(3.0),
+        "{text}"
+    );
+    assert_eq!(
+        post_json(addr, "/ojs/v1/workers/ack", &json!({"job_id": ids[0]}))
+            .await
+            .status,
+        200
+    );
+    for id in &ids[1..] {
+        let n = post_json(
+            addr,
+            "/ojs/v1/workers/nack",
+            &json!({"job_id": id, "error": {"message": "no"}}),
+        )
+        .await;
+        assert_eq!(n.status, 200);
+    }
+    assert_eq!(get(addr, "/ojs/v1/jobs/nope").await.status, 404);
+    let text = String::from_utf8_lossy(&get(addr, "/metrics").await.body).into_owned();
+    let expect = [
+        (
+            "ojs_bridge_api_requests_total{binding=\"http\",route=\"push\",status=\"201\"}",
+            3.0,
+        ),
+        (
+            "ojs_bridge_api_requests_total{binding=\"http\",route=\"info\",status=\"404\"}",
+            1.0,
+        ),
+        (
+            "ojs_bridge_api_requests_total{binding=\"http\",route=\"ack\",status=\"200\"}",
+            1.0,
+        ),
+        (
+            "ojs_bridge_api_request_seconds_count{binding=\"http\",route=\"push\"}",
+            3.0,
+        ),
+        ("ojs_bridge_api_jobs_pushed_total{queue=\"measured\"}", 3.0),
+        ("ojs_bridge_api_jobs_fetched_total{queue=\"measured\"}", 3.0),
+        ("ojs_bridge_api_jobs_acked_total{queue=\"measured\"}", 1.0),
+        ("ojs_bridge_api_jobs_nacked_total{queue=\"measured\"}", 2.0),
+        ("ojs_bridge_api_jobs_retried_total{queue=\"measured\"}", 1.0),
+        (
+            "ojs_bridge_api_jobs_discarded_total{queue=\"measured\"}",
+            1.0,
+        ),
+        (
+            "ojs_bridge_api_jobs_dead_lettered_total{queue=\"measured\"}",
+            0.0,
+        ),
+    ];
+    for (sample, value) in expect {
+        assert_eq!(metric(&text, sample), Some(value), "{sample}\n{text}");
+    }
+    assert!(
+        metric(&text, "ojs_bridge_api_jobs_active{queue=\"measured\"}").is_none_or(|n| n == 0.0)
+    );
+    for op in ["insert", "transition"] {
+        let n = metric(
+            &text,
+            &format!("ojs_bridge_api_store_seconds_count{{op=\"{op}\"}}"),
+        );
+        assert!(
+            n.is_some_and(|n| n >= 1.0),
+            "store latency of {op}: {n:?}\n{text}"
+        );
+    }
+    server.stop();
+}
