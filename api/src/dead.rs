@@ -3,16 +3,24 @@
 //! from the store, retried (back to `available`, attempt 0, the same id,
 //! published to the queue again) and deleted.
 //!
-//! The broker's dead-letter copy stays where the adapter wrote it, for the
-//! broker's own tooling and `ojs-bridge dead-letters`; a copy moved back to
-//! the queue later finds the job's state in the store and is settled, not
+//! The store is the record; the broker's dead-letter copy (marked
+//! `ojs-dead-letter-record: ojs-server`) follows it: a dead letter retried
+//! or deleted here has its broker copy removed by a sweep of the queue's
+//! dead-letter destination a second later, and `ojs-bridge dead-letters`
+//! on the broker lists such copies but retries or purges them only through
+//! the server (or with `--force`). A copy moved back to the queue on the
+//! broker anyway finds the job's state in the store and is settled, not
 //! run again, once the job finished.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use ojs_core::glob::Glob;
 use ojs_core::JobState;
+use ojs_queue::{header, ConsumerOptions, Delivery, Nack, QueueAdapter, Source};
 use serde_json::{json, Value};
+use tokio::sync::watch;
 
 use crate::auth::{Grant, Operation};
 use crate::error::{store_error, ApiError};
@@ -181,6 +189,7 @@ impl Api {
                         Ok(job)
                     })
                     .await;
+                self.remove_broker_copy(&queue, id);
                 match settled {
                     Ok(mut job) => {
                         job.extra.remove(PUBLISHING);
@@ -233,7 +242,9 @@ impl Api {
             .map_err(|e| match e {
                 StoreError::NotFound(id) => not_found(&id),
                 e => store_error(e, "delete", "discarded"),
-            })
+            })?;
+        self.remove_broker_copy(&queue, id);
+        Ok(())
     }
 }
 
@@ -254,4 +265,172 @@ fn humantime(d: std::time::Duration) -> String {
     } else {
         format!("{s}s")
     }
+}
+
+/// What an OJS server writes in [`header::DEAD_LETTER_RECORD`] on the
+/// broker's copy of a dead letter it keeps: its job store is the record.
+pub const SERVER_RECORD: &str = "ojs-server";
+
+/// The consumer group (Kafka) a queue's dead letters are read with, here
+/// and by `ojs-bridge dead-letters`: what one removes, the other no longer
+/// reads. Named by the queue's topic where the adapter's template makes it
+/// a deployment's own, so that two deployments on one cluster (or two
+/// test runs) never share it.
+pub fn dead_letter_group(adapter: &dyn QueueAdapter, queue: &str) -> String {
+    match adapter.group_scope(queue) {
+        Some(scope) => format!("ojs-bridge-dead-letters.{scope}"),
+        None => format!("ojs-bridge-dead-letters.{queue}"),
+    }
+}
+
+/// Dead letters given back at most per sweep (the rest wait for the next).
+const SWEEP_HELD: usize = 10_000;
+/// How long a sweep waits for its first dead letter.
+const SWEEP_FIRST_WAIT: Duration = Duration::from_secs(5);
+/// A sweep stops reading after this long without a dead letter.
+const SWEEP_IDLE: Duration = Duration::from_secs(1);
+/// Removals asked until this long passes without another are made in one
+/// sweep per queue (a sweep reads the queue's dead letters, which costs a
+/// Kafka group join and, on SQS, a call per ten).
+const SWEEP_GATHER: Duration = Duration::from_secs(2);
+/// ... but no later than this after the first.
+const SWEEP_GATHER_MOST: Duration = Duration::from_secs(30);
+
+/// Broker copies of dead letters retried or deleted through the server,
+/// waiting to be removed from their queue's dead-letter destination: the
+/// store is the record, the broker's copy follows it.
+#[derive(Debug, Default)]
+pub(crate) struct BrokerCopies {
+    pending: Mutex<BTreeMap<String, HashSet<String>>>,
+    asked: tokio::sync::Notify,
+}
+
+impl Api {
+    /// Asks for the broker's copy of dead letter `id` of `queue` to go.
+    fn remove_broker_copy(&self, queue: &str, id: &str) {
+        self.broker_copies
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(queue.to_owned())
+            .or_default()
+            .insert(id.to_owned());
+        self.broker_copies.asked.notify_one();
+    }
+
+    /// Removes the broker copies asked for, a sweep per queue, until `stop`.
+    pub(crate) async fn follow_dead_letters(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                () = self.broker_copies.asked.notified() => {}
+            }
+            // One sweep for a burst of removals: after a quiet spell, or
+            // at the latest SWEEP_GATHER_MOST after the first.
+            let most = tokio::time::Instant::now() + SWEEP_GATHER_MOST;
+            loop {
+                tokio::select! {
+                    () = self.broker_copies.asked.notified() => {}
+                    () = tokio::time::sleep(SWEEP_GATHER) => break,
+                    () = tokio::time::sleep_until(most) => break,
+                }
+            }
+            let pending = std::mem::take(
+                &mut *self
+                    .broker_copies
+                    .pending
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()),
+            );
+            for (queue, ids) in pending {
+                let asked = ids.len();
+                let swept = self.sweep_dead_letters(&queue, ids).await;
+                self.metrics().sweep(swept.as_ref().ok().copied());
+                match swept {
+                    Ok(removed) => {
+                        tracing::debug!(%queue, asked, removed, "broker copies of dead letters retried or deleted through the server removed")
+                    }
+                    Err(e) => {
+                        tracing::warn!(%queue, asked, error = %e, "removing broker copies of dead letters retried or deleted through the server failed; `ojs-bridge dead-letters` on the broker still lists them")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads the queue's dead letters on the broker, removes those of
+    /// `ids`, gives the others back where they were (uncounted) once the
+    /// read is over. How many were removed.
+    async fn sweep_dead_letters(
+        &self,
+        queue: &str,
+        mut ids: HashSet<String>,
+    ) -> Result<usize, ojs_queue::Error> {
+        let kafka = self.adapter.kind() == "kafka";
+        let mut consumer = self
+            .adapter
+            .consumer(
+                queue,
+                ConsumerOptions {
+                    group: dead_letter_group(&*self.adapter, queue),
+                    prefetch: 0,
+                    source: Source::DeadLetters,
+                    may_dead_letter: false,
+                    visibility_timeout: Duration::from_secs(60),
+                    ..ConsumerOptions::default()
+                },
+            )
+            .await?;
+        consumer.ready(Duration::from_secs(30)).await?;
+        let mut left: Vec<Delivery> = Vec::new();
+        let mut removed = 0;
+        // The first records after a Kafka join take a fetch round trip.
+        let mut wait = SWEEP_FIRST_WAIT;
+        while !ids.is_empty() && left.len() < SWEEP_HELD {
+            let batch = consumer.receive(100, wait).await?;
+            if batch.is_empty() {
+                break;
+            }
+            wait = SWEEP_IDLE;
+            for d in batch {
+                let id = job_id_of(&d);
+                if id.as_ref().is_some_and(|id| ids.remove(id)) {
+                    d.ack().await?;
+                    removed += 1;
+                } else {
+                    left.push(d);
+                }
+            }
+        }
+        for d in left {
+            // Kafka: a record read and left uncommitted is read again; once
+            // one was removed, the ones before it go to the back of the
+            // dead topic so that the group's commits can pass them.
+            if kafka && removed == 0 {
+                continue;
+            }
+            if let Err(e) = d.nack(Nack::Release).await {
+                tracing::debug!(%queue, error = %e, "giving back a dead letter failed; it comes back when its lease ends");
+            }
+        }
+        consumer.close().await?;
+        Ok(removed)
+    }
+}
+
+/// The job id a dead letter on the broker carries (its header, the
+/// broker's message id, else its decoded envelope).
+fn job_id_of(d: &Delivery) -> Option<String> {
+    if let Some(id) = d.headers.get_str(header::ID) {
+        return Some(id.to_owned());
+    }
+    if let Some(id) = &d.message_id {
+        return Some(id.clone());
+    }
+    d.encoding(None)
+        .ok()?
+        .decode_envelopes(&d.payload)
+        .ok()
+        .and_then(|jobs| jobs.into_iter().next())
+        .map(|j| j.id)
 }

@@ -165,6 +165,8 @@ pub struct Api {
     body_budget: Arc<body::BodyBudget>,
     /// The figures `/metrics` shows (the store records its own latency).
     metrics: Arc<metrics::ApiMetrics>,
+    /// Broker copies of dead letters to remove (the store is the record).
+    broker_copies: dead::BrokerCopies,
 }
 
 /// Scheduled jobs published per pass.
@@ -201,6 +203,7 @@ impl Api {
             store_down: Mutex::new(None),
             body_budget: body::BodyBudget::new(settings.max_body_bytes_in_flight),
             metrics,
+            broker_copies: dead::BrokerCopies::default(),
             settings,
         }))
     }
@@ -538,6 +541,7 @@ impl Api {
     /// Publishes scheduled jobs when due, jobs stored before a crash whose
     /// publish was never confirmed, and prunes finished jobs; until `stop`.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        tokio::spawn(self.clone().follow_dead_letters(stop.clone()));
         self.recover().await;
         self.refresh_directives().await;
         let mut last_prune = Instant::now();

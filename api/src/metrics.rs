@@ -137,6 +137,10 @@ pub struct ApiMetrics {
     jobs: Mutex<BTreeMap<String, [u64; JOB_EVENTS.len()]>>,
     store: [Histogram; STORE_OPS.len()],
     store_errors: [AtomicU64; STORE_OPS.len()],
+    /// Broker copies of dead letters removed after a retry or delete
+    /// through the server, and sweeps that failed.
+    copies_removed: AtomicU64,
+    sweeps_failed: AtomicU64,
 }
 
 impl Default for ApiMetrics {
@@ -147,6 +151,8 @@ impl Default for ApiMetrics {
             jobs: Mutex::default(),
             store: std::array::from_fn(|_| Histogram::default()),
             store_errors: std::array::from_fn(|_| AtomicU64::new(0)),
+            copies_removed: AtomicU64::new(0),
+            sweeps_failed: AtomicU64::new(0),
         }
     }
 }
@@ -212,6 +218,19 @@ impl ApiMetrics {
         }
     }
 
+    /// A sweep of a queue's dead letters on the broker ended: `removed`
+    /// copies removed, or it failed.
+    pub fn sweep(&self, removed: Option<usize>) {
+        match removed {
+            Some(n) => {
+                self.copies_removed.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            None => {
+                self.sweeps_failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Writes the figures in the Prometheus text format; `active` is the
     /// jobs held by workers now, per queue.
     pub fn render(&self, out: &mut String, active: &BTreeMap<String, u64>) {
@@ -264,6 +283,16 @@ impl ApiMetrics {
                 h.render(out, "ojs_bridge_api_store_seconds", &format!("op=\"{op}\""));
             }
         }
+        let _ = writeln!(
+            out,
+            "# HELP ojs_bridge_api_dead_letter_copies_removed_total Broker copies of dead letters removed after a retry or delete through the server.\n# TYPE ojs_bridge_api_dead_letter_copies_removed_total counter\nojs_bridge_api_dead_letter_copies_removed_total {}",
+            self.copies_removed.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP ojs_bridge_api_dead_letter_sweeps_failed_total Sweeps of a queue's dead letters on the broker that failed (their copies stay).\n# TYPE ojs_bridge_api_dead_letter_sweeps_failed_total counter\nojs_bridge_api_dead_letter_sweeps_failed_total {}",
+            self.sweeps_failed.load(Ordering::Relaxed)
+        );
         let _ = writeln!(out, "# HELP ojs_bridge_api_store_errors_total Job store operations that failed, by operation.\n# TYPE ojs_bridge_api_store_errors_total counter");
         for (op, n) in STORE_OPS.iter().zip(&self.store_errors) {
             let _ = writeln!(

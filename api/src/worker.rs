@@ -204,10 +204,10 @@ async fn settle_delivery(delivery: &Delivery, settle: &Settle) -> Result<(), ojs
             message,
         } => {
             delivery
-                .nack(Nack::DeadLetter(DeadLetterReason::new(
-                    error_type.clone(),
-                    message.clone(),
-                )))
+                .nack(Nack::DeadLetter(
+                    DeadLetterReason::new(error_type.clone(), message.clone())
+                        .with_record(crate::dead::SERVER_RECORD),
+                ))
                 .await
         }
         // Not a settlement of the delivery.

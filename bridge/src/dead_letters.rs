@@ -59,6 +59,9 @@ pub struct Selection {
     pub idle: Duration,
     /// Where the count of dead letters read is drawn.
     pub progress: crate::progress::Progress,
+    /// Retry or purge on the broker also copies whose record an OJS
+    /// server keeps (the server's record then stays as it was).
+    pub force: bool,
 }
 
 impl Selection {
@@ -78,6 +81,9 @@ pub struct Summary {
     pub seen: usize,
     /// Selected and done (listed, retried, purged).
     pub done: usize,
+    /// Selected but left alone: an OJS server keeps their record (retry
+    /// or purge them through it, or with `--force`).
+    pub recorded_elsewhere: usize,
 }
 
 /// Why a run failed.
@@ -107,7 +113,7 @@ pub async fn on_broker(
         .consumer(
             &selection.queue,
             ConsumerOptions {
-                group: format!("ojs-bridge-dead-letters.{}", selection.queue),
+                group: ojs_api::dead::dead_letter_group(adapter, &selection.queue),
                 // Nothing waits in this process beyond what it reads.
                 prefetch: 0,
                 source: Source::DeadLetters,
@@ -133,6 +139,15 @@ pub async fn on_broker(
             selection.progress.add(1);
             let (id, job_type) = identify(&delivery);
             if !selection.wants(&id, &job_type) {
+                left.push(delivery);
+                continue;
+            }
+            let recorded = delivery
+                .headers
+                .get_str(header::DEAD_LETTER_RECORD)
+                .is_some();
+            if recorded && action != Action::List && !selection.force {
+                summary.recorded_elsewhere += 1;
                 left.push(delivery);
                 continue;
             }
@@ -211,6 +226,7 @@ fn line(delivery: &Delivery, id: &str, job_type: &str, action: Action) -> Value 
         "error_message": delivery.headers.get_str(header::ERROR_MESSAGE),
         "attempt": delivery.attempt,
         "action": action.done(),
+        "record": delivery.headers.get_str(header::DEAD_LETTER_RECORD).unwrap_or("broker"),
     })
 }
 

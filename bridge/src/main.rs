@@ -162,6 +162,11 @@ enum Command {
         /// A file holding the OJS server's bearer token.
         #[arg(long)]
         token_file: Option<PathBuf>,
+        /// On a broker: retry or purge also the copies whose record an OJS
+        /// server keeps (marked `ojs-dead-letter-record`); the server's
+        /// record stays as it was. Without it they are left alone, named.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -295,6 +300,7 @@ async fn one_shot(command: Command, quiet: bool) -> ExitCode {
             job_type,
             timeout_secs,
             token_file,
+            force,
         } => {
             use ojs_bridge::dead_letters::{self, Action, Selection};
             if action != Action::List && ids.is_empty() && !all {
@@ -328,6 +334,7 @@ async fn one_shot(command: Command, quiet: bool) -> ExitCode {
                 job_type,
                 idle: Duration::from_secs(timeout_secs),
                 progress: Progress::start("read", None, Show::BesideLines, quiet),
+                force,
             };
             let stdout = std::io::stdout();
             let mut out = stdout.lock();
@@ -356,6 +363,13 @@ async fn one_shot(command: Command, quiet: bool) -> ExitCode {
                             Action::Purge => "purged",
                         }
                     );
+                    if summary.recorded_elsewhere > 0 {
+                        eprintln!(
+                            "ojs-bridge dead-letters: {} selected dead letters were left alone: an OJS server keeps their record (its job store; the broker's copy follows it). {action:?} them through the server (--from http://HOST:PORT), which removes the broker's copy too, or add --force to act on the broker alone",
+                            summary.recorded_elsewhere
+                        );
+                        return ExitCode::from(EXIT_FAILED);
+                    }
                     ExitCode::SUCCESS
                 }
                 Err(e) => {

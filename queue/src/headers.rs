@@ -37,6 +37,7 @@ const KNOWN: &[&str] = &[
     header::ERROR_MESSAGE,
     header::PAYLOAD_OMITTED,
     header::HEADERS_OMITTED,
+    header::DEAD_LETTER_RECORD,
     header::GRPCQ_TOPIC,
     header::GRPCQ_ACTION,
     header::GRPCQ_ORIGINATOR,

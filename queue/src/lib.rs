@@ -74,6 +74,11 @@ pub mod header {
     /// with went with only the headers named here; this is how many were
     /// left out.
     pub const HEADERS_OMITTED: &str = "ojs-headers-omitted";
+    /// On a dead letter: what keeps its record when it is not the broker
+    /// (`ojs-server`: an OJS server's job store, which the broker's copy
+    /// follows; `ojs-bridge dead-letters` acts on such copies through the
+    /// server).
+    pub const DEAD_LETTER_RECORD: &str = "ojs-dead-letter-record";
     /// grpcq topic (grpcq's SQS attribute name).
     pub const GRPCQ_TOPIC: &str = "topic";
     /// grpcq action.
@@ -353,6 +358,9 @@ pub struct DeadLetterReason {
     pub error_type: String,
     /// Human-readable explanation.
     pub message: String,
+    /// What keeps the dead letter's record, when not the broker
+    /// ([`header::DEAD_LETTER_RECORD`]).
+    pub record: Option<String>,
 }
 
 impl DeadLetterReason {
@@ -361,7 +369,15 @@ impl DeadLetterReason {
         DeadLetterReason {
             error_type: error_type.into(),
             message: message.into(),
+            record: None,
         }
+    }
+
+    /// The same reason, naming what keeps the dead letter's record.
+    #[must_use]
+    pub fn with_record(mut self, record: impl Into<String>) -> Self {
+        self.record = Some(record.into());
+        self
     }
 
     /// One of the reasons ojs-bridge gives, with its explanation.
@@ -385,6 +401,9 @@ impl DeadLetterReason {
     pub fn write_headers(&self, headers: &mut Headers) {
         headers.insert(header::ERROR_TYPE, self.error_type.as_str());
         headers.insert(header::ERROR_MESSAGE, self.message.as_str());
+        if let Some(record) = &self.record {
+            headers.insert(header::DEAD_LETTER_RECORD, record.as_str());
+        }
     }
 }
 
@@ -590,13 +609,17 @@ impl Delivery {
     /// The dead-letter reason, on deliveries read from a dead-letter queue.
     pub fn dead_letter_reason(&self) -> Option<DeadLetterReason> {
         let error_type = self.headers.get(header::ERROR_TYPE)?;
-        Some(DeadLetterReason::new(
+        let reason = DeadLetterReason::new(
             error_type.to_str_lossy(),
             self.headers
                 .get(header::ERROR_MESSAGE)
                 .map(|m| m.to_str_lossy().into_owned())
                 .unwrap_or_default(),
-        ))
+        );
+        Some(match self.headers.get_str(header::DEAD_LETTER_RECORD) {
+            Some(record) => reason.with_record(record),
+            None => reason,
+        })
     }
 
     /// Whether the delivery was acked or nacked already.

@@ -5,7 +5,7 @@
 //! the embedded default and on RabbitMQ, whose dead-letter queue is counted
 //! with rabbitmqctl (it keeps the broker's copy of every dead letter).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -342,15 +342,17 @@ struct BrokerCounts {
     drains: bool,
 }
 
-/// The broker's own dead letters, through the CLI on the broker's URL:
-/// listed, half retried back to the queue (and completed through the API),
-/// the rest purged; the broker's queues counted by its own client after
-/// each step. Then the same through the OJS server's URL.
+/// The server's store is the record of its dead letters and the broker's
+/// copy follows it: listed through either path, the same set; retry or
+/// purge on the broker leaves the server's copies alone (named, exit 1);
+/// through the server, the broker's copies go too. Each step is checked
+/// against the broker's own client and the server's list.
 async fn the_cli_on_a_broker(what: &str, config: &str, broker_url: &str, counts: BrokerCounts) {
     let queue = "doomed";
     let dead = &counts.dead;
     let server = OjsServer::start(Some(config)).await;
     let addr = server.addr;
+    let base = format!("http://{addr}");
     let mut ids = Vec::new();
     for i in 0..40 {
         let kind = if i % 2 == 0 {
@@ -373,28 +375,70 @@ async fn the_cli_on_a_broker(what: &str, config: &str, broker_url: &str, counts:
         Some(40),
         "{what}: the broker's dead letters after the failures"
     );
-
-    // Listed, and left in place.
-    let listed = cli(&["list", "--from", broker_url, "--queue", queue]);
+    let ids_of = |lines: &[Value]| -> BTreeSet<String> {
+        lines
+            .iter()
+            .map(|l| l["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    // The same set through both paths, the broker's marked as the server's.
+    let same_set = |step: &str| {
+        let on_broker = cli(&["list", "--from", broker_url, "--queue", queue]);
+        let on_server = cli(&["list", "--from", &base, "--queue", queue]);
+        assert!(
+            on_broker.iter().all(|l| l["record"] == "ojs-server"),
+            "{what}, {step}: {on_broker:?}"
+        );
+        assert_eq!(ids_of(&on_broker), ids_of(&on_server), "{what}, {step}");
+        ids_of(&on_server)
+    };
+    let listed = same_set("after the failures");
     assert_eq!(listed.len(), 40);
-    assert!(
-        listed.iter().all(|l| l["error_type"] == "upstream_gone"),
-        "{listed:?}"
-    );
-    let listed_ids: HashSet<&str> = listed.iter().map(|l| l["id"].as_str().unwrap()).collect();
-    assert!(ids.iter().all(|id| listed_ids.contains(id.as_str())));
+    assert!(ids.iter().all(|id| listed.contains(id)));
     assert_eq!(dead(), Some(40), "{what}: a list leaves every dead letter");
 
-    // The alpha ones back to the queue.
+    // On the broker, without --force: left alone, named, nothing changes.
+    let out = crate::support::ojs_bridge(
+        &[
+            "dead-letters",
+            "retry",
+            "--from",
+            broker_url,
+            "--queue",
+            queue,
+            "--all",
+            "--type",
+            "alpha.*",
+        ],
+        b"",
+    );
+    assert_eq!(out.status.code(), Some(1), "{what}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("20 selected") && stderr.contains("--force"),
+        "{stderr}"
+    );
+    assert_eq!(same_set("after a refused retry on the broker").len(), 40);
+
+    // Through the server: the alpha ones back to the queue, and their
+    // broker copies removed.
     let retried = cli(&[
-        "retry", "--from", broker_url, "--queue", queue, "--all", "--type", "alpha.*",
+        "retry", "--from", &base, "--queue", queue, "--all", "--type", "alpha.*",
     ]);
     assert_eq!(retried.len(), 20);
-    let (on_queue, on_dead) = ((counts.retried_onto_queue)(), dead());
-    println!("dead-letters CLI, {what}: dead 40, retried 20 → onto the queue {on_queue:?}, dead letters left {on_dead:?}");
-    assert_eq!((on_queue, on_dead), (Some(20), Some(20)));
-    // Moved back on the broker, they are the API's jobs again: fetched
-    // from attempt 1, completed, no longer dead letters.
+    swept(addr, 20).await;
+    let on_dead = dead();
+    println!("dead-letters, {what}: retried 20 through the server → broker dead letters {on_dead:?}, on the queue {:?}", (counts.retried_onto_queue)());
+    assert_eq!(
+        on_dead,
+        Some(20),
+        "{what}: the broker's copies follow a retry"
+    );
+    let left = same_set("after a retry through the server");
+    assert!(left
+        .iter()
+        .all(|id| ids.iter().position(|i| i == id).is_some_and(|p| p % 2 == 1)));
+    // Fetched from attempt 1, completed, no longer dead letters.
     let mut completed = HashSet::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     while completed.len() < 20 && Instant::now() < deadline {
@@ -424,37 +468,22 @@ async fn the_cli_on_a_broker(what: &str, config: &str, broker_url: &str, counts:
     if counts.drains {
         assert_eq!((counts.retried_onto_queue)(), Some(0));
     }
-    let (_, left) = list_all(addr, queue, "").await;
-    assert_eq!(left, 20, "the API lists the 20 that stayed dead letters");
 
-    // The rest purged.
-    let purged = cli(&["purge", "--from", broker_url, "--queue", queue, "--all"]);
+    // The rest purged through the server: gone from the broker too.
+    let purged = cli(&["purge", "--from", &base, "--queue", queue, "--all"]);
     assert_eq!(purged.len(), 20);
     assert!(purged.iter().all(|l| l["type"] == "beta.doomed"));
+    swept(addr, 40).await;
     let on_dead = dead();
     println!(
-        "dead-letters CLI, {what}: purged {}, dead letters left {on_dead:?}",
-        purged.len()
+        "dead-letters, {what}: purged 20 through the server → broker dead letters {on_dead:?}"
     );
-    assert_eq!(on_dead, Some(0));
-    let listed = cli(&["list", "--from", broker_url, "--queue", queue]);
-    assert!(listed.is_empty(), "{what}: purged yet listed: {listed:?}");
-
-    // Through the OJS server: the API's own record of the 20 left.
-    let base = format!("http://{addr}");
-    let listed = cli(&[
-        "list", "--from", &base, "--queue", queue, "--type", "beta.*",
-    ]);
-    assert_eq!(listed.len(), 20);
-    let one = listed[0]["id"].as_str().unwrap().to_owned();
-    let retried = cli(&["retry", "--from", &base, "--queue", queue, "--id", &one]);
-    assert_eq!(retried.len(), 1);
     assert_eq!(
-        get(addr, &format!("/ojs/v1/jobs/{one}")).await.json()["job"]["state"],
-        "available"
+        on_dead,
+        Some(0),
+        "{what}: the broker's copies follow a purge"
     );
-    let purged = cli(&["purge", "--from", &base, "--queue", queue, "--all"]);
-    assert_eq!(purged.len(), 19);
+    assert!(same_set("after a purge through the server").is_empty());
     let (_, left) = list_all(addr, queue, "").await;
     assert_eq!(left, 0);
     // retry and purge name what they act on.
@@ -468,6 +497,26 @@ async fn the_cli_on_a_broker(what: &str, config: &str, broker_url: &str, counts:
         "purge without --id or --all is a usage error"
     );
     server.stop();
+}
+
+/// Waits (at most a minute) until the server says it removed `removed`
+/// broker copies of dead letters in all: the broker is counted after that,
+/// not while the server's sweep reads it (on Kafka, a reader joining the
+/// same group meanwhile would only see a rebalance).
+async fn swept(addr: SocketAddr, removed: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = String::from_utf8_lossy(&get(addr, "/metrics").await.body).into_owned();
+        let n = crate::support::metric(&text, "ojs_bridge_api_dead_letter_copies_removed_total");
+        if n.is_some_and(|n| n >= removed as f64) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{removed} broker copies never removed: {n:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -528,9 +577,13 @@ async fn the_cli_lists_retries_and_purges_dead_letters_on_kafka() {
     };
     let (main, dead) = (format!("{prefix}.doomed"), format!("{prefix}.doomed.dead"));
     let counts = BrokerCounts {
-        // The CLI reads dead letters as `ojs-bridge-dead-letters.QUEUE`,
-        // which the adapter suffixes for its dead-letter readers.
-        dead: Box::new(move || records(&dead, "ojs-bridge-dead-letters.doomed.dead")),
+        // The CLI (and the server's sweeps) read dead letters as
+        // `ojs-bridge-dead-letters.TOPIC` (the template is this test's
+        // own), which the adapter suffixes for its dead-letter readers.
+        dead: Box::new({
+            let group = format!("ojs-bridge-dead-letters.{main}.dead");
+            move || records(&dead, &group)
+        }),
         // The 40 pushed at the start, and what the retry appended.
         retried_onto_queue: Box::new(move || {
             records(&main, &unique_queue("dlq-cli-reader")).map(|n| n.saturating_sub(40))
