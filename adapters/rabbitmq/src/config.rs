@@ -281,7 +281,36 @@ impl RabbitConfig {
         if !client.is_empty() {
             config.url = format!("{base}?{}", client.join("&"));
         }
+        let named: Vec<String> = ours
+            .iter()
+            .chain(settings.iter())
+            .map(|(name, _)| name.clone())
+            .collect();
+        let named = |field: &str| named.iter().any(|n| n == field);
+        let (routing_named, dead_named, retry_named) = (
+            named("routing_key_template"),
+            named("dead_letter_queue_template"),
+            named("retry_queue_template"),
+        );
         config = settings::overlay(&config, ours.into_iter().chain(settings))?;
+        // A deployment's own queue template makes its routing keys, its
+        // dead-letter queues and its retry queues its own too, unless they
+        // are named: with the defaults, two deployments on one broker would
+        // bind their queues to one exchange with the same key (each getting
+        // the other's jobs) and share `ojs.queue.dlx.{queue}` and the retry
+        // queues.
+        if config.custom_queues() {
+            if !routing_named {
+                config.routing_key_template = config.queue_template.clone();
+            }
+            if !dead_named {
+                config.dead_letter_queue_template = format!("{}.dlx", config.queue_template);
+            }
+            if !retry_named {
+                config.retry_queue_template =
+                    format!("{}.retry.{{delay_ms}}", config.queue_template);
+            }
+        }
         config.validate()?;
         Ok(config)
     }
@@ -427,6 +456,36 @@ impl RabbitConfig {
             "{scheme}://{user}:{}@{host}",
             ojs_queue::settings::percent_encode(password)
         ))
+    }
+
+    /// Whether `queue_template` is this deployment's own (not the default)
+    /// and the adapter declares its topology: routing keys on the shared
+    /// exchanges are then the queues' names. With `topology = "existing"`
+    /// the bindings someone else made decide, and nothing is derived.
+    pub fn custom_queues(&self) -> bool {
+        self.topology == Topology::Declare && self.queue_template != default_queue_template()
+    }
+
+    /// The routing key of a queue's dead letters on the dead-letter
+    /// exchange: the OJS queue, or with a queue template of one's own the
+    /// dead-letter queue's name.
+    pub fn dead_letter_routing_key_of(&self, queue: &str) -> String {
+        if self.custom_queues() {
+            self.dead_letter_queue_of(queue)
+        } else {
+            queue.to_owned()
+        }
+    }
+
+    /// The routing key of a queue's retries delayed by `delay_ms` on the
+    /// retry exchange: `{queue}.{delay_ms}`, or with a queue template of
+    /// one's own the retry queue's name.
+    pub fn retry_routing_key_of(&self, queue: &str, delay_ms: u64) -> String {
+        if self.custom_queues() {
+            self.retry_queue_of(queue, delay_ms)
+        } else {
+            format!("{queue}.{delay_ms}")
+        }
     }
 
     /// The RabbitMQ queue of an OJS queue.
@@ -621,5 +680,33 @@ mod tests {
             RabbitConfig::from_url("amqp://h/%2f").unwrap().url,
             "amqp://h/%2f"
         );
+    }
+
+    #[test]
+    fn a_queue_template_of_ones_own_makes_keys_and_queues_ones_own() {
+        let c = RabbitConfig::from_url("amqp://h/%2f?queue_template=tenant.{queue}").unwrap();
+        assert_eq!(c.publish_route_of("orders").1, "tenant.orders");
+        assert_eq!(c.dead_letter_queue_of("orders"), "tenant.orders.dlx");
+        assert_eq!(c.dead_letter_routing_key_of("orders"), "tenant.orders.dlx");
+        assert_eq!(c.retry_queue_of("orders", 1000), "tenant.orders.retry.1000");
+        assert_eq!(
+            c.retry_routing_key_of("orders", 1000),
+            "tenant.orders.retry.1000"
+        );
+        // Named settings stay as named; the defaults stay as they were.
+        let named = RabbitConfig::from_url(
+            "amqp://h/%2f?queue_template=tenant.{queue}&dead_letter_queue_template=dlq.{queue}",
+        )
+        .unwrap();
+        assert_eq!(named.dead_letter_queue_of("orders"), "dlq.orders");
+        let plain = RabbitConfig::from_url("amqp://h/%2f").unwrap();
+        assert_eq!(plain.publish_route_of("orders").1, "orders");
+        assert_eq!(plain.dead_letter_routing_key_of("orders"), "orders");
+        assert_eq!(plain.retry_routing_key_of("orders", 1000), "orders.1000");
+        // Someone else's topology: their bindings decide.
+        let existing =
+            RabbitConfig::from_url("amqp://h/%2f?queue_template=team.{queue}&topology=existing")
+                .unwrap();
+        assert_eq!(existing.publish_route_of("orders").1, "orders");
     }
 }

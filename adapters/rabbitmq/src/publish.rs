@@ -98,12 +98,14 @@ impl Inner {
                 let c = &self.config;
                 let (exchange, routing_key) = match destination {
                     Destination::Queue => c.publish_route_of(queue),
-                    Destination::Delayed(ms) => (c.retry_exchange.clone(), format!("{queue}.{ms}")),
+                    Destination::Delayed(ms) => {
+                        (c.retry_exchange.clone(), c.retry_routing_key_of(queue, ms))
+                    }
                     Destination::DeadLetters => (
                         c.dead_letter_exchange_in_force()
                             .unwrap_or_default()
                             .to_owned(),
-                        queue.to_owned(),
+                        c.dead_letter_routing_key_of(queue),
                     ),
                     Destination::Grpcq => grpcq_route(&message)
                         .map(|(t, a)| (t.to_owned(), a.to_owned()))

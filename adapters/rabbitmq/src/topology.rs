@@ -387,7 +387,7 @@ impl Inner {
             ));
             extra.push((
                 "x-dead-letter-routing-key",
-                AMQPValue::LongString(LongString::from(queue)),
+                AMQPValue::LongString(LongString::from(c.dead_letter_routing_key_of(queue))),
             ));
         }
         if let (false, Some(max)) = (c.quorum_queues, c.max_priority) {
@@ -399,7 +399,13 @@ impl Inner {
         if let Some(dlx) = c.dead_letter_exchange_in_force() {
             match topology::try_declare_queue(&s.connection, &dlq, self.queue_args(&[])).await? {
                 topology::Declared::Usable => {
-                    topology::bind(&s.connection, &dlq, dlx, queue).await?;
+                    topology::bind(
+                        &s.connection,
+                        &dlq,
+                        dlx,
+                        &c.dead_letter_routing_key_of(queue),
+                    )
+                    .await?;
                 }
                 // Refused (no `configure` permission): the queue itself works;
                 // dead-lettering fails, named, until someone creates the DLQ.
@@ -542,7 +548,7 @@ impl Inner {
             &s.connection,
             &name,
             &c.retry_exchange,
-            &format!("{queue}.{delay_ms}"),
+            &c.retry_routing_key_of(queue, delay_ms),
         )
         .await?;
         s.retry_declared

@@ -547,3 +547,74 @@ async fn metrics_show_what_the_api_did() {
     }
     server.stop();
 }
+
+/// The same on RabbitMQ: two deployments with queue templates of their own
+/// and one queue name. Their queues are bound to the shared exchanges by
+/// their own names, so a push through one, and its retry after a NACK,
+/// reach that one only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_deployments_on_one_rabbitmq_broker_never_take_each_other_s_jobs() {
+    let Some(rabbit) =
+        ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::RabbitMq).await
+    else {
+        return;
+    };
+    let id = ojs_bridge_tests::brokers::unique_queue("t");
+    let config = |tenant: &str| {
+        format!(
+            "[adapters.rabbit]\nurl = \"{}\"\nqueue_template = \"{tenant}{id}.{{queue}}\"\n\n[api]\nadapter = \"rabbit\"\n",
+            rabbit.url
+        )
+    };
+    let a = OjsServer::start(Some(&config("tenanta"))).await;
+    let b = OjsServer::start(Some(&config("tenantb"))).await;
+    // B's queue exists (declared at its first FETCH) before A pushes.
+    let fetch = |addr| async move {
+        post_json(
+            addr,
+            "/ojs/v1/workers/fetch",
+            &json!({"queues": ["default"], "wait_ms": 1000}),
+        )
+        .await
+        .json()["jobs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    assert!(fetch(b.addr).await.is_empty());
+    let pushed = post_json(
+        a.addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "tenant.job", "args": [], "options": {"queue": "default",
+                "retry": {"max_attempts": 3, "initial_interval": "PT1S", "jitter": false}}}),
+    )
+    .await;
+    assert_eq!(pushed.status, 201, "{:?}", pushed.body);
+    let job_id = pushed.json()["job"]["id"].clone();
+    assert!(
+        fetch(b.addr).await.is_empty(),
+        "the other deployment took the push"
+    );
+    let first = fetch(a.addr).await;
+    assert_eq!(first.first().map(|j| j["id"].clone()), Some(job_id.clone()));
+    let nack = post_json(
+        a.addr,
+        "/ojs/v1/workers/nack",
+        &json!({"job_id": job_id, "error": {"code": "flaky", "message": "again"}}),
+    )
+    .await;
+    assert_eq!(nack.json()["state"], "retryable", "{:?}", nack.body);
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        let jobs = fetch(b.addr).await;
+        assert!(
+            jobs.is_empty(),
+            "the other deployment took the retry: {jobs:?}"
+        );
+    }
+    let again = fetch(a.addr).await;
+    assert_eq!(again.first().map(|j| j["id"].clone()), Some(job_id));
+    assert_eq!(again[0]["attempt"], 2);
+    a.stop();
+    b.stop();
+}
