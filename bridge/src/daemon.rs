@@ -229,6 +229,9 @@ impl Daemon {
         topology: Topology,
         mut provided: BTreeMap<String, Arc<dyn QueueAdapter>>,
     ) -> Result<Daemon, DaemonError> {
+        for clash in topology.shared_destinations() {
+            tracing::warn!("{clash}");
+        }
         let Topology {
             config,
             adapters: mut compiled_adapters,

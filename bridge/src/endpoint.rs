@@ -139,6 +139,42 @@ impl AdapterConfig {
         }
     }
 
+    /// Where a queue's messages live on its broker, and the destinations
+    /// beside it that must be the queue's own: `(broker, queue's own
+    /// destination, [(what, name)])`. Two queues on one broker with
+    /// different destinations must not share a name of the list (each
+    /// would take the other's retries or dead letters). `None` for brokers
+    /// with nothing shared (the embedded and in-process ones; SQS's
+    /// dead-letter queues follow each queue's name).
+    pub fn destinations(
+        &self,
+        queue: &str,
+    ) -> Option<(String, String, Vec<(&'static str, String)>)> {
+        match self {
+            AdapterConfig::Kafka(c) => Some((
+                format!("kafka://{}", c.brokers),
+                c.topic_of(queue),
+                vec![
+                    ("retry topic", c.retry_topic_of(queue)),
+                    ("dead-letter topic", c.dead_topic_of(queue)),
+                ],
+            )),
+            AdapterConfig::Rabbit(c) => {
+                let (exchange, key) = c.publish_route_of(queue);
+                let mut shared = vec![("dead-letter queue", c.dead_letter_queue_of(queue))];
+                if !exchange.is_empty() {
+                    shared.push(("routing key", format!("{exchange} → {key}")));
+                }
+                Some((
+                    ojs_core::redact::url(&c.url).to_string(),
+                    c.queue_name_of(queue),
+                    shared,
+                ))
+            }
+            _ => None,
+        }
+    }
+
     /// [`QueueAdapter::group_scope`], from the settings alone.
     pub fn group_scope(&self, queue: &str) -> Option<String> {
         match self {

@@ -493,6 +493,9 @@ fn check_config(path: &std::path::Path) -> Result<String, ConfigError> {
         Vec::new()
     };
     ConfigError::all(files.into_iter().chain(contents))?;
+    for clash in topology.shared_destinations() {
+        eprintln!("warning: {clash}");
+    }
     Ok(format!(
         "{}: ok ({} adapters, {} sources, {} routes)",
         path.display(),

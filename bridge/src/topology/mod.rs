@@ -70,6 +70,53 @@ impl Topology {
         named
     }
 
+    /// Queues of this file that would share a retry or dead-letter
+    /// destination (or a routing key) on one broker while their own
+    /// destinations differ: each would take the other's retries or dead
+    /// letters. One line per clash, naming both queues and the fix.
+    pub fn shared_destinations(&self) -> Vec<String> {
+        let named = Self::named_queues(&self.config, &self.routes);
+        let mut queues: Vec<(String, String)> = named
+            .iter()
+            .map(|q| (q.adapter.clone(), q.queue.clone()))
+            .collect();
+        if let Some(api) = &self.config.api {
+            // Queue names of [api] queues without wildcards.
+            for q in &api.queues {
+                if !q.contains('*') {
+                    queues.push((api.adapter.clone(), q.clone()));
+                }
+            }
+        }
+        queues.sort();
+        queues.dedup();
+        // (broker, what, name) → (adapter, queue, own destination)
+        let mut seen: BTreeMap<(String, &'static str, String), (String, String, String)> =
+            BTreeMap::new();
+        let mut clashes = Vec::new();
+        for (adapter, queue) in queues {
+            let Some(config) = self.adapters.get(&adapter) else {
+                continue;
+            };
+            let Some((broker, own, shared)) = config.destinations(&queue) else {
+                continue;
+            };
+            for (what, name) in shared {
+                let key = (broker.clone(), what, name.clone());
+                match seen.get(&key) {
+                    Some((a, q, other)) if *other != own => clashes.push(format!(
+                        "adapters.{a} queue {q:?} and adapters.{adapter} queue {queue:?} share the {what} {name:?} on {broker}: each would take the other's messages there; give each adapter a template of its own (topic_template, queue_template) or name the {what}s apart"
+                    )),
+                    Some(_) => {}
+                    None => {
+                        seen.insert(key, (adapter.clone(), queue.clone(), own.clone()));
+                    }
+                }
+            }
+        }
+        clashes
+    }
+
     /// Builds `config`, or refuses it with every rule it breaks, in file
     /// order (descriptor sets are read here: a route compiles from them).
     pub fn build(config: BridgeConfig) -> Result<Topology, ConfigError> {

@@ -274,12 +274,41 @@ fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_fi
                 path.display(),
                 String::from_utf8_lossy(&out.stderr)
             );
+            assert!(
+                !String::from_utf8_lossy(&out.stderr).contains("warning:"),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
             checked += 1;
         }
     }
     assert!(
         checked >= 4,
         "expected an example per broker pair, found {checked}"
+    );
+
+    // Two queues of one file that would share a retry topic on one
+    // cluster: accepted, with a warning naming both and the fix.
+    let dir = TempDir::new("shared-config");
+    let shared = dir.path().join("shared.toml");
+    std::fs::write(
+        &shared,
+        "[adapters.a]\nurl = \"kafka://127.0.0.1:9\"\ntopic_template = \"a.{queue}\"\nretry_topic_template = \"retries.{queue}\"\n[adapters.b]\nurl = \"kafka://127.0.0.1:9\"\ntopic_template = \"b.{queue}\"\nretry_topic_template = \"retries.{queue}\"\n[[sources]]\nname = \"s\"\nadapter = \"a\"\nqueue = \"orders\"\n[[routes]]\nname = \"r\"\nsink = \"b\"\nqueue = \"orders\"\n",
+    )
+    .unwrap();
+    let out = bin()
+        .args(["check-config", shared.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning:")
+            && stderr.contains("adapters.a queue \"orders\"")
+            && stderr.contains("adapters.b queue \"orders\"")
+            && stderr.contains("retries.orders"),
+        "{stderr}"
     );
 
     let dir = TempDir::new("bad-config");
