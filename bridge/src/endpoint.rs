@@ -13,6 +13,18 @@ use ojs_adapter_sqs::{SqsAdapter, SqsConfig};
 use ojs_queue::settings::SettingValue;
 use ojs_queue::{Error, QueueAdapter, Result};
 
+/// Where a queue's messages live on its broker, and the destinations
+/// beside it that must be the queue's own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Destinations {
+    /// The broker, without credentials.
+    pub broker: String,
+    /// The queue's own destination (topic, queue).
+    pub own: String,
+    /// What else is the queue's, by kind (`retry topic`, …).
+    pub beside: Vec<(&'static str, String)>,
+}
+
 /// One adapter's settings, typed and validated.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AdapterConfig {
@@ -140,36 +152,32 @@ impl AdapterConfig {
     }
 
     /// Where a queue's messages live on its broker, and the destinations
-    /// beside it that must be the queue's own: `(broker, queue's own
-    /// destination, [(what, name)])`. Two queues on one broker with
+    /// beside it that must be the queue's own. Two queues on one broker with
     /// different destinations must not share a name of the list (each
     /// would take the other's retries or dead letters). `None` for brokers
     /// with nothing shared (the embedded and in-process ones; SQS's
     /// dead-letter queues follow each queue's name).
-    pub fn destinations(
-        &self,
-        queue: &str,
-    ) -> Option<(String, String, Vec<(&'static str, String)>)> {
+    pub fn destinations(&self, queue: &str) -> Option<Destinations> {
         match self {
-            AdapterConfig::Kafka(c) => Some((
-                format!("kafka://{}", c.brokers),
-                c.topic_of(queue),
-                vec![
+            AdapterConfig::Kafka(c) => Some(Destinations {
+                broker: format!("kafka://{}", c.brokers),
+                own: c.topic_of(queue),
+                beside: vec![
                     ("retry topic", c.retry_topic_of(queue)),
                     ("dead-letter topic", c.dead_topic_of(queue)),
                 ],
-            )),
+            }),
             AdapterConfig::Rabbit(c) => {
                 let (exchange, key) = c.publish_route_of(queue);
                 let mut shared = vec![("dead-letter queue", c.dead_letter_queue_of(queue))];
                 if !exchange.is_empty() {
                     shared.push(("routing key", format!("{exchange} → {key}")));
                 }
-                Some((
-                    ojs_core::redact::url(&c.url).to_string(),
-                    c.queue_name_of(queue),
-                    shared,
-                ))
+                Some(Destinations {
+                    broker: ojs_core::redact::url(&c.url).to_string(),
+                    own: c.queue_name_of(queue),
+                    beside: shared,
+                })
             }
             _ => None,
         }

@@ -98,10 +98,15 @@ impl Topology {
             let Some(config) = self.adapters.get(&adapter) else {
                 continue;
             };
-            let Some((broker, own, shared)) = config.destinations(&queue) else {
+            let Some(crate::endpoint::Destinations {
+                broker,
+                own,
+                beside,
+            }) = config.destinations(&queue)
+            else {
                 continue;
             };
-            for (what, name) in shared {
+            for (what, name) in beside {
                 let key = (broker.clone(), what, name.clone());
                 match seen.get(&key) {
                     Some((a, q, other)) if *other != own => clashes.push(format!(
