@@ -283,6 +283,20 @@ pub fn dead_letter_group(adapter: &dyn QueueAdapter, queue: &str) -> String {
     }
 }
 
+/// How a queue's dead letters are read, here and by `ojs-bridge
+/// dead-letters`: in [`dead_letter_group`], nothing waiting in this process
+/// beyond what it reads, never dead-lettered again.
+pub fn dead_letter_reader(adapter: &dyn QueueAdapter, queue: &str) -> ConsumerOptions {
+    ConsumerOptions {
+        group: dead_letter_group(adapter, queue),
+        prefetch: 0,
+        source: Source::DeadLetters,
+        may_dead_letter: false,
+        visibility_timeout: Duration::from_secs(60),
+        ..ConsumerOptions::default()
+    }
+}
+
 /// Dead letters given back at most per sweep (the rest wait for the next).
 const SWEEP_HELD: usize = 10_000;
 /// How long a sweep waits for its first dead letter.
@@ -369,17 +383,7 @@ impl Api {
         let kafka = self.adapter.kind() == "kafka";
         let mut consumer = self
             .adapter
-            .consumer(
-                queue,
-                ConsumerOptions {
-                    group: dead_letter_group(&*self.adapter, queue),
-                    prefetch: 0,
-                    source: Source::DeadLetters,
-                    may_dead_letter: false,
-                    visibility_timeout: Duration::from_secs(60),
-                    ..ConsumerOptions::default()
-                },
-            )
+            .consumer(queue, dead_letter_reader(&*self.adapter, queue))
             .await?;
         consumer.ready(Duration::from_secs(30)).await?;
         let mut left: Vec<Delivery> = Vec::new();
@@ -392,26 +396,37 @@ impl Api {
                 break;
             }
             wait = SWEEP_IDLE;
+            let mut found = Vec::new();
             for d in batch {
                 let id = job_id_of(&d);
                 if id.as_ref().is_some_and(|id| ids.remove(id)) {
-                    d.ack().await?;
-                    removed += 1;
+                    found.push(d);
                 } else {
                     left.push(d);
                 }
             }
+            // At once: acks waiting together share a call where the broker
+            // batches them (SQS's DeleteMessageBatch, the embedded commit).
+            let refs: Vec<&Delivery> = found.iter().collect();
+            for acked in Delivery::ack_all(&refs).await {
+                acked?;
+                removed += 1;
+            }
         }
-        for d in left {
-            // Kafka: a record read and left uncommitted is read again; once
-            // one was removed, the ones before it go to the back of the
-            // dead topic so that the group's commits can pass them.
-            if kafka && removed == 0 {
-                continue;
-            }
-            if let Err(e) = d.nack(Nack::Release).await {
-                tracing::debug!(%queue, error = %e, "giving back a dead letter failed; it comes back when its lease ends");
-            }
+        // Kafka: a record read and left uncommitted is read again; once one
+        // was removed, the ones before it go to the back of the dead topic
+        // so that the group's commits can pass them.
+        if !(kafka && removed == 0) {
+            let released = left.into_iter().map(|d| {
+                let queue = queue.to_owned();
+                async move {
+                    if let Err(e) = d.nack(Nack::Release).await {
+                        tracing::debug!(%queue, error = %e, "giving back a dead letter failed; it comes back when its lease ends");
+                    }
+                }
+            });
+            // A few at a time: each is a broker call on SQS and RabbitMQ.
+            futures_buffered(released, 16).await;
         }
         consumer.close().await?;
         Ok(removed)
@@ -433,4 +448,16 @@ fn job_id_of(d: &Delivery) -> Option<String> {
         .ok()
         .and_then(|jobs| jobs.into_iter().next())
         .map(|j| j.id)
+}
+
+/// Runs `work`, at most `at_once` at a time.
+async fn futures_buffered<F: std::future::Future<Output = ()>>(
+    work: impl Iterator<Item = F>,
+    at_once: usize,
+) {
+    use futures::StreamExt as _;
+    futures::stream::iter(work)
+        .buffer_unordered(at_once)
+        .collect::<Vec<()>>()
+        .await;
 }

@@ -19,7 +19,7 @@ use http_body_util::{BodyExt, Full};
 use ojs_core::glob::Glob;
 use ojs_core::redact::Secret;
 use ojs_grpcq::decode::Incoming;
-use ojs_queue::{header, ConsumerOptions, Delivery, Nack, OutgoingMessage, QueueAdapter, Source};
+use ojs_queue::{header, Delivery, Nack, OutgoingMessage, QueueAdapter};
 use serde_json::{json, Value};
 
 /// What to do with the selected dead letters.
@@ -112,15 +112,7 @@ pub async fn on_broker(
     let mut consumer = adapter
         .consumer(
             &selection.queue,
-            ConsumerOptions {
-                group: ojs_api::dead::dead_letter_group(adapter, &selection.queue),
-                // Nothing waits in this process beyond what it reads.
-                prefetch: 0,
-                source: Source::DeadLetters,
-                may_dead_letter: false,
-                visibility_timeout: Duration::from_secs(60),
-                ..ConsumerOptions::default()
-            },
+            ojs_api::dead::dead_letter_reader(adapter, &selection.queue),
         )
         .await?;
     let mut summary = Summary::default();

@@ -27,12 +27,18 @@ pub(crate) const START_REQUEST_TIMEOUT: Duration = Duration::from_secs(8);
 
 impl Inner {
     /// A client error as the adapter reports it: where the cluster did not
-    /// answer and librdkafka said why (connection refused, a TLS or SASL
-    /// failure), `Unreachable` with the brokers' addresses and that reason.
+    /// answer, `Unreachable` (waited for at start) with the brokers'
+    /// addresses and librdkafka's latest reason (connection refused, a TLS
+    /// or SASL failure) when it gave one.
     pub(crate) fn unreachable(&self, e: &KafkaError) -> Error {
         use RDKafkaErrorCode as C;
+        // rdkafka gives an admin operation's code only through its variant.
+        let code = match e {
+            KafkaError::AdminOp(code) => Some(*code),
+            other => other.rdkafka_error_code(),
+        };
         let silent = matches!(
-            e.rdkafka_error_code(),
+            code,
             Some(
                 C::OperationTimedOut
                     | C::RequestTimedOut
@@ -41,12 +47,16 @@ impl Inner {
                     | C::BrokerNotAvailable
             )
         );
-        match self.log.recent_error() {
-            Some(reason) if silent => Error::Unreachable {
-                broker: "kafka",
-                message: format!("{}: {reason}", self.config.brokers),
-            },
-            _ => kafka_error(e),
+        if !silent {
+            return kafka_error(e);
+        }
+        let reason = self
+            .log
+            .recent_error()
+            .unwrap_or_else(|| format!("no answer ({e})"));
+        Error::Unreachable {
+            broker: "kafka",
+            message: format!("{}: {reason}", self.config.brokers),
         }
     }
 }

@@ -107,7 +107,10 @@ impl Acknowledger for RabbitAcker {
 
     async fn nack(&self, action: Nack, delivery: DeliveryRef<'_>) -> Result<()> {
         match action {
-            Nack::Retry { .. } if self.source == Source::DeadLetters => self
+            // A dead letter retried or released stays where it is (its
+            // attempt is read from its header alone, see
+            // `RabbitConsumer::delivery`).
+            Nack::Retry { .. } | Nack::Release if self.source == Source::DeadLetters => self
                 .acker
                 .nack(BasicNackOptions {
                     requeue: true,
@@ -147,17 +150,6 @@ impl Acknowledger for RabbitAcker {
                 self.move_to(route, copy).await
             }
             Nack::DeadLetter(reason) => self.dead_letter(&reason, &delivery).await,
-            // A dead letter stays where it is (its attempt is read from
-            // its header alone, see `RabbitConsumer::delivery`).
-            Nack::Release if self.source == Source::DeadLetters => self
-                .acker
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                })
-                .await
-                .map(|_| ())
-                .map_err(|_| Error::DeliveryExpired),
             // A requeue would count as a redelivery (the redelivered flag,
             // a quorum queue's x-delivery-count): a copy carrying the
             // attempt as it was goes to the back of the queue instead.

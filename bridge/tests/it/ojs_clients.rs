@@ -278,12 +278,70 @@ async fn an_exhausted_job_is_discarded_unless_the_operator_keeps_dead_letters() 
     }
 }
 
-/// Two deployments on one Kafka cluster, each with its own topic template
-/// and the same queue name: a job pushed, fetched and failed (retry after
-/// a second) through the first comes back through the first only; the
-/// second never sees it, because the retry and dead topics follow each
-/// one's template, its consumer groups are named by its topics, and a
-/// retry record goes back only to the topic it came from.
+/// Two deployments on one broker with templates of their own and the same
+/// queue name: a job pushed, fetched and failed (retry after a second)
+/// through the first comes back through the first only; the second, asking
+/// all along (`b_watches` after the NACK), never sees it.
+async fn two_deployments_keep_apart(config: &dyn Fn(&str) -> String, b_watches: Duration) {
+    let a = OjsServer::start(Some(&config("tenanta"))).await;
+    let b = OjsServer::start(Some(&config("tenantb"))).await;
+    let fetch = |addr| async move {
+        post_json(
+            addr,
+            "/ojs/v1/workers/fetch",
+            &json!({"queues": ["default"], "wait_ms": 2000}),
+        )
+        .await
+        .json()["jobs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    // B's queue exists (RabbitMQ declares it at the first FETCH, a Kafka
+    // consumer joins its group) before A pushes.
+    assert!(fetch(b.addr).await.is_empty());
+    let pushed = post_json(
+        a.addr,
+        "/ojs/v1/jobs",
+        &json!({"type": "tenant.job", "args": [], "options": {"queue": "default",
+                "retry": {"max_attempts": 3, "initial_interval": "PT1S", "jitter": false}}}),
+    )
+    .await;
+    assert_eq!(pushed.status, 201, "{:?}", pushed.body);
+    let job_id = pushed.json()["job"]["id"].clone();
+    let fetch_until = |addr| async move {
+        for _ in 0..10 {
+            let jobs = fetch(addr).await;
+            if !jobs.is_empty() {
+                return jobs;
+            }
+        }
+        Vec::new()
+    };
+    let first = fetch_until(a.addr).await;
+    assert_eq!(first.first().map(|j| j["id"].clone()), Some(job_id.clone()));
+    let nack = post_json(
+        a.addr,
+        "/ojs/v1/workers/nack",
+        &json!({"job_id": job_id, "error": {"code": "flaky", "message": "again"}}),
+    )
+    .await;
+    assert_eq!(nack.json()["state"], "retryable", "{:?}", nack.body);
+    let started = std::time::Instant::now();
+    while started.elapsed() < b_watches {
+        let jobs = fetch(b.addr).await;
+        assert!(jobs.is_empty(), "the other deployment took {jobs:?}");
+    }
+    let again = fetch_until(a.addr).await;
+    assert_eq!(again.first().map(|j| j["id"].clone()), Some(job_id));
+    assert_eq!(again[0]["attempt"], 2);
+    a.stop();
+    b.stop();
+}
+
+/// On Kafka: the retry and dead topics follow each one's template, its
+/// consumer groups are named by its topics, and a retry record goes back
+/// only to the topic it came from.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_deployments_on_one_kafka_cluster_never_take_each_other_s_jobs() {
     let Some(kafka) =
@@ -298,61 +356,8 @@ async fn two_deployments_on_one_kafka_cluster_never_take_each_other_s_jobs() {
             kafka.url
         )
     };
-    let a = OjsServer::start(Some(&config("tenanta"))).await;
-    let b = OjsServer::start(Some(&config("tenantb"))).await;
-    let pushed = post_json(
-        a.addr,
-        "/ojs/v1/jobs",
-        &json!({"type": "a.b", "args": [1], "options": {"queue": "default",
-                "retry": {"max_attempts": 3, "initial_interval": "PT1S", "jitter": false}}}),
-    )
-    .await;
-    assert_eq!(pushed.status, 201, "{:?}", pushed.body);
-    let job_id = pushed.json()["job"]["id"].clone();
-    let fetch = |addr| async move {
-        post_json(
-            addr,
-            "/ojs/v1/workers/fetch",
-            &json!({"queues": ["default"], "wait_ms": 2000}),
-        )
-        .await
-        .json()["jobs"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-    };
-    let mut first = Vec::new();
-    for _ in 0..10 {
-        first = fetch(a.addr).await;
-        if !first.is_empty() {
-            break;
-        }
-    }
-    assert_eq!(first.first().map(|j| j["id"].clone()), Some(job_id.clone()));
-    let nack = post_json(
-        a.addr,
-        "/ojs/v1/workers/nack",
-        &json!({"job_id": job_id, "error": {"code": "flaky", "message": "again"}}),
-    )
-    .await;
-    assert_eq!(nack.json()["state"], "retryable", "{:?}", nack.body);
-    // B looks for 8 s (the retry is due after 1 s); A gets it back.
-    let started = std::time::Instant::now();
-    while started.elapsed() < std::time::Duration::from_secs(8) {
-        let jobs = fetch(b.addr).await;
-        assert!(jobs.is_empty(), "the other deployment took {jobs:?}");
-    }
-    let mut again = Vec::new();
-    for _ in 0..10 {
-        again = fetch(a.addr).await;
-        if !again.is_empty() {
-            break;
-        }
-    }
-    assert_eq!(again.first().map(|j| j["id"].clone()), Some(job_id));
-    assert_eq!(again[0]["attempt"], 2);
-    a.stop();
-    b.stop();
+    // The retry is due after 1 s; B asks for 8.
+    two_deployments_keep_apart(&config, Duration::from_secs(8)).await;
 }
 
 /// A Kafka cluster nobody answers at: librdkafka reports it several
@@ -548,10 +553,9 @@ async fn metrics_show_what_the_api_did() {
     server.stop();
 }
 
-/// The same on RabbitMQ: two deployments with queue templates of their own
-/// and one queue name. Their queues are bound to the shared exchanges by
-/// their own names, so a push through one, and its retry after a NACK,
-/// reach that one only.
+/// On RabbitMQ: the queues are bound to the shared exchanges by their own
+/// names, so a push through one, and its retry after a NACK, reach that
+/// one only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_deployments_on_one_rabbitmq_broker_never_take_each_other_s_jobs() {
     let Some(rabbit) =
@@ -566,55 +570,5 @@ async fn two_deployments_on_one_rabbitmq_broker_never_take_each_other_s_jobs() {
             rabbit.url
         )
     };
-    let a = OjsServer::start(Some(&config("tenanta"))).await;
-    let b = OjsServer::start(Some(&config("tenantb"))).await;
-    // B's queue exists (declared at its first FETCH) before A pushes.
-    let fetch = |addr| async move {
-        post_json(
-            addr,
-            "/ojs/v1/workers/fetch",
-            &json!({"queues": ["default"], "wait_ms": 1000}),
-        )
-        .await
-        .json()["jobs"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-    };
-    assert!(fetch(b.addr).await.is_empty());
-    let pushed = post_json(
-        a.addr,
-        "/ojs/v1/jobs",
-        &json!({"type": "tenant.job", "args": [], "options": {"queue": "default",
-                "retry": {"max_attempts": 3, "initial_interval": "PT1S", "jitter": false}}}),
-    )
-    .await;
-    assert_eq!(pushed.status, 201, "{:?}", pushed.body);
-    let job_id = pushed.json()["job"]["id"].clone();
-    assert!(
-        fetch(b.addr).await.is_empty(),
-        "the other deployment took the push"
-    );
-    let first = fetch(a.addr).await;
-    assert_eq!(first.first().map(|j| j["id"].clone()), Some(job_id.clone()));
-    let nack = post_json(
-        a.addr,
-        "/ojs/v1/workers/nack",
-        &json!({"job_id": job_id, "error": {"code": "flaky", "message": "again"}}),
-    )
-    .await;
-    assert_eq!(nack.json()["state"], "retryable", "{:?}", nack.body);
-    let started = std::time::Instant::now();
-    while started.elapsed() < Duration::from_secs(3) {
-        let jobs = fetch(b.addr).await;
-        assert!(
-            jobs.is_empty(),
-            "the other deployment took the retry: {jobs:?}"
-        );
-    }
-    let again = fetch(a.addr).await;
-    assert_eq!(again.first().map(|j| j["id"].clone()), Some(job_id));
-    assert_eq!(again[0]["attempt"], 2);
-    a.stop();
-    b.stop();
+    two_deployments_keep_apart(&config, Duration::from_secs(3)).await;
 }
