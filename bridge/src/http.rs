@@ -445,16 +445,10 @@ pub async fn serve(
     loop {
         let accepted = tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
-            accepted = listener.accept() => accepted,
+            accepted = accept(&listener) => accepted,
         };
-        let (stream, peer) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                // Out of file descriptors and the like: back off, keep serving.
-                tracing::warn!(error = %e, "accepting an HTTP connection failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
+        let Some((stream, peer)) = accepted else {
+            continue;
         };
         // An HTTP/2 answer is several small writes (headers, data, gRPC's
         // trailers): with Nagle's algorithm the last one waits for the
@@ -528,6 +522,20 @@ pub async fn serve(
             closed.store(true, Ordering::Release);
             finished.notify_one();
         });
+    }
+}
+
+/// One accepted connection. A failure (out of file descriptors and the
+/// like) is logged and backed off from, and `None` returned: the caller
+/// keeps serving.
+async fn accept(listener: &TcpListener) -> Option<(tokio::net::TcpStream, std::net::SocketAddr)> {
+    match listener.accept().await {
+        Ok(accepted) => Some(accepted),
+        Err(e) => {
+            tracing::warn!(error = %e, "accepting an HTTP connection failed");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            None
+        }
     }
 }
 
@@ -760,15 +768,10 @@ pub async fn serve_starting(
     loop {
         let accepted = tokio::select! {
             _ = &mut ready => break,
-            accepted = listener.accept() => accepted,
+            accepted = accept(&listener) => accepted,
         };
-        let (stream, peer) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!(error = %e, "accepting an HTTP connection failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
+        let Some((stream, peer)) = accepted else {
+            continue;
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             continue;
