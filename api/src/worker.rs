@@ -7,14 +7,12 @@
 //! The store keeps the state machine: one worker gets a job, an ACK of a
 //! job that is not active is 409.
 
-use ojs_grpcq::Decode as _;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use ojs_core::{JobEnvelope, JobError, JobState};
-use ojs_grpcq::decode::Incoming;
 use ojs_queue::{Consumer, ConsumerOptions, DeadLetterReason, Delivery, Nack};
 use serde_json::{json, Map, Value};
 
@@ -579,19 +577,10 @@ impl Api {
         let mut envelopes = Vec::with_capacity(deliveries.len());
         let mut kept = Vec::with_capacity(deliveries.len());
         for d in deliveries {
-            match d.decode(Some(self.settings.encoding)) {
-                Ok(Incoming::Job(e)) => {
-                    envelopes.push(*e);
+            match d.decode_job(Some(self.settings.encoding)) {
+                Ok(e) => {
+                    envelopes.push(e);
                     kept.push(d);
-                }
-                Ok(Incoming::Call(_)) => {
-                    let reason = DeadLetterReason::of(
-                        ojs_queue::DeadLetterKind::Undecodable,
-                        "a grpcq call where OJS jobs are expected",
-                    );
-                    if let Err(e) = d.nack(Nack::DeadLetter(reason)).await {
-                        tracing::warn!(%queue, error = %e, "dead-lettering a message that is no job failed");
-                    }
                 }
                 Err(reason) => {
                     tracing::warn!(%queue, error_type = %reason.error_type, "a message that is no valid job is dead-lettered");

@@ -606,6 +606,42 @@ impl Delivery {
         }
     }
 
+    /// The one OJS job this delivery carries, decoded by its content type
+    /// (`default` when it has none), or why it belongs in the dead letters
+    /// of a queue of jobs: `unknown_content_type`, `undecodable` (also a
+    /// grpcq call, which is no job), `invalid_envelope`, `unsupported_batch`
+    /// (more than one envelope).
+    pub fn decode_job(
+        &self,
+        default: Option<Encoding>,
+    ) -> std::result::Result<ojs_core::JobEnvelope, DeadLetterReason> {
+        let encoding = self.encoding(default).map_err(|e| {
+            DeadLetterReason::of(
+                match e {
+                    ojs_core::Error::UnknownContentType(_) => DeadLetterKind::UnknownContentType,
+                    _ => DeadLetterKind::Undecodable,
+                },
+                e.to_string(),
+            )
+        })?;
+        if encoding == Encoding::GrpcqProto {
+            return Err(DeadLetterReason::of(
+                DeadLetterKind::Undecodable,
+                "a grpcq call where OJS jobs are expected",
+            ));
+        }
+        let mut jobs = encoding
+            .decode_envelopes(&self.payload)
+            .map_err(|e| DeadLetterReason::for_envelope(&e))?;
+        match jobs.len() {
+            1 => Ok(jobs.remove(0)),
+            n => Err(DeadLetterReason::of(
+                DeadLetterKind::UnsupportedBatch,
+                format!("a message must carry one envelope, this one has {n}"),
+            )),
+        }
+    }
+
     /// The dead-letter reason, on deliveries read from a dead-letter queue.
     pub fn dead_letter_reason(&self) -> Option<DeadLetterReason> {
         let error_type = self.headers.get(header::ERROR_TYPE)?;
@@ -973,4 +1009,56 @@ pub fn publish_outcome(total: usize, mut failed: Vec<FailedPublish>) -> Result<(
     }
     failed.sort_by_key(|f| f.index);
     Err(Error::Publish(PublishFailure { total, failed }))
+}
+
+#[cfg(test)]
+mod decode_job_tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Unsettled;
+
+    #[async_trait]
+    impl Acknowledger for Unsettled {
+        async fn ack(&self) -> Result<()> {
+            Ok(())
+        }
+
+        async fn nack(&self, _action: Nack, _delivery: DeliveryRef<'_>) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    fn delivery(payload: Vec<u8>, content_type: Option<&str>) -> Delivery {
+        let mut headers = Headers::new();
+        if let Some(ct) = content_type {
+            headers.insert(header::CONTENT_TYPE, ct);
+        }
+        Delivery::new(Bytes::from(payload), headers, 1, "q", Box::new(Unsettled))
+    }
+
+    #[test]
+    fn one_job_decodes_and_anything_else_is_named_for_the_dead_letters() {
+        let job = JobEnvelope::new("a.b", vec![serde_json::json!(1)]);
+        let one = delivery(
+            job.to_json_vec().unwrap(),
+            Some("application/openjobspec+json"),
+        );
+        assert_eq!(one.decode_job(None).unwrap().id, job.id);
+        let two = delivery(
+            ojs_core::envelope::stream::encode_delimited([&job, &job]).unwrap(),
+            Some(Encoding::OjsProtoDelimited.media_type()),
+        );
+        let kind = |d: &Delivery| d.decode_job(None).unwrap_err().error_type;
+        assert_eq!(kind(&two), "unsupported_batch");
+        let call = delivery(vec![1, 2, 3], Some(Encoding::GrpcqProto.media_type()));
+        assert_eq!(kind(&call), "undecodable");
+        let unknown = delivery(b"x".to_vec(), Some("text/plain"));
+        assert_eq!(kind(&unknown), "unknown_content_type");
+        let invalid = delivery(
+            br#"{"type": 1}"#.to_vec(),
+            Some("application/openjobspec+json"),
+        );
+        assert!(["invalid_envelope", "undecodable"].contains(&kind(&invalid).as_str()));
+    }
 }
