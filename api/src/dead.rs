@@ -442,12 +442,7 @@ fn job_id_of(d: &Delivery) -> Option<String> {
     if let Some(id) = &d.message_id {
         return Some(id.clone());
     }
-    d.encoding(None)
-        .ok()?
-        .decode_envelopes(&d.payload)
-        .ok()
-        .and_then(|jobs| jobs.into_iter().next())
-        .map(|j| j.id)
+    d.decode_job(None).ok().map(|job| job.id)
 }
 
 /// Runs `work`, at most `at_once` at a time.

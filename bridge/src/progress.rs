@@ -74,11 +74,6 @@ impl Progress {
         }
     }
 
-    /// Whether anything is drawn.
-    pub fn is_drawn(&self) -> bool {
-        self.0.is_some()
-    }
-
     /// Ends the line, leaving the final count on the terminal; what the
     /// command prints next starts on a line of its own.
     pub fn finish(&self) {
