@@ -1,9 +1,11 @@
 //! The official OJS conformance cases (`../shared/conformance/ojs-conformance`,
 //! unchanged from the OJS project) replayed against a real `ojs-bridge run`
 //! process over HTTP: on the embedded default and with `[api] adapter` on
-//! RabbitMQ, Kafka and SQS. Each run prints `N passed, N failed` per folder
-//! and the cases it skips with the reason; every level-0 case that needs no
-//! worker must pass.
+//! RabbitMQ, Kafka and SQS, and on two replicas sharing PostgreSQL. Each
+//! case runs as written against a fresh server (fresh replicas, fresh queues)
+//! of its own: nothing is renamed, drained or reset inside a case. Each run
+//! prints `N passed, N failed` per folder and the cases it skips with the
+//! reason; every level-0 case must pass.
 //!
 //! The case format (steps, templates, matchers) is described in the
 //! README of that folder; [`replay`] implements it.
@@ -25,9 +27,7 @@ use crate::ojs_server::{request, OjsServer};
 struct Servers {
     addrs: Vec<std::net::SocketAddr>,
     state: std::sync::atomic::AtomicU64,
-    /// How long the drain before a case waits for jobs: a Kafka consumer
-    /// sees a record only after the broker answers its long fetch.
-    drain_wait_ms: u64,
+    seed: u64,
 }
 
 impl Servers {
@@ -41,13 +41,10 @@ impl Servers {
                     .map_or(1, |d| d.as_nanos() as u64)
                     | 1
             });
-        if servers.len() > 1 {
-            println!("replicas: {}, OJS_CONFORMANCE_SEED={seed}", servers.len());
-        }
         Servers {
             addrs: servers.iter().map(|s| s.addr).collect(),
             state: std::sync::atomic::AtomicU64::new(seed),
-            drain_wait_ms: 0,
+            seed,
         }
     }
 
@@ -199,62 +196,188 @@ struct Report {
     skipped: Vec<(String, &'static str)>,
 }
 
-/// The case with each queue it names (but `default`) given a suffix of
-/// its own: several cases share a queue and leave jobs in retry behind
-/// them, which would reach the next case's FETCH.
-fn own_queues(case: &Value, n: usize) -> Value {
-    let mut queues = Vec::new();
-    for step in case["steps"].as_array().into_iter().flatten() {
-        let body = &step["body"];
-        let named = std::iter::once(&body["options"]["queue"])
-            .chain(body["queues"].as_array().into_iter().flatten())
-            .chain(
-                body["jobs"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|j| &j["options"]["queue"]),
-            );
-        for q in named.filter_map(Value::as_str) {
-            let plain = q
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
-            if plain && q != "default" && !q.starts_with('-') {
-                queues.push(q.to_owned());
+/// What each case runs against: a fresh server (or a fresh pair of
+/// replicas) of its own, so that no case meets what another left behind.
+/// On a broker, each case's queues live under a prefix of its own: the
+/// run's prefix and the case's number.
+enum Backend {
+    /// The built-in default: the embedded broker and SQLite, in a fresh
+    /// directory.
+    Embedded,
+    /// `[api] adapter` on a broker; the adapter's settings for a prefix.
+    Broker {
+        broker: Broker,
+        url: String,
+        settings: fn(&str, &str) -> String,
+        run: String,
+    },
+    /// Two replicas sharing a fresh PostgreSQL schema, over RabbitMQ.
+    Replicas {
+        rabbit: String,
+        postgres: String,
+        run: String,
+    },
+}
+
+/// The servers of one case, and the schema they share (dropped after).
+struct CaseServers {
+    servers: Vec<OjsServer>,
+    _schema: Option<ojs_bridge_tests::postgres::TestSchema>,
+}
+
+impl Backend {
+    async fn start(&self, case: usize) -> CaseServers {
+        match self {
+            Backend::Embedded => CaseServers {
+                servers: vec![OjsServer::start(None).await],
+                _schema: None,
+            },
+            Backend::Broker {
+                url, settings, run, ..
+            } => {
+                let prefix = format!("{run}-{case}");
+                let config = format!(
+                    "[adapters.broker]\n{}\n\n[api]\nadapter = \"broker\"\n",
+                    settings(url, &prefix)
+                );
+                CaseServers {
+                    servers: vec![OjsServer::start(Some(&config)).await],
+                    _schema: None,
+                }
+            }
+            Backend::Replicas {
+                rabbit,
+                postgres,
+                run,
+            } => {
+                let schema = ojs_bridge_tests::postgres::TestSchema::new(postgres);
+                let prefix = format!("{run}-{case}");
+                let config = format!(
+                    "[adapters.broker]\nurl = \"{rabbit}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"broker\"\nstate = \"{postgres}\"\nstate_schema = \"{}\"\n",
+                    schema.name
+                );
+                // One after the other: the first makes the schema.
+                let a = OjsServer::start(Some(&config)).await;
+                let b = OjsServer::start(Some(&config)).await;
+                CaseServers {
+                    servers: vec![a, b],
+                    _schema: Some(schema),
+                }
             }
         }
     }
-    let mut text = case.to_string();
-    for q in queues {
-        // As a JSON string, and as a value of a query (`?queues=a,b`).
-        for (before, after) in [
-            ("\"", "\""),
-            ("=", "\""),
-            ("=", "&"),
-            ("=", ","),
-            (",", "\""),
-            (",", "&"),
-        ] {
-            text = text.replace(
-                &format!("{before}{q}{after}"),
-                &format!("{before}{q}.c{n}{after}"),
-            );
-        }
-    }
-    serde_json::from_str(&text).unwrap_or_else(|_| case.clone())
 }
 
-async fn run_all(servers: &Servers, dir: &Path) -> Report {
+impl Backend {
+    /// Removes what the run's cases left on a shared RabbitMQ: every queue
+    /// under the run's prefix (each case's queues, dead-letter and retry
+    /// queues). Left there they pile up run after run, and a broker restart
+    /// recovers every durable queue it holds: with more queues than file
+    /// handles, a restart stalled.
+    async fn clean_up(&self) {
+        let (url, run) = match self {
+            Backend::Broker {
+                broker: Broker::RabbitMq,
+                url,
+                run,
+                ..
+            } => (url, run),
+            Backend::Replicas { rabbit, run, .. } => (rabbit, run),
+            _ => return,
+        };
+        let Some(listed) = ojs_bridge_tests::brokers::rabbitmqctl_output(&[
+            "list_queues",
+            "name",
+            "--quiet",
+            "--no-table-headers",
+        ]) else {
+            missing::<()>(
+                "rabbitmqctl",
+                "cannot list the run's queues to delete them (set OJS_BRIDGE_TEST_RABBITMQCTL)",
+            );
+            return;
+        };
+        let names: Vec<&str> = listed
+            .lines()
+            .map(str::trim)
+            .filter(|q| q.starts_with(run.as_str()))
+            .collect();
+        let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        for name in &names {
+            channel
+                .queue_delete(
+                    (*name).into(),
+                    lapin::options::QueueDeleteOptions::default(),
+                )
+                .await
+                .unwrap();
+        }
+        let _ = connection.close(200, "done".into()).await;
+        println!("deleted the run's {} queues on RabbitMQ", names.len());
+    }
+}
+
+/// How many cases run at once (each against servers of its own): most of
+/// a case's time is waiting (a broker's consumer joining, a case's WAIT
+/// steps), not work.
+fn parallel_cases() -> usize {
+    std::env::var("OJS_CONFORMANCE_PARALLEL")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(4)
+}
+
+async fn run_all(backend: Backend, dir: &Path) -> Report {
+    let backend = std::sync::Arc::new(backend);
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(parallel_cases()));
     let mut report = Report::default();
-    for (n, mut c) in load_cases(dir).into_iter().enumerate() {
-        c.case = own_queues(&c.case, n);
-        let entry = report.folders.entry(c.folder.clone()).or_default();
+    let mut runs = tokio::task::JoinSet::new();
+    for (n, c) in load_cases(dir).into_iter().enumerate() {
         if let Some(reason) = skip_reason(&c.case) {
-            entry.2 += 1;
+            report.folders.entry(c.folder.clone()).or_default().2 += 1;
             report.skipped.push((c.file.clone(), reason));
             continue;
         }
-        match replay(servers, &c.case).await {
+        let (backend, slots) = (backend.clone(), slots.clone());
+        runs.spawn(async move {
+            let _slot = slots.acquire_owned().await.unwrap();
+            let started = backend.start(n).await;
+            let servers = Servers::new(&started.servers.iter().collect::<Vec<_>>());
+            let outcome = replay(&servers, &c.case).await.map_err(|why| {
+                if servers.addrs.len() > 1 {
+                    format!(
+                        "{why} (replicas picked with OJS_CONFORMANCE_SEED={})",
+                        servers.seed
+                    )
+                } else {
+                    why
+                }
+            });
+            // The servers must exit cleanly after every case (SIGTERM, exit 0).
+            tokio::task::spawn_blocking(move || {
+                for server in started.servers {
+                    server.stop();
+                }
+                drop(started._schema);
+            })
+            .await
+            .unwrap();
+            (n, c, outcome)
+        });
+    }
+    let mut outcomes = Vec::new();
+    while let Some(run) = runs.join_next().await {
+        outcomes.push(run.unwrap());
+    }
+    backend.clean_up().await;
+    outcomes.sort_by_key(|(n, _, _)| *n);
+    for (_, c, outcome) in outcomes {
+        let entry = report.folders.entry(c.folder.clone()).or_default();
+        match outcome {
             Ok(()) => entry.0 += 1,
             Err(why) => {
                 entry.1 += 1;
@@ -274,47 +397,6 @@ async fn run_all(servers: &Servers, dir: &Path) -> Report {
     report
 }
 
-/// Fetches and acks everything waiting in `queue`.
-async fn drain_queue(servers: &Servers, queue: &str) {
-    let headers = vec![(
-        "Content-Type".to_owned(),
-        "application/openjobspec+json".to_owned(),
-    )];
-    for _ in 0..100 {
-        let mut body = json!({"queues": [queue], "count": 100});
-        if servers.drain_wait_ms > 0 {
-            body["wait_ms"] = json!(servers.drain_wait_ms);
-        }
-        let body = body.to_string();
-        let a = request(
-            servers.pick(),
-            "POST",
-            "/ojs/v1/workers/fetch",
-            &headers,
-            Some(body.as_bytes()),
-        )
-        .await;
-        let jobs = serde_json::from_slice::<Value>(&a.body)
-            .ok()
-            .and_then(|v| v["jobs"].as_array().cloned())
-            .unwrap_or_default();
-        if jobs.is_empty() {
-            return;
-        }
-        for job in jobs {
-            let body = json!({"job_id": job["id"]}).to_string();
-            request(
-                servers.pick(),
-                "POST",
-                "/ojs/v1/workers/ack",
-                &headers,
-                Some(body.as_bytes()),
-            )
-            .await;
-        }
-    }
-}
-
 /// Replays one case; the first assertion that does not hold, if any.
 async fn replay(servers: &Servers, case: &Value) -> Result<(), String> {
     let mut responses: BTreeMap<String, Value> = BTreeMap::new();
@@ -323,33 +405,6 @@ async fn replay(servers: &Servers, case: &Value) -> Result<(), String> {
         .cloned()
         .unwrap_or_default();
     let steps = case["steps"].as_array().cloned().unwrap_or_default();
-    // The cases share one server and several FETCH from `default`, which
-    // others fill without fetching: a case starts with the shared queues
-    // it fetches from empty (the per-case reset the cases assume). Its own
-    // queues (`own_queues`) are new.
-    let mut fetched: Vec<String> = Vec::new();
-    for step in setup.iter().chain(&steps) {
-        if step["path"]
-            .as_str()
-            .is_some_and(|p| p.ends_with("/workers/fetch"))
-        {
-            for q in step["body"]["queues"].as_array().into_iter().flatten() {
-                let own = |q: &str| {
-                    q.rsplit_once(".c").is_some_and(|(_, n)| {
-                        !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())
-                    })
-                };
-                if let Some(q) = q.as_str().filter(|q| !q.contains("{{") && !own(q)) {
-                    fetched.push(q.to_owned());
-                }
-            }
-        }
-    }
-    fetched.sort();
-    fetched.dedup();
-    for queue in &fetched {
-        drain_queue(servers, queue).await;
-    }
     for step in setup.iter().chain(&steps) {
         let id = step["id"].as_str().unwrap_or("?").to_owned();
         let action = step["action"].as_str().unwrap_or("");
@@ -837,37 +892,24 @@ fn assert_level_1(report: &Report) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_cases_pass_on_the_embedded_default() {
     let Some(dir) = cases_dir() else { return };
-    let server = OjsServer::start(None).await;
-    let report = run_all(&Servers::new(&[&server]), &dir).await;
+    let report = run_all(Backend::Embedded, &dir).await;
     assert_level_0(&report);
     assert_level_1(&report);
-    server.stop();
 }
 
-async fn on_broker(broker: Broker, adapter: impl FnOnce(&str, &str) -> String) {
-    // An SQS receive that waits returns as soon as a message is there; one
-    // that does not may miss messages the queue just took.
-    let drain_wait_ms = match broker {
-        Broker::Kafka => 1500,
-        Broker::Sqs => 1000,
-        Broker::RabbitMq => 0,
-    };
+async fn on_broker(broker: Broker, settings: fn(&str, &str) -> String) {
     let Some(dir) = cases_dir() else { return };
     let Some(endpoint) = find(broker).await else {
         return;
     };
-    // Queue names of their own, so that a run never meets another's jobs.
-    let prefix = ojs_bridge_tests::brokers::unique_queue("conf");
-    let config = format!(
-        "[adapters.broker]\n{}\n\n[api]\nadapter = \"broker\"\n",
-        adapter(&endpoint.url, &prefix)
-    );
-    let server = OjsServer::start(Some(&config)).await;
-    let mut servers = Servers::new(&[&server]);
-    servers.drain_wait_ms = drain_wait_ms;
-    let report = run_all(&servers, &dir).await;
+    let backend = Backend::Broker {
+        broker,
+        url: endpoint.url.clone(),
+        settings,
+        run: ojs_bridge_tests::brokers::unique_queue("conf"),
+    };
+    let report = run_all(backend, &dir).await;
     assert_level_0(&report);
-    server.stop();
 }
 
 /// Two replicas sharing a job store on PostgreSQL, over RabbitMQ: every
@@ -878,22 +920,17 @@ async fn official_cases_pass_on_two_replicas_sharing_postgresql() {
     let Some(rabbit) = find(Broker::RabbitMq).await else {
         return;
     };
-    let Some(pg_url) = ojs_bridge_tests::postgres::find() else {
+    let Some(postgres) = ojs_bridge_tests::postgres::find() else {
         return;
     };
-    let schema = ojs_bridge_tests::postgres::TestSchema::new(&pg_url);
-    let prefix = ojs_bridge_tests::brokers::unique_queue("conf-pg");
-    let config = format!(
-        "[adapters.broker]\nurl = \"{}\"\nqueue_template = \"{prefix}.{{queue}}\"\n\n[api]\nadapter = \"broker\"\nstate = \"{pg_url}\"\nstate_schema = \"{}\"\n",
-        rabbit.url, schema.name
-    );
-    let a = OjsServer::start(Some(&config)).await;
-    let b = OjsServer::start(Some(&config)).await;
-    let report = run_all(&Servers::new(&[&a, &b]), &dir).await;
+    let backend = Backend::Replicas {
+        rabbit: rabbit.url.clone(),
+        postgres,
+        run: ojs_bridge_tests::brokers::unique_queue("conf-pg"),
+    };
+    let report = run_all(backend, &dir).await;
     assert_level_0(&report);
     assert_level_1(&report);
-    a.stop();
-    b.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

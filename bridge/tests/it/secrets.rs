@@ -47,13 +47,21 @@ fn read_all(
     })
 }
 
-/// Waits until something listens on `addr`.
-async fn wait_listening(addr: std::net::SocketAddr, patience: Duration, what: &str) {
+/// Waits until the daemon on `addr` serves: something listens, and it no
+/// longer answers 503 `starting` (the listener is bound before the brokers
+/// are reached and answers that meanwhile, to every path).
+async fn wait_serving(addr: std::net::SocketAddr, patience: Duration, what: &str) {
     let deadline = Instant::now() + patience;
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
+    loop {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            let (status, body) = http_get(addr, "/metrics").await;
+            if status != 503 || !body.contains("starting") {
+                return;
+            }
+        }
         assert!(
             Instant::now() < deadline,
-            "{what}: nothing listens on {addr}"
+            "{what}: nothing serves on {addr} yet"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -296,7 +304,7 @@ async fn a_running_daemon_logs_serves_and_exits_without_a_secret() {
     let stdout_task = read_all(child.stdout.take().unwrap());
     let stderr_task = read_all(child.stderr.take().unwrap());
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_listening(addr, Duration::from_secs(30), "the daemon").await;
+    wait_serving(addr, Duration::from_secs(30), "the daemon").await;
     // Without the token: 401; with it: health and metrics, free of secrets.
     assert_eq!(http_get(addr, "/metrics").await.0, 401);
     // A call flows through at trace level: its payload and metadata values
@@ -560,7 +568,7 @@ async fn content_never_reaches_the_log(
         .unwrap();
     let stderr_task = read_all(child.stderr.take().unwrap());
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_listening(addr, Duration::from_secs(90), tag).await;
+    wait_serving(addr, Duration::from_secs(90), tag).await;
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let text = http_get(addr, "/metrics").await.1;
