@@ -247,10 +247,10 @@ mod tests {
         assert!(producer.allow_on(Operation::Push, "orders").is_ok());
         assert!(producer.allow_on(Operation::Push, "mail.eu").is_ok());
         let e = producer.allow_on(Operation::Push, "billing").unwrap_err();
-        assert_eq!(e.status(), 403);
+        assert_eq!(e.code(), crate::error::ErrorCode::PermissionDenied);
         assert!(!e.to_string().contains("p-123"));
         assert_eq!(
-            producer.allow(Operation::Read).unwrap_err().code(),
+            producer.allow(Operation::Read).unwrap_err().code().as_str(),
             "permission_denied"
         );
         assert!(producer.sees("orders") && !producer.sees("billing"));
@@ -275,8 +275,8 @@ mod tests {
             grant("t-1")
                 .allow_everywhere(Operation::Admin)
                 .unwrap_err()
-                .status(),
-            403
+                .code(),
+            crate::error::ErrorCode::PermissionDenied
         );
         assert!(grant("s-1").allow_everywhere(Operation::Admin).is_ok());
         assert!(grant("a-1").allow_everywhere(Operation::Admin).is_ok());

@@ -17,14 +17,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ojs_core::glob::Glob;
-use ojs_core::JobState;
 use ojs_queue::{header, ConsumerOptions, Delivery, Nack, QueueAdapter, Source};
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
 use crate::auth::{Grant, Operation};
 use crate::error::{store_error, ApiError};
-use crate::job::{timestamp, Job};
+use crate::job::Job;
+use crate::model::Command;
 use crate::store::StoreError;
 use crate::Api;
 
@@ -44,6 +44,37 @@ pub struct DeadLetterQuery {
 /// The extra field a retried dead letter carries until the broker took it:
 /// a start finds it and publishes it again.
 pub(crate) const PUBLISHING: &str = "publishing";
+
+/// The dead letters a token sees, counted.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DeadLetterStats {
+    /// How many.
+    pub total: usize,
+    /// How many per queue.
+    pub by_queue: BTreeMap<String, u64>,
+    /// How many per error type (`unknown` when a job has none).
+    pub by_error_type: BTreeMap<String, u64>,
+    /// When the oldest one was discarded (RFC 3339).
+    pub oldest_at: Option<String>,
+    /// When the newest one was discarded (RFC 3339).
+    pub newest_at: Option<String>,
+    /// How long they are kept.
+    pub retention: Duration,
+}
+
+impl DeadLetterStats {
+    /// As the binding shows it.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "total": self.total,
+            "by_queue": self.by_queue,
+            "by_error_type": self.by_error_type,
+            "oldest_at": self.oldest_at,
+            "newest_at": self.newest_at,
+            "retention": {"max_age": humantime(self.retention)},
+        })
+    }
+}
 
 impl Api {
     async fn visible_dead_letters(
@@ -97,28 +128,34 @@ impl Api {
     }
 
     /// Counts by queue and error type, the oldest and newest.
-    pub async fn dead_letter_stats(&self, grant: &Grant<'_>) -> Result<Value, ApiError> {
+    pub async fn dead_letter_stats(&self, grant: &Grant<'_>) -> Result<DeadLetterStats, ApiError> {
         let all = self.visible_dead_letters(grant, None, None).await?;
-        let mut by_queue: BTreeMap<&str, u64> = BTreeMap::new();
-        let mut by_error_type: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut stats = DeadLetterStats {
+            total: all.len(),
+            retention: self.settings.retention,
+            ..DeadLetterStats::default()
+        };
         for job in &all {
-            *by_queue.entry(&job.envelope.queue).or_default() += 1;
+            *stats
+                .by_queue
+                .entry(job.envelope.queue.clone())
+                .or_default() += 1;
             let kind = job
                 .envelope
                 .error
                 .as_ref()
                 .map_or("unknown", |e| e.error_type.as_str());
-            *by_error_type.entry(kind).or_default() += 1;
+            *stats.by_error_type.entry(kind.to_owned()).or_default() += 1;
         }
-        let at = |j: &Job| j.extra.get("discarded_at").cloned();
-        Ok(json!({
-            "total": all.len(),
-            "by_queue": by_queue,
-            "by_error_type": by_error_type,
-            "oldest_at": all.first().and_then(at),
-            "newest_at": all.last().and_then(at),
-            "retention": {"max_age": humantime(self.settings.retention)},
-        }))
+        let at = |j: &Job| {
+            j.extra
+                .get("discarded_at")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        };
+        stats.oldest_at = all.first().and_then(at);
+        stats.newest_at = all.last().and_then(at);
+        Ok(stats)
     }
 
     /// Back to its queue: `available`, attempt 0, the same id, its error
@@ -133,36 +170,11 @@ impl Api {
             .store
             .run(move |tx| {
                 let before = tx.load(&job_id)?;
-                if !before.is_dead_letter() {
-                    return Err(StoreError::NotFound(job_id));
-                }
-                let mut job = before.clone();
-                let e = &mut job.envelope;
-                e.state = Some(JobState::Available);
-                e.attempt = 0;
-                e.enqueued_at = Some(now);
-                e.started_at = None;
-                e.completed_at = None;
-                for k in [
-                    "dead_letter",
-                    "discarded_at",
-                    "next_attempt_at",
-                    "retry_delay_ms",
-                    "worker_id",
-                ] {
-                    job.extra.remove(k);
-                }
-                job.extra
-                    .insert("re_enqueued_at".into(), json!(timestamp(now)));
-                job.extra.insert(PUBLISHING.into(), json!(true));
-                tx.save(&job, None)?;
-                tx.event(
-                    "job.enqueued",
-                    &job.envelope,
-                    now,
-                    json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue,
-                           "state": "available", "from": "dead_letter"}),
-                )?;
+                let mut revived = crate::model::apply(before.clone(), Command::Revive, now)
+                    .map_err(|_| StoreError::NotFound(job_id.clone()))?;
+                revived.job.extra.insert(PUBLISHING.into(), json!(true));
+                crate::store::record(tx, &revived, now)?;
+                let job = revived.job;
                 Ok((before, job))
             })
             .await

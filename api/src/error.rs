@@ -1,11 +1,82 @@
-//! What a request can fail with, and how the HTTP binding names it.
+//! What a request can fail with, under the OJS error codes. Nothing here
+//! is of HTTP or gRPC: each binding maps an error to its own status
+//! (`http::status_of`, `grpc::status`).
 
 use serde_json::{json, Value};
 
 use crate::store::StoreError;
 
-/// A request the API refuses or cannot carry out. Each variant has one
-/// binding error code and status ([`ApiError::code`], [`ApiError::status`]).
+/// The OJS error codes (the `code` of an error body).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// The body does not parse.
+    InvalidPayload,
+    /// The request breaks a rule of the binding or the schemas.
+    InvalidRequest,
+    /// A job, queue or other resource that does not exist.
+    NotFound,
+    /// A job id that is already stored.
+    Duplicate,
+    /// A state that does not allow what was asked.
+    Conflict,
+    /// No accepted media type is served.
+    NotAcceptable,
+    /// A feature or version this server does not serve.
+    Unsupported,
+    /// A body, batch or job over its limit.
+    PayloadTooLarge,
+    /// No valid token.
+    Unauthenticated,
+    /// The server is at a limit; retry shortly.
+    RateLimited,
+    /// The token does not allow the operation.
+    PermissionDenied,
+    /// A backend (broker, store) cannot be reached now.
+    BackendUnavailable,
+    /// A backend refused or failed.
+    BackendError,
+    /// Stored data this server cannot read.
+    InternalError,
+}
+
+impl ErrorCode {
+    /// The code as the bindings write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidPayload => "invalid_payload",
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::Duplicate => "duplicate",
+            ErrorCode::Conflict => "conflict",
+            ErrorCode::NotAcceptable => "not_acceptable",
+            ErrorCode::Unsupported => "unsupported",
+            ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::Unauthenticated => "unauthenticated",
+            ErrorCode::RateLimited => "rate_limited",
+            ErrorCode::PermissionDenied => "permission_denied",
+            ErrorCode::BackendUnavailable => "backend_unavailable",
+            ErrorCode::BackendError => "backend_error",
+            ErrorCode::InternalError => "internal_error",
+        }
+    }
+
+    /// A failure of the server or its backends (not of the request).
+    pub fn is_server_side(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::BackendUnavailable | ErrorCode::BackendError | ErrorCode::InternalError
+        )
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A request the API refuses or cannot carry out. Each variant has one OJS
+/// error code ([`ApiError::code`]).
 /// Messages name what was wrong in the request; they never carry a job's
 /// content beyond the offending attribute's own rule.
 #[derive(Debug, thiserror::Error)]
@@ -241,65 +312,34 @@ impl ApiError {
         }
     }
 
-    /// The binding's error code.
-    pub fn code(&self) -> &'static str {
+    /// The OJS error code.
+    pub fn code(&self) -> ErrorCode {
+        use ErrorCode as C;
         match self {
-            ApiError::InvalidPayload { .. } => "invalid_payload",
+            ApiError::InvalidPayload { .. } => C::InvalidPayload,
             ApiError::InvalidRequest { .. }
             | ApiError::UnsupportedContentType { .. }
             | ApiError::BodyTimeout { .. }
             | ApiError::NoRoute { .. }
-            | ApiError::MethodNotAllowed { .. } => "invalid_request",
+            | ApiError::MethodNotAllowed { .. } => C::InvalidRequest,
             ApiError::NotFound { .. }
             | ApiError::QueueNotServed { .. }
-            | ApiError::QueueMissing { .. } => "not_found",
-            ApiError::Duplicate { .. } => "duplicate",
-            ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => "conflict",
-            ApiError::NotAcceptable { .. } => "not_acceptable",
-            ApiError::UnsupportedVersion(_) | ApiError::Unsupported { .. } => "unsupported",
+            | ApiError::QueueMissing { .. } => C::NotFound,
+            ApiError::Duplicate { .. } => C::Duplicate,
+            ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => C::Conflict,
+            ApiError::NotAcceptable { .. } => C::NotAcceptable,
+            ApiError::UnsupportedVersion(_) | ApiError::Unsupported { .. } => C::Unsupported,
             ApiError::BodyTooLarge { .. }
             | ApiError::BatchTooLarge { .. }
-            | ApiError::JobTooLarge { .. } => "payload_too_large",
-            ApiError::Unauthenticated => "unauthenticated",
-            ApiError::Busy => "rate_limited",
-            ApiError::PermissionDenied { .. } => "permission_denied",
-            ApiError::Broker { .. } => "backend_unavailable",
-            ApiError::BrokerDenied { .. } => "backend_error",
-            ApiError::Store(e) if e.is_unavailable() => "backend_unavailable",
-            ApiError::Store(e) if e.is_data_error() => "internal_error",
-            ApiError::Store(_) => "backend_error",
-        }
-    }
-
-    /// The HTTP status.
-    pub fn status(&self) -> u16 {
-        match self {
-            ApiError::InvalidPayload { .. }
-            | ApiError::InvalidRequest { .. }
-            | ApiError::UnsupportedContentType { .. } => 400,
-            ApiError::Unauthenticated => 401,
-            ApiError::Busy => 429,
-            ApiError::PermissionDenied { .. } => 403,
-            ApiError::NotFound { .. }
-            | ApiError::QueueNotServed { .. }
-            | ApiError::QueueMissing { .. }
-            | ApiError::NoRoute { .. } => 404,
-            ApiError::MethodNotAllowed { .. } => 405,
-            ApiError::BodyTimeout { .. } => 408,
-            ApiError::NotAcceptable { .. } => 406,
-            ApiError::Duplicate { .. }
-            | ApiError::Conflict { .. }
-            | ApiError::WorkerConflict { .. } => 409,
-            ApiError::BodyTooLarge { .. }
-            | ApiError::BatchTooLarge { .. }
-            | ApiError::JobTooLarge { .. } => 413,
-            ApiError::UnsupportedVersion(_) | ApiError::Unsupported { .. } => 422,
-            // The store cannot be reached (PostgreSQL restarting): the
-            // request may be repeated, like a broker that is down.
-            ApiError::Store(e) if e.is_unavailable() => 503,
-            ApiError::Store(_) => 500,
-            ApiError::Broker { .. } => 503,
-            ApiError::BrokerDenied { .. } => 500,
+            | ApiError::JobTooLarge { .. } => C::PayloadTooLarge,
+            ApiError::Unauthenticated => C::Unauthenticated,
+            ApiError::Busy => C::RateLimited,
+            ApiError::PermissionDenied { .. } => C::PermissionDenied,
+            ApiError::Broker { .. } => C::BackendUnavailable,
+            ApiError::BrokerDenied { .. } => C::BackendError,
+            ApiError::Store(e) if e.is_unavailable() => C::BackendUnavailable,
+            ApiError::Store(e) if e.is_data_error() => C::InternalError,
+            ApiError::Store(_) => C::BackendError,
         }
     }
 
@@ -307,7 +347,7 @@ impl ApiError {
     /// with the source's detail): a failure of the server or its
     /// backends, or a queue missing on the broker.
     pub fn needs_operator(&self) -> bool {
-        self.status() >= 500 || matches!(self, ApiError::QueueMissing { .. })
+        self.code().is_server_side() || matches!(self, ApiError::QueueMissing { .. })
     }
 
     /// Whether the same request may succeed later.
@@ -371,7 +411,7 @@ impl ApiError {
     /// details?, request_id, hint?, docs_url?}}`.
     pub fn body(&self, request_id: &str) -> Value {
         let mut error = json!({
-            "code": self.code(),
+            "code": self.code().as_str(),
             "message": self.to_string(),
             "retryable": self.retryable(),
             "request_id": request_id,

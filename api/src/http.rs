@@ -65,22 +65,56 @@ pub fn json_response(status: u16, body: &Value, request_id: &str) -> Response<By
     r
 }
 
+/// The HTTP status of an error (the binding's table). The gRPC binding
+/// counts its answers under the same status, so that the request metrics
+/// have one set of labels.
+pub fn status_of(error: &ApiError) -> u16 {
+    match error {
+        ApiError::InvalidPayload { .. }
+        | ApiError::InvalidRequest { .. }
+        | ApiError::UnsupportedContentType { .. } => 400,
+        ApiError::Unauthenticated => 401,
+        ApiError::Busy => 429,
+        ApiError::PermissionDenied { .. } => 403,
+        ApiError::NotFound { .. }
+        | ApiError::QueueNotServed { .. }
+        | ApiError::QueueMissing { .. }
+        | ApiError::NoRoute { .. } => 404,
+        ApiError::MethodNotAllowed { .. } => 405,
+        ApiError::BodyTimeout { .. } => 408,
+        ApiError::NotAcceptable { .. } => 406,
+        ApiError::Duplicate { .. }
+        | ApiError::Conflict { .. }
+        | ApiError::WorkerConflict { .. } => 409,
+        ApiError::BodyTooLarge { .. }
+        | ApiError::BatchTooLarge { .. }
+        | ApiError::JobTooLarge { .. } => 413,
+        ApiError::UnsupportedVersion(_) | ApiError::Unsupported { .. } => 422,
+        // The store cannot be reached (PostgreSQL restarting): the request
+        // may be repeated, like a broker that is down.
+        ApiError::Store(e) if e.is_unavailable() => 503,
+        ApiError::Store(_) => 500,
+        ApiError::Broker { .. } => 503,
+        ApiError::BrokerDenied { .. } => 500,
+    }
+}
+
 /// An error answer.
 pub fn error_response(error: &ApiError, request_id: &str) -> Response<Bytes> {
     if error.needs_operator() {
         let detail = std::error::Error::source(error)
             .map(ToString::to_string)
             .unwrap_or_default();
-        tracing::warn!(code = error.code(), error = %error, %detail, request_id, "OJS request failed");
+        tracing::warn!(code = %error.code(), error = %error, %detail, request_id, "OJS request failed");
     } else {
         tracing::debug!(
-            code = error.code(),
-            status = error.status(),
+            code = %error.code(),
+            status = status_of(error),
             request_id,
             "OJS request refused"
         );
     }
-    let mut r = json_response(error.status(), &error.body(request_id), request_id);
+    let mut r = json_response(status_of(error), &error.body(request_id), request_id);
     if matches!(error, ApiError::Unauthenticated) {
         r.headers_mut().insert(
             http::header::WWW_AUTHENTICATE,
@@ -267,7 +301,18 @@ async fn route(
                 return Err(not_allowed("GET"));
             }
             json_only(request.headers())?;
-            Ok(json_response(200, &api.queues(&grant).await?, request_id))
+            let queues: Vec<Value> = api
+                .queues(&grant)
+                .await?
+                .into_iter()
+                .map(|q| json!({"name": q.name, "status": "active", "created_at": job::timestamp(q.created_at)}))
+                .collect();
+            let total = queues.len();
+            let body = json!({
+                "queues": queues,
+                "pagination": {"total": total, "limit": total, "offset": 0, "has_more": false},
+            });
+            Ok(json_response(200, &body, request_id))
         }
         (_, ["events"]) => {
             if method != Method::GET {
@@ -884,7 +929,7 @@ async fn dead_letter_route(
             }
             Ok(json_response(
                 200,
-                &api.dead_letter_stats(grant).await?,
+                &api.dead_letter_stats(grant).await?.to_json(),
                 request_id,
             ))
         }

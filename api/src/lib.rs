@@ -20,6 +20,7 @@ pub mod http;
 pub mod job;
 pub mod limits;
 pub mod metrics;
+pub(crate) mod model;
 pub mod roster;
 pub mod store;
 pub mod worker;
@@ -37,9 +38,19 @@ use ojs_queue::{OutgoingMessage, QueueAdapter};
 use serde_json::{json, Value};
 use tokio::sync::{watch, Notify};
 
-pub use error::ApiError;
+pub use error::{ApiError, ErrorCode};
 pub use job::Job;
 pub use store::{Store, StoreError};
+
+/// A queue as LIST QUEUES answers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueInfo {
+    /// The OJS queue.
+    pub name: String,
+    /// When its first job arrived (or the server started, for a queue
+    /// named in `[api] queues`).
+    pub created_at: DateTime<Utc>,
+}
 
 /// What becomes of a job whose attempts are exhausted when its own retry
 /// policy does not say (`on_exhaustion`).
@@ -493,11 +504,7 @@ impl Api {
 
     /// The `store` part of the health answer, and whether it is up.
     pub fn store_health(&self) -> (bool, Value) {
-        let kind = if self.store.is_shared() {
-            "postgres"
-        } else {
-            "sqlite"
-        };
+        let kind = self.store.kind();
         let down = self
             .store_down
             .lock()
@@ -517,25 +524,20 @@ impl Api {
         self.started.elapsed().as_secs()
     }
 
-    /// `GET /ojs/v1/queues`: queues jobs were pushed to, and those named in
-    /// `[api] queues` without a wildcard.
-    pub async fn queues(&self, grant: &Grant<'_>) -> Result<Value, ApiError> {
+    /// LIST QUEUES: queues jobs were pushed to, and those named in
+    /// `[api] queues` without a wildcard, by name.
+    pub async fn queues(&self, grant: &Grant<'_>) -> Result<Vec<QueueInfo>, ApiError> {
         grant.allow(Operation::Read)?;
         let mut seen: BTreeMap<String, DateTime<Utc>> =
             self.store.queues().await?.into_iter().collect();
         for q in self.settings.queues.iter().filter_map(Glob::literal) {
             seen.entry(q.to_owned()).or_insert(self.started_at);
         }
-        let queues: Vec<Value> = seen
+        Ok(seen
             .into_iter()
             .filter(|(name, _)| self.serves_queue(name) && grant.sees(name))
-            .map(|(name, at)| json!({"name": name, "status": "active", "created_at": job::timestamp(at)}))
-            .collect();
-        let total = queues.len();
-        Ok(json!({
-            "queues": queues,
-            "pagination": {"total": total, "limit": total, "offset": 0, "has_more": false},
-        }))
+            .map(|(name, created_at)| QueueInfo { name, created_at })
+            .collect())
     }
 
     /// Publishes scheduled jobs when due, jobs stored before a crash whose

@@ -245,7 +245,7 @@ mod tests {
         ] {
             let e = check_json_shape(body, 5).unwrap_err();
             assert!(e.to_string().contains(says), "{e}");
-            assert_eq!(e.status(), 400);
+            assert_eq!(e.code(), crate::error::ErrorCode::InvalidRequest);
         }
         let deep = format!(
             "{}{}",

@@ -4,15 +4,16 @@
 //! each delivery while its job is active; ACK acks it; NACK retries it
 //! through the adapter's delayed retry or dead-letters it; a job whose
 //! visibility passes is released to the broker, which delivers it again.
-//! The store keeps the state machine: one worker gets a job, an ACK of a
-//! job that is not active is 409.
+//! Each change of a job's state is the model's (`model::apply`), made in
+//! one store transaction: one worker gets a job, an ACK of a job that is
+//! not active is 409.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use ojs_core::{JobEnvelope, JobError, JobState};
+use ojs_core::{JobEnvelope, JobState};
 use ojs_queue::{Consumer, ConsumerOptions, DeadLetterReason, Delivery, Nack};
 use serde_json::{json, Map, Value};
 
@@ -20,7 +21,8 @@ use crate::auth::{Grant, Operation};
 use crate::error::{store_error, ApiError};
 use crate::job::{self, timestamp, Job};
 use crate::metrics::JobEvent;
-use crate::store::{Lease, Settle, StoreError, Tx};
+use crate::model::{self, apply, Command};
+use crate::store::{record, wrong_state, Lease, Settle, StoreError, Tx};
 use crate::Api;
 
 /// Longest a FETCH waits for jobs (the binding allows a short block).
@@ -1121,6 +1123,7 @@ fn activate_one(
     replica: Option<&str>,
     active_here: &mut HashSet<String>,
 ) -> Result<Activation, StoreError> {
+    let envelope_id = envelope.id.clone();
     let mut job = match tx.load(&envelope.id) {
         Ok(job) => job,
         Err(StoreError::NotFound(_)) => {
@@ -1163,73 +1166,41 @@ fn activate_one(
                 }
             }
         }
-        JobState::Available | JobState::Retryable => {}
         // A dead letter moved back to its queue on the broker (its
         // tooling, `ojs-bridge dead-letters retry`): retried, as through
         // the API — from attempt 0.
         JobState::Discarded if job.is_dead_letter() => {
-            job.envelope.attempt = 0;
-            for k in ["dead_letter", "discarded_at"] {
-                job.extra.remove(k);
-            }
-            job.extra
-                .insert("re_enqueued_at".into(), json!(timestamp(now)));
+            let revived =
+                apply(job, Command::Revive, now).map_err(|r| wrong_state(&envelope_id, r))?;
+            record(tx, &revived, now)?;
+            job = revived.job;
         }
-        // Published by the scheduler, whose promotion has not committed
-        // yet: the broker has it, so it is available (the promotion then
-        // finds it no longer scheduled and leaves it).
-        JobState::Scheduled => {}
-        _ => return Ok(Activation::Settle),
+        _ => {}
     }
     // Past its `expires_at`: discarded, never handed out.
-    if job.envelope.expires_at.is_some_and(|at| at <= now) {
-        job.envelope.state = Some(JobState::Discarded);
-        job.extra
-            .insert("discarded_at".into(), json!(timestamp(now)));
-        tx.save(&job, Some(now))?;
-        tx.event("job.discarded",
-            &job.envelope,
-            now,
-            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "discarded",
-                   "reason": "expired"}),
-        )?;
+    if model::is_expired(&job, now) && model::allows(job.state(), &Command::Expire) {
+        let expired = apply(job, Command::Expire, now).map_err(|r| wrong_state(&envelope_id, r))?;
+        record(tx, &expired, now)?;
         return Ok(Activation::Settle);
     }
     let visibility = visibility.unwrap_or_else(|| job_visibility(&job));
-    let e = &mut job.envelope;
-    e.state = Some(JobState::Active);
-    e.attempt += 1;
-    e.started_at = Some(now);
-    e.completed_at = None;
-    job.extra.remove("next_attempt_at");
-    match worker {
-        Some(w) => {
-            job.extra.insert("worker_id".into(), json!(w));
-        }
-        None => {
-            job.extra.remove("worker_id");
-        }
-    }
-    tx.save(&job, None)?;
+    // Finished or cancelled: the broker's copy is settled, nothing handed out.
+    let started = match apply(job, Command::Start { worker }, now) {
+        Ok(t) => t,
+        Err(_) => return Ok(Activation::Settle),
+    };
+    record(tx, &started, now)?;
     if let Some(me) = replica {
-        let until = now + visibility;
         tx.set_lease(
-            &job.envelope.id,
+            &envelope_id,
             Some(&Lease {
                 holder: me.to_owned(),
-                until,
+                until: now + visibility,
             }),
         )?;
     }
-    active_here.insert(job.envelope.id.clone());
-    tx.event(
-        "job.started",
-        &job.envelope,
-        now,
-        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "active",
-               "attempt": job.envelope.attempt, "worker_id": worker}),
-    )?;
-    Ok(Activation::Active(Box::new(job), visibility))
+    active_here.insert(envelope_id);
+    Ok(Activation::Active(Box::new(started.job), visibility))
 }
 
 /// How long a job stays its worker's without a heartbeat when the FETCH
@@ -1279,90 +1250,16 @@ fn remote_holder(
     Ok(tx.lease(id)?.map(|l| l.holder).filter(|h| h != me))
 }
 
-fn active(tx: &mut dyn Tx, id: &str) -> Result<Job, StoreError> {
-    let job = tx.load(id)?;
-    if job.state() != JobState::Active {
-        return Err(StoreError::WrongState {
-            id: id.to_owned(),
-            current: job.state(),
-        });
-    }
-    Ok(job)
-}
-
 fn complete(
     tx: &mut dyn Tx,
     id: &str,
     result: Option<Value>,
     now: DateTime<Utc>,
 ) -> Result<Job, StoreError> {
-    let mut job = active(tx, id)?;
-    let e = &mut job.envelope;
-    e.state = Some(JobState::Completed);
-    e.completed_at = Some(now);
-    e.error = None;
-    e.result = result;
-    tx.save(&job, Some(now))?;
-    let duration = job
-        .envelope
-        .started_at
-        .map(|s| (now - s).num_milliseconds().max(0));
-    tx.event("job.completed",
-        &job.envelope,
-        now,
-        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "completed",
-               "attempt": job.envelope.attempt, "duration_ms": duration, "result": job.envelope.result}),
-    )?;
-    Ok(job)
-}
-
-/// The delay before retry `attempt` (1-based: the first retry follows the
-/// first failure) under the job's policy.
-fn backoff(job: &JobEnvelope, attempt: i32) -> Duration {
-    // A job without a policy gets the spec's, jitter included.
-    let jitter = job.retry.as_ref().is_none_or(|p| p.jitter);
-    let policy = job.retry.clone().unwrap_or_default();
-    let parse = |s: &str, default: Duration| {
-        if s.is_empty() {
-            default
-        } else {
-            ojs_core::duration::parse_iso8601_duration(s).unwrap_or(default)
-        }
-    };
-    // Validation bounds both intervals; a job stored before it did (or
-    // put on the broker by another producer) is held to the same bound
-    // here, so that no policy makes a time this server cannot compute.
-    let bound = |d: Duration| d.min(crate::limits::MAX_RETRY_INTERVAL);
-    let initial = bound(parse(&policy.initial_interval, Duration::from_secs(1)));
-    let max = bound(parse(&policy.max_interval, Duration::from_secs(300)));
-    let coefficient = if policy.backoff_coefficient.is_finite() && policy.backoff_coefficient > 0.0
-    {
-        policy.backoff_coefficient
-    } else {
-        2.0
-    };
-    let exponent = (attempt - 1).clamp(0, 60);
-    let secs = initial.as_secs_f64() * coefficient.powi(exponent);
-    let secs = if secs.is_finite() { secs } else { f64::MAX };
-    let mut delay =
-        Duration::try_from_secs_f64(secs.min(max.as_secs_f64()).max(0.0)).unwrap_or(max);
-    if jitter {
-        // ±25 % around the interval, from the clock's sub-second noise:
-        // spreads retries of jobs that failed together.
-        let noise = (Utc::now().timestamp_subsec_nanos() % 1000) as f64 / 1000.0;
-        delay = delay.mul_f64(0.75 + noise * 0.5);
-    }
-    delay
-}
-
-/// `now` plus `delay`, or the latest time the calendar holds when that is
-/// past it (never a panic: a bound was missed somewhere, not a reason to
-/// stop the store).
-fn later(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
-    chrono::Duration::from_std(delay)
-        .ok()
-        .and_then(|d| now.checked_add_signed(d))
-        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+    let t =
+        apply(tx.load(id)?, Command::Complete { result }, now).map_err(|r| wrong_state(id, r))?;
+    record(tx, &t, now)?;
+    Ok(t.job)
 }
 
 fn fail(
@@ -1371,120 +1268,19 @@ fn fail(
     now: DateTime<Utc>,
     exhausted: crate::Exhaustion,
 ) -> Result<(Job, Settle), StoreError> {
-    let mut job = active(tx, &failure.job_id)?;
-    let text = |k: &str| {
-        failure
-            .error
-            .get(k)
-            .and_then(Value::as_str)
-            .map(str::to_owned)
+    let id = &failure.job_id;
+    let failed = model::Failed::read(&failure.error);
+    let command = Command::Fail {
+        failed: &failed,
+        requeue: failure.requeue,
+        exhausted,
+        jitter: model::clock_jitter(),
     };
-    // `code` and `message` are optional in a NACK; the job's history
-    // needs both non-empty.
-    let text = |k: &str| text(k).filter(|s| !s.is_empty());
-    let code = text("code").unwrap_or_else(|| "handler_error".into());
-    let message = text("message").unwrap_or_else(|| "the worker gave no message".into());
-    let class = failure
-        .error
-        .get("details")
-        .and_then(|d| d.get("error_class"))
-        .and_then(Value::as_str)
-        .map(str::to_owned)
-        .or_else(|| text("type"));
-    let error_type = class.clone().unwrap_or_else(|| code.clone());
-    let retryable = failure
-        .error
-        .get("retryable")
-        .and_then(Value::as_bool)
-        .unwrap_or(true);
-    let policy = job.envelope.retry.clone().unwrap_or_default();
-    let non_retryable = policy
-        .non_retryable_errors
-        .iter()
-        .any(|n| *n == error_type || *n == code);
-    let attempt = job.envelope.attempt;
-    let max = job::max_attempts(&job.envelope);
-    let mut entry = json!({
-        "code": code,
-        "message": message,
-        "type": error_type,
-        "attempt": attempt,
-        "occurred_at": timestamp(now),
-    });
-    if let Some(d) = failure.error.get("details") {
-        entry["details"] = d.clone();
-    }
-    job.envelope.errors.push(entry);
-    let excess = job.envelope.errors.len().saturating_sub(50);
-    job.envelope.errors.drain(..excess);
-    job.envelope.error = Some(JobError {
-        error_type: error_type.clone(),
-        message: message.clone(),
-        ..JobError::default()
-    });
-    let (decision, finished) = if failure.requeue {
-        job.envelope.state = Some(JobState::Available);
-        (Settle::Requeue, None)
-    } else if retryable && !non_retryable && attempt < max {
-        let delay = backoff(&job.envelope, attempt);
-        job.envelope.state = Some(JobState::Retryable);
-        let next = later(now, delay);
-        job.extra
-            .insert("next_attempt_at".into(), json!(timestamp(next)));
-        job.extra
-            .insert("retry_delay_ms".into(), json!(delay.as_millis() as u64));
-        (
-            Settle::Retry {
-                delay_ms: delay.as_millis() as u64,
-            },
-            None,
-        )
-    } else {
-        job.envelope.state = Some(JobState::Discarded);
-        job.envelope.completed_at = Some(now);
-        job.extra
-            .insert("discarded_at".into(), json!(timestamp(now)));
-        // The job's own `on_exhaustion`, else `[api] on_exhaustion` (the
-        // spec's `discard` by default).
-        let dead_letter = match policy.on_exhaustion.as_str() {
-            "dead_letter" => true,
-            "discard" => false,
-            _ => exhausted == crate::Exhaustion::DeadLetter,
-        };
-        let decision = if !dead_letter {
-            Settle::Drop
-        } else {
-            job.extra.insert("dead_letter".into(), json!(true));
-            Settle::DeadLetter {
-                error_type: error_type.clone(),
-                message: message.clone(),
-            }
-        };
-        (decision, Some(now))
-    };
-    tx.save(&job, finished)?;
-    let (event_type, data) = match job.state() {
-        JobState::Discarded => (
-            "job.discarded",
-            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "discarded",
-                   "total_attempts": attempt, "last_error": {"code": code, "message": message}}),
-        ),
-        JobState::Retryable => (
-            "job.retrying",
-            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "retryable",
-                   "attempt": attempt, "error": {"code": code, "message": message, "retryable": true}}),
-        ),
-        _ => (
-            "job.failed",
-            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available",
-                   "attempt": attempt, "error": {"code": code, "message": message, "retryable": retryable}}),
-        ),
-    };
-    tx.event("job.failed", &job.envelope, now, data.clone())?;
-    if event_type != "job.failed" {
-        tx.event(event_type, &job.envelope, now, data)?;
-    }
-    Ok((job, decision))
+    let t = apply(tx.load(id)?, command, now).map_err(|r| wrong_state(id, r))?;
+    record(tx, &t, now)?;
+    // A failure always says what becomes of the delivery.
+    let settle = t.settle.unwrap_or(Settle::Requeue);
+    Ok((t.job, settle))
 }
 
 /// A job whose visibility passed goes back to available (the broker
@@ -1495,17 +1291,18 @@ fn release(
     now: DateTime<Utc>,
     replica: Option<&str>,
 ) -> Result<Expiry, StoreError> {
-    let mut job = match active(tx, id) {
+    let job = match tx.load(id) {
         Ok(job) => job,
-        Err(StoreError::WrongState { current, .. }) => {
-            return Ok(match current {
-                JobState::Available | JobState::Retryable | JobState::Scheduled => Expiry::Waiting,
-                _ => Expiry::Gone,
-            })
-        }
         Err(StoreError::NotFound(_)) => return Ok(Expiry::Gone),
         Err(e) => return Err(e),
     };
+    match job.state() {
+        JobState::Active => {}
+        JobState::Available | JobState::Retryable | JobState::Scheduled => {
+            return Ok(Expiry::Waiting)
+        }
+        _ => return Ok(Expiry::Gone),
+    }
     if let Some(me) = replica {
         match tx.lease(id)? {
             Some(lease) if lease.holder != me => return Ok(Expiry::Gone),
@@ -1513,21 +1310,8 @@ fn release(
             _ => {}
         }
     }
-    job.envelope.state = Some(JobState::Available);
-    job.envelope.error = Some(JobError {
-        error_type: "visibility_timeout".into(),
-        message: "the worker neither acknowledged nor heartbeat the job in time".into(),
-        ..JobError::default()
-    });
-    job.extra.remove("worker_id");
-    tx.save(&job, None)?;
-    tx.event(
-        "job.failed",
-        &job.envelope,
-        now,
-        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available",
-               "error": {"code": "visibility_timeout", "retryable": true}}),
-    )?;
+    let t = apply(job, Command::TimeOut, now).map_err(|r| wrong_state(id, r))?;
+    record(tx, &t, now)?;
     Ok(Expiry::Released)
 }
 

@@ -360,7 +360,7 @@ async fn serve_api(
         api.metrics().request(
             ojs_api::metrics::Binding::Http,
             route,
-            error.status(),
+            ojs_api::http::status_of(error),
             began.elapsed(),
         );
         ojs_api::http::error_response(error, request_id)

@@ -1,10 +1,9 @@
 //! `ojs.v1` messages to and from the job the HTTP binding reads and shows.
 //!
 //! An `Enqueue` becomes the JSON body of a PUSH and goes through the same
-//! validation ([`crate::job::from_json`]); a stored job is shown through
-//! [`Job::to_json`](crate::Job::to_json) and that object becomes an
-//! `ojs.v1.Job`. So both bindings describe one job, and a rule lives in
-//! one place.
+//! validation ([`crate::job::from_json`]), so a rule of what a client may
+//! send lives in one place; a stored job becomes an `ojs.v1.Job` straight
+//! from its envelope ([`job_message`]).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -325,11 +324,6 @@ fn stamp(v: Option<&Value>) -> Option<Timestamp> {
     v.and_then(Value::as_str).and_then(text_timestamp)
 }
 
-fn iso_duration(v: Option<&Value>) -> Option<prost_types::Duration> {
-    let d = parse_iso8601_duration(v?.as_str()?).ok()?;
-    Some(duration(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
-}
-
 fn object(v: Option<&Value>) -> Option<Struct> {
     match v? {
         Value::Object(m) => Some(json_to_struct(m)),
@@ -367,104 +361,103 @@ fn job_error(e: &Value) -> pb::JobError {
     }
 }
 
-/// The `ojs.v1.Job` of the binding's JSON job ([`crate::Job::to_json`]).
-pub fn job_message(j: &Value) -> pb::Job {
-    let retry = j.get("retry").map(|r| pb::RetryPolicy {
-        max_attempts: int(r.get("max_attempts")),
-        initial_interval: iso_duration(r.get("initial_interval")),
-        backoff_coefficient: r
-            .get("backoff_coefficient")
-            .and_then(Value::as_f64)
-            .unwrap_or(0.0),
-        max_interval: iso_duration(r.get("max_interval")),
-        jitter: Some(r.get("jitter").and_then(Value::as_bool).unwrap_or(true)),
-        non_retryable_errors: strings(r.get("non_retryable_errors")),
-        on_exhaustion: r
-            .get("on_exhaustion")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned(),
+/// An ISO 8601 duration of a policy as a protobuf `Duration`; unset when
+/// empty (or, for a stored policy, unreadable).
+fn policy_duration(text: &str) -> Option<prost_types::Duration> {
+    if text.is_empty() {
+        return None;
+    }
+    let d = parse_iso8601_duration(text).ok()?;
+    Some(duration(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+}
+
+/// The `ojs.v1.Job` of a stored job, read from its envelope (the fields the
+/// envelope has no room for travel as its top-level attributes:
+/// `timeout_ms`, `visibility_timeout_ms`, `tags`).
+pub fn job_message(job: &crate::Job) -> pb::Job {
+    let e = &job.envelope;
+    let attribute = |k: &str| e.unknown_attributes.get(k);
+    let retry = e.retry.as_ref().map(|r| pb::RetryPolicy {
+        max_attempts: r.max_attempts.unwrap_or(0),
+        initial_interval: policy_duration(&r.initial_interval),
+        backoff_coefficient: r.backoff_coefficient,
+        max_interval: policy_duration(&r.max_interval),
+        jitter: Some(r.jitter),
+        non_retryable_errors: r.non_retryable_errors.clone(),
+        on_exhaustion: r.on_exhaustion.clone(),
     });
-    let unique = j.get("unique").map(|u| pb::UniquePolicy {
-        key: strings(u.get("keys")),
-        period: iso_duration(u.get("period")),
-        on_conflict: match u.get("on_conflict").and_then(Value::as_str) {
-            Some("reject") => pb::UniqueConflictAction::Reject as i32,
-            Some("replace") => pb::UniqueConflictAction::Replace as i32,
-            Some("replace_except_schedule") => {
-                pb::UniqueConflictAction::ReplaceExceptSchedule as i32
-            }
-            Some("ignore") => pb::UniqueConflictAction::Ignore as i32,
+    let unique = e.unique.as_ref().map(|u| pb::UniquePolicy {
+        key: u.keys.clone(),
+        period: policy_duration(&u.period),
+        on_conflict: match u.on_conflict.as_str() {
+            "reject" => pb::UniqueConflictAction::Reject as i32,
+            "replace" => pb::UniqueConflictAction::Replace as i32,
+            "replace_except_schedule" => pb::UniqueConflictAction::ReplaceExceptSchedule as i32,
+            "ignore" => pb::UniqueConflictAction::Ignore as i32,
             _ => pb::UniqueConflictAction::Unspecified as i32,
         },
-        states: strings(u.get("states"))
-            .iter()
-            .map(|s| state_of(s) as i32)
-            .collect(),
-        args_keys: strings(u.get("args_keys")),
-        meta_keys: strings(u.get("meta_keys")),
+        states: u.states.iter().map(|s| state_of(s) as i32).collect(),
+        args_keys: u.args_keys.clone(),
+        meta_keys: u.meta_keys.clone(),
     });
-    let mut errors: Vec<pb::JobError> = j
-        .get("errors")
-        .and_then(Value::as_array)
-        .map(|a| a.iter().map(job_error).collect())
-        .unwrap_or_default();
-    if errors.is_empty() {
-        if let Some(e) = j.get("error").filter(|e| e.is_object()) {
-            errors.push(job_error(e));
-        }
-    }
-    let timeout = j
-        .get("timeout_ms")
+    // The history when there is one, else the last error alone.
+    let errors: Vec<pb::JobError> = if e.errors.is_empty() {
+        e.error
+            .iter()
+            .map(|last| pb::JobError {
+                code: last.error_type.clone(),
+                message: last.message.clone(),
+                backtrace: last.backtrace.join("\n"),
+                ..pb::JobError::default()
+            })
+            .collect()
+    } else {
+        e.errors.iter().map(job_error).collect()
+    };
+    let timeout = attribute("timeout_ms")
         .and_then(Value::as_u64)
         .or_else(|| {
-            j.get("timeout")
-                .and_then(Value::as_u64)
+            u64::try_from(e.timeout)
+                .ok()
+                .filter(|s| *s > 0)
                 .map(|s| s.saturating_mul(1000))
         })
         .map(duration);
-    let meta = j.get("meta").and_then(Value::as_object);
+    let meta_text = |k: &str| {
+        e.meta
+            .get(k)
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
     pb::Job {
-        id: text(j.get("id")),
-        r#type: text(j.get("type")),
-        queue: text(j.get("queue")),
-        args: j
-            .get("args")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().map(json_to_value).collect())
-            .unwrap_or_default(),
-        meta: meta.map(json_to_struct),
-        state: state_of(j.get("state").and_then(Value::as_str).unwrap_or("")) as i32,
-        priority: int(j.get("priority")),
-        attempt: int(j.get("attempt")),
-        max_attempts: int(j.get("max_attempts")),
+        id: e.id.clone(),
+        r#type: e.job_type.clone(),
+        queue: e.queue.clone(),
+        args: e.args.iter().map(json_to_value).collect(),
+        meta: Some(json_to_struct(&e.meta)),
+        state: state_of(e.state.and_then(|s| s.as_str()).unwrap_or("")) as i32,
+        priority: e.priority,
+        attempt: e.attempt,
+        max_attempts: crate::job::max_attempts(e),
         retry_policy: retry,
         unique_policy: unique,
-        result: object(j.get("result")),
+        result: object(e.result.as_ref()),
         errors,
-        created_at: stamp(j.get("created_at")),
-        enqueued_at: stamp(j.get("enqueued_at")),
-        scheduled_at: stamp(j.get("scheduled_at")),
-        started_at: stamp(j.get("started_at")),
-        completed_at: stamp(j.get("completed_at")),
-        expires_at: stamp(j.get("expires_at")),
+        created_at: e.created_at.map(time_stamp),
+        enqueued_at: e.enqueued_at.map(time_stamp),
+        scheduled_at: e.scheduled_at.map(time_stamp),
+        started_at: e.started_at.map(time_stamp),
+        completed_at: e.completed_at.map(time_stamp),
+        expires_at: e.expires_at.map(time_stamp),
         timeout,
-        visibility_timeout: j
-            .get("visibility_timeout_ms")
+        visibility_timeout: attribute("visibility_timeout_ms")
             .and_then(Value::as_u64)
             .map(duration),
-        tags: strings(j.get("tags")),
-        trace_id: meta
-            .and_then(|m| m.get("trace_id"))
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned(),
-        workflow_id: meta
-            .and_then(|m| m.get("workflow_id"))
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned(),
-        specversion: text(j.get("specversion")),
+        tags: strings(attribute("tags")),
+        trace_id: meta_text("trace_id"),
+        workflow_id: meta_text("workflow_id"),
+        specversion: e.specversion.clone(),
     }
 }
 

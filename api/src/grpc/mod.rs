@@ -125,12 +125,12 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         let detail = std::error::Error::source(error)
             .map(ToString::to_string)
             .unwrap_or_default();
-        tracing::warn!(code = error.code(), error = %error, %detail, request_id, "OJS gRPC call failed");
+        tracing::warn!(code = %error.code(), error = %error, %detail, request_id, "OJS gRPC call failed");
     } else {
-        tracing::debug!(code = error.code(), request_id, "OJS gRPC call refused");
+        tracing::debug!(code = %error.code(), request_id, "OJS gRPC call refused");
     }
     let mut details = ErrorDetails::with_error_info(
-        error.code(),
+        error.code().as_str(),
         ERROR_DOMAIN,
         [
             ("retryable".to_owned(), error.retryable().to_string()),
@@ -158,7 +158,7 @@ impl Call<'_> {
     /// error as the binding's status. Counted in the metrics, under the
     /// HTTP status of the same answer.
     fn reply<T>(&self, done: Result<T, ApiError>) -> Result<Response<T>, Status> {
-        let code = done.as_ref().map_or_else(ApiError::status, |_| 200);
+        let code = done.as_ref().map_or_else(crate::http::status_of, |_| 200);
         self.api
             .metrics()
             .request(Binding::Grpc, self.route, code, self.began.elapsed());
@@ -177,9 +177,12 @@ impl OjsGrpc {
         let grant = match self.api.tokens().identify(authorization) {
             Ok(grant) => grant,
             Err(e) => {
-                self.api
-                    .metrics()
-                    .request(Binding::Grpc, route, e.status(), began.elapsed());
+                self.api.metrics().request(
+                    Binding::Grpc,
+                    route,
+                    crate::http::status_of(&e),
+                    began.elapsed(),
+                );
                 return Err(status(&e, &request_id));
             }
         };
@@ -228,7 +231,7 @@ pub fn deadline(metadata: &MetadataMap) -> Option<Duration> {
 }
 
 fn job_message(job: &crate::Job) -> pb::Job {
-    convert::job_message(&job.to_json())
+    convert::job_message(job)
 }
 
 fn queues(names: Vec<String>) -> Result<Vec<String>, ApiError> {
@@ -638,20 +641,18 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         let r = request.into_inner();
         let done = async {
             let (limit, offset) = page(r.limit, &r.cursor, 100)?;
-            let all = self.api.queues(&call.grant).await?;
-            let list: Vec<pb::QueueInfo> = all["queues"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .map(|q| pb::QueueInfo {
-                            name: q["name"].as_str().unwrap_or("").to_owned(),
-                            paused: false,
-                            available_count: 0,
-                            created_at: q["created_at"].as_str().and_then(convert::text_timestamp),
-                        })
-                        .collect()
+            let list: Vec<pb::QueueInfo> = self
+                .api
+                .queues(&call.grant)
+                .await?
+                .into_iter()
+                .map(|q| pb::QueueInfo {
+                    name: q.name,
+                    paused: false,
+                    available_count: 0,
+                    created_at: Some(convert::time_stamp(q.created_at)),
                 })
-                .unwrap_or_default();
+                .collect();
             let total = list.len();
             let page: Vec<_> = list.into_iter().skip(offset).take(limit).collect();
             let next = offset + page.len();

@@ -3,10 +3,12 @@
 //! the event log. The broker holds the queue; the store holds what OJS
 //! INFO, CANCEL, the state machine and the scheduler need.
 //!
-//! Two backends behind one [`Store`]: an SQLite file in the data directory
-//! for one process (the default), and PostgreSQL for several replicas that
-//! must act as one server. Every state transition is written once, against
-//! [`Tx`], and runs in one transaction of either.
+//! Two backends of one [`JobStore`] trait behind one [`Store`]: an SQLite
+//! file in the data directory for one process (the default), and PostgreSQL
+//! for several replicas that must act as one server, which also does what
+//! only replicas need ([`SharedStore`]). Every state transition is the
+//! model's (`crate::model`), written once against [`Tx`], and runs in one
+//! transaction of either.
 
 use std::any::Any;
 use std::path::Path;
@@ -19,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::job::{timestamp, Extra, Job};
+use crate::model::{self, Command};
 
 mod postgres;
 mod sqlite;
@@ -303,25 +306,70 @@ pub trait Tx {
 pub(crate) type RunFn =
     Box<dyn FnOnce(&mut dyn Tx) -> Result<Box<dyn Any + Send>, StoreError> + Send>;
 
+/// A backend of the job store: SQLite in the data directory (one process)
+/// or PostgreSQL (replicas). [`Store`] is what callers hold; every
+/// transition is written once, against [`Tx`], and the backend runs it in
+/// one of its transactions.
+#[async_trait::async_trait]
+pub(crate) trait JobStore: std::fmt::Debug + Send + Sync {
+    /// The backend's name, as health shows it (`sqlite`, `postgres`).
+    fn kind(&self) -> &'static str;
+    /// Where the store is, for the log (never credentials).
+    fn place(&self) -> String;
+    /// What the store does for replicas sharing it, when it is shared.
+    fn shared(&self) -> Option<&dyn SharedStore> {
+        None
+    }
+    /// Whether the store answers now.
+    async fn ping(&self) -> Result<(), StoreError>;
+    /// See [`Store::insert`].
+    async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError>;
+    /// See [`Store::published`].
+    fn published(&self, ids: Vec<String>);
+    /// See [`Store::remove`].
+    async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError>;
+    /// Runs `f` in one transaction.
+    async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError>;
+    /// See [`Store::prune`].
+    async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError>;
+    /// See [`Store::get`].
+    async fn get(&self, id: String) -> Result<Option<Job>, StoreError>;
+    /// See [`Store::due`].
+    async fn due(&self, now: DateTime<Utc>, limit: usize) -> Result<Vec<Job>, StoreError>;
+    /// See [`Store::next_due`].
+    async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError>;
+    /// See [`Store::unpublished`].
+    async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError>;
+    /// See [`Store::dead_letters`].
+    async fn dead_letters(&self) -> Result<Vec<Job>, StoreError>;
+    /// See [`Store::queues`].
+    async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError>;
+    /// See [`Store::events`].
+    async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError>;
+}
+
+/// What only a store shared by replicas does: pass settlements between
+/// them (each replica holds its own broker deliveries). Leases are part
+/// of [`Tx`], whose defaults keep none.
+#[async_trait::async_trait]
+pub(crate) trait SharedStore: Send + Sync {
+    /// Settlements other replicas asked of `holder`, taken.
+    async fn take_settles(&self, holder: String) -> Result<Vec<(String, Settle)>, StoreError>;
+}
+
 /// The store.
 #[derive(Debug, Clone)]
 pub struct Store {
-    backend: Backend,
+    backend: Arc<dyn JobStore>,
     /// Where each operation's latency is recorded.
     timings: Arc<crate::metrics::ApiMetrics>,
-}
-
-#[derive(Debug, Clone)]
-enum Backend {
-    Sqlite(sqlite::SqliteStore),
-    Postgres(postgres::PostgresStore),
 }
 
 impl Store {
     /// Opens (creating when needed) the embedded store in `dir`.
     pub async fn open(dir: &Path, durability: Durability) -> Result<Store, StoreError> {
         Ok(Store {
-            backend: Backend::Sqlite(sqlite::SqliteStore::open(dir, durability).await?),
+            backend: Arc::new(sqlite::SqliteStore::open(dir, durability).await?),
             timings: Arc::default(),
         })
     }
@@ -329,7 +377,7 @@ impl Store {
     /// Connects to PostgreSQL and brings its schema up to date.
     pub async fn connect(settings: &PostgresSettings) -> Result<Store, StoreError> {
         Ok(Store {
-            backend: Backend::Postgres(postgres::PostgresStore::connect(settings).await?),
+            backend: Arc::new(postgres::PostgresStore::connect(settings).await?),
             timings: Arc::default(),
         })
     }
@@ -352,31 +400,27 @@ impl Store {
         done
     }
 
+    /// The backend's name, as health shows it (`sqlite`, `postgres`).
+    pub fn kind(&self) -> &'static str {
+        self.backend.kind()
+    }
+
     /// Where the store is, for the log (a file, or a PostgreSQL server
     /// without its credentials).
     pub fn place(&self) -> String {
-        match &self.backend {
-            Backend::Sqlite(s) => s.path().display().to_string(),
-            Backend::Postgres(p) => p.place(),
-        }
+        self.backend.place()
     }
 
     /// Whether several processes share this store (replicas must then
     /// pass settlements and leases through it).
     pub fn is_shared(&self) -> bool {
-        matches!(self.backend, Backend::Postgres(_))
+        self.backend.shared().is_some()
     }
 
     /// Whether the store answers now (the embedded one: whether its last
     /// commit went through).
     pub async fn ping(&self) -> Result<(), StoreError> {
-        match &self.backend {
-            Backend::Sqlite(s) => match s.down() {
-                None => Ok(()),
-                Some(reason) => Err(StoreError::Commit(reason)),
-            },
-            Backend::Postgres(p) => p.ping().await,
-        }
+        self.backend.ping().await
     }
 
     /// Stores new jobs, all or none: a stored id is
@@ -384,33 +428,18 @@ impl Store {
     /// [`Store::published`]. The jobs come back (a request's jobs are not
     /// copied to be stored).
     pub async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
-        self.timed("insert", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.insert(jobs).await,
-                Backend::Postgres(p) => p.insert(jobs).await,
-            }
-        })
-        .await
+        self.timed("insert", self.backend.insert(jobs)).await
     }
 
     /// Records that the broker confirmed these jobs. Not awaited: a job
     /// whose mark is lost is published again (at least once).
     pub fn published(&self, ids: Vec<String>) {
-        match &self.backend {
-            Backend::Sqlite(s) => s.published(ids),
-            Backend::Postgres(p) => p.published(ids),
-        }
+        self.backend.published(ids);
     }
 
     /// Removes jobs the broker did not take, so that nothing is half-stored.
     pub async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
-        self.timed("other", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.remove(ids).await,
-                Backend::Postgres(p) => p.remove(ids).await,
-            }
-        })
-        .await
+        self.timed("other", self.backend.remove(ids)).await
     }
 
     /// Cancels a job that is not finished; returns its previous state and
@@ -437,7 +466,7 @@ impl Store {
     /// Puts an activated job back to pending when the broker did not take
     /// it (unless something else moved it meanwhile).
     pub async fn deactivate(&self, id: String) -> Result<(), StoreError> {
-        self.run(move |tx| deactivate(tx, &id)).await
+        self.run(move |tx| deactivate(tx, &id, Utc::now())).await
     }
 
     /// Runs the transition `f` in one transaction and answers after the
@@ -447,14 +476,7 @@ impl Store {
         f: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let f: RunFn = Box::new(move |tx| f(tx).map(|v| Box::new(v) as Box<dyn Any + Send>));
-        let any = self
-            .timed("transition", async {
-                match &self.backend {
-                    Backend::Sqlite(s) => s.run(f).await,
-                    Backend::Postgres(p) => p.run(f).await,
-                }
-            })
-            .await?;
+        let any = self.timed("transition", self.backend.run(f)).await?;
         any.downcast::<T>()
             .map(|b| *b)
             .map_err(|_| StoreError::Commit("a store answer of the wrong type".into()))
@@ -462,107 +484,60 @@ impl Store {
 
     /// Removes finished jobs (and events) older than `before`.
     pub async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
-        self.timed("maintenance", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.prune(before).await,
-                Backend::Postgres(p) => p.prune(before).await,
-            }
-        })
-        .await
+        self.timed("maintenance", self.backend.prune(before)).await
     }
 
     /// One job.
     pub async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
-        self.timed("get", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.get(id).await,
-                Backend::Postgres(p) => p.get(id).await,
-            }
-        })
-        .await
+        self.timed("get", self.backend.get(id)).await
     }
 
     /// Scheduled jobs due at `now`, oldest first. Where replicas share the
     /// store, the jobs returned are claimed for a while, so that one
     /// replica publishes each.
     pub async fn due(&self, now: DateTime<Utc>, limit: usize) -> Result<Vec<Job>, StoreError> {
-        self.timed("scheduled", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.due(now, limit).await,
-                Backend::Postgres(p) => p.due(now, limit).await,
-            }
-        })
-        .await
+        self.timed("scheduled", self.backend.due(now, limit)).await
     }
 
     /// When the next scheduled job is due, if any is.
     pub async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
-        self.timed("scheduled", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.next_due().await,
-                Backend::Postgres(p) => p.next_due().await,
-            }
-        })
-        .await
+        self.timed("scheduled", self.backend.next_due()).await
     }
 
     /// Available jobs whose publish was never confirmed (a process stopped
     /// between storing and publishing them): publish them again.
     pub async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
-        self.timed("scheduled", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.unpublished(limit).await,
-                Backend::Postgres(p) => p.unpublished(limit).await,
-            }
-        })
-        .await
+        self.timed("scheduled", self.backend.unpublished(limit))
+            .await
     }
 
     /// Every dead letter (a job discarded into its queue's dead-letter
     /// path), oldest first.
     pub async fn dead_letters(&self) -> Result<Vec<Job>, StoreError> {
-        self.timed("other", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.dead_letters().await,
-                Backend::Postgres(p) => p.dead_letters().await,
-            }
-        })
-        .await
+        self.timed("other", self.backend.dead_letters()).await
     }
 
     /// Queues that have had a job, with when the first arrived.
     pub async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
-        self.timed("other", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.queues().await,
-                Backend::Postgres(p) => p.queues().await,
-            }
-        })
-        .await
+        self.timed("other", self.backend.queues()).await
     }
 
     /// Events matching `filter`, oldest first, looking at no more than
     /// [`MAX_EVENTS_SCANNED`] of the log.
     pub async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError> {
-        self.timed("events", async {
-            match &self.backend {
-                Backend::Sqlite(s) => s.events(filter).await,
-                Backend::Postgres(p) => p.events(filter).await,
-            }
-        })
-        .await
+        self.timed("events", self.backend.events(filter)).await
     }
 
     /// Settlements other replicas asked of `holder`, taken (each is
-    /// handed out once).
+    /// handed out once); none where no replica shares the store.
     pub async fn take_settles(&self, holder: &str) -> Result<Vec<(String, Settle)>, StoreError> {
-        self.timed("maintenance", async {
-            match &self.backend {
-                Backend::Sqlite(_) => Ok(Vec::new()),
-                Backend::Postgres(p) => p.take_settles(holder.to_owned()).await,
+        match self.backend.shared() {
+            Some(shared) => {
+                self.timed("maintenance", shared.take_settles(holder.to_owned()))
+                    .await
             }
-        })
-        .await
+            None => Ok(Vec::new()),
+        }
     }
 }
 
@@ -622,9 +597,7 @@ pub(crate) fn encode(job: &Job) -> Result<(String, String), StoreError> {
     Ok((envelope, Value::Object(job.extra.clone()).to_string()))
 }
 
-pub(crate) fn state_name(s: JobState) -> &'static str {
-    s.as_str().unwrap_or("unknown")
-}
+pub(crate) use crate::model::state_name;
 
 /// When a scheduled job is due (its row's `due_ms`); none for the others.
 pub(crate) fn due_ms(job: &Job) -> Option<i64> {
@@ -683,93 +656,65 @@ pub(crate) fn event_body(
 /// publishes them if the first has not promoted them by then.
 pub(crate) const SCHEDULE_CLAIM: Duration = Duration::from_secs(30);
 
-fn cancel(tx: &mut dyn Tx, id: &str, now: DateTime<Utc>) -> Result<(JobState, Job), StoreError> {
-    let mut job = tx.load(id)?;
-    let previous = job.state();
-    if matches!(
-        previous,
-        JobState::Completed | JobState::Cancelled | JobState::Discarded | JobState::Other(_)
-    ) {
-        return Err(StoreError::WrongState {
-            id: id.to_owned(),
-            current: previous,
-        });
+/// Writes a transition in `tx`: the job as it became, then its events.
+pub(crate) fn record(
+    tx: &mut dyn Tx,
+    t: &model::Transition,
+    now: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    tx.save(&t.job, t.finished)?;
+    for e in &t.events {
+        tx.event(e.kind, &t.job.envelope, now, e.data.clone())?;
     }
-    job.envelope.state = Some(JobState::Cancelled);
-    job.extra
-        .insert("cancelled_at".into(), json!(timestamp(now)));
-    job.extra
-        .insert("previous_state".into(), json!(state_name(previous)));
-    tx.save(&job, Some(now))?;
-    tx.event(
-        "job.cancelled",
-        &job.envelope,
-        now,
-        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "previous_state": state_name(previous)}),
-    )?;
-    Ok((previous, job))
+    Ok(())
+}
+
+/// The store's error for a command the job's state refused.
+pub(crate) fn wrong_state(id: &str, refused: model::Refused) -> StoreError {
+    StoreError::WrongState {
+        id: id.to_owned(),
+        current: refused.0,
+    }
+}
+
+/// Loads `id`, applies `command` and records the transition.
+fn transition(
+    tx: &mut dyn Tx,
+    id: &str,
+    command: Command<'_>,
+    now: DateTime<Utc>,
+) -> Result<model::Transition, StoreError> {
+    let t = model::apply(tx.load(id)?, command, now).map_err(|r| wrong_state(id, r))?;
+    record(tx, &t, now)?;
+    Ok(t)
+}
+
+fn cancel(tx: &mut dyn Tx, id: &str, now: DateTime<Utc>) -> Result<(JobState, Job), StoreError> {
+    let t = transition(tx, id, Command::Cancel, now)?;
+    Ok((t.previous, t.job))
 }
 
 fn activate(tx: &mut dyn Tx, id: &str, now: DateTime<Utc>) -> Result<Job, StoreError> {
-    let mut job = tx.load(id)?;
-    if job.state() != JobState::Pending {
-        return Err(StoreError::WrongState {
-            id: id.to_owned(),
-            current: job.state(),
-        });
-    }
-    job.envelope.state = Some(JobState::Available);
-    job.envelope.enqueued_at = Some(now);
-    job.extra
-        .insert("activated_at".into(), json!(timestamp(now)));
-    job.extra.insert("previous_state".into(), json!("pending"));
-    tx.save(&job, None)?;
-    tx.event(
-        "job.enqueued",
-        &job.envelope,
-        now,
-        json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available", "previous_state": "pending"}),
-    )?;
-    Ok(job)
+    Ok(transition(tx, id, Command::Activate, now)?.job)
 }
 
-fn deactivate(tx: &mut dyn Tx, id: &str) -> Result<(), StoreError> {
-    let mut job = match tx.load(id) {
-        Ok(job) => job,
-        Err(StoreError::NotFound(_)) => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    if job.state() != JobState::Available || job.extra.get("activated_at").is_none() {
-        return Ok(());
+/// Undoes an activation whose publish failed; a job gone or changed
+/// meanwhile is left as it is.
+fn deactivate(tx: &mut dyn Tx, id: &str, now: DateTime<Utc>) -> Result<(), StoreError> {
+    match transition(tx, id, Command::Deactivate, now) {
+        Ok(_) | Err(StoreError::NotFound(_) | StoreError::WrongState { .. }) => Ok(()),
+        Err(e) => Err(e),
     }
-    job.envelope.state = Some(JobState::Pending);
-    job.envelope.enqueued_at = None;
-    job.extra.remove("activated_at");
-    job.extra.remove("previous_state");
-    tx.save(&job, None)
 }
 
 fn promote(tx: &mut dyn Tx, ids: &[String], now: DateTime<Utc>) -> Result<(), StoreError> {
     for id in ids {
-        let mut job = match tx.load(id) {
-            Ok(job) => job,
-            Err(StoreError::NotFound(_)) => continue,
+        // Gone, or cancelled (or anything else) while it was being
+        // published: the worker side skips it on the broker.
+        match transition(tx, id, Command::Promote, now) {
+            Ok(_) | Err(StoreError::NotFound(_) | StoreError::WrongState { .. }) => {}
             Err(e) => return Err(e),
-        };
-        // Cancelled (or anything else) while it was being published: the
-        // worker side skips it on the broker.
-        if job.state() != JobState::Scheduled {
-            continue;
         }
-        job.envelope.state = Some(JobState::Available);
-        job.envelope.enqueued_at = Some(now);
-        tx.save(&job, None)?;
-        tx.event(
-            "job.enqueued",
-            &job.envelope,
-            now,
-            json!({"job_type": job.envelope.job_type, "queue": job.envelope.queue, "state": "available"}),
-        )?;
     }
     Ok(())
 }

@@ -302,10 +302,6 @@ impl PostgresStore {
         Ok(store)
     }
 
-    pub(super) fn place(&self) -> String {
-        self.place.to_string()
-    }
-
     /// Runs `f` on a free connection's thread.
     async fn call_raw<T: Send + 'static>(
         &self,
@@ -339,18 +335,29 @@ impl PostgresStore {
         })
         .await
     }
+}
 
-    pub(super) async fn ping(&self) -> Result<(), StoreError> {
+#[async_trait::async_trait]
+impl super::JobStore for PostgresStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn place(&self) -> String {
+        self.place.to_string()
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
         self.call(|c| c.simple_query("SELECT 1").map(|_| ()).map_err(pg))
             .await
     }
 
-    pub(super) async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
+    async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
         self.transaction(move |t| insert(t, &jobs, false).map(|()| jobs))
             .await
     }
 
-    pub(super) fn published(&self, ids: Vec<String>) {
+    fn published(&self, ids: Vec<String>) {
         let job: Job1 = Box::new(move |conn| {
             let done = conn.client().and_then(|c| {
                 c.execute(
@@ -366,7 +373,7 @@ impl PostgresStore {
         let _ = self.jobs.send(job);
     }
 
-    pub(super) async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
+    async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
         self.transaction(move |t| {
             t.execute("DELETE FROM events WHERE job_id = ANY($1)", &[&ids])
                 .map_err(pg)?;
@@ -377,11 +384,11 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError> {
+    async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError> {
         self.transaction(move |t| f(&mut PostgresTx { t })).await
     }
 
-    pub(super) async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
+    async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
         let cut = ms(before);
         self.transaction(move |t| {
             let jobs = t
@@ -399,7 +406,7 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
+    async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
         self.call(move |c| {
             let row = c
                 .query_opt("SELECT envelope, extra FROM jobs WHERE id = $1", &[&id])
@@ -409,11 +416,7 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn due(
-        &self,
-        now: DateTime<Utc>,
-        limit: usize,
-    ) -> Result<Vec<Job>, StoreError> {
+    async fn due(&self, now: DateTime<Utc>, limit: usize) -> Result<Vec<Job>, StoreError> {
         let (at, until, limit) = (
             ms(now),
             ms(now) + SCHEDULE_CLAIM.as_millis() as i64,
@@ -439,7 +442,7 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
+    async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
         self.call(|c| {
             let at: Option<i64> = c
                 .query_one(
@@ -453,7 +456,7 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
+    async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
         let before = ms(Utc::now()) - ORPHAN_AFTER.as_millis() as i64;
         let limit = limit as i64;
         self.call(move |c| {
@@ -473,7 +476,7 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn dead_letters(&self) -> Result<Vec<Job>, StoreError> {
+    async fn dead_letters(&self) -> Result<Vec<Job>, StoreError> {
         self.call(|c| {
             let rows = c
                 .query(
@@ -488,7 +491,7 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
+    async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
         self.call(|c| {
             let rows = c
                 .query("SELECT name, created_ms FROM queues ORDER BY name", &[])
@@ -506,7 +509,7 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError> {
+    async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError> {
         self.call(move |c| {
             let last: i64 = c
                 .query_one("SELECT coalesce(max(seq), 0)::bigint FROM events", &[])
@@ -552,10 +555,14 @@ impl PostgresStore {
         .await
     }
 
-    pub(super) async fn take_settles(
-        &self,
-        holder: String,
-    ) -> Result<Vec<(String, Settle)>, StoreError> {
+    fn shared(&self) -> Option<&dyn super::SharedStore> {
+        Some(self)
+    }
+}
+
+#[async_trait::async_trait]
+impl super::SharedStore for PostgresStore {
+    async fn take_settles(&self, holder: String) -> Result<Vec<(String, Settle)>, StoreError> {
         self.call(move |c| {
             let rows = c
                 .query(

@@ -306,16 +306,6 @@ impl SqliteStore {
         })
     }
 
-    /// Why the store cannot write now, while it cannot.
-    pub(super) fn down(&self) -> Option<String> {
-        self.health.down()
-    }
-
-    /// The store's file.
-    pub(super) fn path(&self) -> &Path {
-        &self.path
-    }
-
     async fn write<T>(
         &self,
         make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Write,
@@ -354,39 +344,35 @@ impl SqliteStore {
         .await
         .map_err(|_| StoreError::Closed)?
     }
+}
 
-    /// Stores new jobs, all or none: a stored id is
-    /// [`StoreError::Duplicate`]. They count as not yet on the broker until
-    /// [`Store::published`].
-    pub(super) async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
+#[async_trait::async_trait]
+impl super::JobStore for SqliteStore {
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
         self.write(|reply| Write::Insert { jobs, reply }).await
     }
 
-    /// Records that the broker confirmed these jobs. Not awaited: a job
-    /// whose mark is lost is published again after a restart (at least
-    /// once).
-    pub(super) fn published(&self, ids: Vec<String>) {
+    fn published(&self, ids: Vec<String>) {
         let _ = self.writes.send(WriteBox(Write::Published { ids }));
     }
 
-    /// Removes jobs the broker did not take, so that nothing is half-stored.
-    pub(super) async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
+    async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
         self.write(|reply| Write::Remove { ids, reply }).await
     }
 
-    /// Runs `f` in one savepoint of the next group commit and answers after
-    /// the commit.
-    pub(super) async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError> {
+    async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError> {
         self.write(|reply| Write::Run { f: Some(f), reply }).await
     }
 
-    /// Removes finished jobs (and events) older than `before`.
-    pub(super) async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
+    async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
         self.write(|reply| Write::Prune { before, reply }).await
     }
 
-    /// One job.
-    pub(super) async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
+    async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
         self.read_on(true, move |conn| {
             let row = conn
                 .query_row(
@@ -401,12 +387,7 @@ impl SqliteStore {
         .await
     }
 
-    /// Scheduled jobs due at `now`, oldest first.
-    pub(super) async fn due(
-        &self,
-        now: DateTime<Utc>,
-        limit: usize,
-    ) -> Result<Vec<Job>, StoreError> {
+    async fn due(&self, now: DateTime<Utc>, limit: usize) -> Result<Vec<Job>, StoreError> {
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
                 "SELECT id, envelope, extra FROM jobs WHERE state = 'scheduled' AND due_ms <= ?1
@@ -417,8 +398,7 @@ impl SqliteStore {
         .await
     }
 
-    /// When the next scheduled job is due, if any is.
-    pub(super) async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
+    async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
         self.read(|conn| {
             let at: Option<i64> = conn.query_row(
                 "SELECT min(due_ms) FROM jobs WHERE state = 'scheduled'",
@@ -430,10 +410,7 @@ impl SqliteStore {
         .await
     }
 
-    /// Available jobs whose publish was not confirmed before the store
-    /// was opened (above the watermark: the daemon stopped in between, or
-    /// confirmed but not yet counted): publish them again.
-    pub(super) async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
+    async fn unpublished(&self, limit: usize) -> Result<Vec<Job>, StoreError> {
         let (above, through) = self.recover;
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
@@ -446,7 +423,7 @@ impl SqliteStore {
         .await
     }
 
-    pub(super) async fn dead_letters(&self) -> Result<Vec<Job>, StoreError> {
+    async fn dead_letters(&self) -> Result<Vec<Job>, StoreError> {
         self.read(|conn| {
             let mut stmt = conn.prepare_cached(
                 "SELECT id, envelope, extra FROM jobs WHERE dead = 1 ORDER BY finished_ms, rowid",
@@ -456,8 +433,7 @@ impl SqliteStore {
         .await
     }
 
-    /// Queues that have had a job, with when the first arrived.
-    pub(super) async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
+    async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
         self.read(|conn| {
             let mut stmt =
                 conn.prepare_cached("SELECT name, created_ms FROM queues ORDER BY name")?;
@@ -474,10 +450,7 @@ impl SqliteStore {
         .await
     }
 
-    /// Events matching `filter`, oldest first, looking at no more than
-    /// [`MAX_EVENTS_SCANNED`] positions of the log (a range of its key,
-    /// filtered by SQLite).
-    pub(super) async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError> {
+    async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError> {
         self.read(move |conn| {
             let last: i64 =
                 conn.query_row("SELECT coalesce(max(seq), 0) FROM events", [], |r| r.get(0))?;
@@ -517,6 +490,17 @@ impl SqliteStore {
             Ok(page)
         })
         .await
+    }
+
+    fn place(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        match self.health.down() {
+            None => Ok(()),
+            Some(reason) => Err(StoreError::Commit(reason)),
+        }
     }
 }
 
