@@ -27,9 +27,8 @@ use crate::config::{BridgeConfig, ConfigError, InputFormat};
 use crate::http::{self, HealthBoard, HttpState, Limits};
 use crate::metrics::Metrics;
 use crate::pipeline::{run_source, RoutePlan, SourceCtx};
-use crate::probe::HttpHealthProbe;
 use crate::topology::connecting::Connecting;
-use crate::topology::{NamedQueue, Topology};
+use crate::topology::{NamedQueue, Ready, Topology};
 use ojs_queue::federation::{AdapterProbe, Federation, HealthProbe, RegionSpec};
 
 /// Why the daemon cannot start.
@@ -72,6 +71,15 @@ pub enum DaemonError {
         /// Why.
         source: std::io::Error,
     },
+    /// A part of the configuration the build accepted could not be put
+    /// together (a bug: the build checks what connect relies on).
+    #[error("{field}: the configuration was built without it ({reason})")]
+    Unbuilt {
+        /// The config field.
+        field: String,
+        /// What was missing or refused.
+        reason: String,
+    },
 }
 
 /// A URL without its credentials, for messages and logs (one rule for the
@@ -86,14 +94,13 @@ fn connected(
     adapters: &BTreeMap<String, Arc<dyn QueueAdapter>>,
     field: String,
     name: &str,
-) -> Result<Arc<dyn QueueAdapter>, ConfigError> {
-    adapters
-        .get(name)
-        .cloned()
-        .ok_or_else(|| ConfigError::Invalid {
+) -> Result<Arc<dyn QueueAdapter>, Box<DaemonError>> {
+    adapters.get(name).cloned().ok_or_else(|| {
+        Box::new(DaemonError::Unbuilt {
             field,
-            reason: format!("names adapter {name:?}, which was not built"),
+            reason: format!("adapter {name:?} is not connected"),
         })
+    })
 }
 
 /// How long the first attempt to connect an adapter and prepare its queues
@@ -219,28 +226,35 @@ impl Daemon {
         config: BridgeConfig,
         provided: BTreeMap<String, Arc<dyn QueueAdapter>>,
     ) -> Result<Daemon, DaemonError> {
-        Self::connect(Topology::build(config)?, provided).await
+        Self::connect(Topology::build(config)?.read_files()?, provided).await
     }
 
-    /// Connects a built topology: every adapter (or the one `provided` under
-    /// its name), the queues the configuration names, the OJS API's store,
-    /// the listener.
+    /// Connects a built topology whose files were read: every adapter (or
+    /// the one `provided` under its name), the queues the configuration
+    /// names, the OJS API's store, the listener. No configuration work is
+    /// left here: what can fail is the brokers, the store and the port.
     pub async fn connect(
-        topology: Topology,
+        ready: Ready,
         mut provided: BTreeMap<String, Arc<dyn QueueAdapter>>,
     ) -> Result<Daemon, DaemonError> {
-        for clash in topology.shared_destinations() {
+        for clash in ready.topology.shared_destinations() {
             tracing::warn!("{clash}");
         }
-        let Topology {
-            config,
-            adapters: mut compiled_adapters,
-            routes,
-        } = topology;
+        let Ready {
+            topology:
+                Topology {
+                    config,
+                    adapters: mut compiled_adapters,
+                    routes,
+                    mut health_probes,
+                },
+            tls,
+            http_token,
+            api: api_settings,
+        } = ready;
         // The listener first: probes get 503 `starting` while the brokers
         // and the store are connected, and a port already taken stops the
         // start before anything else.
-        let tls = crate::tls::acceptor(&config.http)?;
         let starting = if config.http.listen == "off" {
             None
         } else {
@@ -280,9 +294,9 @@ impl Daemon {
             }
             let compiled = compiled_adapters
                 .remove(name)
-                .ok_or_else(|| ConfigError::Invalid {
+                .ok_or_else(|| DaemonError::Unbuilt {
                     field: format!("adapters.{name}"),
-                    reason: "was not built".into(),
+                    reason: "its settings were not compiled".into(),
                 })?;
             // An unreachable broker is waited for (in the background, health
             // naming it); a bad setting or a missing queue on a reachable
@@ -331,16 +345,13 @@ impl Daemon {
             let mut regions = Vec::new();
             for (id, region) in &f.regions {
                 let field = |f: &str| format!("federations.{name}.regions.{id}.{f}");
-                let adapter = connected(&adapters, field("adapter"), &region.adapter)?;
-                let probe: Arc<dyn HealthProbe> = match &region.health {
-                    Some(url) => Arc::new(HttpHealthProbe::new(url, f.health_timeout).map_err(
-                        |reason| ConfigError::Invalid {
-                            field: field("health"),
-                            reason,
-                        },
-                    )?),
-                    None => Arc::new(AdapterProbe(adapter.clone())),
-                };
+                let adapter =
+                    connected(&adapters, field("adapter"), &region.adapter).map_err(|e| *e)?;
+                let probe: Arc<dyn HealthProbe> =
+                    match health_probes.remove(&(name.clone(), id.clone())) {
+                        Some(probe) => Arc::new(probe),
+                        None => Arc::new(AdapterProbe(adapter.clone())),
+                    };
                 regions.push(RegionSpec {
                     name: id.clone(),
                     adapter,
@@ -348,7 +359,7 @@ impl Daemon {
                 });
             }
             let federation =
-                Federation::new(f.settings(), regions).map_err(|e| ConfigError::Invalid {
+                Federation::new(f.settings(), regions).map_err(|e| DaemonError::Unbuilt {
                     field: format!("federations.{name}"),
                     reason: e.to_string(),
                 })?;
@@ -371,7 +382,8 @@ impl Daemon {
                 .map(|(_, f)| f.clone() as Arc<dyn QueueAdapter>);
             let sink = match federated {
                 Some(federation) => federation,
-                None => connected(&adapters, format!("routes[{i}].sink"), &route.sink)?,
+                None => connected(&adapters, format!("routes[{i}].sink"), &route.sink)
+                    .map_err(|e| *e)?,
             };
             sinks.push(sink);
         }
@@ -383,8 +395,12 @@ impl Daemon {
                 None
             }
             Some(api) => {
-                let adapter = connected(&adapters, "api.adapter".into(), &api.adapter)?;
-                let settings = api.settings(&config.adapters, &config.http)?;
+                let adapter =
+                    connected(&adapters, "api.adapter".into(), &api.adapter).map_err(|e| *e)?;
+                let settings = api_settings.ok_or_else(|| DaemonError::Unbuilt {
+                    field: "api".into(),
+                    reason: "its settings were not read".into(),
+                })?;
                 Some(
                     ojs_api::Api::open(settings, adapter, api.adapter.clone())
                         .await
@@ -397,10 +413,6 @@ impl Daemon {
             Some(api) => {
                 Some(ojs_api::grpc::GrpcServices::new(api.clone()).map_err(DaemonError::Api)?)
             }
-            None => None,
-        };
-        let http_token = match &config.http.token_file {
-            Some(path) => Some(crate::config::read_token_file("http.token_file", path)?),
             None => None,
         };
         let listener = match starting {

@@ -10,8 +10,7 @@ use std::sync::atomic::Ordering;
 use ojs_queue::backoff::reconnect_delay;
 use ojs_queue::{header, DeadLetterReason, Delivery, Error, Nack, OutgoingMessage};
 
-use super::publish::is_permanent;
-use super::{SourceCtx, MAX_BACKOFF};
+use super::{is_permanent, SourceCtx, MAX_BACKOFF};
 
 /// Whether a publish failed because the destination refuses what this one
 /// message carries (not because it is down or denies us).

@@ -17,10 +17,10 @@
 //! dead-letter copy was confirmed): at least once.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ojs_core::Encoding;
-use ojs_queue::QueueAdapter;
+use ojs_queue::{Delivery, Error, QueueAdapter};
 
 use crate::alarm::Alarm;
 use crate::config::SourceConfig;
@@ -33,6 +33,27 @@ mod publish;
 mod receive;
 
 pub(crate) use receive::run_source;
+
+/// Stages 2 to 4 for one batch the receive stage took: plans it, publishes
+/// each group and settles its deliveries, then dead-letters what could not
+/// go. Each stage is its own module and none calls a later one: this is
+/// the one place their order is written.
+async fn process_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) {
+    let received_at = Instant::now();
+    let plan::Planned { groups, mut dead } = plan::plan_batch(ctx, deliveries);
+    for group in groups {
+        publish::publish_group(ctx, group, received_at, &mut dead).await;
+    }
+    for (d, reason) in dead {
+        dead_letter::dead_letter(ctx, d, reason).await;
+    }
+}
+
+/// Whether a per-message publish error is the message's fault (dead-letter
+/// it) rather than the sink's (retry it).
+fn is_permanent(e: &Error) -> bool {
+    matches!(e, Error::PayloadTooLarge { .. }) || (!e.is_retryable() && !matches!(e, Error::Closed))
+}
 
 /// Longest wait between two attempts at a failing sink or consumer.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);

@@ -1,17 +1,15 @@
 //! Plan: each delivery of a batch is decoded by its content type, matched
 //! to the first route that takes it, mapped (call → job, job → call, job →
 //! job) and its destination checked, then grouped by (route, queue) for
-//! publishing. What cannot be planned is dead-lettered with its reason.
+//! publishing. What cannot be planned is set aside with its reason, for
+//! the dead-letter stage.
 
 use ojs_grpcq::Decode as _;
 use std::borrow::Cow;
-use std::time::Instant;
 
 use ojs_grpcq::mapping::JobTypes;
 use ojs_queue::{DeadLetterKind, DeadLetterReason, Delivery, OutgoingMessage};
 
-use super::dead_letter::dead_letter;
-use super::publish::publish_group;
 use super::SourceCtx;
 use crate::routes::Incoming;
 
@@ -34,23 +32,29 @@ pub(super) struct Outgoing {
 }
 
 /// Where a planned message goes and what it is.
-struct Planned<'a> {
+struct Destination<'a> {
     route: usize,
     queue: Cow<'a, str>,
     message: OutgoingMessage,
     created_ms: Option<i64>,
 }
 
-/// Plans, publishes and settles one batch.
-pub(super) async fn process_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) {
-    let received_at = Instant::now();
+/// A batch planned: its messages grouped by destination, and what cannot
+/// go anywhere with the reason.
+pub(super) struct Planned<'a> {
+    pub(super) groups: Vec<Group<'a>>,
+    pub(super) dead: Vec<(Delivery, DeadLetterReason)>,
+}
+
+/// Plans one batch.
+pub(super) fn plan_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) -> Planned<'_> {
     let n = deliveries.len();
     let mut groups: Vec<Group> = Vec::new();
     let mut dead: Vec<(Delivery, DeadLetterReason)> = Vec::new();
     let mut job_types = JobTypes::new();
     for d in deliveries {
         match plan(ctx, &d, &mut job_types) {
-            Ok(Planned {
+            Ok(Destination {
                 route,
                 queue,
                 message,
@@ -83,12 +87,7 @@ pub(super) async fn process_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) {
             Err(reason) => dead.push((d, reason)),
         }
     }
-    for group in groups {
-        publish_group(ctx, group, received_at, &mut dead).await;
-    }
-    for (d, reason) in dead {
-        dead_letter(ctx, d, reason).await;
-    }
+    Planned { groups, dead }
 }
 
 /// Where a delivery goes and what it becomes — or why it cannot go.
@@ -96,7 +95,7 @@ fn plan<'a>(
     ctx: &'a SourceCtx,
     d: &Delivery,
     job_types: &mut JobTypes,
-) -> Result<Planned<'a>, DeadLetterReason> {
+) -> Result<Destination<'a>, DeadLetterReason> {
     let msg = d.decode(Some(ctx.default_encoding))?;
     let Some(route) = ctx
         .routes
@@ -121,7 +120,7 @@ fn plan<'a>(
     // No size check here: the sink's `publish` makes the one check (its
     // limit, its way of counting) and hands an oversized message back as
     // `PayloadTooLarge`, which `publish_group` dead-letters.
-    Ok(Planned {
+    Ok(Destination {
         route,
         queue,
         message,

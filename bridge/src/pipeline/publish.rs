@@ -15,13 +15,7 @@ use ojs_queue::receiver::keep_leased;
 use ojs_queue::{DeadLetterKind, DeadLetterReason, Delivery, Error, Nack, OutgoingMessage};
 
 use super::plan::Group;
-use super::{SourceCtx, MAX_BACKOFF};
-
-/// Whether a per-message publish error is the message's fault (dead-letter
-/// it) rather than the sink's (retry it).
-pub(super) fn is_permanent(e: &Error) -> bool {
-    matches!(e, Error::PayloadTooLarge { .. }) || (!e.is_retryable() && !matches!(e, Error::Closed))
-}
+use super::{is_permanent, SourceCtx, MAX_BACKOFF};
 
 /// Publishes one group and settles its deliveries; dead letters go to
 /// `dead`.

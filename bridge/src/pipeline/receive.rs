@@ -16,8 +16,7 @@ use ojs_queue::{ConsumerOptions, Delivery};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
-use super::plan::process_batch;
-use super::{SourceCtx, MAX_BACKOFF, RECEIVE_WAIT};
+use super::{process_batch, SourceCtx, MAX_BACKOFF, RECEIVE_WAIT};
 
 /// Runs one source until `stop`, then gives in-flight work `drain` to
 /// finish.

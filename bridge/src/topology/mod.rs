@@ -1,15 +1,21 @@
 //! Build once, then run: the configuration (plain data) is turned into a
 //! [`Topology`] by one [`Topology::build`], which holds every rule and
-//! reports every problem of a file at once, each with its field path.
-//! `check-config` is that build plus reading the files `run` would read;
-//! `run` is that build plus connecting ([`crate::daemon::Daemon::connect`]).
+//! reports every problem of a file at once, each with its field path, and
+//! [`Topology::read_files`] reads the files it names (token files, the
+//! listener's certificate and key) into a [`Ready`] topology. `check-config`
+//! is exactly those two steps; `run` is those two steps plus connecting
+//! ([`crate::daemon::Daemon::connect`]), which does no configuration work.
 //! Nothing built here is changed afterwards.
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use ojs_core::redact::Secret;
+
 use crate::config::{invalid, BridgeConfig, ConfigError, OrderingMode};
 use crate::endpoint::AdapterConfig;
+use crate::probe::HttpHealthProbe;
 use crate::routes::Route;
+use crate::tls::ListenerTls;
 
 pub mod connecting;
 
@@ -25,6 +31,23 @@ pub struct Topology {
     /// The routes, first match wins; a route whose sink is a federation
     /// keeps its jobs' envelopes (the federation works on the job).
     pub routes: Vec<Route>,
+    /// The health probe of each federation region that names one, by
+    /// (federation, region).
+    pub health_probes: BTreeMap<(String, String), HttpHealthProbe>,
+}
+
+/// A topology with the files it names read: what the daemon connects.
+#[derive(Debug)]
+pub struct Ready {
+    /// The built configuration.
+    pub topology: Topology,
+    /// The listener's TLS (`http.tls_cert_file`, …), when it has one.
+    pub tls: Option<ListenerTls>,
+    /// The listener's bearer token (`http.token_file`).
+    pub http_token: Option<Secret>,
+    /// The OJS API's runtime settings (its token files read), when the
+    /// file has `[api]`.
+    pub api: Option<ojs_api::ApiSettings>,
 }
 
 /// A queue the configuration names literally, which must be usable before
@@ -202,6 +225,7 @@ impl Topology {
                     ))
                 }
             };
+        let mut health_probes = BTreeMap::new();
         for (name, f) in &config.federations {
             let at = |field: &str| format!("federations.{name}.{field}");
             if config.adapters.contains_key(name) {
@@ -224,11 +248,19 @@ impl Topology {
                     errors.push(e);
                 }
                 if let Some(url) = &region.health {
+                    let field = format!("federations.{name}.regions.{id}.health");
                     if !url.starts_with("http://") {
                         errors.push(invalid(
-                            format!("federations.{name}.regions.{id}.health"),
+                            field,
                             format!("{url:?} must be http://host:port/ojs/v1/health"),
                         ));
+                    } else {
+                        match HttpHealthProbe::new(url, f.health_timeout) {
+                            Ok(probe) => {
+                                health_probes.insert((name.clone(), id.clone()), probe);
+                            }
+                            Err(reason) => errors.push(invalid(field, reason)),
+                        }
                     }
                 }
             }
@@ -354,6 +386,44 @@ impl Topology {
             config,
             adapters,
             routes,
+            health_probes,
+        })
+    }
+
+    /// Reads the files this topology names, or refuses it with every file
+    /// that cannot be read (first) or whose content is not usable (once
+    /// each is readable): the token files, the listener's certificate, key
+    /// and client CA, the files adapters read when they connect.
+    pub fn read_files(self) -> Result<Ready, ConfigError> {
+        self.check_files()?;
+        let mut errors = Vec::new();
+        let config = &self.config;
+        let tls = crate::tls::acceptor(&config.http).unwrap_or_else(|e| {
+            errors.push(e);
+            None
+        });
+        let api =
+            config
+                .api
+                .as_ref()
+                .and_then(|a| match a.settings(&config.adapters, &config.http) {
+                    Ok(settings) => Some(settings),
+                    Err(e) => {
+                        errors.push(e);
+                        None
+                    }
+                });
+        let http_token = config.http.token_file.as_ref().and_then(|path| {
+            crate::config::read_token_file("http.token_file", path)
+                .map_err(|e| errors.push(e))
+                .ok()
+        });
+        ConfigError::all(errors)?;
+        Ok(Ready {
+            topology: self,
+            tls,
+            http_token,
+            api,
         })
     }
 
