@@ -2,7 +2,19 @@
 //! to the retry or dead topic and settles the original only after the
 //! copy's delivery report.
 
-use super::*;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ojs_queue::{
+    header, Acknowledger, DeadLetterReason, DeliveryRef, Error, Nack, OutgoingMessage, Result,
+    Source,
+};
+
+use crate::client::{now_ms, NOT_BEFORE_HEADER};
+use crate::consume::Settler;
+use crate::topology::Destination;
+use crate::tracker::Stale;
+use crate::Tp;
 
 #[derive(Debug)]
 pub(crate) struct KafkaAcker {

@@ -1,7 +1,16 @@
 //! The librdkafka clients: their configuration, the producer, and the
 //! errors they report as ours.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ojs_queue::settings::Topology;
+use ojs_queue::{BrokerErrorKind, Error, Result};
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::ThreadedProducer;
+
+use crate::{ClientLog, Inner, KafkaConfig, Reports};
 
 /// The adapter's producer: librdkafka's polling thread counts delivery
 /// reports into the publishes they belong to ([`reports`]).

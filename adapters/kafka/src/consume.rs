@@ -3,7 +3,31 @@
 //! partition; retry records held until due; partitions paused while nobody
 //! receives, so the member stays in its group.
 
-use super::*;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::{FutureExt, StreamExt};
+use ojs_queue::log_limit::LogLimiter;
+use ojs_queue::{
+    header, Consumer, ConsumerOptions, Delivery, Error, HeaderName, Headers, Result, Source,
+};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio::time::Instant;
+
+use crate::ack::KafkaAcker;
+use crate::client::{
+    apply_overrides, client_config, kafka_error, now_ms, NOT_BEFORE_HEADER, ORIGIN_TOPIC_HEADER,
+};
+use crate::{ClientLog, Inner, KafkaConfig, RecordHeaders, Tp, Tracker};
 
 /// A record held until its `ojs-not-before` time.
 #[derive(Debug)]

@@ -47,44 +47,35 @@ mod reports;
 mod topology;
 mod tracker;
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
-use futures::{FutureExt, StreamExt};
-use ojs_queue::log_limit::LogLimiter;
 use ojs_queue::{admit, publish_outcome};
 use ojs_queue::{
-    header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
-    DeliveryRef, Error, FailedPublish, HeaderName, Headers, Health, Nack, OutgoingMessage,
-    QueueAdapter, Result, Source,
+    BrokerErrorKind, Consumer, ConsumerOptions, Error, Health, OutgoingMessage, QueueAdapter,
+    Result, Source,
 };
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer,
-};
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{BaseRecord, ThreadedProducer};
-use rdkafka::{ClientContext, Offset, TopicPartitionList};
-use tokio::time::Instant;
+use rdkafka::admin::{AdminClient, AdminOptions};
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::{Offset, TopicPartitionList};
 
 use client_log::{ClientLog, LogContext};
 pub use config::KafkaConfig;
 pub use ojs_queue::settings::Topology;
 use record_headers::RecordHeaders;
 use reports::Reports;
-use tracker::{Stale, Tp, Tracker};
+use tracker::{Tp, Tracker};
 
-use ack::*;
-use client::*;
-use consume::*;
+use crate::client::{
+    apply_overrides, broker_kind, client_config, kafka_error, make_producer, now_ms, Producer,
+    NOT_BEFORE_HEADER,
+};
+use crate::topology::{Destination, Destinations};
 pub use consume::{received_record, KafkaConsumer, ReceivedRecord};
-use topology::*;
 
 struct Inner {
     config: KafkaConfig,
@@ -357,6 +348,7 @@ impl QueueAdapter for KafkaAdapter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rdkafka::config::ClientConfig;
 
     /// CPU time (user + system) of the calling thread so far, in clock
     /// ticks (1/100 s).

@@ -1,7 +1,17 @@
 //! Publishing: records produced through the idempotent producer, each
 //! publish waiting for all of its delivery reports ([`crate::reports`]).
 
-use super::*;
+use std::sync::Arc;
+
+use ojs_queue::{BrokerErrorKind, Error, FailedPublish, OutgoingMessage, Result};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::BaseRecord;
+use tokio::time::Instant;
+
+use crate::client::{kafka_error, make_producer, Producer, ORIGIN_TOPIC_HEADER, QUEUE_FULL_WAIT};
+use crate::topology::{Destination, Destinations};
+use crate::{reports, Inner};
 
 impl Inner {
     pub(crate) fn producer(&self) -> Arc<Producer> {

@@ -1,7 +1,13 @@
 //! A queue's topics: named by the templates, found on the broker (with
 //! `topology = "existing"`) or created (with `declare`).
 
-use super::*;
+use ojs_queue::settings::Topology;
+use ojs_queue::{BrokerErrorKind, Error, Result};
+use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+use rdkafka::error::RDKafkaErrorCode;
+
+use crate::client::START_REQUEST_TIMEOUT;
+use crate::Inner;
 
 /// The topic of each [`Destination`] of a queue; `None` where the broker has none
 /// (only with `topology = "existing"`).

@@ -2,7 +2,14 @@
 //! SQLite transaction for many acks); nacks reschedule or dead-letter the
 //! row in the store.
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ojs_queue::{Acknowledger, Error, Nack, Result};
+
+use crate::{blocking, lock_held, store, Held, Inner, HOUSEKEEPING_EVERY};
 
 /// Most acks folded into one commit.
 pub(crate) const MAX_ACKS_PER_COMMIT: usize = 1_000;

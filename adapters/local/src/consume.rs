@@ -1,7 +1,16 @@
 //! Consuming: leases taken in the store, a consumer's held deliveries
 //! given back when it closes or is dropped.
 
-use super::*;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ojs_queue::{Consumer, ConsumerOptions, Delivery, Result, Source};
+use tokio::time::Instant;
+
+use crate::ack::LocalAcker;
+use crate::{blocking, store, Inner};
 
 pub(crate) type Held = Arc<Mutex<HashSet<(i64, i64)>>>;
 

@@ -34,21 +34,16 @@ mod store;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use async_trait::async_trait;
 use ojs_queue::{admit, publish_outcome};
-use ojs_queue::{
-    Acknowledger, Consumer, ConsumerOptions, Delivery, Error, Health, Nack, OutgoingMessage,
-    QueueAdapter, Result, Source,
-};
+use ojs_queue::{Consumer, ConsumerOptions, Error, Health, OutgoingMessage, QueueAdapter, Result};
 use rusqlite::Connection;
 use tokio::sync::Notify;
-use tokio::time::Instant;
 
 pub use config::{Durability, LocalConfig, DATABASE_FILE};
 
-use ack::*;
+use crate::ack::{ack_writer, AckRequest};
 pub use consume::LocalConsumer;
 use consume::{lock_held, Held};
 
@@ -212,6 +207,11 @@ impl QueueAdapter for LocalAdapter {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use ojs_queue::{Nack, Source};
+    use tokio::time::Instant;
+
     use super::*;
     use ojs_core::envelope::media::OJS_PROTO;
 

@@ -1,7 +1,14 @@
 //! Settling: ack removes the message; a nack redelivers it after its delay
 //! or moves it to the dead letters with the reason.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ojs_queue::{Acknowledger, Error, Nack, Result};
+use tokio::time::Instant;
+
+use crate::broker::Queue;
 
 #[derive(Debug)]
 pub(crate) struct MemoryAcker {

@@ -2,7 +2,17 @@
 //! process, each a set of queues with visibility timeouts, delayed
 //! messages, priorities and dead letters.
 
-use super::*;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ojs_queue::{DeadLetterReason, Headers};
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
 #[derive(Debug, Clone)]
 pub(crate) struct Stored {

@@ -1,6 +1,6 @@
 //! Settings of the in-process broker.
 
-use super::*;
+use ojs_queue::{Error, Result};
 
 /// Default message size limit: generous, but bounded so that a runaway
 /// producer fails loudly instead of exhausting memory.

@@ -1,7 +1,16 @@
 //! Consuming: leases on the in-process queue, given back when the consumer
 //! closes or is dropped.
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ojs_queue::{Consumer, ConsumerOptions, Delivery, Result, Source};
+use tokio::time::Instant;
+
+use crate::ack::MemoryAcker;
+use crate::broker::{Broker, InFlight, Queue};
 
 /// A consumer of one in-memory queue (or its dead letters).
 #[derive(Debug)]

@@ -26,21 +26,13 @@
 //! # Ok(()) }
 //! ```
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use ojs_queue::{admit, publish_outcome};
-use ojs_queue::{
-    Acknowledger, Consumer, ConsumerOptions, DeadLetterReason, Delivery, Error, Headers, Health,
-    Nack, OutgoingMessage, QueueAdapter, Result, Source,
-};
-use tokio::sync::Notify;
+use ojs_queue::{Consumer, ConsumerOptions, Error, Health, OutgoingMessage, QueueAdapter, Result};
 use tokio::time::Instant;
 
 mod ack;
@@ -48,8 +40,7 @@ mod broker;
 mod config;
 mod consume;
 
-use ack::*;
-use broker::*;
+use crate::broker::{registry, Broker, Stored};
 pub use config::{MemoryConfig, DEFAULT_MAX_MESSAGE_BYTES};
 pub use consume::MemoryConsumer;
 
@@ -200,6 +191,7 @@ impl QueueAdapter for MemoryAdapter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ojs_queue::{Delivery, Nack};
 
     fn five_second_lease() -> ConsumerOptions {
         ConsumerOptions {

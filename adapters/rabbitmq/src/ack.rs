@@ -3,7 +3,20 @@
 //! and only then acks the original; with `topology = "existing"` and no
 //! dead-letter exchange, a reject the queue's own dead-lettering takes.
 
-use super::*;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::types::FieldTable;
+use ojs_queue::settings::Topology;
+use ojs_queue::{
+    header, Acknowledger, DeadLetterReason, DeliveryRef, Error, Nack, OutgoingMessage, Result,
+    Source,
+};
+use tokio::time::Instant;
+
+use crate::publish::Destination;
+use crate::{bucket_delay_ms, within, Inner};
 
 #[derive(Debug)]
 pub(crate) struct RabbitAcker {

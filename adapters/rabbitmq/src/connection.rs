@@ -2,7 +2,19 @@
 //! shared by publishers, opened with TLS where asked and reopened with
 //! backoff after it breaks.
 
-use super::*;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use lapin::options::ConfirmSelectOptions;
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use ojs_queue::backoff::reconnect_delay;
+use ojs_queue::settings::Topology;
+use ojs_queue::{Error, Result};
+use tokio::time::Instant;
+
+use crate::{amqp_error, redact, topology, within, Inner};
 
 /// One connection with its confirm-mode publishing channel, and what has
 /// been declared on it.

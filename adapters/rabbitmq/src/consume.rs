@@ -5,7 +5,22 @@
 //! with `basic.get`, so none waits in this process between receives where
 //! another process's receive could have had it (the OJS API's replicas).
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::{FutureExt, StreamExt};
+use lapin::options::{BasicConsumeOptions, BasicGetOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::Channel;
+use ojs_queue::backoff::reconnect_delay;
+use ojs_queue::{BrokerErrorKind, Consumer, ConsumerOptions, Delivery, Error, Result, Source};
+use tokio::time::Instant;
+
+use crate::ack::RabbitAcker;
+use crate::connection::Session;
+use crate::{amqp_error, fits, headers, topology, within, Inner};
 
 /// How long a channel call may take beyond the caller's own deadline (a
 /// `basic.get` at the end of a receive, a channel close).

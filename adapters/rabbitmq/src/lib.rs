@@ -35,26 +35,16 @@ mod consume;
 mod headers;
 mod publish;
 mod topology;
-
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
-use futures::{FutureExt, StreamExt};
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
-    BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
-};
-use lapin::types::{FieldTable, LongString};
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
-use ojs_queue::backoff::reconnect_delay;
+use lapin::options::{BasicQosOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
 use ojs_queue::{admit, publish_outcome};
 use ojs_queue::{
-    header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
-    DeliveryRef, Error, FailedPublish, Health, Nack, OutgoingMessage, QueueAdapter, Result, Source,
+    Consumer, ConsumerOptions, Error, Health, OutgoingMessage, QueueAdapter, Result, Source,
 };
 use tokio::time::Instant;
 
@@ -82,12 +72,10 @@ async fn within<T>(
         .unwrap_or(Err(Error::Timeout(budget)))
 }
 
+use crate::connection::Session;
+use crate::consume::RabbitConsumer;
+use crate::publish::{blocked_error, grpcq_route, Destination};
 use topology::{amqp_error, fits, short};
-
-use ack::*;
-use connection::*;
-use consume::*;
-use publish::*;
 
 #[derive(Debug)]
 struct Inner {

@@ -3,7 +3,13 @@
 //! state); a dropped connection is reopened and what was not confirmed is
 //! published again until `publish_timeout_secs`.
 
-use super::*;
+use lapin::options::BasicPublishOptions;
+use lapin::types::FieldTable;
+use lapin::Confirmation;
+use ojs_queue::{BrokerErrorKind, Error, FailedPublish, OutgoingMessage, Source};
+use tokio::time::Instant;
+
+use crate::{headers, short, topology, within, Inner};
 
 /// Where a message goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,12 +8,21 @@
 //! checked with a passive declare and used, with a warning — and only what is
 //! missing is created. With `existing` only passive declares are made.
 
+use std::time::Duration;
+
 use lapin::options::{
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
+use lapin::types::LongString;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Connection, ErrorKind, ExchangeKind};
+use ojs_queue::settings::Topology;
+use ojs_queue::Source;
 use ojs_queue::{BrokerErrorKind, Error, Result};
+use tokio::time::Instant;
+
+use crate::connection::Session;
+use crate::Inner;
 
 /// AMQP reply codes this module tells apart.
 const ACCESS_REFUSED: u16 = 403;
@@ -332,8 +341,6 @@ pub(crate) async fn bind(
 
 // Declaring what a queue needs, on the adapter's session.
 
-use super::*;
-
 impl Inner {
     pub(crate) fn queue_args(&self, extra: &[(&str, AMQPValue)]) -> FieldTable {
         let mut args = FieldTable::default();
@@ -375,7 +382,7 @@ impl Inner {
                 Source::Queue => &main,
                 Source::DeadLetters => &dlq,
             };
-            topology::check_queue(&s.connection, name).await?;
+            check_queue(&s.connection, name).await?;
             s.declared().insert(key);
             return Ok(());
         }
@@ -393,13 +400,13 @@ impl Inner {
         if let (false, Some(max)) = (c.quorum_queues, c.max_priority) {
             extra.push(("x-max-priority", AMQPValue::ShortShortUInt(max)));
         }
-        topology::declare_queue(&s.connection, &main, self.queue_args(&extra)).await?;
+        declare_queue(&s.connection, &main, self.queue_args(&extra)).await?;
         let (exchange, routing_key) = c.publish_route_of(queue);
-        topology::bind(&s.connection, &main, &exchange, &routing_key).await?;
+        bind(&s.connection, &main, &exchange, &routing_key).await?;
         if let Some(dlx) = c.dead_letter_exchange_in_force() {
-            match topology::try_declare_queue(&s.connection, &dlq, self.queue_args(&[])).await? {
-                topology::Declared::Usable => {
-                    topology::bind(
+            match try_declare_queue(&s.connection, &dlq, self.queue_args(&[])).await? {
+                Declared::Usable => {
+                    bind(
                         &s.connection,
                         &dlq,
                         dlx,
@@ -409,14 +416,14 @@ impl Inner {
                 }
                 // Refused (no `configure` permission): the queue itself works;
                 // dead-lettering fails, named, until someone creates the DLQ.
-                topology::Declared::Refused(e) => {
+                Declared::Refused(e) => {
                     tracing::warn!(queue = %main, dead_letter_queue = %dlq, error = %e, "cannot declare the dead-letter queue; dead-lettering from this queue will fail until it exists");
                 }
             }
         }
         for binding in c.grpcq_bindings_of(queue) {
             self.ensure_grpcq_exchange(s, &binding.exchange).await?;
-            topology::bind(
+            bind(
                 &s.connection,
                 &main,
                 &binding.exchange,
@@ -439,7 +446,7 @@ impl Inner {
             return Ok(());
         }
         if self.config.topology == Topology::Existing {
-            topology::check_exchange(&s.connection, topic).await?;
+            check_exchange(&s.connection, topic).await?;
             s.declared().insert(key);
             return Ok(());
         }
@@ -544,7 +551,7 @@ impl Inner {
             )
             .await;
         declared.map_err(|e| topology_error(&name, &e))?;
-        topology::bind(
+        bind(
             &s.connection,
             &name,
             &c.retry_exchange,
@@ -560,7 +567,7 @@ impl Inner {
 }
 
 pub(crate) fn topology_error(name: &str, e: &lapin::Error) -> Error {
-    topology::with_kind(
+    with_kind(
         Error::broker("rabbitmq", format!("declaring {name}: {e}"), true),
         e,
     )

@@ -2,7 +2,21 @@
 //! its visibility, a dead letter sends a copy with the reason to the
 //! dead-letter queue and deletes the original.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use aws_sdk_sqs::types::DeleteMessageBatchRequestEntry;
+use aws_sdk_sqs::Client;
+use ojs_queue::{
+    header, Acknowledger, DeadLetterReason, DeliveryRef, Error, Nack, OutgoingMessage, Result,
+};
+
+use crate::client::call_error;
+use crate::{
+    Inner, Typed, KEY_ATTRIBUTE, SQS_BATCH_LIMIT, SQS_MAX_ATTRIBUTES, SQS_MAX_VISIBILITY_SECS,
+};
 
 pub(crate) type DeleteRequest = (String, tokio::sync::oneshot::Sender<Result<()>>);
 

@@ -1,7 +1,10 @@
 //! The SQS client and the errors it reports as ours: which are the
 //! queue's state (retry) and which refuse what a message carries.
 
-use super::*;
+use aws_sdk_sqs::Client;
+use ojs_queue::{BrokerErrorKind, Error};
+
+use crate::SqsConfig;
 
 /// An aws-sdk-sqs client for these settings (region, endpoint, credentials
 /// from the standard chain): the one the adapter uses, and the one tools and

@@ -2,7 +2,22 @@
 //! (base64 or raw bodies, attributes as headers), invisible for the
 //! visibility timeout while it is held.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName};
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
+use bytes::Bytes;
+use ojs_queue::{Consumer, ConsumerOptions, Delivery, HeaderName, Headers, Result, Source};
+
+use crate::ack::SqsAcker;
+use crate::client::call_error;
+use crate::{
+    attributes, Inner, KEY_ATTRIBUTE, SQS_BATCH_LIMIT, SQS_MAX_VISIBILITY_SECS, SQS_MAX_WAIT_SECS,
+};
 
 /// What an SQS message carries, in neutral form.
 #[derive(Debug, Clone, PartialEq)]

@@ -45,22 +45,13 @@ mod topology;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use async_trait::async_trait;
-use aws_sdk_sqs::types::{
-    DeleteMessageBatchRequestEntry, MessageAttributeValue, MessageSystemAttributeName,
-    QueueAttributeName, SendMessageBatchRequestEntry,
-};
+use aws_sdk_sqs::types::QueueAttributeName;
 use aws_sdk_sqs::Client;
-use base64::engine::general_purpose::STANDARD;
-use base64::Engine as _;
-use bytes::Bytes;
-use ojs_queue::backoff::reconnect_delay;
 use ojs_queue::{admit, publish_outcome};
 use ojs_queue::{
-    header, Acknowledger, BrokerErrorKind, Consumer, ConsumerOptions, DeadLetterReason, Delivery,
-    DeliveryRef, Error, FailedPublish, HeaderName, Headers, Health, Nack, OutgoingMessage,
+    BrokerErrorKind, Consumer, ConsumerOptions, Error, FailedPublish, Health, OutgoingMessage,
     QueueAdapter, Result, Source,
 };
 
@@ -69,9 +60,9 @@ pub use aws_sdk_sqs::{primitives::Blob, types::MessageAttributeValue as Attribut
 pub use config::*;
 pub use ojs_queue::settings::Topology;
 
-use ack::*;
+use crate::ack::DeleteRequest;
+use crate::client::call_error;
 pub use client::sdk_client;
-use client::*;
 pub use consume::{received_message, ReceivedMessage, SqsConsumer, Typed};
 pub use publish::encoded_size;
 
@@ -262,6 +253,7 @@ impl QueueAdapter for SqsAdapter {
 mod tests {
     use super::*;
     use crate::publish::attribute_value;
+    use aws_sdk_sqs::types::MessageAttributeValue;
 
     #[test]
     fn what_sqs_cannot_hold_as_sent_reads_back_as_sent() {

@@ -2,7 +2,21 @@
 //! attributes, requests cut at 10 entries and 1 MiB, every entry checked;
 //! a batch refused for its content is sent again one message per request.
 
-use super::*;
+use std::collections::HashMap;
+use std::time::Duration;
+
+use aws_sdk_sqs::primitives::Blob;
+use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
+use ojs_queue::backoff::reconnect_delay;
+use ojs_queue::{header, BrokerErrorKind, Error, FailedPublish, Headers, OutgoingMessage, Result};
+
+use crate::client::{refuses_the_content, sqs_error};
+use crate::{
+    attributes, Inner, Typed, KEY_ATTRIBUTE, SQS_BATCH_LIMIT, SQS_MAX_ATTRIBUTES,
+    SQS_MAX_DELAY_SECS, SQS_MAX_MESSAGE_BYTES,
+};
 
 /// Encoded size as SQS counts it: body plus each attribute's size
 /// ([`attribute_size`]).

@@ -2,7 +2,12 @@
 //! (with `topology = "existing"`) or created with a redrive policy (with
 //! `declare`), and cached.
 
-use super::*;
+use aws_sdk_sqs::types::QueueAttributeName;
+use ojs_queue::settings::Topology;
+use ojs_queue::{BrokerErrorKind, Error, Result};
+
+use crate::client::{call_error, sqs_error};
+use crate::Inner;
 
 impl Inner {
     pub(crate) fn cached(&self, name: &str) -> Option<String> {

@@ -1,7 +1,11 @@
 //! `[adapters]`: each adapter a URL or a table of `url` and settings,
 //! compiled into the adapter's own settings.
 
-use super::*;
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{invalid, ConfigError};
 
 /// One `[adapters]` entry: `name = "URL"`, or `[adapters.NAME]` with `url`
 /// and settings (typed as the adapter's table in docs/adapters/ says; a string is read

@@ -2,9 +2,17 @@
 //! queues hold the jobs, which queues clients may name, where job state is
 //! kept.
 
-use super::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
 use ojs_api::auth::{Operation, Token, Tokens};
+use ojs_core::glob::Glob;
 use ojs_core::redact::Secret;
+use serde::{Deserialize, Serialize};
+
+use crate::config::duration::duration_text;
+use crate::config::{invalid, AdapterEntry, ConfigError, EnvelopeEncoding, HttpConfig};
 
 /// `[api]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

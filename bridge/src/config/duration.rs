@@ -1,6 +1,6 @@
 //! Durations as the file writes them (`"30s"`, `"500ms"`, `"2m"`).
 
-use super::*;
+use std::time::Duration;
 
 /// Parses `250ms`, `30s`, `5m`, `1h` or a bare number of seconds.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {

@@ -1,6 +1,11 @@
 //! `[federations.NAME]`: a federated sink over regions, each an adapter.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::duration::duration_text;
 
 /// `[federations.NAME]`: regions over adapters, routed per job
 /// (docs/design.md §6).

@@ -1,6 +1,11 @@
 //! `[http]`: the listener of health and metrics, and its limits.
 
-use super::*;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::duration::duration_text;
 
 /// `[http]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

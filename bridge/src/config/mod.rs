@@ -3,14 +3,11 @@
 //! `examples/embedded.toml`, which is also the configuration used when no
 //! file is given).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-
-use crate::routes::template::{Template, TemplateVar};
-use ojs_core::glob::Glob;
 
 /// The configuration `ojs-bridge run` uses without `--config`: the embedded
 /// broker in `./ojs-bridge-data`, grpcq calls from its `calls` queue become

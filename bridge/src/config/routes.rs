@@ -1,6 +1,10 @@
 //! `[[routes]]`: which messages go where, and as what.
 
-use super::*;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::routes::template::{Template, TemplateVar};
 
 /// What a route publishes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

@@ -1,6 +1,10 @@
 //! `[[sources]]`: the queues the daemon consumes, and how.
 
-use super::*;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::duration::duration_text;
 
 /// What messages without a `content-type` header are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
