@@ -189,8 +189,15 @@ def sqs_queue(a):
 
 
 def sqs_list(a):
+    # One ListQueues answer holds at most 1,000 queues: page through the rest.
     c = sqs_client()
-    urls = c.list_queues(QueueNamePrefix=a.prefix).get("QueueUrls", [])
+    urls, page = [], {"QueueNamePrefix": a.prefix, "MaxResults": 1000}
+    while True:
+        answer = c.list_queues(**page)
+        urls += answer.get("QueueUrls", [])
+        if not answer.get("NextToken"):
+            break
+        page["NextToken"] = answer["NextToken"]
     print(json.dumps(sorted(u.rsplit("/", 1)[-1] for u in urls)))
 
 
