@@ -164,7 +164,7 @@ impl Api {
     pub async fn retry_dead_letter(&self, grant: &Grant<'_>, id: &str) -> Result<Job, ApiError> {
         let queue = self.dead_letter(grant, id).await?.envelope.queue;
         grant.allow_job(Operation::Admin, &queue, id)?;
-        let now = ojs_core::envelope::now_millis();
+        let now = self.now();
         let job_id = id.to_owned();
         let (before, job) = self
             .store

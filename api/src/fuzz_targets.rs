@@ -39,12 +39,17 @@ pub fn api_request(data: &[u8]) {
     }
     match selector & 0x07 {
         0 => {
-            if let Ok(job) = read_job(&headers, Bytes::copy_from_slice(body), 10_000) {
+            if let Ok(job) = read_job(
+                &headers,
+                Bytes::copy_from_slice(body),
+                10_000,
+                chrono::Utc::now(),
+            ) {
                 storable(&job);
             }
         }
         1 => {
-            if let Ok(jobs) = batch(&headers, body, 1000) {
+            if let Ok(jobs) = batch(&headers, body, 1000, chrono::Utc::now()) {
                 jobs.iter().for_each(storable);
             }
         }

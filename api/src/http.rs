@@ -6,6 +6,7 @@
 //! [`ApiSettings::max_body_bytes`](crate::ApiSettings::max_body_bytes).
 
 use bytes::Bytes;
+use chrono::{DateTime, Utc};
 use http::header::{HeaderMap, HeaderValue, ACCEPT, CONTENT_TYPE, LOCATION};
 use http::{Method, Request, Response, StatusCode};
 use ojs_core::envelope::media::{OJS_JSON, OJS_PROTO};
@@ -253,6 +254,7 @@ async fn route(
                 request.headers(),
                 std::mem::take(&mut body),
                 api.settings().max_json_values,
+                api.now(),
             )?;
             let mut jobs = api.push(&grant, vec![job]).await?;
             let job = jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))?;
@@ -612,7 +614,7 @@ async fn worker_route(
             Ok(json_response(
                 200,
                 &json!({"state": directive.as_str(), "jobs_extended": extended,
-                        "server_time": crate::job::timestamp(chrono::Utc::now())}),
+                        "server_time": crate::job::timestamp(api.now())}),
                 request_id,
             ))
         }
@@ -721,8 +723,12 @@ fn json_only(headers: &HeaderMap) -> Result<(), ApiError> {
 }
 
 /// The job of a PUSH body, validated.
-pub fn read_job(headers: &HeaderMap, body: Bytes, max_values: usize) -> Result<Job, ApiError> {
-    let now = ojs_core::envelope::now_millis();
+pub fn read_job(
+    headers: &HeaderMap,
+    body: Bytes,
+    max_values: usize,
+    now: DateTime<Utc>,
+) -> Result<Job, ApiError> {
     match body_encoding(headers)? {
         // As a JSON body's values are counted on its bytes, a protobuf
         // body's are counted as they are decoded.
@@ -750,13 +756,17 @@ pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
 
 fn read_batch(api: &Api, headers: &HeaderMap, body: Bytes) -> Result<Vec<Job>, ApiError> {
     ojs_core::envelope::value::with_value_budget(api.settings().max_json_values, || {
-        batch(headers, &body, api.settings().max_batch_jobs)
+        batch(headers, &body, api.settings().max_batch_jobs, api.now())
     })
 }
 
 /// The jobs of a batch PUSH body (at most `limit`), validated.
-pub fn batch(headers: &HeaderMap, body: &[u8], limit: usize) -> Result<Vec<Job>, ApiError> {
-    let now = ojs_core::envelope::now_millis();
+pub fn batch(
+    headers: &HeaderMap,
+    body: &[u8],
+    limit: usize,
+    now: DateTime<Utc>,
+) -> Result<Vec<Job>, ApiError> {
     let too_many = |count| ApiError::BatchTooLarge { count, limit };
     let jobs = match body_encoding(headers)? {
         Encoding::OjsProto => {

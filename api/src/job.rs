@@ -163,7 +163,7 @@ pub fn from_json(body: Value, now: DateTime<Utc>) -> Result<Job, ApiError> {
     body.entry("id")
         .or_insert_with(|| json!(ojs_core::envelope::new_job_id()));
     let envelope = JobEnvelope::from_json_value(Value::Object(body)).map_err(invalid_envelope)?;
-    finish(envelope, pending, now)
+    accept(envelope, pending, now)
 }
 
 /// A job from a protobuf PUSH (one `JobEnvelope`, `id` and `specversion`
@@ -196,11 +196,17 @@ pub fn from_proto(bytes: &[u8], now: DateTime<Utc>) -> Result<Job, ApiError> {
     envelope.error = None;
     envelope.errors.clear();
     envelope.result = None;
-    finish(envelope, pending, now)
+    accept(envelope, pending, now)
 }
 
-/// Sets state and timestamps, checks what the envelope's own rules do not.
-fn finish(mut envelope: JobEnvelope, pending: bool, now: DateTime<Utc>) -> Result<Job, ApiError> {
+/// The last step of every PUSH, whichever binding and format it came in:
+/// sets the state and timestamps, checks the envelope's own rules and what
+/// they leave to the API (the priority's range, the size limits).
+pub(crate) fn accept(
+    mut envelope: JobEnvelope,
+    pending: bool,
+    now: DateTime<Utc>,
+) -> Result<Job, ApiError> {
     if !PRIORITY_RANGE.contains(&i64::from(envelope.priority)) {
         return Err(ApiError::invalid(
             "options.priority",
@@ -262,19 +268,12 @@ fn fold_options(
             }
             "timeout_ms" => {
                 let ms = non_negative(&at, &v)?;
-                // The envelope counts whole seconds; the exact value rides along.
-                let secs = ms.div_ceil(1000).min(i32::MAX as u64);
-                body.insert("timeout".into(), json!(secs));
+                body.insert("timeout".into(), json!(timeout_seconds(ms)));
                 body.insert("timeout_ms".into(), json!(ms));
             }
             "visibility_timeout_ms" => {
                 let ms = non_negative(&at, &v)?;
-                if ms < 1000 {
-                    return Err(ApiError::invalid(
-                        &at,
-                        format!("{ms} is below 1000 (schema: minimum 1000)"),
-                    ));
-                }
+                check_visibility_timeout(&at, ms)?;
                 body.insert("visibility_timeout_ms".into(), json!(ms));
             }
             "delay_until" | "scheduled_at" => {
@@ -314,23 +313,16 @@ fn fold_options(
                 let tags = v
                     .as_array()
                     .ok_or_else(|| ApiError::invalid(&at, "must be an array of strings"))?;
-                for (i, t) in tags.iter().enumerate() {
-                    match t.as_str() {
-                        Some(s) if !s.is_empty() => {}
-                        _ => {
-                            return Err(ApiError::invalid(
-                                format!("{at}[{i}]"),
-                                "must be a non-empty string",
-                            ))
-                        }
-                    }
-                    if tags[..i].contains(t) {
-                        return Err(ApiError::invalid(
-                            format!("{at}[{i}]"),
-                            "appears twice (schema: uniqueItems)",
-                        ));
-                    }
-                }
+                let tags = tags
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| {
+                        t.as_str().map(str::to_owned).ok_or_else(|| {
+                            ApiError::invalid(format!("{at}[{i}]"), "must be a non-empty string")
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                check_tags(&at, &tags)?;
                 body.insert("tags".into(), v);
             }
             "pending" => {
@@ -350,6 +342,50 @@ fn fold_options(
         }
     }
     Ok(pending)
+}
+
+/// `timeout_ms` as the envelope's whole seconds (rounded up).
+fn timeout_seconds(ms: u64) -> u64 {
+    ms.div_ceil(1000).min(i32::MAX as u64)
+}
+
+/// A job's `timeout_ms`: the envelope counts whole seconds, and the exact
+/// value rides along as an attribute of its own.
+pub(crate) fn set_timeout_ms(envelope: &mut JobEnvelope, ms: u64) {
+    envelope.timeout = i32::try_from(timeout_seconds(ms)).unwrap_or(i32::MAX);
+    envelope
+        .unknown_attributes
+        .insert("timeout_ms".into(), json!(ms));
+}
+
+/// A job's visibility timeout: at least a second (job-options schema).
+pub(crate) fn check_visibility_timeout(at: &str, ms: u64) -> Result<(), ApiError> {
+    if ms < 1000 {
+        return Err(ApiError::invalid(
+            at,
+            format!("{ms} is below 1000 (schema: minimum 1000)"),
+        ));
+    }
+    Ok(())
+}
+
+/// A job's tags: non-empty and each once (job-options schema).
+pub(crate) fn check_tags(at: &str, tags: &[String]) -> Result<(), ApiError> {
+    for (i, t) in tags.iter().enumerate() {
+        if t.is_empty() {
+            return Err(ApiError::invalid(
+                format!("{at}[{i}]"),
+                "must be a non-empty string",
+            ));
+        }
+        if tags[..i].contains(t) {
+            return Err(ApiError::invalid(
+                format!("{at}[{i}]"),
+                "appears twice (schema: uniqueItems)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The binding's `*_ms` integer spellings of retry intervals, as the

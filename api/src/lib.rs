@@ -12,6 +12,7 @@
 
 pub mod auth;
 pub mod body;
+pub mod clock;
 pub mod dead;
 pub mod error;
 pub mod fuzz_targets;
@@ -167,9 +168,8 @@ pub struct Api {
     workers: worker::Workers,
     /// Workers told to be quiet or to terminate: FETCH hands them nothing.
     directives: roster::Directives,
-    /// This process among replicas sharing the store: settlements for the
-    /// deliveries it holds are addressed to it.
-    replica: String,
+    /// Whether other processes share the store, decided once at open.
+    replication: Replication,
     /// Why the store did not answer the last check, while it does not.
     store_down: Mutex<Option<String>>,
     /// Request bodies in flight, across both bindings.
@@ -178,6 +178,58 @@ pub struct Api {
     metrics: Arc<metrics::ApiMetrics>,
     /// Broker copies of dead letters to remove (the store is the record).
     broker_copies: dead::BrokerCopies,
+    /// Where the time comes from.
+    clock: Arc<dyn clock::Clock>,
+}
+
+/// How this process stands to the others on its store: what only replicas
+/// do is asked of this value, once built, not of the store each time.
+#[derive(Debug)]
+enum Replication {
+    /// The only process on its store (the embedded one).
+    Alone,
+    /// One of the replicas sharing a PostgreSQL store; settlements for the
+    /// deliveries it holds are addressed to `id`.
+    Replica { id: String },
+}
+
+impl Replication {
+    fn of(store: &Store) -> Self {
+        if store.is_shared() {
+            Replication::Replica {
+                id: uuid::Uuid::new_v4().simple().to_string(),
+            }
+        } else {
+            Replication::Alone
+        }
+    }
+
+    /// This replica's id, among replicas.
+    fn id(&self) -> Option<&str> {
+        match self {
+            Replication::Alone => None,
+            Replication::Replica { id } => Some(id),
+        }
+    }
+
+    /// Deliveries a FETCH consumer may buffer. Among replicas none: a FETCH
+    /// through another replica could not reach them, so a FETCH takes from
+    /// the broker only what it hands out (RabbitMQ `basic.get`).
+    fn prefetch(&self) -> u16 {
+        match self {
+            Replication::Alone => 100,
+            Replication::Replica { .. } => 0,
+        }
+    }
+
+    /// How often visibility deadlines are checked (and, among replicas,
+    /// settlements other replicas decided).
+    fn poll(&self) -> Duration {
+        match self {
+            Replication::Alone => Duration::from_millis(250),
+            Replication::Replica { .. } => Duration::from_millis(100),
+        }
+    }
 }
 
 /// Scheduled jobs published per pass.
@@ -194,29 +246,52 @@ impl Api {
         adapter: Arc<dyn QueueAdapter>,
         adapter_name: impl Into<String>,
     ) -> Result<Arc<Api>, ApiError> {
+        Self::open_with_clock(
+            settings,
+            adapter,
+            adapter_name,
+            Arc::new(clock::SystemClock),
+        )
+        .await
+    }
+
+    /// [`Api::open`] with the time read from `clock`.
+    pub async fn open_with_clock(
+        settings: ApiSettings,
+        adapter: Arc<dyn QueueAdapter>,
+        adapter_name: impl Into<String>,
+        clock: Arc<dyn clock::Clock>,
+    ) -> Result<Arc<Api>, ApiError> {
         let metrics = Arc::new(metrics::ApiMetrics::default());
         let store = match &settings.postgres {
             Some(pg) => Store::connect(pg).await?,
             None => Store::open(&settings.state_dir, settings.durability).await?,
         }
         .timed_into(metrics.clone());
+        let replication = Replication::of(&store);
         Ok(Arc::new(Api {
             adapter,
             adapter_name: adapter_name.into(),
             store,
             started: Instant::now(),
-            started_at: Utc::now(),
+            started_at: clock.now(),
             prepared: Mutex::new(HashSet::new()),
             scheduled: Notify::new(),
             workers: worker::Workers::default(),
             directives: roster::Directives::default(),
-            replica: uuid::Uuid::new_v4().simple().to_string(),
+            replication,
             store_down: Mutex::new(None),
             body_budget: body::BodyBudget::new(settings.max_body_bytes_in_flight),
             metrics,
             broker_copies: dead::BrokerCopies::default(),
             settings,
+            clock,
         }))
+    }
+
+    /// Now, at the precision jobs keep (milliseconds).
+    pub fn now(&self) -> DateTime<Utc> {
+        clock::whole_millis(self.clock.now())
     }
 
     /// The settings.
@@ -408,7 +483,7 @@ impl Api {
             grant.allow_job(Operation::Admin, &job.envelope.queue, id)?;
         }
         self.store
-            .cancel(id.to_owned(), ojs_core::envelope::now_millis())
+            .cancel(id.to_owned(), self.now())
             .await
             .map_err(|e| {
                 error::store_error(
@@ -428,7 +503,7 @@ impl Api {
             let job = self.job(id).await?;
             grant.allow_job(Operation::Push, &job.envelope.queue, id)?;
         }
-        let now = ojs_core::envelope::now_millis();
+        let now = self.now();
         let job = self
             .store
             .activate(id.to_owned(), now)
@@ -444,7 +519,7 @@ impl Api {
         match published {
             Ok(()) => Ok(job),
             Err(source) => {
-                if let Err(e) = self.store.deactivate(id.to_owned()).await {
+                if let Err(e) = self.store.deactivate(id.to_owned(), self.now()).await {
                     tracing::warn!(job_id = %id, error = %e, "putting a job the broker refused back to pending failed; it is published again by recovery");
                 }
                 Err(ApiError::broker(&job.envelope.queue, source))
@@ -551,11 +626,11 @@ impl Api {
         let mut last_ping = Instant::now();
         let mut last_feed_reap = Instant::now();
         loop {
-            if self.store.is_shared() {
+            if let Some(me) = self.replication.id() {
                 // Replicas: what other replicas decided for deliveries held
                 // here, and jobs a stopped replica stored but never
                 // published.
-                self.apply_settles().await;
+                self.apply_settles(me).await;
                 if last_recover.elapsed() >= Duration::from_secs(30) {
                     last_recover = Instant::now();
                     self.recover().await;
@@ -577,7 +652,7 @@ impl Api {
                     }
                     *was = down;
                 }
-                if self.store.is_shared() {
+                if self.replication.id().is_some() {
                     // Directives another replica was given.
                     self.refresh_directives().await;
                 }
@@ -585,7 +660,7 @@ impl Api {
             let wait = match self.publish_due().await {
                 Ok(true) => Duration::ZERO,
                 Ok(false) => match self.store.next_due().await {
-                    Ok(Some(at)) => (at - Utc::now())
+                    Ok(Some(at)) => (at - self.clock.now())
                         .to_std()
                         .unwrap_or(Duration::ZERO)
                         .min(SCHEDULER_TICK),
@@ -603,14 +678,10 @@ impl Api {
             }
             // Visibility deadlines (and settlements from other replicas)
             // are checked this often.
-            let wait = wait.min(if self.store.is_shared() {
-                Duration::from_millis(100)
-            } else {
-                Duration::from_millis(250)
-            });
+            let wait = wait.min(self.replication.poll());
             if last_prune.elapsed() >= Duration::from_secs(60) {
                 last_prune = Instant::now();
-                let before = Utc::now()
+                let before = self.clock.now()
                     - chrono::Duration::from_std(self.settings.retention).unwrap_or_default();
                 match self.store.prune(before).await {
                     Ok(0) => {}
@@ -630,7 +701,7 @@ impl Api {
 
     /// Publishes one batch of due jobs; `true` when there may be more.
     async fn publish_due(&self) -> Result<bool, ApiError> {
-        let due = self.store.due(Utc::now(), SCHEDULER_BATCH).await?;
+        let due = self.store.due(self.clock.now(), SCHEDULER_BATCH).await?;
         let more = due.len() == SCHEDULER_BATCH;
         let mut by_queue: BTreeMap<String, Vec<Job>> = BTreeMap::new();
         for job in due {
@@ -641,7 +712,7 @@ impl Api {
         }
         for (queue, jobs) in by_queue {
             // The time the broker's copy and the store both say it was enqueued.
-            let now = ojs_core::envelope::now_millis();
+            let now = self.now();
             let mut ids = Vec::with_capacity(jobs.len());
             let mut messages = Vec::with_capacity(jobs.len());
             for mut job in jobs {

@@ -187,7 +187,7 @@ impl Api {
     /// what it is told.
     pub async fn beat(&self, grant: &Grant<'_>, beat: Beat) -> Result<Directive, ApiError> {
         grant.allow(Operation::Work)?;
-        let now = Utc::now();
+        let now = self.clock.now();
         let id = beat.worker_id.clone();
         let directive = self
             .store
@@ -231,7 +231,7 @@ impl Api {
         // Workers belong to no queue: a token scoped to some queues must
         // not see who works the others.
         grant.allow_everywhere(Operation::Admin)?;
-        let now = Utc::now();
+        let now = self.clock.now();
         let records = self.store.run(|tx| tx.workers()).await?;
         let all: Vec<Value> = records.into_iter().map(|r| shown(r, now)).collect();
         let count = |state: &str| all.iter().filter(|r| r["state"] == state).count();
@@ -264,7 +264,7 @@ impl Api {
         let key = id.to_owned();
         let record = self.store.run(move |tx| tx.worker(&key)).await?;
         record
-            .map(|r| shown(r, Utc::now()))
+            .map(|r| shown(r, self.clock.now()))
             .ok_or_else(|| ApiError::NotFound {
                 resource_type: "worker",
                 resource_id: id.to_owned(),
@@ -281,7 +281,7 @@ impl Api {
         directive: Directive,
     ) -> Result<Value, ApiError> {
         grant.allow_everywhere(Operation::Admin)?;
-        let now = Utc::now();
+        let now = self.clock.now();
         let key = id.to_owned();
         let answer = self
             .store
@@ -306,7 +306,7 @@ impl Api {
     /// from within [`STALE_AFTER`] is a conflict.
     pub async fn deregister(&self, grant: &Grant<'_>, id: &str) -> Result<(), ApiError> {
         grant.allow_everywhere(Operation::Admin)?;
-        let now = Utc::now();
+        let now = self.clock.now();
         let key = id.to_owned();
         let removed = self
             .store

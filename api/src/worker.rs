@@ -237,7 +237,7 @@ impl Api {
 
     /// This replica's id where replicas share the store.
     fn shared_replica(&self) -> Option<String> {
-        self.store.is_shared().then(|| self.replica.clone())
+        self.replication.id().map(str::to_owned)
     }
 
     /// This replica's id when a transition may have to be passed to the
@@ -247,8 +247,8 @@ impl Api {
     }
 
     /// Settlements other replicas decided for deliveries held here.
-    pub(crate) async fn apply_settles(&self) {
-        let settles = match self.store.take_settles(&self.replica).await {
+    pub(crate) async fn apply_settles(&self, me: &str) {
+        let settles = match self.store.take_settles(me).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(error = %e, "reading settlements from the store failed; tried again");
@@ -312,10 +312,7 @@ impl Api {
                 None => format!("ojs-bridge-api.{queue}"),
             },
             visibility_timeout: self.settings.visibility_timeout,
-            // Replicas: nothing may wait in this process's buffer where a
-            // FETCH through another replica cannot reach it; a FETCH takes
-            // from the broker only what it hands out (RabbitMQ basic.get).
-            prefetch: if self.store.is_shared() { 0 } else { 100 },
+            prefetch: self.replication.prefetch(),
             max_deliveries: None,
             source: ojs_queue::Source::Queue,
             may_dead_letter: true,
@@ -595,7 +592,7 @@ impl Api {
         if envelopes.is_empty() {
             return Ok(Vec::new());
         }
-        let now = ojs_core::envelope::now_millis();
+        let now = self.now();
         let worker = request.worker_id.clone();
         let visibility = request.visibility;
         let replica = self.shared_replica();
@@ -759,7 +756,7 @@ impl Api {
                 .map_err(crate::job::invalid_envelope)?;
         }
         let held = self.take_held(id);
-        let now = ojs_core::envelope::now_millis();
+        let now = self.now();
         let job_id = id.to_owned();
         let remote = self.remote(held.is_some());
         let done = self
@@ -799,7 +796,7 @@ impl Api {
         let id = failure.job_id.clone();
         self.check_scope(grant, &id).await?;
         let held = self.take_held(&id);
-        let now = ojs_core::envelope::now_millis();
+        let now = self.now();
         let remote = self.remote(held.is_some());
         let exhausted = self.settings.on_exhaustion;
         let decided = self
@@ -919,7 +916,7 @@ impl Api {
                 .into_iter()
                 .filter(|j| !extended.contains(j))
                 .collect();
-            let now = Utc::now();
+            let now = self.clock.now();
             let by = visibility;
             let scope: Vec<ojs_core::glob::Glob> = grant.scope().to_vec();
             let more = self
@@ -998,7 +995,7 @@ impl Api {
             error,
             requeue: false,
         };
-        let now = ojs_core::envelope::now_millis();
+        let now = self.now();
         let exhausted = self.settings.on_exhaustion;
         match self
             .store
@@ -1079,7 +1076,7 @@ impl Api {
             self.time_out(id, held).await;
         }
         for (id, mut held) in expired {
-            let at = ojs_core::envelope::now_millis();
+            let at = self.now();
             let job_id = id.clone();
             let replica = self.shared_replica();
             match self

@@ -8,15 +8,33 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
+use ojs_api::clock::{Clock, ManualClock};
+use ojs_api::roster::{Beat, Directive};
 use ojs_api::worker::{Failure, Fetch};
 use ojs_api::{Api, ApiError, ApiSettings, ErrorCode, Exhaustion, Job};
 use ojs_core::JobState;
 use serde_json::{json, Map, Value};
+use tokio::sync::watch;
 
 struct Service {
     api: Arc<Api>,
+    /// The service's time, moved by the test.
+    clock: Arc<ManualClock>,
+    /// Where the clock started.
+    start: DateTime<Utc>,
+    /// Stops the service's own loop (scheduler, recovery) when dropped.
+    _stop: watch::Sender<bool>,
     _dir: ojs_bridge_tests::tempdir::TempDir,
+}
+
+/// Where the service's clock starts: two hours behind the wall clock, so a
+/// time the service took from the system instead of its clock shows, while
+/// what it publishes is not in the broker's future (the broker keeps the
+/// system's time).
+fn start() -> DateTime<Utc> {
+    let t = Utc::now() - chrono::Duration::hours(2);
+    DateTime::from_timestamp_millis(t.timestamp_millis()).unwrap()
 }
 
 async fn service(adjust: impl FnOnce(&mut ApiSettings)) -> Service {
@@ -29,18 +47,31 @@ async fn service(adjust: impl FnOnce(&mut ApiSettings)) -> Service {
     let adapter = Arc::new(ojs_adapter_memory::MemoryAdapter::new(
         ojs_adapter_memory::MemoryConfig::default(),
     ));
-    let api = Api::open(settings, adapter, "memory").await.unwrap();
-    Service { api, _dir: dir }
-}
-
-fn job(body: Value) -> Job {
-    ojs_api::job::from_json(body, Utc::now()).unwrap()
+    let start = start();
+    let clock = Arc::new(ManualClock::new(start));
+    let api = Api::open_with_clock(settings, adapter, "memory", clock.clone())
+        .await
+        .unwrap();
+    let (stop, stopped) = watch::channel(false);
+    tokio::spawn(api.clone().run(stopped));
+    Service {
+        api,
+        clock,
+        start,
+        _stop: stop,
+        _dir: dir,
+    }
 }
 
 impl Service {
+    /// A PUSH body as the HTTP binding reads it, at the service's time.
+    fn job(&self, body: Value) -> Job {
+        ojs_api::job::from_json(body, self.api.now()).unwrap()
+    }
+
     async fn push(&self, body: Value) -> Result<Job, ApiError> {
         let grant = self.api.tokens().identify(None)?;
-        let mut pushed = self.api.push(&grant, vec![job(body)]).await?;
+        let mut pushed = self.api.push(&grant, vec![self.job(body)]).await?;
         Ok(pushed.remove(0))
     }
 
@@ -218,4 +249,152 @@ async fn what_a_push_is_refused_for_is_named_by_its_code() {
         .unwrap_err();
     assert_eq!(duplicate.code(), ErrorCode::Duplicate, "{duplicate}");
     assert!(!duplicate.retryable());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_job_waits_for_the_service_clock_not_the_wall_clock() {
+    let s = service(|_| {}).await;
+    let pushed = s
+        .push(
+            json!({"type": "a.b", "args": [], "options": {"queue": "later",
+            "delay_until": "+PT1H"}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(pushed.state(), JobState::Scheduled);
+    assert_eq!(pushed.envelope.created_at, Some(s.start));
+    let due = s.start + chrono::Duration::hours(1);
+    assert_eq!(pushed.envelope.scheduled_at, Some(due));
+    // The scheduler runs meanwhile; the hour has not passed on its clock.
+    assert!(s
+        .fetch("later", Duration::from_millis(700))
+        .await
+        .is_empty());
+    s.clock.advance(Duration::from_secs(3599));
+    assert!(s
+        .fetch("later", Duration::from_millis(700))
+        .await
+        .is_empty());
+    assert_eq!(
+        s.info(&pushed.envelope.id).await.unwrap().state(),
+        JobState::Scheduled
+    );
+    s.clock.advance(Duration::from_secs(2));
+    let fetched = s.fetch("later", WAIT).await;
+    assert_eq!(fetched.len(), 1, "published once the service's hour passed");
+    let enqueued = fetched[0].envelope.enqueued_at.unwrap();
+    assert!(enqueued >= due && enqueued <= s.clock.now(), "{enqueued}");
+    assert_eq!(fetched[0].envelope.started_at, Some(s.api.now()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_is_due_after_its_backoff_on_the_service_clock() {
+    let s = service(|_| {}).await;
+    let pushed = s
+        .push(json!({"type": "a.b", "args": [], "options": {"queue": "q",
+            "retry": {"max_attempts": 3, "initial_interval": "PT10S",
+                      "backoff_coefficient": 3, "jitter": false}}}))
+        .await
+        .unwrap();
+    let id = pushed.envelope.id.clone();
+    assert_eq!(s.fetch("q", WAIT).await.len(), 1);
+    s.clock.advance(Duration::from_secs(5));
+    let failed = s
+        .nack(&id, json!({"code": "x", "message": "1"}))
+        .await
+        .unwrap();
+    assert_eq!(failed.state(), JobState::Retryable);
+    assert_eq!(failed.extra.get("retry_delay_ms"), Some(&json!(10_000)));
+    let next = s.start + chrono::Duration::seconds(15);
+    assert_eq!(
+        failed.extra.get("next_attempt_at"),
+        Some(&json!(ojs_api::job::timestamp(next)))
+    );
+    let failed_at = failed.envelope.errors.last().cloned().unwrap_or_default();
+    let stamp = ojs_api::job::timestamp(s.start + chrono::Duration::seconds(5));
+    assert!(
+        failed_at.to_string().contains(&stamp),
+        "the failure is stamped with the service's time {stamp}: {failed_at}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_job_reaches_the_broker_only_when_activated() {
+    let s = service(|_| {}).await;
+    let pushed = s
+        .push(
+            json!({"type": "a.b", "args": [], "options": {"queue": "gate",
+            "pending": true}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(pushed.state(), JobState::Pending);
+    assert!(s.fetch("gate", Duration::from_millis(300)).await.is_empty());
+    let grant = s.api.tokens().identify(None).unwrap();
+    let active = s.api.activate(&grant, &pushed.envelope.id).await.unwrap();
+    assert_eq!(active.state(), JobState::Available);
+    assert_eq!(active.envelope.enqueued_at, Some(s.start));
+    assert_eq!(s.fetch("gate", WAIT).await.len(), 1);
+    // Only a pending job is activated.
+    let again = s
+        .api
+        .activate(&grant, &pushed.envelope.id)
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), ErrorCode::Conflict, "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_stored_whole_or_not_at_all() {
+    let s = service(|settings| {
+        settings.queues = vec![ojs_core::glob::Glob::new("ok.*").unwrap()];
+    })
+    .await;
+    let grant = s.api.tokens().identify(None).unwrap();
+    let good = s.job(json!({"type": "a.b", "args": [], "options": {"queue": "ok.1"}}));
+    let bad = s.job(json!({"type": "a.b", "args": [], "options": {"queue": "elsewhere"}}));
+    let refused = s
+        .api
+        .push(&grant, vec![good.clone(), bad])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, ApiError::QueueNotServed { .. }),
+        "{refused}"
+    );
+    let lost = s.info(&good.envelope.id).await.unwrap_err();
+    assert_eq!(
+        lost.code(),
+        ErrorCode::NotFound,
+        "nothing of the batch stored"
+    );
+    assert!(s.fetch("ok.1", Duration::from_millis(300)).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_is_stale_once_silent_past_the_limit_on_the_service_clock() {
+    let s = service(|_| {}).await;
+    let grant = s.api.tokens().identify(None).unwrap();
+    let beat = || Beat {
+        worker_id: "w-7".into(),
+        active_jobs: Some(2),
+        about: Map::new(),
+    };
+    assert_eq!(
+        s.api.beat(&grant, beat()).await.unwrap(),
+        Directive::Running
+    );
+    let listed = s.api.workers_list(&grant, 1, 50).await.unwrap();
+    let worker = &listed["items"][0];
+    assert_eq!(worker["id"], "w-7", "{listed}");
+    assert_eq!(worker["stale"], false, "{listed}");
+    assert_eq!(worker["queues"], json!([]));
+    s.clock
+        .advance(ojs_api::roster::STALE_AFTER + Duration::from_secs(1));
+    let listed = s.api.workers_list(&grant, 1, 50).await.unwrap();
+    assert_eq!(listed["items"][0]["stale"], true, "{listed}");
+    // A heartbeat makes it current again.
+    s.api.beat(&grant, beat()).await.unwrap();
+    let listed = s.api.workers_list(&grant, 1, 50).await.unwrap();
+    assert_eq!(listed["items"][0]["stale"], false, "{listed}");
 }

@@ -1,21 +1,25 @@
 //! `ojs.v1` messages to and from the job the HTTP binding reads and shows.
 //!
-//! An `Enqueue` becomes the JSON body of a PUSH and goes through the same
-//! validation ([`crate::job::from_json`]), so a rule of what a client may
-//! send lives in one place; a stored job becomes an `ojs.v1.Job` straight
-//! from its envelope ([`job_message`]).
+//! An `Enqueue` becomes an envelope field by field ([`enqueue_job`]) and
+//! then passes the checks every PUSH passes ([`crate::job::accept`]), so a
+//! rule of what a client may send lives in one place and no JSON is made on
+//! the way; a stored job becomes an `ojs.v1.Job` straight from its envelope
+//! ([`job_message`]).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use ojs_core::duration::{format_iso8601_duration, parse_iso8601_duration};
+use ojs_core::envelope::{new_job_id, RetryPolicy, UniquePolicy};
+use ojs_core::JobEnvelope;
 use prost_types::value::Kind;
 use prost_types::{ListValue, Struct, Timestamp};
 use serde_json::{json, Map, Number, Value};
 
 use super::pb;
 use crate::error::ApiError;
+use crate::job::Job;
 
 /// A protobuf `Value` as JSON. Numbers that are whole (and fit) become
 /// integers, so `1` pushed over gRPC reads back as `1` over HTTP.
@@ -73,12 +77,11 @@ pub fn json_to_struct(m: &Map<String, Value>) -> Struct {
     }
 }
 
-/// A protobuf `Timestamp` as the binding's RFC 3339 text.
-pub fn timestamp_text(t: &Timestamp, attribute: &str) -> Result<String, ApiError> {
+/// A protobuf `Timestamp` as a time, refused by name when it is not one.
+pub fn time_of(t: &Timestamp, attribute: &str) -> Result<DateTime<Utc>, ApiError> {
     let nanos = u32::try_from(t.nanos)
         .map_err(|_| ApiError::invalid(attribute, "nanos must be from 0 to 999,999,999"))?;
     DateTime::<Utc>::from_timestamp(t.seconds, nanos)
-        .map(crate::job::timestamp)
         .ok_or_else(|| ApiError::invalid(attribute, "is not a representable time"))
 }
 
@@ -118,166 +121,161 @@ pub fn duration(ms: u64) -> prost_types::Duration {
     }
 }
 
-/// The PUSH body an `Enqueue` (or a batch entry with its defaults) stands
-/// for. Zero values are "not set", as proto3 has no other way to say so.
-pub fn enqueue_body(
+/// The job an `Enqueue` (or a batch entry with the batch's defaults) asks
+/// for: the protobuf fields go straight onto the envelope, then through the
+/// checks every PUSH passes ([`crate::job::accept`]). Zero values are "not
+/// set", as proto3 has no other way to say so; an entry's options override
+/// the defaults field by field, with the retry policy and `meta` merged.
+pub fn enqueue_job(
     job_type: String,
     args: Vec<prost_types::Value>,
     options: Option<pb::EnqueueOptions>,
     defaults: Option<&pb::EnqueueOptions>,
     traceparent: Option<&str>,
-) -> Result<Value, ApiError> {
-    let mut body = Map::new();
-    body.insert("type".into(), Value::String(job_type));
-    body.insert(
-        "args".into(),
-        Value::Array(args.into_iter().map(value_to_json).collect()),
-    );
-    let mut opts = Map::new();
-    let mut meta = Map::new();
+    now: DateTime<Utc>,
+) -> Result<Job, ApiError> {
+    if job_type.is_empty() {
+        return Err(ApiError::invalid("type", "`type` is required"));
+    }
+    let args = args.into_iter().map(value_to_json).collect();
+    let mut envelope = JobEnvelope::with_id(new_job_id(), job_type, args);
     for o in defaults.into_iter().chain(options.as_ref()) {
-        fold_options(o, &mut opts, &mut meta)?;
+        apply_options(o, &mut envelope, now)?;
     }
     if let Some(tp) = traceparent {
-        meta.entry("traceparent")
+        envelope
+            .meta
+            .entry("traceparent")
             .or_insert_with(|| Value::String(tp.to_owned()));
     }
-    if !meta.is_empty() {
-        body.insert("meta".into(), Value::Object(meta));
-    }
-    if !opts.is_empty() {
-        body.insert("options".into(), Value::Object(opts));
-    }
-    Ok(body.into())
+    crate::job::accept(envelope, false, now)
 }
 
-fn fold_options(
+fn apply_options(
     o: &pb::EnqueueOptions,
-    opts: &mut Map<String, Value>,
-    meta: &mut Map<String, Value>,
+    envelope: &mut JobEnvelope,
+    now: DateTime<Utc>,
 ) -> Result<(), ApiError> {
     if !o.queue.is_empty() {
-        opts.insert("queue".into(), json!(o.queue));
+        envelope.queue.clone_from(&o.queue);
     }
     if o.priority != 0 {
-        opts.insert("priority".into(), json!(o.priority));
+        envelope.priority = o.priority;
     }
     if let Some(t) = &o.delay_until {
-        opts.insert(
-            "scheduled_at".into(),
-            json!(timestamp_text(t, "options.delay_until")?),
-        );
+        envelope.scheduled_at = Some(whole_millis(time_of(t, "options.delay_until")?));
     }
     if let Some(d) = &o.timeout {
-        opts.insert("timeout_ms".into(), json!(millis(d, "options.timeout")?));
+        crate::job::set_timeout_ms(envelope, millis(d, "options.timeout")?);
     }
     if let Some(d) = &o.visibility_timeout {
-        opts.insert(
-            "visibility_timeout_ms".into(),
-            json!(millis(d, "options.visibility_timeout")?),
-        );
+        let ms = millis(d, "options.visibility_timeout")?;
+        crate::job::check_visibility_timeout("options.visibility_timeout", ms)?;
+        envelope
+            .unknown_attributes
+            .insert("visibility_timeout_ms".into(), json!(ms));
     }
     if let Some(d) = &o.ttl {
         let ms = millis(d, "options.ttl")?;
         let at = i64::try_from(ms)
             .ok()
             .and_then(chrono::Duration::try_milliseconds)
-            .and_then(|d| Utc::now().checked_add_signed(d))
+            .and_then(|d| now.checked_add_signed(d))
             .ok_or_else(|| ApiError::invalid("options.ttl", "is too long"))?;
-        opts.insert("expires_at".into(), json!(crate::job::timestamp(at)));
+        envelope.expires_at = Some(whole_millis(at));
     }
-    let mut retry = opts
-        .remove("retry")
-        .and_then(|r| match r {
-            Value::Object(m) => Some(m),
-            _ => None,
-        })
-        .unwrap_or_default();
-    if o.max_attempts != 0 {
-        retry.insert("max_attempts".into(), json!(o.max_attempts));
-    }
-    if let Some(r) = &o.retry {
-        if r.max_attempts != 0 {
-            // The policy's own count wins over the shorthand.
-            retry.insert("max_attempts".into(), json!(r.max_attempts));
+    if o.max_attempts != 0 || o.retry.is_some() {
+        let retry = envelope.retry.get_or_insert_with(RetryPolicy::default);
+        if o.max_attempts != 0 {
+            retry.max_attempts = Some(o.max_attempts);
         }
-        if let Some(d) = &r.initial_interval {
-            let ms = millis(d, "options.retry.initial_interval")?;
-            retry.insert(
-                "initial_interval".into(),
-                json!(format_iso8601_duration(Duration::from_millis(ms))),
-            );
+        if let Some(r) = &o.retry {
+            apply_retry(r, retry)?;
         }
-        if r.backoff_coefficient != 0.0 {
-            retry.insert("backoff_coefficient".into(), json!(r.backoff_coefficient));
-        }
-        if let Some(d) = &r.max_interval {
-            let ms = millis(d, "options.retry.max_interval")?;
-            retry.insert(
-                "max_interval".into(),
-                json!(format_iso8601_duration(Duration::from_millis(ms))),
-            );
-        }
-        // Unset: the spec's default.
-        retry.insert("jitter".into(), json!(r.jitter.unwrap_or(true)));
-        if !r.non_retryable_errors.is_empty() {
-            retry.insert("non_retryable_errors".into(), json!(r.non_retryable_errors));
-        }
-        if !r.on_exhaustion.is_empty() {
-            retry.insert("on_exhaustion".into(), json!(r.on_exhaustion));
-        }
-    }
-    if !retry.is_empty() {
-        opts.insert("retry".into(), Value::Object(retry));
     }
     if let Some(u) = &o.unique {
-        let mut unique = Map::new();
-        if !u.key.is_empty() {
-            unique.insert("keys".into(), json!(u.key));
-        }
-        if let Some(d) = &u.period {
-            let ms = millis(d, "options.unique.period")?;
-            unique.insert(
-                "period".into(),
-                json!(format_iso8601_duration(Duration::from_millis(ms))),
-            );
-        }
-        for (key, list) in [("args_keys", &u.args_keys), ("meta_keys", &u.meta_keys)] {
-            if !list.is_empty() {
-                unique.insert(key.into(), json!(list));
-            }
-        }
-        let on_conflict = match pb::UniqueConflictAction::try_from(u.on_conflict) {
-            Ok(pb::UniqueConflictAction::Replace) => Some("replace"),
-            Ok(pb::UniqueConflictAction::ReplaceExceptSchedule) => Some("replace_except_schedule"),
-            Ok(pb::UniqueConflictAction::Ignore) => Some("ignore"),
-            Ok(pb::UniqueConflictAction::Reject) => Some("reject"),
-            _ => None,
-        };
-        if let Some(c) = on_conflict {
-            unique.insert("on_conflict".into(), json!(c));
-        }
-        let states: Vec<&str> = u
-            .states
-            .iter()
-            .filter_map(|s| pb::JobState::try_from(*s).ok())
-            .filter_map(state_name)
-            .collect();
-        if !states.is_empty() {
-            unique.insert("states".into(), json!(states));
-        }
-        opts.insert("unique".into(), Value::Object(unique));
+        envelope.unique = Some(unique_policy(u)?);
     }
     if !o.tags.is_empty() {
-        opts.insert("tags".into(), json!(o.tags));
+        crate::job::check_tags("options.tags", &o.tags)?;
+        envelope
+            .unknown_attributes
+            .insert("tags".into(), json!(o.tags));
     }
     if let Some(m) = &o.meta {
-        meta.extend(struct_to_json(m.clone()));
+        envelope.meta.extend(struct_to_json(m.clone()));
     }
     if !o.trace_id.is_empty() {
-        meta.insert("trace_id".into(), json!(o.trace_id));
+        envelope.meta.insert("trace_id".into(), json!(o.trace_id));
     }
     Ok(())
+}
+
+fn apply_retry(r: &pb::RetryPolicy, retry: &mut RetryPolicy) -> Result<(), ApiError> {
+    if r.max_attempts != 0 {
+        // The policy's own count wins over the shorthand.
+        retry.max_attempts = Some(r.max_attempts);
+    }
+    if let Some(d) = &r.initial_interval {
+        retry.initial_interval = iso_duration(d, "options.retry.initial_interval")?;
+    }
+    if r.backoff_coefficient != 0.0 {
+        retry.backoff_coefficient = r.backoff_coefficient;
+    }
+    if let Some(d) = &r.max_interval {
+        retry.max_interval = iso_duration(d, "options.retry.max_interval")?;
+    }
+    // Unset: the spec's default.
+    retry.jitter = r.jitter.unwrap_or(true);
+    if !r.non_retryable_errors.is_empty() {
+        retry
+            .non_retryable_errors
+            .clone_from(&r.non_retryable_errors);
+    }
+    if !r.on_exhaustion.is_empty() {
+        retry.on_exhaustion.clone_from(&r.on_exhaustion);
+    }
+    Ok(())
+}
+
+fn unique_policy(u: &pb::UniquePolicy) -> Result<UniquePolicy, ApiError> {
+    let mut unique = UniquePolicy {
+        keys: u.key.clone(),
+        args_keys: u.args_keys.clone(),
+        meta_keys: u.meta_keys.clone(),
+        ..UniquePolicy::default()
+    };
+    if let Some(d) = &u.period {
+        unique.period = iso_duration(d, "options.unique.period")?;
+    }
+    let on_conflict = match pb::UniqueConflictAction::try_from(u.on_conflict) {
+        Ok(pb::UniqueConflictAction::Replace) => "replace",
+        Ok(pb::UniqueConflictAction::ReplaceExceptSchedule) => "replace_except_schedule",
+        Ok(pb::UniqueConflictAction::Ignore) => "ignore",
+        Ok(pb::UniqueConflictAction::Reject) => "reject",
+        _ => "",
+    };
+    unique.on_conflict = on_conflict.to_owned();
+    unique.states = u
+        .states
+        .iter()
+        .filter_map(|s| pb::JobState::try_from(*s).ok())
+        .filter_map(state_name)
+        .map(str::to_owned)
+        .collect();
+    Ok(unique)
+}
+
+/// A protobuf `Duration` as the ISO 8601 text a policy carries.
+fn iso_duration(d: &prost_types::Duration, attribute: &str) -> Result<String, ApiError> {
+    Ok(format_iso8601_duration(Duration::from_millis(millis(
+        d, attribute,
+    )?)))
+}
+
+/// A time at the precision the binding keeps (milliseconds).
+fn whole_millis(t: DateTime<Utc>) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(t.timestamp_millis()).unwrap_or(t)
 }
 
 /// The binding's state name of an `ojs.v1.JobState`.
@@ -506,35 +504,143 @@ mod tests {
         assert_eq!(value_to_json(json_to_value(&json!(7))), json!(7));
     }
 
-    #[test]
-    fn an_enqueue_becomes_the_push_body_the_http_binding_reads() {
-        let options = pb::EnqueueOptions {
-            queue: "mail".into(),
-            priority: 5,
-            max_attempts: 4,
-            tags: vec!["t".into()],
-            trace_id: "abc".into(),
-            timeout: Some(duration(1500)),
-            ..Default::default()
-        };
-        let body = enqueue_body(
+    fn at(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    /// The same job asked for over gRPC and as an HTTP PUSH body: both
+    /// bindings must store the same job, id aside.
+    fn same_job(
+        options: pb::EnqueueOptions,
+        defaults: Option<pb::EnqueueOptions>,
+        traceparent: Option<&str>,
+        body: Value,
+    ) {
+        let now = at("2026-01-02T03:04:05.678Z");
+        let args = vec![json_to_value(&json!("a@b.c")), json_to_value(&json!(2))];
+        let over_grpc = enqueue_job(
             "email.send".into(),
-            vec![json_to_value(&json!("a@b.c"))],
+            args,
             Some(options),
-            None,
-            Some("00-1-2-01"),
+            defaults.as_ref(),
+            traceparent,
+            now,
         )
         .unwrap();
-        assert_eq!(
-            body,
+        let mut over_http = crate::job::from_json(body, now).unwrap();
+        over_http.envelope.id.clone_from(&over_grpc.envelope.id);
+        assert_eq!(over_grpc, over_http);
+    }
+
+    #[test]
+    fn an_enqueue_stores_the_job_the_same_push_over_http_stores() {
+        same_job(
+            pb::EnqueueOptions {
+                queue: "mail".into(),
+                priority: 5,
+                max_attempts: 4,
+                tags: vec!["t".into()],
+                trace_id: "abc".into(),
+                timeout: Some(duration(1500)),
+                ..Default::default()
+            },
+            None,
+            Some("00-1-2-01"),
             json!({
                 "type": "email.send",
-                "args": ["a@b.c"],
+                "args": ["a@b.c", 2],
                 "meta": {"trace_id": "abc", "traceparent": "00-1-2-01"},
                 "options": {"queue": "mail", "priority": 5, "timeout_ms": 1500,
                             "retry": {"max_attempts": 4}, "tags": ["t"]},
-            })
+            }),
         );
+        same_job(
+            pb::EnqueueOptions {
+                delay_until: Some(time_stamp(at("2026-01-02T04:00:00.123456Z"))),
+                ttl: Some(duration(60_000)),
+                visibility_timeout: Some(duration(30_000)),
+                retry: Some(pb::RetryPolicy {
+                    max_attempts: 7,
+                    initial_interval: Some(duration(2000)),
+                    backoff_coefficient: 1.5,
+                    max_interval: Some(duration(60_000)),
+                    jitter: Some(false),
+                    non_retryable_errors: vec!["Fatal".into()],
+                    on_exhaustion: "dead_letter".into(),
+                }),
+                unique: Some(pb::UniquePolicy {
+                    key: vec!["type".into(), "args".into()],
+                    period: Some(duration(3_600_000)),
+                    on_conflict: pb::UniqueConflictAction::Replace as i32,
+                    states: vec![pb::JobState::Available as i32],
+                    args_keys: vec!["to".into()],
+                    meta_keys: vec!["tenant".into()],
+                }),
+                meta: Some(json_to_struct(json!({"tenant": "t1"}).as_object().unwrap())),
+                ..Default::default()
+            },
+            Some(pb::EnqueueOptions {
+                queue: "bulk".into(),
+                meta: Some(json_to_struct(
+                    json!({"from": "batch"}).as_object().unwrap(),
+                )),
+                max_attempts: 2,
+                ..Default::default()
+            }),
+            None,
+            json!({
+                "type": "email.send",
+                "args": ["a@b.c", 2],
+                "meta": {"from": "batch", "tenant": "t1"},
+                "options": {
+                    "queue": "bulk",
+                    "scheduled_at": "2026-01-02T04:00:00.123Z",
+                    "expires_at": "2026-01-02T03:05:05.678Z",
+                    "visibility_timeout_ms": 30000,
+                    "retry": {"max_attempts": 7, "initial_interval": "PT2S",
+                              "backoff_coefficient": 1.5, "max_interval": "PT60S",
+                              "jitter": false, "non_retryable_errors": ["Fatal"],
+                              "on_exhaustion": "dead_letter"},
+                    "unique": {"keys": ["type", "args"], "period": "PT3600S",
+                               "on_conflict": "replace", "states": ["available"],
+                               "args_keys": ["to"], "meta_keys": ["tenant"]},
+                },
+            }),
+        );
+    }
+
+    #[test]
+    fn what_the_http_binding_refuses_an_enqueue_is_refused_for_by_name() {
+        let refused = |options: pb::EnqueueOptions| {
+            enqueue_job("a.b".into(), vec![], Some(options), None, None, Utc::now())
+                .unwrap_err()
+                .details()
+        };
+        assert_eq!(
+            refused(pb::EnqueueOptions {
+                priority: 101,
+                ..Default::default()
+            }),
+            Some(json!({"attribute": "options.priority"}))
+        );
+        assert_eq!(
+            refused(pb::EnqueueOptions {
+                visibility_timeout: Some(duration(999)),
+                ..Default::default()
+            }),
+            Some(json!({"attribute": "options.visibility_timeout"}))
+        );
+        assert_eq!(
+            refused(pb::EnqueueOptions {
+                tags: vec!["x".into(), "x".into()],
+                ..Default::default()
+            }),
+            Some(json!({"attribute": "options.tags[1]"}))
+        );
+        let e = enqueue_job(String::new(), vec![], None, None, None, Utc::now()).unwrap_err();
+        assert_eq!(e.details(), Some(json!({"attribute": "type"})));
     }
 
     #[test]
@@ -546,7 +652,8 @@ mod tests {
             }),
             ..Default::default()
         };
-        let e = enqueue_body("a.b".into(), vec![], Some(options), None, None).unwrap_err();
+        let e =
+            enqueue_job("a.b".into(), vec![], Some(options), None, None, Utc::now()).unwrap_err();
         assert!(e.to_string().contains("negative"), "{e}");
         assert_eq!(e.details(), Some(json!({"attribute": "options.timeout"})));
     }

@@ -18,7 +18,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
 use serde_json::{json, Value};
 use tokio_stream::Stream;
 use tonic::metadata::MetadataMap;
@@ -347,7 +346,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         Ok(answer(
             pb::HealthResponse {
                 status: status as i32,
-                timestamp: Some(convert::time_stamp(Utc::now())),
+                timestamp: Some(convert::time_stamp(self.api.now())),
                 details: Some(convert::json_to_struct(&details)),
             },
             &id,
@@ -366,9 +365,14 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             .map(str::to_owned);
         let r = request.into_inner();
         let done = async {
-            let body =
-                convert::enqueue_body(r.r#type, r.args, r.options, None, traceparent.as_deref())?;
-            let job = crate::job::from_json(body, Utc::now())?;
+            let job = convert::enqueue_job(
+                r.r#type,
+                r.args,
+                r.options,
+                None,
+                traceparent.as_deref(),
+                self.api.now(),
+            )?;
             let mut jobs = self.api.push(&call.grant, vec![job]).await?;
             jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))
         }
@@ -403,18 +407,19 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
                     limit,
                 });
             }
-            let now = Utc::now();
+            let now = self.api.now();
             let mut jobs = Vec::with_capacity(r.jobs.len());
             for (i, entry) in r.jobs.into_iter().enumerate() {
-                let body = convert::enqueue_body(
+                let job = convert::enqueue_job(
                     entry.r#type,
                     entry.args,
                     entry.options,
                     r.default_options.as_ref(),
                     traceparent.as_deref(),
+                    now,
                 )
                 .map_err(|e| e.at_index(i))?;
-                jobs.push(crate::job::from_json(body, now).map_err(|e| e.at_index(i))?);
+                jobs.push(job);
             }
             self.api.push(&call.grant, jobs).await
         }
@@ -574,7 +579,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             let deadline = match (extended.is_empty(), extend_by) {
                 (false, Some(d)) => chrono::Duration::from_std(d)
                     .ok()
-                    .and_then(|d| Utc::now().checked_add_signed(d))
+                    .and_then(|d| self.api.now().checked_add_signed(d))
                     .map(convert::time_stamp),
                 _ => None,
             };

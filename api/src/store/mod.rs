@@ -465,8 +465,8 @@ impl Store {
 
     /// Puts an activated job back to pending when the broker did not take
     /// it (unless something else moved it meanwhile).
-    pub async fn deactivate(&self, id: String) -> Result<(), StoreError> {
-        self.run(move |tx| deactivate(tx, &id, Utc::now())).await
+    pub async fn deactivate(&self, id: String, now: DateTime<Utc>) -> Result<(), StoreError> {
+        self.run(move |tx| deactivate(tx, &id, now)).await
     }
 
     /// Runs the transition `f` in one transaction and answers after the
