@@ -116,10 +116,10 @@ const SMALLEST_PLANNED: usize = 256;
 const FIRST_RECEIVE_JOBS: usize = 16;
 
 /// Held deliveries taken out of the map, with their job ids.
-type HeldJobs = Vec<(String, Held)>;
+type HeldDeliveries = Vec<(String, HeldDelivery)>;
 
 /// A delivery whose job is active.
-struct Held {
+struct HeldDelivery {
     delivery: Delivery,
     queue: String,
     worker_id: Option<String>,
@@ -142,7 +142,7 @@ pub struct Workers {
     feeds: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Feed>>>>,
     /// How many `feeds` holds, for the metrics.
     consumers: std::sync::atomic::AtomicUsize,
-    held: Mutex<HashMap<String, Held>>,
+    held: Mutex<HashMap<String, HeldDelivery>>,
     /// Woken when this process published jobs: a waiting FETCH looks again
     /// at once instead of at its next poll.
     pub(crate) published: tokio::sync::Notify,
@@ -648,7 +648,7 @@ impl Api {
         for (activation, delivery) in decided.into_iter().zip(kept) {
             match activation {
                 Activation::Active(job, visibility) => {
-                    let held = Held {
+                    let held = HeldDelivery {
                         delivery,
                         queue: queue.to_owned(),
                         worker_id: request.worker_id.clone(),
@@ -666,7 +666,7 @@ impl Api {
                     out.push(*job);
                 }
                 Activation::Adopt(job, remaining) => {
-                    let held = Held {
+                    let held = HeldDelivery {
                         delivery,
                         queue: queue.to_owned(),
                         worker_id: job
@@ -705,7 +705,7 @@ impl Api {
         Ok(out)
     }
 
-    fn take_held(&self, id: &str) -> Option<Held> {
+    fn take_held(&self, id: &str) -> Option<HeldDelivery> {
         self.workers()
             .held
             .lock()
@@ -713,7 +713,7 @@ impl Api {
             .remove(id)
     }
 
-    fn put_back(&self, id: String, held: Held) {
+    fn put_back(&self, id: String, held: HeldDelivery) {
         self.workers()
             .held
             .lock()
@@ -844,7 +844,7 @@ impl Api {
     /// process stopped first is found finished or failed there), and a
     /// settlement can take long — RabbitMQ with `topology = "existing"`
     /// has no delay queues and holds a retried delivery for its backoff.
-    fn settle_in_background(&self, id: String, held: Held, settle: Settle) {
+    fn settle_in_background(&self, id: String, held: HeldDelivery, settle: Settle) {
         let settling = self.workers().settling.clone();
         settling
             .running
@@ -975,7 +975,7 @@ impl Api {
     /// A job that ran longer than its execution timeout fails as the
     /// worker's failure of type `timeout` would: its retry policy decides,
     /// the delivery is settled so, a later ACK of it is a conflict.
-    async fn time_out(&self, id: String, mut held: Held) {
+    async fn time_out(&self, id: String, mut held: HeldDelivery) {
         let Some((_, limit)) = held.timeout.take() else {
             return;
         };
@@ -1036,7 +1036,7 @@ impl Api {
     /// again) and extends the broker's lease of those still held.
     pub(crate) async fn reap(&self) {
         let now = Instant::now();
-        let (timed_out, expired, renew): (HeldJobs, HeldJobs, Vec<String>) = {
+        let (timed_out, expired, renew): (HeldDeliveries, HeldDeliveries, Vec<String>) = {
             let mut held = self
                 .workers()
                 .held

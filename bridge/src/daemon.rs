@@ -23,12 +23,12 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::alarm::Alarm;
+use crate::blueprint::connecting::Connecting;
+use crate::blueprint::{Blueprint, NamedQueue, Ready};
 use crate::config::{BridgeConfig, ConfigError, InputFormat};
 use crate::http::{self, HealthBoard, HttpState, Limits};
 use crate::metrics::Metrics;
 use crate::pipeline::{run_source, RoutePlan, SourceCtx};
-use crate::topology::connecting::Connecting;
-use crate::topology::{NamedQueue, Ready, Topology};
 use ojs_queue::federation::{AdapterProbe, Federation, HealthProbe, RegionSpec};
 
 /// Why the daemon cannot start.
@@ -226,10 +226,10 @@ impl Daemon {
         config: BridgeConfig,
         provided: BTreeMap<String, Arc<dyn QueueAdapter>>,
     ) -> Result<Daemon, DaemonError> {
-        Self::connect(Topology::build(config)?.read_files()?, provided).await
+        Self::connect(Blueprint::build(config)?.read_files()?, provided).await
     }
 
-    /// Connects a built topology whose files were read: every adapter (or
+    /// Connects a blueprint whose files were read: every adapter (or
     /// the one `provided` under its name), the queues the configuration
     /// names, the OJS API's store, the listener. No configuration work is
     /// left here: what can fail is the brokers, the store and the port.
@@ -237,12 +237,12 @@ impl Daemon {
         ready: Ready,
         mut provided: BTreeMap<String, Arc<dyn QueueAdapter>>,
     ) -> Result<Daemon, DaemonError> {
-        for clash in ready.topology.shared_destinations() {
+        for clash in ready.blueprint.shared_destinations() {
             tracing::warn!("{clash}");
         }
         let Ready {
-            topology:
-                Topology {
+            blueprint:
+                Blueprint {
                     config,
                     adapters: mut compiled_adapters,
                     routes,
@@ -273,7 +273,7 @@ impl Daemon {
         // first message: declared where the adapter may declare, checked
         // where the topology is `existing` (a missing one stops the start,
         // named, with nothing created).
-        let named = Topology::named_queues(&config, &routes);
+        let named = Blueprint::named_queues(&config, &routes);
         let mut adapters = BTreeMap::new();
         for (name, entry) in &config.adapters {
             let queues: Vec<&NamedQueue> = named.iter().filter(|q| q.adapter == *name).collect();

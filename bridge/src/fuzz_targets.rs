@@ -126,7 +126,7 @@ pub fn config_toml(data: &[u8]) {
     let Ok(config) = BridgeConfig::parse(text, "fuzz", &env) else {
         return;
     };
-    let _ = crate::topology::Topology::build(config);
+    let _ = crate::blueprint::Blueprint::build(config);
 }
 
 /// A RabbitMQ content header's property list as it comes off the wire

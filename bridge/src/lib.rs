@@ -4,6 +4,7 @@
 //! be tested without spawning processes.
 
 pub mod alarm;
+pub mod blueprint;
 pub mod config;
 pub mod convert;
 pub mod daemon;
@@ -20,4 +21,3 @@ pub mod routes;
 pub mod send;
 pub mod tail;
 pub mod tls;
-pub mod topology;

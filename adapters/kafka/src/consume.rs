@@ -31,7 +31,7 @@ use crate::{ClientLog, Inner, KafkaConfig, RecordHeaders, Tp, Tracker};
 
 /// A record held until its `ojs-not-before` time.
 #[derive(Debug)]
-pub(crate) struct Held {
+pub(crate) struct DelayedRecord {
     pub(crate) message: OwnedMessage,
     pub(crate) generation: u64,
 }
@@ -41,7 +41,7 @@ pub(crate) struct Held {
 pub(crate) struct Shared {
     pub(crate) tracker: Tracker,
     /// Retry records not yet due, by (due ms, sequence).
-    pub(crate) delayed: BTreeMap<(i64, u64), Held>,
+    pub(crate) delayed: BTreeMap<(i64, u64), DelayedRecord>,
     pub(crate) paused: bool,
     /// Records polled while nobody was receiving (see [`keep_alive`]),
     /// handed out first, in order, by the next `receive`.
@@ -169,7 +169,7 @@ impl ConsumerContext for Context {
             let offsets = {
                 let mut shared = self.lock();
                 let offsets = shared.tracker.committable_for(&tps);
-                // Held retries and parked records of revoked partitions are
+                // Delayed retries and parked records of revoked partitions are
                 // uncommitted: the new owner reads them again.
                 shared.forget(&tps);
                 offsets
@@ -565,7 +565,7 @@ impl KafkaConsumer {
                 let mut shared = self.context.lock();
                 shared.delayed.insert(
                     (due, seq),
-                    Held {
+                    DelayedRecord {
                         message: m.owned(),
                         generation,
                     },

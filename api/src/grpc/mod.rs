@@ -142,9 +142,9 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
     Status::with_error_details(code, error.to_string(), details)
 }
 
-/// One call's context: its request id, the grant of its token, and what
+/// One RPC's context: its request id, the grant of its token, and what
 /// its metrics are counted under.
-struct Call<'a> {
+struct Rpc<'a> {
     request_id: String,
     grant: Grant<'a>,
     api: &'a Api,
@@ -152,7 +152,7 @@ struct Call<'a> {
     began: Instant,
 }
 
-impl Call<'_> {
+impl Rpc<'_> {
     /// The call's answer: the message with the binding's metadata, or the
     /// error as the binding's status. Counted in the metrics, under the
     /// HTTP status of the same answer.
@@ -169,7 +169,7 @@ impl Call<'_> {
 }
 
 impl OjsGrpc {
-    fn call<'a>(&'a self, metadata: &MetadataMap, route: &'static str) -> Result<Call<'a>, Status> {
+    fn begin<'a>(&'a self, metadata: &MetadataMap, route: &'static str) -> Result<Rpc<'a>, Status> {
         let began = Instant::now();
         let request_id = request_id(metadata);
         let authorization = metadata.get("authorization").and_then(|v| v.to_str().ok());
@@ -185,7 +185,7 @@ impl OjsGrpc {
                 return Err(status(&e, &request_id));
             }
         };
-        Ok(Call {
+        Ok(Rpc {
             request_id,
             grant,
             api: &self.api,
@@ -283,8 +283,8 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::ManifestRequest>,
     ) -> Result<Response<pb::ManifestResponse>, Status> {
-        let call = self.call(request.metadata(), "manifest")?;
-        let id = call.request_id;
+        let rpc = self.begin(request.metadata(), "manifest")?;
+        let id = rpc.request_id;
         let m = self.api.manifest();
         let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
         Ok(answer(
@@ -357,7 +357,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::EnqueueRequest>,
     ) -> Result<Response<pb::EnqueueResponse>, Status> {
-        let call = self.call(request.metadata(), "push")?;
+        let rpc = self.begin(request.metadata(), "push")?;
         let traceparent = request
             .metadata()
             .get("traceparent")
@@ -373,11 +373,11 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
                 traceparent.as_deref(),
                 self.api.now(),
             )?;
-            let mut jobs = self.api.push(&call.grant, vec![job]).await?;
+            let mut jobs = self.api.push(&rpc.grant, vec![job]).await?;
             jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))
         }
         .await;
-        call.reply(done.map(|job| pb::EnqueueResponse {
+        rpc.reply(done.map(|job| pb::EnqueueResponse {
             job: Some(job_message(&job)),
         }))
     }
@@ -386,7 +386,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::EnqueueBatchRequest>,
     ) -> Result<Response<pb::EnqueueBatchResponse>, Status> {
-        let call = self.call(request.metadata(), "batch")?;
+        let rpc = self.begin(request.metadata(), "batch")?;
         let traceparent = request
             .metadata()
             .get("traceparent")
@@ -421,10 +421,10 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
                 .map_err(|e| e.at_index(i))?;
                 jobs.push(job);
             }
-            self.api.push(&call.grant, jobs).await
+            self.api.push(&rpc.grant, jobs).await
         }
         .await;
-        call.reply(done.map(|jobs| pb::EnqueueBatchResponse {
+        rpc.reply(done.map(|jobs| pb::EnqueueBatchResponse {
             count: i32::try_from(jobs.len()).unwrap_or(i32::MAX),
             jobs: jobs.iter().map(job_message).collect(),
             errors: Default::default(),
@@ -435,10 +435,10 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::GetJobRequest>,
     ) -> Result<Response<pb::GetJobResponse>, Status> {
-        let call = self.call(request.metadata(), "info")?;
+        let rpc = self.begin(request.metadata(), "info")?;
         let r = request.into_inner();
-        let done = async { self.api.info(&call.grant, job_id(&r.job_id)?).await }.await;
-        call.reply(done.map(|job| pb::GetJobResponse {
+        let done = async { self.api.info(&rpc.grant, job_id(&r.job_id)?).await }.await;
+        rpc.reply(done.map(|job| pb::GetJobResponse {
             job: Some(job_message(&job)),
         }))
     }
@@ -447,10 +447,10 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::CancelJobRequest>,
     ) -> Result<Response<pb::CancelJobResponse>, Status> {
-        let call = self.call(request.metadata(), "cancel")?;
+        let rpc = self.begin(request.metadata(), "cancel")?;
         let r = request.into_inner();
-        let done = async { self.api.cancel(&call.grant, job_id(&r.job_id)?).await }.await;
-        call.reply(done.map(|(_, job)| pb::CancelJobResponse {
+        let done = async { self.api.cancel(&rpc.grant, job_id(&r.job_id)?).await }.await;
+        rpc.reply(done.map(|(_, job)| pb::CancelJobResponse {
             job: Some(job_message(&job)),
         }))
     }
@@ -459,7 +459,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::FetchRequest>,
     ) -> Result<Response<pb::FetchResponse>, Status> {
-        let call = self.call(request.metadata(), "fetch")?;
+        let rpc = self.begin(request.metadata(), "fetch")?;
         // A long poll as long as the caller waits (less a margin to
         // answer in), at most MAX_FETCH_WAIT; no deadline, no wait.
         let wait = deadline(request.metadata())
@@ -487,10 +487,10 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
                 visibility: None,
                 wait,
             };
-            self.api.fetch(&call.grant, fetch).await
+            self.api.fetch(&rpc.grant, fetch).await
         }
         .await;
-        call.reply(done.map(|jobs| pb::FetchResponse {
+        rpc.reply(done.map(|jobs| pb::FetchResponse {
             jobs: jobs.iter().map(job_message).collect(),
         }))
     }
@@ -499,18 +499,18 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::AckRequest>,
     ) -> Result<Response<pb::AckResponse>, Status> {
-        let call = self.call(request.metadata(), "ack")?;
+        let rpc = self.begin(request.metadata(), "ack")?;
         let r = request.into_inner();
         let result = r.result.map(|s| Value::Object(convert::struct_to_json(s)));
-        let done = async { self.api.ack(&call.grant, job_id(&r.job_id)?, result).await }.await;
-        call.reply(done.map(|_| pb::AckResponse { acknowledged: true }))
+        let done = async { self.api.ack(&rpc.grant, job_id(&r.job_id)?, result).await }.await;
+        rpc.reply(done.map(|_| pb::AckResponse { acknowledged: true }))
     }
 
     async fn nack(
         &self,
         request: Request<pb::NackRequest>,
     ) -> Result<Response<pb::NackResponse>, Status> {
-        let call = self.call(request.metadata(), "nack")?;
+        let rpc = self.begin(request.metadata(), "nack")?;
         let r = request.into_inner();
         let done = async {
             let failure = worker::Failure {
@@ -518,10 +518,10 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
                 error: convert::failure_error(r.error),
                 requeue: false,
             };
-            self.api.nack(&call.grant, failure).await
+            self.api.nack(&rpc.grant, failure).await
         }
         .await;
-        call.reply(done.map(|job| {
+        rpc.reply(done.map(|job| {
             pb::NackResponse {
                 state: convert::state_of(job.state().as_str().unwrap_or("")) as i32,
                 next_attempt_at: job
@@ -537,7 +537,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let call = self.call(request.metadata(), "heartbeat")?;
+        let rpc = self.begin(request.metadata(), "heartbeat")?;
         let r = request.into_inner();
         let done = async {
             if r.id.is_empty() && r.worker_id.is_empty() {
@@ -560,14 +560,14 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             let jobs = (!worker_level).then(|| vec![r.id.clone()]);
             let extended = self
                 .api
-                .heartbeat(&call.grant, &r.worker_id, jobs, extend_by)
+                .heartbeat(&rpc.grant, &r.worker_id, jobs, extend_by)
                 .await?;
             let directive = if r.worker_id.is_empty() {
                 Directive::Running
             } else {
                 self.api
                     .beat(
-                        &call.grant,
+                        &rpc.grant,
                         Beat {
                             worker_id: r.worker_id.clone(),
                             active_jobs: None,
@@ -586,7 +586,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             Ok((directive, deadline))
         }
         .await;
-        call.reply(done.map(|(directive, new_deadline)| pb::HeartbeatResponse {
+        rpc.reply(done.map(|(directive, new_deadline)| pb::HeartbeatResponse {
             directed_state: worker_state(directive) as i32,
             new_deadline,
         }))
@@ -598,7 +598,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::StreamJobsRequest>,
     ) -> Result<Response<Self::StreamJobsStream>, Status> {
-        let call = self.call(request.metadata(), "fetch")?;
+        let rpc = self.begin(request.metadata(), "fetch")?;
         let authorization = request
             .metadata()
             .get("authorization")
@@ -611,15 +611,15 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             n @ 1..=1000 => n as usize,
             _ => {
                 let e = ApiError::invalid("max_concurrent", "must be an integer from 1 to 1000");
-                return Err(status(&e, &call.request_id));
+                return Err(status(&e, &rpc.request_id));
             }
         };
-        let queues = queues(r.queues).map_err(|e| status(&e, &call.request_id))?;
+        let queues = queues(r.queues).map_err(|e| status(&e, &rpc.request_id))?;
         // The token must allow working those queues now, not at the first
         // job.
         for q in &queues {
-            if let Err(e) = call.grant.allow_on(crate::auth::Operation::Work, q) {
-                return Err(status(&e, &call.request_id));
+            if let Err(e) = rpc.grant.allow_on(crate::auth::Operation::Work, q) {
+                return Err(status(&e, &rpc.request_id));
             }
         }
         let (tx, rx) = tokio::sync::mpsc::channel(1);
@@ -629,12 +629,12 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             queues,
             worker_id: (!r.worker_id.is_empty()).then_some(r.worker_id),
             max,
-            request_id: call.request_id.clone(),
+            request_id: rpc.request_id.clone(),
         };
         tokio::spawn(feed.run(tx));
         Ok(answer(
             Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as JobStream,
-            &call.request_id,
+            &rpc.request_id,
         ))
     }
 
@@ -642,13 +642,13 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::ListQueuesRequest>,
     ) -> Result<Response<pb::ListQueuesResponse>, Status> {
-        let call = self.call(request.metadata(), "queues")?;
+        let rpc = self.begin(request.metadata(), "queues")?;
         let r = request.into_inner();
         let done = async {
             let (limit, offset) = page(r.limit, &r.cursor, 100)?;
             let list: Vec<pb::QueueInfo> = self
                 .api
-                .queues(&call.grant)
+                .queues(&rpc.grant)
                 .await?
                 .into_iter()
                 .map(|q| pb::QueueInfo {
@@ -664,7 +664,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             Ok((page, (next < total).then(|| next.to_string())))
         }
         .await;
-        call.reply(done.map(|(queues, next)| pb::ListQueuesResponse {
+        rpc.reply(done.map(|(queues, next)| pb::ListQueuesResponse {
             queues,
             next_cursor: next.unwrap_or_default(),
         }))
@@ -695,7 +695,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::ListDeadLetterRequest>,
     ) -> Result<Response<pb::ListDeadLetterResponse>, Status> {
-        let call = self.call(request.metadata(), "dead_letters")?;
+        let rpc = self.begin(request.metadata(), "dead_letters")?;
         let r = request.into_inner();
         let done = async {
             let (limit, offset) = page(r.limit, &r.cursor, 50)?;
@@ -705,12 +705,12 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
                 limit,
                 offset,
             };
-            let (jobs, total) = self.api.dead_letters(&call.grant, &query).await?;
+            let (jobs, total) = self.api.dead_letters(&rpc.grant, &query).await?;
             let next = offset + jobs.len();
             Ok((jobs, total, (next < total).then(|| next.to_string())))
         }
         .await;
-        call.reply(done.map(|(jobs, total, next)| pb::ListDeadLetterResponse {
+        rpc.reply(done.map(|(jobs, total, next)| pb::ListDeadLetterResponse {
             jobs: jobs.iter().map(job_message).collect(),
             total_count: i64::try_from(total).unwrap_or(i64::MAX),
             next_cursor: next.unwrap_or_default(),
@@ -721,15 +721,15 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::RetryDeadLetterRequest>,
     ) -> Result<Response<pb::RetryDeadLetterResponse>, Status> {
-        let call = self.call(request.metadata(), "dead_letters")?;
+        let rpc = self.begin(request.metadata(), "dead_letters")?;
         let r = request.into_inner();
         let done = async {
             self.api
-                .retry_dead_letter(&call.grant, job_id(&r.job_id)?)
+                .retry_dead_letter(&rpc.grant, job_id(&r.job_id)?)
                 .await
         }
         .await;
-        call.reply(done.map(|job| pb::RetryDeadLetterResponse {
+        rpc.reply(done.map(|job| pb::RetryDeadLetterResponse {
             job: Some(job_message(&job)),
         }))
     }
@@ -738,15 +738,15 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         &self,
         request: Request<pb::DeleteDeadLetterRequest>,
     ) -> Result<Response<pb::DeleteDeadLetterResponse>, Status> {
-        let call = self.call(request.metadata(), "dead_letters")?;
+        let rpc = self.begin(request.metadata(), "dead_letters")?;
         let r = request.into_inner();
         let done = async {
             self.api
-                .delete_dead_letter(&call.grant, job_id(&r.job_id)?)
+                .delete_dead_letter(&rpc.grant, job_id(&r.job_id)?)
                 .await
         }
         .await;
-        call.reply(done.map(|()| pb::DeleteDeadLetterResponse {}))
+        rpc.reply(done.map(|()| pb::DeleteDeadLetterResponse {}))
     }
 
     async fn register_cron(

@@ -242,7 +242,7 @@ impl BridgeConfig {
 
     /// Parses TOML and applies overrides from `env` (name, value pairs;
     /// pass `std::env::vars()`): the file's data, its values typed. Its
-    /// rules are checked by [`crate::topology::Topology::build`], which
+    /// rules are checked by [`crate::blueprint::Blueprint::build`], which
     /// makes the runtime from it. Descriptor set paths are taken as given
     /// (relative to the working directory).
     pub fn parse(text: &str, origin: &str, env: &[(String, String)]) -> Result<Self, ConfigError> {

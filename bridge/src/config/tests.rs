@@ -6,7 +6,7 @@ use super::*;
 /// tests are about the rules).
 fn built(config: Result<BridgeConfig, ConfigError>) -> Result<BridgeConfig, ConfigError> {
     let config = config?;
-    crate::topology::Topology::build(config.clone())?;
+    crate::blueprint::Blueprint::build(config.clone())?;
     Ok(config)
 }
 

@@ -38,14 +38,14 @@ pub(crate) async fn run_source(
     let mut tasks: JoinSet<()> = JoinSet::new();
     // With per-key ordering, each lane publishes one batch at a time, in
     // the order it was handed them; a key always takes the same lane.
-    let mut lanes: Vec<mpsc::UnboundedSender<(Vec<Delivery>, Arc<Held>)>> = Vec::new();
+    let mut lanes: Vec<mpsc::UnboundedSender<(Vec<Delivery>, Arc<BatchShare>)>> = Vec::new();
     for _ in 0..ctx.config.ordered_lanes().unwrap_or(0) {
-        let (tx, mut rx) = mpsc::unbounded_channel::<(Vec<Delivery>, Arc<Held>)>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<(Vec<Delivery>, Arc<BatchShare>)>();
         let ctx = ctx.clone();
         tasks.spawn(async move {
             let lease = ctx.config.visibility_timeout;
             let every = renew_every(lease);
-            let mut queued: VecDeque<(Vec<Delivery>, Arc<Held>)> = VecDeque::new();
+            let mut queued: VecDeque<(Vec<Delivery>, Arc<BatchShare>)> = VecDeque::new();
             loop {
                 if queued.is_empty() {
                     match rx.recv().await {
@@ -147,7 +147,7 @@ pub(crate) async fn run_source(
             .clone()
             .try_acquire_many_owned(u32::try_from(take).unwrap_or(u32::MAX))
             .ok();
-        let held = Held {
+        let held = BatchShare {
             ctx: ctx.clone(),
             n,
             size,
@@ -197,14 +197,14 @@ pub(crate) async fn run_source(
 /// What a received batch holds until every part of it is settled: its
 /// share of `max_in_flight` and of the byte budget, and the in-flight
 /// gauges.
-struct Held {
+struct BatchShare {
     ctx: Arc<SourceCtx>,
     n: usize,
     size: usize,
     _permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
 }
 
-impl Drop for Held {
+impl Drop for BatchShare {
     fn drop(&mut self) {
         let counters = self.ctx.counters();
         counters

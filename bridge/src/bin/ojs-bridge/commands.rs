@@ -6,10 +6,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
+use ojs_bridge::blueprint::Blueprint;
 use ojs_bridge::config::ConfigError;
 use ojs_bridge::convert::{self, Format};
 use ojs_bridge::send::MessageFormat;
-use ojs_bridge::topology::Topology;
 use ojs_bridge::{endpoint, send, tail};
 use ojs_queue::ConsumerOptions;
 
@@ -244,11 +244,11 @@ async fn run_tail(from: &str, opts: tail::TailOptions) -> anyhow::Result<()> {
 fn check_config(path: &std::path::Path) -> Result<String, ConfigError> {
     // What `run` does before it connects: the build, every rule of the file
     // at once, then reading every file it names.
-    let ready = Topology::build(load_config(Some(path))?)?.read_files()?;
-    for clash in ready.topology.shared_destinations() {
+    let ready = Blueprint::build(load_config(Some(path))?)?.read_files()?;
+    for clash in ready.blueprint.shared_destinations() {
         eprintln!("warning: {clash}");
     }
-    let config = &ready.topology.config;
+    let config = &ready.blueprint.config;
     Ok(format!(
         "{}: ok ({} adapters, {} sources, {} routes)",
         path.display(),

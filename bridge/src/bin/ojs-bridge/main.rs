@@ -16,10 +16,10 @@ mod commands;
 use std::process::ExitCode;
 
 use clap::Parser;
+use ojs_bridge::blueprint::{Blueprint, Ready};
 use ojs_bridge::config::{BridgeConfig, ConfigError};
 use ojs_bridge::daemon::{Daemon, DaemonError};
 use ojs_bridge::logging::{self, LogFormat};
-use ojs_bridge::topology::{Ready, Topology};
 
 use cli::{Cli, Command, EXIT_FAILED, EXIT_INVALID_INPUT};
 use commands::{chain, one_shot};
@@ -41,12 +41,12 @@ fn main() -> ExitCode {
             config,
             wait_for_brokers,
         } => match load_config(config.as_deref())
-            .and_then(Topology::build)
-            .and_then(Topology::read_files)
+            .and_then(Blueprint::build)
+            .and_then(Blueprint::read_files)
         {
             Ok(mut ready) => {
                 if let Some(wait) = wait_for_brokers {
-                    ready.topology.config.wait_for_brokers = wait;
+                    ready.blueprint.config.wait_for_brokers = wait;
                 }
                 Work::Daemon(Box::new(ready))
             }
@@ -60,7 +60,7 @@ fn main() -> ExitCode {
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
     if let Work::Daemon(ready) = &work {
-        let config = &ready.topology.config;
+        let config = &ready.blueprint.config;
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
         let threads = config.runtime_threads(cpus);
         tracing::info!(

@@ -1,8 +1,8 @@
 //! Build once, then run: the configuration (plain data) is turned into a
-//! [`Topology`] by one [`Topology::build`], which holds every rule and
+//! [`Blueprint`] by one [`Blueprint::build`], which holds every rule and
 //! reports every problem of a file at once, each with its field path, and
-//! [`Topology::read_files`] reads the files it names (token files, the
-//! listener's certificate and key) into a [`Ready`] topology. `check-config`
+//! [`Blueprint::read_files`] reads the files it names (token files, the
+//! listener's certificate and key) into [`Ready`]. `check-config`
 //! is exactly those two steps; `run` is those two steps plus connecting
 //! ([`crate::daemon::Daemon::connect`]), which does no configuration work.
 //! Nothing built here is changed afterwards.
@@ -22,7 +22,7 @@ pub mod connecting;
 /// A configuration built into what the daemon runs: every adapter's typed
 /// settings and every route compiled, in configuration order.
 #[derive(Debug)]
-pub struct Topology {
+pub struct Blueprint {
     /// The configuration it was built from (sources, listener, API,
     /// federations are read from it as they are).
     pub config: BridgeConfig,
@@ -36,11 +36,11 @@ pub struct Topology {
     pub health_probes: BTreeMap<(String, String), HttpHealthProbe>,
 }
 
-/// A topology with the files it names read: what the daemon connects.
+/// A blueprint with the files it names read: what the daemon connects.
 #[derive(Debug)]
 pub struct Ready {
     /// The built configuration.
-    pub topology: Topology,
+    pub blueprint: Blueprint,
     /// The listener's TLS (`http.tls_cert_file`, …), when it has one.
     pub tls: Option<ListenerTls>,
     /// The listener's bearer token (`http.token_file`).
@@ -62,7 +62,7 @@ pub struct NamedQueue {
     pub queue: String,
 }
 
-impl Topology {
+impl Blueprint {
     /// Every queue `config` and its built `routes` name literally: each
     /// source's queue and dead-letter queue, each route's literal
     /// destination.
@@ -147,7 +147,7 @@ impl Topology {
 
     /// Builds `config`, or refuses it with every rule it breaks, in file
     /// order (descriptor sets are read here: a route compiles from them).
-    pub fn build(config: BridgeConfig) -> Result<Topology, ConfigError> {
+    pub fn build(config: BridgeConfig) -> Result<Blueprint, ConfigError> {
         let mut errors: Vec<ConfigError> = Vec::new();
         if config.http.listen != "off"
             && config.http.listen.parse::<std::net::SocketAddr>().is_err()
@@ -382,7 +382,7 @@ impl Topology {
             }
         }
         ConfigError::all(errors)?;
-        Ok(Topology {
+        Ok(Blueprint {
             config,
             adapters,
             routes,
@@ -390,7 +390,7 @@ impl Topology {
         })
     }
 
-    /// Reads the files this topology names, or refuses it with every file
+    /// Reads the files this blueprint names, or refuses it with every file
     /// that cannot be read (first) or whose content is not usable (once
     /// each is readable): the token files, the listener's certificate, key
     /// and client CA, the files adapters read when they connect.
@@ -420,7 +420,7 @@ impl Topology {
         });
         ConfigError::all(errors)?;
         Ok(Ready {
-            topology: self,
+            blueprint: self,
             tls,
             http_token,
             api,
