@@ -243,7 +243,7 @@ async fn route(
                 return Err(not_allowed("GET"));
             }
             json_only(request.headers())?;
-            Ok(json_response(200, &api.manifest(), request_id))
+            Ok(json_response(200, &json!(api.manifest()), request_id))
         }
         (_, ["jobs"]) => {
             if method != Method::POST {
@@ -643,7 +643,7 @@ async fn worker_admin_route(
             let (page, per_page) = page_query(request.uri().query().unwrap_or(""))?;
             Ok(json_response(
                 200,
-                &api.workers_list(grant, page, per_page).await?,
+                &json!(api.workers_list(grant, page, per_page).await?),
                 request_id,
             ))
         }

@@ -20,6 +20,7 @@ pub mod grpc;
 pub mod http;
 pub mod job;
 pub mod limits;
+pub mod manifest;
 pub mod metrics;
 pub(crate) mod model;
 pub mod roster;
@@ -36,7 +37,6 @@ use chrono::{DateTime, Utc};
 use ojs_core::glob::Glob;
 use ojs_core::{Encoding, JobState};
 use ojs_queue::{OutgoingMessage, QueueAdapter};
-use serde_json::{json, Value};
 use tokio::sync::{watch, Notify};
 
 pub use error::{ApiError, ErrorCode};
@@ -540,57 +540,33 @@ impl Api {
     }
 
     /// The manifest (`GET /ojs/manifest`).
-    pub fn manifest(&self) -> Value {
-        json!({
-            "ojs_version": "1.0",
-            "specversion": "1.0",
-            "implementation": {
-                "name": "ojs-bridge",
-                "version": env!("CARGO_PKG_VERSION"),
-                "language": "rust",
-                "repository": "https://github.com/ojs-bridge/ojs-bridge",
-            },
-            "conformance_level": 0,
-            "conformance_tier": "runtime",
-            "protocols": ["http", "grpc"],
-            "backend": self.adapter.kind(),
-            "capabilities": {
-                "batch_enqueue": true,
-                "cron_jobs": false,
-                "dead_letter": true,
-                "delayed_jobs": true,
-                "job_ttl": false,
-                "priority_queues": matches!(self.adapter.kind(), "local" | "memory" | "rabbitmq"),
-                "rate_limiting": false,
-                "schema_validation": false,
-                "unique_jobs": false,
-                "workflows": false,
-                "pause_resume": false,
-            },
-            "extensions": [],
-            "encodings": ["application/openjobspec+json", "application/openjobspec+proto"],
-        })
+    pub fn manifest(&self) -> manifest::Manifest {
+        manifest::Manifest::of(self.adapter.kind())
     }
 
-    /// The `backend` part of the health answer.
-    pub fn backend(&self) -> Value {
-        json!({"type": self.adapter.kind(), "name": self.adapter_name})
+    /// The broker, as health names it.
+    pub fn backend(&self) -> manifest::Backend {
+        manifest::Backend {
+            kind: self.adapter.kind(),
+            name: self.adapter_name.clone(),
+        }
     }
 
-    /// The `store` part of the health answer, and whether it is up.
-    pub fn store_health(&self) -> (bool, Value) {
-        let kind = self.store.kind();
-        let down = self
+    /// Whether the store answers, and if not why, as health reports it.
+    pub fn store_health(&self) -> manifest::StoreHealth {
+        let reason = self
             .store_down
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        match down {
-            None => (true, json!({"type": kind, "status": "ok"})),
-            Some(reason) => (
-                false,
-                json!({"type": kind, "status": "unavailable", "reason": reason}),
-            ),
+        manifest::StoreHealth {
+            kind: self.store.kind(),
+            status: if reason.is_none() {
+                "ok"
+            } else {
+                "unavailable"
+            },
+            reason,
         }
     }
 

@@ -12,11 +12,11 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use serde_json::{json, Map, Value};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Value};
 
 use crate::auth::{Grant, Operation};
 use crate::error::ApiError;
-use crate::job::timestamp;
 use crate::store::{StoreError, Tx};
 use crate::Api;
 
@@ -25,9 +25,10 @@ use crate::Api;
 pub const STALE_AFTER: Duration = Duration::from_secs(30);
 
 /// What a worker is told in answer to its heartbeat.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Directive {
     /// Fetch and work.
+    #[default]
     Running,
     /// Stop fetching; finish the active jobs.
     Quiet,
@@ -45,12 +46,29 @@ impl Directive {
         }
     }
 
-    fn of(record: &Value) -> Directive {
-        match record["state"].as_str() {
-            Some("quiet") => Directive::Quiet,
-            Some("terminate") => Directive::Terminate,
+    /// The directive a word names; any other word (a record written by
+    /// hand) is `running`.
+    fn named(word: &str) -> Directive {
+        match word {
+            "quiet" => Directive::Quiet,
+            "terminate" => Directive::Terminate,
             _ => Directive::Running,
         }
+    }
+}
+
+impl Serialize for Directive {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for Directive {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Ok(match Value::deserialize(deserializer)? {
+            Value::String(word) => Directive::named(&word),
+            _ => Directive::Running,
+        })
     }
 }
 
@@ -75,6 +93,150 @@ pub const ABOUT: [&str; 7] = [
     "labels",
     "state",
 ];
+
+/// A worker as the roster keeps it (in the job store, as JSON). The
+/// fields the admin UI reads without checking are always there, of their
+/// type: a heartbeat over gRPC, or an operator's directive before any
+/// heartbeat, names none of them, and one that sends them mistyped is
+/// read as not having sent them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    /// The worker's id.
+    pub id: String,
+    /// The directive it is under.
+    #[serde(default)]
+    pub state: Directive,
+    /// Its first heartbeat (or directive).
+    #[serde(default, with = "millis_time")]
+    pub first_seen_at: Option<DateTime<Utc>>,
+    /// Its last heartbeat; none: never heard from.
+    #[serde(default, with = "millis_time", skip_serializing_if = "Option::is_none")]
+    pub last_heartbeat_at: Option<DateTime<Utc>>,
+    /// When an operator last directed it.
+    #[serde(default, with = "millis_time", skip_serializing_if = "Option::is_none")]
+    pub directed_at: Option<DateTime<Utc>>,
+    /// The queues it says it works.
+    #[serde(default, deserialize_with = "lenient")]
+    pub queues: Vec<String>,
+    /// How many jobs it says it runs at once.
+    #[serde(default, deserialize_with = "lenient")]
+    pub concurrency: u64,
+    /// How many jobs it says it holds.
+    #[serde(default, deserialize_with = "lenient")]
+    pub active_jobs: u64,
+    /// The rest of what it said about itself (`hostname`, `pid`,
+    /// `version`, `labels`, and its own word for its state as
+    /// `reported_state`), kept as sent.
+    #[serde(flatten)]
+    pub about: Map<String, Value>,
+}
+
+impl WorkerRecord {
+    fn new(id: &str, now: DateTime<Utc>) -> Self {
+        WorkerRecord {
+            id: id.to_owned(),
+            state: Directive::Running,
+            first_seen_at: Some(now),
+            last_heartbeat_at: None,
+            directed_at: None,
+            queues: Vec::new(),
+            concurrency: 0,
+            active_jobs: 0,
+            about: Map::new(),
+        }
+    }
+
+    /// Whether it has been silent past [`STALE_AFTER`] (or never beat).
+    pub fn is_stale(&self, now: DateTime<Utc>) -> bool {
+        self.last_heartbeat_at
+            .is_none_or(|t| (now - t).to_std().is_ok_and(|age| age > STALE_AFTER))
+    }
+
+    /// The record as the admin API shows it at `now`.
+    pub fn view(self, now: DateTime<Utc>) -> WorkerView {
+        WorkerView {
+            stale: self.is_stale(now),
+            record: self,
+        }
+    }
+}
+
+/// A worker as the admin API shows it: its record and whether it is stale.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkerView {
+    /// The record.
+    #[serde(flatten)]
+    pub record: WorkerRecord,
+    /// Silent past [`STALE_AFTER`].
+    pub stale: bool,
+}
+
+/// How many workers are under each directive, and how many are stale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct WorkerSummary {
+    /// Every worker.
+    pub total: usize,
+    /// Running.
+    pub running: usize,
+    /// Told to be quiet.
+    pub quiet: usize,
+    /// Told to terminate.
+    pub terminate: usize,
+    /// Silent past [`STALE_AFTER`].
+    pub stale: usize,
+}
+
+/// Where a page lies in a list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Pagination {
+    /// Items in the whole list.
+    pub total: usize,
+    /// This page, from 1.
+    pub page: usize,
+    /// Items per page.
+    pub per_page: usize,
+}
+
+/// One page of the worker list.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkerPage {
+    /// The page's workers, by id.
+    pub items: Vec<WorkerView>,
+    /// Over the whole list.
+    pub summary: WorkerSummary,
+    /// Where the page lies.
+    pub pagination: Pagination,
+}
+
+/// A value of the wrong type reads as its default: what a worker sent is
+/// kept as far as it is usable, never a reason to lose its record.
+fn lenient<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: serde::de::DeserializeOwned + Default,
+{
+    Ok(serde_json::from_value(Value::deserialize(deserializer)?).unwrap_or_default())
+}
+
+/// Times on a record: RFC 3339, UTC, milliseconds (the binding's form).
+mod millis_time {
+    use chrono::{DateTime, Utc};
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &Option<DateTime<Utc>>, s: S) -> Result<S::Ok, S::Error> {
+        match t {
+            Some(t) => s.serialize_str(&crate::job::timestamp(*t)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<DateTime<Utc>>, D::Error> {
+        let text = Option::<String>::deserialize(d)?;
+        Ok(text
+            .and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
+            .map(|t| t.with_timezone(&Utc)))
+    }
+}
 
 /// The directives this replica enforces on FETCH (workers not running).
 #[derive(Debug, Default)]
@@ -107,29 +269,30 @@ impl Directives {
     }
 }
 
-fn new_record(id: &str, now: DateTime<Utc>) -> Value {
-    json!({"id": id, "state": "running", "first_seen_at": timestamp(now)})
-}
-
 /// The heartbeat's transition: the record is made or updated; the answer
 /// is the worker's directive.
 fn record_beat(tx: &mut dyn Tx, beat: &Beat, now: DateTime<Utc>) -> Result<Directive, StoreError> {
-    let existing = tx.worker(&beat.worker_id)?;
-    let directive = existing.as_ref().map_or(Directive::Running, Directive::of);
-    let mut record = existing.unwrap_or_else(|| new_record(&beat.worker_id, now));
-    record["last_heartbeat_at"] = json!(timestamp(now));
+    let mut record = tx
+        .worker(&beat.worker_id)?
+        .unwrap_or_else(|| WorkerRecord::new(&beat.worker_id, now));
+    let directive = record.state;
+    record.last_heartbeat_at = Some(now);
     if let Some(n) = beat.active_jobs {
-        record["active_jobs"] = json!(n);
+        record.active_jobs = n;
     }
     for (k, v) in &beat.about {
-        // `state` on the record is the directive; the worker's own word
-        // for its state is kept beside it.
-        let key = if k == "state" {
-            "reported_state"
-        } else {
-            k.as_str()
-        };
-        record[key] = v.clone();
+        match k.as_str() {
+            "queues" => record.queues = serde_json::from_value(v.clone()).unwrap_or_default(),
+            "concurrency" => record.concurrency = v.as_u64().unwrap_or_default(),
+            // `state` on the record is the directive; the worker's own
+            // word for its state is kept beside it.
+            "state" => {
+                record.about.insert("reported_state".into(), v.clone());
+            }
+            other => {
+                record.about.insert(other.to_owned(), v.clone());
+            }
+        }
     }
     tx.save_worker(&beat.worker_id, now, &record)?;
     Ok(directive)
@@ -141,45 +304,17 @@ fn direct(
     id: &str,
     directive: Directive,
     now: DateTime<Utc>,
-) -> Result<Result<Value, Directive>, StoreError> {
-    let mut record = tx.worker(id)?.unwrap_or_else(|| new_record(id, now));
-    let current = Directive::of(&record);
+) -> Result<Result<WorkerRecord, Directive>, StoreError> {
+    let mut record = tx.worker(id)?.unwrap_or_else(|| WorkerRecord::new(id, now));
+    let current = record.state;
     if current == Directive::Terminate && directive != Directive::Terminate {
         return Ok(Err(current));
     }
-    record["state"] = json!(directive.as_str());
-    record["directed_at"] = json!(timestamp(now));
-    let seen = record["last_heartbeat_at"]
-        .as_str()
-        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
-        .map_or(now, |t| t.with_timezone(&Utc));
+    record.state = directive;
+    record.directed_at = Some(now);
+    let seen = record.last_heartbeat_at.unwrap_or(now);
     tx.save_worker(id, seen, &record)?;
     Ok(Ok(record))
-}
-
-/// The record as the admin API shows it: with `stale`.
-fn shown(mut record: Value, now: DateTime<Utc>) -> Value {
-    let stale = record["last_heartbeat_at"]
-        .as_str()
-        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
-        .is_none_or(|t| {
-            (now - t.with_timezone(&Utc))
-                .to_std()
-                .is_ok_and(|age| age > STALE_AFTER)
-        });
-    record["stale"] = json!(stale);
-    // What the admin UI reads without checking: always there, of its type
-    // (a heartbeat over gRPC, or an operator's directive before any
-    // heartbeat, names none of them).
-    if !record["queues"].is_array() {
-        record["queues"] = json!([]);
-    }
-    for key in ["concurrency", "active_jobs"] {
-        if !record[key].is_number() {
-            record[key] = json!(0);
-        }
-    }
-    record
 }
 
 impl Api {
@@ -208,11 +343,8 @@ impl Api {
             Ok(records) => self.directives.replace(
                 records
                     .iter()
-                    .filter_map(|r| {
-                        let d = Directive::of(r);
-                        let id = r["id"].as_str()?;
-                        (d != Directive::Running).then(|| (id.to_owned(), d))
-                    })
+                    .filter(|r| r.state != Directive::Running)
+                    .map(|r| (r.id.clone(), r.state))
                     .collect(),
             ),
             Err(e) => {
@@ -227,44 +359,47 @@ impl Api {
         grant: &Grant<'_>,
         page: usize,
         per_page: usize,
-    ) -> Result<Value, ApiError> {
+    ) -> Result<WorkerPage, ApiError> {
         // Workers belong to no queue: a token scoped to some queues must
         // not see who works the others.
         grant.allow_everywhere(Operation::Admin)?;
         let now = self.clock.now();
         let records = self.store.run(|tx| tx.workers()).await?;
-        let all: Vec<Value> = records.into_iter().map(|r| shown(r, now)).collect();
-        let count = |state: &str| all.iter().filter(|r| r["state"] == state).count();
-        let stale = all.iter().filter(|r| r["stale"] == true).count();
-        let summary = json!({
-            "total": all.len(),
-            "running": count("running"),
-            "quiet": count("quiet"),
-            "terminate": count("terminate"),
-            "stale": stale,
-        });
+        let all: Vec<WorkerView> = records.into_iter().map(|r| r.view(now)).collect();
+        let count = |d: Directive| all.iter().filter(|w| w.record.state == d).count();
+        let summary = WorkerSummary {
+            total: all.len(),
+            running: count(Directive::Running),
+            quiet: count(Directive::Quiet),
+            terminate: count(Directive::Terminate),
+            stale: all.iter().filter(|w| w.stale).count(),
+        };
         let total = all.len();
-        let items: Vec<Value> = all
+        let items = all
             .into_iter()
             .skip(page.saturating_sub(1) * per_page)
             .take(per_page)
             .collect();
-        Ok(json!({
-            "items": items,
-            "summary": summary,
-            "pagination": {"total": total, "page": page, "per_page": per_page},
-        }))
+        Ok(WorkerPage {
+            items,
+            summary,
+            pagination: Pagination {
+                total,
+                page,
+                per_page,
+            },
+        })
     }
 
     /// `GET /ojs/v1/admin/workers/{id}`.
-    pub async fn worker_info(&self, grant: &Grant<'_>, id: &str) -> Result<Value, ApiError> {
+    pub async fn worker_info(&self, grant: &Grant<'_>, id: &str) -> Result<WorkerView, ApiError> {
         // Workers belong to no queue: a token scoped to some queues must
         // not see who works the others.
         grant.allow_everywhere(Operation::Admin)?;
         let key = id.to_owned();
         let record = self.store.run(move |tx| tx.worker(&key)).await?;
         record
-            .map(|r| shown(r, self.clock.now()))
+            .map(|r| r.view(self.clock.now()))
             .ok_or_else(|| ApiError::NotFound {
                 resource_type: "worker",
                 resource_id: id.to_owned(),
@@ -279,7 +414,7 @@ impl Api {
         grant: &Grant<'_>,
         id: &str,
         directive: Directive,
-    ) -> Result<Value, ApiError> {
+    ) -> Result<WorkerView, ApiError> {
         grant.allow_everywhere(Operation::Admin)?;
         let now = self.clock.now();
         let key = id.to_owned();
@@ -291,7 +426,7 @@ impl Api {
             Ok(record) => {
                 self.directives.set(id, directive);
                 tracing::info!(worker_id = %id, directive = directive.as_str(), "a worker was directed");
-                Ok(shown(record, now))
+                Ok(record.view(now))
             }
             Err(current) => Err(ApiError::WorkerConflict {
                 worker_id: id.to_owned(),
@@ -314,9 +449,8 @@ impl Api {
                 let Some(record) = tx.worker(&key)? else {
                     return Ok(None);
                 };
-                let record = shown(record, now);
-                if record["stale"] != true {
-                    return Ok(Some(Err(Directive::of(&record))));
+                if !record.is_stale(now) {
+                    return Ok(Some(Err(record.state)));
                 }
                 tx.remove_worker(&key)?;
                 Ok(Some(Ok(())))
@@ -343,31 +477,47 @@ impl Api {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::job::timestamp;
+    use serde_json::json;
+
+    fn record(value: Value) -> WorkerRecord {
+        serde_json::from_value(value).unwrap()
+    }
 
     #[test]
     fn a_worker_silent_past_the_limit_is_stale() {
         let now = Utc::now();
         let at = |secs: i64| {
-            json!({"id": "w", "state": "running",
-                   "last_heartbeat_at": timestamp(now - chrono::Duration::seconds(secs))})
+            record(json!({"id": "w", "state": "running",
+                   "last_heartbeat_at": timestamp(now - chrono::Duration::seconds(secs))}))
         };
-        assert_eq!(shown(at(5), now)["stale"], false);
-        assert_eq!(shown(at(31), now)["stale"], true);
+        assert!(!at(5).is_stale(now));
+        assert!(at(31).is_stale(now));
         // Directed before it ever beat: stale until it does.
-        assert_eq!(shown(new_record("w", now), now)["stale"], true);
+        assert!(WorkerRecord::new("w", now).is_stale(now));
     }
 
     #[test]
     fn what_the_admin_ui_reads_is_always_there() {
         let now = Utc::now();
-        let bare = shown(json!({"id": "w", "state": "quiet"}), now);
+        let bare =
+            serde_json::to_value(record(json!({"id": "w", "state": "quiet"})).view(now)).unwrap();
         assert_eq!(bare["queues"], json!([]));
         assert_eq!(bare["concurrency"], 0);
         assert_eq!(bare["active_jobs"], 0);
-        let told = shown(
-            json!({"id": "w", "queues": ["a"], "concurrency": 4, "active_jobs": 2}),
-            now,
-        );
+        assert_eq!(bare["state"], "quiet");
+        assert_eq!(bare["stale"], true);
+        // Mistyped values a worker sent read as not sent; the rest is kept.
+        let odd = record(json!({"id": "w", "queues": "a", "concurrency": "4",
+                                "hostname": "h1", "labels": {"zone": "a"}}));
+        assert_eq!(odd.queues, Vec::<String>::new());
+        assert_eq!(odd.concurrency, 0);
+        assert_eq!(odd.about.get("hostname"), Some(&json!("h1")));
+        let told = serde_json::to_value(
+            record(json!({"id": "w", "queues": ["a"], "concurrency": 4, "active_jobs": 2}))
+                .view(now),
+        )
+        .unwrap();
         assert_eq!(told["queues"], json!(["a"]));
         assert_eq!(
             (told["concurrency"].clone(), told["active_jobs"].clone()),
@@ -376,10 +526,33 @@ mod tests {
     }
 
     #[test]
+    fn a_record_reads_back_as_it_was_written_with_millisecond_times() {
+        let now = DateTime::from_timestamp(1_800_000_000, 123_456_789).unwrap();
+        let mut r = WorkerRecord::new("w", now);
+        r.last_heartbeat_at = Some(now);
+        r.state = Directive::Terminate;
+        r.about.insert("pid".into(), json!(42));
+        let text = serde_json::to_value(&r).unwrap();
+        assert_eq!(text["first_seen_at"], "2027-01-15T08:00:00.123Z");
+        assert_eq!(text["state"], "terminate");
+        assert_eq!(text["pid"], 42);
+        let back: WorkerRecord = serde_json::from_value(text).unwrap();
+        assert_eq!(back.state, Directive::Terminate);
+        assert_eq!(
+            back.first_seen_at,
+            DateTime::from_timestamp(1_800_000_000, 123_000_000)
+        );
+    }
+
+    #[test]
     fn directives_read_back_from_records() {
         for d in [Directive::Running, Directive::Quiet, Directive::Terminate] {
-            assert_eq!(Directive::of(&json!({"state": d.as_str()})), d);
+            assert_eq!(record(json!({"id": "w", "state": d.as_str()})).state, d);
         }
-        assert_eq!(Directive::of(&json!({})), Directive::Running);
+        assert_eq!(record(json!({"id": "w"})).state, Directive::Running);
+        assert_eq!(
+            record(json!({"id": "w", "state": 7})).state,
+            Directive::Running
+        );
     }
 }

@@ -1121,6 +1121,7 @@ fn activate_one(
     active_here: &mut HashSet<String>,
 ) -> Result<Activation, StoreError> {
     let envelope_id = envelope.id.clone();
+    let delivered_enqueued_at = envelope.enqueued_at;
     let mut job = match tx.load(&envelope.id) {
         Ok(job) => job,
         Err(StoreError::NotFound(_)) => {
@@ -1171,6 +1172,11 @@ fn activate_one(
                 apply(job, Command::Revive, now).map_err(|r| wrong_state(&envelope_id, r))?;
             record(tx, &revived, now)?;
             job = revived.job;
+        }
+        // Delivered by the scheduler before its promotion committed: the
+        // broker's copy says when it was enqueued.
+        JobState::Scheduled => {
+            job.envelope.enqueued_at = delivered_enqueued_at.or(Some(now));
         }
         _ => {}
     }

@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chrono::{DateTime, Utc};
+use ojs_api::roster::WorkerRecord;
 use ojs_api::store::{Durability, EventFilter, Lease, PostgresSettings, Store, StoreError};
 use ojs_api::Job;
 use ojs_core::redact::Secret;
@@ -308,13 +309,25 @@ async fn events_are_read_by_filter_and_cursor(store: &Store, _: &Place) {
     assert!(types.events.is_empty());
 }
 
+fn worker(value: serde_json::Value) -> WorkerRecord {
+    serde_json::from_value(value).unwrap()
+}
+
 async fn worker_records_round_trip(store: &Store, _: &Place) {
     let done = store
         .run(|tx| {
             assert_eq!(tx.worker("w1")?, None);
-            tx.save_worker("w1", Utc::now(), &json!({"id": "w1", "queues": ["a"]}))?;
-            tx.save_worker("w2", Utc::now(), &json!({"id": "w2"}))?;
-            tx.save_worker("w1", Utc::now(), &json!({"id": "w1", "queues": ["b"]}))?;
+            tx.save_worker(
+                "w1",
+                Utc::now(),
+                &worker(json!({"id": "w1", "queues": ["a"]})),
+            )?;
+            tx.save_worker("w2", Utc::now(), &worker(json!({"id": "w2"})))?;
+            tx.save_worker(
+                "w1",
+                Utc::now(),
+                &worker(json!({"id": "w1", "queues": ["b"], "hostname": "h"})),
+            )?;
             let one = tx.worker("w1")?;
             let removed = tx.remove_worker("w2")?;
             let removed_again = tx.remove_worker("w2")?;
@@ -322,9 +335,14 @@ async fn worker_records_round_trip(store: &Store, _: &Place) {
         })
         .await
         .unwrap();
-    assert_eq!(done.0, Some(json!({"id": "w1", "queues": ["b"]})));
+    let w1 = worker(json!({"id": "w1", "queues": ["b"], "hostname": "h"}));
+    assert_eq!(done.0, Some(w1.clone()));
+    assert_eq!(
+        done.0.as_ref().map(|w| w.queues.clone()),
+        Some(vec!["b".to_owned()])
+    );
     assert!(done.1 && !done.2);
-    assert_eq!(done.3, [json!({"id": "w1", "queues": ["b"]})]);
+    assert_eq!(done.3, [w1]);
 }
 
 async fn leases_are_kept_only_where_replicas_share_the_store(store: &Store, place: &Place) {

@@ -385,16 +385,19 @@ async fn a_worker_is_stale_once_silent_past_the_limit_on_the_service_clock() {
         Directive::Running
     );
     let listed = s.api.workers_list(&grant, 1, 50).await.unwrap();
-    let worker = &listed["items"][0];
-    assert_eq!(worker["id"], "w-7", "{listed}");
-    assert_eq!(worker["stale"], false, "{listed}");
-    assert_eq!(worker["queues"], json!([]));
+    let worker = &listed.items[0];
+    assert_eq!(worker.record.id, "w-7");
+    assert!(!worker.stale, "{listed:?}");
+    assert_eq!(worker.record.active_jobs, 2);
+    assert_eq!(worker.record.first_seen_at, Some(s.start));
+    assert_eq!(listed.summary.running, 1);
     s.clock
         .advance(ojs_api::roster::STALE_AFTER + Duration::from_secs(1));
     let listed = s.api.workers_list(&grant, 1, 50).await.unwrap();
-    assert_eq!(listed["items"][0]["stale"], true, "{listed}");
+    assert!(listed.items[0].stale, "{listed:?}");
+    assert_eq!(listed.summary.stale, 1);
     // A heartbeat makes it current again.
     s.api.beat(&grant, beat()).await.unwrap();
     let listed = s.api.workers_list(&grant, 1, 50).await.unwrap();
-    assert_eq!(listed["items"][0]["stale"], false, "{listed}");
+    assert!(!listed.items[0].stale, "{listed:?}");
 }

@@ -283,13 +283,14 @@ async fn answer(
             if let Some(api) = &state.api {
                 body["version"] = json!(env!("CARGO_PKG_VERSION"));
                 body["uptime_seconds"] = json!(api.uptime_seconds());
-                let mut backend = api.backend();
-                let name = backend["name"].as_str().unwrap_or("").to_owned();
-                let up = body["adapters"][&name]["status"] == "ok";
-                backend["status"] = json!(if up { "connected" } else { "disconnected" });
-                body["backend"] = backend;
-                let (store_up, store) = api.store_health();
-                body["store"] = store;
+                let backend = api.backend();
+                let up = body["adapters"][&backend.name]["status"] == "ok";
+                let mut shown = json!(backend);
+                shown["status"] = json!(if up { "connected" } else { "disconnected" });
+                body["backend"] = shown;
+                let store = api.store_health();
+                let store_up = store.is_up();
+                body["store"] = json!(store);
                 if !store_up {
                     ok = false;
                     body["status"] = json!("degraded");

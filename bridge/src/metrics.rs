@@ -245,7 +245,7 @@ impl Metrics {
 /// The OJS API's gauges: whether its job store answers and writes, the
 /// request bodies it holds, and the queue consumers it keeps for FETCH.
 pub fn render_api(api: &ojs_api::Api, out: &mut String) {
-    let (store_up, _) = api.store_health();
+    let store_up = api.store_health().is_up();
     let _ = writeln!(
         out,
         "# HELP ojs_bridge_api_store_up Whether the OJS API's job store answers and writes (1) or not (0).\n# TYPE ojs_bridge_api_store_up gauge\nojs_bridge_api_store_up {}",

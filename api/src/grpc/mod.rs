@@ -286,31 +286,20 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         let rpc = self.begin(request.metadata(), "manifest")?;
         let id = rpc.request_id;
         let m = self.api.manifest();
-        let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
+        let texts = |list: &[&str]| list.iter().map(|t| (*t).to_owned()).collect();
         Ok(answer(
             pb::ManifestResponse {
-                ojs_version: text(&m["ojs_version"]),
+                ojs_version: m.ojs_version.to_owned(),
                 implementation: Some(pb::Implementation {
-                    name: text(&m["implementation"]["name"]),
-                    version: text(&m["implementation"]["version"]),
-                    language: text(&m["implementation"]["language"]),
+                    name: m.implementation.name.to_owned(),
+                    version: m.implementation.version.to_owned(),
+                    language: m.implementation.language.to_owned(),
                 }),
-                conformance_level: m["conformance_level"]
-                    .as_i64()
-                    .and_then(|n| i32::try_from(n).ok())
-                    .unwrap_or(0),
-                protocols: m["protocols"]
-                    .as_array()
-                    .map(|a| a.iter().map(text).collect())
-                    .unwrap_or_default(),
-                backend: text(&m["backend"]),
-                extensions: m["extensions"]
-                    .as_array()
-                    .map(|a| a.iter().map(text).collect())
-                    .unwrap_or_default(),
-                schema_validation: m["capabilities"]["schema_validation"]
-                    .as_bool()
-                    .unwrap_or(false),
+                conformance_level: i32::from(m.conformance_level),
+                protocols: texts(&m.protocols),
+                backend: m.backend.to_owned(),
+                extensions: texts(&m.extensions),
+                schema_validation: m.capabilities.schema_validation,
             },
             &id,
         ))
@@ -329,15 +318,17 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             .api
             .health_access(authorization)
             .map_err(|e| status(&e, &id))?;
-        let (store_up, mut store) = self.api.store_health();
+        let store = self.api.store_health();
+        let store_up = store.is_up();
         let mut details = serde_json::Map::new();
-        if detail {
-            details.insert("backend".into(), self.api.backend());
+        let store = if detail {
+            details.insert("backend".into(), json!(self.api.backend()));
             details.insert("uptime_seconds".into(), json!(self.api.uptime_seconds()));
-        } else if let Some(store) = store.as_object_mut() {
-            store.remove("reason");
-        }
-        details.insert("store".into(), store);
+            store
+        } else {
+            store.without_detail()
+        };
+        details.insert("store".into(), json!(store));
         let status = if store_up {
             pb::HealthStatus::Ok
         } else {
@@ -1084,8 +1075,7 @@ impl GrpcServices {
     /// Brings `grpc.health.v1` up to date: serving while the job store
     /// answers.
     async fn report_health(&self) {
-        let (up, _) = self.api.store_health();
-        let status = if up {
+        let status = if self.api.store_health().is_up() {
             tonic_health::ServingStatus::Serving
         } else {
             tonic_health::ServingStatus::NotServing

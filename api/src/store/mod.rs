@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 
 use crate::job::{timestamp, Extra, Job};
 use crate::model::{self, Command};
+use crate::roster::WorkerRecord;
 
 mod postgres;
 mod sqlite;
@@ -278,19 +279,19 @@ pub trait Tx {
         Ok(())
     }
     /// A worker's record (`crate::roster`), if it has one.
-    fn worker(&mut self, id: &str) -> Result<Option<Value>, StoreError>;
+    fn worker(&mut self, id: &str) -> Result<Option<WorkerRecord>, StoreError>;
     /// Writes a worker's record; `seen`: its last heartbeat (records not
     /// seen for `[api] retention` are removed).
     fn save_worker(
         &mut self,
         id: &str,
         seen: DateTime<Utc>,
-        record: &Value,
+        record: &WorkerRecord,
     ) -> Result<(), StoreError>;
     /// Removes a worker's record; `false` when it had none.
     fn remove_worker(&mut self, id: &str) -> Result<bool, StoreError>;
     /// Every worker's record, by id.
-    fn workers(&mut self) -> Result<Vec<Value>, StoreError>;
+    fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError>;
     /// Asks the replica `holder` to settle the job's delivery.
     fn send_settle(
         &mut self,
@@ -563,8 +564,16 @@ pub(crate) fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
+/// A worker record as stored.
+pub(crate) fn worker_text(id: &str, record: &WorkerRecord) -> Result<String, StoreError> {
+    serde_json::to_string(record).map_err(|e| StoreError::Corrupt {
+        id: id.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
 /// A stored worker record (`crate::roster`), or why it does not decode.
-pub(crate) fn worker_record(id: &str, record: &str) -> Result<Value, StoreError> {
+pub(crate) fn worker_record(id: &str, record: &str) -> Result<WorkerRecord, StoreError> {
     serde_json::from_str(record).map_err(|e| StoreError::Corrupt {
         id: id.to_owned(),
         reason: e.to_string(),

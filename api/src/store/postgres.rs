@@ -26,10 +26,12 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 
 use super::{
-    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, EventFilter,
-    EventPage, Lease, RunFn, Settle, StoreError, Tx, MAX_EVENTS_SCANNED, SCHEDULE_CLAIM,
+    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, worker_text,
+    EventFilter, EventPage, Lease, RunFn, Settle, StoreError, Tx, MAX_EVENTS_SCANNED,
+    SCHEDULE_CLAIM,
 };
 use crate::job::Job;
+use crate::roster::WorkerRecord;
 
 /// The schema version this build writes: 2 adds the workers' records.
 const SCHEMA_VERSION: i32 = 2;
@@ -887,7 +889,7 @@ impl Tx for PostgresTx<'_, '_> {
         Ok(())
     }
 
-    fn worker(&mut self, id: &str) -> Result<Option<Value>, StoreError> {
+    fn worker(&mut self, id: &str) -> Result<Option<WorkerRecord>, StoreError> {
         let row = self
             .t
             .query_opt(
@@ -902,13 +904,13 @@ impl Tx for PostgresTx<'_, '_> {
         &mut self,
         id: &str,
         seen: DateTime<Utc>,
-        record: &Value,
+        record: &WorkerRecord,
     ) -> Result<(), StoreError> {
         self.t
             .execute(
                 "INSERT INTO workers (id, seen_ms, record) VALUES ($1, $2, $3)
                  ON CONFLICT (id) DO UPDATE SET seen_ms = excluded.seen_ms, record = excluded.record",
-                &[&id, &ms(seen), &record.to_string()],
+                &[&id, &ms(seen), &worker_text(id, record)?],
             )
             .map_err(pg)?;
         Ok(())
@@ -922,7 +924,7 @@ impl Tx for PostgresTx<'_, '_> {
         Ok(n > 0)
     }
 
-    fn workers(&mut self) -> Result<Vec<Value>, StoreError> {
+    fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError> {
         let rows = self
             .t
             .query("SELECT id, record FROM workers ORDER BY id", &[])

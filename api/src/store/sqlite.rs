@@ -21,10 +21,11 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 
 use super::{
-    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, Durability,
-    EventFilter, EventPage, RunFn, StoreError, Tx, MAX_EVENTS_SCANNED,
+    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, worker_text,
+    Durability, EventFilter, EventPage, RunFn, StoreError, Tx, MAX_EVENTS_SCANNED,
 };
 use crate::job::Job;
+use crate::roster::WorkerRecord;
 
 /// The store's file in the data directory.
 pub const STORE_FILE: &str = "jobs.sqlite";
@@ -666,7 +667,7 @@ impl Tx for SqliteTx<'_> {
         Ok(())
     }
 
-    fn worker(&mut self, id: &str) -> Result<Option<Value>, StoreError> {
+    fn worker(&mut self, id: &str) -> Result<Option<WorkerRecord>, StoreError> {
         let record: Option<String> = self
             .conn
             .prepare_cached("SELECT record FROM workers WHERE id = ?1")?
@@ -679,14 +680,14 @@ impl Tx for SqliteTx<'_> {
         &mut self,
         id: &str,
         seen: DateTime<Utc>,
-        record: &Value,
+        record: &WorkerRecord,
     ) -> Result<(), StoreError> {
         self.conn
             .prepare_cached(
                 "INSERT INTO workers (id, seen_ms, record) VALUES (?1, ?2, ?3)
                  ON CONFLICT (id) DO UPDATE SET seen_ms = excluded.seen_ms, record = excluded.record",
             )?
-            .execute(params![id, ms(seen), record.to_string()])?;
+            .execute(params![id, ms(seen), worker_text(id, record)?])?;
         Ok(())
     }
 
@@ -698,7 +699,7 @@ impl Tx for SqliteTx<'_> {
         Ok(n > 0)
     }
 
-    fn workers(&mut self) -> Result<Vec<Value>, StoreError> {
+    fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError> {
         let mut stmt = self
             .conn
             .prepare_cached("SELECT id, record FROM workers ORDER BY id")?;
@@ -1216,11 +1217,18 @@ mod tests {
         let now = Utc::now();
         let record = store
             .run(move |tx| {
-                tx.save_worker("w1", now, &serde_json::json!({"id": "w1"}))?;
+                let record =
+                    serde_json::from_value(serde_json::json!({"id": "w1"})).map_err(|e| {
+                        StoreError::Corrupt {
+                            id: "w1".into(),
+                            reason: e.to_string(),
+                        }
+                    })?;
+                tx.save_worker("w1", now, &record)?;
                 tx.worker("w1")
             })
             .await?;
-        assert_eq!(record, Some(serde_json::json!({"id": "w1"})));
+        assert_eq!(record.map(|r| r.id), Some("w1".to_owned()));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }
