@@ -25,6 +25,7 @@ use crate::model::{self, Command};
 use crate::roster::WorkerRecord;
 
 mod postgres;
+mod sql;
 mod sqlite;
 
 pub use self::postgres::PostgresSettings;

@@ -25,6 +25,7 @@ use postgres::{Client, Config, NoTls, Transaction};
 use serde_json::Value;
 use tokio::sync::oneshot;
 
+use super::sql;
 use super::{
     decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, worker_text,
     EventFilter, EventPage, Lease, RunFn, Settle, StoreError, Tx, MAX_EVENTS_SCANNED,
@@ -393,15 +394,9 @@ impl super::JobStore for PostgresStore {
     async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
         let cut = ms(before);
         self.transaction(move |t| {
-            let jobs = t
-                .execute(
-                    "DELETE FROM jobs WHERE finished_ms IS NOT NULL AND finished_ms < $1",
-                    &[&cut],
-                )
-                .map_err(pg)?;
-            t.execute("DELETE FROM events WHERE time_ms < $1", &[&cut])
-                .map_err(pg)?;
-            t.execute("DELETE FROM workers WHERE seen_ms < $1", &[&cut])
+            let jobs = t.execute(sql::PRUNE_JOBS.postgres, &[&cut]).map_err(pg)?;
+            t.execute(sql::PRUNE_EVENTS.postgres, &[&cut]).map_err(pg)?;
+            t.execute(sql::PRUNE_WORKERS.postgres, &[&cut])
                 .map_err(pg)?;
             Ok(jobs)
         })
@@ -410,9 +405,7 @@ impl super::JobStore for PostgresStore {
 
     async fn get(&self, id: String) -> Result<Option<Job>, StoreError> {
         self.call(move |c| {
-            let row = c
-                .query_opt("SELECT envelope, extra FROM jobs WHERE id = $1", &[&id])
-                .map_err(pg)?;
+            let row = c.query_opt(sql::JOB.postgres, &[&id]).map_err(pg)?;
             row.map(|r| decode(&id, r.get(0), r.get(1))).transpose()
         })
         .await
@@ -495,9 +488,7 @@ impl super::JobStore for PostgresStore {
 
     async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
         self.call(|c| {
-            let rows = c
-                .query("SELECT name, created_ms FROM queues ORDER BY name", &[])
-                .map_err(pg)?;
+            let rows = c.query(sql::QUEUES.postgres, &[]).map_err(pg)?;
             Ok(rows
                 .iter()
                 .map(|r| {
@@ -814,8 +805,7 @@ impl Tx for PostgresTx<'_, '_> {
     ) -> Result<(), StoreError> {
         self.t
             .execute(
-                "INSERT INTO events (type, job_id, queue, job_type, time_ms, data)
-                 VALUES ($1, $2, $3, $4, $5, $6)",
+                sql::INSERT_EVENT.postgres,
                 &[
                     &event_type,
                     &job.id,
@@ -835,10 +825,10 @@ impl Tx for PostgresTx<'_, '_> {
 
     fn delete(&mut self, id: &str) -> Result<(), StoreError> {
         self.t
-            .execute("DELETE FROM events WHERE job_id = $1", &[&id])
+            .execute(sql::DELETE_JOB_EVENTS.postgres, &[&id])
             .map_err(pg)?;
         self.t
-            .execute("DELETE FROM jobs WHERE id = $1", &[&id])
+            .execute(sql::DELETE_JOB.postgres, &[&id])
             .map_err(pg)?;
         Ok(())
     }
@@ -908,8 +898,7 @@ impl Tx for PostgresTx<'_, '_> {
     ) -> Result<(), StoreError> {
         self.t
             .execute(
-                "INSERT INTO workers (id, seen_ms, record) VALUES ($1, $2, $3)
-                 ON CONFLICT (id) DO UPDATE SET seen_ms = excluded.seen_ms, record = excluded.record",
+                sql::SAVE_WORKER.postgres,
                 &[&id, &ms(seen), &worker_text(id, record)?],
             )
             .map_err(pg)?;
@@ -919,16 +908,13 @@ impl Tx for PostgresTx<'_, '_> {
     fn remove_worker(&mut self, id: &str) -> Result<bool, StoreError> {
         let n = self
             .t
-            .execute("DELETE FROM workers WHERE id = $1", &[&id])
+            .execute(sql::DELETE_WORKER.postgres, &[&id])
             .map_err(pg)?;
         Ok(n > 0)
     }
 
     fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError> {
-        let rows = self
-            .t
-            .query("SELECT id, record FROM workers ORDER BY id", &[])
-            .map_err(pg)?;
+        let rows = self.t.query(sql::WORKERS.postgres, &[]).map_err(pg)?;
         rows.iter()
             .map(|r| worker_record(r.get(0), r.get(1)))
             .collect()

@@ -20,6 +20,7 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use serde_json::Value;
 use tokio::sync::oneshot;
 
+use super::sql;
 use super::{
     decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, worker_text,
     Durability, EventFilter, EventPage, RunFn, StoreError, Tx, MAX_EVENTS_SCANNED,
@@ -436,8 +437,7 @@ impl super::JobStore for SqliteStore {
 
     async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
         self.read(|conn| {
-            let mut stmt =
-                conn.prepare_cached("SELECT name, created_ms FROM queues ORDER BY name")?;
+            let mut stmt = conn.prepare_cached(sql::QUEUES.sqlite)?;
             let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
             rows.map(|r| {
                 let (name, at) = r?;
@@ -531,18 +531,15 @@ fn event(
     now: DateTime<Utc>,
     data: Value,
 ) -> Result<(), StoreError> {
-    tx.prepare_cached(
-        "INSERT INTO events (type, job_id, queue, job_type, time_ms, data)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-    )?
-    .execute(params![
-        event_type,
-        job.id,
-        job.queue,
-        job.job_type,
-        ms(now),
-        data.to_string(),
-    ])?;
+    tx.prepare_cached(sql::INSERT_EVENT.sqlite)?
+        .execute(params![
+            event_type,
+            job.id,
+            job.queue,
+            job.job_type,
+            ms(now),
+            data.to_string(),
+        ])?;
     Ok(())
 }
 
@@ -597,7 +594,7 @@ fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i
 
 fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
     let row = tx
-        .prepare_cached("SELECT envelope, extra FROM jobs WHERE id = ?1")?
+        .prepare_cached(sql::JOB.sqlite)?
         .query_row(params![id], |r| {
             Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
         })
@@ -659,10 +656,10 @@ impl Tx for SqliteTx<'_> {
 
     fn delete(&mut self, id: &str) -> Result<(), StoreError> {
         self.conn
-            .prepare_cached("DELETE FROM jobs WHERE id = ?1")?
+            .prepare_cached(sql::DELETE_JOB.sqlite)?
             .execute(params![id])?;
         self.conn
-            .prepare_cached("DELETE FROM events WHERE job_id = ?1")?
+            .prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?
             .execute(params![id])?;
         Ok(())
     }
@@ -670,7 +667,7 @@ impl Tx for SqliteTx<'_> {
     fn worker(&mut self, id: &str) -> Result<Option<WorkerRecord>, StoreError> {
         let record: Option<String> = self
             .conn
-            .prepare_cached("SELECT record FROM workers WHERE id = ?1")?
+            .prepare_cached(sql::WORKER.sqlite)?
             .query_row(params![id], |r| r.get(0))
             .optional()?;
         record.map(|r| worker_record(id, &r)).transpose()
@@ -683,10 +680,7 @@ impl Tx for SqliteTx<'_> {
         record: &WorkerRecord,
     ) -> Result<(), StoreError> {
         self.conn
-            .prepare_cached(
-                "INSERT INTO workers (id, seen_ms, record) VALUES (?1, ?2, ?3)
-                 ON CONFLICT (id) DO UPDATE SET seen_ms = excluded.seen_ms, record = excluded.record",
-            )?
+            .prepare_cached(sql::SAVE_WORKER.sqlite)?
             .execute(params![id, ms(seen), worker_text(id, record)?])?;
         Ok(())
     }
@@ -694,15 +688,13 @@ impl Tx for SqliteTx<'_> {
     fn remove_worker(&mut self, id: &str) -> Result<bool, StoreError> {
         let n = self
             .conn
-            .prepare_cached("DELETE FROM workers WHERE id = ?1")?
+            .prepare_cached(sql::DELETE_WORKER.sqlite)?
             .execute(params![id])?;
         Ok(n > 0)
     }
 
     fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError> {
-        let mut stmt = self
-            .conn
-            .prepare_cached("SELECT id, record FROM workers ORDER BY id")?;
+        let mut stmt = self.conn.prepare_cached(sql::WORKERS.sqlite)?;
         let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
         let mut out = Vec::new();
         for row in rows {
@@ -923,8 +915,8 @@ fn commit_group(
             },
             Write::Published { .. } => Outcome::Unit(Ok(())),
             Write::Remove { ids, .. } => Outcome::Unit(in_savepoint(&tx, |c| {
-                let mut jobs = c.prepare_cached("DELETE FROM jobs WHERE id = ?1")?;
-                let mut events = c.prepare_cached("DELETE FROM events WHERE job_id = ?1")?;
+                let mut jobs = c.prepare_cached(sql::DELETE_JOB.sqlite)?;
+                let mut events = c.prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?;
                 for id in ids.iter() {
                     if jobs.execute(params![id])? > 0 {
                         events.execute(params![id])?;
@@ -935,13 +927,11 @@ fn commit_group(
             Write::Prune { before, .. } => Outcome::Pruned(in_savepoint(&tx, |c| {
                 let cut = ms(*before);
                 let jobs = c
-                    .prepare_cached(
-                        "DELETE FROM jobs WHERE finished_ms IS NOT NULL AND finished_ms < ?1",
-                    )?
+                    .prepare_cached(sql::PRUNE_JOBS.sqlite)?
                     .execute(params![cut])?;
-                c.prepare_cached("DELETE FROM events WHERE time_ms < ?1")?
+                c.prepare_cached(sql::PRUNE_EVENTS.sqlite)?
                     .execute(params![cut])?;
-                c.prepare_cached("DELETE FROM workers WHERE seen_ms < ?1")?
+                c.prepare_cached(sql::PRUNE_WORKERS.sqlite)?
                     .execute(params![cut])?;
                 Ok(jobs as u64)
             })),

@@ -1,0 +1,113 @@
+//! Statements the two stores share: where SQLite and PostgreSQL agree on
+//! a statement it is written once, here, with PostgreSQL's `$n`
+//! parameters; SQLite's spelling (`?n`, the same parameters by number) is
+//! made from it when the crate is compiled. What only one dialect has
+//! (arrays, `FOR UPDATE`, leases, SQLite's row ids) stays in its store.
+
+/// One statement in both dialects.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sql {
+    /// With `$n` parameters.
+    pub(crate) postgres: &'static str,
+    /// With `?n` parameters.
+    pub(crate) sqlite: &'static str,
+}
+
+/// `text` with each `$` made a `?`: the same length, so it can be built
+/// into an array of a size known when compiling.
+const fn numbered<const N: usize>(text: &str) -> [u8; N] {
+    let bytes = text.as_bytes();
+    let mut out = [0u8; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = if bytes[i] == b'$' { b'?' } else { bytes[i] };
+        i += 1;
+    }
+    out
+}
+
+macro_rules! shared {
+    ($(#[$doc:meta])* $name:ident = $text:literal) => {
+        $(#[$doc])*
+        pub(crate) const $name: Sql = Sql {
+            postgres: $text,
+            sqlite: {
+                const BYTES: [u8; $text.len()] = numbered($text);
+                match core::str::from_utf8(&BYTES) {
+                    Ok(text) => text,
+                    Err(_) => panic!("a shared statement is ASCII"),
+                }
+            },
+        };
+    };
+}
+
+shared!(
+    /// A job's envelope and extra fields, by id.
+    JOB = "SELECT envelope, extra FROM jobs WHERE id = $1"
+);
+shared!(
+    /// Removes a job.
+    DELETE_JOB = "DELETE FROM jobs WHERE id = $1"
+);
+shared!(
+    /// Removes a job's events.
+    DELETE_JOB_EVENTS = "DELETE FROM events WHERE job_id = $1"
+);
+shared!(
+    /// Appends one event.
+    INSERT_EVENT = "INSERT INTO events (type, job_id, queue, job_type, time_ms, data)
+     VALUES ($1, $2, $3, $4, $5, $6)"
+);
+shared!(
+    /// Every queue with the time its first job arrived.
+    QUEUES = "SELECT name, created_ms FROM queues ORDER BY name"
+);
+shared!(
+    /// Finished jobs past retention.
+    PRUNE_JOBS = "DELETE FROM jobs WHERE finished_ms IS NOT NULL AND finished_ms < $1"
+);
+shared!(
+    /// Events past retention.
+    PRUNE_EVENTS = "DELETE FROM events WHERE time_ms < $1"
+);
+shared!(
+    /// Workers silent past retention.
+    PRUNE_WORKERS = "DELETE FROM workers WHERE seen_ms < $1"
+);
+shared!(
+    /// A worker's record.
+    WORKER = "SELECT record FROM workers WHERE id = $1"
+);
+shared!(
+    /// Writes a worker's record.
+    SAVE_WORKER = "INSERT INTO workers (id, seen_ms, record) VALUES ($1, $2, $3)
+     ON CONFLICT (id) DO UPDATE SET seen_ms = excluded.seen_ms, record = excluded.record"
+);
+shared!(
+    /// Removes a worker's record.
+    DELETE_WORKER = "DELETE FROM workers WHERE id = $1"
+);
+shared!(
+    /// Every worker's record, by id.
+    WORKERS = "SELECT id, record FROM workers ORDER BY id"
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlite_gets_the_same_statement_with_numbered_question_marks() {
+        assert_eq!(
+            JOB.postgres,
+            "SELECT envelope, extra FROM jobs WHERE id = $1"
+        );
+        assert_eq!(JOB.sqlite, "SELECT envelope, extra FROM jobs WHERE id = ?1");
+        assert!(SAVE_WORKER.sqlite.contains("VALUES (?1, ?2, ?3)"));
+        for sql in [JOB, DELETE_JOB, INSERT_EVENT, SAVE_WORKER, WORKERS] {
+            assert!(!sql.sqlite.contains('$'), "{}", sql.sqlite);
+            assert_eq!(sql.sqlite.len(), sql.postgres.len());
+        }
+    }
+}
