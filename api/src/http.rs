@@ -576,19 +576,11 @@ async fn worker_route(
         }
         WorkerRequest::Ack { job_id, result } => {
             let job = api.ack(grant, &job_id, result).await?;
-            Ok(json_response(
-                200,
-                &worker::settle_body(&job, true),
-                request_id,
-            ))
+            Ok(json_response(200, &settle_body(&job, true), request_id))
         }
         WorkerRequest::Nack(failure) => {
             let job = api.nack(grant, failure).await?;
-            Ok(json_response(
-                200,
-                &worker::settle_body(&job, false),
-                request_id,
-            ))
+            Ok(json_response(200, &settle_body(&job, false), request_id))
         }
         WorkerRequest::Heartbeat {
             worker_id,
@@ -683,6 +675,31 @@ async fn worker_admin_route(
             path: path.to_owned(),
         }),
     }
+}
+
+/// The answer of ACK and NACK: the binding's fields at the top (`job_id`
+/// and `id`, as the cases read), and the whole job.
+fn settle_body(job: &Job, acknowledged: bool) -> Value {
+    let mut body = json!({
+        "job_id": job.envelope.id,
+        "id": job.envelope.id,
+        "state": job.state().as_str().unwrap_or("unknown"),
+        "attempt": job.envelope.attempt,
+        "max_attempts": job::max_attempts(&job.envelope),
+        "job": job.to_json(),
+    });
+    if acknowledged {
+        body["acknowledged"] = json!(true);
+    }
+    if let Some(t) = job.envelope.completed_at {
+        body["completed_at"] = json!(job::timestamp(t));
+    }
+    for k in ["next_attempt_at", "retry_delay_ms", "discarded_at"] {
+        if let Some(v) = job.extra.get(k) {
+            body[k] = v.clone();
+        }
+    }
+    body
 }
 
 /// `page` (from 1) and `per_page` (1…100, default 20) of a list.

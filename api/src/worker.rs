@@ -19,7 +19,7 @@ use serde_json::{json, Map, Value};
 
 use crate::auth::{Grant, Operation};
 use crate::error::{store_error, ApiError};
-use crate::job::{self, timestamp, Job};
+use crate::job::Job;
 use crate::metrics::JobEvent;
 use crate::model::{self, apply, Command};
 use crate::store::{record, wrong_state, Lease, Settle, StoreError, Tx};
@@ -1316,31 +1316,6 @@ fn release(
     let t = apply(job, Command::TimeOut, now).map_err(|r| wrong_state(id, r))?;
     record(tx, &t, now)?;
     Ok(Expiry::Released)
-}
-
-/// The answer of ACK and NACK: the binding's fields at the top (`job_id`
-/// and `id`, as the cases read), and the whole job.
-pub fn settle_body(job: &Job, acknowledged: bool) -> Value {
-    let mut body = json!({
-        "job_id": job.envelope.id,
-        "id": job.envelope.id,
-        "state": job.state().as_str().unwrap_or("unknown"),
-        "attempt": job.envelope.attempt,
-        "max_attempts": job::max_attempts(&job.envelope),
-        "job": job.to_json(),
-    });
-    if acknowledged {
-        body["acknowledged"] = json!(true);
-    }
-    if let Some(t) = job.envelope.completed_at {
-        body["completed_at"] = json!(timestamp(t));
-    }
-    for k in ["next_attempt_at", "retry_delay_ms", "discarded_at"] {
-        if let Some(v) = job.extra.get(k) {
-            body[k] = v.clone();
-        }
-    }
-    body
 }
 
 /// Counts `jobs` under `event`, per queue (one lock per queue, not per job).
