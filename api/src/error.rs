@@ -113,6 +113,19 @@ pub enum ApiError {
         /// The id.
         id: String,
     },
+    /// A job whose unique key a stored job holds, under a policy that
+    /// rejects duplicates (`on_conflict: reject`).
+    #[error("a job with the same unique key exists: {existing_id} ({existing_state})")]
+    UniqueConflict {
+        /// The job's position in a batch.
+        index: Option<usize>,
+        /// The stored job holding the key.
+        existing_id: String,
+        /// Its state.
+        existing_state: &'static str,
+        /// The key.
+        key: String,
+    },
     /// A transition the job's state does not allow.
     #[error("job {job_id} is {current_state}; {operation} needs it {expected}")]
     Conflict {
@@ -325,7 +338,7 @@ impl ApiError {
             ApiError::NotFound { .. }
             | ApiError::QueueNotServed { .. }
             | ApiError::QueueMissing { .. } => C::NotFound,
-            ApiError::Duplicate { .. } => C::Duplicate,
+            ApiError::Duplicate { .. } | ApiError::UniqueConflict { .. } => C::Duplicate,
             ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => C::Conflict,
             ApiError::NotAcceptable { .. } => C::NotAcceptable,
             ApiError::UnsupportedVersion(_) | ApiError::Unsupported { .. } => C::Unsupported,
@@ -381,6 +394,24 @@ impl ApiError {
                 Some(json!({"resource_type": "queue", "resource_id": queue}))
             }
             ApiError::Duplicate { id } => Some(json!({"existing_job_id": id})),
+            ApiError::UniqueConflict {
+                index,
+                existing_id,
+                existing_state,
+                key,
+            } => {
+                // Both names of the key: the extension's and the binding's.
+                let mut d = json!({
+                    "existing_job_id": existing_id,
+                    "existing_job_state": existing_state,
+                    "uniqueness_key": key,
+                    "unique_key": key,
+                });
+                if let Some(i) = index {
+                    d["index"] = json!(i);
+                }
+                Some(d)
+            }
             ApiError::Conflict {
                 job_id,
                 current_state,

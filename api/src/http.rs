@@ -85,6 +85,7 @@ pub fn status_of(error: &ApiError) -> u16 {
         ApiError::BodyTimeout { .. } => 408,
         ApiError::NotAcceptable { .. } => 406,
         ApiError::Duplicate { .. }
+        | ApiError::UniqueConflict { .. }
         | ApiError::Conflict { .. }
         | ApiError::WorkerConflict { .. } => 409,
         ApiError::BodyTooLarge { .. }
@@ -256,8 +257,22 @@ async fn route(
                 api.settings().max_json_values,
                 api.now(),
             )?;
-            let mut jobs = api.push(&grant, vec![job]).await?;
-            let job = jobs.pop().ok_or_else(|| ApiError::invalid("", "no job"))?;
+            let mut pushed = api.push_all(&grant, vec![job]).await?;
+            let pushed = pushed
+                .pop()
+                .ok_or_else(|| ApiError::invalid("", "no job"))?;
+            if pushed.deduplicated {
+                // `on_conflict: ignore`: 200 with the job holding the key.
+                if answer == Encoding::OjsProto {
+                    return job_response(200, &pushed.job, answer, request_id);
+                }
+                return Ok(json_response(
+                    200,
+                    &json!({"job": pushed.job.to_json(), "deduplicated": true}),
+                    request_id,
+                ));
+            }
+            let job = pushed.job;
             let mut r = job_response(201, &job, answer, request_id)?;
             if let Ok(v) = HeaderValue::from_str(&format!("/ojs/v1/jobs/{}", job.envelope.id)) {
                 r.headers_mut().insert(LOCATION, v);

@@ -228,6 +228,8 @@ pub(crate) fn accept(
     envelope.created_at = Some(now);
     envelope.enqueued_at = (state == JobState::Available).then_some(now);
     envelope.validate().map_err(invalid_envelope)?;
+    // A unique policy that cannot be followed is refused with the push.
+    crate::model::unique::Uniqueness::of(&envelope)?;
     crate::limits::check_job(&envelope)?;
     Ok(Job {
         envelope,

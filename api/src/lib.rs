@@ -22,7 +22,7 @@ pub mod job;
 pub mod limits;
 pub mod manifest;
 pub mod metrics;
-pub(crate) mod model;
+pub mod model;
 pub mod roster;
 pub mod store;
 pub mod worker;
@@ -43,6 +43,9 @@ pub use error::{ApiError, ErrorCode};
 pub use job::Job;
 pub use store::{Store, StoreError};
 
+use model::unique::Uniqueness;
+use store::Inserted;
+
 /// A queue as LIST QUEUES answers it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueInfo {
@@ -51,6 +54,16 @@ pub struct QueueInfo {
     /// When its first job arrived (or the server started, for a queue
     /// named in `[api] queues`).
     pub created_at: DateTime<Utc>,
+}
+
+/// One job of a PUSH, as it is answered.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pushed {
+    /// The job stored, or the job holding its unique key.
+    pub job: Job,
+    /// Not stored: the job holding its unique key answers for it
+    /// (`on_conflict: ignore`).
+    pub deduplicated: bool,
 }
 
 /// What becomes of a job whose attempts are exhausted when its own retry
@@ -340,6 +353,23 @@ impl Api {
     /// `[api] queues` and the broker's size limit, stored, published; the
     /// answer comes after the broker confirmed.
     pub async fn push(&self, grant: &Grant<'_>, jobs: Vec<Job>) -> Result<Vec<Job>, ApiError> {
+        Ok(self
+            .push_all(grant, jobs)
+            .await?
+            .into_iter()
+            .map(|p| p.job)
+            .collect())
+    }
+
+    /// [`Api::push`], saying of each job whether a job holding its unique
+    /// key answers for it (`on_conflict: ignore`). A job whose key is held
+    /// under `reject` fails the push (nothing stored); under `replace` the
+    /// holder is cancelled in the same transaction.
+    pub async fn push_all(
+        &self,
+        grant: &Grant<'_>,
+        jobs: Vec<Job>,
+    ) -> Result<Vec<Pushed>, ApiError> {
         for job in &jobs {
             grant.allow_on(Operation::Push, &job.envelope.queue)?;
         }
@@ -362,17 +392,63 @@ impl Api {
             }
             messages.push(message);
         }
-        let jobs = self.store.insert(jobs).await.map_err(|e| match e {
-            StoreError::Duplicate(id) => ApiError::Duplicate { id },
-            other => ApiError::Store(other),
-        })?;
+        let uniques = jobs
+            .iter()
+            .map(|job| Uniqueness::of(&job.envelope))
+            .collect::<Result<Vec<_>, _>>()?;
+        let batch = jobs.len() > 1;
+        let had_unique: Vec<bool> = uniques.iter().map(Option::is_some).collect();
+        let inserted = self
+            .store
+            .insert_unique(jobs, uniques)
+            .await
+            .map_err(|e| match e {
+                StoreError::Duplicate(id) => ApiError::Duplicate { id },
+                StoreError::Taken {
+                    index,
+                    key,
+                    existing,
+                } => ApiError::UniqueConflict {
+                    index: batch.then_some(index),
+                    existing_id: existing.envelope.id.clone(),
+                    existing_state: existing.state().as_str().unwrap_or("unknown"),
+                    key,
+                },
+                other => ApiError::Store(other),
+            })?;
+        let pushed: Vec<Pushed> = inserted
+            .into_iter()
+            .map(|i| match i {
+                Inserted::Stored(job) => Pushed {
+                    job,
+                    deduplicated: false,
+                },
+                Inserted::Existing(job) => Pushed {
+                    job,
+                    deduplicated: true,
+                },
+            })
+            .collect();
         let mut by_queue: BTreeMap<&str, (Vec<String>, Vec<OutgoingMessage>)> = BTreeMap::new();
         let mut scheduled = false;
-        for (job, message) in jobs.iter().zip(messages) {
+        for ((Pushed { job, deduplicated }, message), unique) in
+            pushed.iter().zip(messages).zip(had_unique)
+        {
+            // A job a unique key's holder answers for was not stored.
+            if *deduplicated {
+                continue;
+            }
             if job.state() != JobState::Available {
                 scheduled |= job.state() == JobState::Scheduled;
                 continue;
             }
+            // A replacement may have taken its holder's schedule: encoded
+            // again as stored.
+            let message = if unique {
+                self.message(job).map_err(job::invalid_envelope)?
+            } else {
+                message
+            };
             let entry = by_queue.entry(job.envelope.queue.as_str()).or_default();
             entry.0.push(job.envelope.id.clone());
             entry.1.push(message);
@@ -394,8 +470,13 @@ impl Api {
         }
         match first_error {
             None => {
-                worker::count_by_queue(&self.metrics, &jobs, metrics::JobEvent::Pushed);
-                Ok(jobs)
+                let stored: Vec<Job> = pushed
+                    .iter()
+                    .filter(|p| !p.deduplicated)
+                    .map(|p| p.job.clone())
+                    .collect();
+                worker::count_by_queue(&self.metrics, &stored, metrics::JobEvent::Pushed);
+                Ok(pushed)
             }
             Some(error) => Err(error),
         }

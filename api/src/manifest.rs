@@ -27,6 +27,9 @@ pub struct Manifest {
     pub extensions: Vec<&'static str>,
     /// Content types a job may be pushed and fetched in.
     pub encodings: Vec<&'static str>,
+    /// How far unique jobs are guaranteed: `strong` (of concurrent pushes
+    /// of one key exactly one is stored, also across replicas).
+    pub unique_job_strength: &'static str,
 }
 
 /// The implementation part of the manifest.
@@ -94,7 +97,7 @@ impl Manifest {
                 priority_queues: matches!(backend, "local" | "memory" | "rabbitmq"),
                 rate_limiting: false,
                 schema_validation: false,
-                unique_jobs: false,
+                unique_jobs: true,
                 workflows: false,
                 pause_resume: false,
             },
@@ -103,6 +106,7 @@ impl Manifest {
                 "application/openjobspec+json",
                 "application/openjobspec+proto",
             ],
+            unique_job_strength: "strong",
         }
     }
 }

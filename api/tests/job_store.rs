@@ -7,8 +7,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chrono::{DateTime, Utc};
+use ojs_api::model::unique::Uniqueness;
 use ojs_api::roster::WorkerRecord;
-use ojs_api::store::{Durability, EventFilter, Lease, PostgresSettings, Store, StoreError};
+use ojs_api::store::{
+    Durability, EventFilter, Inserted, Lease, PostgresSettings, Store, StoreError,
+};
 use ojs_api::Job;
 use ojs_core::redact::Secret;
 use ojs_core::JobState;
@@ -417,7 +420,113 @@ macro_rules! on_both_backends {
     };
 }
 
+/// A second process on the same store: on PostgreSQL another pool on the
+/// same schema (a replica), on SQLite the same store (one process only).
+async fn replica(store: &Store, place: &Place) -> Store {
+    match place {
+        Place::Schema(schema) => Store::connect(&PostgresSettings {
+            url: Secret::new(ojs_bridge_tests::postgres::find().unwrap()),
+            password: None,
+            schema: schema.name.clone(),
+            connections: 4,
+        })
+        .await
+        .unwrap(),
+        Place::Dir(_) => store.clone(),
+    }
+}
+
+fn unique(on_conflict: &str, extra: serde_json::Value) -> (Job, Option<Uniqueness>) {
+    let mut policy = json!({"keys": ["type", "args"], "on_conflict": on_conflict});
+    if let (Some(p), Some(e)) = (policy.as_object_mut(), extra.as_object()) {
+        p.extend(e.clone());
+    }
+    let j = job(json!({"type": "report.build", "args": [7],
+                       "options": {"queue": "u", "unique": policy}}));
+    let u = Uniqueness::of(&j.envelope).unwrap();
+    (j, u)
+}
+
+async fn of_concurrent_pushes_of_one_unique_key_exactly_one_is_stored(
+    store: &Store,
+    place: &Place,
+) {
+    let other = replica(store, place).await;
+    let tasks: Vec<_> = (0..50)
+        .map(|i| {
+            let s = if i % 2 == 0 {
+                store.clone()
+            } else {
+                other.clone()
+            };
+            tokio::spawn(async move {
+                let (j, u) = unique("reject", json!({}));
+                s.insert_unique(vec![j], vec![u]).await
+            })
+        })
+        .collect();
+    let (mut stored, mut refused) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(inserted) => {
+                assert!(matches!(inserted[..], [Inserted::Stored(_)]));
+                stored += 1;
+            }
+            Err(StoreError::Taken { .. }) => refused += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    println!(
+        "50 concurrent pushes of one key through two processes: stored {stored}, refused {refused}"
+    );
+    assert_eq!((stored, refused), (1, 49));
+}
+
+async fn a_unique_key_s_holder_is_answered_replaced_or_freed(store: &Store, _: &Place) {
+    let (first, u) = unique("ignore", json!({}));
+    let first_id = first.envelope.id.clone();
+    store.insert_unique(vec![first], vec![u]).await.unwrap();
+    // ignore: the holder answers, nothing stored.
+    let (again, u) = unique("ignore", json!({}));
+    let again_id = again.envelope.id.clone();
+    match &store.insert_unique(vec![again], vec![u]).await.unwrap()[..] {
+        [Inserted::Existing(holder)] => assert_eq!(holder.envelope.id, first_id),
+        other => panic!("{other:?}"),
+    }
+    assert!(store.get(again_id).await.unwrap().is_none());
+    // replace: the holder is cancelled, the new job stored.
+    let (new, u) = unique("replace", json!({}));
+    let new_id = new.envelope.id.clone();
+    store.insert_unique(vec![new], vec![u]).await.unwrap();
+    let old = store.get(first_id.clone()).await.unwrap().unwrap();
+    assert_eq!(old.state(), JobState::Cancelled);
+    assert_eq!(
+        store.get(new_id.clone()).await.unwrap().unwrap().state(),
+        JobState::Available
+    );
+    // A holder outside the policy's states does not hold the key.
+    let (other, u) = unique("reject", json!({"states": ["scheduled"]}));
+    store.insert_unique(vec![other], vec![u]).await.unwrap();
+    // Two jobs of one insert with one key: the second meets the first.
+    let (a, ua) = unique("reject", json!({"keys": ["type", "queue"]}));
+    let (b, ub) = unique("reject", json!({"keys": ["type", "queue"]}));
+    let (a_id, b_id) = (a.envelope.id.clone(), b.envelope.id.clone());
+    match store.insert_unique(vec![a, b], vec![ua, ub]).await {
+        Err(StoreError::Taken {
+            index, existing, ..
+        }) => {
+            assert_eq!(index, 1);
+            assert_eq!(existing.envelope.id, a_id);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(store.get(a_id).await.unwrap().is_none());
+    assert!(store.get(b_id).await.unwrap().is_none());
+}
+
 on_both_backends!(
+    of_concurrent_pushes_of_one_unique_key_exactly_one_is_stored,
+    a_unique_key_s_holder_is_answered_replaced_or_freed,
     inserts_are_all_or_nothing,
     a_job_reads_back_as_it_was_stored,
     recovery_finds_retried_dead_letters_not_jobs_being_published,

@@ -401,3 +401,52 @@ async fn a_worker_is_stale_once_silent_past_the_limit_on_the_service_clock() {
     let listed = s.api.workers_list(&grant, 1, 50).await.unwrap();
     assert!(!listed.items[0].stale, "{listed:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unique_key_is_held_for_its_period_on_the_service_clock() {
+    let s = service(|_| {}).await;
+    let body = || {
+        json!({"type": "report.build", "args": [{"day": "mon"}], "options": {"queue": "u",
+            "unique": {"keys": ["type", "args"], "on_conflict": "reject", "period": "PT2S"}}})
+    };
+    let first = s.push(body()).await.unwrap();
+    let refused = s.push(body()).await.unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::Duplicate, "{refused}");
+    let details = refused.details().unwrap();
+    assert_eq!(details["existing_job_id"], json!(first.envelope.id));
+    assert_eq!(details["existing_job_state"], "available");
+    assert_eq!(details["uniqueness_key"], details["unique_key"]);
+    assert_eq!(details["unique_key"].as_str().map(str::len), Some(64));
+    // Two seconds on the service's clock, not the wall's.
+    s.clock.advance(Duration::from_secs(2));
+    let second = s.push(body()).await.unwrap();
+    assert_ne!(second.envelope.id, first.envelope.id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ignored_duplicate_is_answered_by_the_job_holding_its_key() {
+    let s = service(|_| {}).await;
+    let body = || {
+        json!({"type": "report.build", "args": [1], "options": {"queue": "u",
+            "unique": {"keys": ["type", "args"], "on_conflict": "ignore"}}})
+    };
+    let first = s.push(body()).await.unwrap();
+    let grant = s.api.tokens().identify(None).unwrap();
+    let pushed = s.api.push_all(&grant, vec![s.job(body())]).await.unwrap();
+    assert!(pushed[0].deduplicated);
+    assert_eq!(pushed[0].job.envelope.id, first.envelope.id);
+    // Only the first reaches the broker.
+    let fetched = s.fetch("u", WAIT).await;
+    assert_eq!(fetched.len(), 1);
+    assert!(s.fetch("u", Duration::from_millis(300)).await.is_empty());
+    // A policy that cannot be followed is refused with the push.
+    let bad = ojs_api::job::from_json(
+        json!({"type": "a.b", "args": [], "options": {"unique": {"keys": ["colour"]}}}),
+        s.api.now(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        bad.details(),
+        Some(json!({"attribute": "options.unique.keys[0]"}))
+    );
+}

@@ -575,7 +575,7 @@ mod tests {
                     period: Some(duration(3_600_000)),
                     on_conflict: pb::UniqueConflictAction::Replace as i32,
                     states: vec![pb::JobState::Available as i32],
-                    args_keys: vec!["to".into()],
+                    args_keys: vec![],
                     meta_keys: vec!["tenant".into()],
                 }),
                 meta: Some(json_to_struct(json!({"tenant": "t1"}).as_object().unwrap())),
@@ -605,7 +605,7 @@ mod tests {
                               "on_exhaustion": "dead_letter"},
                     "unique": {"keys": ["type", "args"], "period": "PT3600S",
                                "on_conflict": "replace", "states": ["available"],
-                               "args_keys": ["to"], "meta_keys": ["tenant"]},
+                               "meta_keys": ["tenant"]},
                 },
             }),
         );

@@ -104,7 +104,7 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         ApiError::NotFound { .. }
         | ApiError::QueueNotServed { .. }
         | ApiError::QueueMissing { .. } => Code::NotFound,
-        ApiError::Duplicate { .. } => Code::AlreadyExists,
+        ApiError::Duplicate { .. } | ApiError::UniqueConflict { .. } => Code::AlreadyExists,
         ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => Code::FailedPrecondition,
         ApiError::UnsupportedVersion(_) => Code::FailedPrecondition,
         ApiError::Unsupported { .. } => Code::Unimplemented,

@@ -10,6 +10,7 @@
 //! save.
 
 pub(crate) mod retry;
+pub mod unique;
 
 use chrono::{DateTime, Utc};
 use ojs_core::{JobError, JobState};

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::job::{timestamp, Extra, Job};
+use crate::model::unique::{OnConflict, Uniqueness};
 use crate::model::{self, Command};
 use crate::roster::WorkerRecord;
 
@@ -37,6 +38,17 @@ pub enum StoreError {
     /// A job id that is already stored.
     #[error("job {0} already exists")]
     Duplicate(String),
+    /// A job of the insert has a unique key a stored job holds, and its
+    /// policy rejects duplicates; nothing of the insert was stored.
+    #[error("job {index} of the insert is a duplicate of job {}", .existing.envelope.id)]
+    Taken {
+        /// The job's position in the insert.
+        index: usize,
+        /// The unique key.
+        key: String,
+        /// The stored job holding it.
+        existing: Box<Job>,
+    },
     /// No job with this id.
     #[error("job {0} not found")]
     NotFound(String),
@@ -266,6 +278,16 @@ pub trait Tx {
         now: DateTime<Utc>,
         data: Value,
     ) -> Result<(), StoreError>;
+    /// Stored jobs under a unique key (any state; the policy decides which
+    /// count).
+    fn jobs_with_unique_key(&mut self, key: &str) -> Result<Vec<Job>, StoreError>;
+    /// Files a stored job under its unique key.
+    fn keep_unique_key(&mut self, job_id: &str, key: &str) -> Result<(), StoreError>;
+    /// Holds a unique key until the transaction ends, where concurrent
+    /// transactions could otherwise both find it free (replicas).
+    fn lock_unique_key(&mut self, _key: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Stores a job another producer put on the broker (a FETCH found it):
     /// it is on the broker already, nothing waits for a confirmation.
     fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError>;
@@ -325,7 +347,7 @@ pub(crate) trait JobStore: std::fmt::Debug + Send + Sync {
     /// Whether the store answers now.
     async fn ping(&self) -> Result<(), StoreError>;
     /// See [`Store::insert`].
-    async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError>;
+    async fn insert(&self, jobs: Vec<Job>, uniques: Uniques) -> Result<Vec<Inserted>, StoreError>;
     /// See [`Store::published`].
     fn published(&self, ids: Vec<String>);
     /// See [`Store::remove`].
@@ -430,7 +452,29 @@ impl Store {
     /// [`Store::published`]. The jobs come back (a request's jobs are not
     /// copied to be stored).
     pub async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
-        self.timed("insert", self.backend.insert(jobs)).await
+        let uniques = vec![None; jobs.len()];
+        let inserted = self.insert_unique(jobs, uniques).await?;
+        Ok(inserted
+            .into_iter()
+            .map(|i| match i {
+                Inserted::Stored(job) | Inserted::Existing(job) => job,
+            })
+            .collect())
+    }
+
+    /// [`Store::insert`] of jobs some of which have a unique key (by
+    /// position in `uniques`): in the same transaction, a job whose key a
+    /// stored job holds is refused ([`StoreError::Taken`], nothing stored),
+    /// answered by that job, or replaces it, as its policy says. Of
+    /// concurrent inserts of one key, also through other replicas, exactly
+    /// one finds it free.
+    pub async fn insert_unique(
+        &self,
+        jobs: Vec<Job>,
+        uniques: Uniques,
+    ) -> Result<Vec<Inserted>, StoreError> {
+        self.timed("insert", self.backend.insert(jobs, uniques))
+            .await
     }
 
     /// Records that the broker confirmed these jobs. Not awaited: a job
@@ -680,6 +724,118 @@ pub(crate) fn record(
 }
 
 /// The store's error for a command the job's state refused.
+/// The unique keys of an insert's jobs, by position; none for a job
+/// without a policy.
+pub type Uniques = Vec<Option<Uniqueness>>;
+
+/// One job of an insert.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Inserted {
+    /// Stored, as it was stored.
+    Stored(Job),
+    /// Not stored: a stored job holds its unique key and its policy says
+    /// to answer that job (`on_conflict: ignore`).
+    Existing(Job),
+}
+
+/// The unique-key step of an insert, the same in both stores and run in
+/// the insert's transaction before its rows are written. For each job with
+/// a key: the stored job that holds the key (or an earlier job of the same
+/// insert), if any, decides by the job's policy — `reject` fails the whole
+/// insert, `ignore` answers the holder instead of storing the job,
+/// `replace` cancels the holder (`replace_except_schedule` also gives the
+/// new job the holder's schedule). The answer says, per job, the holder
+/// that answers for it; none: the job is to be stored.
+pub(crate) fn claim_unique_keys(
+    tx: &mut dyn Tx,
+    jobs: &mut [Job],
+    uniques: &[Option<Uniqueness>],
+) -> Result<Vec<Option<Job>>, StoreError> {
+    let mut answered: Vec<Option<Job>> = vec![None; jobs.len()];
+    let mut locked: Vec<&str> = uniques.iter().flatten().map(|u| u.key.as_str()).collect();
+    // One order for every transaction: two inserts holding keys the other
+    // wants never wait on each other.
+    locked.sort_unstable();
+    locked.dedup();
+    for key in locked {
+        tx.lock_unique_key(key)?;
+    }
+    for i in 0..jobs.len() {
+        let Some(unique) = uniques.get(i).and_then(Option::as_ref) else {
+            continue;
+        };
+        let now = jobs[i].envelope.created_at.unwrap_or_else(Utc::now);
+        // An earlier job of this insert with the same key, still to be
+        // stored, holds it first.
+        let earlier = (0..i).rev().find(|&j| {
+            answered[j].is_none()
+                && uniques[j].as_ref().is_some_and(|u| u.key == unique.key)
+                && unique.is_taken_by(&jobs[j], now)
+        });
+        let holder = match earlier {
+            Some(j) => Some(Holder::Earlier(j)),
+            None => tx
+                .jobs_with_unique_key(&unique.key)?
+                .into_iter()
+                .find(|stored| unique.is_taken_by(stored, now))
+                .map(|stored| Holder::Stored(Box::new(stored))),
+        };
+        let Some(holder) = holder else { continue };
+        let holding = match &holder {
+            Holder::Earlier(j) => jobs[*j].clone(),
+            Holder::Stored(stored) => (**stored).clone(),
+        };
+        match unique.on_conflict {
+            OnConflict::Reject => {
+                return Err(StoreError::Taken {
+                    index: i,
+                    key: unique.key.clone(),
+                    existing: Box::new(holding),
+                })
+            }
+            OnConflict::Ignore => answered[i] = Some(holding),
+            OnConflict::Replace | OnConflict::ReplaceExceptSchedule => {
+                if unique.on_conflict == OnConflict::ReplaceExceptSchedule {
+                    take_schedule(&mut jobs[i], &holding, now);
+                }
+                let id = holding.envelope.id.clone();
+                let cancelled =
+                    model::apply(holding, Command::Cancel, now).map_err(|r| wrong_state(&id, r))?;
+                match holder {
+                    // Not stored yet: it is stored cancelled.
+                    Holder::Earlier(j) => jobs[j] = cancelled.job,
+                    Holder::Stored(_) => record(tx, &cancelled, now)?,
+                }
+            }
+        }
+    }
+    Ok(answered)
+}
+
+/// The job that holds a unique key.
+enum Holder {
+    /// An earlier job of the same insert, by position.
+    Earlier(usize),
+    /// A stored job.
+    Stored(Box<Job>),
+}
+
+/// `replace_except_schedule`: the new job runs when the one it replaces
+/// would have.
+fn take_schedule(job: &mut Job, replaced: &Job, now: DateTime<Utc>) {
+    job.envelope.scheduled_at = replaced.envelope.scheduled_at;
+    if job.state() == JobState::Pending {
+        return;
+    }
+    let later = job.envelope.scheduled_at.is_some_and(|t| t > now);
+    job.envelope.state = Some(if later {
+        JobState::Scheduled
+    } else {
+        JobState::Available
+    });
+    job.envelope.enqueued_at = (!later).then_some(now);
+}
+
 pub(crate) fn wrong_state(id: &str, refused: model::Refused) -> StoreError {
     StoreError::WrongState {
         id: id.to_owned(),

@@ -27,15 +27,15 @@ use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, worker_text,
-    EventFilter, EventPage, Lease, RunFn, Settle, StoreError, Tx, MAX_EVENTS_SCANNED,
-    SCHEDULE_CLAIM,
+    claim_unique_keys, decode, due_ms, encode, event_body, ms, state_name, stored_event,
+    worker_record, worker_text, EventFilter, EventPage, Inserted, Lease, RunFn, Settle, StoreError,
+    Tx, Uniques, MAX_EVENTS_SCANNED, SCHEDULE_CLAIM,
 };
 use crate::job::Job;
 use crate::roster::WorkerRecord;
 
 /// The schema version this build writes: 2 adds the workers' records.
-const SCHEMA_VERSION: i32 = 2;
+const SCHEMA_VERSION: i32 = 3;
 /// Taken while the schema is made or migrated: replicas starting together
 /// do it once.
 const MIGRATION_LOCK: i64 = 0x4f4a_5341;
@@ -96,6 +96,15 @@ CREATE TABLE workers (
     seen_ms bigint NOT NULL,
     record  text NOT NULL
 );
+";
+
+/// Version 3: jobs filed under their unique keys.
+const MIGRATE_2_TO_3: &str = "
+CREATE TABLE unique_keys (
+    job_id text PRIMARY KEY,
+    key    text NOT NULL
+);
+CREATE INDEX unique_keys_key ON unique_keys (key);
 ";
 
 /// How to reach PostgreSQL.
@@ -355,9 +364,40 @@ impl super::JobStore for PostgresStore {
             .await
     }
 
-    async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
-        self.transaction(move |t| insert(t, &jobs, false).map(|()| jobs))
-            .await
+    async fn insert(&self, jobs: Vec<Job>, uniques: Uniques) -> Result<Vec<Inserted>, StoreError> {
+        self.transaction(move |t| {
+            let mut jobs = jobs;
+            if uniques.iter().all(Option::is_none) {
+                insert(t, &jobs, false)?;
+                return Ok(jobs.into_iter().map(Inserted::Stored).collect());
+            }
+            let answered = claim_unique_keys(&mut PostgresTx { t }, &mut jobs, &uniques)?;
+            let stored: Vec<Job> = jobs
+                .iter()
+                .zip(&answered)
+                .filter(|(_, holder)| holder.is_none())
+                .map(|(job, _)| job.clone())
+                .collect();
+            insert(t, &stored, false)?;
+            for ((job, unique), holder) in jobs.iter().zip(&uniques).zip(&answered) {
+                if let (Some(unique), None) = (unique, holder) {
+                    t.execute(
+                        sql::KEEP_UNIQUE_KEY.postgres,
+                        &[&job.envelope.id, &unique.key],
+                    )
+                    .map_err(pg)?;
+                }
+            }
+            Ok(jobs
+                .into_iter()
+                .zip(answered)
+                .map(|(job, holder)| match holder {
+                    Some(holder) => Inserted::Existing(holder),
+                    None => Inserted::Stored(job),
+                })
+                .collect())
+        })
+        .await
     }
 
     fn published(&self, ids: Vec<String>) {
@@ -396,6 +436,8 @@ impl super::JobStore for PostgresStore {
         self.transaction(move |t| {
             let jobs = t.execute(sql::PRUNE_JOBS.postgres, &[&cut]).map_err(pg)?;
             t.execute(sql::PRUNE_EVENTS.postgres, &[&cut]).map_err(pg)?;
+            t.execute(sql::PRUNE_UNIQUE_KEYS.postgres, &[])
+                .map_err(pg)?;
             t.execute(sql::PRUNE_WORKERS.postgres, &[&cut])
                 .map_err(pg)?;
             Ok(jobs)
@@ -644,11 +686,14 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
         .map_err(pg)?
         .and_then(|r| r.get(0));
     match version {
-        None | Some(1) => {
+        None | Some(1) | Some(2) => {
             if version.is_none() {
                 t.batch_execute(SCHEMA_V1).map_err(pg)?;
             }
-            t.batch_execute(MIGRATE_1_TO_2).map_err(pg)?;
+            if version.is_none_or(|v| v < 2) {
+                t.batch_execute(MIGRATE_1_TO_2).map_err(pg)?;
+            }
+            t.batch_execute(MIGRATE_2_TO_3).map_err(pg)?;
             t.execute(
                 "INSERT INTO schema_version (version) VALUES ($1)",
                 &[&SCHEMA_VERSION],
@@ -814,6 +859,34 @@ impl Tx for PostgresTx<'_, '_> {
                     &ms(now),
                     &data.to_string(),
                 ],
+            )
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn jobs_with_unique_key(&mut self, key: &str) -> Result<Vec<Job>, StoreError> {
+        self.t
+            .query(sql::JOBS_WITH_UNIQUE_KEY.postgres, &[&key])
+            .map_err(pg)?
+            .iter()
+            .map(|r| decode(r.get(0), r.get(1), r.get(2)))
+            .collect()
+    }
+
+    fn keep_unique_key(&mut self, job_id: &str, key: &str) -> Result<(), StoreError> {
+        self.t
+            .execute(sql::KEEP_UNIQUE_KEY.postgres, &[&job_id, &key])
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn lock_unique_key(&mut self, key: &str) -> Result<(), StoreError> {
+        // Replicas: of two transactions inserting one key, the second waits
+        // here until the first committed, then finds the key held.
+        self.t
+            .execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+                &[&key],
             )
             .map_err(pg)?;
         Ok(())

@@ -93,6 +93,21 @@ shared!(
     WORKERS = "SELECT id, record FROM workers ORDER BY id"
 );
 
+shared!(
+    /// The jobs filed under a unique key.
+    JOBS_WITH_UNIQUE_KEY = "SELECT j.id, j.envelope, j.extra FROM unique_keys u
+     JOIN jobs j ON j.id = u.job_id WHERE u.key = $1"
+);
+shared!(
+    /// Files a job under its unique key.
+    KEEP_UNIQUE_KEY = "INSERT INTO unique_keys (job_id, key) VALUES ($1, $2)
+     ON CONFLICT (job_id) DO UPDATE SET key = excluded.key"
+);
+shared!(
+    /// Unique keys of jobs no longer stored.
+    PRUNE_UNIQUE_KEYS = "DELETE FROM unique_keys WHERE job_id NOT IN (SELECT id FROM jobs)"
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

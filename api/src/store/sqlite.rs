@@ -22,10 +22,12 @@ use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    decode, due_ms, encode, event_body, ms, state_name, stored_event, worker_record, worker_text,
-    Durability, EventFilter, EventPage, RunFn, StoreError, Tx, MAX_EVENTS_SCANNED,
+    claim_unique_keys, decode, due_ms, encode, event_body, ms, state_name, stored_event,
+    worker_record, worker_text, Durability, EventFilter, EventPage, Inserted, RunFn, StoreError,
+    Tx, Uniques, MAX_EVENTS_SCANNED,
 };
 use crate::job::Job;
+use crate::model::unique::Uniqueness;
 use crate::roster::WorkerRecord;
 
 /// The store's file in the data directory.
@@ -37,7 +39,7 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// published with an UPDATE of its row and gave each event a random id;
 /// version 2 keeps a watermark in `meta` and numbers events by `seq`.
 /// Version 4 adds the workers' records (`crate::roster`).
-const SCHEMA_VERSION: i64 = 4;
+const SCHEMA_VERSION: i64 = 5;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -79,6 +81,11 @@ CREATE TABLE IF NOT EXISTS workers (
     seen_ms INTEGER NOT NULL,
     record  TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS unique_keys (
+    job_id TEXT PRIMARY KEY,
+    key    TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS unique_keys_key ON unique_keys (key);
 ";
 
 /// From version 1: the broker-confirmed mark of each row becomes the
@@ -107,7 +114,8 @@ ALTER TABLE events DROP COLUMN id;
 enum Write {
     Insert {
         jobs: Vec<Job>,
-        reply: oneshot::Sender<Result<Vec<Job>, StoreError>>,
+        uniques: Uniques,
+        reply: oneshot::Sender<Result<Vec<Inserted>, StoreError>>,
     },
     Published {
         ids: Vec<String>,
@@ -354,8 +362,13 @@ impl super::JobStore for SqliteStore {
         "sqlite"
     }
 
-    async fn insert(&self, jobs: Vec<Job>) -> Result<Vec<Job>, StoreError> {
-        self.write(|reply| Write::Insert { jobs, reply }).await
+    async fn insert(&self, jobs: Vec<Job>, uniques: Uniques) -> Result<Vec<Inserted>, StoreError> {
+        self.write(|reply| Write::Insert {
+            jobs,
+            uniques,
+            reply,
+        })
+        .await
     }
 
     fn published(&self, ids: Vec<String>) {
@@ -592,6 +605,75 @@ fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i
     Ok(available)
 }
 
+/// What an insert of new jobs wrote.
+struct NewRows {
+    /// The stored jobs that wait for the broker, with their numbers.
+    available: Vec<(String, i64)>,
+    /// Per job, the holder of its unique key answering for it; empty:
+    /// every job was stored.
+    answered: Vec<Option<Job>>,
+    /// Row numbers used.
+    used: i64,
+}
+
+/// An insert of new jobs: the unique-key step where a job has a key
+/// ([`claim_unique_keys`]), then the rows.
+fn insert_new(
+    tx: &Connection,
+    jobs: &mut [Job],
+    uniques: &[Option<Uniqueness>],
+    next_seq: i64,
+) -> Result<NewRows, StoreError> {
+    if uniques.iter().all(Option::is_none) {
+        return Ok(NewRows {
+            available: insert(tx, jobs, next_seq)?,
+            answered: Vec::new(),
+            used: jobs.len() as i64,
+        });
+    }
+    let mut seq = next_seq;
+    let answered = claim_unique_keys(
+        &mut SqliteTx {
+            conn: tx,
+            next_seq: &mut seq,
+        },
+        jobs,
+        uniques,
+    )?;
+    let stored: Vec<Job> = jobs
+        .iter()
+        .zip(&answered)
+        .filter(|(_, holder)| holder.is_none())
+        .map(|(job, _)| job.clone())
+        .collect();
+    let available = insert(tx, &stored, seq)?;
+    for ((job, unique), holder) in jobs.iter().zip(uniques).zip(&answered) {
+        if let (Some(unique), None) = (unique, holder) {
+            tx.prepare_cached(sql::KEEP_UNIQUE_KEY.sqlite)?
+                .execute(params![job.envelope.id, unique.key])?;
+        }
+    }
+    Ok(NewRows {
+        available,
+        answered,
+        used: seq - next_seq + stored.len() as i64,
+    })
+}
+
+/// The answer of an insert: each job stored, or the holder answering for it.
+fn inserted(jobs: Vec<Job>, answered: Vec<Option<Job>>) -> Vec<Inserted> {
+    if answered.is_empty() {
+        return jobs.into_iter().map(Inserted::Stored).collect();
+    }
+    jobs.into_iter()
+        .zip(answered)
+        .map(|(job, holder)| match holder {
+            Some(holder) => Inserted::Existing(holder),
+            None => Inserted::Stored(job),
+        })
+        .collect()
+}
+
 fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
     let row = tx
         .prepare_cached(sql::JOB.sqlite)?
@@ -646,6 +728,18 @@ impl Tx for SqliteTx<'_> {
         data: Value,
     ) -> Result<(), StoreError> {
         event(self.conn, event_type, job, now, data)
+    }
+
+    fn jobs_with_unique_key(&mut self, key: &str) -> Result<Vec<Job>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(sql::JOBS_WITH_UNIQUE_KEY.sqlite)?;
+        jobs(&mut stmt, params![key])
+    }
+
+    fn keep_unique_key(&mut self, job_id: &str, key: &str) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(sql::KEEP_UNIQUE_KEY.sqlite)?
+            .execute(params![job_id, key])?;
+        Ok(())
     }
 
     fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError> {
@@ -856,6 +950,7 @@ impl WriterHealth {
 /// What one request produced, before its reply is sent (after the commit).
 enum Outcome {
     Any(Result<Box<dyn Any + Send>, StoreError>),
+    Inserted(Result<Vec<Option<Job>>, StoreError>),
     Unit(Result<(), StoreError>),
     Pruned(Result<u64, StoreError>),
 }
@@ -905,14 +1000,16 @@ fn commit_group(
                 }
                 None => Outcome::Any(Err(StoreError::Commit("ran twice".into()))),
             },
-            Write::Insert { jobs, .. } => match in_savepoint(&tx, |c| insert(c, jobs, next_seq)) {
-                Ok(available) => {
-                    next_seq += jobs.len() as i64;
-                    added.extend(available);
-                    Outcome::Unit(Ok(()))
+            Write::Insert { jobs, uniques, .. } => {
+                match in_savepoint(&tx, |c| insert_new(c, jobs, uniques, next_seq)) {
+                    Ok(rows) => {
+                        next_seq += rows.used;
+                        added.extend(rows.available);
+                        Outcome::Inserted(Ok(rows.answered))
+                    }
+                    Err(e) => Outcome::Inserted(Err(e)),
                 }
-                Err(e) => Outcome::Unit(Err(e)),
-            },
+            }
             Write::Published { .. } => Outcome::Unit(Ok(())),
             Write::Remove { ids, .. } => Outcome::Unit(in_savepoint(&tx, |c| {
                 let mut jobs = c.prepare_cached(sql::DELETE_JOB.sqlite)?;
@@ -933,6 +1030,8 @@ fn commit_group(
                     .execute(params![cut])?;
                 c.prepare_cached(sql::PRUNE_WORKERS.sqlite)?
                     .execute(params![cut])?;
+                c.prepare_cached(sql::PRUNE_UNIQUE_KEYS.sqlite)?
+                    .execute([])?;
                 Ok(jobs as u64)
             })),
         };
@@ -1009,8 +1108,11 @@ fn in_savepoint<T>(
 fn deliver(group: Vec<Write>, results: Vec<Outcome>) {
     for (write, outcome) in group.into_iter().zip(results) {
         match (write, outcome) {
-            (Write::Insert { reply, jobs }, Outcome::Unit(r)) => {
-                let _ = reply.send(r.map(|()| jobs));
+            (Write::Insert { reply, jobs, .. }, Outcome::Inserted(r)) => {
+                let _ = reply.send(r.map(|answered| inserted(jobs, answered)));
+            }
+            (Write::Insert { reply, .. }, Outcome::Unit(Err(e))) => {
+                let _ = reply.send(Err(e));
             }
             (Write::Remove { reply, .. }, Outcome::Unit(r)) => {
                 let _ = reply.send(r);

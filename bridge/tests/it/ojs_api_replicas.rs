@@ -442,8 +442,8 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
     setup
         .schema
         .execute(&format!(
-            "SET search_path TO \"{schema}\"; DROP TABLE workers; DELETE FROM schema_version;
-             INSERT INTO schema_version (version) VALUES (1);"
+            "SET search_path TO \"{schema}\"; DROP TABLE workers; DROP TABLE unique_keys;
+             DELETE FROM schema_version; INSERT INTO schema_version (version) VALUES (1);"
         ))
         .unwrap();
     let server = OjsServer::start(Some(&config)).await;
@@ -452,7 +452,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             .schema
             .count("SELECT max(version)::bigint FROM schema_version")
             .unwrap(),
-        2
+        3
     );
     let beat = post_json(
         server.addr,

@@ -180,9 +180,6 @@ fn skip_reason(case: &Value) -> Option<&'static str> {
         if path.contains("/queues/") {
             reason = Some("queue pause/resume/stats are not served");
         }
-        if path.contains("/jobs") && case["category"] == "unique" {
-            reason = Some("unique jobs are not enforced yet (the policy is kept on the job)");
-        }
     }
     reason
 }
@@ -889,12 +886,33 @@ fn assert_level_1(report: &Report) {
     );
 }
 
+/// The unique-jobs cases (level 4) all run and pass, on every backend.
+fn assert_unique(report: &Report) {
+    const UNIQUE: &str = "level-4-advanced/unique/";
+    let failed: Vec<_> = report
+        .failures
+        .iter()
+        .filter(|(file, _)| file.starts_with(UNIQUE))
+        .collect();
+    assert!(failed.is_empty(), "unique-jobs cases failed: {failed:#?}");
+    let skipped: Vec<_> = report
+        .skipped
+        .iter()
+        .filter(|(file, _)| file.starts_with(UNIQUE))
+        .collect();
+    assert!(
+        skipped.is_empty(),
+        "unique-jobs cases skipped: {skipped:#?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_cases_pass_on_the_embedded_default() {
     let Some(dir) = cases_dir() else { return };
     let report = run_all(Backend::Embedded, &dir).await;
     assert_level_0(&report);
     assert_level_1(&report);
+    assert_unique(&report);
 }
 
 async fn on_broker(broker: Broker, settings: fn(&str, &str) -> String) {
@@ -910,6 +928,7 @@ async fn on_broker(broker: Broker, settings: fn(&str, &str) -> String) {
     };
     let report = run_all(backend, &dir).await;
     assert_level_0(&report);
+    assert_unique(&report);
 }
 
 /// Two replicas sharing a job store on PostgreSQL, over RabbitMQ: every
@@ -931,6 +950,7 @@ async fn official_cases_pass_on_two_replicas_sharing_postgresql() {
     let report = run_all(backend, &dir).await;
     assert_level_0(&report);
     assert_level_1(&report);
+    assert_unique(&report);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
