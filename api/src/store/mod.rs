@@ -812,6 +812,30 @@ pub(crate) fn claim_unique_keys(
     Ok(answered)
 }
 
+/// The jobs of an insert to be stored: those no holder answers for.
+pub(crate) fn unanswered(jobs: &[Job], answered: &[Option<Job>]) -> Vec<Job> {
+    jobs.iter()
+        .zip(answered)
+        .filter(|(_, holder)| holder.is_none())
+        .map(|(job, _)| job.clone())
+        .collect()
+}
+
+/// Files each stored job of an insert under its unique key.
+pub(crate) fn keep_unique_keys(
+    tx: &mut dyn Tx,
+    jobs: &[Job],
+    uniques: &[Option<Uniqueness>],
+    answered: &[Option<Job>],
+) -> Result<(), StoreError> {
+    for ((job, unique), holder) in jobs.iter().zip(uniques).zip(answered) {
+        if let (Some(unique), None) = (unique, holder) {
+            tx.keep_unique_key(&job.envelope.id, &unique.key)?;
+        }
+    }
+    Ok(())
+}
+
 /// The job that holds a unique key.
 enum Holder {
     /// An earlier job of the same insert, by position.

@@ -27,9 +27,9 @@ use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    claim_unique_keys, decode, due_ms, encode, event_body, ms, state_name, stored_event,
-    worker_record, worker_text, EventFilter, EventPage, Inserted, Lease, RunFn, Settle, StoreError,
-    Tx, Uniques, MAX_EVENTS_SCANNED, SCHEDULE_CLAIM,
+    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, state_name,
+    stored_event, unanswered, worker_record, worker_text, EventFilter, EventPage, Inserted, Lease,
+    RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED, SCHEDULE_CLAIM,
 };
 use crate::job::Job;
 use crate::roster::WorkerRecord;
@@ -372,22 +372,8 @@ impl super::JobStore for PostgresStore {
                 return Ok(jobs.into_iter().map(Inserted::Stored).collect());
             }
             let answered = claim_unique_keys(&mut PostgresTx { t }, &mut jobs, &uniques)?;
-            let stored: Vec<Job> = jobs
-                .iter()
-                .zip(&answered)
-                .filter(|(_, holder)| holder.is_none())
-                .map(|(job, _)| job.clone())
-                .collect();
-            insert(t, &stored, false)?;
-            for ((job, unique), holder) in jobs.iter().zip(&uniques).zip(&answered) {
-                if let (Some(unique), None) = (unique, holder) {
-                    t.execute(
-                        sql::KEEP_UNIQUE_KEY.postgres,
-                        &[&job.envelope.id, &unique.key],
-                    )
-                    .map_err(pg)?;
-                }
-            }
+            insert(t, &unanswered(&jobs, &answered), false)?;
+            keep_unique_keys(&mut PostgresTx { t }, &jobs, &uniques, &answered)?;
             Ok(jobs
                 .into_iter()
                 .zip(answered)

@@ -22,9 +22,9 @@ use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    claim_unique_keys, decode, due_ms, encode, event_body, ms, state_name, stored_event,
-    worker_record, worker_text, Durability, EventFilter, EventPage, Inserted, RunFn, StoreError,
-    Tx, Uniques, MAX_EVENTS_SCANNED,
+    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, state_name,
+    stored_event, unanswered, worker_record, worker_text, Durability, EventFilter, EventPage,
+    Inserted, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
 };
 use crate::job::Job;
 use crate::model::unique::Uniqueness;
@@ -640,19 +640,17 @@ fn insert_new(
         jobs,
         uniques,
     )?;
-    let stored: Vec<Job> = jobs
-        .iter()
-        .zip(&answered)
-        .filter(|(_, holder)| holder.is_none())
-        .map(|(job, _)| job.clone())
-        .collect();
+    let stored = unanswered(jobs, &answered);
     let available = insert(tx, &stored, seq)?;
-    for ((job, unique), holder) in jobs.iter().zip(uniques).zip(&answered) {
-        if let (Some(unique), None) = (unique, holder) {
-            tx.prepare_cached(sql::KEEP_UNIQUE_KEY.sqlite)?
-                .execute(params![job.envelope.id, unique.key])?;
-        }
-    }
+    keep_unique_keys(
+        &mut SqliteTx {
+            conn: tx,
+            next_seq: &mut seq,
+        },
+        jobs,
+        uniques,
+        &answered,
+    )?;
     Ok(NewRows {
         available,
         answered,
