@@ -119,7 +119,26 @@ impl Drop for FaultProxy {
 
 /// A loopback port nothing listens on (bound, read, released): a broker
 /// address that refuses connections until a proxy takes the port.
+///
+/// It is taken below the kernel's ephemeral range (32768 and up on Linux):
+/// a port from that range can be given meanwhile to an outgoing connection
+/// — another test's, or the daemon's own retries, which on Linux can
+/// connect a socket to itself when its source port is the port it dials —
+/// and the proxy then finds it in use.
 pub fn unused_port() -> std::io::Result<SocketAddr> {
+    const FIRST: u16 = 20_000;
+    const COUNT: u16 = 12_000;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
+        ^ std::process::id().rotate_left(16);
+    let start = (seed % u32::from(COUNT)) as u16;
+    for i in 0..COUNT {
+        let port = FIRST + (start + i) % COUNT;
+        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return listener.local_addr();
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
 }
 
