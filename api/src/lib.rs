@@ -470,12 +470,9 @@ impl Api {
         }
         match first_error {
             None => {
-                let stored: Vec<Job> = pushed
-                    .iter()
-                    .filter(|p| !p.deduplicated)
-                    .map(|p| p.job.clone())
-                    .collect();
-                worker::count_by_queue(&self.metrics, &stored, metrics::JobEvent::Pushed);
+                // Counted without copying the jobs: this is every PUSH.
+                let stored = pushed.iter().filter(|p| !p.deduplicated).map(|p| &p.job);
+                worker::count_by_queue(&self.metrics, stored, metrics::JobEvent::Pushed);
                 Ok(pushed)
             }
             Some(error) => Err(error),

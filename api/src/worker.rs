@@ -1319,7 +1319,11 @@ fn release(
 }
 
 /// Counts `jobs` under `event`, per queue (one lock per queue, not per job).
-pub(crate) fn count_by_queue(metrics: &crate::metrics::ApiMetrics, jobs: &[Job], event: JobEvent) {
+pub(crate) fn count_by_queue<'a>(
+    metrics: &crate::metrics::ApiMetrics,
+    jobs: impl IntoIterator<Item = &'a Job>,
+    event: JobEvent,
+) {
     let mut by_queue: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
     for job in jobs {
         *by_queue.entry(job.envelope.queue.as_str()).or_default() += 1;
