@@ -126,6 +126,12 @@ pub enum ApiError {
         /// The key.
         key: String,
     },
+    /// A new cron job past `[api] max_crons`.
+    #[error("the server keeps at most {limit} cron jobs ([api] max_crons); delete one first")]
+    CronLimit {
+        /// The limit.
+        limit: usize,
+    },
     /// A transition the job's state does not allow.
     #[error("job {job_id} is {current_state}; {operation} needs it {expected}")]
     Conflict {
@@ -325,6 +331,26 @@ impl ApiError {
         }
     }
 
+    /// The same error, its attribute placed under `prefix` (a job template
+    /// inside a cron job: `job_template.options.priority`).
+    pub fn under(self, prefix: &str) -> Self {
+        match self {
+            ApiError::InvalidRequest {
+                attribute,
+                message,
+                index,
+            } => ApiError::InvalidRequest {
+                attribute: Some(match attribute.as_deref() {
+                    None | Some("") => prefix.to_owned(),
+                    Some(a) => format!("{prefix}.{a}"),
+                }),
+                message: format!("{prefix}: {message}"),
+                index,
+            },
+            other => other,
+        }
+    }
+
     /// The OJS error code.
     pub fn code(&self) -> ErrorCode {
         use ErrorCode as C;
@@ -339,7 +365,9 @@ impl ApiError {
             | ApiError::QueueNotServed { .. }
             | ApiError::QueueMissing { .. } => C::NotFound,
             ApiError::Duplicate { .. } | ApiError::UniqueConflict { .. } => C::Duplicate,
-            ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => C::Conflict,
+            ApiError::Conflict { .. }
+            | ApiError::WorkerConflict { .. }
+            | ApiError::CronLimit { .. } => C::Conflict,
             ApiError::NotAcceptable { .. } => C::NotAcceptable,
             ApiError::UnsupportedVersion(_) | ApiError::Unsupported { .. } => C::Unsupported,
             ApiError::BodyTooLarge { .. }
@@ -428,6 +456,7 @@ impl ApiError {
                 ..
             } => Some(json!({"worker_id": worker_id, "current_state": current_state})),
             ApiError::BodyTooLarge { limit } => Some(json!({"limit_bytes": limit})),
+            ApiError::CronLimit { limit } => Some(json!({"limit": limit})),
             ApiError::BatchTooLarge { count, limit } => {
                 Some(json!({"count": count, "limit": limit}))
             }

@@ -22,6 +22,7 @@ use crate::dead::DeadLetterQuery;
 use crate::error::ApiError;
 use crate::job::{self, Job};
 use crate::limits;
+use crate::model::cron::CronJob;
 use crate::roster::{self, Beat, Directive};
 use crate::store::EventFilter;
 use crate::worker;
@@ -87,7 +88,8 @@ pub fn status_of(error: &ApiError) -> u16 {
         ApiError::Duplicate { .. }
         | ApiError::UniqueConflict { .. }
         | ApiError::Conflict { .. }
-        | ApiError::WorkerConflict { .. } => 409,
+        | ApiError::WorkerConflict { .. }
+        | ApiError::CronLimit { .. } => 409,
         ApiError::BodyTooLarge { .. }
         | ApiError::BatchTooLarge { .. }
         | ApiError::JobTooLarge { .. } => 413,
@@ -173,7 +175,7 @@ pub fn admit(api: &Api, method: &Method, path: &str, headers: &HeaderMap) -> Res
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
     let grant = api.tokens().identify(authorization)?;
-    if method == Method::POST {
+    if matches!(*method, Method::POST | Method::PATCH | Method::PUT) {
         let segments: Vec<&str> = path
             .strip_prefix("/ojs/v1/")
             .map(|p| p.trim_end_matches('/').split('/').collect())
@@ -181,6 +183,9 @@ pub fn admit(api: &Api, method: &Method, path: &str, headers: &HeaderMap) -> Res
         match segments.as_slice() {
             ["jobs"] | ["jobs", "batch"] => grant.allow(crate::auth::Operation::Push)?,
             ["workers", _] => grant.allow(crate::auth::Operation::Work)?,
+            ["cron" | "crons", ..] | ["queues", _, "pause" | "resume"] => {
+                grant.allow(crate::auth::Operation::Admin)?
+            }
             _ => {}
         }
     }
@@ -322,7 +327,10 @@ async fn route(
                 .queues(&grant)
                 .await?
                 .into_iter()
-                .map(|q| json!({"name": q.name, "status": "active", "created_at": job::timestamp(q.created_at)}))
+                .map(|q| {
+                    json!({"name": q.name, "status": if q.paused { "paused" } else { "active" },
+                           "paused": q.paused, "created_at": job::timestamp(q.created_at)})
+                })
                 .collect();
             let total = queues.len();
             let body = json!({
@@ -330,6 +338,49 @@ async fn route(
                 "pagination": {"total": total, "limit": total, "offset": 0, "has_more": false},
             });
             Ok(json_response(200, &body, request_id))
+        }
+        (_, ["queues", queue, action @ ("pause" | "resume")]) => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            json_only(request.headers())?;
+            let state = if *action == "pause" {
+                api.pause_queue(&grant, queue).await?
+            } else {
+                api.resume_queue(&grant, queue).await?
+            };
+            let status = if state.paused { "paused" } else { "active" };
+            let at = if state.paused {
+                "paused_at"
+            } else {
+                "resumed_at"
+            };
+            let by = if state.paused {
+                "paused_by"
+            } else {
+                "resumed_by"
+            };
+            Ok(json_response(
+                200,
+                &json!({
+                    "name": state.name,
+                    "paused": state.paused,
+                    "state": status,
+                    "status": status,
+                    at: job::timestamp(state.at),
+                    by: grant.token_name(),
+                    "queue": {"name": state.name, "paused": state.paused, "status": status},
+                }),
+                request_id,
+            ))
+        }
+        (_, ["queues", queue, "stats"]) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            json_only(request.headers())?;
+            let stats = api.queue_stats(&grant, queue).await?;
+            Ok(json_response(200, &queue_stats_body(&stats), request_id))
         }
         (_, ["events"]) => {
             if method != Method::GET {
@@ -356,6 +407,15 @@ async fn route(
         (_, ["admin", "dead-letter", rest @ ..]) => {
             json_only(request.headers())?;
             dead_letter_route(api, &grant, request, rest, true, request_id).await
+        }
+        (_, [root @ ("cron" | "crons"), rest @ ..]) => {
+            json_only(request.headers())?;
+            let body = if matches!(*method, Method::POST | Method::PATCH | Method::PUT) {
+                Some(parse_json(&std::mem::take(&mut body))?)
+            } else {
+                None
+            };
+            cron_route(api, &grant, request, root, rest, body, request_id).await
         }
         (_, ["admin", "workers", rest @ ..]) => {
             json_only(request.headers())?;
@@ -387,9 +447,7 @@ async fn route(
 /// that the resource is missing.
 fn unserved_feature(segments: &[&str]) -> Option<&'static str> {
     match segments {
-        ["cron", ..] => Some("cron jobs"),
         ["workflows", ..] => Some("workflows"),
-        ["queues", _, _, ..] => Some("queue operations (pause, resume, stats)"),
         ["rate-limits", ..] => Some("rate limits"),
         ["admin", second, ..] if !matches!(*second, "workers" | "dead-letter") => {
             Some("admin endpoints other than workers and dead letters")
@@ -690,6 +748,159 @@ async fn worker_admin_route(
             path: path.to_owned(),
         }),
     }
+}
+
+/// `/ojs/v1/cron` (and the admin UI's `/ojs/v1/crons`): register, list,
+/// read, enable or disable, delete.
+async fn cron_route(
+    api: &Api,
+    grant: &Grant<'_>,
+    request: &Request<()>,
+    root: &str,
+    rest: &[&str],
+    body: Option<Value>,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    let method = request.method();
+    let path = request.uri().path();
+    let not_allowed = |allowed| ApiError::MethodNotAllowed {
+        path: path.to_owned(),
+        allowed,
+    };
+    // Each client reads the cron under its own key.
+    let one = |cron: &CronJob| {
+        let c = cron.to_json();
+        json!({"cron": c, "cron_job": c})
+    };
+    match rest {
+        [] => match *method {
+            Method::GET => {
+                let query = request.uri().query().unwrap_or("");
+                let enabled = cron_enabled_query(query)?;
+                let all = api.crons(grant, enabled).await?;
+                let total = all.len();
+                let (page, per_page) = if query.contains("page") {
+                    page_query(query)?
+                } else {
+                    (1, total.max(1))
+                };
+                let items: Vec<Value> = all
+                    .iter()
+                    .skip((page - 1).saturating_mul(per_page))
+                    .take(per_page)
+                    .map(CronJob::to_json)
+                    .collect();
+                let has_more = page.saturating_mul(per_page) < total;
+                Ok(json_response(
+                    200,
+                    &json!({
+                        "crons": items,
+                        "cron_jobs": items,
+                        "items": items,
+                        "count": items.len(),
+                        "pagination": {"total": total, "page": page, "per_page": per_page, "has_more": has_more},
+                    }),
+                    request_id,
+                ))
+            }
+            Method::POST => {
+                let (cron, new) = api
+                    .register_cron(grant, body.unwrap_or(Value::Null))
+                    .await?;
+                let mut r = json_response(if new { 201 } else { 200 }, &one(&cron), request_id);
+                if let Ok(v) = HeaderValue::from_str(&format!("/ojs/v1/{root}/{}", cron.name)) {
+                    r.headers_mut().insert(LOCATION, v);
+                }
+                Ok(r)
+            }
+            _ => Err(not_allowed("GET, POST")),
+        },
+        [name] => match *method {
+            Method::GET => Ok(json_response(
+                200,
+                &one(&api.cron(grant, name).await?),
+                request_id,
+            )),
+            Method::PATCH | Method::PUT => {
+                let enabled = match body.as_ref().and_then(|b| b.get("enabled")) {
+                    Some(Value::Bool(b)) => *b,
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "enabled",
+                            "`enabled` (a boolean) is what a cron job's PATCH changes; register it again to change the rest",
+                        ))
+                    }
+                };
+                let cron = api.set_cron_enabled(grant, name, enabled).await?;
+                Ok(json_response(200, &one(&cron), request_id))
+            }
+            Method::DELETE => {
+                let cron = api.delete_cron(grant, name).await?;
+                Ok(json_response(
+                    200,
+                    &json!({"deleted": true, "name": cron.name, "cron": cron.to_json()}),
+                    request_id,
+                ))
+            }
+            _ => Err(not_allowed("GET, PATCH, DELETE")),
+        },
+        [name, action @ ("enable" | "disable" | "pause" | "resume")] => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            let enabled = matches!(*action, "enable" | "resume");
+            let cron = api.set_cron_enabled(grant, name, enabled).await?;
+            Ok(json_response(200, &one(&cron), request_id))
+        }
+        _ => Err(ApiError::NoRoute {
+            method: method.to_string(),
+            path: path.to_owned(),
+        }),
+    }
+}
+
+/// A queue's statistics as every client reads them: the counts by state
+/// under `queue` (the cases) and `stats` (the spec), with the rates.
+fn queue_stats_body(s: &crate::queues::QueueStats) -> Value {
+    let status = if s.paused { "paused" } else { "active" };
+    let mut queue = json!({"name": s.name, "paused": s.paused, "status": status});
+    let mut stats = json!({
+        "completed_last_hour": s.completed_last_hour,
+        "failed_last_hour": s.failed_last_hour,
+        "dead": s.dead,
+        "avg_duration_ms": s.avg_duration_ms,
+        "avg_wait_ms": s.avg_wait_ms,
+        "throughput_per_second": s.throughput_per_second,
+        "broker_depth": s.broker_depth,
+    });
+    queue["broker_depth"] = json!(s.broker_depth);
+    for (state, n) in &s.by_state {
+        queue[*state] = json!(n);
+        stats[*state] = json!(n);
+    }
+    json!({
+        "name": s.name,
+        "paused": s.paused,
+        "status": status,
+        "queue": queue,
+        "stats": stats,
+        "computed_at": job::timestamp(s.computed_at),
+    })
+}
+
+/// `enabled=true|false` of a cron list.
+fn cron_enabled_query(query: &str) -> Result<Option<bool>, ApiError> {
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("enabled", "true")) => return Ok(Some(true)),
+            Some(("enabled", "false")) => return Ok(Some(false)),
+            Some(("enabled", _)) => {
+                return Err(ApiError::invalid("enabled", "must be true or false"))
+            }
+            _ => {}
+        }
+    }
+    Ok(None)
 }
 
 /// The answer of ACK and NACK: the binding's fields at the top (`job_id`

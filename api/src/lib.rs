@@ -13,6 +13,7 @@
 pub mod auth;
 pub mod body;
 pub mod clock;
+pub mod cron;
 pub mod dead;
 pub mod error;
 pub mod fuzz_targets;
@@ -23,6 +24,7 @@ pub mod limits;
 pub mod manifest;
 pub mod metrics;
 pub mod model;
+pub mod queues;
 pub mod roster;
 pub mod store;
 pub mod worker;
@@ -54,6 +56,8 @@ pub struct QueueInfo {
     /// When its first job arrived (or the server started, for a queue
     /// named in `[api] queues`).
     pub created_at: DateTime<Utc>,
+    /// Whether FETCH hands out none of its jobs.
+    pub paused: bool,
 }
 
 /// One job of a PUSH, as it is answered.
@@ -135,6 +139,8 @@ pub struct ApiSettings {
     pub consumer_idle_timeout: Duration,
     /// What an exhausted job whose policy names no `on_exhaustion` becomes.
     pub on_exhaustion: Exhaustion,
+    /// Most cron jobs the server keeps.
+    pub max_crons: usize,
 }
 
 impl Default for ApiSettings {
@@ -160,6 +166,7 @@ impl Default for ApiSettings {
             max_consumers: 256,
             consumer_idle_timeout: Duration::from_secs(300),
             on_exhaustion: Exhaustion::Discard,
+            max_crons: 1_000,
         }
     }
 }
@@ -177,6 +184,11 @@ pub struct Api {
     prepared: Mutex<HashSet<String>>,
     /// Wakes the scheduler when a scheduled job was stored.
     scheduled: Notify,
+    /// Wakes the cron loop when a cron job was registered or changed here.
+    crons_changed: Notify,
+    /// Queues paused (`queues`): the record alone on the store, the last
+    /// read among replicas.
+    paused: Mutex<HashSet<String>>,
     /// Deliveries of active jobs, and each queue's consumer.
     workers: worker::Workers,
     /// Workers told to be quiet or to terminate: FETCH hands them nothing.
@@ -282,6 +294,12 @@ impl Api {
         }
         .timed_into(metrics.clone());
         let replication = Replication::of(&store);
+        let paused = store
+            .run(|tx| tx.paused_queues())
+            .await?
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
         Ok(Arc::new(Api {
             adapter,
             adapter_name: adapter_name.into(),
@@ -290,6 +308,8 @@ impl Api {
             started_at: clock.now(),
             prepared: Mutex::new(HashSet::new()),
             scheduled: Notify::new(),
+            crons_changed: Notify::new(),
+            paused: Mutex::new(paused),
             workers: worker::Workers::default(),
             directives: roster::Directives::default(),
             replication,
@@ -657,6 +677,7 @@ impl Api {
     /// `[api] queues` without a wildcard, by name.
     pub async fn queues(&self, grant: &Grant<'_>) -> Result<Vec<QueueInfo>, ApiError> {
         grant.allow(Operation::Read)?;
+        let paused = self.paused_now().await;
         let mut seen: BTreeMap<String, DateTime<Utc>> =
             self.store.queues().await?.into_iter().collect();
         for q in self.settings.queues.iter().filter_map(Glob::literal) {
@@ -665,7 +686,11 @@ impl Api {
         Ok(seen
             .into_iter()
             .filter(|(name, _)| self.serves_queue(name) && grant.sees(name))
-            .map(|(name, created_at)| QueueInfo { name, created_at })
+            .map(|(name, created_at)| QueueInfo {
+                paused: paused.contains(&name),
+                name,
+                created_at,
+            })
             .collect())
     }
 
@@ -673,6 +698,7 @@ impl Api {
     /// publish was never confirmed, and prunes finished jobs; until `stop`.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         tokio::spawn(self.clone().follow_dead_letters(stop.clone()));
+        tokio::spawn(self.clone().run_crons(stop.clone()));
         self.recover().await;
         self.refresh_directives().await;
         let mut last_prune = Instant::now();

@@ -52,6 +52,8 @@ pub struct Capabilities {
     pub batch_enqueue: bool,
     /// Cron jobs.
     pub cron_jobs: bool,
+    /// Cron jobs, under the key the admin UI shows its Cron page for.
+    pub cron: bool,
     /// Dead letters kept and listed.
     pub dead_letter: bool,
     /// Jobs scheduled for later.
@@ -90,16 +92,17 @@ impl Manifest {
             backend,
             capabilities: Capabilities {
                 batch_enqueue: true,
-                cron_jobs: false,
+                cron_jobs: true,
+                cron: true,
                 dead_letter: true,
                 delayed_jobs: true,
-                job_ttl: false,
+                job_ttl: true,
                 priority_queues: matches!(backend, "local" | "memory" | "rabbitmq"),
                 rate_limiting: false,
                 schema_validation: false,
                 unique_jobs: true,
                 workflows: false,
-                pause_resume: false,
+                pause_resume: true,
             },
             extensions: Vec::new(),
             encodings: vec![

@@ -40,7 +40,7 @@ impl Binding {
 
 /// The routes requests are counted by (an operation, not a path: a job id
 /// is never a label).
-pub const ROUTES: [&str; 18] = [
+pub const ROUTES: [&str; 19] = [
     "push",
     "batch",
     "info",
@@ -54,6 +54,7 @@ pub const ROUTES: [&str; 18] = [
     "workers",
     "queues",
     "events",
+    "cron",
     "manifest",
     "health",
     "unsupported",
@@ -335,7 +336,8 @@ pub fn http_route(method: &str, path: &str) -> &'static str {
         ["dead-letter", ..] | ["admin", "dead-letter", ..] => "dead_letters",
         ["queues", ..] => "queues",
         ["events", ..] => "events",
-        ["cron", ..] | ["workflows", ..] | ["admin", ..] => "unsupported",
+        ["cron" | "crons", ..] => "cron",
+        ["workflows", ..] | ["admin", ..] => "unsupported",
         _ => "unknown",
     }
 }
@@ -362,6 +364,8 @@ mod tests {
         assert_eq!(http_route("POST", "/ojs/v1/workers/fetch"), "fetch");
         assert_eq!(http_route("GET", "/ojs/v1/dead-letter/x"), "dead_letters");
         assert_eq!(http_route("GET", "/nowhere"), "unknown");
-        assert_eq!(http_route("POST", "/ojs/v1/cron"), "unsupported");
+        assert_eq!(http_route("POST", "/ojs/v1/cron"), "cron");
+        assert_eq!(http_route("DELETE", "/ojs/v1/crons/nightly"), "cron");
+        assert_eq!(http_route("POST", "/ojs/v1/workflows"), "unsupported");
     }
 }

@@ -68,6 +68,20 @@ fn first_receive(kind: &str) -> Duration {
     }
 }
 
+/// Whether the job a delivery carries reached its queue after `deadline`
+/// (by its `enqueued_at`; a delivery that does not say is not).
+fn enqueued_after(
+    delivery: &Delivery,
+    deadline: chrono::DateTime<chrono::Utc>,
+    encoding: ojs_core::Encoding,
+) -> bool {
+    delivery
+        .decode_job(Some(encoding))
+        .ok()
+        .and_then(|job| job.enqueued_at)
+        .is_some_and(|at| at > deadline)
+}
+
 /// A FETCH request.
 #[derive(Debug, Clone)]
 pub struct Fetch {
@@ -434,8 +448,19 @@ impl Api {
                 return Ok(Vec::new());
             }
         }
+        // A paused queue's jobs stay on the broker.
+        let paused = self.paused_now().await;
+        let open: Vec<&String> = request
+            .queues
+            .iter()
+            .filter(|q| !paused.contains(*q))
+            .collect();
         let began = Instant::now();
         let until = began + request.wait.min(MAX_FETCH_WAIT);
+        // The same deadline on the service's clock: a job the broker got
+        // after it was not there for this FETCH (see below).
+        let deadline = self.now()
+            + chrono::Duration::from_std(request.wait.min(MAX_FETCH_WAIT)).unwrap_or_default();
         let max_bytes = self.settings.max_fetch_bytes;
         let mut bytes = 0usize;
         let mut out = Vec::new();
@@ -443,7 +468,7 @@ impl Api {
             // Registered before looking, so that a publish while this pass
             // runs is not missed.
             let published = self.workers().published.notified();
-            for queue in &request.queues {
+            for &queue in &open {
                 if out.len() >= request.count || bytes >= max_bytes {
                     break;
                 }
@@ -466,8 +491,21 @@ impl Api {
                     feed.largest = biggest.max(feed.largest / 2).max(SMALLEST_PLANNED);
                 }
                 drop(feed);
+                // Only a queue's first receive waits past the FETCH's own
+                // deadline (a Kafka group join takes seconds), to find what
+                // was on the broker when the FETCH came; a job published
+                // after that deadline (a scheduled one coming due meanwhile)
+                // goes back for the next FETCH instead of being handed out
+                // to one that asked for what was available.
+                let late = Instant::now() > until;
                 let mut taken = Vec::with_capacity(deliveries.len());
                 for d in deliveries {
+                    if late && enqueued_after(&d, deadline, self.settings.encoding) {
+                        if let Err(e) = d.nack(Nack::Release).await {
+                            tracing::debug!(%queue, error = %e, "giving back a job published after the FETCH's deadline failed; its lease runs out instead");
+                        }
+                        continue;
+                    }
                     let size = d.payload.len();
                     if bytes.saturating_add(size) <= max_bytes
                         || (out.is_empty() && taken.is_empty())

@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chrono::{DateTime, Utc};
+use ojs_api::model::cron::CronJob;
 use ojs_api::model::unique::Uniqueness;
 use ojs_api::roster::WorkerRecord;
 use ojs_api::store::{
@@ -524,7 +525,88 @@ async fn a_unique_key_s_holder_is_answered_replaced_or_freed(store: &Store, _: &
     assert!(store.get(b_id).await.unwrap().is_none());
 }
 
+async fn cron_jobs_round_trip_and_are_removed(store: &Store, _: &Place) {
+    let now = in_ms(0);
+    let mut cron = CronJob::from_json(
+        json!({"name": "nightly", "cron": "0 3 * * *", "timezone": "Europe/Berlin",
+               "type": "report.build", "args": [{"day": 1}], "queue": "reports"}),
+        now,
+    )
+    .unwrap();
+    let saved = cron.clone();
+    store.run(move |tx| tx.save_cron(&saved)).await.unwrap();
+    let other = CronJob::from_json(
+        json!({"name": "a-first", "cron": "@hourly", "type": "t.x"}),
+        now,
+    )
+    .unwrap();
+    store.run(move |tx| tx.save_cron(&other)).await.unwrap();
+    let read = store.run(|tx| tx.cron("nightly")).await.unwrap();
+    assert_eq!(read.as_ref(), Some(&cron));
+    // Written again: replaced, not added.
+    cron.run_count = 3;
+    cron.last_job_id = Some("j".into());
+    let saved = cron.clone();
+    store.run(move |tx| tx.save_cron(&saved)).await.unwrap();
+    let all = store.run(|tx| tx.crons()).await.unwrap();
+    let names: Vec<&str> = all.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["a-first", "nightly"]);
+    assert_eq!(all[1], cron);
+    assert!(store.run(|tx| tx.remove_cron("nightly")).await.unwrap());
+    assert!(!store.run(|tx| tx.remove_cron("nightly")).await.unwrap());
+    assert_eq!(store.run(|tx| tx.cron("nightly")).await.unwrap(), None);
+}
+
+async fn a_role_has_one_holder_until_its_time_runs_out(store: &Store, place: &Place) {
+    let other = replica(store, place).await;
+    let now = in_ms(0);
+    let until = now + chrono::Duration::seconds(10);
+    let take = |s: &Store, who: &'static str, at: DateTime<Utc>, until: DateTime<Utc>| {
+        let s = s.clone();
+        async move {
+            s.run(move |tx| tx.hold_role("cron", who, at, until))
+                .await
+                .unwrap()
+        }
+    };
+    assert!(take(store, "a", now, until).await);
+    // Renewed by its holder, refused to another while it runs.
+    assert!(take(store, "a", now, until).await);
+    assert!(!take(&other, "b", now + chrono::Duration::seconds(9), until).await);
+    // Run out: another takes it, and the first cannot renew.
+    let later = now + chrono::Duration::seconds(11);
+    assert!(take(&other, "b", later, later + chrono::Duration::seconds(10)).await);
+    assert!(!take(store, "a", later, later + chrono::Duration::seconds(10)).await);
+    // Of concurrent takers of a free role, one wins.
+    let free = later + chrono::Duration::seconds(60);
+    let handles: Vec<_> = ["c", "d", "e", "f", "g", "h"]
+        .into_iter()
+        .enumerate()
+        .map(|(i, who)| {
+            let s = if i % 2 == 0 {
+                store.clone()
+            } else {
+                other.clone()
+            };
+            tokio::spawn(async move {
+                s.run(move |tx| {
+                    tx.hold_role("cron", who, free, free + chrono::Duration::seconds(10))
+                })
+                .await
+                .unwrap()
+            })
+        })
+        .collect();
+    let mut winners = 0;
+    for h in handles {
+        winners += usize::from(h.await.unwrap());
+    }
+    assert_eq!(winners, 1);
+}
+
 on_both_backends!(
+    cron_jobs_round_trip_and_are_removed,
+    a_role_has_one_holder_until_its_time_runs_out,
     of_concurrent_pushes_of_one_unique_key_exactly_one_is_stored,
     a_unique_key_s_holder_is_answered_replaced_or_freed,
     inserts_are_all_or_nothing,

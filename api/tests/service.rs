@@ -450,3 +450,331 @@ async fn an_ignored_duplicate_is_answered_by_the_job_holding_its_key() {
         Some(json!({"attribute": "options.unique.keys[0]"}))
     );
 }
+
+impl Service {
+    async fn register_cron(&self, body: Value) -> Result<ojs_api::model::cron::CronJob, ApiError> {
+        let grant = self.api.tokens().identify(None)?;
+        Ok(self.api.register_cron(&grant, body).await?.0)
+    }
+
+    async fn cron(&self, name: &str) -> ojs_api::model::cron::CronJob {
+        let grant = self.api.tokens().identify(None).unwrap();
+        self.api.cron(&grant, name).await.unwrap()
+    }
+
+    /// Moves the service's clock to `at`.
+    fn move_to(&self, at: DateTime<Utc>) {
+        let by = (at - self.clock.now()).to_std().unwrap();
+        self.clock.advance(by);
+    }
+}
+
+/// The first whole minute after `t`.
+fn next_minute(t: DateTime<Utc>) -> DateTime<Utc> {
+    let m = t.timestamp() / 60 + 1;
+    DateTime::from_timestamp(m * 60, 0).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cron_fires_each_slot_once_on_the_service_clock() {
+    let s = service(|_| {}).await;
+    let cron = s
+        .register_cron(json!({"name": "every-minute", "expression": "* * * * *",
+            "job_template": {"type": "cron.tick", "args": [1], "options": {"queue": "ticks"}}}))
+        .await
+        .unwrap();
+    let first = next_minute(s.start);
+    assert_eq!(cron.next_run_at, Some(first));
+    assert!(s
+        .fetch("ticks", Duration::from_millis(1200))
+        .await
+        .is_empty());
+    s.move_to(first + chrono::Duration::seconds(1));
+    let jobs = s.fetch("ticks", WAIT).await;
+    assert_eq!(jobs.len(), 1, "one job for the slot");
+    let job = &jobs[0];
+    assert_eq!(job.envelope.id, cron.fire_id(first));
+    assert_eq!(job.envelope.job_type, "cron.tick");
+    assert_eq!(job.envelope.meta["cron_name"], "every-minute");
+    assert_eq!(
+        job.envelope.meta["cron_triggered_at"],
+        ojs_api::job::timestamp(first)
+    );
+    // The fired job runs under the long default, not the binding's 30 s.
+    assert_eq!(
+        job.envelope.unknown_attributes.get("visibility_timeout_ms"),
+        Some(&json!(1_800_000))
+    );
+    s.ack(&job.envelope.id).await.unwrap();
+    // Several passes of the loop over the same slot made one job.
+    assert!(s
+        .fetch("ticks", Duration::from_millis(1500))
+        .await
+        .is_empty());
+    let after = s.cron("every-minute").await;
+    assert_eq!(after.run_count, 1);
+    assert_eq!(after.last_job_id.as_deref(), Some(job.envelope.id.as_str()));
+    assert_eq!(
+        after.next_run_at,
+        Some(first + chrono::Duration::minutes(1))
+    );
+    s.move_to(first + chrono::Duration::seconds(61));
+    let second = s.fetch("ticks", WAIT).await;
+    assert_eq!(second.len(), 1);
+    assert_eq!(
+        second[0].envelope.id,
+        cron.fire_id(first + chrono::Duration::minutes(1))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlap_skip_holds_slots_while_the_last_job_has_not_finished() {
+    let s = service(|_| {}).await;
+    s.register_cron(
+        json!({"name": "long", "cron": "* * * * *", "type": "cron.long", "queue": "long"}),
+    )
+    .await
+    .unwrap();
+    let first = next_minute(s.start);
+    s.move_to(first + chrono::Duration::seconds(1));
+    let jobs = s.fetch("long", WAIT).await;
+    assert_eq!(jobs.len(), 1);
+    // Two slots pass while the job runs: skipped, and the job is not
+    // handed out again (its visibility is the long default).
+    for minute in 1..=2 {
+        s.move_to(first + chrono::Duration::minutes(minute) + chrono::Duration::seconds(1));
+        assert!(s
+            .fetch("long", Duration::from_millis(1500))
+            .await
+            .is_empty());
+    }
+    let held = s.cron("long").await;
+    assert_eq!((held.run_count, held.skip_count), (1, 2));
+    s.ack(&jobs[0].envelope.id).await.unwrap();
+    s.move_to(first + chrono::Duration::minutes(3) + chrono::Duration::seconds(1));
+    assert_eq!(
+        s.fetch("long", WAIT).await.len(),
+        1,
+        "fires again once the last job finished"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_previous_cancels_the_running_job_and_fires() {
+    let s = service(|_| {}).await;
+    s.register_cron(
+        json!({"name": "fresh", "cron": "* * * * *", "type": "cron.fresh",
+        "queue": "fresh", "overlap_policy": "cancel_previous"}),
+    )
+    .await
+    .unwrap();
+    let first = next_minute(s.start);
+    s.move_to(first + chrono::Duration::seconds(1));
+    let old = s.fetch("fresh", WAIT).await.remove(0);
+    s.move_to(first + chrono::Duration::seconds(61));
+    let new = s.fetch("fresh", WAIT).await;
+    assert_eq!(new.len(), 1);
+    assert_ne!(new[0].envelope.id, old.envelope.id);
+    assert_eq!(
+        s.info(&old.envelope.id).await.unwrap().state(),
+        JobState::Cancelled
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_stall_a_cron_catches_up_once_then_keeps_its_schedule() {
+    let s = service(|_| {}).await;
+    s.register_cron(
+        json!({"name": "stalled", "cron": "* * * * *", "type": "cron.s",
+        "queue": "stalled", "overlap_policy": "allow"}),
+    )
+    .await
+    .unwrap();
+    let first = next_minute(s.start);
+    // Ten slots pass at once.
+    s.move_to(first + chrono::Duration::minutes(9) + chrono::Duration::seconds(30));
+    let jobs = s.fetch("stalled", WAIT).await;
+    assert_eq!(jobs.len(), 1, "one catch-up, not a burst");
+    assert_eq!(
+        jobs[0].envelope.meta["cron_triggered_at"],
+        ojs_api::job::timestamp(first)
+    );
+    assert!(s
+        .fetch("stalled", Duration::from_millis(1500))
+        .await
+        .is_empty());
+    let cron = s.cron("stalled").await;
+    assert_eq!(
+        cron.next_run_at,
+        Some(first + chrono::Duration::minutes(10))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disabled_or_deleted_cron_fires_nothing_and_its_jobs_stay() {
+    let s = service(|_| {}).await;
+    let grant = s.api.tokens().identify(None).unwrap();
+    s.register_cron(
+        json!({"name": "off", "cron": "* * * * *", "type": "cron.off", "queue": "off"}),
+    )
+    .await
+    .unwrap();
+    let off = s.api.set_cron_enabled(&grant, "off", false).await.unwrap();
+    assert_eq!(off.next_run_at, None);
+    let first = next_minute(s.start);
+    s.move_to(first + chrono::Duration::seconds(1));
+    assert!(s.fetch("off", Duration::from_millis(1500)).await.is_empty());
+    // Enabled again: from its next slot after now, no catch-up.
+    let on = s.api.set_cron_enabled(&grant, "off", true).await.unwrap();
+    assert_eq!(on.next_run_at, Some(first + chrono::Duration::minutes(1)));
+    s.move_to(first + chrono::Duration::seconds(61));
+    let fired = s.fetch("off", WAIT).await;
+    assert_eq!(fired.len(), 1);
+    s.api.delete_cron(&grant, "off").await.unwrap();
+    s.move_to(first + chrono::Duration::seconds(121));
+    assert!(s.fetch("off", Duration::from_millis(1500)).await.is_empty());
+    // The job it pushed stays.
+    assert_eq!(
+        s.info(&fired[0].envelope.id).await.unwrap().state(),
+        JobState::Active
+    );
+    let gone = s.api.cron(&grant, "off").await.unwrap_err();
+    assert_eq!(gone.code(), ErrorCode::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_is_checked_as_its_push_would_be_and_bounded() {
+    let s = service(|settings| settings.max_crons = 2).await;
+    let refused = |e: ApiError| match e {
+        ApiError::InvalidRequest { attribute, .. } => attribute.unwrap_or_default(),
+        other => panic!("{other:?}"),
+    };
+    let e = s
+        .register_cron(json!({"name": "a", "cron": "0 0 * * *", "type": "t.a",
+            "options": {"priority": 1000}}))
+        .await
+        .unwrap_err();
+    assert_eq!(refused(e), "job_template.options.priority");
+    let e = s
+        .register_cron(json!({"name": "a", "cron": "0 0 * * *", "type": "t.a", "timezone": "EST"}))
+        .await
+        .unwrap_err();
+    assert_eq!(refused(e), "timezone");
+    s.register_cron(json!({"name": "a", "cron": "0 0 * * *", "type": "t.a"}))
+        .await
+        .unwrap();
+    s.register_cron(json!({"name": "b", "cron": "0 0 * * *", "type": "t.b"}))
+        .await
+        .unwrap();
+    // Registering a name again replaces it (and is not a new one).
+    let grant = s.api.tokens().identify(None).unwrap();
+    let (again, new) = s
+        .api
+        .register_cron(
+            &grant,
+            json!({"name": "a", "cron": "30 0 * * *", "type": "t.a"}),
+        )
+        .await
+        .unwrap();
+    assert!(!new);
+    assert_eq!(again.expression, "30 0 * * *");
+    let e = s
+        .register_cron(json!({"name": "c", "cron": "0 0 * * *", "type": "t.c"}))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Conflict);
+    assert!(matches!(e, ApiError::CronLimit { limit: 2 }));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_queue_takes_pushes_and_hands_out_nothing_until_resumed() {
+    let s = service(|_| {}).await;
+    let grant = s.api.tokens().identify(None).unwrap();
+    let paused = s.api.pause_queue(&grant, "held").await.unwrap();
+    assert!(paused.paused);
+    let job = s
+        .push(json!({"type": "a.b", "args": [], "options": {"queue": "held"}}))
+        .await
+        .unwrap();
+    assert_eq!(job.state(), JobState::Available);
+    assert!(s.fetch("held", Duration::from_millis(500)).await.is_empty());
+    // Another queue of the same FETCH is served meanwhile.
+    s.push(json!({"type": "a.b", "args": [], "options": {"queue": "open"}}))
+        .await
+        .unwrap();
+    let other = s
+        .api
+        .fetch(
+            &grant,
+            Fetch {
+                queues: vec!["held".into(), "open".into()],
+                count: 10,
+                worker_id: None,
+                visibility: None,
+                wait: WAIT,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(other.len(), 1);
+    assert_eq!(other[0].envelope.queue, "open");
+    let listed = s.api.queues(&grant).await.unwrap();
+    assert!(listed.iter().any(|q| q.name == "held" && q.paused));
+    assert!(listed.iter().any(|q| q.name == "open" && !q.paused));
+    s.api.resume_queue(&grant, "held").await.unwrap();
+    let fetched = s.fetch("held", WAIT).await;
+    assert_eq!(fetched.len(), 1);
+    assert_eq!(fetched[0].envelope.id, job.envelope.id);
+    // Pausing a queue never seen makes it known; a bad name is refused.
+    s.api.pause_queue(&grant, "fresh").await.unwrap();
+    assert!(s
+        .api
+        .queues(&grant)
+        .await
+        .unwrap()
+        .iter()
+        .any(|q| q.name == "fresh" && q.paused));
+    let e = s.api.pause_queue(&grant, "").await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidRequest);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_stats_count_jobs_by_state_and_time_the_last_hour() {
+    let s = service(|_| {}).await;
+    let grant = s.api.tokens().identify(None).unwrap();
+    for i in 0..3 {
+        s.push(json!({"type": "a.b", "args": [i], "options": {"queue": "counted"}}))
+            .await
+            .unwrap();
+    }
+    let stats = s.api.queue_stats(&grant, "counted").await.unwrap();
+    assert_eq!(stats.by_state["available"], 3);
+    assert_eq!(stats.by_state["active"], 0);
+    assert_eq!(stats.by_state["completed"], 0);
+    assert_eq!(stats.avg_duration_ms, None);
+    // The in-memory broker counts what it holds.
+    assert_eq!(stats.broker_depth, Some(3));
+    let fetched = s.fetch("counted", WAIT).await;
+    assert_eq!(fetched.len(), 3);
+    s.clock.advance(Duration::from_millis(1500));
+    s.ack(&fetched[0].envelope.id).await.unwrap();
+    s.nack(
+        &fetched[1].envelope.id,
+        json!({"code": "x", "message": "m", "retryable": false}),
+    )
+    .await
+    .unwrap();
+    let stats = s.api.queue_stats(&grant, "counted").await.unwrap();
+    assert_eq!(stats.by_state["active"], 1);
+    assert_eq!(stats.by_state["completed"], 1);
+    assert_eq!(stats.by_state["discarded"], 1);
+    assert_eq!((stats.completed_last_hour, stats.failed_last_hour), (1, 1));
+    assert_eq!(stats.avg_duration_ms, Some(1500.0));
+    assert_eq!(stats.avg_wait_ms, Some(0.0));
+    assert!(!stats.paused);
+    // Past the hour, the rates count nothing; the states stay.
+    s.clock.advance(Duration::from_secs(3601));
+    let stats = s.api.queue_stats(&grant, "counted").await.unwrap();
+    assert_eq!(stats.by_state["completed"], 1);
+    assert_eq!((stats.completed_last_hour, stats.failed_last_hour), (0, 0));
+}

@@ -151,6 +151,96 @@ pub fn enqueue_job(
     crate::job::accept(envelope, false, now)
 }
 
+/// A `RegisterCron` as the registration body both bindings read
+/// (`model::cron::CronJob::from_json`): the job is built as an `Enqueue`
+/// of it would be, so its options are checked the same way, and kept as
+/// the PUSH options each slot's job is made of. A TTL or a delay is not
+/// taken: every slot's job runs at its slot.
+pub fn cron_body(r: pb::RegisterCronRequest, now: DateTime<Utc>) -> Result<Value, ApiError> {
+    if let Some(o) = &r.options {
+        if o.ttl.is_some() {
+            return Err(ApiError::invalid(
+                "options.ttl",
+                "a cron job's jobs take no TTL here",
+            ));
+        }
+        if o.delay_until.is_some() {
+            return Err(ApiError::invalid(
+                "options.delay_until",
+                "a cron job's jobs run at its slots: `options.delay_until` is not taken",
+            ));
+        }
+    }
+    let job = enqueue_job(r.r#type, r.args, r.options, None, None, now)?;
+    let stored = job.to_json();
+    let mut options = Map::new();
+    options.insert("queue".into(), json!(job.envelope.queue));
+    for key in [
+        "priority",
+        "retry",
+        "unique",
+        "tags",
+        "timeout_ms",
+        "visibility_timeout_ms",
+    ] {
+        match stored.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::Number(n)) if key == "priority" && n.as_i64() == Some(0) => {}
+            Some(v) => {
+                options.insert(key.into(), v.clone());
+            }
+        }
+    }
+    let mut body = json!({
+        "name": r.name,
+        "cron": r.cron,
+        "type": job.envelope.job_type,
+        "args": job.envelope.args,
+        "options": options,
+    });
+    if !r.timezone.is_empty() {
+        body["timezone"] = json!(r.timezone);
+    }
+    if !job.envelope.meta.is_empty() {
+        body["meta"] = Value::Object(job.envelope.meta.clone());
+    }
+    Ok(body)
+}
+
+/// A cron job as `ListCron` answers it.
+pub fn cron_entry(cron: &crate::model::cron::CronJob) -> pb::CronEntry {
+    let options = cron.template.get("options");
+    let ms = |key: &str| {
+        options
+            .and_then(|o| o.get(key))
+            .and_then(Value::as_u64)
+            .map(duration)
+    };
+    pb::CronEntry {
+        name: cron.name.clone(),
+        cron: cron.expression.clone(),
+        timezone: cron.timezone.clone(),
+        r#type: cron.job_type().to_owned(),
+        args: cron
+            .template
+            .get("args")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().map(json_to_value).collect())
+            .unwrap_or_default(),
+        options: Some(pb::EnqueueOptions {
+            queue: cron.queue().to_owned(),
+            priority: int(options.and_then(|o| o.get("priority"))),
+            timeout: ms("timeout_ms"),
+            visibility_timeout: ms("visibility_timeout_ms"),
+            tags: strings(options.and_then(|o| o.get("tags"))),
+            meta: object(cron.template.get("meta")),
+            ..pb::EnqueueOptions::default()
+        }),
+        next_run_at: cron.next_run_at.map(time_stamp),
+        last_run_at: cron.last_run_at.map(time_stamp),
+    }
+}
+
 fn apply_options(
     o: &pb::EnqueueOptions,
     envelope: &mut JobEnvelope,

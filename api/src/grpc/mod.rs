@@ -6,10 +6,8 @@
 //! [`services`] gives the three gRPC services the daemon serves on its
 //! HTTP listener (HTTP/2, cleartext or TLS with ALPN `h2`): this binding,
 //! server reflection (so `grpcurl` and dynamic clients need no protos)
-//! and `grpc.health.v1`. Methods of the binding it does not declare
-//! (cron, queue pause and statistics) answer `UNIMPLEMENTED`; those it
-//! does not know at all (workflows, `StreamEvents`) get the same from
-//! the router.
+//! and `grpc.health.v1`. Methods it does not know (workflows,
+//! `StreamEvents`) answer `UNIMPLEMENTED` from the router.
 
 pub mod convert;
 
@@ -106,6 +104,7 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         | ApiError::QueueMissing { .. } => Code::NotFound,
         ApiError::Duplicate { .. } | ApiError::UniqueConflict { .. } => Code::AlreadyExists,
         ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => Code::FailedPrecondition,
+        ApiError::CronLimit { .. } => Code::ResourceExhausted,
         ApiError::UnsupportedVersion(_) => Code::FailedPrecondition,
         ApiError::Unsupported { .. } => Code::Unimplemented,
         ApiError::BodyTooLarge { .. }
@@ -267,12 +266,6 @@ fn job_id(id: &str) -> Result<&str, ApiError> {
         return Err(ApiError::invalid("job_id", "`job_id` is required"));
     }
     Ok(id)
-}
-
-fn unimplemented(method: &str) -> Status {
-    Status::unimplemented(format!(
-        "{method} is not served: ojs-bridge offers no cron, queue statistics or pause/resume (the manifest's capabilities say so)"
-    ))
 }
 
 type JobStream = Pin<Box<dyn Stream<Item = Result<pb::Job, Status>> + Send + 'static>>;
@@ -644,7 +637,7 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
                 .into_iter()
                 .map(|q| pb::QueueInfo {
                     name: q.name,
-                    paused: false,
+                    paused: q.paused,
                     available_count: 0,
                     created_at: Some(convert::time_stamp(q.created_at)),
                 })
@@ -663,23 +656,53 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
 
     async fn queue_stats(
         &self,
-        _request: Request<pb::QueueStatsRequest>,
+        request: Request<pb::QueueStatsRequest>,
     ) -> Result<Response<pb::QueueStatsResponse>, Status> {
-        Err(unimplemented("QueueStats"))
+        let rpc = self.begin(request.metadata(), "queues")?;
+        let r = request.into_inner();
+        let done = self.api.queue_stats(&rpc.grant, &r.queue).await;
+        rpc.reply(done.map(|s| {
+            let count = |state: &str| {
+                i64::try_from(s.by_state.get(state).copied().unwrap_or(0)).unwrap_or(i64::MAX)
+            };
+            let stats = pb::QueueStatistics {
+                available: count("available"),
+                active: count("active"),
+                scheduled: count("scheduled"),
+                retryable: count("retryable"),
+                dead: i64::try_from(s.dead).unwrap_or(i64::MAX),
+                completed_last_hour: i64::try_from(s.completed_last_hour).unwrap_or(i64::MAX),
+                failed_last_hour: i64::try_from(s.failed_last_hour).unwrap_or(i64::MAX),
+                avg_duration_ms: s.avg_duration_ms.unwrap_or(0.0),
+                avg_wait_ms: s.avg_wait_ms.unwrap_or(0.0),
+                throughput_per_second: s.throughput_per_second,
+                paused: s.paused,
+            };
+            pb::QueueStatsResponse {
+                queue: s.name,
+                stats: Some(stats),
+            }
+        }))
     }
 
     async fn pause_queue(
         &self,
-        _request: Request<pb::PauseQueueRequest>,
+        request: Request<pb::PauseQueueRequest>,
     ) -> Result<Response<pb::PauseQueueResponse>, Status> {
-        Err(unimplemented("PauseQueue"))
+        let rpc = self.begin(request.metadata(), "queues")?;
+        let r = request.into_inner();
+        let done = self.api.pause_queue(&rpc.grant, &r.queue).await;
+        rpc.reply(done.map(|_| pb::PauseQueueResponse {}))
     }
 
     async fn resume_queue(
         &self,
-        _request: Request<pb::ResumeQueueRequest>,
+        request: Request<pb::ResumeQueueRequest>,
     ) -> Result<Response<pb::ResumeQueueResponse>, Status> {
-        Err(unimplemented("ResumeQueue"))
+        let rpc = self.begin(request.metadata(), "queues")?;
+        let r = request.into_inner();
+        let done = self.api.resume_queue(&rpc.grant, &r.queue).await;
+        rpc.reply(done.map(|_| pb::ResumeQueueResponse {}))
     }
 
     async fn list_dead_letter(
@@ -742,23 +765,40 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
 
     async fn register_cron(
         &self,
-        _request: Request<pb::RegisterCronRequest>,
+        request: Request<pb::RegisterCronRequest>,
     ) -> Result<Response<pb::RegisterCronResponse>, Status> {
-        Err(unimplemented("RegisterCron"))
+        let rpc = self.begin(request.metadata(), "cron")?;
+        let r = request.into_inner();
+        let done = async {
+            let body = convert::cron_body(r, self.api.now())?;
+            self.api.register_cron(&rpc.grant, body).await
+        }
+        .await;
+        rpc.reply(done.map(|(cron, _)| pb::RegisterCronResponse {
+            name: cron.name,
+            next_run_at: cron.next_run_at.map(convert::time_stamp),
+        }))
     }
 
     async fn unregister_cron(
         &self,
-        _request: Request<pb::UnregisterCronRequest>,
+        request: Request<pb::UnregisterCronRequest>,
     ) -> Result<Response<pb::UnregisterCronResponse>, Status> {
-        Err(unimplemented("UnregisterCron"))
+        let rpc = self.begin(request.metadata(), "cron")?;
+        let r = request.into_inner();
+        let done = self.api.delete_cron(&rpc.grant, &r.name).await;
+        rpc.reply(done.map(|_| pb::UnregisterCronResponse {}))
     }
 
     async fn list_cron(
         &self,
-        _request: Request<pb::ListCronRequest>,
+        request: Request<pb::ListCronRequest>,
     ) -> Result<Response<pb::ListCronResponse>, Status> {
-        Err(unimplemented("ListCron"))
+        let rpc = self.begin(request.metadata(), "cron")?;
+        let done = self.api.crons(&rpc.grant, None).await;
+        rpc.reply(done.map(|crons| pb::ListCronResponse {
+            entries: crons.iter().map(convert::cron_entry).collect(),
+        }))
     }
 }
 

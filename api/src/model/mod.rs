@@ -9,6 +9,7 @@
 //! transactions (`store`) and the worker protocol (`worker`) load, call and
 //! save.
 
+pub mod cron;
 pub(crate) mod retry;
 pub mod unique;
 

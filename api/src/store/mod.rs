@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::job::{timestamp, Extra, Job};
+use crate::model::cron::CronJob;
 use crate::model::unique::{OnConflict, Uniqueness};
 use crate::model::{self, Command};
 use crate::roster::WorkerRecord;
@@ -261,6 +262,19 @@ pub enum Settle {
     },
 }
 
+/// A queue's stored jobs, as its statistics read them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct QueueJobs {
+    /// Jobs by state (the binding's state names).
+    pub by_state: Vec<(String, u64)>,
+    /// Dead letters among them.
+    pub dead: u64,
+    /// Jobs finished since the time asked, by state.
+    pub finished_by_state: Vec<(String, u64)>,
+    /// The newest completed since then.
+    pub completed: Vec<Job>,
+}
+
 /// One transaction of the store, as a state transition sees it: read a
 /// job (locked until the commit where that matters), write it back, log
 /// what happened. Written once for both backends.
@@ -315,6 +329,43 @@ pub trait Tx {
     fn remove_worker(&mut self, id: &str) -> Result<bool, StoreError>;
     /// Every worker's record, by id.
     fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError>;
+    /// A cron job (`crate::cron`), locked until the commit where replicas
+    /// share the store.
+    fn cron(&mut self, name: &str) -> Result<Option<CronJob>, StoreError>;
+    /// Writes a cron job.
+    fn save_cron(&mut self, cron: &CronJob) -> Result<(), StoreError>;
+    /// Removes a cron job; `false` when there was none.
+    fn remove_cron(&mut self, name: &str) -> Result<bool, StoreError>;
+    /// Every cron job, by name.
+    fn crons(&mut self) -> Result<Vec<CronJob>, StoreError>;
+    /// Takes `role` for `holder` until `until`, or renews it: `false` when
+    /// another holder has it and its time has not run out at `now`.
+    fn hold_role(
+        &mut self,
+        role: &str,
+        holder: &str,
+        now: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> Result<bool, StoreError>;
+    /// Paused queues, with when each was paused.
+    fn paused_queues(&mut self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError>;
+    /// Pauses (`true`) or resumes a queue, making it known when it was
+    /// not; `false` when it already was so.
+    fn set_paused(
+        &mut self,
+        queue: &str,
+        paused: bool,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError>;
+    /// A queue's stored jobs: counts by state, the counts by state of those
+    /// finished since `since`, and the newest of those completed since then
+    /// (at most `sample`).
+    fn queue_jobs(
+        &mut self,
+        queue: &str,
+        since: DateTime<Utc>,
+        sample: usize,
+    ) -> Result<QueueJobs, StoreError>;
     /// Asks the replica `holder` to settle the job's delivery.
     fn send_settle(
         &mut self,
@@ -609,16 +660,20 @@ pub(crate) fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
-/// A worker record as stored.
-pub(crate) fn worker_text(id: &str, record: &WorkerRecord) -> Result<String, StoreError> {
+/// A record (a worker's, a cron job's) as stored.
+pub(crate) fn record_text<T: Serialize>(id: &str, record: &T) -> Result<String, StoreError> {
     serde_json::to_string(record).map_err(|e| StoreError::Corrupt {
         id: id.to_owned(),
         reason: e.to_string(),
     })
 }
 
-/// A stored worker record (`crate::roster`), or why it does not decode.
-pub(crate) fn worker_record(id: &str, record: &str) -> Result<WorkerRecord, StoreError> {
+/// A stored record (a worker's, `crate::roster`; a cron job's), or why it
+/// does not decode.
+pub(crate) fn record_of<T: serde::de::DeserializeOwned>(
+    id: &str,
+    record: &str,
+) -> Result<T, StoreError> {
     serde_json::from_str(record).map_err(|e| StoreError::Corrupt {
         id: id.to_owned(),
         reason: e.to_string(),

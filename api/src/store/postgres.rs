@@ -27,15 +27,16 @@ use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, state_name,
-    stored_event, unanswered, worker_record, worker_text, EventFilter, EventPage, Inserted, Lease,
-    RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED, SCHEDULE_CLAIM,
+    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, record_of,
+    record_text, state_name, stored_event, unanswered, EventFilter, EventPage, Inserted, Lease,
+    QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED, SCHEDULE_CLAIM,
 };
 use crate::job::Job;
+use crate::model::cron::CronJob;
 use crate::roster::WorkerRecord;
 
 /// The schema version this build writes: 2 adds the workers' records.
-const SCHEMA_VERSION: i32 = 3;
+const SCHEMA_VERSION: i32 = 4;
 /// Taken while the schema is made or migrated: replicas starting together
 /// do it once.
 const MIGRATION_LOCK: i64 = 0x4f4a_5341;
@@ -105,6 +106,24 @@ CREATE TABLE unique_keys (
     key    text NOT NULL
 );
 CREATE INDEX unique_keys_key ON unique_keys (key);
+";
+
+/// Version 4: cron jobs, the roles one replica holds at a time
+/// (`crate::cron`), and paused queues.
+const MIGRATE_3_TO_4: &str = "
+CREATE TABLE crons (
+    name   text PRIMARY KEY,
+    record text NOT NULL
+);
+CREATE TABLE paused_queues (
+    name      text PRIMARY KEY,
+    paused_ms bigint NOT NULL
+);
+CREATE TABLE leaders (
+    role     text PRIMARY KEY,
+    holder   text NOT NULL,
+    until_ms bigint NOT NULL
+);
 ";
 
 /// How to reach PostgreSQL.
@@ -672,14 +691,17 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
         .map_err(pg)?
         .and_then(|r| r.get(0));
     match version {
-        None | Some(1) | Some(2) => {
+        None | Some(1..=3) => {
             if version.is_none() {
                 t.batch_execute(SCHEMA_V1).map_err(pg)?;
             }
             if version.is_none_or(|v| v < 2) {
                 t.batch_execute(MIGRATE_1_TO_2).map_err(pg)?;
             }
-            t.batch_execute(MIGRATE_2_TO_3).map_err(pg)?;
+            if version.is_none_or(|v| v < 3) {
+                t.batch_execute(MIGRATE_2_TO_3).map_err(pg)?;
+            }
+            t.batch_execute(MIGRATE_3_TO_4).map_err(pg)?;
             t.execute(
                 "INSERT INTO schema_version (version) VALUES ($1)",
                 &[&SCHEMA_VERSION],
@@ -946,7 +968,7 @@ impl Tx for PostgresTx<'_, '_> {
                 &[&id],
             )
             .map_err(pg)?;
-        row.map(|r| worker_record(id, r.get(0))).transpose()
+        row.map(|r| record_of(id, r.get(0))).transpose()
     }
 
     fn save_worker(
@@ -958,7 +980,7 @@ impl Tx for PostgresTx<'_, '_> {
         self.t
             .execute(
                 sql::SAVE_WORKER.postgres,
-                &[&id, &ms(seen), &worker_text(id, record)?],
+                &[&id, &ms(seen), &record_text(id, record)?],
             )
             .map_err(pg)?;
         Ok(())
@@ -972,10 +994,148 @@ impl Tx for PostgresTx<'_, '_> {
         Ok(n > 0)
     }
 
+    fn cron(&mut self, name: &str) -> Result<Option<CronJob>, StoreError> {
+        let row = self
+            .t
+            .query_opt(
+                "SELECT record FROM crons WHERE name = $1 FOR UPDATE",
+                &[&name],
+            )
+            .map_err(pg)?;
+        row.map(|r| record_of(name, r.get(0))).transpose()
+    }
+
+    fn save_cron(&mut self, cron: &CronJob) -> Result<(), StoreError> {
+        self.t
+            .execute(
+                sql::SAVE_CRON.postgres,
+                &[&cron.name, &record_text(&cron.name, cron)?],
+            )
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn remove_cron(&mut self, name: &str) -> Result<bool, StoreError> {
+        let n = self
+            .t
+            .execute(sql::DELETE_CRON.postgres, &[&name])
+            .map_err(pg)?;
+        Ok(n > 0)
+    }
+
+    fn crons(&mut self) -> Result<Vec<CronJob>, StoreError> {
+        let rows = self.t.query(sql::CRONS.postgres, &[]).map_err(pg)?;
+        rows.iter().map(|r| record_of(r.get(0), r.get(1))).collect()
+    }
+
+    fn paused_queues(&mut self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
+        let rows = self.t.query(sql::PAUSED_QUEUES.postgres, &[]).map_err(pg)?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                (
+                    r.get::<_, String>(0),
+                    DateTime::from_timestamp_millis(r.get(1)).unwrap_or_default(),
+                )
+            })
+            .collect())
+    }
+
+    fn set_paused(
+        &mut self,
+        queue: &str,
+        paused: bool,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        self.t
+            .execute(sql::ADD_QUEUE.postgres, &[&queue, &ms(now)])
+            .map_err(pg)?;
+        let n = if paused {
+            self.t
+                .execute(sql::PAUSE_QUEUE.postgres, &[&queue, &ms(now)])
+                .map_err(pg)?
+        } else {
+            self.t
+                .execute(sql::RESUME_QUEUE.postgres, &[&queue])
+                .map_err(pg)?
+        };
+        Ok(n > 0)
+    }
+
+    fn queue_jobs(
+        &mut self,
+        queue: &str,
+        since: DateTime<Utc>,
+        sample: usize,
+    ) -> Result<QueueJobs, StoreError> {
+        let counts = |rows: Vec<::postgres::Row>| -> Vec<(String, u64)> {
+            rows.iter()
+                .map(|r| {
+                    (
+                        r.get::<_, String>(0),
+                        u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
+                    )
+                })
+                .collect()
+        };
+        let rows = self
+            .t
+            .query(sql::QUEUE_STATES.postgres, &[&queue])
+            .map_err(pg)?;
+        let dead = rows
+            .iter()
+            .map(|r| u64::try_from(r.get::<_, i64>(2)).unwrap_or(0))
+            .sum();
+        let by_state = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.get::<_, String>(0),
+                    u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
+                )
+            })
+            .collect();
+        let finished_by_state = counts(
+            self.t
+                .query(sql::QUEUE_FINISHED.postgres, &[&queue, &ms(since)])
+                .map_err(pg)?,
+        );
+        let limit = i64::try_from(sample).unwrap_or(i64::MAX);
+        let rows = self
+            .t
+            .query(sql::QUEUE_COMPLETED.postgres, &[&queue, &ms(since), &limit])
+            .map_err(pg)?;
+        let completed = rows
+            .iter()
+            .map(|r| decode(r.get(0), r.get(1), r.get(2)))
+            .collect::<Result<_, _>>()?;
+        Ok(QueueJobs {
+            by_state,
+            dead,
+            finished_by_state,
+            completed,
+        })
+    }
+
+    fn hold_role(
+        &mut self,
+        role: &str,
+        holder: &str,
+        now: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let n = self
+            .t
+            .execute(
+                sql::HOLD_ROLE.postgres,
+                &[&role, &holder, &ms(until), &ms(now)],
+            )
+            .map_err(pg)?;
+        Ok(n > 0)
+    }
+
     fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError> {
         let rows = self.t.query(sql::WORKERS.postgres, &[]).map_err(pg)?;
-        rows.iter()
-            .map(|r| worker_record(r.get(0), r.get(1)))
-            .collect()
+        rows.iter().map(|r| record_of(r.get(0), r.get(1))).collect()
     }
 }

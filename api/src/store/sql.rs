@@ -94,6 +94,68 @@ shared!(
 );
 
 shared!(
+    /// A cron job's record.
+    CRON = "SELECT record FROM crons WHERE name = $1"
+);
+shared!(
+    /// Writes a cron job's record.
+    SAVE_CRON = "INSERT INTO crons (name, record) VALUES ($1, $2)
+     ON CONFLICT (name) DO UPDATE SET record = excluded.record"
+);
+shared!(
+    /// Removes a cron job.
+    DELETE_CRON = "DELETE FROM crons WHERE name = $1"
+);
+shared!(
+    /// Every cron job's record, by name.
+    CRONS = "SELECT name, record FROM crons ORDER BY name"
+);
+shared!(
+    /// Takes or renews a role for a holder: it changes a row only where
+    /// the role is free, lapsed, or the holder's already.
+    HOLD_ROLE = "INSERT INTO leaders (role, holder, until_ms) VALUES ($1, $2, $3)
+     ON CONFLICT (role) DO UPDATE SET holder = excluded.holder, until_ms = excluded.until_ms
+     WHERE leaders.holder = excluded.holder OR leaders.until_ms < $4"
+);
+
+shared!(
+    /// Paused queues, with when each was paused.
+    PAUSED_QUEUES = "SELECT name, paused_ms FROM paused_queues ORDER BY name"
+);
+shared!(
+    /// Pauses a queue (paused already: unchanged).
+    PAUSE_QUEUE = "INSERT INTO paused_queues (name, paused_ms) VALUES ($1, $2)
+     ON CONFLICT (name) DO NOTHING"
+);
+shared!(
+    /// Resumes a queue.
+    RESUME_QUEUE = "DELETE FROM paused_queues WHERE name = $1"
+);
+shared!(
+    /// A queue made known (pausing one creates it).
+    ADD_QUEUE = "INSERT INTO queues (name, created_ms) VALUES ($1, $2)
+     ON CONFLICT (name) DO NOTHING"
+);
+shared!(
+    /// A queue's stored jobs by state, and how many of each are dead
+    /// letters.
+    QUEUE_STATES = "SELECT state, count(*), sum(CASE WHEN dead = 1 THEN 1 ELSE 0 END)
+     FROM jobs WHERE queue = $1 GROUP BY state"
+);
+shared!(
+    /// A queue's jobs finished since a time, by state.
+    QUEUE_FINISHED = "SELECT state, count(*) FROM jobs
+     WHERE queue = $1 AND finished_ms >= $2 GROUP BY state"
+);
+shared!(
+    /// A queue's jobs completed since a time, newest first (their run
+    /// and wait times).
+    QUEUE_COMPLETED = "SELECT id, envelope, extra FROM jobs
+     WHERE queue = $1 AND state = 'completed' AND finished_ms >= $2
+     ORDER BY finished_ms DESC LIMIT $3"
+);
+
+shared!(
     /// The jobs filed under a unique key.
     JOBS_WITH_UNIQUE_KEY = "SELECT j.id, j.envelope, j.extra FROM unique_keys u
      JOIN jobs j ON j.id = u.job_id WHERE u.key = $1"

@@ -22,11 +22,12 @@ use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, state_name,
-    stored_event, unanswered, worker_record, worker_text, Durability, EventFilter, EventPage,
-    Inserted, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
+    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, record_of,
+    record_text, state_name, stored_event, unanswered, Durability, EventFilter, EventPage,
+    Inserted, QueueJobs, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
 };
 use crate::job::Job;
+use crate::model::cron::CronJob;
 use crate::model::unique::Uniqueness;
 use crate::roster::WorkerRecord;
 
@@ -38,8 +39,9 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// `PRAGMA user_version` this build writes. Version 1 marked every job
 /// published with an UPDATE of its row and gave each event a random id;
 /// version 2 keeps a watermark in `meta` and numbers events by `seq`.
-/// Version 4 adds the workers' records (`crate::roster`).
-const SCHEMA_VERSION: i64 = 5;
+/// Version 4 adds the workers' records (`crate::roster`), 5 unique keys, 6
+/// cron jobs, roles (`crate::cron`) and paused queues.
+const SCHEMA_VERSION: i64 = 6;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -86,6 +88,19 @@ CREATE TABLE IF NOT EXISTS unique_keys (
     key    TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS unique_keys_key ON unique_keys (key);
+CREATE TABLE IF NOT EXISTS crons (
+    name   TEXT PRIMARY KEY,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS paused_queues (
+    name      TEXT PRIMARY KEY,
+    paused_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leaders (
+    role     TEXT PRIMARY KEY,
+    holder   TEXT NOT NULL,
+    until_ms INTEGER NOT NULL
+);
 ";
 
 /// From version 1: the broker-confirmed mark of each row becomes the
@@ -762,7 +777,7 @@ impl Tx for SqliteTx<'_> {
             .prepare_cached(sql::WORKER.sqlite)?
             .query_row(params![id], |r| r.get(0))
             .optional()?;
-        record.map(|r| worker_record(id, &r)).transpose()
+        record.map(|r| record_of(id, &r)).transpose()
     }
 
     fn save_worker(
@@ -773,7 +788,7 @@ impl Tx for SqliteTx<'_> {
     ) -> Result<(), StoreError> {
         self.conn
             .prepare_cached(sql::SAVE_WORKER.sqlite)?
-            .execute(params![id, ms(seen), worker_text(id, record)?])?;
+            .execute(params![id, ms(seen), record_text(id, record)?])?;
         Ok(())
     }
 
@@ -785,13 +800,144 @@ impl Tx for SqliteTx<'_> {
         Ok(n > 0)
     }
 
+    fn cron(&mut self, name: &str) -> Result<Option<CronJob>, StoreError> {
+        let record: Option<String> = self
+            .conn
+            .prepare_cached(sql::CRON.sqlite)?
+            .query_row(params![name], |r| r.get(0))
+            .optional()?;
+        record.map(|r| record_of(name, &r)).transpose()
+    }
+
+    fn save_cron(&mut self, cron: &CronJob) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(sql::SAVE_CRON.sqlite)?
+            .execute(params![cron.name, record_text(&cron.name, cron)?])?;
+        Ok(())
+    }
+
+    fn remove_cron(&mut self, name: &str) -> Result<bool, StoreError> {
+        let n = self
+            .conn
+            .prepare_cached(sql::DELETE_CRON.sqlite)?
+            .execute(params![name])?;
+        Ok(n > 0)
+    }
+
+    fn crons(&mut self) -> Result<Vec<CronJob>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(sql::CRONS.sqlite)?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (name, record) = row?;
+            out.push(record_of(&name, &record)?);
+        }
+        Ok(out)
+    }
+
+    fn paused_queues(&mut self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(sql::PAUSED_QUEUES.sqlite)?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (name, at) = row?;
+            out.push((
+                name,
+                DateTime::from_timestamp_millis(at).unwrap_or_default(),
+            ));
+        }
+        Ok(out)
+    }
+
+    fn set_paused(
+        &mut self,
+        queue: &str,
+        paused: bool,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        self.conn
+            .prepare_cached(sql::ADD_QUEUE.sqlite)?
+            .execute(params![queue, ms(now)])?;
+        let n = if paused {
+            self.conn
+                .prepare_cached(sql::PAUSE_QUEUE.sqlite)?
+                .execute(params![queue, ms(now)])?
+        } else {
+            self.conn
+                .prepare_cached(sql::RESUME_QUEUE.sqlite)?
+                .execute(params![queue])?
+        };
+        Ok(n > 0)
+    }
+
+    fn queue_jobs(
+        &mut self,
+        queue: &str,
+        since: DateTime<Utc>,
+        sample: usize,
+    ) -> Result<QueueJobs, StoreError> {
+        let counts = |sql: &str,
+                      p: &[&dyn rusqlite::ToSql]|
+         -> Result<Vec<(String, u64)>, StoreError> {
+            let mut stmt = self.conn.prepare_cached(sql)?;
+            let rows = stmt.query_map(p, |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
+            let mut out = Vec::new();
+            for row in rows {
+                let (state, n) = row?;
+                out.push((state, u64::try_from(n).unwrap_or(0)));
+            }
+            Ok(out)
+        };
+        let mut by_state = Vec::new();
+        let mut dead = 0;
+        {
+            let mut stmt = self.conn.prepare_cached(sql::QUEUE_STATES.sqlite)?;
+            let rows = stmt.query_map([&queue], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, i64>(1)?,
+                    r.get::<_, i64>(2)?,
+                ))
+            })?;
+            for row in rows {
+                let (state, n, d) = row?;
+                by_state.push((state, u64::try_from(n).unwrap_or(0)));
+                dead += u64::try_from(d).unwrap_or(0);
+            }
+        }
+        let finished_by_state = counts(sql::QUEUE_FINISHED.sqlite, &[&queue, &ms(since)])?;
+        let mut stmt = self.conn.prepare_cached(sql::QUEUE_COMPLETED.sqlite)?;
+        let limit = i64::try_from(sample).unwrap_or(i64::MAX);
+        let completed = jobs(&mut stmt, params![queue, ms(since), limit])?;
+        Ok(QueueJobs {
+            by_state,
+            dead,
+            finished_by_state,
+            completed,
+        })
+    }
+
+    fn hold_role(
+        &mut self,
+        role: &str,
+        holder: &str,
+        now: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let n = self
+            .conn
+            .prepare_cached(sql::HOLD_ROLE.sqlite)?
+            .execute(params![role, holder, ms(until), ms(now)])?;
+        Ok(n > 0)
+    }
+
     fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError> {
         let mut stmt = self.conn.prepare_cached(sql::WORKERS.sqlite)?;
         let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
         let mut out = Vec::new();
         for row in rows {
             let (id, record) = row?;
-            out.push(worker_record(&id, &record)?);
+            out.push(record_of(&id, &record)?);
         }
         Ok(out)
     }

@@ -103,6 +103,10 @@ pub struct ApiConfig {
     /// Default `5m`.
     #[serde(default = "default_consumer_idle_timeout", with = "duration_text")]
     pub consumer_idle_timeout: Duration,
+    /// Most cron jobs the server keeps; registering one more is refused
+    /// (409) until one is deleted. Default 1000.
+    #[serde(default = "default_max_crons")]
+    pub max_crons: usize,
     /// What an exhausted job becomes when its own retry policy names no
     /// `on_exhaustion`: `discard` (the spec's default: not kept as a dead
     /// letter) or `dead_letter` (every exhausted job kept as one).
@@ -222,6 +226,9 @@ fn default_max_fetch_bytes() -> usize {
 }
 fn default_max_consumers() -> usize {
     ojs_api::ApiSettings::default().max_consumers
+}
+fn default_max_crons() -> usize {
+    ojs_api::ApiSettings::default().max_crons
 }
 fn default_consumer_idle_timeout() -> Duration {
     ojs_api::ApiSettings::default().consumer_idle_timeout
@@ -355,6 +362,7 @@ impl ApiConfig {
             max_fetch_bytes: self.max_fetch_bytes,
             max_consumers: self.max_consumers,
             consumer_idle_timeout: self.consumer_idle_timeout,
+            max_crons: self.max_crons,
             on_exhaustion: match self.on_exhaustion {
                 ExhaustionConfig::Discard => ojs_api::Exhaustion::Discard,
                 ExhaustionConfig::DeadLetter => ojs_api::Exhaustion::DeadLetter,
@@ -450,6 +458,9 @@ impl ApiConfig {
         }
         if self.consumer_idle_timeout < Duration::from_secs(1) {
             errors.push(invalid("api.consumer_idle_timeout", "must be at least 1s"));
+        }
+        if self.max_crons > 100_000 {
+            errors.push(invalid("api.max_crons", "must be at most 100000"));
         }
         let mut names = BTreeSet::new();
         for (i, token) in self.tokens.iter().enumerate() {

@@ -102,9 +102,8 @@ async fn what_the_sdks_and_the_conformance_runner_send_is_answered_as_they_read_
     assert!(millisecond_time(&cancel.json()["cancelled_at"]));
 
     for (method, path, feature) in [
-        ("GET", "/ojs/v1/cron", "cron"),
+        ("GET", "/ojs/v1/rate-limits", "rate limits"),
         ("POST", "/ojs/v1/workflows", "workflows"),
-        ("POST", "/ojs/v1/queues/sdk/pause", "queue operations"),
         ("GET", "/ojs/v1/admin/stats", "admin endpoints"),
     ] {
         let a = request(

@@ -295,8 +295,137 @@ async fn every_rpc_and_the_state_machine(server: &OjsServer, queue: &str, what: 
         .await,
     );
     assert_eq!((code, reason.as_str()), (Code::NotFound, "not_found"));
-    let cron = c.list_cron(pb::ListCronRequest {}).await.unwrap_err();
-    assert_eq!(cron.code(), Code::Unimplemented);
+    // Cron jobs: registered with the options a job of it gets, listed,
+    // refused with the field named, removed.
+    let registered = c
+        .register_cron(pb::RegisterCronRequest {
+            name: "grpc.nightly".into(),
+            cron: "30 2 * * *".into(),
+            timezone: "Europe/Berlin".into(),
+            r#type: "report.build".into(),
+            args: vec![json_to_value(&json!({"day": 1}))],
+            options: Some(pb::EnqueueOptions {
+                queue: queue.into(),
+                priority: 5,
+                tags: vec!["nightly".into()],
+                timeout: Some(prost_types::Duration {
+                    seconds: 600,
+                    nanos: 0,
+                }),
+                ..pb::EnqueueOptions::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(registered.name, "grpc.nightly");
+    assert!(registered.next_run_at.is_some(), "{registered:?}");
+    let entries = c
+        .list_cron(pb::ListCronRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .entries;
+    let entry = entries
+        .iter()
+        .find(|e| e.name == "grpc.nightly")
+        .unwrap_or_else(|| panic!("{entries:?}"));
+    assert_eq!(
+        (
+            entry.cron.as_str(),
+            entry.timezone.as_str(),
+            entry.r#type.as_str()
+        ),
+        ("30 2 * * *", "Europe/Berlin", "report.build")
+    );
+    let options = entry.options.as_ref().unwrap();
+    assert_eq!((options.queue.as_str(), options.priority), (queue, 5));
+    assert_eq!(options.tags, ["nightly"]);
+    assert_eq!(options.timeout.as_ref().map(|d| d.seconds), Some(600));
+    assert_eq!(entry.next_run_at, registered.next_run_at);
+    let (code, reason, status) = refused(
+        c.register_cron(pb::RegisterCronRequest {
+            name: "grpc.bad".into(),
+            cron: "99 25 32 13 8".into(),
+            r#type: "report.build".into(),
+            ..pb::RegisterCronRequest::default()
+        })
+        .await,
+    );
+    assert_eq!(
+        (code, reason.as_str()),
+        (Code::InvalidArgument, "invalid_request")
+    );
+    let fields = status.get_details_bad_request().unwrap().field_violations;
+    assert_eq!(fields[0].field, "expression", "{fields:?}");
+    c.unregister_cron(pb::UnregisterCronRequest {
+        name: "grpc.nightly".into(),
+    })
+    .await
+    .unwrap();
+    let (code, _, _) = refused(
+        c.unregister_cron(pb::UnregisterCronRequest {
+            name: "grpc.nightly".into(),
+        })
+        .await,
+    );
+    assert_eq!(code, Code::NotFound);
+    // A paused queue takes an Enqueue and hands out nothing until resumed;
+    // its statistics count the job.
+    let held = format!("{queue}.held");
+    c.pause_queue(pb::PauseQueueRequest {
+        queue: held.clone(),
+    })
+    .await
+    .unwrap();
+    let job = c
+        .enqueue(pb::EnqueueRequest {
+            r#type: "held.job".into(),
+            args: vec![],
+            options: Some(pb::EnqueueOptions {
+                queue: held.clone(),
+                ..pb::EnqueueOptions::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    let mut request = Request::new(pb::FetchRequest {
+        queues: vec![held.clone()],
+        count: 1,
+        worker_id: "w-held".into(),
+    });
+    request.set_timeout(Duration::from_millis(800));
+    let nothing = c.fetch(request).await.unwrap().into_inner().jobs;
+    assert!(nothing.is_empty(), "{what}: {nothing:?}");
+    let stats = c
+        .queue_stats(pb::QueueStatsRequest {
+            queue: held.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let s = stats.stats.unwrap();
+    assert_eq!(
+        (stats.queue.as_str(), s.paused, s.available),
+        (held.as_str(), true, 1)
+    );
+    c.resume_queue(pb::ResumeQueueRequest {
+        queue: held.clone(),
+    })
+    .await
+    .unwrap();
+    let taken = fetch(&mut c, &held, 1, "w-held").await;
+    assert_eq!(taken.len(), 1, "{what}");
+    assert_eq!(taken[0].id, job.id);
+    c.ack(pb::AckRequest {
+        job_id: job.id.clone(),
+        ..pb::AckRequest::default()
+    })
+    .await
+    .unwrap();
     // Nothing left behind: the queue is empty.
     let mut request = Request::new(pb::FetchRequest {
         queues: vec![queue.into()],
