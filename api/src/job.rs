@@ -24,7 +24,7 @@ pub const PRIORITY_RANGE: std::ops::RangeInclusive<i64> = -100..=100;
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 3;
 
 /// `options` a PUSH takes.
-const OPTIONS: [&str; 11] = [
+const OPTIONS: [&str; 12] = [
     "queue",
     "priority",
     "timeout_ms",
@@ -36,6 +36,7 @@ const OPTIONS: [&str; 11] = [
     "tags",
     "visibility_timeout_ms",
     "pending",
+    "rate_limit",
 ];
 
 /// Attributes only the server sets; a client's values are replaced.
@@ -230,6 +231,8 @@ pub(crate) fn accept(
     envelope.validate().map_err(invalid_envelope)?;
     // A unique policy that cannot be followed is refused with the push.
     crate::model::unique::Uniqueness::of(&envelope)?;
+    // So is a rate limit (given as a top-level attribute too).
+    crate::model::rate::RateLimit::of(&envelope)?;
     crate::limits::check_job(&envelope)?;
     Ok(Job {
         envelope,
@@ -331,6 +334,10 @@ fn fold_options(
                 pending = v
                     .as_bool()
                     .ok_or_else(|| ApiError::invalid(&at, "must be a boolean"))?;
+            }
+            "rate_limit" => {
+                let kept = crate::model::rate::RateLimit::read(&at, &v)?;
+                body.insert("rate_limit".into(), kept);
             }
             other => {
                 return Err(ApiError::invalid(

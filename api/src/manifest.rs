@@ -98,7 +98,7 @@ impl Manifest {
                 delayed_jobs: true,
                 job_ttl: true,
                 priority_queues: matches!(backend, "local" | "memory" | "rabbitmq"),
-                rate_limiting: false,
+                rate_limiting: true,
                 schema_validation: false,
                 unique_jobs: true,
                 workflows: false,

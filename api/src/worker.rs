@@ -201,6 +201,9 @@ enum Activation {
     /// crash, a broker's redelivery): the copy this process holds carries
     /// the job, so this one is acked and never handed out beside it.
     Duplicate,
+    /// Its rate limit's window is full until then: it stays available and
+    /// goes back to the broker.
+    Limited(DateTime<Utc>),
 }
 
 /// Does to a held delivery what a settlement says.
@@ -464,6 +467,7 @@ impl Api {
         let max_bytes = self.settings.max_fetch_bytes;
         let mut bytes = 0usize;
         let mut out = Vec::new();
+        let mut limited_until: Option<DateTime<Utc>> = None;
         loop {
             // Registered before looking, so that a publish while this pass
             // runs is not missed.
@@ -516,14 +520,26 @@ impl Api {
                         tracing::debug!(%queue, error = %e, "giving back a delivery beyond the FETCH's byte bound failed; its lease runs out instead");
                     }
                 }
-                out.extend(self.activate_deliveries(queue, taken, &request).await?);
+                let (jobs, limited) = self.activate_deliveries(queue, taken, &request).await?;
+                out.extend(jobs);
+                if let Some(at) = limited {
+                    limited_until = Some(limited_until.map_or(at, |u: DateTime<Utc>| u.min(at)));
+                }
             }
             if !out.is_empty() || Instant::now() >= until || self.is_draining() {
                 return Ok(out);
             }
+            // Jobs over their rate limit went back: the next look is when
+            // the first window ends (or a job is published), not at once.
+            let pause = limited_until
+                .take()
+                .and_then(|at| (at - self.now()).to_std().ok())
+                .unwrap_or(Duration::from_millis(20))
+                .max(Duration::from_millis(20))
+                .min(until.saturating_duration_since(Instant::now()));
             tokio::select! {
                 () = published => {}
-                () = tokio::time::sleep(Duration::from_millis(20)) => {}
+                () = tokio::time::sleep(pause) => {}
             }
         }
     }
@@ -610,7 +626,7 @@ impl Api {
         queue: &str,
         deliveries: Vec<Delivery>,
         request: &Fetch,
-    ) -> Result<Vec<Job>, ApiError> {
+    ) -> Result<(Vec<Job>, Option<DateTime<Utc>>), ApiError> {
         let mut envelopes = Vec::with_capacity(deliveries.len());
         let mut kept = Vec::with_capacity(deliveries.len());
         for d in deliveries {
@@ -628,7 +644,7 @@ impl Api {
             }
         }
         if envelopes.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), None));
         }
         let now = self.now();
         let worker = request.worker_id.clone();
@@ -682,6 +698,7 @@ impl Api {
             }
         };
         let mut out = Vec::new();
+        let mut limited_until = None;
         let started = Instant::now();
         for (activation, delivery) in decided.into_iter().zip(kept) {
             match activation {
@@ -738,9 +755,16 @@ impl Api {
                         tracing::debug!(%queue, error = %e, "acking a second copy of an active job failed; it comes back and is looked at again");
                     }
                 }
+                Activation::Limited(until) => {
+                    if let Err(e) = delivery.nack(Nack::Release).await {
+                        tracing::debug!(%queue, error = %e, "giving back a job over its rate limit failed; its lease runs out instead");
+                    }
+                    limited_until =
+                        Some(limited_until.map_or(until, |u: DateTime<Utc>| u.min(until)));
+                }
             }
         }
-        Ok(out)
+        Ok((out, limited_until))
     }
 
     fn take_held(&self, id: &str) -> Option<HeldDelivery> {
@@ -1225,6 +1249,16 @@ fn activate_one(
         return Ok(Activation::Settle);
     }
     let visibility = visibility.unwrap_or_else(|| job_visibility(&job));
+    // A start of its rate limit's key is taken in this transaction, so
+    // that of concurrent FETCHes (also through other replicas) no more
+    // than the limit start.
+    if model::allows(job.state(), &Command::Start { worker }) {
+        if let Ok(Some(limit)) = crate::model::rate::RateLimit::of(&job.envelope) {
+            if let Err(until) = tx.take_rate(&limit, now)? {
+                return Ok(Activation::Limited(until));
+            }
+        }
+    }
     // Finished or cancelled: the broker's copy is settled, nothing handed out.
     let started = match apply(job, Command::Start { worker }, now) {
         Ok(t) => t,

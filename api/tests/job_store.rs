@@ -8,6 +8,7 @@
 
 use chrono::{DateTime, Utc};
 use ojs_api::model::cron::CronJob;
+use ojs_api::model::rate::RateLimit;
 use ojs_api::model::unique::Uniqueness;
 use ojs_api::roster::WorkerRecord;
 use ojs_api::store::{
@@ -604,7 +605,87 @@ async fn a_role_has_one_holder_until_its_time_runs_out(store: &Store, place: &Pl
     assert_eq!(winners, 1);
 }
 
+async fn a_rate_window_admits_its_limit_across_stores(store: &Store, place: &Place) {
+    let other = replica(store, place).await;
+    let limit = RateLimit {
+        key: "queue:limited".into(),
+        limit: 5,
+        period: std::time::Duration::from_secs(1),
+    };
+    let now = in_ms(0);
+    let handles: Vec<_> = (0..20)
+        .map(|i| {
+            let s = if i % 2 == 0 {
+                store.clone()
+            } else {
+                other.clone()
+            };
+            let limit = limit.clone();
+            tokio::spawn(async move { s.run(move |tx| tx.take_rate(&limit, now)).await.unwrap() })
+        })
+        .collect();
+    let mut taken = 0;
+    let mut until = None;
+    for h in handles {
+        match h.await.unwrap() {
+            Ok(()) => taken += 1,
+            Err(at) => until = Some(at),
+        }
+    }
+    assert_eq!(
+        taken, 5,
+        "the limit, of 20 concurrent takes through two stores"
+    );
+    assert_eq!(until, Some(now + chrono::Duration::seconds(1)));
+    // The next window.
+    let later = now + chrono::Duration::seconds(1);
+    let l = limit.clone();
+    assert_eq!(
+        store.run(move |tx| tx.take_rate(&l, later)).await.unwrap(),
+        Ok(())
+    );
+    // Another key has its own window.
+    let mine = RateLimit {
+        key: "tenant:1".into(),
+        ..limit.clone()
+    };
+    assert_eq!(
+        other.run(move |tx| tx.take_rate(&mine, now)).await.unwrap(),
+        Ok(())
+    );
+    // Windows are pruned a day past the retention cut, not before.
+    let full = RateLimit { limit: 1, ..limit };
+    let f = full.clone();
+    assert!(store
+        .run(move |tx| tx.take_rate(&f, later))
+        .await
+        .unwrap()
+        .is_err());
+    store
+        .prune(later + chrono::Duration::hours(23))
+        .await
+        .unwrap();
+    let f = full.clone();
+    assert!(store
+        .run(move |tx| tx.take_rate(&f, later))
+        .await
+        .unwrap()
+        .is_err());
+    store
+        .prune(later + chrono::Duration::hours(25))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .run(move |tx| tx.take_rate(&full, later))
+            .await
+            .unwrap(),
+        Ok(())
+    );
+}
+
 on_both_backends!(
+    a_rate_window_admits_its_limit_across_stores,
     cron_jobs_round_trip_and_are_removed,
     a_role_has_one_holder_until_its_time_runs_out,
     of_concurrent_pushes_of_one_unique_key_exactly_one_is_stored,

@@ -778,3 +778,51 @@ async fn queue_stats_count_jobs_by_state_and_time_the_last_hour() {
     assert_eq!(stats.by_state["completed"], 1);
     assert_eq!((stats.completed_last_hour, stats.failed_last_hour), (0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_queue_starts_its_limit_per_window_on_the_service_clock() {
+    let s = service(|_| {}).await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let job = s
+            .push(
+                json!({"type": "a.b", "args": [i], "options": {"queue": "slow",
+                "rate_limit": {"max_per_second": 1}}}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            job.envelope.unknown_attributes["rate_limit"],
+            json!({"rate": {"limit": 1, "period": "PT1S"}})
+        );
+        ids.push(job.envelope.id);
+    }
+    let first = s.fetch("slow", Duration::ZERO).await;
+    assert_eq!(
+        first.len(),
+        1,
+        "one start in the window, though 10 were asked"
+    );
+    assert!(s.fetch("slow", Duration::ZERO).await.is_empty());
+    // Waiting within the window hands out nothing either.
+    assert!(s.fetch("slow", Duration::from_millis(300)).await.is_empty());
+    for id in ids.iter().filter(|id| **id != first[0].envelope.id) {
+        let job = s.info(id).await.unwrap();
+        assert_eq!(
+            (job.state(), job.envelope.attempt),
+            (JobState::Available, 0),
+            "a look is no attempt"
+        );
+    }
+    s.clock.advance(Duration::from_millis(1500));
+    assert_eq!(s.fetch("slow", WAIT).await.len(), 1);
+    s.clock.advance(Duration::from_millis(1000));
+    assert_eq!(s.fetch("slow", WAIT).await.len(), 1);
+    // A limit that cannot be followed is refused with the push.
+    let read = |body: Value| ojs_api::job::from_json(body, s.api.now()).unwrap_err();
+    let refused =
+        read(json!({"type": "a.b", "args": [], "options": {"rate_limit": {"concurrency": 1}}}));
+    assert_eq!(refused.code(), ErrorCode::Unsupported);
+    let refused = read(json!({"type": "a.b", "args": [], "rate_limit": {"max_per_second": 0}}));
+    assert_eq!(refused.code(), ErrorCode::InvalidRequest);
+}

@@ -10,6 +10,7 @@
 //! save.
 
 pub mod cron;
+pub mod rate;
 pub(crate) mod retry;
 pub mod unique;
 

@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 
 use crate::job::{timestamp, Extra, Job};
 use crate::model::cron::CronJob;
+use crate::model::rate::{RateLimit, Window};
 use crate::model::unique::{OnConflict, Uniqueness};
 use crate::model::{self, Command};
 use crate::roster::WorkerRecord;
@@ -262,6 +263,24 @@ pub enum Settle {
     },
 }
 
+/// How much older than the retention cut a rate-limit window must be to be
+/// pruned: the longest window, so that no running one goes.
+pub(crate) const RATE_WINDOW_SLACK_MS: i64 = 86_400_000;
+
+/// A rate-limit key's window after `limit` took a start at `now` from the
+/// one stored (`start_ms`, `count`), or when the full one ends.
+pub(crate) fn next_window(
+    limit: &RateLimit,
+    stored: Option<(i64, i64)>,
+    now: DateTime<Utc>,
+) -> Result<Window, DateTime<Utc>> {
+    let window = stored.map(|(start, count)| Window {
+        start: DateTime::from_timestamp_millis(start).unwrap_or_default(),
+        count: u32::try_from(count).unwrap_or(u32::MAX),
+    });
+    limit.take(window, now)
+}
+
 /// A queue's stored jobs, as its statistics read them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct QueueJobs {
@@ -366,6 +385,14 @@ pub trait Tx {
         since: DateTime<Utc>,
         sample: usize,
     ) -> Result<QueueJobs, StoreError>;
+    /// Takes a start of `limit`'s key at `now` (its window moves in this
+    /// transaction, locked where replicas share the store); when the
+    /// window is full, when it ends.
+    fn take_rate(
+        &mut self,
+        limit: &RateLimit,
+        now: DateTime<Utc>,
+    ) -> Result<Result<(), DateTime<Utc>>, StoreError>;
     /// Asks the replica `holder` to settle the job's delivery.
     fn send_settle(
         &mut self,

@@ -27,12 +27,14 @@ use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, record_of,
-    record_text, state_name, stored_event, unanswered, EventFilter, EventPage, Inserted, Lease,
-    QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED, SCHEDULE_CLAIM,
+    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, next_window,
+    record_of, record_text, state_name, stored_event, unanswered, EventFilter, EventPage, Inserted,
+    Lease, QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
+    RATE_WINDOW_SLACK_MS, SCHEDULE_CLAIM,
 };
 use crate::job::Job;
 use crate::model::cron::CronJob;
+use crate::model::rate::RateLimit;
 use crate::roster::WorkerRecord;
 
 /// The schema version this build writes: 2 adds the workers' records.
@@ -109,7 +111,7 @@ CREATE INDEX unique_keys_key ON unique_keys (key);
 ";
 
 /// Version 4: cron jobs, the roles one replica holds at a time
-/// (`crate::cron`), and paused queues.
+/// (`crate::cron`), paused queues and rate-limit windows.
 const MIGRATE_3_TO_4: &str = "
 CREATE TABLE crons (
     name   text PRIMARY KEY,
@@ -118,6 +120,11 @@ CREATE TABLE crons (
 CREATE TABLE paused_queues (
     name      text PRIMARY KEY,
     paused_ms bigint NOT NULL
+);
+CREATE TABLE rate_windows (
+    key      text PRIMARY KEY,
+    start_ms bigint NOT NULL,
+    count    bigint NOT NULL
 );
 CREATE TABLE leaders (
     role     text PRIMARY KEY,
@@ -445,6 +452,11 @@ impl super::JobStore for PostgresStore {
                 .map_err(pg)?;
             t.execute(sql::PRUNE_WORKERS.postgres, &[&cut])
                 .map_err(pg)?;
+            t.execute(
+                sql::PRUNE_RATE_WINDOWS.postgres,
+                &[&(cut - RATE_WINDOW_SLACK_MS)],
+            )
+            .map_err(pg)?;
             Ok(jobs)
         })
         .await
@@ -1115,6 +1127,43 @@ impl Tx for PostgresTx<'_, '_> {
             finished_by_state,
             completed,
         })
+    }
+
+    fn take_rate(
+        &mut self,
+        limit: &RateLimit,
+        now: DateTime<Utc>,
+    ) -> Result<Result<(), DateTime<Utc>>, StoreError> {
+        // The row exists before it is locked, so that concurrent first
+        // takes of a key wait for each other.
+        self.t
+            .execute(
+                "INSERT INTO rate_windows (key, start_ms, count) VALUES ($1, 0, 0)
+                 ON CONFLICT (key) DO NOTHING",
+                &[&limit.key],
+            )
+            .map_err(pg)?;
+        let row = self
+            .t
+            .query_one(
+                "SELECT start_ms, count FROM rate_windows WHERE key = $1 FOR UPDATE",
+                &[&limit.key],
+            )
+            .map_err(pg)?;
+        let stored: (i64, i64) = (row.get(0), row.get(1));
+        let stored = (stored.1 > 0).then_some(stored);
+        match next_window(limit, stored, now) {
+            Ok(w) => {
+                self.t
+                    .execute(
+                        sql::SAVE_RATE_WINDOW.postgres,
+                        &[&limit.key, &ms(w.start), &i64::from(w.count)],
+                    )
+                    .map_err(pg)?;
+                Ok(Ok(()))
+            }
+            Err(until) => Ok(Err(until)),
+        }
     }
 
     fn hold_role(

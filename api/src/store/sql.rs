@@ -156,6 +156,22 @@ shared!(
 );
 
 shared!(
+    /// A rate-limit key's window.
+    RATE_WINDOW = "SELECT start_ms, count FROM rate_windows WHERE key = $1"
+);
+shared!(
+    /// Writes a rate-limit key's window.
+    SAVE_RATE_WINDOW = "INSERT INTO rate_windows (key, start_ms, count) VALUES ($1, $2, $3)
+     ON CONFLICT (key) DO UPDATE SET start_ms = excluded.start_ms, count = excluded.count"
+);
+
+shared!(
+    /// Rate-limit windows that ended before a time (`$1`, a day before
+    /// the retention cut: no window is longer).
+    PRUNE_RATE_WINDOWS = "DELETE FROM rate_windows WHERE start_ms < $1"
+);
+
+shared!(
     /// The jobs filed under a unique key.
     JOBS_WITH_UNIQUE_KEY = "SELECT j.id, j.envelope, j.extra FROM unique_keys u
      JOIN jobs j ON j.id = u.job_id WHERE u.key = $1"

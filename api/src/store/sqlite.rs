@@ -22,12 +22,14 @@ use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, record_of,
-    record_text, state_name, stored_event, unanswered, Durability, EventFilter, EventPage,
-    Inserted, QueueJobs, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
+    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, next_window,
+    record_of, record_text, state_name, stored_event, unanswered, Durability, EventFilter,
+    EventPage, Inserted, QueueJobs, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
+    RATE_WINDOW_SLACK_MS,
 };
 use crate::job::Job;
 use crate::model::cron::CronJob;
+use crate::model::rate::RateLimit;
 use crate::model::unique::Uniqueness;
 use crate::roster::WorkerRecord;
 
@@ -40,7 +42,7 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// published with an UPDATE of its row and gave each event a random id;
 /// version 2 keeps a watermark in `meta` and numbers events by `seq`.
 /// Version 4 adds the workers' records (`crate::roster`), 5 unique keys, 6
-/// cron jobs, roles (`crate::cron`) and paused queues.
+/// cron jobs, roles (`crate::cron`), paused queues and rate-limit windows.
 const SCHEMA_VERSION: i64 = 6;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
@@ -95,6 +97,11 @@ CREATE TABLE IF NOT EXISTS crons (
 CREATE TABLE IF NOT EXISTS paused_queues (
     name      TEXT PRIMARY KEY,
     paused_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rate_windows (
+    key      TEXT PRIMARY KEY,
+    start_ms INTEGER NOT NULL,
+    count    INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS leaders (
     role     TEXT PRIMARY KEY,
@@ -917,6 +924,27 @@ impl Tx for SqliteTx<'_> {
         })
     }
 
+    fn take_rate(
+        &mut self,
+        limit: &RateLimit,
+        now: DateTime<Utc>,
+    ) -> Result<Result<(), DateTime<Utc>>, StoreError> {
+        let stored: Option<(i64, i64)> = self
+            .conn
+            .prepare_cached(sql::RATE_WINDOW.sqlite)?
+            .query_row(params![limit.key], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?;
+        match next_window(limit, stored, now) {
+            Ok(w) => {
+                self.conn
+                    .prepare_cached(sql::SAVE_RATE_WINDOW.sqlite)?
+                    .execute(params![limit.key, ms(w.start), i64::from(w.count)])?;
+                Ok(Ok(()))
+            }
+            Err(until) => Ok(Err(until)),
+        }
+    }
+
     fn hold_role(
         &mut self,
         role: &str,
@@ -1176,6 +1204,8 @@ fn commit_group(
                     .execute(params![cut])?;
                 c.prepare_cached(sql::PRUNE_UNIQUE_KEYS.sqlite)?
                     .execute([])?;
+                c.prepare_cached(sql::PRUNE_RATE_WINDOWS.sqlite)?
+                    .execute(params![cut - RATE_WINDOW_SLACK_MS])?;
                 Ok(jobs as u64)
             })),
         };

@@ -443,6 +443,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
         .schema
         .execute(&format!(
             "SET search_path TO \"{schema}\"; DROP TABLE workers; DROP TABLE unique_keys;
+             DROP TABLE crons; DROP TABLE paused_queues; DROP TABLE rate_windows; DROP TABLE leaders;
              DELETE FROM schema_version; INSERT INTO schema_version (version) VALUES (1);"
         ))
         .unwrap();
@@ -452,7 +453,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             .schema
             .count("SELECT max(version)::bigint FROM schema_version")
             .unwrap(),
-        3
+        4
     );
     let beat = post_json(
         server.addr,
@@ -463,6 +464,20 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
     assert_eq!(beat.status, 200, "{:?}", beat.body);
     assert_eq!(
         setup.schema.count("SELECT count(*) FROM workers").unwrap(),
+        1
+    );
+    // The tables of later versions are there (cron jobs, paused queues).
+    assert_eq!(
+        post_json(server.addr, "/ojs/v1/queues/kept/pause", &json!({}))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        setup
+            .schema
+            .count("SELECT count(*) FROM paused_queues")
+            .unwrap(),
         1
     );
     for id in &sent {
