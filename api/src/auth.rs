@@ -70,8 +70,15 @@ impl Token {
     }
 
     fn covers(&self, queue: &str) -> bool {
-        self.queues.is_empty() || self.queues.iter().any(|g| g.matches(queue))
+        in_scope(&self.queues, queue)
     }
+}
+
+/// Whether `queue` is within `scope`, a token's queue patterns (empty:
+/// every queue): the one rule for a token's grant and for work that runs
+/// without it (a store transaction, a log read), which carries its scope.
+pub fn in_scope(scope: &[Glob], queue: &str) -> bool {
+    scope.is_empty() || scope.iter().any(|g| g.matches(queue))
 }
 
 /// The token of an `Authorization: Bearer <token>` header; the scheme's

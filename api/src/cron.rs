@@ -157,7 +157,8 @@ impl Api {
                 let Some(mut cron) = tx.cron(&key)? else {
                     return Ok(None);
                 };
-                if !sees(&scope, &cron) {
+                // Outside the token's queues a cron job does not exist for it.
+                if !crate::auth::in_scope(&scope, cron.queue()) {
                     return Ok(None);
                 }
                 if cron.enabled != enabled {
@@ -190,7 +191,8 @@ impl Api {
                 let Some(cron) = tx.cron(&key)? else {
                     return Ok(None);
                 };
-                if !sees(&scope, &cron) {
+                // Outside the token's queues a cron job does not exist for it.
+                if !crate::auth::in_scope(&scope, cron.queue()) {
                     return Ok(None);
                 }
                 tx.remove_cron(&key)?;
@@ -378,12 +380,6 @@ impl Api {
             .await?;
         Ok(next)
     }
-}
-
-/// Whether a token of `scope` (empty: every queue) sees `cron`: outside
-/// its queues a cron job does not exist for it.
-fn sees(scope: &[ojs_core::glob::Glob], cron: &CronJob) -> bool {
-    scope.is_empty() || scope.iter().any(|g| g.matches(cron.queue()))
 }
 
 fn not_found(name: &str) -> ApiError {

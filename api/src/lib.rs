@@ -677,7 +677,14 @@ impl Api {
     /// `[api] queues` without a wildcard, by name.
     pub async fn queues(&self, grant: &Grant<'_>) -> Result<Vec<QueueInfo>, ApiError> {
         grant.allow(Operation::Read)?;
-        let paused = self.paused_now().await;
+        if self.replication.id().is_some() {
+            self.refresh_paused().await;
+        }
+        let paused = self
+            .paused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let mut seen: BTreeMap<String, DateTime<Utc>> =
             self.store.queues().await?.into_iter().collect();
         for q in self.settings.queues.iter().filter_map(Glob::literal) {

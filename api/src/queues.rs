@@ -7,7 +7,7 @@
 //! replicas read it from the store at each FETCH, so that a pause through
 //! one replica holds at once for a FETCH through another.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 
@@ -136,28 +136,41 @@ impl Api {
         })
     }
 
-    /// The queues paused now: among replicas read from the store (a pause
-    /// through another replica counts at once); alone, the set kept here.
-    pub(crate) async fn paused_now(&self) -> HashSet<String> {
+    /// Of `queues`, those not paused now: among replicas the paused set is
+    /// read from the store (a pause through another replica counts at
+    /// once); alone, the set kept here is looked up, not copied (this is
+    /// every FETCH).
+    pub(crate) async fn unpaused<'q>(&self, queues: &'q [String]) -> Vec<&'q String> {
         if self.replication.id().is_some() {
-            match self.store.run(|tx| tx.paused_queues()).await {
-                Ok(list) => {
-                    let set: HashSet<String> = list.into_iter().map(|(name, _)| name).collect();
-                    self.paused
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .clone_from(&set);
-                    return set;
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "reading the paused queues failed; the last set read is used");
-                }
-            }
+            self.refresh_paused().await;
+        }
+        let paused = self.paused.lock().unwrap_or_else(|e| e.into_inner());
+        queues.iter().filter(|q| !paused.contains(*q)).collect()
+    }
+
+    /// Whether `queue` is paused now (read as [`Api::unpaused`] reads).
+    pub(crate) async fn is_paused(&self, queue: &str) -> bool {
+        if self.replication.id().is_some() {
+            self.refresh_paused().await;
         }
         self.paused
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .contains(queue)
+    }
+
+    /// Replaces the set kept here with the store's (replicas); on a
+    /// failure the last set read stands.
+    pub(crate) async fn refresh_paused(&self) {
+        match self.store.run(|tx| tx.paused_queues()).await {
+            Ok(list) => {
+                *self.paused.lock().unwrap_or_else(|e| e.into_inner()) =
+                    list.into_iter().map(|(name, _)| name).collect();
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "reading the paused queues failed; the last set read is used");
+            }
+        }
     }
 
     /// `GET /ojs/v1/queues/{name}/stats`.
@@ -223,7 +236,7 @@ impl Api {
         Ok(QueueStats {
             broker_depth,
             name: queue.to_owned(),
-            paused: self.paused_now().await.contains(queue),
+            paused: self.is_paused(queue).await,
             by_state,
             dead: jobs.dead,
             completed_last_hour,

@@ -452,12 +452,7 @@ impl Api {
             }
         }
         // A paused queue's jobs stay on the broker.
-        let paused = self.paused_now().await;
-        let open: Vec<&String> = request
-            .queues
-            .iter()
-            .filter(|q| !paused.contains(*q))
-            .collect();
+        let open = self.unpaused(&request.queues).await;
         let began = Instant::now();
         let until = began + request.wait.min(MAX_FETCH_WAIT);
         // The same deadline on the service's clock: a job the broker got

@@ -205,7 +205,7 @@ impl EventFilter {
     /// Whether the reader may see events of `queue` (the token's scope;
     /// the other filters are the query's).
     fn sees(&self, queue: &str) -> bool {
-        self.scope.is_empty() || self.scope.iter().any(|g| g.matches(queue))
+        crate::auth::in_scope(&self.scope, queue)
     }
 }
 

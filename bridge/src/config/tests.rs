@@ -137,6 +137,20 @@ mod rules {
         assert!(!settings.queues.iter().any(|g| g.matches("payroll")));
         assert_eq!(settings.state_dir, PathBuf::from("./ojs-bridge-data"));
         assert_eq!(settings.max_batch_jobs, 1000);
+        assert_eq!(settings.max_crons, 1000);
+        let crons =
+            "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nmax_crons = 5\n";
+        let c = parse_built(crons, "t", &[]).unwrap();
+        let settings = c
+            .api
+            .as_ref()
+            .unwrap()
+            .settings(&c.adapters, &c.http)
+            .unwrap();
+        assert_eq!(settings.max_crons, 5);
+        let too_many = crons.replace("max_crons = 5", "max_crons = 100001");
+        let text = parse_built(&too_many, "t", &[]).unwrap_err().to_string();
+        assert!(text.contains("api.max_crons"), "{text}");
         // The environment names the adapter, even for a file without [api].
         let env = vec![("OJS_BRIDGE_API_ADAPTER".to_owned(), "local".to_owned())];
         let c = parse_built(MINIMAL, "t", &env).unwrap();
