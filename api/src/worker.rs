@@ -57,12 +57,18 @@ fn receive_wait(kind: &str, began: Instant, until: Instant) -> Duration {
         .max(TAKE_BUFFERED)
 }
 
-/// How long the first FETCH of a queue may wait for its consumer to be
-/// ready: a Kafka consumer has no partitions until its group join is done
-/// (seconds), the other brokers deliver at once.
+/// How long the first FETCH of a queue waits for its consumer to join:
+/// a Kafka consumer has no partitions until its group join is done
+/// (seconds, more on a loaded machine); the other brokers' consumers are
+/// ready at once. Bounded below the HTTP timeouts of the OJS SDKs.
+const JOIN_LIMIT: Duration = Duration::from_secs(20);
+
+/// How long the first receive of a joined consumer waits for what is on
+/// the broker: a Kafka consumer looks up its partitions' offsets before
+/// its first fetch; the others deliver at once.
 fn first_receive(kind: &str) -> Duration {
     match kind {
-        "kafka" => Duration::from_secs(6),
+        "kafka" => Duration::from_secs(3),
         "rabbitmq" => Duration::from_millis(300),
         _ => Duration::from_millis(20),
     }
@@ -474,7 +480,21 @@ impl Api {
                 let feed = self.feed(queue).await?;
                 let mut feed = feed.lock().await;
                 let wait = if feed.fresh {
-                    first_receive(self.adapter.kind())
+                    // The join is waited for apart from the receive: how
+                    // long it takes says nothing about what is queued.
+                    if !feed
+                        .consumer
+                        .ready(JOIN_LIMIT)
+                        .await
+                        .map_err(|source| ApiError::broker(queue, source))?
+                    {
+                        tracing::warn!(%queue, limit_s = JOIN_LIMIT.as_secs(), "the queue's consumer is not assigned anything yet; receiving anyway");
+                    }
+                    first_receive(self.adapter.kind()).max(receive_wait(
+                        self.adapter.kind(),
+                        began,
+                        until,
+                    ))
                 } else {
                     receive_wait(self.adapter.kind(), began, until)
                 };

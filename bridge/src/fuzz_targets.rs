@@ -147,7 +147,9 @@ pub fn rabbitmq_properties(data: &[u8]) {
     out.headers = first.headers.clone();
     out.key = first.key.clone();
     out.message_id = first.message_id.clone();
-    out.priority = first.priority;
+    out.priority = first
+        .rank
+        .map_or(0, |r| ojs_adapter_rabbitmq::priority_of_rank(r, u8::MAX));
     // A message read off AMQP always fits AMQP again (each short string was
     // at most 255 bytes, and names keep their length through the mapping).
     // As a retry or dead-letter copy is made: with the entries the neutral

@@ -248,7 +248,14 @@ impl RabbitConsumer {
             queue: self.queue.clone(),
             source: self.options.source,
             max_deliveries: self.options.max_deliveries,
-            priority: r.priority,
+            // A copy (retry, dead letter) goes out with the rank it came
+            // with; a message without one ranks as OJS 0.
+            priority: match (r.rank, self.inner.config.max_priority) {
+                (Some(rank), Some(max)) if !self.inner.config.quorum_queues => {
+                    crate::priority::ojs_priority(rank, max)
+                }
+                _ => 0,
+            },
             attempt: r.attempt,
             typed: r.typed,
         };

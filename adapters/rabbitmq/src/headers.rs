@@ -80,7 +80,8 @@ fn text(v: &AMQPValue) -> Option<String> {
     }
 }
 
-/// Properties for a message; `priority` is clamped to the queue's range.
+/// Properties for a message; its OJS `priority` as one of the queue's
+/// ranks (see `priority`).
 /// An error when a header name, the content type, the job type or the
 /// message id is longer than an AMQP short string holds (255 bytes).
 pub fn properties(m: &OutgoingMessage, max_priority: Option<u8>) -> Result<BasicProperties> {
@@ -143,9 +144,7 @@ pub fn properties_keeping(
         );
     }
     if let Some(max) = max_priority {
-        if m.priority > 0 {
-            props = props.with_priority(m.priority.min(i32::from(max)) as u8);
-        }
+        props = props.with_priority(crate::priority::rank(m.priority, max));
     }
     Ok(props.with_headers(table))
 }
@@ -157,7 +156,8 @@ pub struct Received {
     /// The ordering key, as bytes (a long string carries any).
     pub key: Option<Bytes>,
     pub message_id: Option<String>,
-    pub priority: i32,
+    /// The AMQP priority, when the message has one.
+    pub rank: Option<u8>,
     /// 1-based attempt: `x-ojs-attempt` (set when a retry was republished),
     /// plus the broker's redeliveries.
     pub attempt: u32,
@@ -226,7 +226,7 @@ pub fn received(props: &BasicProperties, redelivered: bool) -> Received {
         headers,
         key,
         message_id,
-        priority: props.priority().map_or(0, i32::from),
+        rank: *props.priority(),
         attempt: base.saturating_add(redeliveries),
         base_attempt: base,
         typed,
@@ -312,7 +312,11 @@ mod tests {
         let props = properties(&m, Some(10)).unwrap();
         assert_eq!(props.message_id().as_ref().unwrap().as_str(), job.id);
         assert_eq!(props.kind().as_ref().unwrap().as_str(), "email.send");
-        assert_eq!(*props.priority(), Some(10), "clamped to x-max-priority");
+        assert_eq!(
+            *props.priority(),
+            Some(8),
+            "50 of 100 above the middle rank 5"
+        );
         assert_eq!(*props.delivery_mode(), Some(2));
         let table = props.headers().as_ref().unwrap();
         assert!(table.contains_key("x-ojs-specversion") && table.contains_key("x-ojs-queue"));

@@ -33,6 +33,7 @@ mod config;
 mod connection;
 mod consume;
 mod headers;
+mod priority;
 mod publish;
 mod topology;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -56,6 +57,7 @@ pub use headers::{
     properties, properties_keeping, received, received_from_wire, to_wire, Received, KEY_HEADER,
 };
 pub use ojs_queue::settings::Topology;
+pub use priority::ojs_priority as priority_of_rank;
 
 /// Runs a broker call no longer than `deadline`. lapin's RPCs have no
 /// timeout of their own, and on a half-open connection (a broker that went
