@@ -37,6 +37,8 @@ pub enum ErrorCode {
     BackendError,
     /// Stored data this server cannot read.
     InternalError,
+    /// A workflow request that breaks a rule of workflows.
+    InvalidWorkflow,
 }
 
 impl ErrorCode {
@@ -57,6 +59,7 @@ impl ErrorCode {
             ErrorCode::BackendUnavailable => "backend_unavailable",
             ErrorCode::BackendError => "backend_error",
             ErrorCode::InternalError => "internal_error",
+            ErrorCode::InvalidWorkflow => "invalid_workflow",
         }
     }
 
@@ -125,6 +128,23 @@ pub enum ApiError {
         existing_state: &'static str,
         /// The key.
         key: String,
+    },
+    /// A workflow request that breaks a rule of workflows (no steps, a
+    /// cycle, a step that is no valid job, …).
+    #[error("{path}: {message}")]
+    InvalidWorkflow {
+        /// Where in the request (`steps[1].depends_on`).
+        path: String,
+        /// What is wrong there.
+        message: String,
+    },
+    /// A workflow that has finished cannot be cancelled.
+    #[error("workflow {workflow_id} is {state}; only a running workflow is cancelled")]
+    WorkflowFinished {
+        /// The workflow.
+        workflow_id: String,
+        /// Its state.
+        state: &'static str,
     },
     /// A new cron job past `[api] max_crons`.
     #[error("the server keeps at most {limit} cron jobs ([api] max_crons); delete one first")]
@@ -367,7 +387,9 @@ impl ApiError {
             ApiError::Duplicate { .. } | ApiError::UniqueConflict { .. } => C::Duplicate,
             ApiError::Conflict { .. }
             | ApiError::WorkerConflict { .. }
-            | ApiError::CronLimit { .. } => C::Conflict,
+            | ApiError::CronLimit { .. }
+            | ApiError::WorkflowFinished { .. } => C::Conflict,
+            ApiError::InvalidWorkflow { .. } => C::InvalidWorkflow,
             ApiError::NotAcceptable { .. } => C::NotAcceptable,
             ApiError::UnsupportedVersion(_) | ApiError::Unsupported { .. } => C::Unsupported,
             ApiError::BodyTooLarge { .. }
@@ -457,6 +479,13 @@ impl ApiError {
             } => Some(json!({"worker_id": worker_id, "current_state": current_state})),
             ApiError::BodyTooLarge { limit } => Some(json!({"limit_bytes": limit})),
             ApiError::CronLimit { limit } => Some(json!({"limit": limit})),
+            ApiError::InvalidWorkflow { path, message } => Some(json!({
+                "attribute": path,
+                "validation_errors": [{"path": path, "message": message}],
+            })),
+            ApiError::WorkflowFinished { workflow_id, state } => {
+                Some(json!({"workflow_id": workflow_id, "current_state": state}))
+            }
             ApiError::BatchTooLarge { count, limit } => {
                 Some(json!({"count": count, "limit": limit}))
             }

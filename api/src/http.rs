@@ -74,6 +74,7 @@ pub fn status_of(error: &ApiError) -> u16 {
     match error {
         ApiError::InvalidPayload { .. }
         | ApiError::InvalidRequest { .. }
+        | ApiError::InvalidWorkflow { .. }
         | ApiError::UnsupportedContentType { .. } => 400,
         ApiError::Unauthenticated => 401,
         ApiError::Busy => 429,
@@ -89,6 +90,7 @@ pub fn status_of(error: &ApiError) -> u16 {
         | ApiError::UniqueConflict { .. }
         | ApiError::Conflict { .. }
         | ApiError::WorkerConflict { .. }
+        | ApiError::WorkflowFinished { .. }
         | ApiError::CronLimit { .. } => 409,
         ApiError::BodyTooLarge { .. }
         | ApiError::BatchTooLarge { .. }
@@ -181,7 +183,10 @@ pub fn admit(api: &Api, method: &Method, path: &str, headers: &HeaderMap) -> Res
             .map(|p| p.trim_end_matches('/').split('/').collect())
             .unwrap_or_default();
         match segments.as_slice() {
-            ["jobs"] | ["jobs", "batch"] => grant.allow(crate::auth::Operation::Push)?,
+            ["jobs"] | ["jobs", "batch"] | ["workflows"] => {
+                grant.allow(crate::auth::Operation::Push)?
+            }
+            ["workflows", _, "cancel"] => grant.allow(crate::auth::Operation::Admin)?,
             ["workers", _] => grant.allow(crate::auth::Operation::Work)?,
             ["cron" | "crons", ..] | ["queues", _, "pause" | "resume"] => {
                 grant.allow(crate::auth::Operation::Admin)?
@@ -408,6 +413,15 @@ async fn route(
             json_only(request.headers())?;
             dead_letter_route(api, &grant, request, rest, true, request_id).await
         }
+        (_, ["workflows", rest @ ..]) => {
+            json_only(request.headers())?;
+            let body = if *method == Method::POST && rest.is_empty() {
+                Some(parse_json(&std::mem::take(&mut body))?)
+            } else {
+                None
+            };
+            workflow_route(api, &grant, request, rest, body, request_id).await
+        }
         (_, [root @ ("cron" | "crons"), rest @ ..]) => {
             json_only(request.headers())?;
             let body = if matches!(*method, Method::POST | Method::PATCH | Method::PUT) {
@@ -447,7 +461,6 @@ async fn route(
 /// that the resource is missing.
 fn unserved_feature(segments: &[&str]) -> Option<&'static str> {
     match segments {
-        ["workflows", ..] => Some("workflows"),
         ["rate-limits", ..] => Some("rate limits"),
         ["admin", second, ..] if !matches!(*second, "workers" | "dead-letter") => {
             Some("admin endpoints other than workers and dead letters")
@@ -743,6 +756,143 @@ async fn worker_admin_route(
                 request_id,
             ))
         }
+        _ => Err(ApiError::NoRoute {
+            method: method.to_string(),
+            path: path.to_owned(),
+        }),
+    }
+}
+
+/// A workflow answer: the workflow under `workflow` (as the conformance
+/// cases read it) and its fields at the top level (as the admin UI reads
+/// them).
+fn workflow_body(view: &crate::workflow::WorkflowView) -> Value {
+    job_body(view.to_json())
+        .as_object()
+        .map_or(Value::Null, |m| {
+            let mut m = m.clone();
+            if let Some(w) = m.remove("job") {
+                m.insert("workflow".into(), w);
+            }
+            Value::Object(m)
+        })
+}
+
+/// `/ojs/v1/workflows`: create, list, read, cancel (`DELETE` or `POST
+/// …/cancel`), progress.
+async fn workflow_route(
+    api: &Api,
+    grant: &Grant<'_>,
+    request: &Request<()>,
+    rest: &[&str],
+    body: Option<Value>,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    let method = request.method();
+    let path = request.uri().path();
+    let not_allowed = |allowed| ApiError::MethodNotAllowed {
+        path: path.to_owned(),
+        allowed,
+    };
+    let cancelled = |view: &crate::workflow::WorkflowView| {
+        let mut b = workflow_body(view);
+        let steps = &view.workflow.steps;
+        let count =
+            |s: crate::model::workflow::StepState| steps.iter().filter(|x| x.state == s).count();
+        b["steps_cancelled"] = json!(count(crate::model::workflow::StepState::Cancelled));
+        b["steps_already_completed"] = json!(count(crate::model::workflow::StepState::Completed));
+        b
+    };
+    match rest {
+        [] => match *method {
+            Method::POST => {
+                let view = api
+                    .create_workflow(grant, body.unwrap_or(Value::Null))
+                    .await?;
+                let mut r = json_response(201, &workflow_body(&view), request_id);
+                if let Ok(v) =
+                    HeaderValue::from_str(&format!("/ojs/v1/workflows/{}", view.workflow.id))
+                {
+                    r.headers_mut().insert(http::header::LOCATION, v);
+                }
+                Ok(r)
+            }
+            Method::GET => {
+                let query = request.uri().query().unwrap_or("");
+                let (page, per_page) = page_query(query)?;
+                let state = query
+                    .split('&')
+                    .filter_map(|p| p.split_once('='))
+                    .find(|(k, _)| *k == "state")
+                    .map(|(_, v)| v.to_owned())
+                    .filter(|v| !v.is_empty());
+                let listed = api.workflows(grant, state, page, per_page).await?;
+                let items: Vec<Value> = listed
+                    .items
+                    .iter()
+                    .map(|w| w.to_json(&Default::default()))
+                    .collect();
+                Ok(json_response(
+                    200,
+                    &json!({
+                        "items": items,
+                        "workflows": items,
+                        "pagination": {"page": listed.page, "per_page": listed.per_page, "has_more": listed.has_more},
+                    }),
+                    request_id,
+                ))
+            }
+            _ => Err(not_allowed("GET, POST")),
+        },
+        [id] => match *method {
+            Method::GET => Ok(json_response(
+                200,
+                &workflow_body(&api.workflow(grant, id).await?),
+                request_id,
+            )),
+            Method::DELETE => Ok(json_response(
+                200,
+                &cancelled(&api.cancel_workflow(grant, id).await?),
+                request_id,
+            )),
+            _ => Err(not_allowed("GET, DELETE")),
+        },
+        [id, "cancel"] => match *method {
+            Method::POST => Ok(json_response(
+                200,
+                &cancelled(&api.cancel_workflow(grant, id).await?),
+                request_id,
+            )),
+            _ => Err(not_allowed("POST")),
+        },
+        [id, "progress"] => match *method {
+            Method::GET => {
+                let view = api.workflow(grant, id).await?;
+                let w = view.to_json();
+                let total = view.workflow.steps.len().max(1);
+                let steps: Vec<Value> = w["steps"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|s| {
+                        let done = s["state"] == "completed";
+                        json!({"id": s["id"], "state": s["state"], "progress": if done { 1.0 } else { 0.0 }})
+                    })
+                    .collect();
+                Ok(json_response(
+                    200,
+                    &json!({
+                        "workflow_id": view.workflow.id,
+                        "state": w["state"],
+                        "progress": view.workflow.completed() as f64 / total as f64,
+                        "steps": steps,
+                        "updated_at": w.get("completed_at").or(w.get("cancelled_at")).unwrap_or(&w["created_at"]),
+                    }),
+                    request_id,
+                ))
+            }
+            _ => Err(not_allowed("GET")),
+        },
         _ => Err(ApiError::NoRoute {
             method: method.to_string(),
             path: path.to_owned(),

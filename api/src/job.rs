@@ -105,7 +105,10 @@ impl Job {
         v.entry("tags").or_insert_with(|| json!([]));
         v.insert("max_attempts".into(), json!(max_attempts(&self.envelope)));
         for (k, x) in &self.extra {
-            v.insert(k.clone(), x.clone());
+            // The store's outbox mark is the server's, not the job's.
+            if k != crate::dead::PUBLISHING {
+                v.insert(k.clone(), x.clone());
+            }
         }
         Value::Object(v)
     }

@@ -28,6 +28,7 @@ pub mod queues;
 pub mod roster;
 pub mod store;
 pub mod worker;
+pub mod workflow;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -141,6 +142,11 @@ pub struct ApiSettings {
     pub on_exhaustion: Exhaustion,
     /// Most cron jobs the server keeps.
     pub max_crons: usize,
+    /// Most steps (callbacks included) of one workflow.
+    pub max_workflow_steps: usize,
+    /// Most bytes of results one workflow job is given (`parent_results`):
+    /// the results of the nearest steps that fit, `null` for older ones.
+    pub max_parent_results_bytes: usize,
 }
 
 impl Default for ApiSettings {
@@ -167,6 +173,8 @@ impl Default for ApiSettings {
             consumer_idle_timeout: Duration::from_secs(300),
             on_exhaustion: Exhaustion::Discard,
             max_crons: 1_000,
+            max_workflow_steps: 1_000,
+            max_parent_results_bytes: 1 << 20,
         }
     }
 }
@@ -706,6 +714,7 @@ impl Api {
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         tokio::spawn(self.clone().follow_dead_letters(stop.clone()));
         tokio::spawn(self.clone().run_crons(stop.clone()));
+        tokio::spawn(self.clone().publish_readied(stop.clone()));
         self.recover().await;
         self.refresh_directives().await;
         let mut last_prune = Instant::now();

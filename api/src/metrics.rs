@@ -337,7 +337,8 @@ pub fn http_route(method: &str, path: &str) -> &'static str {
         ["queues", ..] => "queues",
         ["events", ..] => "events",
         ["cron" | "crons", ..] => "cron",
-        ["workflows", ..] | ["admin", ..] => "unsupported",
+        ["workflows", ..] => "workflows",
+        ["admin", ..] => "unsupported",
         _ => "unknown",
     }
 }
@@ -366,6 +367,8 @@ mod tests {
         assert_eq!(http_route("GET", "/nowhere"), "unknown");
         assert_eq!(http_route("POST", "/ojs/v1/cron"), "cron");
         assert_eq!(http_route("DELETE", "/ojs/v1/crons/nightly"), "cron");
-        assert_eq!(http_route("POST", "/ojs/v1/workflows"), "unsupported");
+        assert_eq!(http_route("POST", "/ojs/v1/workflows"), "workflows");
+        assert_eq!(http_route("GET", "/ojs/v1/workflows/019a-x"), "workflows");
+        assert_eq!(http_route("GET", "/ojs/v1/admin/stats"), "unsupported");
     }
 }

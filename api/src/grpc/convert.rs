@@ -172,6 +172,17 @@ pub fn cron_body(r: pb::RegisterCronRequest, now: DateTime<Utc>) -> Result<Value
         }
     }
     let job = enqueue_job(r.r#type, r.args, r.options, None, None, now)?;
+    let mut body = push_body_of(&job);
+    body["name"] = json!(r.name);
+    body["cron"] = json!(r.cron);
+    if !r.timezone.is_empty() {
+        body["timezone"] = json!(r.timezone);
+    }
+    Ok(body)
+}
+
+/// A job read from gRPC as the HTTP binding's PUSH body of it.
+fn push_body_of(job: &Job) -> Value {
     let stored = job.to_json();
     let mut options = Map::new();
     options.insert("queue".into(), json!(job.envelope.queue));
@@ -192,19 +203,90 @@ pub fn cron_body(r: pb::RegisterCronRequest, now: DateTime<Utc>) -> Result<Value
         }
     }
     let mut body = json!({
-        "name": r.name,
-        "cron": r.cron,
         "type": job.envelope.job_type,
         "args": job.envelope.args,
         "options": options,
     });
-    if !r.timezone.is_empty() {
-        body["timezone"] = json!(r.timezone);
-    }
     if !job.envelope.meta.is_empty() {
         body["meta"] = Value::Object(job.envelope.meta.clone());
     }
+    for key in ["scheduled_at", "expires_at"] {
+        if let Some(v) = stored.get(key).filter(|v| !v.is_null()) {
+            body[key] = v.clone();
+        }
+    }
+    body
+}
+
+/// A `CreateWorkflowRequest` as the HTTP binding's workflow body (the
+/// graph form: ids and `depends_on`); a step's options are read as an
+/// `Enqueue`'s, and refusals name the step (`steps[1].options.priority`).
+pub fn workflow_body(r: pb::CreateWorkflowRequest, now: DateTime<Utc>) -> Result<Value, ApiError> {
+    let mut steps = Vec::with_capacity(r.steps.len());
+    for (i, step) in r.steps.into_iter().enumerate() {
+        let job = enqueue_job(step.r#type, step.args, step.options, None, None, now)
+            .map_err(|e| e.under(&format!("steps[{i}]")))?;
+        let mut body = push_body_of(&job);
+        if !step.id.is_empty() {
+            body["id"] = json!(step.id);
+        }
+        body["depends_on"] = json!(step.depends_on);
+        steps.push(body);
+    }
+    let mut body = json!({"steps": steps});
+    if !r.name.is_empty() {
+        body["name"] = json!(r.name);
+    }
     Ok(body)
+}
+
+/// A workflow as the gRPC binding answers it.
+pub fn workflow(view: &crate::workflow::WorkflowView) -> pb::Workflow {
+    use crate::model::workflow::State;
+    let w = view.to_json();
+    let state = match view.workflow.state {
+        State::Running => pb::WorkflowState::Running,
+        State::Completed => pb::WorkflowState::Completed,
+        State::Failed => pb::WorkflowState::Failed,
+        State::Cancelled => pb::WorkflowState::Cancelled,
+    };
+    let steps = w["steps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| {
+            let text = |k: &str| s[k].as_str().unwrap_or_default().to_owned();
+            pb::WorkflowStepStatus {
+                id: text("id"),
+                r#type: text("type"),
+                state: match s["state"].as_str().unwrap_or_default() {
+                    "waiting" => pb::WorkflowStepState::Waiting,
+                    "pending" => pb::WorkflowStepState::Pending,
+                    "active" => pb::WorkflowStepState::Active,
+                    "completed" => pb::WorkflowStepState::Completed,
+                    "failed" => pb::WorkflowStepState::Failed,
+                    "cancelled" => pb::WorkflowStepState::Cancelled,
+                    _ => pb::WorkflowStepState::Unspecified,
+                } as i32,
+                job_id: text("job_id"),
+                depends_on: s["depends_on"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect(),
+            }
+        })
+        .collect();
+    pb::Workflow {
+        id: view.workflow.id.clone(),
+        name: view.workflow.name.clone().unwrap_or_default(),
+        state: state as i32,
+        steps,
+        created_at: Some(time_stamp(view.workflow.created_at)),
+        completed_at: view.workflow.finished_at.map(time_stamp),
+    }
 }
 
 /// A cron job as `ListCron` answers it.

@@ -6,8 +6,8 @@
 //! [`services`] gives the three gRPC services the daemon serves on its
 //! HTTP listener (HTTP/2, cleartext or TLS with ALPN `h2`): this binding,
 //! server reflection (so `grpcurl` and dynamic clients need no protos)
-//! and `grpc.health.v1`. Methods it does not know (workflows,
-//! `StreamEvents`) answer `UNIMPLEMENTED` from the router.
+//! and `grpc.health.v1`. Methods it does not know (`StreamEvents`) answer
+//! `UNIMPLEMENTED` from the router.
 
 pub mod convert;
 
@@ -95,6 +95,7 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
     let code = match error {
         ApiError::InvalidPayload { .. }
         | ApiError::InvalidRequest { .. }
+        | ApiError::InvalidWorkflow { .. }
         | ApiError::UnsupportedContentType { .. }
         | ApiError::NotAcceptable { .. }
         | ApiError::NoRoute { .. }
@@ -103,7 +104,9 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         | ApiError::QueueNotServed { .. }
         | ApiError::QueueMissing { .. } => Code::NotFound,
         ApiError::Duplicate { .. } | ApiError::UniqueConflict { .. } => Code::AlreadyExists,
-        ApiError::Conflict { .. } | ApiError::WorkerConflict { .. } => Code::FailedPrecondition,
+        ApiError::Conflict { .. }
+        | ApiError::WorkerConflict { .. }
+        | ApiError::WorkflowFinished { .. } => Code::FailedPrecondition,
         ApiError::CronLimit { .. } => Code::ResourceExhausted,
         ApiError::UnsupportedVersion(_) => Code::FailedPrecondition,
         ApiError::Unsupported { .. } => Code::Unimplemented,
@@ -135,8 +138,17 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
             ("request_id".to_owned(), request_id.to_owned()),
         ],
     );
-    if let ApiError::InvalidRequest { attribute, .. } = error {
-        details.add_bad_request_violation(attribute.clone().unwrap_or_default(), error.to_string());
+    match error {
+        ApiError::InvalidRequest { attribute, .. } => {
+            details.add_bad_request_violation(
+                attribute.clone().unwrap_or_default(),
+                error.to_string(),
+            );
+        }
+        ApiError::InvalidWorkflow { path, message } => {
+            details.add_bad_request_violation(path.clone(), message.clone());
+        }
+        _ => {}
     }
     Status::with_error_details(code, error.to_string(), details)
 }
@@ -798,6 +810,46 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
         let done = self.api.crons(&rpc.grant, None).await;
         rpc.reply(done.map(|crons| pb::ListCronResponse {
             entries: crons.iter().map(convert::cron_entry).collect(),
+        }))
+    }
+
+    async fn create_workflow(
+        &self,
+        request: Request<pb::CreateWorkflowRequest>,
+    ) -> Result<Response<pb::CreateWorkflowResponse>, Status> {
+        let rpc = self.begin(request.metadata(), "workflows")?;
+        let r = request.into_inner();
+        let done = async {
+            let body = convert::workflow_body(r, self.api.now())?;
+            self.api.create_workflow(&rpc.grant, body).await
+        }
+        .await;
+        rpc.reply(done.map(|view| pb::CreateWorkflowResponse {
+            workflow: Some(convert::workflow(&view)),
+        }))
+    }
+
+    async fn get_workflow(
+        &self,
+        request: Request<pb::GetWorkflowRequest>,
+    ) -> Result<Response<pb::GetWorkflowResponse>, Status> {
+        let rpc = self.begin(request.metadata(), "workflows")?;
+        let r = request.into_inner();
+        let done = self.api.workflow(&rpc.grant, &r.workflow_id).await;
+        rpc.reply(done.map(|view| pb::GetWorkflowResponse {
+            workflow: Some(convert::workflow(&view)),
+        }))
+    }
+
+    async fn cancel_workflow(
+        &self,
+        request: Request<pb::CancelWorkflowRequest>,
+    ) -> Result<Response<pb::CancelWorkflowResponse>, Status> {
+        let rpc = self.begin(request.metadata(), "workflows")?;
+        let r = request.into_inner();
+        let done = self.api.cancel_workflow(&rpc.grant, &r.workflow_id).await;
+        rpc.reply(done.map(|view| pb::CancelWorkflowResponse {
+            workflow: Some(convert::workflow(&view)),
         }))
     }
 }

@@ -13,6 +13,7 @@ pub mod cron;
 pub mod rate;
 pub(crate) mod retry;
 pub mod unique;
+pub mod workflow;
 
 use chrono::{DateTime, Utc};
 use ojs_core::{JobError, JobState};

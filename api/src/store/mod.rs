@@ -24,6 +24,7 @@ use crate::job::{timestamp, Extra, Job};
 use crate::model::cron::CronJob;
 use crate::model::rate::{RateLimit, Window};
 use crate::model::unique::{OnConflict, Uniqueness};
+use crate::model::workflow::Workflow;
 use crate::model::{self, Command};
 use crate::roster::WorkerRecord;
 
@@ -348,6 +349,24 @@ pub trait Tx {
     fn remove_worker(&mut self, id: &str) -> Result<bool, StoreError>;
     /// Every worker's record, by id.
     fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError>;
+    /// A workflow's record, locked until the commit where replicas share
+    /// the store.
+    fn workflow(&mut self, id: &str) -> Result<Option<Workflow>, StoreError>;
+    /// Writes a workflow's record.
+    fn save_workflow(&mut self, workflow: &Workflow) -> Result<(), StoreError>;
+    /// Removes a workflow's record (not its jobs).
+    fn delete_workflow(&mut self, id: &str) -> Result<(), StoreError>;
+    /// Workflows, newest first (only those in `state` when given).
+    fn workflows(
+        &mut self,
+        state: Option<&str>,
+        limit: usize,
+        offset: usize,
+    ) -> Result<Vec<Workflow>, StoreError>;
+    /// Jobs this transaction made available that are to be published once
+    /// it commits (each carries the publishing mark until the broker
+    /// confirmed it, so that a start publishes what a crash left).
+    fn outbox(&mut self) -> &mut Vec<Job>;
     /// A cron job (`crate::cron`), locked until the commit where replicas
     /// share the store.
     fn cron(&mut self, name: &str) -> Result<Option<CronJob>, StoreError>;
@@ -459,10 +478,50 @@ pub(crate) trait SharedStore: Send + Sync {
     async fn take_settles(&self, holder: String) -> Result<Vec<(String, Settle)>, StoreError>;
 }
 
+/// Jobs committed as available in a transaction that are not on the broker
+/// yet (the next steps of workflows): the API's publisher takes them.
+/// Each also carries the publishing mark in the store, so that what a
+/// crash leaves here is published by the next start.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    jobs: std::sync::Mutex<Vec<Job>>,
+    added: tokio::sync::Notify,
+}
+
+impl Outbox {
+    fn add(&self, jobs: Vec<Job>) {
+        self.jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(jobs);
+        self.added.notify_one();
+    }
+
+    /// Waits for jobs and takes them all.
+    pub async fn take(&self) -> Vec<Job> {
+        loop {
+            let added = self.added.notified();
+            let jobs = std::mem::take(&mut *self.jobs.lock().unwrap_or_else(|e| e.into_inner()));
+            if !jobs.is_empty() {
+                return jobs;
+            }
+            added.await;
+        }
+    }
+
+    /// Puts back jobs whose publish failed, to be tried again.
+    pub fn put_back(&self, jobs: Vec<Job>) {
+        self.add(jobs);
+    }
+}
+
 /// The store.
 #[derive(Debug, Clone)]
 pub struct Store {
     backend: Arc<dyn JobStore>,
+    /// Jobs readied in transactions (a workflow's next steps), for the
+    /// API's publisher.
+    outbox: Arc<Outbox>,
     /// Where each operation's latency is recorded.
     timings: Arc<crate::metrics::ApiMetrics>,
 }
@@ -472,6 +531,7 @@ impl Store {
     pub async fn open(dir: &Path, durability: Durability) -> Result<Store, StoreError> {
         Ok(Store {
             backend: Arc::new(sqlite::SqliteStore::open(dir, durability).await?),
+            outbox: Arc::default(),
             timings: Arc::default(),
         })
     }
@@ -480,6 +540,7 @@ impl Store {
     pub async fn connect(settings: &PostgresSettings) -> Result<Store, StoreError> {
         Ok(Store {
             backend: Arc::new(postgres::PostgresStore::connect(settings).await?),
+            outbox: Arc::default(),
             timings: Arc::default(),
         })
     }
@@ -599,11 +660,25 @@ impl Store {
         &self,
         f: impl FnOnce(&mut dyn Tx) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let f: RunFn = Box::new(move |tx| f(tx).map(|v| Box::new(v) as Box<dyn Any + Send>));
+        let f: RunFn = Box::new(move |tx| {
+            let answer = f(tx)?;
+            let readied = std::mem::take(tx.outbox());
+            Ok(Box::new((answer, readied)) as Box<dyn Any + Send>)
+        });
         let any = self.timed("transition", self.backend.run(f)).await?;
-        any.downcast::<T>()
+        let (answer, readied) = any
+            .downcast::<(T, Vec<Job>)>()
             .map(|b| *b)
-            .map_err(|_| StoreError::Commit("a store answer of the wrong type".into()))
+            .map_err(|_| StoreError::Commit("a store answer of the wrong type".into()))?;
+        if !readied.is_empty() {
+            self.outbox.add(readied);
+        }
+        Ok(answer)
+    }
+
+    /// Jobs readied by committed transactions, waiting to be published.
+    pub fn outbox(&self) -> &Outbox {
+        &self.outbox
     }
 
     /// Removes finished jobs (and events) older than `before`.
@@ -793,7 +868,23 @@ pub(crate) fn event_body(
 pub(crate) const SCHEDULE_CLAIM: Duration = Duration::from_secs(30);
 
 /// Writes a transition in `tx`: the job as it became, then its events.
+/// A job of a workflow that finishes moves its workflow on in the same
+/// transaction (`crate::workflow`).
 pub(crate) fn record(
+    tx: &mut dyn Tx,
+    t: &model::Transition,
+    now: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    record_alone(tx, t, now)?;
+    if model::is_final(t.job.state()) && !model::is_final(t.previous) {
+        crate::workflow::member_finished(tx, &t.job, now)?;
+    }
+    Ok(())
+}
+
+/// [`record`] without moving the job's workflow on: for the changes a
+/// workflow makes to its own members.
+pub(crate) fn record_alone(
     tx: &mut dyn Tx,
     t: &model::Transition,
     now: DateTime<Utc>,

@@ -35,10 +35,11 @@ use super::{
 use crate::job::Job;
 use crate::model::cron::CronJob;
 use crate::model::rate::RateLimit;
+use crate::model::workflow::Workflow;
 use crate::roster::WorkerRecord;
 
 /// The schema version this build writes: 2 adds the workers' records.
-const SCHEMA_VERSION: i32 = 4;
+const SCHEMA_VERSION: i32 = 5;
 /// Taken while the schema is made or migrated: replicas starting together
 /// do it once.
 const MIGRATION_LOCK: i64 = 0x4f4a_5341;
@@ -131,6 +132,20 @@ CREATE TABLE leaders (
     holder   text NOT NULL,
     until_ms bigint NOT NULL
 );
+";
+
+/// From version 4: workflows.
+const MIGRATE_4_TO_5: &str = "
+CREATE TABLE workflows (
+    id          text PRIMARY KEY,
+    state       text NOT NULL,
+    created_ms  bigint NOT NULL,
+    finished_ms bigint,
+    record      text NOT NULL
+);
+CREATE INDEX workflows_by_state ON workflows (state, created_ms);
+CREATE INDEX workflows_by_created ON workflows (created_ms);
+CREATE INDEX workflows_finished ON workflows (finished_ms) WHERE finished_ms IS NOT NULL;
 ";
 
 /// How to reach PostgreSQL.
@@ -397,9 +412,24 @@ impl super::JobStore for PostgresStore {
                 insert(t, &jobs, false)?;
                 return Ok(jobs.into_iter().map(Inserted::Stored).collect());
             }
-            let answered = claim_unique_keys(&mut PostgresTx { t }, &mut jobs, &uniques)?;
+            let answered = claim_unique_keys(
+                &mut PostgresTx {
+                    t,
+                    outbox: Vec::new(),
+                },
+                &mut jobs,
+                &uniques,
+            )?;
             insert(t, &unanswered(&jobs, &answered), false)?;
-            keep_unique_keys(&mut PostgresTx { t }, &jobs, &uniques, &answered)?;
+            keep_unique_keys(
+                &mut PostgresTx {
+                    t,
+                    outbox: Vec::new(),
+                },
+                &jobs,
+                &uniques,
+                &answered,
+            )?;
             Ok(jobs
                 .into_iter()
                 .zip(answered)
@@ -440,7 +470,13 @@ impl super::JobStore for PostgresStore {
     }
 
     async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError> {
-        self.transaction(move |t| f(&mut PostgresTx { t })).await
+        self.transaction(move |t| {
+            f(&mut PostgresTx {
+                t,
+                outbox: Vec::new(),
+            })
+        })
+        .await
     }
 
     async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -457,6 +493,8 @@ impl super::JobStore for PostgresStore {
                 &[&(cut - RATE_WINDOW_SLACK_MS)],
             )
             .map_err(pg)?;
+            t.execute(sql::PRUNE_WORKFLOWS.postgres, &[&cut])
+                .map_err(pg)?;
             Ok(jobs)
         })
         .await
@@ -703,7 +741,7 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
         .map_err(pg)?
         .and_then(|r| r.get(0));
     match version {
-        None | Some(1..=3) => {
+        None | Some(1..=4) => {
             if version.is_none() {
                 t.batch_execute(SCHEMA_V1).map_err(pg)?;
             }
@@ -713,7 +751,10 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
             if version.is_none_or(|v| v < 3) {
                 t.batch_execute(MIGRATE_2_TO_3).map_err(pg)?;
             }
-            t.batch_execute(MIGRATE_3_TO_4).map_err(pg)?;
+            if version.is_none_or(|v| v < 4) {
+                t.batch_execute(MIGRATE_3_TO_4).map_err(pg)?;
+            }
+            t.batch_execute(MIGRATE_4_TO_5).map_err(pg)?;
             t.execute(
                 "INSERT INTO schema_version (version) VALUES ($1)",
                 &[&SCHEMA_VERSION],
@@ -822,6 +863,8 @@ fn insert(t: &mut Transaction<'_>, jobs: &[Job], seen: bool) -> Result<(), Store
 /// A transition's view of one PostgreSQL transaction.
 struct PostgresTx<'a, 'b> {
     t: &'a mut Transaction<'b>,
+    /// Jobs this transaction readied, published after its commit.
+    outbox: Vec<Job>,
 }
 
 impl Tx for PostgresTx<'_, '_> {
@@ -1004,6 +1047,66 @@ impl Tx for PostgresTx<'_, '_> {
             .execute(sql::DELETE_WORKER.postgres, &[&id])
             .map_err(pg)?;
         Ok(n > 0)
+    }
+
+    fn workflow(&mut self, id: &str) -> Result<Option<Workflow>, StoreError> {
+        // Locked: two replicas settling members of one workflow at once
+        // decide one after the other.
+        let row = self
+            .t
+            .query_opt(
+                "SELECT record FROM workflows WHERE id = $1 FOR UPDATE",
+                &[&id],
+            )
+            .map_err(pg)?;
+        row.map(|r| record_of(id, r.get(0))).transpose()
+    }
+
+    fn save_workflow(&mut self, workflow: &Workflow) -> Result<(), StoreError> {
+        self.t
+            .execute(
+                sql::SAVE_WORKFLOW.postgres,
+                &[
+                    &workflow.id,
+                    &workflow.state.as_str(),
+                    &ms(workflow.created_at),
+                    &workflow.finished_at.map(ms),
+                    &record_text(&workflow.id, workflow)?,
+                ],
+            )
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn delete_workflow(&mut self, id: &str) -> Result<(), StoreError> {
+        self.t
+            .execute(sql::DELETE_WORKFLOW.postgres, &[&id])
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn workflows(
+        &mut self,
+        state: Option<&str>,
+        limit: usize,
+        offset: usize,
+    ) -> Result<Vec<Workflow>, StoreError> {
+        let (limit, offset) = (limit as i64, offset as i64);
+        let rows = match state {
+            Some(state) => self
+                .t
+                .query(sql::WORKFLOWS_IN.postgres, &[&limit, &offset, &state])
+                .map_err(pg)?,
+            None => self
+                .t
+                .query(sql::WORKFLOWS.postgres, &[&limit, &offset])
+                .map_err(pg)?,
+        };
+        rows.iter().map(|r| record_of(r.get(0), r.get(1))).collect()
+    }
+
+    fn outbox(&mut self) -> &mut Vec<Job> {
+        &mut self.outbox
     }
 
     fn cron(&mut self, name: &str) -> Result<Option<CronJob>, StoreError> {

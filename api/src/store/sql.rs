@@ -94,6 +94,30 @@ shared!(
 );
 
 shared!(
+    /// Writes a workflow's record.
+    SAVE_WORKFLOW = "INSERT INTO workflows (id, state, created_ms, finished_ms, record)
+     VALUES ($1, $2, $3, $4, $5)
+     ON CONFLICT (id) DO UPDATE SET state = excluded.state,
+         finished_ms = excluded.finished_ms, record = excluded.record"
+);
+shared!(
+    /// Workflows, newest first, from an offset (every state).
+    WORKFLOWS = "SELECT id, record FROM workflows ORDER BY created_ms DESC, id DESC LIMIT $1 OFFSET $2"
+);
+shared!(
+    /// Workflows in one state, newest first, from an offset.
+    WORKFLOWS_IN = "SELECT id, record FROM workflows WHERE state = $3
+     ORDER BY created_ms DESC, id DESC LIMIT $1 OFFSET $2"
+);
+shared!(
+    /// Removes a workflow's record.
+    DELETE_WORKFLOW = "DELETE FROM workflows WHERE id = $1"
+);
+shared!(
+    /// Removes finished workflows past retention.
+    PRUNE_WORKFLOWS = "DELETE FROM workflows WHERE finished_ms < $1"
+);
+shared!(
     /// A cron job's record.
     CRON = "SELECT record FROM crons WHERE name = $1"
 );

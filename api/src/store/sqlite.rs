@@ -31,6 +31,7 @@ use crate::job::Job;
 use crate::model::cron::CronJob;
 use crate::model::rate::RateLimit;
 use crate::model::unique::Uniqueness;
+use crate::model::workflow::Workflow;
 use crate::roster::WorkerRecord;
 
 /// The store's file in the data directory.
@@ -43,7 +44,7 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// version 2 keeps a watermark in `meta` and numbers events by `seq`.
 /// Version 4 adds the workers' records (`crate::roster`), 5 unique keys, 6
 /// cron jobs, roles (`crate::cron`), paused queues and rate-limit windows.
-const SCHEMA_VERSION: i64 = 6;
+const SCHEMA_VERSION: i64 = 7;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -108,6 +109,16 @@ CREATE TABLE IF NOT EXISTS leaders (
     holder   TEXT NOT NULL,
     until_ms INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS workflows (
+    id          TEXT PRIMARY KEY,
+    state       TEXT NOT NULL,
+    created_ms  INTEGER NOT NULL,
+    finished_ms INTEGER,
+    record      TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS workflows_by_state ON workflows (state, created_ms);
+CREATE INDEX IF NOT EXISTS workflows_by_created ON workflows (created_ms);
+CREATE INDEX IF NOT EXISTS workflows_finished ON workflows (finished_ms) WHERE finished_ms IS NOT NULL;
 ";
 
 /// From version 1: the broker-confirmed mark of each row becomes the
@@ -658,6 +669,7 @@ fn insert_new(
         &mut SqliteTx {
             conn: tx,
             next_seq: &mut seq,
+            outbox: Vec::new(),
         },
         jobs,
         uniques,
@@ -668,6 +680,7 @@ fn insert_new(
         &mut SqliteTx {
             conn: tx,
             next_seq: &mut seq,
+            outbox: Vec::new(),
         },
         jobs,
         uniques,
@@ -729,6 +742,8 @@ fn save(tx: &Connection, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(
 struct SqliteTx<'a> {
     conn: &'a Connection,
     next_seq: &'a mut i64,
+    /// Jobs this transaction readied, published after its commit.
+    outbox: Vec<Job>,
 }
 
 impl Tx for SqliteTx<'_> {
@@ -805,6 +820,63 @@ impl Tx for SqliteTx<'_> {
             .prepare_cached(sql::DELETE_WORKER.sqlite)?
             .execute(params![id])?;
         Ok(n > 0)
+    }
+
+    fn workflow(&mut self, id: &str) -> Result<Option<Workflow>, StoreError> {
+        let record: Option<String> = self
+            .conn
+            .prepare_cached("SELECT record FROM workflows WHERE id = ?1")?
+            .query_row(params![id], |r| r.get(0))
+            .optional()?;
+        record.map(|r| record_of(id, &r)).transpose()
+    }
+
+    fn save_workflow(&mut self, workflow: &Workflow) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(sql::SAVE_WORKFLOW.sqlite)?
+            .execute(params![
+                workflow.id,
+                workflow.state.as_str(),
+                ms(workflow.created_at),
+                workflow.finished_at.map(ms),
+                record_text(&workflow.id, workflow)?
+            ])?;
+        Ok(())
+    }
+
+    fn delete_workflow(&mut self, id: &str) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(sql::DELETE_WORKFLOW.sqlite)?
+            .execute(params![id])?;
+        Ok(())
+    }
+
+    fn workflows(
+        &mut self,
+        state: Option<&str>,
+        limit: usize,
+        offset: usize,
+    ) -> Result<Vec<Workflow>, StoreError> {
+        let (limit, offset) = (limit as i64, offset as i64);
+        let rows: Vec<(String, String)> = match state {
+            Some(state) => self
+                .conn
+                .prepare_cached(sql::WORKFLOWS_IN.sqlite)?
+                .query_map(params![limit, offset, state], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })?
+                .collect::<Result<_, _>>()?,
+            None => self
+                .conn
+                .prepare_cached(sql::WORKFLOWS.sqlite)?
+                .query_map(params![limit, offset], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect::<Result<_, _>>()?,
+        };
+        rows.iter().map(|(id, r)| record_of(id, r)).collect()
+    }
+
+    fn outbox(&mut self) -> &mut Vec<Job> {
+        &mut self.outbox
     }
 
     fn cron(&mut self, name: &str) -> Result<Option<CronJob>, StoreError> {
@@ -1162,6 +1234,7 @@ fn commit_group(
                             f(&mut SqliteTx {
                                 conn,
                                 next_seq: &mut next_seq,
+                                outbox: Vec::new(),
                             })
                         })
                     });
@@ -1206,6 +1279,8 @@ fn commit_group(
                     .execute([])?;
                 c.prepare_cached(sql::PRUNE_RATE_WINDOWS.sqlite)?
                     .execute(params![cut - RATE_WINDOW_SLACK_MS])?;
+                c.prepare_cached(sql::PRUNE_WORKFLOWS.sqlite)?
+                    .execute(params![cut])?;
                 Ok(jobs as u64)
             })),
         };

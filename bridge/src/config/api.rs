@@ -107,6 +107,15 @@ pub struct ApiConfig {
     /// (409) until one is deleted. Default 1000.
     #[serde(default = "default_max_crons")]
     pub max_crons: usize,
+    /// Most steps of one workflow, callbacks included; a larger workflow
+    /// is refused (400 `invalid_workflow`). Default 1000.
+    #[serde(default = "default_max_workflow_steps")]
+    pub max_workflow_steps: usize,
+    /// Most bytes of earlier steps' results a workflow job is given as
+    /// `parent_results`: the nearest that fit, older ones as `null`.
+    /// Default 1 MiB.
+    #[serde(default = "default_max_parent_results_bytes")]
+    pub max_parent_results_bytes: usize,
     /// What an exhausted job becomes when its own retry policy names no
     /// `on_exhaustion`: `discard` (the spec's default: not kept as a dead
     /// letter) or `dead_letter` (every exhausted job kept as one).
@@ -229,6 +238,12 @@ fn default_max_consumers() -> usize {
 }
 fn default_max_crons() -> usize {
     ojs_api::ApiSettings::default().max_crons
+}
+fn default_max_workflow_steps() -> usize {
+    ojs_api::ApiSettings::default().max_workflow_steps
+}
+fn default_max_parent_results_bytes() -> usize {
+    ojs_api::ApiSettings::default().max_parent_results_bytes
 }
 fn default_consumer_idle_timeout() -> Duration {
     ojs_api::ApiSettings::default().consumer_idle_timeout
@@ -363,6 +378,8 @@ impl ApiConfig {
             max_consumers: self.max_consumers,
             consumer_idle_timeout: self.consumer_idle_timeout,
             max_crons: self.max_crons,
+            max_workflow_steps: self.max_workflow_steps,
+            max_parent_results_bytes: self.max_parent_results_bytes,
             on_exhaustion: match self.on_exhaustion {
                 ExhaustionConfig::Discard => ojs_api::Exhaustion::Discard,
                 ExhaustionConfig::DeadLetter => ojs_api::Exhaustion::DeadLetter,
@@ -461,6 +478,18 @@ impl ApiConfig {
         }
         if self.max_crons > 100_000 {
             errors.push(invalid("api.max_crons", "must be at most 100000"));
+        }
+        if !(1..=100_000).contains(&self.max_workflow_steps) {
+            errors.push(invalid(
+                "api.max_workflow_steps",
+                "must be between 1 and 100000",
+            ));
+        }
+        if self.max_parent_results_bytes > 64 << 20 {
+            errors.push(invalid(
+                "api.max_parent_results_bytes",
+                "must be at most 64 MiB",
+            ));
         }
         let mut names = BTreeSet::new();
         for (i, token) in self.tokens.iter().enumerate() {

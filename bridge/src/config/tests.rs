@@ -151,6 +151,18 @@ mod rules {
         let too_many = crons.replace("max_crons = 5", "max_crons = 100001");
         let text = parse_built(&too_many, "t", &[]).unwrap_err().to_string();
         assert!(text.contains("api.max_crons"), "{text}");
+        let steps = crons.replace("max_crons = 5", "max_workflow_steps = 3");
+        let c = parse_built(&steps, "t", &[]).unwrap();
+        let settings = c
+            .api
+            .as_ref()
+            .unwrap()
+            .settings(&c.adapters, &c.http)
+            .unwrap();
+        assert_eq!(settings.max_workflow_steps, 3);
+        let none = crons.replace("max_crons = 5", "max_workflow_steps = 0");
+        let text = parse_built(&none, "t", &[]).unwrap_err().to_string();
+        assert!(text.contains("api.max_workflow_steps"), "{text}");
         // The environment names the adapter, even for a file without [api].
         let env = vec![("OJS_BRIDGE_API_ADAPTER".to_owned(), "local".to_owned())];
         let c = parse_built(MINIMAL, "t", &env).unwrap();

@@ -103,7 +103,6 @@ async fn what_the_sdks_and_the_conformance_runner_send_is_answered_as_they_read_
 
     for (method, path, feature) in [
         ("GET", "/ojs/v1/rate-limits", "rate limits"),
-        ("POST", "/ojs/v1/workflows", "workflows"),
         ("GET", "/ojs/v1/admin/stats", "admin endpoints"),
     ] {
         let a = request(
@@ -125,6 +124,22 @@ async fn what_the_sdks_and_the_conformance_runner_send_is_answered_as_they_read_
             a.body
         );
     }
+    // Workflows are served: a workflow without steps is refused naming
+    // the path, as the binding writes workflow validation errors.
+    let no_steps = request(
+        addr,
+        "POST",
+        "/ojs/v1/workflows",
+        &[("content-type".into(), "application/json".into())],
+        Some(b"{\"type\": \"chain\", \"steps\": []}"),
+    )
+    .await;
+    assert_eq!(no_steps.status, 400, "{:?}", no_steps.body);
+    assert_eq!(no_steps.json()["error"]["code"], "invalid_workflow");
+    assert_eq!(
+        no_steps.json()["error"]["details"]["validation_errors"][0]["path"],
+        "steps"
+    );
     assert_eq!(get(addr, "/ojs/v1/no-such-thing").await.status, 404);
     server.stop();
 }

@@ -426,6 +426,100 @@ async fn every_rpc_and_the_state_machine(server: &OjsServer, queue: &str, what: 
     })
     .await
     .unwrap();
+    // Workflows, in the graph form the gRPC binding takes: step "b" waits
+    // for "a", is handed out once "a" is acked, and a cancel after that
+    // finds the workflow finished.
+    let flow = format!("{queue}.flow");
+    let step = |id: &str, deps: &[&str]| pb::WorkflowStep {
+        id: id.into(),
+        r#type: format!("flow.{id}"),
+        args: vec![json_to_value(&json!(id))],
+        depends_on: deps.iter().map(|d| (*d).to_owned()).collect(),
+        options: Some(pb::EnqueueOptions {
+            queue: flow.clone(),
+            ..pb::EnqueueOptions::default()
+        }),
+    };
+    let created = c
+        .create_workflow(pb::CreateWorkflowRequest {
+            name: "grpc.flow".into(),
+            steps: vec![step("a", &[]), step("b", &["a"])],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .workflow
+        .unwrap();
+    assert_eq!(created.state, pb::WorkflowState::Running as i32, "{what}");
+    let states: Vec<i32> = created.steps.iter().map(|s| s.state).collect();
+    assert_eq!(
+        states,
+        [
+            pb::WorkflowStepState::Pending as i32,
+            pb::WorkflowStepState::Waiting as i32
+        ],
+        "{what}"
+    );
+    assert_eq!(created.steps[1].depends_on, ["a"]);
+    let a = fetch(&mut c, &flow, 10, "w-flow").await;
+    assert_eq!(
+        a.iter().map(|j| j.r#type.as_str()).collect::<Vec<_>>(),
+        ["flow.a"],
+        "{what}"
+    );
+    c.ack(pb::AckRequest {
+        job_id: a[0].id.clone(),
+        ..pb::AckRequest::default()
+    })
+    .await
+    .unwrap();
+    let b = fetch(&mut c, &flow, 10, "w-flow").await;
+    assert_eq!(
+        b.iter().map(|j| j.r#type.as_str()).collect::<Vec<_>>(),
+        ["flow.b"],
+        "{what}"
+    );
+    c.ack(pb::AckRequest {
+        job_id: b[0].id.clone(),
+        ..pb::AckRequest::default()
+    })
+    .await
+    .unwrap();
+    let done = c
+        .get_workflow(pb::GetWorkflowRequest {
+            workflow_id: created.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .workflow
+        .unwrap();
+    assert_eq!(done.state, pb::WorkflowState::Completed as i32, "{what}");
+    assert!(done.completed_at.is_some());
+    let (code, reason, _) = refused(
+        c.cancel_workflow(pb::CancelWorkflowRequest {
+            workflow_id: created.id.clone(),
+            reason: String::new(),
+        })
+        .await,
+    );
+    assert_eq!(
+        (code, reason.as_str()),
+        (Code::FailedPrecondition, "conflict")
+    );
+    let (code, reason, status) = refused(
+        c.create_workflow(pb::CreateWorkflowRequest {
+            name: "grpc.cycle".into(),
+            steps: vec![step("a", &["b"]), step("b", &["a"])],
+        })
+        .await,
+    );
+    assert_eq!(
+        (code, reason.as_str()),
+        (Code::InvalidArgument, "invalid_workflow")
+    );
+    let fields = status.get_details_bad_request().unwrap().field_violations;
+    assert_eq!(fields[0].field, "steps[0].depends_on", "{fields:?}");
     // Nothing left behind: the queue is empty.
     let mut request = Request::new(pb::FetchRequest {
         queues: vec![queue.into()],
