@@ -28,6 +28,7 @@ mod ojs_clients;
 mod ojs_conformance;
 mod ojs_grpc;
 mod ojs_server;
+mod ojs_workflows;
 mod secrets;
 mod support;
 mod tonic_route;
