@@ -186,7 +186,9 @@ pub fn admit(api: &Api, method: &Method, path: &str, headers: &HeaderMap) -> Res
             ["jobs"] | ["jobs", "batch"] | ["workflows"] => {
                 grant.allow(crate::auth::Operation::Push)?
             }
-            ["workflows", _, "cancel"] => grant.allow(crate::auth::Operation::Admin)?,
+            ["workflows", _, "cancel"] | ["admin", ..] => {
+                grant.allow(crate::auth::Operation::Admin)?
+            }
             ["workers", _] => grant.allow(crate::auth::Operation::Work)?,
             ["cron" | "crons", ..] | ["queues", _, "pause" | "resume"] => {
                 grant.allow(crate::auth::Operation::Admin)?
@@ -435,6 +437,21 @@ async fn route(
             json_only(request.headers())?;
             worker_admin_route(api, &grant, request, rest, request_id).await
         }
+        (_, ["admin", rest @ ("stats" | "queues" | "jobs"), more @ ..]) => {
+            json_only(request.headers())?;
+            let body = if *method == Method::POST {
+                let raw = std::mem::take(&mut body);
+                // The admin UI sends a JSON content type on body-less POSTs.
+                if raw.iter().all(u8::is_ascii_whitespace) {
+                    None
+                } else {
+                    Some(parse_json(&raw)?)
+                }
+            } else {
+                None
+            };
+            admin_route(api, &grant, request, rest, more, body, request_id).await
+        }
         (_, ["workers", action]) => {
             if method != Method::POST {
                 return Err(not_allowed("POST"));
@@ -462,8 +479,13 @@ async fn route(
 fn unserved_feature(segments: &[&str]) -> Option<&'static str> {
     match segments {
         ["rate-limits", ..] => Some("rate limits"),
-        ["admin", second, ..] if !matches!(*second, "workers" | "dead-letter") => {
-            Some("admin endpoints other than workers and dead letters")
+        ["admin", second, ..]
+            if !matches!(
+                *second,
+                "workers" | "dead-letter" | "stats" | "queues" | "jobs"
+            ) =>
+        {
+            Some("admin endpoints other than stats, queues, jobs, workers and dead letters")
         }
         ["events", "stream", ..] | ["ws", ..] => Some("live event streams"),
         _ => None,
@@ -697,6 +719,321 @@ async fn worker_route(
             ))
         }
     }
+}
+
+/// A query value with `%XX` escapes and `+` decoded.
+fn query_value(v: &str) -> String {
+    let bytes = v.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
+                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(b) => {
+                        out.push(b);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The filter of an admin job list or bulk operation, from a query
+/// string's or a body's `filter` fields.
+fn job_query(fields: &[(String, String)]) -> Result<crate::store::JobQuery, ApiError> {
+    let mut q = crate::store::JobQuery::default();
+    let time = |k: &str, v: &str| {
+        DateTime::parse_from_rfc3339(v)
+            .map(|t| t.with_timezone(&chrono::Utc))
+            .map_err(|_| ApiError::invalid(k, "must be an RFC 3339 time"))
+    };
+    for (k, v) in fields {
+        let v = v.as_str();
+        match k.as_str() {
+            "queue" if !v.is_empty() => q.queue = Some(v.to_owned()),
+            "state" if !v.is_empty() => {
+                if !crate::admin::STATES.contains(&v) {
+                    return Err(ApiError::invalid(
+                        "state",
+                        format!(
+                            "`{v}` is no job state ({})",
+                            crate::admin::STATES.join(", ")
+                        ),
+                    ));
+                }
+                q.state = Some(v.to_owned());
+            }
+            "type" if !v.is_empty() => q.job_type = Some(v.to_owned()),
+            "since" if !v.is_empty() => q.since = Some(time("since", v)?),
+            "until" if !v.is_empty() => q.until = Some(time("until", v)?),
+            "sort" => match v {
+                "" | "created_at" => q.by_schedule = false,
+                "scheduled_at" => q.by_schedule = true,
+                "priority" => {
+                    return Err(ApiError::Unsupported {
+                        feature: "job lists sorted by priority",
+                    })
+                }
+                other => {
+                    return Err(ApiError::invalid(
+                        "sort",
+                        format!("`{other}`: sort by created_at or scheduled_at"),
+                    ))
+                }
+            },
+            "order" => match v {
+                "" | "desc" => q.ascending = false,
+                "asc" => q.ascending = true,
+                _ => return Err(ApiError::invalid("order", "is asc or desc")),
+            },
+            _ => {}
+        }
+    }
+    Ok(q)
+}
+
+/// `/ojs/v1/admin/stats`, `/queues…` and `/jobs…`.
+async fn admin_route(
+    api: &Api,
+    grant: &Grant<'_>,
+    request: &Request<()>,
+    root: &str,
+    rest: &[&str],
+    body: Option<Value>,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    let method = request.method().clone();
+    let path = request.uri().path();
+    let not_allowed = |allowed| ApiError::MethodNotAllowed {
+        path: path.to_owned(),
+        allowed,
+    };
+    let query = request.uri().query().unwrap_or("");
+    let pairs: Vec<(String, String)> = query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (query_value(k), query_value(v))
+        })
+        .collect();
+    let queue_json = |q: &crate::admin::AdminQueue| {
+        json!({
+            "name": q.name,
+            "state": if q.paused { "paused" } else { "active" },
+            "status": if q.paused { "paused" } else { "active" },
+            "paused": q.paused,
+            "created_at": crate::job::timestamp(q.created_at),
+            "counts": q.counts,
+            "throughput": {"processed_per_minute": q.processed_per_minute, "failed_per_minute": q.failed_per_minute},
+        })
+    };
+    match (root, rest) {
+        ("stats", []) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            let s = api.admin_stats(grant).await?;
+            Ok(json_response(
+                200,
+                &json!({
+                    "queues": s.queues,
+                    "workers": s.workers,
+                    "jobs": s.jobs,
+                    "throughput": {"processed_per_minute": s.processed_per_minute, "failed_per_minute": s.failed_per_minute},
+                    "uptime_seconds": s.uptime_seconds,
+                }),
+                request_id,
+            ))
+        }
+        ("queues", []) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            let (page, per_page) = page_query(query)?;
+            let all = api.admin_queues(grant).await?;
+            let items: Vec<Value> = all
+                .iter()
+                .skip((page - 1).saturating_mul(per_page))
+                .take(per_page)
+                .map(queue_json)
+                .collect();
+            Ok(json_response(
+                200,
+                &json!({"items": items, "queues": items, "pagination": {"total": all.len(), "page": page, "per_page": per_page}}),
+                request_id,
+            ))
+        }
+        ("queues", [name]) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            let q = api.admin_queue(grant, name).await?;
+            let mut v = queue_json(&q);
+            let retention = api.settings().retention.as_secs();
+            v["configuration"] = json!({
+                "concurrency": null,
+                "rate_limit": null,
+                "retention": {"completed": retention, "discarded": retention},
+            });
+            Ok(json_response(200, &v, request_id))
+        }
+        ("queues", [name, action @ ("pause" | "resume")]) => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            let state = if *action == "pause" {
+                api.pause_queue(grant, name).await?
+            } else {
+                api.resume_queue(grant, name).await?
+            };
+            let at = if state.paused {
+                "paused_at"
+            } else {
+                "resumed_at"
+            };
+            Ok(json_response(
+                200,
+                &json!({
+                    "name": state.name,
+                    "paused": state.paused,
+                    at: crate::job::timestamp(state.at),
+                    "queue": {"name": state.name, "paused": state.paused},
+                }),
+                request_id,
+            ))
+        }
+        ("jobs", []) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            let (page, per_page) = page_query(query)?;
+            let listed = api
+                .admin_jobs(grant, job_query(&pairs)?, page, per_page)
+                .await?;
+            let items: Vec<Value> = listed.items.iter().map(Job::to_json).collect();
+            Ok(json_response(
+                200,
+                &json!({"items": items, "jobs": items, "pagination": {"total": listed.total, "page": listed.page, "per_page": listed.per_page}}),
+                request_id,
+            ))
+        }
+        ("jobs", ["bulk", action]) => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            let action = match *action {
+                "retry" => crate::admin::BulkAction::Retry,
+                "cancel" => crate::admin::BulkAction::Cancel,
+                "delete" => crate::admin::BulkAction::Delete,
+                _ => {
+                    return Err(ApiError::NoRoute {
+                        method: method.to_string(),
+                        path: path.to_owned(),
+                    })
+                }
+            };
+            let body = body.unwrap_or(Value::Null);
+            let confirm = body.get("confirm").and_then(Value::as_bool) == Some(true);
+            let filter: Vec<(String, String)> = match body.get("filter") {
+                None | Some(Value::Null) => Vec::new(),
+                Some(Value::Object(f)) => f
+                    .iter()
+                    .map(|(k, v)| {
+                        let text = match v {
+                            Value::String(s) => s.clone(),
+                            other => other.to_string(),
+                        };
+                        (k.clone(), text)
+                    })
+                    .collect(),
+                Some(_) => return Err(ApiError::invalid("filter", "must be an object")),
+            };
+            let outcome = api
+                .bulk(grant, action, job_query(&filter)?, confirm)
+                .await?;
+            let errors: Vec<Value> = outcome
+                .errors
+                .iter()
+                .map(|(id, e)| json!({"job_id": id, "error": e}))
+                .collect();
+            Ok(json_response(
+                200,
+                &json!({
+                    "action": outcome.action.as_str(),
+                    "matched": outcome.matched,
+                    "succeeded": outcome.succeeded,
+                    "failed": outcome.errors.len(),
+                    "errors": errors,
+                }),
+                request_id,
+            ))
+        }
+        ("jobs", [id]) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            grant.allow(crate::auth::Operation::Admin)?;
+            let job = api.info(grant, id).await?;
+            Ok(json_response(200, &admin_job(&job), request_id))
+        }
+        ("jobs", [id, "cancel"]) => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            let (_, job) = api.cancel(grant, id).await?;
+            Ok(json_response(200, &admin_job(&job), request_id))
+        }
+        ("jobs", [id, "retry"]) => {
+            if method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            let job = api.retry_dead_letter(grant, id).await?;
+            Ok(json_response(200, &admin_job(&job), request_id))
+        }
+        // The rest of the admin API (statistics' history, queue
+        // configuration, maintenance) is not served yet.
+        _ => Err(ApiError::Unsupported {
+            feature: "admin endpoints other than stats, queues, jobs, workers and dead letters",
+        }),
+    }
+}
+
+/// A job as the admin UI's job page reads it: the job's fields at the top
+/// (with `errors` always an array and `retry_policy`), the lifecycle times
+/// under `metadata`, and the job under `job` too.
+fn admin_job(job: &Job) -> Value {
+    let mut v = job.to_json();
+    if !v.get("errors").is_some_and(Value::is_array) {
+        v["errors"] = json!([]);
+    }
+    if let Some(retry) = v.get("retry").cloned() {
+        v["retry_policy"] = retry;
+    }
+    let mut metadata = serde_json::Map::new();
+    for k in [
+        "created_at",
+        "enqueued_at",
+        "started_at",
+        "scheduled_at",
+        "completed_at",
+        "cancelled_at",
+        "discarded_at",
+    ] {
+        if let Some(t) = v.get(k).filter(|t| !t.is_null()) {
+            metadata.insert(k.into(), t.clone());
+        }
+    }
+    v["metadata"] = Value::Object(metadata);
+    job_body(v)
 }
 
 /// `/ojs/v1/admin/workers…`: the roster, and the operator's directives.

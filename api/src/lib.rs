@@ -10,6 +10,7 @@
 //! SQLite commit); a job the broker refused is removed from the store
 //! again, so nothing is half-stored.
 
+pub mod admin;
 pub mod auth;
 pub mod body;
 pub mod clock;

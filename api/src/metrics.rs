@@ -338,6 +338,7 @@ pub fn http_route(method: &str, path: &str) -> &'static str {
         ["events", ..] => "events",
         ["cron" | "crons", ..] => "cron",
         ["workflows", ..] => "workflows",
+        ["admin", "stats" | "queues" | "jobs", ..] => "admin",
         ["admin", ..] => "unsupported",
         _ => "unknown",
     }
@@ -369,6 +370,11 @@ mod tests {
         assert_eq!(http_route("DELETE", "/ojs/v1/crons/nightly"), "cron");
         assert_eq!(http_route("POST", "/ojs/v1/workflows"), "workflows");
         assert_eq!(http_route("GET", "/ojs/v1/workflows/019a-x"), "workflows");
-        assert_eq!(http_route("GET", "/ojs/v1/admin/stats"), "unsupported");
+        assert_eq!(http_route("GET", "/ojs/v1/admin/stats"), "admin");
+        assert_eq!(http_route("GET", "/ojs/v1/admin/jobs/019a-x"), "admin");
+        assert_eq!(
+            http_route("GET", "/ojs/v1/admin/system/maintenance"),
+            "unsupported"
+        );
     }
 }

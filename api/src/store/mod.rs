@@ -295,6 +295,107 @@ pub struct QueueJobs {
     pub completed: Vec<Job>,
 }
 
+/// Which jobs an admin listing reads (`GET /ojs/v1/admin/jobs`, the bulk
+/// operations): every filter is optional and they all hold together.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobQuery {
+    /// The queue: a name, or a prefix ending in `*`.
+    pub queue: Option<String>,
+    /// The state (the binding's name).
+    pub state: Option<String>,
+    /// The job type: a type, or a prefix ending in `*`.
+    pub job_type: Option<String>,
+    /// Created at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Created before.
+    pub until: Option<DateTime<Utc>>,
+    /// By when it is scheduled (else when it was created).
+    pub by_schedule: bool,
+    /// Oldest first (else newest first).
+    pub ascending: bool,
+}
+
+/// A value a [`JobQuery`] binds.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Bound {
+    Text(String),
+    Int(i64),
+}
+
+impl JobQuery {
+    /// The query's `WHERE` clause (`TRUE` without filters) and its `ORDER
+    /// BY`, with the values to bind in order; `placeholder(n)` names the
+    /// n-th, `job_type` is the dialect's expression of the envelope's type.
+    pub(crate) fn sql(
+        &self,
+        job_type: &str,
+        placeholder: impl Fn(usize) -> String,
+    ) -> (String, String, Vec<Bound>) {
+        let mut clauses = Vec::new();
+        let mut values = Vec::new();
+        let bind = |v: Bound, values: &mut Vec<Bound>| {
+            values.push(v);
+            placeholder(values.len())
+        };
+        for (column, filter) in [("queue", &self.queue), (job_type, &self.job_type)] {
+            match filter.as_deref() {
+                None | Some("") => {}
+                Some(f) => match f.strip_suffix('*') {
+                    Some(prefix) => {
+                        // Not LIKE (whose `_` and `%` a name may hold),
+                        // nor a range (a collation may order `-` apart).
+                        let p = bind(Bound::Text(prefix.to_owned()), &mut values);
+                        clauses.push(format!("substr({column}, 1, length({p})) = {p}"));
+                    }
+                    None => {
+                        let p = bind(Bound::Text(f.to_owned()), &mut values);
+                        clauses.push(format!("{column} = {p}"));
+                    }
+                },
+            }
+        }
+        if let Some(state) = &self.state {
+            let p = bind(Bound::Text(state.clone()), &mut values);
+            clauses.push(format!("state = {p}"));
+        }
+        if let Some(t) = self.since {
+            let p = bind(Bound::Int(ms(t)), &mut values);
+            clauses.push(format!("created_ms >= {p}"));
+        }
+        if let Some(t) = self.until {
+            let p = bind(Bound::Int(ms(t)), &mut values);
+            clauses.push(format!("created_ms < {p}"));
+        }
+        let filter = if clauses.is_empty() {
+            "TRUE".to_owned()
+        } else {
+            clauses.join(" AND ")
+        };
+        let direction = if self.ascending { "ASC" } else { "DESC" };
+        let column = if self.by_schedule {
+            "due_ms"
+        } else {
+            "created_ms"
+        };
+        (
+            filter,
+            format!("{column} {direction}, id {direction}"),
+            values,
+        )
+    }
+}
+
+/// Stored jobs counted: by queue and state, and those finished since a
+/// time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobCounts {
+    /// (queue, state, how many).
+    pub by_queue: Vec<(String, String, u64)>,
+    /// (queue, state, how many) of the jobs that finished since the time
+    /// asked.
+    pub finished: Vec<(String, String, u64)>,
+}
+
 /// One transaction of the store, as a state transition sees it: read a
 /// job (locked until the commit where that matters), write it back, log
 /// what happened. Written once for both backends.
@@ -349,6 +450,15 @@ pub trait Tx {
     fn remove_worker(&mut self, id: &str) -> Result<bool, StoreError>;
     /// Every worker's record, by id.
     fn workers(&mut self) -> Result<Vec<WorkerRecord>, StoreError>;
+    /// Jobs matching `query`, `limit` from `offset`, and how many match.
+    fn list_jobs(
+        &mut self,
+        query: &JobQuery,
+        limit: usize,
+        offset: usize,
+    ) -> Result<(Vec<Job>, u64), StoreError>;
+    /// Stored jobs by queue and state, and those finished since `since`.
+    fn job_counts(&mut self, since: DateTime<Utc>) -> Result<JobCounts, StoreError>;
     /// A workflow's record, locked until the commit where replicas share
     /// the store.
     fn workflow(&mut self, id: &str) -> Result<Option<Workflow>, StoreError>;

@@ -32,6 +32,7 @@ use super::{
     Lease, QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
     RATE_WINDOW_SLACK_MS, SCHEDULE_CLAIM,
 };
+use super::{Bound, JobCounts, JobQuery};
 use crate::job::Job;
 use crate::model::cron::CronJob;
 use crate::model::rate::RateLimit;
@@ -1103,6 +1104,71 @@ impl Tx for PostgresTx<'_, '_> {
                 .map_err(pg)?,
         };
         rows.iter().map(|r| record_of(r.get(0), r.get(1))).collect()
+    }
+
+    fn list_jobs(
+        &mut self,
+        query: &JobQuery,
+        limit: usize,
+        offset: usize,
+    ) -> Result<(Vec<Job>, u64), StoreError> {
+        let (filter, order, values) =
+            query.sql("(envelope::jsonb ->> 'type')", |n| format!("${n}"));
+        let values: Vec<Box<dyn ::postgres::types::ToSql + Sync>> = values
+            .into_iter()
+            .map(|v| match v {
+                Bound::Text(t) => Box::new(t) as Box<dyn ::postgres::types::ToSql + Sync>,
+                Bound::Int(i) => Box::new(i) as Box<dyn ::postgres::types::ToSql + Sync>,
+            })
+            .collect();
+        let refs: Vec<&(dyn ::postgres::types::ToSql + Sync)> =
+            values.iter().map(|v| v.as_ref()).collect();
+        let total: i64 = self
+            .t
+            .query_one(&format!("SELECT count(*) FROM jobs WHERE {filter}"), &refs)
+            .map_err(pg)?
+            .get(0);
+        let rows = self
+            .t
+            .query(
+                &format!(
+                    "SELECT id, envelope, extra FROM jobs WHERE {filter} ORDER BY {order} LIMIT {} OFFSET {}",
+                    i64::try_from(limit).unwrap_or(i64::MAX),
+                    i64::try_from(offset).unwrap_or(i64::MAX),
+                ),
+                &refs,
+            )
+            .map_err(pg)?;
+        let jobs = rows
+            .iter()
+            .map(|r| decode(r.get(0), r.get(1), r.get(2)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((jobs, u64::try_from(total).unwrap_or(0)))
+    }
+
+    fn job_counts(&mut self, since: DateTime<Utc>) -> Result<JobCounts, StoreError> {
+        let read = |rows: Vec<::postgres::Row>| {
+            rows.iter()
+                .map(|r| {
+                    (
+                        r.get::<_, String>(0),
+                        r.get::<_, String>(1),
+                        u64::try_from(r.get::<_, i64>(2)).unwrap_or(0),
+                    )
+                })
+                .collect()
+        };
+        let by_queue = read(
+            self.t
+                .query(sql::COUNTS_BY_QUEUE.postgres, &[])
+                .map_err(pg)?,
+        );
+        let finished = read(
+            self.t
+                .query(sql::FINISHED_BY_QUEUE.postgres, &[&ms(since)])
+                .map_err(pg)?,
+        );
+        Ok(JobCounts { by_queue, finished })
     }
 
     fn outbox(&mut self) -> &mut Vec<Job> {

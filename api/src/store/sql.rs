@@ -94,6 +94,15 @@ shared!(
 );
 
 shared!(
+    /// Stored jobs by queue and state.
+    COUNTS_BY_QUEUE = "SELECT queue, state, count(*) FROM jobs GROUP BY queue, state"
+);
+shared!(
+    /// Jobs finished since a time, by queue and state.
+    FINISHED_BY_QUEUE = "SELECT queue, state, count(*) FROM jobs
+     WHERE finished_ms IS NOT NULL AND finished_ms >= $1 GROUP BY queue, state"
+);
+shared!(
     /// Writes a workflow's record.
     SAVE_WORKFLOW = "INSERT INTO workflows (id, state, created_ms, finished_ms, record)
      VALUES ($1, $2, $3, $4, $5)

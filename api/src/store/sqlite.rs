@@ -27,6 +27,7 @@ use super::{
     EventPage, Inserted, QueueJobs, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
     RATE_WINDOW_SLACK_MS,
 };
+use super::{Bound, JobCounts, JobQuery};
 use crate::job::Job;
 use crate::model::cron::CronJob;
 use crate::model::rate::RateLimit;
@@ -873,6 +874,71 @@ impl Tx for SqliteTx<'_> {
                 .collect::<Result<_, _>>()?,
         };
         rows.iter().map(|(id, r)| record_of(id, r)).collect()
+    }
+
+    fn list_jobs(
+        &mut self,
+        query: &JobQuery,
+        limit: usize,
+        offset: usize,
+    ) -> Result<(Vec<Job>, u64), StoreError> {
+        let (filter, order, values) =
+            query.sql("json_extract(envelope, '$.type')", |n| format!("?{n}"));
+        let values: Vec<rusqlite::types::Value> = values
+            .into_iter()
+            .map(|v| match v {
+                Bound::Text(t) => rusqlite::types::Value::Text(t),
+                Bound::Int(i) => rusqlite::types::Value::Integer(i),
+            })
+            .collect();
+        let total: i64 = self.conn.query_row(
+            &format!("SELECT count(*) FROM jobs WHERE {filter}"),
+            rusqlite::params_from_iter(values.iter()),
+            |r| r.get(0),
+        )?;
+        let mut stmt = self.conn.prepare(&format!(
+            "SELECT id, envelope, extra FROM jobs WHERE {filter} ORDER BY {order} LIMIT {} OFFSET {}",
+            i64::try_from(limit).unwrap_or(i64::MAX),
+            i64::try_from(offset).unwrap_or(i64::MAX),
+        ))?;
+        let rows = stmt.query_map(rusqlite::params_from_iter(values.iter()), |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, envelope, extra) = row?;
+            out.push(decode(&id, &envelope, &extra)?);
+        }
+        Ok((out, u64::try_from(total).unwrap_or(0)))
+    }
+
+    fn job_counts(&mut self, since: DateTime<Utc>) -> Result<JobCounts, StoreError> {
+        let read = |sql: &str,
+                    p: &[&dyn rusqlite::ToSql]|
+         -> Result<Vec<(String, String, u64)>, StoreError> {
+            let mut stmt = self.conn.prepare_cached(sql)?;
+            let rows = stmt.query_map(p, |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                ))
+            })?;
+            let mut out = Vec::new();
+            for row in rows {
+                let (q, state, n) = row?;
+                out.push((q, state, u64::try_from(n).unwrap_or(0)));
+            }
+            Ok(out)
+        };
+        Ok(JobCounts {
+            by_queue: read(sql::COUNTS_BY_QUEUE.sqlite, &[])?,
+            finished: read(sql::FINISHED_BY_QUEUE.sqlite, &[&ms(since)])?,
+        })
     }
 
     fn outbox(&mut self) -> &mut Vec<Job> {

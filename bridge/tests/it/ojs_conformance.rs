@@ -940,6 +940,26 @@ fn assert_level_1(report: &Report) {
     );
 }
 
+/// The admin extension's cases all pass but the one that cannot as
+/// written (it names a `{{job_id}}` no step defines), on every backend.
+fn assert_admin(report: &Report) {
+    let (passed, failed, skipped) = report
+        .folders
+        .get("ext-admin-api")
+        .copied()
+        .unwrap_or_default();
+    let failures: Vec<_> = report
+        .failures
+        .iter()
+        .filter(|(file, _)| file.starts_with("ext-admin-api"))
+        .collect();
+    assert_eq!(
+        (passed, failed, skipped),
+        (5, 0, 1),
+        "ext-admin-api: {failures:#?}"
+    );
+}
+
 /// The level-2 cases (scheduled jobs, expiry, cron) all run and pass, on
 /// every backend.
 fn assert_level_2(report: &Report) {
@@ -1018,6 +1038,7 @@ async fn official_cases_pass_on_the_embedded_default() {
     assert_level_1(&report);
     assert_level_2(&report);
     assert_level_3(&report);
+    assert_admin(&report);
     assert_level_4_served(&report);
 }
 
@@ -1036,6 +1057,7 @@ async fn on_broker(broker: Broker, settings: fn(&str, &str) -> String) {
     assert_level_0(&report);
     assert_level_2(&report);
     assert_level_3(&report);
+    assert_admin(&report);
     assert_level_4_served(&report);
 }
 
@@ -1060,6 +1082,7 @@ async fn official_cases_pass_on_two_replicas_sharing_postgresql() {
     assert_level_1(&report);
     assert_level_2(&report);
     assert_level_3(&report);
+    assert_admin(&report);
     assert_level_4_served(&report);
 }
 

@@ -1,0 +1,425 @@
+//! The admin endpoints of the HTTP binding, in process (`http::handle` over
+//! the service on the in-memory broker and the embedded store): the shapes
+//! the admin UI's pages read, the job list's filters and paging, the bulk
+//! operations' confirmation rule, and what a scoped token may reach.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ojs_api::auth::{Operation, Token, Tokens};
+use ojs_api::worker::{Failure, Fetch};
+use ojs_api::{Api, ApiSettings};
+use ojs_core::glob::Glob;
+use ojs_core::redact::Secret;
+use serde_json::{json, Value};
+
+struct Server {
+    api: Arc<Api>,
+    _dir: ojs_bridge_tests::tempdir::TempDir,
+}
+
+async fn server() -> Server {
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("ojs-admin-http");
+    let token = |name: &str, operations: Vec<Operation>, queues: &[&str]| Token {
+        name: name.into(),
+        secret: Secret::new(format!("secret-{name}")),
+        operations,
+        queues: queues.iter().map(|q| Glob::new(q).unwrap()).collect(),
+    };
+    let settings = ApiSettings {
+        state_dir: dir.path().to_path_buf(),
+        tokens: Tokens::new(vec![
+            token("root", vec![Operation::Admin], &[]),
+            token("reader", vec![Operation::Read], &[]),
+            token("team", vec![Operation::Admin], &["team.*"]),
+        ]),
+        ..ApiSettings::default()
+    };
+    let adapter = Arc::new(ojs_adapter_memory::MemoryAdapter::new(
+        ojs_adapter_memory::MemoryConfig::default(),
+    ));
+    let api = Api::open(settings, adapter, "memory").await.unwrap();
+    Server { api, _dir: dir }
+}
+
+impl Server {
+    async fn call(
+        &self,
+        token: &str,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let request = http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("authorization", format!("Bearer secret-{token}"))
+            .header("content-type", "application/json")
+            .body(body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string())))
+            .unwrap();
+        let answer = ojs_api::http::handle(&self.api, request, "req_admin").await;
+        let status = answer.status().as_u16();
+        let body = serde_json::from_slice(answer.body()).unwrap_or(Value::Null);
+        (status, body)
+    }
+
+    async fn push(&self, job_type: &str, queue: &str, n: usize) -> Vec<String> {
+        let jobs: Vec<Value> = (0..n)
+            .map(|i| json!({"type": job_type, "args": [i], "options": {"queue": queue}}))
+            .collect();
+        let (status, body) = self
+            .call(
+                "root",
+                "POST",
+                "/ojs/v1/jobs/batch",
+                Some(json!({"jobs": jobs})),
+            )
+            .await;
+        assert_eq!(status, 201, "{body}");
+        body["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| j["id"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    /// FETCHes `n` jobs of `queue` and ACKs or (for good) NACKs them.
+    async fn settle(&self, queue: &str, n: usize, complete: bool) {
+        let grant = self
+            .api
+            .tokens()
+            .identify(Some("Bearer secret-root"))
+            .unwrap();
+        let mut done = 0;
+        while done < n {
+            let jobs = self
+                .api
+                .fetch(
+                    &grant,
+                    Fetch {
+                        queues: vec![queue.into()],
+                        count: n - done,
+                        worker_id: None,
+                        visibility: None,
+                        wait: Duration::from_secs(2),
+                    },
+                )
+                .await
+                .unwrap();
+            assert!(!jobs.is_empty(), "{queue}: {done} of {n} settled");
+            for job in jobs {
+                if complete {
+                    self.api.ack(&grant, &job.envelope.id, None).await.unwrap();
+                } else {
+                    let error = json!({"code": "boom", "message": "no", "retryable": false});
+                    self.api
+                        .nack(
+                            &grant,
+                            Failure {
+                                job_id: job.envelope.id,
+                                error: error.as_object().cloned().unwrap(),
+                                requeue: false,
+                            },
+                        )
+                        .await
+                        .unwrap();
+                }
+                done += 1;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_queues_and_jobs_carry_every_field_the_admin_pages_read() {
+    let s = server().await;
+    s.push("mail.send", "mail", 5).await;
+    s.push("report.build", "team.reports", 3).await;
+    s.settle("mail", 2, true).await;
+    s.settle("mail", 1, false).await;
+
+    let (status, stats) = s.call("root", "GET", "/ojs/v1/admin/stats", None).await;
+    assert_eq!(status, 200, "{stats}");
+    for state in [
+        "available",
+        "active",
+        "scheduled",
+        "retryable",
+        "completed",
+        "discarded",
+    ] {
+        assert!(stats["jobs"][state].is_u64(), "jobs.{state}: {stats}");
+    }
+    assert_eq!(
+        (
+            stats["jobs"]["available"].as_u64(),
+            stats["jobs"]["completed"].as_u64(),
+            stats["jobs"]["discarded"].as_u64()
+        ),
+        (Some(5), Some(2), Some(1)),
+        "{stats}"
+    );
+    assert_eq!(stats["queues"], 2);
+    assert!(stats["workers"].is_u64() && stats["uptime_seconds"].is_u64());
+    assert_eq!(stats["throughput"]["processed_per_minute"], 2, "{stats}");
+    assert_eq!(stats["throughput"]["failed_per_minute"], 1);
+
+    let (status, queues) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/queues?page=1&per_page=50",
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{queues}");
+    let mail = queues["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["name"] == "mail")
+        .unwrap()
+        .clone();
+    for state in [
+        "available",
+        "active",
+        "scheduled",
+        "retryable",
+        "completed",
+        "discarded",
+    ] {
+        assert!(mail["counts"][state].is_u64(), "counts.{state}: {mail}");
+    }
+    assert_eq!(
+        (
+            mail["counts"]["available"].as_u64(),
+            mail["paused"].as_bool()
+        ),
+        (Some(2), Some(false))
+    );
+    assert_eq!(queues["pagination"]["total"], 2);
+    assert_eq!(queues["pagination"]["page"], 1);
+
+    let (status, paused) = s
+        .call("root", "POST", "/ojs/v1/admin/queues/mail/pause", None)
+        .await;
+    assert_eq!(
+        (status, paused["paused"].as_bool()),
+        (200, Some(true)),
+        "{paused}"
+    );
+    let (_, detail) = s
+        .call("root", "GET", "/ojs/v1/admin/queues/mail", None)
+        .await;
+    assert_eq!(detail["paused"], true);
+    assert!(detail["configuration"].is_object());
+    let (status, resumed) = s
+        .call("root", "POST", "/ojs/v1/admin/queues/mail/resume", None)
+        .await;
+    assert_eq!((status, resumed["paused"].as_bool()), (200, Some(false)));
+
+    // The job list: filters, paging, totals.
+    let (status, page) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=mail&state=available&page=1&per_page=1",
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(page["pagination"]["total"], 2);
+    assert_eq!(page["items"].as_array().unwrap().len(), 1);
+    let item = &page["items"][0];
+    for key in [
+        "id",
+        "type",
+        "queue",
+        "state",
+        "attempt",
+        "created_at",
+        "priority",
+    ] {
+        assert!(!item[key].is_null(), "{key}: {item}");
+    }
+    let (_, by_type) = s
+        .call("root", "GET", "/ojs/v1/admin/jobs?type=report.%2A", None)
+        .await;
+    assert_eq!(
+        by_type["pagination"]["total"], 3,
+        "a type prefix: {by_type}"
+    );
+    let (_, by_queue) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=team.*&order=asc",
+            None,
+        )
+        .await;
+    assert_eq!(by_queue["pagination"]["total"], 3);
+    let (status, bad) = s
+        .call("root", "GET", "/ojs/v1/admin/jobs?state=sleeping", None)
+        .await;
+    assert_eq!(
+        (status, bad["error"]["details"]["attribute"].as_str()),
+        (400, Some("state"))
+    );
+
+    // A job's detail: unwrapped, with errors and metadata.
+    let id = item["id"].as_str().unwrap();
+    let (status, job) = s
+        .call("root", "GET", &format!("/ojs/v1/admin/jobs/{id}"), None)
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(job["id"], id);
+    assert!(
+        job["meta"].is_object()
+            && job["errors"].is_array()
+            && job["metadata"]["created_at"].is_string(),
+        "{job}"
+    );
+
+    // Reading needs admin.
+    let (status, _) = s.call("reader", "GET", "/ojs/v1/admin/stats", None).await;
+    assert_eq!(status, 403);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_operations_need_confirmation_and_stay_inside_the_token_s_queues() {
+    let s = server().await;
+    let mail = s.push("mail.send", "mail", 4).await;
+    s.push("report.build", "team.reports", 3).await;
+    s.settle("team.reports", 1, false).await;
+
+    // Without confirm: 400, nothing touched.
+    let (status, body) = s
+        .call(
+            "root",
+            "POST",
+            "/ojs/v1/admin/jobs/bulk/cancel",
+            Some(json!({"filter": {"queue": "mail"}, "confirm": false})),
+        )
+        .await;
+    assert_eq!(
+        (status, body["error"]["details"]["attribute"].as_str()),
+        (400, Some("confirm")),
+        "{body}"
+    );
+    let (_, still) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=mail&state=available",
+            None,
+        )
+        .await;
+    assert_eq!(still["pagination"]["total"], 4);
+
+    // A scoped token names a queue of its own; anything else touches nothing.
+    for filter in [
+        json!({}),
+        json!({"queue": "mail"}),
+        json!({"queue": "team.*"}),
+    ] {
+        let (status, body) = s
+            .call(
+                "team",
+                "POST",
+                "/ojs/v1/admin/jobs/bulk/cancel",
+                Some(json!({"filter": filter, "confirm": true})),
+            )
+            .await;
+        assert_eq!(status, 403, "{filter}: {body}");
+    }
+    let (_, still) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=mail&state=available",
+            None,
+        )
+        .await;
+    assert_eq!(
+        still["pagination"]["total"], 4,
+        "nothing outside the scope was cancelled"
+    );
+    let (status, list) = s.call("team", "GET", "/ojs/v1/admin/jobs", None).await;
+    assert_eq!(status, 403, "{list}");
+    let (_, stats) = s.call("team", "GET", "/ojs/v1/admin/queues", None).await;
+    let names: Vec<&str> = stats["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["team.reports"],
+        "a scoped token sees its queues only"
+    );
+
+    // Confirmed: the scoped token cancels its queue's unfinished jobs.
+    let (status, done) = s
+        .call(
+            "team",
+            "POST",
+            "/ojs/v1/admin/jobs/bulk/cancel",
+            Some(
+                json!({"filter": {"queue": "team.reports", "state": "available"}, "confirm": true}),
+            ),
+        )
+        .await;
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(
+        (
+            done["action"].as_str(),
+            done["matched"].as_u64(),
+            done["succeeded"].as_u64(),
+            done["failed"].as_u64()
+        ),
+        (Some("cancel"), Some(2), Some(2), Some(0))
+    );
+
+    // Delete takes finished jobs only: of mail, none is finished.
+    let (_, deleted) = s
+        .call(
+            "root",
+            "POST",
+            "/ojs/v1/admin/jobs/bulk/delete",
+            Some(json!({"filter": {"queue": "mail"}, "confirm": true})),
+        )
+        .await;
+    assert_eq!(
+        (
+            deleted["matched"].as_u64(),
+            deleted["succeeded"].as_u64(),
+            deleted["failed"].as_u64()
+        ),
+        (Some(4), Some(0), Some(4)),
+        "{deleted}"
+    );
+    let (status, _) = s
+        .call("root", "GET", &format!("/ojs/v1/jobs/{}", mail[0]), None)
+        .await;
+    assert_eq!(status, 200, "an unfinished job is not deleted");
+    let (_, deleted) = s
+        .call(
+            "root",
+            "POST",
+            "/ojs/v1/admin/jobs/bulk/delete",
+            Some(
+                json!({"filter": {"queue": "team.reports", "state": "cancelled"}, "confirm": true}),
+            ),
+        )
+        .await;
+    assert_eq!(
+        (deleted["matched"].as_u64(), deleted["succeeded"].as_u64()),
+        (Some(2), Some(2)),
+        "{deleted}"
+    );
+}
