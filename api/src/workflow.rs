@@ -190,9 +190,8 @@ impl Api {
         self.store
             .run(move |tx| {
                 for job in &stored {
+                    // With its `job.enqueued` (or `job.scheduled`) event.
                     tx.insert_seen(job)?;
-                    let (kind, at, data) = crate::store::stored_event(job);
-                    tx.event(kind, &job.envelope, at, data)?;
                 }
                 tx.save_workflow(&record)?;
                 Ok(())

@@ -164,6 +164,27 @@ async fn a_chain_hands_out_each_step_after_the_one_before_with_every_earlier_res
     let done = s.get(&id_of(&wf)).await;
     assert_eq!(done["state"], "completed");
     assert_eq!(done["steps_completed"], 3);
+    // The first step's life in the event log: enqueued once.
+    let grant = s.api.tokens().identify(None).unwrap();
+    let first = done["steps"][0]["job_id"].as_str().unwrap();
+    let log = s
+        .api
+        .events(
+            &grant,
+            ojs_api::store::EventFilter {
+                types: vec!["job.enqueued".into()],
+                limit: 1000,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let enqueued = log
+        .events
+        .iter()
+        .filter(|e| e.body["job_id"] == first)
+        .count();
+    assert_eq!(enqueued, 1, "one job.enqueued for the first step");
     assert!(done["completed_at"].is_string());
     assert_eq!(done["steps"][2]["result"], json!({"n": 2}));
     s.stop().await;
