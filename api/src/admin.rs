@@ -119,7 +119,87 @@ pub struct BulkOutcome {
     pub errors: Vec<(String, String)>,
 }
 
+/// Most points one history answers.
+pub const MAX_HISTORY_POINTS: i64 = 1_440;
+
+/// One bucket of the history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryPoint {
+    /// Its start.
+    pub at: DateTime<Utc>,
+    /// Jobs completed in it.
+    pub processed: u64,
+    /// Jobs discarded in it.
+    pub failed: u64,
+    /// Jobs created in it.
+    pub enqueued: u64,
+}
+
 impl Api {
+    /// `GET /ojs/v1/admin/stats/history`: per `period` from `since` to
+    /// `until` (of `queue`, or of every queue: a scoped token names one of
+    /// its own), what was
+    /// created, completed and discarded; every bucket is there, empty ones
+    /// with zeros. Read from the stored jobs: nothing older than `[api]
+    /// retention`.
+    pub async fn admin_history(
+        &self,
+        grant: &Grant<'_>,
+        period: std::time::Duration,
+        since: Option<DateTime<Utc>>,
+        until: Option<DateTime<Utc>>,
+        queue: Option<String>,
+    ) -> Result<Vec<HistoryPoint>, ApiError> {
+        match &queue {
+            Some(q) => grant.allow_on(Operation::Admin, q)?,
+            None => grant.allow_everywhere(Operation::Admin)?,
+        }
+        let bucket = i64::try_from(period.as_millis())
+            .unwrap_or(i64::MAX)
+            .max(1000);
+        let until = until.unwrap_or_else(|| self.now());
+        let since = since.unwrap_or(until - chrono::Duration::hours(1));
+        if since >= until {
+            return Err(ApiError::invalid("since", "must be before `until`"));
+        }
+        let first = crate::store::ms(since) / bucket * bucket;
+        let points = (crate::store::ms(until) - first + bucket - 1) / bucket;
+        if points > MAX_HISTORY_POINTS {
+            return Err(ApiError::invalid(
+                "period",
+                format!("{points} points from `since` to `until`; at most {MAX_HISTORY_POINTS} (a longer period, or a shorter span)"),
+            ));
+        }
+        let from = DateTime::from_timestamp_millis(first).unwrap_or(since);
+        let rows = self
+            .store
+            .run(move |tx| tx.history(from, until, bucket, queue.as_deref()))
+            .await?;
+        let mut out: Vec<HistoryPoint> = (0..points)
+            .map(|i| HistoryPoint {
+                at: DateTime::from_timestamp_millis(first + i * bucket).unwrap_or(since),
+                processed: 0,
+                failed: 0,
+                enqueued: 0,
+            })
+            .collect();
+        for (at, kind, n) in rows {
+            let Some(point) = usize::try_from((at - first) / bucket)
+                .ok()
+                .and_then(|i| out.get_mut(i))
+            else {
+                continue;
+            };
+            match kind.as_str() {
+                "created" => point.enqueued += n,
+                "completed" => point.processed += n,
+                "discarded" => point.failed += n,
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
     /// `GET /ojs/v1/admin/stats`.
     pub async fn admin_stats(&self, grant: &Grant<'_>) -> Result<SystemStats, ApiError> {
         grant.allow(Operation::Admin)?;

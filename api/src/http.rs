@@ -854,6 +854,62 @@ async fn admin_route(
                 request_id,
             ))
         }
+        ("stats", ["history"]) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            let field = |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(key, _)| key == k)
+                    .map(|(_, v)| v.clone())
+                    .filter(|v| !v.is_empty())
+            };
+            let period_text = field("period").unwrap_or_else(|| "5m".into());
+            let period = match period_text.as_str() {
+                "1m" => Duration::from_secs(60),
+                "5m" => Duration::from_secs(300),
+                "1h" => Duration::from_secs(3600),
+                "1d" => Duration::from_secs(86_400),
+                _ => return Err(ApiError::invalid("period", "is 1m, 5m, 1h or 1d")),
+            };
+            let time = |k: &str| {
+                field(k)
+                    .map(|v| {
+                        DateTime::parse_from_rfc3339(&v)
+                            .map(|t| t.with_timezone(&chrono::Utc))
+                            .map_err(|_| ApiError::invalid(k, "must be an RFC 3339 time"))
+                    })
+                    .transpose()
+            };
+            let points = api
+                .admin_history(
+                    grant,
+                    period,
+                    time("since")?,
+                    time("until")?,
+                    field("queue"),
+                )
+                .await?;
+            let data: Vec<Value> = points
+                .iter()
+                .map(|p| {
+                    json!({
+                        "timestamp": crate::job::timestamp(p.at),
+                        "processed": p.processed,
+                        "failed": p.failed,
+                        "enqueued": p.enqueued,
+                        "latency_p50_ms": null,
+                        "latency_p99_ms": null,
+                    })
+                })
+                .collect();
+            Ok(json_response(
+                200,
+                &json!({"period": period_text, "data": data}),
+                request_id,
+            ))
+        }
         ("queues", []) => {
             if method != Method::GET {
                 return Err(not_allowed("GET"));
@@ -999,8 +1055,8 @@ async fn admin_route(
             let job = api.retry_dead_letter(grant, id).await?;
             Ok(json_response(200, &admin_job(&job), request_id))
         }
-        // The rest of the admin API (statistics' history, queue
-        // configuration, maintenance) is not served yet.
+        // The rest of the admin API (queue configuration, maintenance, the
+        // reset) is not served yet.
         _ => Err(ApiError::Unsupported {
             feature: "admin endpoints other than stats, queues, jobs, workers and dead letters",
         }),

@@ -284,6 +284,54 @@ async fn stats_queues_and_jobs_carry_every_field_the_admin_pages_read() {
         "{job}"
     );
 
+    // The history: every bucket of the last hour, what was created,
+    // completed and discarded in it.
+    let (status, history) = s
+        .call("root", "GET", "/ojs/v1/admin/stats/history?period=5m", None)
+        .await;
+    assert_eq!(status, 200, "{history}");
+    let data = history["data"].as_array().unwrap();
+    assert!((12..=13).contains(&data.len()), "{} points", data.len());
+    let sum = |k: &str| data.iter().map(|p| p[k].as_u64().unwrap()).sum::<u64>();
+    assert_eq!(
+        (sum("enqueued"), sum("processed"), sum("failed")),
+        (8, 2, 1),
+        "{history}"
+    );
+    assert!(data.iter().all(|p| p["timestamp"].is_string()));
+    let (_, of_queue) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/stats/history?period=1m&queue=team.reports",
+            None,
+        )
+        .await;
+    let data = of_queue["data"].as_array().unwrap();
+    assert_eq!(
+        data.iter()
+            .map(|p| p["enqueued"].as_u64().unwrap())
+            .sum::<u64>(),
+        3
+    );
+    let (status, _) = s
+        .call("root", "GET", "/ojs/v1/admin/stats/history?period=7m", None)
+        .await;
+    assert_eq!(status, 400);
+    let (status, _) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/stats/history?period=1m&since=2026-01-01T00:00:00Z",
+            None,
+        )
+        .await;
+    assert_eq!(status, 400, "more points than a history answers");
+    let (status, _) = s
+        .call("team", "GET", "/ojs/v1/admin/stats/history", None)
+        .await;
+    assert_eq!(status, 403, "a scoped token names a queue of its own");
+
     // Reading needs admin.
     let (status, _) = s.call("reader", "GET", "/ojs/v1/admin/stats", None).await;
     assert_eq!(status, 403);

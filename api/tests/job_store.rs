@@ -12,7 +12,7 @@ use ojs_api::model::rate::RateLimit;
 use ojs_api::model::unique::Uniqueness;
 use ojs_api::roster::WorkerRecord;
 use ojs_api::store::{
-    Durability, EventFilter, Inserted, Lease, PostgresSettings, Store, StoreError,
+    Durability, EventFilter, Inserted, JobQuery, Lease, PostgresSettings, Store, StoreError,
 };
 use ojs_api::Job;
 use ojs_core::redact::Secret;
@@ -397,6 +397,118 @@ async fn queues_are_listed_once_each(store: &Store, _: &Place) {
     assert_eq!(names, ["a", "b"]);
 }
 
+/// The admin API's reads: the job list's filters, paging and order, the
+/// counts by queue and state, and the history's buckets.
+async fn admin_reads_list_count_and_bucket_jobs(store: &Store, _: &Place) {
+    let mut jobs = Vec::new();
+    for (queue, job_type, n) in [
+        ("mail", "mail.send", 3),
+        ("mail", "mail.digest", 2),
+        ("team.a", "report.build", 4),
+    ] {
+        for i in 0..n {
+            jobs.push(job(
+                json!({"type": job_type, "args": [i], "options": {"queue": queue}}),
+            ));
+        }
+    }
+    let first = jobs[0].envelope.id.clone();
+    store.insert(jobs).await.unwrap();
+    let now = Utc::now();
+    store.cancel(first.clone(), now).await.unwrap();
+    let query = |f: &dyn Fn(&mut JobQuery)| {
+        let mut q = JobQuery::default();
+        f(&mut q);
+        q
+    };
+    let list = |q: JobQuery, limit: usize, offset: usize| {
+        store.run(move |tx| tx.list_jobs(&q, limit, offset))
+    };
+    let (page, total) = list(query(&|q| q.queue = Some("mail".into())), 2, 0)
+        .await
+        .unwrap();
+    assert_eq!((page.len(), total), (2, 5));
+    let (_, total) = list(query(&|q| q.job_type = Some("mail.*".into())), 10, 0)
+        .await
+        .unwrap();
+    assert_eq!(total, 5, "a type prefix");
+    let (_, total) = list(query(&|q| q.queue = Some("team.*".into())), 10, 0)
+        .await
+        .unwrap();
+    assert_eq!(total, 4, "a queue prefix");
+    let (_, total) = list(query(&|q| q.job_type = Some("mail.send".into())), 10, 0)
+        .await
+        .unwrap();
+    assert_eq!(total, 3, "an exact type");
+    let (cancelled, total) = list(query(&|q| q.state = Some("cancelled".into())), 10, 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        (total, cancelled[0].envelope.id.as_str()),
+        (1, first.as_str())
+    );
+    let (_, total) = list(
+        query(&|q| q.since = Some(now + chrono::Duration::hours(1))),
+        10,
+        0,
+    )
+    .await
+    .unwrap();
+    assert_eq!(total, 0, "created before `since`");
+    let (oldest, _) = list(query(&|q| q.ascending = true), 1, 0).await.unwrap();
+    assert_eq!(oldest[0].envelope.id, first, "oldest first");
+
+    let counts = store
+        .run(move |tx| tx.job_counts(now - chrono::Duration::minutes(1)))
+        .await
+        .unwrap();
+    let count = |queue: &str, state: &str| {
+        counts
+            .by_queue
+            .iter()
+            .find(|(q, s, _)| q == queue && s == state)
+            .map_or(0, |c| c.2)
+    };
+    assert_eq!(
+        (
+            count("mail", "available"),
+            count("mail", "cancelled"),
+            count("team.a", "available")
+        ),
+        (4, 1, 4)
+    );
+    assert_eq!(
+        counts.finished.iter().map(|c| c.2).sum::<u64>(),
+        1,
+        "the cancelled job finished"
+    );
+
+    let (since, until) = (
+        now - chrono::Duration::hours(1),
+        now + chrono::Duration::minutes(1),
+    );
+    let rows = store
+        .run(move |tx| tx.history(since, until, 60_000, None))
+        .await
+        .unwrap();
+    let created: u64 = rows
+        .iter()
+        .filter(|(_, k, _)| k == "created")
+        .map(|r| r.2)
+        .sum();
+    assert_eq!(created, 9);
+    let rows = store
+        .run(move |tx| tx.history(since, until, 60_000, Some("team.a")))
+        .await
+        .unwrap();
+    let created: u64 = rows
+        .iter()
+        .filter(|(_, k, _)| k == "created")
+        .map(|r| r.2)
+        .sum();
+    assert_eq!(created, 4, "of one queue");
+}
+
 macro_rules! on_both_backends {
     ($($case:ident),* $(,)?) => {
         mod sqlite {
@@ -685,6 +797,7 @@ async fn a_rate_window_admits_its_limit_across_stores(store: &Store, place: &Pla
 }
 
 on_both_backends!(
+    admin_reads_list_count_and_bucket_jobs,
     a_rate_window_admits_its_limit_across_stores,
     cron_jobs_round_trip_and_are_removed,
     a_role_has_one_holder_until_its_time_runs_out,

@@ -459,6 +459,16 @@ pub trait Tx {
     ) -> Result<(Vec<Job>, u64), StoreError>;
     /// Stored jobs by queue and state, and those finished since `since`.
     fn job_counts(&mut self, since: DateTime<Utc>) -> Result<JobCounts, StoreError>;
+    /// Per `bucket_ms` from `since` to `until` (of `queue`, or all): the
+    /// jobs created, completed and discarded in it, as (bucket start,
+    /// kind, how many); kind is `created`, `completed` or `discarded`.
+    fn history(
+        &mut self,
+        since: DateTime<Utc>,
+        until: DateTime<Utc>,
+        bucket_ms: i64,
+        queue: Option<&str>,
+    ) -> Result<Vec<(i64, String, u64)>, StoreError>;
     /// A workflow's record, locked until the commit where replicas share
     /// the store.
     fn workflow(&mut self, id: &str) -> Result<Option<Workflow>, StoreError>;

@@ -1171,6 +1171,37 @@ impl Tx for PostgresTx<'_, '_> {
         Ok(JobCounts { by_queue, finished })
     }
 
+    fn history(
+        &mut self,
+        since: DateTime<Utc>,
+        until: DateTime<Utc>,
+        bucket_ms: i64,
+        queue: Option<&str>,
+    ) -> Result<Vec<(i64, String, u64)>, StoreError> {
+        let rows = self
+            .t
+            .query(
+                sql::HISTORY.postgres,
+                &[
+                    &ms(since),
+                    &ms(until),
+                    &bucket_ms.max(1),
+                    &queue.unwrap_or(""),
+                ],
+            )
+            .map_err(pg)?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                (
+                    r.get::<_, i64>(0),
+                    r.get::<_, String>(1),
+                    u64::try_from(r.get::<_, i64>(2)).unwrap_or(0),
+                )
+            })
+            .collect())
+    }
+
     fn outbox(&mut self) -> &mut Vec<Job> {
         &mut self.outbox
     }

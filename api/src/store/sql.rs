@@ -103,6 +103,17 @@ shared!(
      WHERE finished_ms IS NOT NULL AND finished_ms >= $1 GROUP BY queue, state"
 );
 shared!(
+    /// Jobs created, completed and discarded per bucket ($3 ms) from $1
+    /// to $2, of queue $4 (or all when it is empty).
+    HISTORY = "SELECT (created_ms / $3) * $3 AS at, 'created', count(*) FROM jobs
+       WHERE created_ms >= $1 AND created_ms < $2 AND ($4 = '' OR queue = $4) GROUP BY at
+     UNION ALL
+     SELECT (finished_ms / $3) * $3 AS at, state, count(*) FROM jobs
+       WHERE finished_ms IS NOT NULL AND finished_ms >= $1 AND finished_ms < $2
+         AND state IN ('completed', 'discarded') AND ($4 = '' OR queue = $4)
+       GROUP BY at, state"
+);
+shared!(
     /// Writes a workflow's record.
     SAVE_WORKFLOW = "INSERT INTO workflows (id, state, created_ms, finished_ms, record)
      VALUES ($1, $2, $3, $4, $5)

@@ -941,6 +941,32 @@ impl Tx for SqliteTx<'_> {
         })
     }
 
+    fn history(
+        &mut self,
+        since: DateTime<Utc>,
+        until: DateTime<Utc>,
+        bucket_ms: i64,
+        queue: Option<&str>,
+    ) -> Result<Vec<(i64, String, u64)>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(sql::HISTORY.sqlite)?;
+        let rows = stmt.query_map(
+            params![ms(since), ms(until), bucket_ms.max(1), queue.unwrap_or("")],
+            |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                ))
+            },
+        )?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (at, kind, n) = row?;
+            out.push((at, kind, u64::try_from(n).unwrap_or(0)));
+        }
+        Ok(out)
+    }
+
     fn outbox(&mut self) -> &mut Vec<Job> {
         &mut self.outbox
     }
