@@ -146,6 +146,12 @@ pub enum ApiError {
         /// Its state.
         state: &'static str,
     },
+    /// A live event stream past `[api] max_event_streams`.
+    #[error("the server has {limit} event streams open ([api] max_event_streams); retry later or poll /ojs/v1/events")]
+    StreamLimit {
+        /// The limit.
+        limit: usize,
+    },
     /// A new cron job past `[api] max_crons`.
     #[error("the server keeps at most {limit} cron jobs ([api] max_crons); delete one first")]
     CronLimit {
@@ -396,7 +402,7 @@ impl ApiError {
             | ApiError::BatchTooLarge { .. }
             | ApiError::JobTooLarge { .. } => C::PayloadTooLarge,
             ApiError::Unauthenticated => C::Unauthenticated,
-            ApiError::Busy => C::RateLimited,
+            ApiError::Busy | ApiError::StreamLimit { .. } => C::RateLimited,
             ApiError::PermissionDenied { .. } => C::PermissionDenied,
             ApiError::Broker { .. } => C::BackendUnavailable,
             ApiError::BrokerDenied { .. } => C::BackendError,
@@ -417,7 +423,10 @@ impl ApiError {
     pub fn retryable(&self) -> bool {
         matches!(
             self,
-            ApiError::Broker { .. } | ApiError::BodyTimeout { .. } | ApiError::Busy
+            ApiError::Broker { .. }
+                | ApiError::BodyTimeout { .. }
+                | ApiError::Busy
+                | ApiError::StreamLimit { .. }
         ) || matches!(self, ApiError::Store(e) if !e.is_data_error())
     }
 
@@ -478,7 +487,9 @@ impl ApiError {
                 ..
             } => Some(json!({"worker_id": worker_id, "current_state": current_state})),
             ApiError::BodyTooLarge { limit } => Some(json!({"limit_bytes": limit})),
-            ApiError::CronLimit { limit } => Some(json!({"limit": limit})),
+            ApiError::CronLimit { limit } | ApiError::StreamLimit { limit } => {
+                Some(json!({"limit": limit}))
+            }
             ApiError::InvalidWorkflow { path, message } => Some(json!({
                 "attribute": path,
                 "validation_errors": [{"path": path, "message": message}],

@@ -57,6 +57,82 @@ pub fn standard_headers(headers: &mut HeaderMap, request_id: &str) {
     }
 }
 
+/// Whether the request is for the live event stream (answered with a
+/// streaming body: [`event_stream`]).
+pub fn is_event_stream(method: &Method, path: &str) -> bool {
+    *method == Method::GET && path.trim_end_matches('/') == "/ojs/v1/events/stream"
+}
+
+/// `GET /ojs/v1/events/stream`: the answer's head and the SSE frames of
+/// its body (`crate::events`), or the error answer. Filters as `GET
+/// /ojs/v1/events` (`types` or `event_types`, `queues`, `job_types`); where
+/// to go on from: `Last-Event-ID`, or `after`.
+pub async fn event_stream(
+    api: &std::sync::Arc<Api>,
+    request: &Request<()>,
+    request_id: &str,
+) -> Result<
+    (
+        Response<()>,
+        impl tokio_stream::Stream<Item = Bytes> + Send + 'static,
+    ),
+    Response<Bytes>,
+> {
+    let began = std::time::Instant::now();
+    let opened = async {
+        let authorization = request
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        let grant = api.tokens().identify(authorization)?;
+        let query = request.uri().query().unwrap_or("");
+        // The realtime extension's name for the types, beside the log's.
+        let query = query.replace("event_types=", "types=");
+        let mut filter = event_filter(&query)?;
+        let after = request
+            .headers()
+            .get("last-event-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .or_else(|| (filter.after > 0).then(|| filter.after.to_string()));
+        let after = match after {
+            Some(id) => Some(crate::events::cursor_of(&id).ok_or_else(|| {
+                ApiError::invalid("Last-Event-ID", "must be an event id this server sent")
+            })?),
+            None => None,
+        };
+        filter.after = 0;
+        api.event_stream(&grant, filter, after).await
+    }
+    .await;
+    let status = match &opened {
+        Ok(_) => 200,
+        Err(e) => status_of(e),
+    };
+    api.metrics().request(
+        crate::metrics::Binding::Http,
+        "events",
+        status,
+        began.elapsed(),
+    );
+    match opened {
+        Ok(stream) => {
+            let mut head = Response::new(());
+            let h = head.headers_mut();
+            h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+            h.insert(
+                http::header::CACHE_CONTROL,
+                HeaderValue::from_static("no-cache"),
+            );
+            // Proxies that buffer answers (nginx) send each event at once.
+            h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+            standard_headers(h, request_id);
+            Ok((head, stream))
+        }
+        Err(e) => Err(error_response(&e, request_id)),
+    }
+}
+
 /// A JSON answer.
 pub fn json_response(status: u16, body: &Value, request_id: &str) -> Response<Bytes> {
     let mut r = Response::new(Bytes::from(body.to_string()));
@@ -77,7 +153,7 @@ pub fn status_of(error: &ApiError) -> u16 {
         | ApiError::InvalidWorkflow { .. }
         | ApiError::UnsupportedContentType { .. } => 400,
         ApiError::Unauthenticated => 401,
-        ApiError::Busy => 429,
+        ApiError::Busy | ApiError::StreamLimit { .. } => 429,
         ApiError::PermissionDenied { .. } => 403,
         ApiError::NotFound { .. }
         | ApiError::QueueNotServed { .. }
@@ -487,7 +563,7 @@ fn unserved_feature(segments: &[&str]) -> Option<&'static str> {
         {
             Some("admin endpoints other than stats, queues, jobs, workers and dead letters")
         }
-        ["events", "stream", ..] | ["ws", ..] => Some("live event streams"),
+        ["ws", ..] => Some("WebSocket event streams"),
         _ => None,
     }
 }

@@ -17,6 +17,7 @@ pub mod clock;
 pub mod cron;
 pub mod dead;
 pub mod error;
+pub mod events;
 pub mod fuzz_targets;
 pub mod grpc;
 pub mod http;
@@ -145,6 +146,8 @@ pub struct ApiSettings {
     pub max_crons: usize,
     /// Most steps (callbacks included) of one workflow.
     pub max_workflow_steps: usize,
+    /// Most live event streams open at once.
+    pub max_event_streams: usize,
     /// Most bytes of results one workflow job is given (`parent_results`):
     /// the results of the nearest steps that fit, `null` for older ones.
     pub max_parent_results_bytes: usize,
@@ -175,6 +178,7 @@ impl Default for ApiSettings {
             on_exhaustion: Exhaustion::Discard,
             max_crons: 1_000,
             max_workflow_steps: 1_000,
+            max_event_streams: 1_000,
             max_parent_results_bytes: 1 << 20,
         }
     }
@@ -211,6 +215,8 @@ pub struct Api {
     /// The figures `/metrics` shows (the store records its own latency).
     metrics: Arc<metrics::ApiMetrics>,
     /// Broker copies of dead letters to remove (the store is the record).
+    /// Live event streams open now.
+    streams: events::Streams,
     broker_copies: dead::BrokerCopies,
     /// Where the time comes from.
     clock: Arc<dyn clock::Clock>,
@@ -326,6 +332,7 @@ impl Api {
             body_budget: body::BodyBudget::new(settings.max_body_bytes_in_flight),
             metrics,
             broker_copies: dead::BrokerCopies::default(),
+            streams: events::Streams::default(),
             settings,
             clock,
         }))

@@ -213,6 +213,25 @@ async fn handle(
         .into_http());
     }
     let path = req.uri().path().to_owned();
+    if let Some(api) = &state.api {
+        if ojs_api::http::is_event_stream(req.method(), &path) {
+            let request_id = ojs_api::http::request_id(req.headers());
+            let (parts, _) = req.into_parts();
+            let head = Request::from_parts(parts, ());
+            return Ok(
+                match ojs_api::http::event_stream(api, &head, &request_id).await {
+                    Ok((head, frames)) => {
+                        use futures::StreamExt;
+                        let body = http_body_util::StreamBody::new(
+                            frames.map(|b| Ok::<_, tonic::Status>(hyper::body::Frame::data(b))),
+                        );
+                        head.map(|()| AnswerBody::new(body))
+                    }
+                    Err(answer) => answer.map(|b| AnswerBody::new(Full::new(b))),
+                },
+            );
+        }
+    }
     let ojs = ojs_api::http::is_ojs_path(&path);
     let known = matches!(path.as_str(), "/ojs/v1/health" | "/metrics");
     let request_id = ojs.then(|| ojs_api::http::request_id(req.headers()));

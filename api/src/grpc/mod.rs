@@ -113,7 +113,8 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         ApiError::BodyTooLarge { .. }
         | ApiError::BatchTooLarge { .. }
         | ApiError::JobTooLarge { .. }
-        | ApiError::Busy => Code::ResourceExhausted,
+        | ApiError::Busy
+        | ApiError::StreamLimit { .. } => Code::ResourceExhausted,
         ApiError::Unauthenticated => Code::Unauthenticated,
         ApiError::PermissionDenied { .. } => Code::PermissionDenied,
         ApiError::BodyTimeout { .. } => Code::DeadlineExceeded,

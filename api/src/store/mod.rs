@@ -208,6 +208,18 @@ impl EventFilter {
     fn sees(&self, queue: &str) -> bool {
         crate::auth::in_scope(&self.scope, queue)
     }
+
+    /// Whether `event` (of the log, as read) passes every filter: what
+    /// the query selects, read in memory (the live stream's shared tail).
+    pub(crate) fn admits(&self, event: &Event) -> bool {
+        let field = |k: &str| event.body[k].as_str().unwrap_or_default();
+        let listed = |list: &[String], v: &str| list.is_empty() || list.iter().any(|x| x == v);
+        event.seq > self.after
+            && listed(&self.types, field("type"))
+            && listed(&self.queues, field("queue"))
+            && listed(&self.job_types, field("job_type"))
+            && self.sees(field("queue"))
+    }
 }
 
 /// What a commit of the embedded store survives.
@@ -457,6 +469,9 @@ pub trait Tx {
         limit: usize,
         offset: usize,
     ) -> Result<(Vec<Job>, u64), StoreError>;
+    /// The positions of the oldest and the newest event the log holds
+    /// (none when it is empty).
+    fn event_bounds(&mut self) -> Result<(Option<i64>, Option<i64>), StoreError>;
     /// Stored jobs by queue and state, and those finished since `since`.
     fn job_counts(&mut self, since: DateTime<Utc>) -> Result<JobCounts, StoreError>;
     /// Per `bucket_ms` from `since` to `until` (of `queue`, or all): the
@@ -642,6 +657,10 @@ pub struct Store {
     /// Jobs readied in transactions (a workflow's next steps), for the
     /// API's publisher.
     outbox: Arc<Outbox>,
+    /// Woken after every write through this process (readers of the event
+    /// log look again; writes of other replicas are found by looking
+    /// every second).
+    written: Arc<tokio::sync::Notify>,
     /// Where each operation's latency is recorded.
     timings: Arc<crate::metrics::ApiMetrics>,
 }
@@ -652,6 +671,7 @@ impl Store {
         Ok(Store {
             backend: Arc::new(sqlite::SqliteStore::open(dir, durability).await?),
             outbox: Arc::default(),
+            written: Arc::default(),
             timings: Arc::default(),
         })
     }
@@ -661,6 +681,7 @@ impl Store {
         Ok(Store {
             backend: Arc::new(postgres::PostgresStore::connect(settings).await?),
             outbox: Arc::default(),
+            written: Arc::default(),
             timings: Arc::default(),
         })
     }
@@ -732,8 +753,16 @@ impl Store {
         jobs: Vec<Job>,
         uniques: Uniques,
     ) -> Result<Vec<Inserted>, StoreError> {
-        self.timed("insert", self.backend.insert(jobs, uniques))
-            .await
+        let inserted = self
+            .timed("insert", self.backend.insert(jobs, uniques))
+            .await;
+        self.written.notify_waiters();
+        inserted
+    }
+
+    /// Wakes after the next write through this process.
+    pub fn written(&self) -> tokio::sync::futures::Notified<'_> {
+        self.written.notified()
     }
 
     /// Records that the broker confirmed these jobs. Not awaited: a job
@@ -793,6 +822,7 @@ impl Store {
         if !readied.is_empty() {
             self.outbox.add(readied);
         }
+        self.written.notify_waiters();
         Ok(answer)
     }
 
@@ -960,6 +990,7 @@ pub(crate) fn event_body(
     event_type: &str,
     job_id: &str,
     queue: &str,
+    job_type: &str,
     time_ms: i64,
     data: &str,
 ) -> Event {
@@ -978,6 +1009,7 @@ pub(crate) fn event_body(
             "subject": job_id,
             "job_id": job_id,
             "queue": queue,
+            "job_type": job_type,
             "data": data,
         }),
     }

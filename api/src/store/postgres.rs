@@ -637,6 +637,7 @@ impl super::JobStore for PostgresStore {
                     r.get(1),
                     r.get(2),
                     queue,
+                    r.get(4),
                     r.get(5),
                     r.get(6),
                 ));
@@ -1169,6 +1170,14 @@ impl Tx for PostgresTx<'_, '_> {
                 .map_err(pg)?,
         );
         Ok(JobCounts { by_queue, finished })
+    }
+
+    fn event_bounds(&mut self) -> Result<(Option<i64>, Option<i64>), StoreError> {
+        let row = self
+            .t
+            .query_one("SELECT min(seq), max(seq) FROM events", &[])
+            .map_err(pg)?;
+        Ok((row.get(0), row.get(1)))
     }
 
     fn history(

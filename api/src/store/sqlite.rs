@@ -182,6 +182,12 @@ pub(super) struct SqliteStore {
     recover: (i64, i64),
     /// Whether the writer's commits fail.
     health: Arc<WriterHealth>,
+    /// Reads waiting for a connection wait here, not on a blocking thread
+    /// each: a thousand event streams reading at once used to start
+    /// hundreds of threads (and their allocator heaps) that only waited.
+    /// Point reads may take any connection; the others all but one.
+    point_slots: Arc<tokio::sync::Semaphore>,
+    list_slots: Arc<tokio::sync::Semaphore>,
 }
 
 /// Reader connections: a long read (the event log, a list) does not hold
@@ -347,6 +353,8 @@ impl SqliteStore {
             path,
             recover,
             health,
+            point_slots: Arc::new(tokio::sync::Semaphore::new(READERS)),
+            list_slots: Arc::new(tokio::sync::Semaphore::new(READERS - 1)),
         })
     }
 
@@ -376,6 +384,12 @@ impl SqliteStore {
         point: bool,
         f: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
+        let slots = if point {
+            &self.point_slots
+        } else {
+            &self.list_slots
+        };
+        let _slot = slots.acquire().await.map_err(|_| StoreError::Closed)?;
         let readers = self.readers.clone();
         tokio::task::spawn_blocking(move || {
             let conn = if point {
@@ -524,13 +538,19 @@ impl super::JobStore for SqliteStore {
                     page.cursor = page.events.last().map_or(filter.after, |e| e.seq);
                     return Ok(page);
                 }
-                let (event_type, job_id, time_ms, data): (String, String, i64, String) =
-                    (r.get(1)?, r.get(2)?, r.get(5)?, r.get(6)?);
+                let (event_type, job_id, job_type, time_ms, data): (
+                    String,
+                    String,
+                    String,
+                    i64,
+                    String,
+                ) = (r.get(1)?, r.get(2)?, r.get(4)?, r.get(5)?, r.get(6)?);
                 page.events.push(event_body(
                     seq,
                     &event_type,
                     &job_id,
                     &queue,
+                    &job_type,
                     time_ms,
                     &data,
                 ));
@@ -939,6 +959,14 @@ impl Tx for SqliteTx<'_> {
             by_queue: read(sql::COUNTS_BY_QUEUE.sqlite, &[])?,
             finished: read(sql::FINISHED_BY_QUEUE.sqlite, &[&ms(since)])?,
         })
+    }
+
+    fn event_bounds(&mut self) -> Result<(Option<i64>, Option<i64>), StoreError> {
+        Ok(self
+            .conn
+            .query_row("SELECT min(seq), max(seq) FROM events", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?)
     }
 
     fn history(

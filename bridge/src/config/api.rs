@@ -116,6 +116,10 @@ pub struct ApiConfig {
     /// Default 1 MiB.
     #[serde(default = "default_max_parent_results_bytes")]
     pub max_parent_results_bytes: usize,
+    /// Most live event streams (`GET /ojs/v1/events/stream`) open at once;
+    /// one more is refused (429). Default 1000.
+    #[serde(default = "default_max_event_streams")]
+    pub max_event_streams: usize,
     /// What an exhausted job becomes when its own retry policy names no
     /// `on_exhaustion`: `discard` (the spec's default: not kept as a dead
     /// letter) or `dead_letter` (every exhausted job kept as one).
@@ -241,6 +245,9 @@ fn default_max_crons() -> usize {
 }
 fn default_max_workflow_steps() -> usize {
     ojs_api::ApiSettings::default().max_workflow_steps
+}
+fn default_max_event_streams() -> usize {
+    ojs_api::ApiSettings::default().max_event_streams
 }
 fn default_max_parent_results_bytes() -> usize {
     ojs_api::ApiSettings::default().max_parent_results_bytes
@@ -380,6 +387,7 @@ impl ApiConfig {
             max_crons: self.max_crons,
             max_workflow_steps: self.max_workflow_steps,
             max_parent_results_bytes: self.max_parent_results_bytes,
+            max_event_streams: self.max_event_streams,
             on_exhaustion: match self.on_exhaustion {
                 ExhaustionConfig::Discard => ojs_api::Exhaustion::Discard,
                 ExhaustionConfig::DeadLetter => ojs_api::Exhaustion::DeadLetter,
@@ -482,6 +490,12 @@ impl ApiConfig {
         if !(1..=100_000).contains(&self.max_workflow_steps) {
             errors.push(invalid(
                 "api.max_workflow_steps",
+                "must be between 1 and 100000",
+            ));
+        }
+        if !(1..=100_000).contains(&self.max_event_streams) {
+            errors.push(invalid(
+                "api.max_event_streams",
                 "must be between 1 and 100000",
             ));
         }

@@ -26,6 +26,7 @@ mod ojs_api_security;
 mod ojs_api_worker;
 mod ojs_clients;
 mod ojs_conformance;
+mod ojs_events;
 mod ojs_grpc;
 mod ojs_server;
 mod ojs_workflows;

@@ -1,0 +1,371 @@
+//! The live event stream (`GET /ojs/v1/events/stream`, Server-Sent
+//! Events): the job store's event log, followed.
+//!
+//! A subscriber is a cursor into the log, not a queue of its own: it takes
+//! the events after its cursor a page at a time ([`PAGE`]) as the client
+//! takes them, so a slow subscriber holds one page and falls behind in the
+//! log instead of holding memory or slowing the server, and every event
+//! comes in the log's order, none lost, also across replicas (they share
+//! the log on PostgreSQL). The newest events are kept once for all
+//! subscribers ([`TAIL`] of them, read from the store by one subscriber at
+//! a time): subscribers that keep up take their pages from there, in
+//! memory, and only one that fell further behind reads the store itself. A client that reconnects with `Last-Event-ID`
+//! (or `?after=`) goes on after that event; when the log no longer holds
+//! what came after it (pruned past `[api] retention`) the stream first says
+//! so with a `system.gap` event. New events wake the readers of this
+//! process at once; those written by another replica are found within a
+//! second. A comment line every 15 s keeps proxies from closing an idle
+//! stream. The number of streams open at once is bounded (`[api]
+//! max_event_streams`); the stream ends when the server drains.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde_json::json;
+
+use crate::auth::{Grant, Operation};
+use crate::error::ApiError;
+use crate::store::EventFilter;
+use crate::Api;
+
+/// Events one read of the log hands a subscriber, at most.
+pub const PAGE: usize = 100;
+/// How often a stream with nothing to send says it is alive.
+const HEARTBEAT: Duration = Duration::from_secs(15);
+/// How often a stream looks at the log without being woken (another
+/// replica's events, the server draining).
+const LOOK: Duration = Duration::from_secs(1);
+
+/// The newest events kept for every subscriber, at most.
+pub const TAIL: usize = 10_000;
+
+/// Streams open now, against `[api] max_event_streams`, and the log's
+/// newest events they share.
+#[derive(Debug, Default)]
+pub struct Streams {
+    open: AtomicUsize,
+    tail: tokio::sync::RwLock<Tail>,
+    /// One subscriber at a time reads the store for the tail.
+    refreshing: tokio::sync::Mutex<()>,
+}
+
+/// The log's newest events, unfiltered, as read.
+#[derive(Debug, Default)]
+struct Tail {
+    events: std::collections::VecDeque<crate::store::Event>,
+    /// Where the next read of the log starts (the last position read);
+    /// `None` until the first.
+    read_to: Option<i64>,
+    /// When it was last read.
+    read_at: Option<Instant>,
+}
+
+impl Tail {
+    /// The events `filter` admits after its cursor, at most a page, and
+    /// the cursor after them; `None` when the tail does not reach back to
+    /// the cursor (the subscriber reads the store).
+    fn page(&self, filter: &EventFilter) -> Option<(Vec<crate::store::Event>, i64)> {
+        let read_to = self.read_to?;
+        let first = self.events.front().map_or(read_to + 1, |e| e.seq);
+        if filter.after + 1 < first && filter.after < read_to {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut cursor = filter.after.max(read_to.min(filter.after));
+        for e in self.events.iter().filter(|e| e.seq > filter.after) {
+            if out.len() == PAGE {
+                return Some((out, cursor));
+            }
+            cursor = e.seq;
+            if filter.admits(e) {
+                out.push(e.clone());
+            }
+        }
+        Some((out, read_to.max(filter.after)))
+    }
+}
+
+impl Streams {
+    /// Reads what the log holds after the tail, unless another subscriber
+    /// did since `woken`.
+    /// A subscriber that only looks again (no write woke it) takes a tail
+    /// read within the last half second: a thousand of them looking each
+    /// second do not read the store a thousand times.
+    async fn refresh(&self, api: &Api, woken: Instant, by_write: bool) -> Result<(), ApiError> {
+        let _one = self.refreshing.lock().await;
+        let from = {
+            let tail = self.tail.read().await;
+            let recent = |at: Instant| at >= woken || (!by_write && at.elapsed() < LOOK / 2);
+            if tail.read_at.is_some_and(recent) {
+                return Ok(());
+            }
+            tail.read_to
+        };
+        let mut read = Vec::new();
+        let mut to = match from {
+            Some(to) => to,
+            // The first read starts at the log's end.
+            None => api.store.run(|tx| tx.event_bounds()).await?.1.unwrap_or(0),
+        };
+        let began = Instant::now();
+        loop {
+            let page = api
+                .store
+                .events(EventFilter {
+                    after: to,
+                    limit: 1_000,
+                    ..EventFilter::default()
+                })
+                .await?;
+            to = page.cursor.max(to);
+            read.extend(page.events);
+            if !page.has_more || read.len() >= TAIL {
+                break;
+            }
+        }
+        let mut tail = self.tail.write().await;
+        tail.events.extend(read);
+        while tail.events.len() > TAIL {
+            tail.events.pop_front();
+        }
+        tail.read_to = Some(to);
+        tail.read_at = Some(began);
+        Ok(())
+    }
+}
+
+/// One open stream's place in [`Streams`]; freed when dropped.
+struct Slot(Arc<Api>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.streams.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Reads `Last-Event-ID` (or `after`): this server's `evt_<n>` or `<n>`.
+pub fn cursor_of(id: &str) -> Option<i64> {
+    id.trim()
+        .strip_prefix("evt_")
+        .unwrap_or(id.trim())
+        .parse()
+        .ok()
+}
+
+fn frame(id: Option<&str>, event: &str, data: &serde_json::Value) -> Bytes {
+    let mut text = String::new();
+    if let Some(id) = id {
+        text.push_str("id: ");
+        text.push_str(id);
+        text.push('\n');
+    }
+    text.push_str("event: ");
+    text.push_str(event);
+    text.push_str("\ndata: ");
+    text.push_str(&data.to_string());
+    text.push_str("\n\n");
+    Bytes::from(text)
+}
+
+impl Api {
+    /// Opens a stream of the events `filter` selects, after `after` (0:
+    /// from now on). The stream yields SSE text frames.
+    pub async fn event_stream(
+        self: &Arc<Self>,
+        grant: &Grant<'_>,
+        mut filter: EventFilter,
+        after: Option<i64>,
+    ) -> Result<impl tokio_stream::Stream<Item = Bytes> + Send + 'static, ApiError> {
+        grant.allow(Operation::Read)?;
+        filter.scope = grant.scope().to_vec();
+        filter.limit = PAGE;
+        let limit = self.settings.max_event_streams;
+        if self.streams.open.fetch_add(1, Ordering::SeqCst) >= limit {
+            self.streams.open.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::StreamLimit { limit });
+        }
+        let slot = Slot(self.clone());
+        // From now on, unless the client says where it was.
+        let (oldest, newest) = self.store.run(|tx| tx.event_bounds()).await?;
+        let (start, gap) = match after {
+            Some(after) => (after, oldest.filter(|o| *o > after + 1).map(|o| (after, o))),
+            None => (newest.unwrap_or(0), None),
+        };
+        let api = self.clone();
+        let stream = async_stream(slot, api, filter, start, gap);
+        Ok(stream)
+    }
+}
+
+/// The stream itself: pages of the log after the cursor, as SSE frames.
+fn async_stream(
+    slot: Slot,
+    api: Arc<Api>,
+    mut filter: EventFilter,
+    start: i64,
+    gap: Option<(i64, i64)>,
+) -> impl tokio_stream::Stream<Item = Bytes> + Send + 'static {
+    struct State {
+        _slot: Slot,
+        api: Arc<Api>,
+        filter: EventFilter,
+        pending: std::collections::VecDeque<Bytes>,
+        quiet_since: Instant,
+        /// When it last woke to look (the tail read after that serves it).
+        woken: Instant,
+        /// Whether a write woke it.
+        by_write: bool,
+        done: bool,
+    }
+    filter.after = start;
+    let mut pending = std::collections::VecDeque::new();
+    pending.push_back(Bytes::from_static(b"retry: 3000\n\n"));
+    if let Some((after, oldest)) = gap {
+        pending.push_back(frame(
+            None,
+            "system.gap",
+            &json!({"type": "system.gap", "data": {"gap_start": after + 1, "gap_end": oldest - 1,
+                    "estimated_missed_count": oldest - 1 - after}}),
+        ));
+    }
+    let state = State {
+        _slot: slot,
+        api,
+        filter,
+        pending,
+        quiet_since: Instant::now(),
+        woken: Instant::now(),
+        by_write: true,
+        done: false,
+    };
+    futures::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(next) = s.pending.pop_front() {
+                return Some((next, s));
+            }
+            if s.done {
+                return None;
+            }
+            if s.api.is_draining() {
+                s.done = true;
+                s.pending.push_back(frame(
+                    None,
+                    "server.shutdown",
+                    &json!({"type": "server.shutdown", "data": {"reason": "the server is stopping"}}),
+                ));
+                continue;
+            }
+            // Registered before the read: a write while it runs wakes the
+            // wait below.
+            let api = s.api.clone();
+            let written = api.store.written();
+            let woken = s.woken;
+            if let Err(e) = api.streams.refresh(&api, woken, s.by_write).await {
+                tracing::debug!(error = %e, "reading the event log's tail failed; tried again");
+            }
+            let shared = api.streams.tail.read().await.page(&s.filter);
+            let page = match shared {
+                Some((events, cursor)) => Ok(crate::store::EventPage {
+                    has_more: events.len() == PAGE,
+                    events,
+                    cursor,
+                }),
+                // Behind the tail: from the store.
+                None => s.api.store.events(s.filter.clone()).await,
+            };
+            match page {
+                Ok(page) => {
+                    s.filter.after = page.cursor.max(s.filter.after);
+                    for e in page.events {
+                        let id = e.body["id"].as_str().unwrap_or_default().to_owned();
+                        let kind = e.body["type"].as_str().unwrap_or("event").to_owned();
+                        s.pending.push_back(frame(Some(&id), &kind, &e.body));
+                    }
+                    if !s.pending.is_empty() || page.has_more {
+                        s.quiet_since = Instant::now();
+                        continue;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "reading the event log for a stream failed; tried again");
+                }
+            }
+            if s.quiet_since.elapsed() >= HEARTBEAT {
+                s.quiet_since = Instant::now();
+                return Some((Bytes::from_static(b":heartbeat\n\n"), s));
+            }
+            s.by_write = tokio::select! {
+                () = written => true,
+                () = tokio::time::sleep(LOOK) => false,
+            };
+            s.woken = Instant::now();
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Event;
+
+    fn tail(seqs: std::ops::RangeInclusive<i64>, read_to: i64) -> Tail {
+        Tail {
+            events: seqs
+                .map(|seq| Event {
+                    seq,
+                    body: json!({"type": if seq % 2 == 0 { "job.completed" } else { "job.started" },
+                                 "queue": "q", "job_type": "t"}),
+                })
+                .collect(),
+            read_to: Some(read_to),
+            read_at: None,
+        }
+    }
+
+    fn after(n: i64) -> EventFilter {
+        EventFilter {
+            after: n,
+            ..EventFilter::default()
+        }
+    }
+
+    #[test]
+    fn a_subscriber_takes_from_the_tail_what_it_reaches_and_reads_the_store_for_the_rest() {
+        let t = tail(5..=14, 20);
+        let (events, cursor) = t.page(&after(4)).unwrap();
+        assert_eq!(
+            (events.len(), cursor),
+            (10, 20),
+            "all of it, up to what was read"
+        );
+        assert!(t.page(&after(2)).is_none(), "3 and 4 are not in the tail");
+        let (events, cursor) = t.page(&after(20)).unwrap();
+        assert_eq!((events.len(), cursor), (0, 20), "caught up");
+        let mut only = after(4);
+        only.types = vec!["job.completed".into()];
+        let (events, _) = t.page(&only).unwrap();
+        assert_eq!(
+            events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            [6, 8, 10, 12, 14]
+        );
+        assert!(Tail::default().page(&after(0)).is_none(), "not read yet");
+    }
+
+    #[test]
+    fn a_page_holds_at_most_its_size_and_its_cursor_is_the_last_event_taken() {
+        let t = tail(1..=250, 250);
+        let (events, cursor) = t.page(&after(0)).unwrap();
+        assert_eq!((events.len(), cursor), (PAGE, 100));
+        let (events, cursor) = t.page(&after(cursor)).unwrap();
+        assert_eq!((events.first().map(|e| e.seq), cursor), (Some(101), 200));
+    }
+
+    #[test]
+    fn last_event_ids_read_as_positions() {
+        assert_eq!(cursor_of("evt_0000000000001843"), Some(1843));
+        assert_eq!(cursor_of(" 17 "), Some(17));
+        assert_eq!(cursor_of("evt_x"), None);
+    }
+}
