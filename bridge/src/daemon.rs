@@ -543,6 +543,11 @@ impl Daemon {
                 },
                 grpc: self.grpc.clone(),
                 api: self.api.clone(),
+                admin_ui: http_config.admin_ui_dir.as_ref().and_then(|dir| {
+                    std::fs::canonicalize(dir)
+                        .map_err(|e| tracing::warn!(dir = %dir.display(), error = %e, "the admin UI's directory cannot be read; not served"))
+                        .ok()
+                }),
             });
             if let Ok(addr) = listener.local_addr() {
                 tracing::info!(%addr, token = state.token.is_some(), tls = self.tls.as_ref().map_or("off", |t| if t.mutual { "mutual" } else { "on" }), "health on /ojs/v1/health, metrics on /metrics");

@@ -160,6 +160,70 @@ pub struct HttpState {
     /// The OJS gRPC binding and its companions, with `[api]`: calls come
     /// over HTTP/2 on the same listener.
     pub grpc: Option<ojs_api::grpc::GrpcServices>,
+    /// The built admin UI served at `/ojs/admin/` (`http.admin_ui_dir`,
+    /// resolved), when there is one.
+    pub admin_ui: Option<std::path::PathBuf>,
+}
+
+/// Where the admin UI is served.
+const ADMIN_UI: &str = "/ojs/admin";
+
+/// A file of the admin UI for `path` (under [`ADMIN_UI`]): the file the
+/// path names inside `root`, or `index.html` for a path of the app's own
+/// (no extension: the single-page app routes it); 404 for a missing asset
+/// and for any path that would leave `root` (`..`, a link out of it).
+async fn admin_ui_file(root: &std::path::Path, path: &str) -> Response<Full<Bytes>> {
+    let not_found = || response(StatusCode::NOT_FOUND, "text/plain", "not found\n");
+    let rest = path
+        .strip_prefix(ADMIN_UI)
+        .unwrap_or_default()
+        .trim_start_matches('/');
+    let segments: Vec<&str> = rest.split('/').filter(|s| !s.is_empty()).collect();
+    if segments
+        .iter()
+        .any(|s| *s == ".." || *s == "." || s.contains('\\') || s.contains('\0'))
+    {
+        return not_found();
+    }
+    let named = segments.iter().fold(root.to_path_buf(), |p, s| p.join(s));
+    let wanted = if segments.is_empty() {
+        root.join("index.html")
+    } else {
+        named
+    };
+    let file = match tokio::fs::canonicalize(&wanted).await {
+        Ok(found) if found.starts_with(root) && found.is_file() => found,
+        // An app route (no extension) is the app's: its index.
+        _ if segments.last().is_none_or(|s| !s.contains('.')) => root.join("index.html"),
+        _ => return not_found(),
+    };
+    let Ok(body) = tokio::fs::read(&file).await else {
+        return not_found();
+    };
+    let content_type = match file.extension().and_then(|e| e.to_str()).unwrap_or("") {
+        "html" => "text/html; charset=utf-8",
+        "js" | "mjs" => "text/javascript; charset=utf-8",
+        "css" => "text/css; charset=utf-8",
+        "json" | "map" => "application/json",
+        "svg" => "image/svg+xml",
+        "png" => "image/png",
+        "ico" => "image/x-icon",
+        "woff2" => "font/woff2",
+        "woff" => "font/woff",
+        "txt" => "text/plain; charset=utf-8",
+        _ => "application/octet-stream",
+    };
+    let mut r = response(StatusCode::OK, content_type, body);
+    // The index names the assets of each build: it is always asked again.
+    let cache = if file.ends_with("index.html") {
+        "no-cache"
+    } else {
+        "public, max-age=3600"
+    };
+    if let Ok(v) = cache.parse() {
+        r.headers_mut().insert(hyper::header::CACHE_CONTROL, v);
+    }
+    r
 }
 
 /// Every answer's body: the HTTP answers are whole, gRPC ones stream.
@@ -213,6 +277,13 @@ async fn handle(
         .into_http());
     }
     let path = req.uri().path().to_owned();
+    if let Some(root) = &state.admin_ui {
+        if (path == ADMIN_UI || path.starts_with("/ojs/admin/"))
+            && matches!(*req.method(), Method::GET | Method::HEAD)
+        {
+            return Ok(admin_ui_file(root, &path).await.map(AnswerBody::new));
+        }
+    }
     if let Some(api) = &state.api {
         if ojs_api::http::is_event_stream(req.method(), &path) {
             let request_id = ojs_api::http::request_id(req.headers());

@@ -413,6 +413,17 @@ impl Blueprint {
                         None
                     }
                 });
+        if let Some(dir) = &config.http.admin_ui_dir {
+            if !dir.join("index.html").is_file() {
+                errors.push(crate::config::invalid(
+                    "http.admin_ui_dir",
+                    format!(
+                        "{} holds no index.html (it is the directory of a built admin UI)",
+                        dir.display()
+                    ),
+                ));
+            }
+        }
         let http_token = config.http.token_file.as_ref().and_then(|path| {
             crate::config::read_token_file("http.token_file", path)
                 .map_err(|e| errors.push(e))

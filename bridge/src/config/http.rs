@@ -50,6 +50,11 @@ pub struct HttpConfig {
     /// Longest wait for one adapter's health answer. Default `3s`.
     #[serde(default = "default_http_health_timeout", with = "duration_text")]
     pub health_timeout: Duration,
+    /// A directory holding a built OJS admin UI (its `index.html` and
+    /// assets), served at `/ojs/admin/` with the single-page fallback.
+    /// Default: none (not served).
+    #[serde(default)]
+    pub admin_ui_dir: Option<PathBuf>,
 }
 
 impl Default for HttpConfig {
@@ -65,6 +70,7 @@ impl Default for HttpConfig {
             max_connections: default_max_connections(),
             health_interval: default_http_health_interval(),
             health_timeout: default_http_health_timeout(),
+            admin_ui_dir: None,
         }
     }
 }

@@ -587,3 +587,89 @@ async fn two_deployments_on_one_rabbitmq_broker_never_take_each_other_s_jobs() {
     };
     two_deployments_keep_apart(&config, Duration::from_secs(3)).await;
 }
+
+/// `[http] admin_ui_dir`: a built admin UI served at `/ojs/admin/` — its
+/// files with their types, the app's own routes as its index, nothing
+/// outside the directory, a missing asset 404; a directory without an
+/// index refused at the start, naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_ui_is_served_from_its_directory_with_the_app_s_fallback() {
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("ojs-admin-ui");
+    let ui = dir.path().join("ui");
+    std::fs::create_dir_all(ui.join("assets")).unwrap();
+    std::fs::write(
+        ui.join("index.html"),
+        "<!doctype html><title>OJS admin</title>",
+    )
+    .unwrap();
+    std::fs::write(ui.join("assets/app.js"), "console.log('ojs')").unwrap();
+    std::fs::write(dir.path().join("secret.txt"), "outside").unwrap();
+    let config = format!(
+        "[http]\nadmin_ui_dir = \"{}\"\n[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n",
+        ui.display()
+    );
+    let server = OjsServer::start(Some(&config)).await;
+    let addr = server.addr;
+    for path in [
+        "/ojs/admin/",
+        "/ojs/admin",
+        "/ojs/admin/queues",
+        "/ojs/admin/jobs/019a",
+    ] {
+        let a = get(addr, path).await;
+        assert_eq!(a.status, 200, "{path}");
+        assert_eq!(
+            a.header("content-type").as_deref(),
+            Some("text/html; charset=utf-8"),
+            "{path}"
+        );
+        assert!(
+            String::from_utf8_lossy(&a.body).contains("OJS admin"),
+            "{path}"
+        );
+    }
+    let js = get(addr, "/ojs/admin/assets/app.js").await;
+    assert_eq!(
+        (js.status, js.header("content-type").as_deref()),
+        (200, Some("text/javascript; charset=utf-8"))
+    );
+    assert_eq!(&js.body[..], b"console.log('ojs')");
+    for path in [
+        "/ojs/admin/assets/missing.js",
+        "/ojs/admin/../secret.txt",
+        "/ojs/admin/%2e%2e/secret.txt",
+        "/ojs/admin/assets/../../secret.txt",
+    ] {
+        let a = get(addr, path).await;
+        assert!(
+            !String::from_utf8_lossy(&a.body).contains("outside"),
+            "{path}: served a file outside"
+        );
+        assert_ne!(
+            a.header("content-type").as_deref(),
+            Some("text/javascript; charset=utf-8"),
+            "{path}"
+        );
+    }
+    assert_eq!(get(addr, "/ojs/admin/assets/missing.js").await.status, 404);
+    // The API beside it is the API.
+    assert_eq!(get(addr, "/ojs/manifest").await.status, 200);
+    server.stop();
+
+    // Without an index: the start stops, naming the field.
+    std::fs::remove_file(ui.join("index.html")).unwrap();
+    std::fs::write(dir.path().join("bridge.toml"), &config).unwrap();
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+        .current_dir(dir.path())
+        .env("OJS_BRIDGE_HTTP_LISTEN", "127.0.0.1:0")
+        .args(["run", "--config"])
+        .arg(dir.path().join("bridge.toml"))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("http.admin_ui_dir"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}
