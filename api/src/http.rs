@@ -513,7 +513,7 @@ async fn route(
             json_only(request.headers())?;
             worker_admin_route(api, &grant, request, rest, request_id).await
         }
-        (_, ["admin", rest @ ("stats" | "queues" | "jobs"), more @ ..]) => {
+        (_, ["admin", rest @ ("stats" | "queues" | "jobs" | "system"), more @ ..]) => {
             json_only(request.headers())?;
             let body = if *method == Method::POST {
                 let raw = std::mem::take(&mut body);
@@ -561,7 +561,7 @@ fn unserved_feature(segments: &[&str]) -> Option<&'static str> {
                 "workers" | "dead-letter" | "stats" | "queues" | "jobs"
             ) =>
         {
-            Some("admin endpoints other than stats, queues, jobs, workers and dead letters")
+            Some("admin endpoints other than stats, queues, jobs, maintenance, workers and dead letters")
         }
         ["ws", ..] => Some("WebSocket event streams"),
         _ => None,
@@ -986,6 +986,44 @@ async fn admin_route(
                 request_id,
             ))
         }
+        ("system", ["maintenance"]) => {
+            let state = match method {
+                Method::GET => api.read_maintenance(grant).await?,
+                Method::POST => {
+                    let body = body.unwrap_or(Value::Null);
+                    let enabled = match body.get("enabled") {
+                        Some(Value::Bool(b)) => *b,
+                        _ => return Err(ApiError::invalid("enabled", "is required: true or false")),
+                    };
+                    let reason = match body.get("reason") {
+                        None | Some(Value::Null) => None,
+                        Some(Value::String(r)) => Some(r.clone()),
+                        Some(_) => return Err(ApiError::invalid("reason", "must be a string")),
+                    };
+                    let expected = ["duration", "estimated_duration"]
+                        .iter()
+                        .find_map(|k| body.get(*k).filter(|v| !v.is_null()).map(|v| (*k, v)))
+                        .map(|(k, v)| expected_duration(k, v))
+                        .transpose()?;
+                    api.set_maintenance(grant, enabled, reason, expected).await?
+                }
+                _ => return Err(not_allowed("GET, POST")),
+            };
+            let t = |at: Option<chrono::DateTime<chrono::Utc>>| at.map(crate::job::timestamp);
+            Ok(json_response(
+                200,
+                &json!({
+                    "enabled": state.enabled,
+                    "maintenance": state.enabled,
+                    "reason": state.reason,
+                    "started_at": t(state.started_at),
+                    "enabled_at": t(state.started_at),
+                    "ends_at": t(state.ends_at),
+                    "estimated_end": t(state.ends_at),
+                }),
+                request_id,
+            ))
+        }
         ("queues", []) => {
             if method != Method::GET {
                 return Err(not_allowed("GET"));
@@ -1131,12 +1169,44 @@ async fn admin_route(
             let job = api.retry_dead_letter(grant, id).await?;
             Ok(json_response(200, &admin_job(&job), request_id))
         }
-        // The rest of the admin API (queue configuration, maintenance, the
-        // reset) is not served yet.
+        // The rest of the admin API (queue configuration, the reset) is not
+        // served yet.
         _ => Err(ApiError::Unsupported {
-            feature: "admin endpoints other than stats, queues, jobs, workers and dead letters",
+            feature: "admin endpoints other than stats, queues, jobs, maintenance, workers and dead letters",
         }),
     }
+}
+
+/// How long a maintenance is expected to last: seconds, or a number and a
+/// unit (`90s`, `15m`, `2h`, `1d`), at most a week.
+fn expected_duration(field: &str, v: &Value) -> Result<Duration, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            field,
+            "is seconds, or a number with s, m, h or d (`15m`), at most a week",
+        )
+    };
+    let seconds = match v {
+        Value::Number(n) => n.as_u64().ok_or_else(bad)?,
+        Value::String(t) => {
+            let t = t.trim();
+            let (n, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+            let n: u64 = n.parse().map_err(|_| bad())?;
+            let per = match unit {
+                "" | "s" => 1,
+                "m" => 60,
+                "h" => 3_600,
+                "d" => 86_400,
+                _ => return Err(bad()),
+            };
+            n.checked_mul(per).ok_or_else(bad)?
+        }
+        _ => return Err(bad()),
+    };
+    if seconds > 7 * 86_400 {
+        return Err(bad());
+    }
+    Ok(Duration::from_secs(seconds))
 }
 
 /// A job as the admin UI's job page reads it: the job's fields at the top

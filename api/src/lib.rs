@@ -23,6 +23,7 @@ pub mod grpc;
 pub mod http;
 pub mod job;
 pub mod limits;
+pub mod maintenance;
 pub mod manifest;
 pub mod metrics;
 pub mod model;
@@ -215,6 +216,8 @@ pub struct Api {
     /// The figures `/metrics` shows (the store records its own latency).
     metrics: Arc<metrics::ApiMetrics>,
     /// Broker copies of dead letters to remove (the store is the record).
+    /// Maintenance mode as this process follows it.
+    maintenance: Mutex<maintenance::Maintenance>,
     /// Live event streams open now.
     streams: events::Streams,
     broker_copies: dead::BrokerCopies,
@@ -333,6 +336,7 @@ impl Api {
             metrics,
             broker_copies: dead::BrokerCopies::default(),
             streams: events::Streams::default(),
+            maintenance: Mutex::new(maintenance::Maintenance::default()),
             settings,
             clock,
         }))
@@ -725,6 +729,7 @@ impl Api {
         tokio::spawn(self.clone().publish_readied(stop.clone()));
         self.recover().await;
         self.refresh_directives().await;
+        self.refresh_maintenance().await;
         let mut last_prune = Instant::now();
         let mut last_recover = Instant::now();
         let mut last_ping = Instant::now();
@@ -760,8 +765,16 @@ impl Api {
                     // Directives another replica was given.
                     self.refresh_directives().await;
                 }
+                // Maintenance switched through another replica.
+                self.refresh_maintenance().await;
             }
-            let wait = match self.publish_due().await {
+            let due = if self.in_maintenance() {
+                // Held: scheduled jobs wait in the store.
+                Ok(false)
+            } else {
+                self.publish_due().await
+            };
+            let wait = match due {
                 Ok(true) => Duration::ZERO,
                 Ok(false) => match self.store.next_due().await {
                     Ok(Some(at)) => (at - self.clock.now())

@@ -338,7 +338,7 @@ pub fn http_route(method: &str, path: &str) -> &'static str {
         ["events", ..] => "events",
         ["cron" | "crons", ..] => "cron",
         ["workflows", ..] => "workflows",
-        ["admin", "stats" | "queues" | "jobs", ..] => "admin",
+        ["admin", "stats" | "queues" | "jobs" | "system", ..] => "admin",
         ["admin", ..] => "unsupported",
         _ => "unknown",
     }

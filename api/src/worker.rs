@@ -447,7 +447,7 @@ impl Api {
                 return Err(ApiError::QueueNotServed { queue: q.clone() });
             }
         }
-        if self.is_draining() {
+        if self.is_draining() || self.in_maintenance() {
             return Ok(Vec::new());
         }
         // A worker told to be quiet or to terminate gets nothing more (it
@@ -541,7 +541,11 @@ impl Api {
                     limited_until = Some(limited_until.map_or(at, |u: DateTime<Utc>| u.min(at)));
                 }
             }
-            if !out.is_empty() || Instant::now() >= until || self.is_draining() {
+            if !out.is_empty()
+                || Instant::now() >= until
+                || self.is_draining()
+                || self.in_maintenance()
+            {
                 return Ok(out);
             }
             // Jobs over their rate limit went back: the next look is when

@@ -471,3 +471,93 @@ async fn bulk_operations_need_confirmation_and_stay_inside_the_token_s_queues() 
         "{deleted}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maintenance_holds_fetch_and_takes_pushes_until_it_is_switched_off() {
+    let s = server().await;
+    let (status, state) = s
+        .call("root", "GET", "/ojs/v1/admin/system/maintenance", None)
+        .await;
+    assert_eq!(
+        (status, state["enabled"].as_bool()),
+        (200, Some(false)),
+        "{state}"
+    );
+    let (status, on) = s
+        .call(
+            "root",
+            "POST",
+            "/ojs/v1/admin/system/maintenance",
+            Some(json!({"enabled": true, "reason": "broker upgrade", "duration": "15m"})),
+        )
+        .await;
+    assert_eq!(status, 200, "{on}");
+    assert_eq!(
+        (
+            on["enabled"].as_bool(),
+            on["maintenance"].as_bool(),
+            on["reason"].as_str()
+        ),
+        (Some(true), Some(true), Some("broker upgrade"))
+    );
+    assert!(
+        on["started_at"].is_string()
+            && on["ends_at"].is_string()
+            && on["estimated_end"].is_string(),
+        "{on}"
+    );
+    // PUSH lands; FETCH hands out nothing.
+    let pushed = s.push("mail.send", "mail", 1).await;
+    let grant = s.api.tokens().identify(Some("Bearer secret-root")).unwrap();
+    let fetch = || Fetch {
+        queues: vec!["mail".into()],
+        count: 1,
+        worker_id: None,
+        visibility: None,
+        wait: Duration::from_secs(2),
+    };
+    let began = std::time::Instant::now();
+    assert!(s.api.fetch(&grant, fetch()).await.unwrap().is_empty());
+    assert!(
+        began.elapsed() < Duration::from_secs(2),
+        "answered without waiting out the FETCH"
+    );
+    // Only a token for every queue switches it.
+    let (status, _) = s
+        .call(
+            "team",
+            "POST",
+            "/ojs/v1/admin/system/maintenance",
+            Some(json!({"enabled": false})),
+        )
+        .await;
+    assert_eq!(status, 403);
+    let (status, bad) = s
+        .call(
+            "root",
+            "POST",
+            "/ojs/v1/admin/system/maintenance",
+            Some(json!({"enabled": true, "duration": "3 weeks"})),
+        )
+        .await;
+    assert_eq!(
+        (status, bad["error"]["details"]["attribute"].as_str()),
+        (400, Some("duration"))
+    );
+    let (status, off) = s
+        .call(
+            "root",
+            "POST",
+            "/ojs/v1/admin/system/maintenance",
+            Some(json!({"enabled": false})),
+        )
+        .await;
+    assert_eq!((status, off["enabled"].as_bool()), (200, Some(false)));
+    let got = s.api.fetch(&grant, fetch()).await.unwrap();
+    assert_eq!(
+        got.iter()
+            .map(|j| j.envelope.id.clone())
+            .collect::<Vec<_>>(),
+        pushed
+    );
+}

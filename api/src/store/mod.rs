@@ -489,6 +489,11 @@ pub trait Tx {
     fn workflow(&mut self, id: &str) -> Result<Option<Workflow>, StoreError>;
     /// Writes a workflow's record.
     fn save_workflow(&mut self, workflow: &Workflow) -> Result<(), StoreError>;
+    /// A setting of the server kept in the store, shared by replicas
+    /// (`maintenance`).
+    fn system(&mut self, key: &str) -> Result<Option<String>, StoreError>;
+    /// Writes (or, with `None`, removes) a setting of the server.
+    fn set_system(&mut self, key: &str, value: Option<&str>) -> Result<(), StoreError>;
     /// Removes a workflow's record (not its jobs).
     fn delete_workflow(&mut self, id: &str) -> Result<(), StoreError>;
     /// Workflows, newest first (only those in `state` when given).

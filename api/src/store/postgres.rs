@@ -147,6 +147,10 @@ CREATE TABLE workflows (
 CREATE INDEX workflows_by_state ON workflows (state, created_ms);
 CREATE INDEX workflows_by_created ON workflows (created_ms);
 CREATE INDEX workflows_finished ON workflows (finished_ms) WHERE finished_ms IS NOT NULL;
+CREATE TABLE system (
+    key   text PRIMARY KEY,
+    value text NOT NULL
+);
 ";
 
 /// How to reach PostgreSQL.
@@ -1077,6 +1081,23 @@ impl Tx for PostgresTx<'_, '_> {
                 ],
             )
             .map_err(pg)?;
+        Ok(())
+    }
+
+    fn system(&mut self, key: &str) -> Result<Option<String>, StoreError> {
+        Ok(self
+            .t
+            .query_opt(sql::SYSTEM.postgres, &[&key])
+            .map_err(pg)?
+            .map(|r| r.get(0)))
+    }
+
+    fn set_system(&mut self, key: &str, value: Option<&str>) -> Result<(), StoreError> {
+        match value {
+            Some(v) => self.t.execute(sql::SET_SYSTEM.postgres, &[&key, &v]),
+            None => self.t.execute(sql::DELETE_SYSTEM.postgres, &[&key]),
+        }
+        .map_err(pg)?;
         Ok(())
     }
 

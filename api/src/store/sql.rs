@@ -94,6 +94,19 @@ shared!(
 );
 
 shared!(
+    /// A setting of the server kept in the store (maintenance).
+    SYSTEM = "SELECT value FROM system WHERE key = $1"
+);
+shared!(
+    /// Writes a setting of the server.
+    SET_SYSTEM = "INSERT INTO system (key, value) VALUES ($1, $2)
+     ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+);
+shared!(
+    /// Removes a setting of the server.
+    DELETE_SYSTEM = "DELETE FROM system WHERE key = $1"
+);
+shared!(
     /// Stored jobs by queue and state.
     COUNTS_BY_QUEUE = "SELECT queue, state, count(*) FROM jobs GROUP BY queue, state"
 );

@@ -120,6 +120,10 @@ CREATE TABLE IF NOT EXISTS workflows (
 CREATE INDEX IF NOT EXISTS workflows_by_state ON workflows (state, created_ms);
 CREATE INDEX IF NOT EXISTS workflows_by_created ON workflows (created_ms);
 CREATE INDEX IF NOT EXISTS workflows_finished ON workflows (finished_ms) WHERE finished_ms IS NOT NULL;
+CREATE TABLE IF NOT EXISTS system (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 ";
 
 /// From version 1: the broker-confirmed mark of each row becomes the
@@ -862,6 +866,28 @@ impl Tx for SqliteTx<'_> {
                 workflow.finished_at.map(ms),
                 record_text(&workflow.id, workflow)?
             ])?;
+        Ok(())
+    }
+
+    fn system(&mut self, key: &str) -> Result<Option<String>, StoreError> {
+        Ok(self
+            .conn
+            .prepare_cached(sql::SYSTEM.sqlite)?
+            .query_row(params![key], |r| r.get(0))
+            .optional()?)
+    }
+
+    fn set_system(&mut self, key: &str, value: Option<&str>) -> Result<(), StoreError> {
+        match value {
+            Some(v) => self
+                .conn
+                .prepare_cached(sql::SET_SYSTEM.sqlite)?
+                .execute(params![key, v])?,
+            None => self
+                .conn
+                .prepare_cached(sql::DELETE_SYSTEM.sqlite)?
+                .execute(params![key])?,
+        };
         Ok(())
     }
 
