@@ -444,6 +444,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
         .execute(&format!(
             "SET search_path TO \"{schema}\"; DROP TABLE workers; DROP TABLE unique_keys;
              DROP TABLE crons; DROP TABLE paused_queues; DROP TABLE rate_windows; DROP TABLE leaders;
+             DROP TABLE workflows; DROP TABLE system;
              DELETE FROM schema_version; INSERT INTO schema_version (version) VALUES (1);"
         ))
         .unwrap();
@@ -453,7 +454,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             .schema
             .count("SELECT max(version)::bigint FROM schema_version")
             .unwrap(),
-        4
+        5
     );
     let beat = post_json(
         server.addr,
@@ -479,6 +480,14 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             .count("SELECT count(*) FROM paused_queues")
             .unwrap(),
         1
+    );
+    assert_eq!(
+        setup
+            .schema
+            .count("SELECT count(*) FROM workflows")
+            .unwrap(),
+        0,
+        "version 5's tables are there"
     );
     for id in &sent {
         let a = get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
