@@ -509,6 +509,18 @@ async fn route(
             };
             cron_route(api, &grant, request, root, rest, body, request_id).await
         }
+        (_, ["admin", "reset"]) => {
+            if *method != Method::POST {
+                return Err(not_allowed("POST"));
+            }
+            json_only(request.headers())?;
+            let drained = api.reset(&grant).await?;
+            Ok(json_response(
+                200,
+                &json!({"reset": true, "drained": drained}),
+                request_id,
+            ))
+        }
         (_, ["admin", "workers", rest @ ..]) => {
             json_only(request.headers())?;
             worker_admin_route(api, &grant, request, rest, request_id).await
@@ -1169,8 +1181,8 @@ async fn admin_route(
             let job = api.retry_dead_letter(grant, id).await?;
             Ok(json_response(200, &admin_job(&job), request_id))
         }
-        // The rest of the admin API (queue configuration, the reset) is not
-        // served yet.
+        // The rest of the admin API (queue configuration) is not served
+        // yet.
         _ => Err(ApiError::Unsupported {
             feature: "admin endpoints other than stats, queues, jobs, maintenance, workers and dead letters",
         }),

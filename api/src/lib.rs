@@ -149,6 +149,9 @@ pub struct ApiSettings {
     pub max_workflow_steps: usize,
     /// Most live event streams open at once.
     pub max_event_streams: usize,
+    /// Whether `POST /ojs/v1/admin/reset` may empty the store and its
+    /// queues (test runs only).
+    pub allow_reset: bool,
     /// Most bytes of results one workflow job is given (`parent_results`):
     /// the results of the nearest steps that fit, `null` for older ones.
     pub max_parent_results_bytes: usize,
@@ -180,6 +183,7 @@ impl Default for ApiSettings {
             max_crons: 1_000,
             max_workflow_steps: 1_000,
             max_event_streams: 1_000,
+            allow_reset: false,
             max_parent_results_bytes: 1 << 20,
         }
     }

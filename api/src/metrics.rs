@@ -338,7 +338,7 @@ pub fn http_route(method: &str, path: &str) -> &'static str {
         ["events", ..] => "events",
         ["cron" | "crons", ..] => "cron",
         ["workflows", ..] => "workflows",
-        ["admin", "stats" | "queues" | "jobs" | "system", ..] => "admin",
+        ["admin", "stats" | "queues" | "jobs" | "system" | "reset", ..] => "admin",
         ["admin", ..] => "unsupported",
         _ => "unknown",
     }

@@ -129,6 +129,9 @@ struct Feed {
     largest: usize,
 }
 
+/// Longest a reset spends emptying one queue on the broker.
+pub const RESET_DRAIN: Duration = Duration::from_secs(10);
+
 /// The smallest job size a FETCH plans with.
 const SMALLEST_PLANNED: usize = 256;
 /// Jobs a queue's first receive asks for at most, before its jobs' size
@@ -368,6 +371,88 @@ impl Api {
             .values()
             .map(|h| h.queue.clone())
             .collect()
+    }
+
+    /// `POST /ojs/v1/admin/reset` (with `[api] allow_reset`): the store
+    /// emptied, and every queue it knew emptied on the broker (its
+    /// messages received and acked, at most [`RESET_DRAIN`] of time per
+    /// queue), the deliveries this process held acked; for test runs (the
+    /// official OJS runner's `-reset-url`). Answers how many messages
+    /// left the broker.
+    pub async fn reset(&self, grant: &Grant<'_>) -> Result<u64, ApiError> {
+        grant.allow_everywhere(Operation::Admin)?;
+        if !self.settings.allow_reset {
+            return Err(ApiError::PermissionDenied {
+                operation: "reset",
+                scope: "this server ([api] allow_reset is off)".into(),
+            });
+        }
+        let queues: Vec<String> = self
+            .store
+            .queues()
+            .await?
+            .into_iter()
+            .map(|(q, _)| q)
+            .collect();
+        let held: Vec<HeldDelivery> = {
+            let mut held = self
+                .workers()
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            held.drain().map(|(_, h)| h).collect()
+        };
+        for h in held {
+            if let Err(e) = h.delivery.ack().await {
+                tracing::debug!(error = %e, "acking a held delivery at a reset failed; the broker gives it back");
+            }
+        }
+        let mut drained = 0u64;
+        for queue in &queues {
+            let feed = self.feed(queue).await?;
+            let mut feed = feed.lock().await;
+            let until = Instant::now() + RESET_DRAIN;
+            let mut empty = 0;
+            while Instant::now() < until && empty < 2 {
+                let wait = if feed.fresh {
+                    feed.consumer
+                        .ready(JOIN_LIMIT)
+                        .await
+                        .map_err(|source| ApiError::broker(queue, source))?;
+                    first_receive(self.adapter.kind())
+                } else {
+                    Duration::from_millis(200)
+                };
+                feed.fresh = false;
+                let batch = feed
+                    .consumer
+                    .receive(100, wait)
+                    .await
+                    .map_err(|source| ApiError::broker(queue, source))?;
+                if batch.is_empty() {
+                    empty += 1;
+                }
+                for d in batch {
+                    drained += 1;
+                    if let Err(e) = d.ack().await {
+                        tracing::debug!(%queue, error = %e, "acking a message at a reset failed");
+                    }
+                }
+            }
+        }
+        self.store.run(|tx| tx.reset()).await?;
+        self.paused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.refresh_maintenance().await;
+        tracing::info!(
+            queues = queues.len(),
+            drained,
+            token = grant.token_name().unwrap_or(""),
+            "reset: the job store and its queues emptied"
+        );
+        Ok(drained)
     }
 
     /// Closes a queue's consumer in the background.

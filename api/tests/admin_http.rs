@@ -22,6 +22,10 @@ struct Server {
 }
 
 async fn server() -> Server {
+    server_with(|_| {}).await
+}
+
+async fn server_with(adjust: impl FnOnce(&mut ApiSettings)) -> Server {
     let dir = ojs_bridge_tests::tempdir::TempDir::new("ojs-admin-http");
     let token = |name: &str, operations: Vec<Operation>, queues: &[&str]| Token {
         name: name.into(),
@@ -38,6 +42,8 @@ async fn server() -> Server {
         ]),
         ..ApiSettings::default()
     };
+    let mut settings = settings;
+    adjust(&mut settings);
     let adapter = Arc::new(ojs_adapter_memory::MemoryAdapter::new(
         ojs_adapter_memory::MemoryConfig::default(),
     ));
@@ -559,5 +565,69 @@ async fn maintenance_holds_fetch_and_takes_pushes_until_it_is_switched_off() {
             .map(|j| j.envelope.id.clone())
             .collect::<Vec<_>>(),
         pushed
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_empties_the_store_and_its_queues_only_where_it_is_allowed() {
+    let s = server().await;
+    s.push("mail.send", "mail", 2).await;
+    let (status, body) = s.call("root", "POST", "/ojs/v1/admin/reset", None).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (403, Some("permission_denied")),
+        "{body}"
+    );
+    let (_, still) = s.call("root", "GET", "/ojs/v1/admin/stats", None).await;
+    assert_eq!(still["jobs"]["available"], 2, "nothing was touched");
+
+    let s = server_with(|settings| settings.allow_reset = true).await;
+    s.push("mail.send", "mail", 3).await;
+    s.push("report.build", "team.reports", 2).await;
+    s.settle("team.reports", 1, true).await;
+    let (status, _) = s
+        .call(
+            "root",
+            "POST",
+            "/ojs/v1/cron",
+            Some(json!({"name": "nightly", "cron": "0 3 * * *",
+            "type": "report.build", "queue": "team.reports"})),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let (status, _) = s.call("team", "POST", "/ojs/v1/admin/reset", None).await;
+    assert_eq!(status, 403, "a scoped token resets nothing");
+    let (status, reset) = s.call("root", "POST", "/ojs/v1/admin/reset", None).await;
+    assert_eq!(status, 200, "{reset}");
+    assert_eq!(reset["drained"], 4, "what was on the broker: {reset}");
+    let (_, stats) = s.call("root", "GET", "/ojs/v1/admin/stats", None).await;
+    assert_eq!(
+        (
+            stats["queues"].as_u64(),
+            stats["jobs"]["available"].as_u64(),
+            stats["jobs"]["completed"].as_u64()
+        ),
+        (Some(0), Some(0), Some(0)),
+        "{stats}"
+    );
+    let (_, crons) = s.call("root", "GET", "/ojs/v1/cron", None).await;
+    assert_eq!(crons["crons"].as_array().map(Vec::len), Some(0));
+    // The queues are empty on the broker too, and take new jobs.
+    let grant = s.api.tokens().identify(Some("Bearer secret-root")).unwrap();
+    let fetch = |queue: &str| Fetch {
+        queues: vec![queue.into()],
+        count: 10,
+        worker_id: None,
+        visibility: None,
+        wait: Duration::from_millis(300),
+    };
+    assert!(s.api.fetch(&grant, fetch("mail")).await.unwrap().is_empty());
+    let after = s.push("mail.send", "mail", 1).await;
+    let got = s.api.fetch(&grant, fetch("mail")).await.unwrap();
+    assert_eq!(
+        got.iter()
+            .map(|j| j.envelope.id.clone())
+            .collect::<Vec<_>>(),
+        after
     );
 }

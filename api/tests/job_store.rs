@@ -507,6 +507,15 @@ async fn admin_reads_list_count_and_bucket_jobs(store: &Store, _: &Place) {
         .map(|r| r.2)
         .sum();
     assert_eq!(created, 4, "of one queue");
+
+    // A reset empties it all; the schema stays.
+    store.run(|tx| tx.reset()).await.unwrap();
+    let (_, total) = list(JobQuery::default(), 10, 0).await.unwrap();
+    assert_eq!(total, 0);
+    assert!(store.queues().await.unwrap().is_empty());
+    store.insert(vec![plain("after")]).await.unwrap();
+    let (_, total) = list(JobQuery::default(), 10, 0).await.unwrap();
+    assert_eq!(total, 1, "the store takes jobs again");
 }
 
 macro_rules! on_both_backends {

@@ -489,6 +489,9 @@ pub trait Tx {
     fn workflow(&mut self, id: &str) -> Result<Option<Workflow>, StoreError>;
     /// Writes a workflow's record.
     fn save_workflow(&mut self, workflow: &Workflow) -> Result<(), StoreError>;
+    /// Empties every table of jobs, events, workers, cron jobs, workflows
+    /// and settings (`POST /ojs/v1/admin/reset`); the schema stays.
+    fn reset(&mut self) -> Result<(), StoreError>;
     /// A setting of the server kept in the store, shared by replicas
     /// (`maintenance`).
     fn system(&mut self, key: &str) -> Result<Option<String>, StoreError>;

@@ -1084,6 +1084,14 @@ impl Tx for PostgresTx<'_, '_> {
         Ok(())
     }
 
+    fn reset(&mut self) -> Result<(), StoreError> {
+        let tables = sql::RESET_TABLES.join(", ");
+        self.t
+            .batch_execute(&format!("TRUNCATE {tables}"))
+            .map_err(pg)?;
+        Ok(())
+    }
+
     fn system(&mut self, key: &str) -> Result<Option<String>, StoreError> {
         Ok(self
             .t

@@ -93,6 +93,22 @@ shared!(
     WORKERS = "SELECT id, record FROM workers ORDER BY id"
 );
 
+/// The tables a reset empties, in an order foreign keys would allow.
+pub(crate) const RESET_TABLES: [&str; 12] = [
+    "events",
+    "unique_keys",
+    "jobs",
+    "queues",
+    "workers",
+    "crons",
+    "paused_queues",
+    "rate_windows",
+    "leaders",
+    "workflows",
+    "system",
+    "settles",
+];
+
 shared!(
     /// A setting of the server kept in the store (maintenance).
     SYSTEM = "SELECT value FROM system WHERE key = $1"

@@ -869,6 +869,16 @@ impl Tx for SqliteTx<'_> {
         Ok(())
     }
 
+    fn reset(&mut self) -> Result<(), StoreError> {
+        for table in sql::RESET_TABLES {
+            // `settles` is PostgreSQL's alone.
+            if table != "settles" {
+                self.conn.execute(&format!("DELETE FROM {table}"), [])?;
+            }
+        }
+        Ok(())
+    }
+
     fn system(&mut self, key: &str) -> Result<Option<String>, StoreError> {
         Ok(self
             .conn

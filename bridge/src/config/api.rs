@@ -120,6 +120,12 @@ pub struct ApiConfig {
     /// one more is refused (429). Default 1000.
     #[serde(default = "default_max_event_streams")]
     pub max_event_streams: usize,
+    /// Whether `POST /ojs/v1/admin/reset` (admin on every queue) may empty
+    /// the job store and its queues on the broker: for test runs (the
+    /// official OJS runner's `-reset-url`), never production. Default
+    /// false (refused, 403).
+    #[serde(default)]
+    pub allow_reset: bool,
     /// What an exhausted job becomes when its own retry policy names no
     /// `on_exhaustion`: `discard` (the spec's default: not kept as a dead
     /// letter) or `dead_letter` (every exhausted job kept as one).
@@ -388,6 +394,7 @@ impl ApiConfig {
             max_workflow_steps: self.max_workflow_steps,
             max_parent_results_bytes: self.max_parent_results_bytes,
             max_event_streams: self.max_event_streams,
+            allow_reset: self.allow_reset,
             on_exhaustion: match self.on_exhaustion {
                 ExhaustionConfig::Discard => ojs_api::Exhaustion::Discard,
                 ExhaustionConfig::DeadLetter => ojs_api::Exhaustion::DeadLetter,
