@@ -163,6 +163,10 @@ struct HeldDelivery {
 #[derive(Default)]
 pub struct Workers {
     feeds: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Feed>>>>,
+    /// Jobs a FETCH is activating now (between taking their deliveries and
+    /// holding them): a copy of one that another FETCH of this process
+    /// receives meanwhile is a duplicate, whatever the store says yet.
+    activating: Arc<Mutex<HashSet<String>>>,
     /// How many `feeds` holds, for the metrics.
     consumers: std::sync::atomic::AtomicUsize,
     held: Mutex<HashMap<String, HeldDelivery>>,
@@ -193,6 +197,37 @@ impl std::fmt::Debug for Workers {
         f.debug_struct("Workers")
             .field("held", &held)
             .finish_non_exhaustive()
+    }
+}
+
+/// The jobs one FETCH is activating, in the process's set until the FETCH
+/// holds their deliveries (or drops them): released when dropped, on every
+/// path.
+struct Claim {
+    set: Arc<Mutex<HashSet<String>>>,
+    ids: Mutex<Vec<String>>,
+}
+
+impl Claim {
+    fn new(set: Arc<Mutex<HashSet<String>>>) -> Claim {
+        Claim {
+            set,
+            ids: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let mut set = self.set.lock().unwrap_or_else(|e| e.into_inner());
+        for id in self
+            .ids
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            set.remove(&id);
+        }
     }
 }
 
@@ -755,18 +790,33 @@ impl Api {
         let visibility = request.visibility;
         let replica = self.shared_replica();
         // Jobs whose delivery this process holds already: another copy of
-        // one of them is not handed out.
-        let mut active_here: HashSet<String> = {
+        // one of them is not handed out. Jobs another FETCH of this process
+        // is activating now: neither (two copies of a job, one published
+        // again after a crash, can reach two FETCHes at once, and the store
+        // says `available` to both until one commits).
+        let claim = Claim::new(self.workers().activating.clone());
+        let (mut active_here, elsewhere): (HashSet<String>, HashSet<String>) = {
             let held = self
                 .workers()
                 .held
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            envelopes
-                .iter()
-                .filter(|e| held.contains_key(&e.id))
-                .map(|e| e.id.clone())
-                .collect()
+            let mut activating = claim.set.lock().unwrap_or_else(|e| e.into_inner());
+            let mut mine = claim.ids.lock().unwrap_or_else(|e| e.into_inner());
+            let mut active_here = HashSet::new();
+            let mut elsewhere = HashSet::new();
+            for e in &envelopes {
+                if held.contains_key(&e.id) {
+                    active_here.insert(e.id.clone());
+                } else if mine.contains(&e.id) {
+                    // A second copy in this FETCH: the first decides.
+                } else if activating.insert(e.id.clone()) {
+                    mine.push(e.id.clone());
+                } else {
+                    elsewhere.insert(e.id.clone());
+                }
+            }
+            (active_here, elsewhere)
         };
         let decided = self
             .store
@@ -774,6 +824,9 @@ impl Api {
                 envelopes
                     .into_iter()
                     .map(|e| {
+                        if elsewhere.contains(&e.id) {
+                            return Ok(Activation::Duplicate);
+                        }
                         activate_one(
                             tx,
                             e,

@@ -248,6 +248,22 @@ async fn kill_9_at_random_points_under_1000_chains_on_rabbitmq_loses_and_repeats
         .filter(|(id, _, sent, _)| record.completed.get(id).is_some_and(|done| done < sent))
         .count()
         + per_generation.values().filter(|n| **n > 1).count();
+    // What a duplicate was, to read it from the daemon's log.
+    for ((id, generation), n) in per_generation.iter().filter(|(_, n)| **n > 1).take(5) {
+        println!("handed out {n} times by server generation {generation}: job {id}");
+    }
+    for (id, _, sent, _) in record
+        .handed
+        .iter()
+        .filter(|(id, _, sent, _)| record.completed.get(id).is_some_and(|done| done < sent))
+        .take(5)
+    {
+        let done = record.completed[id];
+        println!(
+            "handed out by a FETCH sent {:?} after its completion was answered: job {id}",
+            sent.duration_since(done)
+        );
+    }
     let mut hand_outs: HashMap<&str, usize> = HashMap::new();
     for (id, _, _, _) in &record.handed {
         *hand_outs.entry(id.as_str()).or_default() += 1;
