@@ -209,7 +209,7 @@ impl Api {
             .filter(|j| first.contains(&j.envelope.id))
             .cloned()
             .collect();
-        if let Err((queue, error)) = self.publish_members(&id, ready).await {
+        if let Err((queue, error, _)) = self.publish_members(ready).await {
             let ids: Vec<String> = jobs.iter().map(|j| j.envelope.id.clone()).collect();
             let wf = id.clone();
             if let Err(e) = self
@@ -368,22 +368,28 @@ impl Api {
         Ok(())
     }
 
-    /// Publishes a workflow's jobs (in the order given, which is the
-    /// workflow's: on a queue they are delivered in that order), all under
-    /// one key (on Kafka, one partition) and clears their publishing mark.
-    /// On failure: the queue and the broker's error; the jobs not taken
-    /// keep their mark.
+    /// Publishes workflows' jobs, one batch per queue (in the order given,
+    /// which is each workflow's: on a queue they are delivered in that
+    /// order), each under its workflow's key (on Kafka, a workflow's jobs
+    /// share a partition), and clears their publishing mark. On failure:
+    /// a queue and the broker's error; the jobs not taken keep their mark.
     async fn publish_members(
         &self,
-        workflow_id: &str,
         jobs: Vec<Job>,
-    ) -> Result<(), (String, ojs_queue::Error)> {
+    ) -> Result<(), (String, ojs_queue::Error, Vec<String>)> {
         let mut by_queue: BTreeMap<String, (Vec<String>, Vec<OutgoingMessage>)> = BTreeMap::new();
         for mut job in jobs {
             job.extra.remove(PUBLISHING);
+            let key = job
+                .extra
+                .get(WORKFLOW_ID)
+                .and_then(Value::as_str)
+                .map(|w| bytes::Bytes::copy_from_slice(w.as_bytes()));
             match self.message(&job) {
                 Ok(mut message) => {
-                    message.key = Some(bytes::Bytes::copy_from_slice(workflow_id.as_bytes()));
+                    if key.is_some() {
+                        message.key = key;
+                    }
                     let entry = by_queue.entry(job.envelope.queue.clone()).or_default();
                     entry.0.push(job.envelope.id.clone());
                     entry.1.push(message);
@@ -395,11 +401,13 @@ impl Api {
         }
         let mut first_error = None;
         let mut published = Vec::new();
+        let mut not_taken = Vec::new();
         for (queue, (ids, messages)) in by_queue {
             match self.publish(&queue, ids.clone(), messages).await {
                 Ok(()) => published.extend(ids),
                 Err((failed, error)) => {
                     published.extend(ids.into_iter().filter(|id| !failed.contains(id)));
+                    not_taken.extend(failed);
                     first_error.get_or_insert((queue, error));
                 }
             }
@@ -424,12 +432,12 @@ impl Api {
                 .await;
             if let Err(e) = cleared {
                 // The broker has them: published once more at a start.
-                tracing::warn!(workflow_id, error = %e, "clearing the publishing mark of workflow jobs failed");
+                tracing::warn!(error = %e, "clearing the publishing mark of workflow jobs failed");
             }
         }
         match first_error {
             None => Ok(()),
-            Some(e) => Err(e),
+            Some((queue, error)) => Err((queue, error, not_taken)),
         }
     }
 
@@ -442,23 +450,15 @@ impl Api {
                 jobs = self.store.outbox().take() => jobs,
                 _ = stop.changed() => return,
             };
-            let mut by_workflow: BTreeMap<String, Vec<Job>> = BTreeMap::new();
-            for job in jobs {
-                let wf = job
-                    .extra
-                    .get(WORKFLOW_ID)
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_owned();
-                by_workflow.entry(wf).or_default().push(job);
-            }
+            // All that commits readied meanwhile in one batch per queue: a
+            // publish per workflow waited for the broker's confirm each time.
             let mut failed = Vec::new();
-            for (wf, jobs) in by_workflow {
-                let ids: Vec<String> = jobs.iter().map(|j| j.envelope.id.clone()).collect();
-                if let Err((queue, error)) = self.publish_members(&wf, jobs.clone()).await {
-                    tracing::warn!(workflow_id = %wf, %queue, error = %error, jobs = ids.len(), "publishing a workflow's next jobs failed; tried again");
-                    failed.extend(jobs);
-                }
+            if let Err((queue, error, not_taken)) = self.publish_members(jobs.clone()).await {
+                tracing::warn!(%queue, error = %error, jobs = not_taken.len(), "publishing workflows' next jobs failed; tried again");
+                failed = jobs
+                    .into_iter()
+                    .filter(|j| not_taken.contains(&j.envelope.id))
+                    .collect();
             }
             if !failed.is_empty() {
                 tokio::select! {
