@@ -25,7 +25,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::{daemon, hello, line, local_adapter, median, serve_hello, Measured};
+use common::{connect, daemon, hello, line, local_adapter, median, post, serve_hello, Measured};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -35,9 +35,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1::SendRequest;
 use ojs_core::{Encoding, JobEnvelope};
 use ojs_queue::{ConsumerOptions, OutgoingMessage, QueueAdapter};
 use serde_json::{json, Value};
@@ -45,33 +42,6 @@ use serde_json::{json, Value};
 const WORKERS: usize = 16;
 const FETCH: usize = 10;
 const QUEUE: &str = "work";
-
-async fn connect(addr: SocketAddr) -> SendRequest<Full<Bytes>> {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream.set_nodelay(true).unwrap();
-    let (sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-    tokio::spawn(conn);
-    sender
-}
-
-async fn post(sender: &mut SendRequest<Full<Bytes>>, path: &str, body: Value) -> (u16, Value) {
-    let request = hyper::Request::post(path)
-        .header("host", "bench")
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    sender.ready().await.unwrap();
-    let response = sender.send_request(request).await.unwrap();
-    let status = response.status().as_u16();
-    let bytes = response.into_body().collect().await.unwrap().to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
 
 /// `n` jobs onto the queue through the API, 100 a request (untimed).
 async fn fill(addr: SocketAddr, queue: &str, n: usize) {

@@ -23,7 +23,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::{daemon, rss_mib, Measured};
+use common::{connect, daemon, post, rss_mib, Measured};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::client::conn::http1::SendRequest;
 use serde_json::{json, Value};
 
@@ -42,33 +42,6 @@ const WORKERS: usize = 16;
 const CREATORS: usize = 16;
 const FETCH: usize = 10;
 const STEPS: usize = 3;
-
-async fn connect(addr: SocketAddr) -> SendRequest<Full<Bytes>> {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream.set_nodelay(true).unwrap();
-    let (sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-    tokio::spawn(conn);
-    sender
-}
-
-async fn post(sender: &mut SendRequest<Full<Bytes>>, path: &str, body: Value) -> (u16, Value) {
-    let request = hyper::Request::post(path)
-        .header("host", "bench")
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    sender.ready().await.unwrap();
-    let response = sender.send_request(request).await.unwrap();
-    let status = response.status().as_u16();
-    let bytes = response.into_body().collect().await.unwrap().to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
 
 fn chain(queue: &str, n: usize) -> Value {
     let steps: Vec<Value> = (0..STEPS)

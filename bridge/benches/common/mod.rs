@@ -213,3 +213,42 @@ pub async fn joined(tasks: Vec<tokio::task::JoinHandle<Vec<Duration>>>) -> Vec<D
     }
     latencies
 }
+
+/// A keep-alive HTTP/1.1 connection to `addr` (`TCP_NODELAY`), as the
+/// benches' workers hold one each.
+pub async fn connect(
+    addr: SocketAddr,
+) -> hyper::client::conn::http1::SendRequest<http_body_util::Full<bytes::Bytes>> {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+/// A JSON POST on `sender`'s connection: the status and the answer.
+pub async fn post(
+    sender: &mut hyper::client::conn::http1::SendRequest<http_body_util::Full<bytes::Bytes>>,
+    path: &str,
+    body: serde_json::Value,
+) -> (u16, serde_json::Value) {
+    use http_body_util::BodyExt;
+    let request = hyper::Request::post(path)
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
+        .unwrap();
+    sender.ready().await.unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
+}
