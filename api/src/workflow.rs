@@ -194,6 +194,18 @@ impl Api {
                     tx.insert_seen(job)?;
                 }
                 tx.save_workflow(&record)?;
+                if let Some(first) = stored.first() {
+                    let total = json!({"total_steps": record.steps.len()});
+                    workflow_event(
+                        tx,
+                        "workflow.created",
+                        &record,
+                        &first.envelope,
+                        now,
+                        total.clone(),
+                    )?;
+                    workflow_event(tx, "workflow.started", &record, &first.envelope, now, total)?;
+                }
                 Ok(())
             })
             .await
@@ -348,6 +360,21 @@ impl Api {
                     cancel_member(tx, &job_id, now, true)?;
                 }
                 let jobs = member_jobs(tx, &workflow)?;
+                if let Some(first) = workflow.steps.first().and_then(|s| jobs.get(&s.job_id)) {
+                    let cancelled = workflow
+                        .steps
+                        .iter()
+                        .filter(|s| s.state == StepState::Cancelled)
+                        .count();
+                    workflow_event(
+                        tx,
+                        "workflow.cancelled",
+                        &workflow,
+                        &first.envelope,
+                        now,
+                        json!({"steps_cancelled": cancelled}),
+                    )?;
+                }
                 Ok(Ok(WorkflowView { workflow, jobs }))
             })
             .await??;
@@ -471,6 +498,27 @@ impl Api {
     }
 }
 
+/// Appends a workflow event to the log, filed under the job that caused
+/// it (the log's rows name a job), with the workflow's id and name first.
+fn workflow_event(
+    tx: &mut dyn Tx,
+    kind: &str,
+    workflow: &Workflow,
+    job: &ojs_core::JobEnvelope,
+    now: DateTime<Utc>,
+    more: Value,
+) -> Result<(), StoreError> {
+    let mut data = json!({
+        "workflow_id": workflow.id,
+        "workflow_name": workflow.name,
+        "workflow_type": workflow.kind.as_str(),
+    });
+    if let (Some(d), Value::Object(m)) = (data.as_object_mut(), more) {
+        d.extend(m);
+    }
+    tx.event(kind, job, now, data)
+}
+
 fn not_found(id: &str) -> ApiError {
     ApiError::NotFound {
         resource_type: "workflow",
@@ -556,6 +604,7 @@ pub(crate) fn member_finished(
         return Ok(());
     }
     tx.save_workflow(&workflow)?;
+    record_events(tx, &was, &workflow, job, &next, now)?;
     let Next {
         ready,
         fire,
@@ -576,6 +625,85 @@ pub(crate) fn member_finished(
     }
     if workflow.state.is_final() {
         tracing::debug!(workflow_id = %workflow.id, state = workflow.state.as_str(), "workflow finished");
+    }
+    Ok(())
+}
+
+/// The workflow events of one member's outcome: the step's (or the
+/// callback's), the callbacks fired, and the workflow's end.
+fn record_events(
+    tx: &mut dyn Tx,
+    was: &Workflow,
+    now_is: &Workflow,
+    job: &Job,
+    next: &Next,
+    now: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    let e = &job.envelope;
+    let duration = e.started_at.map(|s| (now - s).num_milliseconds().max(0));
+    if let Some(step) = now_is.steps.iter().find(|s| s.job_id == e.id) {
+        let remaining = now_is.steps.iter().filter(|s| !s.state.is_final()).count();
+        let kind = match step.state {
+            StepState::Completed => Some("workflow.step_completed"),
+            StepState::Failed => Some("workflow.step_failed"),
+            _ => None,
+        };
+        if let Some(kind) = kind {
+            let error = e
+                .error
+                .as_ref()
+                .map(|x| json!({"code": x.error_type, "message": x.message}));
+            workflow_event(
+                tx,
+                kind,
+                now_is,
+                e,
+                now,
+                json!({"step_id": step.id, "step_type": step.job_type, "job_id": e.id,
+                       "duration_ms": duration, "steps_remaining": remaining, "error": error}),
+            )?;
+        }
+    }
+    for &i in &next.fire {
+        let c = &now_is.callbacks[i];
+        workflow_event(
+            tx,
+            "workflow.callback_fired",
+            now_is,
+            e,
+            now,
+            json!({"callback": c.on.as_str(), "job_id": c.job_id, "job_type": c.job_type}),
+        )?;
+    }
+    if now_is.state.is_final() && !was.state.is_final() {
+        let total = json!(now_is.steps.len());
+        let took = (now - now_is.created_at).num_milliseconds().max(0);
+        match now_is.state {
+            State::Completed => workflow_event(
+                tx,
+                "workflow.completed",
+                now_is,
+                e,
+                now,
+                json!({"total_steps": total, "duration_ms": took}),
+            )?,
+            State::Failed => {
+                let failed = now_is.steps.iter().find(|s| s.state == StepState::Failed);
+                let first_error = now_is.errors.first();
+                workflow_event(
+                    tx,
+                    "workflow.failed",
+                    now_is,
+                    e,
+                    now,
+                    json!({"total_steps": total, "duration_ms": took,
+                           "failed_step_id": failed.map(|s| s.id.clone()),
+                           "failed_step_type": failed.map(|s| s.job_type.clone()),
+                           "error": first_error.map(|x| json!({"code": x.code, "message": x.message}))}),
+                )?
+            }
+            State::Running | State::Cancelled => {}
+        }
     }
     Ok(())
 }

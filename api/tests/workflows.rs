@@ -185,6 +185,35 @@ async fn a_chain_hands_out_each_step_after_the_one_before_with_every_earlier_res
         .filter(|e| e.body["job_id"] == first)
         .count();
     assert_eq!(enqueued, 1, "one job.enqueued for the first step");
+    // The workflow's own events, in order.
+    let log = s
+        .api
+        .events(
+            &grant,
+            ojs_api::store::EventFilter {
+                limit: 1000,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let ours: Vec<&str> = log
+        .events
+        .iter()
+        .filter(|e| e.body["data"]["workflow_id"] == id_of(&wf).as_str())
+        .map(|e| e.body["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ours,
+        [
+            "workflow.created",
+            "workflow.started",
+            "workflow.step_completed",
+            "workflow.step_completed",
+            "workflow.step_completed",
+            "workflow.completed"
+        ]
+    );
     assert!(done["completed_at"].is_string());
     assert_eq!(done["steps"][2]["result"], json!({"n": 2}));
     s.stop().await;
@@ -286,6 +315,28 @@ async fn a_failed_step_stops_a_chain_and_a_group_runs_on_past_a_failed_member() 
         (Some("failed"), Some(0))
     );
     assert_eq!(record["errors"][0]["code"], "boom");
+    let grant = s.api.tokens().identify(None).unwrap();
+    let failed = s
+        .api
+        .events(
+            &grant,
+            ojs_api::store::EventFilter {
+                types: vec!["workflow.failed".into()],
+                limit: 100,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let data = &failed.events[0].body["data"];
+    assert_eq!(
+        (
+            data["failed_step_id"].as_str(),
+            data["error"]["code"].as_str()
+        ),
+        (Some("0"), Some("boom")),
+        "{data}"
+    );
 
     let group = json!({"type": "group", "jobs": [
         {"type": "g.a", "args": [], "options": {"queue": "wf-group"}},
