@@ -96,10 +96,19 @@ impl Api {
         let limit = self.adapter.max_message_bytes();
         let member_job = |body: Value, path: &str, step: Value| -> Result<Job, ApiError> {
             let mut job = job::from_json(body, now).map_err(|e| as_workflow_error(e, path))?;
-            if job.envelope.unique.is_some() {
-                return Err(ApiError::Unsupported {
-                    feature: "unique policies on workflow steps",
-                });
+            // A step's unique key holds as a PUSH's does (checked in the
+            // creation's transaction); but no other job can stand in for a
+            // step, so a policy that would answer with the key's holder is
+            // refused.
+            if let Some(u) = crate::model::unique::Uniqueness::of(&job.envelope)
+                .map_err(|e| as_workflow_error(e, path))?
+            {
+                if u.on_conflict == crate::model::unique::OnConflict::Ignore {
+                    return Err(ApiError::InvalidWorkflow {
+                        path: format!("{path}.options.unique.on_conflict"),
+                        message: "a workflow's step is its own job: `ignore` would answer with another; use reject or replace".into(),
+                    });
+                }
             }
             grant.allow_on(Operation::Push, &job.envelope.queue)?;
             if !self.serves_queue(&job.envelope.queue) {
@@ -186,9 +195,18 @@ impl Api {
             }
         }
         let record = workflow.clone();
-        let stored = jobs.clone();
+        let mut stored = jobs.clone();
+        let uniques: crate::store::Uniques = jobs
+            .iter()
+            .map(|j| crate::model::unique::Uniqueness::of(&j.envelope))
+            .collect::<Result<_, _>>()?;
+        let steps_paths: Vec<String> = (0..jobs.len()).map(|i| member_path(&workflow, i)).collect();
         self.store
             .run(move |tx| {
+                // Keys first: a held key refuses (`reject`) the whole
+                // workflow, or cancels its holder (`replace`).
+                let answered = crate::store::claim_unique_keys(tx, &mut stored, &uniques)?;
+                crate::store::keep_unique_keys(tx, &stored, &uniques, &answered)?;
                 for job in &stored {
                     // With its `job.enqueued` (or `job.scheduled`) event.
                     tx.insert_seen(job)?;
@@ -211,6 +229,19 @@ impl Api {
             .await
             .map_err(|e| match e {
                 StoreError::Duplicate(id) => ApiError::Duplicate { id },
+                StoreError::Taken {
+                    index,
+                    key,
+                    existing,
+                } => {
+                    tracing::debug!(step = %steps_paths.get(index).map_or("", String::as_str), "a workflow step's unique key is held");
+                    ApiError::UniqueConflict {
+                        index: Some(index),
+                        existing_id: existing.envelope.id.clone(),
+                        existing_state: existing.state().as_str().unwrap_or("unknown"),
+                        key,
+                    }
+                }
                 other => ApiError::Store(other),
             })?;
         if jobs.iter().any(|j| j.state() == JobState::Scheduled) {
@@ -517,6 +548,15 @@ fn workflow_event(
         d.extend(m);
     }
     tx.event(kind, job, now, data)
+}
+
+/// Where the `i`-th job of a workflow (its steps, then its callbacks) is
+/// in the request.
+fn member_path(workflow: &Workflow, i: usize) -> String {
+    match workflow.callbacks.get(i.wrapping_sub(workflow.steps.len())) {
+        Some(c) if i >= workflow.steps.len() => format!("callbacks.{}", c.on.as_str()),
+        _ => format!("steps[{i}]"),
+    }
 }
 
 fn not_found(id: &str) -> ApiError {

@@ -489,3 +489,45 @@ async fn racing_acks_of_a_batch_through_two_replicas_fire_its_callback_once() {
     a.stop().await;
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_s_unique_key_refuses_or_replaces_as_a_push_s_does() {
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("wf-unique");
+    let s = Server::open(settings(dir.path()), embedded(dir.path()).await, true).await;
+    let grant = s.api.tokens().identify(None).unwrap();
+    let unique = |on_conflict: &str| {
+        json!({"type": "report.build", "args": [7], "options": {"queue": "wf-unique",
+               "unique": {"keys": ["type", "args"], "on_conflict": on_conflict}}})
+    };
+    let holder = ojs_api::job::from_json(unique("reject"), s.api.now()).unwrap();
+    let holder = s.api.push(&grant, vec![holder]).await.unwrap().remove(0);
+    let group = |step: Value| json!({"type": "group", "jobs": [{"type": "other.job", "args": [], "options": {"queue": "wf-unique"}}, step]});
+
+    let refused = s.create(group(unique("reject"))).await.unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::Duplicate, "{refused:?}");
+    let listed = s.api.workflows(&grant, None, 1, 10).await.unwrap();
+    assert!(
+        listed.items.is_empty(),
+        "nothing of the workflow was stored"
+    );
+
+    let ignored = s.create(group(unique("ignore"))).await.unwrap_err();
+    match ignored {
+        ApiError::InvalidWorkflow { path, .. } => {
+            assert_eq!(path, "jobs[1].options.unique.on_conflict")
+        }
+        other => panic!("{other:?}"),
+    }
+
+    let wf = s.create(group(unique("replace"))).await.unwrap();
+    assert_eq!(wf["state"], "running");
+    let holder_now = s.api.info(&grant, &holder.envelope.id).await.unwrap();
+    assert_eq!(
+        holder_now.state(),
+        ojs_core::JobState::Cancelled,
+        "the holder was replaced"
+    );
+    let jobs = s.fetch("wf-unique", SOME_WAIT).await;
+    assert_eq!(jobs.len(), 2, "both steps are out, the holder is not");
+    s.stop().await;
+}
