@@ -766,11 +766,14 @@ impl Api {
                     *was = down;
                 }
                 if self.replication.id().is_some() {
-                    // Directives another replica was given.
+                    // Directives another replica was given, and maintenance
+                    // switched through another replica (a process alone on
+                    // its store keeps its own state: this loop must not wait
+                    // on a store that cannot write, or health would not say
+                    // so in time).
                     self.refresh_directives().await;
+                    self.refresh_maintenance().await;
                 }
-                // Maintenance switched through another replica.
-                self.refresh_maintenance().await;
             }
             let due = if self.in_maintenance() {
                 // Held: scheduled jobs wait in the store.

@@ -374,7 +374,9 @@ mod tests {
         assert_eq!(http_route("GET", "/ojs/v1/admin/jobs/019a-x"), "admin");
         assert_eq!(
             http_route("GET", "/ojs/v1/admin/system/maintenance"),
-            "unsupported"
+            "admin"
         );
+        assert_eq!(http_route("POST", "/ojs/v1/admin/reset"), "admin");
+        assert_eq!(http_route("GET", "/ojs/v1/admin/tenants"), "unsupported");
     }
 }
