@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use serde_json::Value;
+use serde_json::{json, Value};
 use tokio::sync::watch;
 
 use crate::auth::{Grant, Operation};
@@ -38,13 +38,32 @@ const PASS: Duration = Duration::from_secs(1);
 /// Shortest time between two passes.
 const MIN_PASS: Duration = Duration::from_millis(50);
 
+/// Why a slot has no job (the `reason` of its `cron.skipped` event).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SkipReason {
+    /// The job of the last slot has not finished.
+    Overlap,
+    /// The template no longer makes a job, or its PUSH was refused.
+    Refused,
+}
+
+impl SkipReason {
+    fn as_str(self) -> &'static str {
+        match self {
+            SkipReason::Overlap => "overlap_skip",
+            SkipReason::Refused => "refused",
+        }
+    }
+}
+
 /// What a pass did with one cron.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fired {
     /// Its slot's job was pushed (or had been, by an earlier try).
     Pushed,
-    /// The overlap policy skipped the slot.
-    Skipped,
+    /// The slot has no job: the overlap policy skipped it (the job of the
+    /// last slot still runs), or its job was refused.
+    Skipped(SkipReason),
     /// The push failed in a way that may pass: tried again next pass.
     Later,
 }
@@ -267,10 +286,7 @@ impl Api {
                     Fired::Later => {
                         Some(now + chrono::Duration::from_std(PASS).unwrap_or_default())
                     }
-                    done => {
-                        self.advance(&cron.name, slot, done == Fired::Pushed, now)
-                            .await?
-                    }
+                    done => self.advance(&cron.name, slot, done, now).await?,
                 }
             } else {
                 Some(slot)
@@ -303,7 +319,7 @@ impl Api {
         {
             SlotAction::Skip => {
                 tracing::debug!(cron = %cron.name, slot = %crate::job::timestamp(slot), "a cron slot skipped: the job of the last one has not finished");
-                return Fired::Skipped;
+                return Fired::Skipped(SkipReason::Overlap);
             }
             SlotAction::CancelThenFire => {
                 if let Some(job) = &previous {
@@ -325,7 +341,7 @@ impl Api {
             Ok(job) => job,
             Err(e) => {
                 tracing::warn!(cron = %cron.name, error = %e, "a cron job's template no longer makes a job; the slot is skipped");
-                return Fired::Skipped;
+                return Fired::Skipped(SkipReason::Refused);
             }
         };
         match self.push_all(&Grant::open(), vec![job]).await {
@@ -341,20 +357,21 @@ impl Api {
                 // Refused as a PUSH would be (a unique key held under
                 // `reject`, a queue no longer served): this slot has no job.
                 tracing::warn!(cron = %cron.name, error = %e, "a cron slot's job was refused; the slot is skipped");
-                Fired::Skipped
+                Fired::Skipped(SkipReason::Refused)
             }
         }
     }
 
     /// Records that `slot` of the cron named `name` is done (its job
-    /// `pushed`, or skipped) and sets its next slot after `now`, unless the
-    /// cron was changed, removed or advanced meanwhile. Answers its next
-    /// slot.
+    /// pushed, or skipped) and sets its next slot after `now`, unless the
+    /// cron was changed, removed or advanced meanwhile; the slot's event
+    /// (`cron.triggered`, `cron.skipped`) is written in the same
+    /// transaction. Answers its next slot.
     async fn advance(
         &self,
         name: &str,
         slot: DateTime<Utc>,
-        pushed: bool,
+        done: Fired,
         now: DateTime<Utc>,
     ) -> Result<Option<DateTime<Utc>>, ApiError> {
         let key = name.to_owned();
@@ -367,13 +384,37 @@ impl Api {
                 if cron.next_run_at != Some(slot) || !cron.enabled {
                     return Ok(cron.next_run_at);
                 }
-                if pushed {
+                let mut data = json!({
+                    "cron_name": cron.name,
+                    "cron_expr": cron.expression,
+                    "job_type": cron.job_type(),
+                    "scheduled_at": crate::job::timestamp(slot),
+                });
+                let kind = if let Fired::Skipped(reason) = done {
+                    data["reason"] = json!(reason.as_str());
+                    if let Some(id) = cron
+                        .last_job_id
+                        .as_ref()
+                        .filter(|_| reason == SkipReason::Overlap)
+                    {
+                        data["existing_job_id"] = json!(id);
+                    }
+                    cron.skip_count += 1;
+                    "cron.skipped"
+                } else {
                     cron.run_count += 1;
                     cron.last_run_at = Some(now);
-                    cron.last_job_id = Some(cron.fire_id(slot));
-                } else {
-                    cron.skip_count += 1;
-                }
+                    let id = cron.fire_id(slot);
+                    data["job_id"] = json!(id);
+                    cron.last_job_id = Some(id);
+                    "cron.triggered"
+                };
+                let subject = crate::store::Subject {
+                    job_id: data.get("job_id").and_then(Value::as_str).unwrap_or(""),
+                    queue: cron.queue(),
+                    job_type: cron.job_type(),
+                };
+                tx.fact(kind, &subject, now, data.clone())?;
                 // One catch-up at most: the next slot is after now.
                 cron.next_run_at = cron
                     .schedule()

@@ -266,7 +266,7 @@ pub fn admit(api: &Api, method: &Method, path: &str, headers: &HeaderMap) -> Res
                 grant.allow(crate::auth::Operation::Admin)?
             }
             ["workers", _] => grant.allow(crate::auth::Operation::Work)?,
-            ["cron" | "crons", ..] | ["queues", _, "pause" | "resume"] => {
+            ["cron" | "crons", ..] | ["queues", _, "pause" | "resume"] | ["rate-limits", ..] => {
                 grant.allow(crate::auth::Operation::Admin)?
             }
             _ => {}
@@ -525,9 +525,18 @@ async fn route(
             json_only(request.headers())?;
             worker_admin_route(api, &grant, request, rest, request_id).await
         }
+        (_, ["rate-limits", rest @ ..]) => {
+            json_only(request.headers())?;
+            let body = if *method == Method::PUT {
+                Some(parse_json(&std::mem::take(&mut body))?)
+            } else {
+                None
+            };
+            rate_limit_route(api, &grant, request, rest, body, request_id).await
+        }
         (_, ["admin", rest @ ("stats" | "queues" | "jobs" | "system"), more @ ..]) => {
             json_only(request.headers())?;
-            let body = if *method == Method::POST {
+            let body = if matches!(*method, Method::POST | Method::PUT) {
                 let raw = std::mem::take(&mut body);
                 // The admin UI sends a JSON content type on body-less POSTs.
                 if raw.iter().all(u8::is_ascii_whitespace) {
@@ -566,7 +575,6 @@ async fn route(
 /// that the resource is missing.
 fn unserved_feature(segments: &[&str]) -> Option<&'static str> {
     match segments {
-        ["rate-limits", ..] => Some("rate limits"),
         ["admin", second, ..]
             if !matches!(
                 *second,
@@ -888,6 +896,74 @@ fn job_query(fields: &[(String, String)]) -> Result<crate::store::JobQuery, ApiE
     Ok(q)
 }
 
+/// `/ojs/v1/rate-limits…`: the keys, one key, its override.
+async fn rate_limit_route(
+    api: &Api,
+    grant: &Grant<'_>,
+    request: &Request<()>,
+    rest: &[&str],
+    body: Option<Value>,
+    request_id: &str,
+) -> Result<Response<Bytes>, ApiError> {
+    let method = request.method();
+    let not_allowed = |allowed| ApiError::MethodNotAllowed {
+        path: request.uri().path().to_owned(),
+        allowed,
+    };
+    let now = api.now();
+    match rest {
+        [] => {
+            if *method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            let (page, per_page) = page_query(request.uri().query().unwrap_or(""))?;
+            let (keys, total) = api.rate_limits(grant, page, per_page).await?;
+            let items: Vec<Value> = keys
+                .iter()
+                .map(|k| crate::rate_limits::key_json(k, now))
+                .collect();
+            Ok(json_response(
+                200,
+                &json!({"items": items, "rate_limits": items, "pagination": {"total": total, "page": page, "per_page": per_page}}),
+                request_id,
+            ))
+        }
+        [key] => {
+            let key = query_value(key);
+            let view = match *method {
+                Method::GET => api.rate_limit(grant, &key).await?,
+                Method::PUT => {
+                    let body =
+                        body.ok_or_else(|| ApiError::invalid("", "a JSON body is required"))?;
+                    api.override_rate_limit(grant, &key, Some(body)).await?
+                }
+                _ => return Err(not_allowed("GET, PUT")),
+            };
+            Ok(json_response(
+                200,
+                &crate::rate_limits::key_json(&view, now),
+                request_id,
+            ))
+        }
+        [key, "override"] => {
+            if *method != Method::DELETE {
+                return Err(not_allowed("DELETE"));
+            }
+            let key = query_value(key);
+            let view = api.override_rate_limit(grant, &key, None).await?;
+            Ok(json_response(
+                200,
+                &crate::rate_limits::key_json(&view, now),
+                request_id,
+            ))
+        }
+        _ => Err(ApiError::NoRoute {
+            method: method.to_string(),
+            path: request.uri().path().to_owned(),
+        }),
+    }
+}
+
 /// `/ojs/v1/admin/stats`, `/queues…` and `/jobs…`.
 async fn admin_route(
     api: &Api,
@@ -1060,13 +1136,67 @@ async fn admin_route(
             }
             let q = api.admin_queue(grant, name).await?;
             let mut v = queue_json(&q);
-            let retention = api.settings().retention.as_secs();
-            v["configuration"] = json!({
-                "concurrency": null,
-                "rate_limit": null,
-                "retention": {"completed": retention, "discarded": retention},
-            });
+            let config = api.queue_config(grant, name).await?;
+            v["configuration"] = config.clone();
+            v["config"] = config;
             Ok(json_response(200, &v, request_id))
+        }
+        ("queues", [name, "config"]) => match method {
+            Method::GET => {
+                let config = api.queue_config(grant, name).await?;
+                Ok(json_response(
+                    200,
+                    &json!({"name": name, "config": config, "configuration": config}),
+                    request_id,
+                ))
+            }
+            Method::PUT => {
+                let body = body.ok_or_else(|| ApiError::invalid("", "a JSON body is required"))?;
+                let config = api.set_queue_config(grant, name, body).await?;
+                Ok(json_response(
+                    200,
+                    &json!({"name": name, "config": config, "configuration": config}),
+                    request_id,
+                ))
+            }
+            _ => Err(not_allowed("GET, PUT")),
+        },
+        ("queues", [name, "rate-limit"]) => {
+            if method != Method::PUT {
+                return Err(not_allowed("PUT"));
+            }
+            // `{limit, period}` (or `max_per_second`), `null` for none,
+            // and a `concurrency` beside it.
+            let body = body.unwrap_or(Value::Null);
+            let mut config = Map::new();
+            match &body {
+                Value::Object(m) => {
+                    let mut rate = m.clone();
+                    if let Some(c) = rate.remove("concurrency") {
+                        config.insert("concurrency".into(), c);
+                    }
+                    if !rate.is_empty() {
+                        config.insert("rate_limit".into(), Value::Object(rate));
+                    }
+                }
+                Value::Null => {
+                    config.insert("rate_limit".into(), Value::Null);
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        "",
+                        "the body must be {limit, period}, {max_per_second} or null",
+                    ))
+                }
+            }
+            let config = api
+                .set_queue_config(grant, name, Value::Object(config))
+                .await?;
+            Ok(json_response(
+                200,
+                &json!({"name": name, "rate_limit": config["rate_limit"], "config": config}),
+                request_id,
+            ))
         }
         ("queues", [name, action @ ("pause" | "resume")]) => {
             if method != Method::POST {

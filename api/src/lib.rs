@@ -28,12 +28,13 @@ pub mod manifest;
 pub mod metrics;
 pub mod model;
 pub mod queues;
+pub mod rate_limits;
 pub mod roster;
 pub mod store;
 pub mod worker;
 pub mod workflow;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -207,6 +208,8 @@ pub struct Api {
     /// Queues paused (`queues`): the record alone on the store, the last
     /// read among replicas.
     paused: Mutex<HashSet<String>>,
+    /// Queues' configured limits (`rate_limits`), kept as `paused` is.
+    queue_limits: Mutex<HashMap<String, model::rate::Limits>>,
     /// Deliveries of active jobs, and each queue's consumer.
     workers: worker::Workers,
     /// Workers told to be quiet or to terminate: FETCH hands them nothing.
@@ -322,7 +325,8 @@ impl Api {
             .into_iter()
             .map(|(name, _)| name)
             .collect();
-        Ok(Arc::new(Api {
+        let queue_configs = store.run(|tx| tx.queue_configs()).await?;
+        let api = Arc::new(Api {
             adapter,
             adapter_name: adapter_name.into(),
             store,
@@ -332,6 +336,7 @@ impl Api {
             scheduled: Notify::new(),
             crons_changed: Notify::new(),
             paused: Mutex::new(paused),
+            queue_limits: Mutex::new(HashMap::new()),
             workers: worker::Workers::default(),
             directives: roster::Directives::default(),
             replication,
@@ -343,7 +348,9 @@ impl Api {
             maintenance: Mutex::new(maintenance::Maintenance::default()),
             settings,
             clock,
-        }))
+        });
+        api.keep_queue_configs(queue_configs);
+        Ok(api)
     }
 
     /// Now, at the precision jobs keep (milliseconds).

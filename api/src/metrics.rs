@@ -338,6 +338,7 @@ pub fn http_route(method: &str, path: &str) -> &'static str {
         ["events", ..] => "events",
         ["cron" | "crons", ..] => "cron",
         ["workflows", ..] => "workflows",
+        ["rate-limits", ..] => "rate_limits",
         ["admin", "stats" | "queues" | "jobs" | "system" | "reset", ..] => "admin",
         ["admin", ..] => "unsupported",
         _ => "unknown",

@@ -114,9 +114,27 @@ impl Api {
             .map_err(|e| ApiError::invalid("queue", e.to_string()))?;
         let now = self.now();
         let name = queue.to_owned();
+        let by = grant.token_name().unwrap_or("api").to_owned();
         let changed = self
             .store
-            .run(move |tx| tx.set_paused(&name, paused, now))
+            .run(move |tx| {
+                let changed = tx.set_paused(&name, paused, now)?;
+                if changed {
+                    let (kind, field) = if paused {
+                        ("queue.paused", "paused_by")
+                    } else {
+                        ("queue.resumed", "resumed_by")
+                    };
+                    let subject = crate::store::Subject {
+                        job_id: "",
+                        queue: &name,
+                        job_type: "",
+                    };
+                    let data = serde_json::json!({"queue": name, field: by});
+                    tx.fact(kind, &subject, now, data)?;
+                }
+                Ok(changed)
+            })
             .await?;
         {
             let mut set = self.paused.lock().unwrap_or_else(|e| e.into_inner());
@@ -159,13 +177,19 @@ impl Api {
             .contains(queue)
     }
 
-    /// Replaces the set kept here with the store's (replicas); on a
-    /// failure the last set read stands.
+    /// Replaces the set kept here with the store's (replicas), and the
+    /// queues' configured limits with it; on a failure the last read
+    /// stand.
     pub(crate) async fn refresh_paused(&self) {
-        match self.store.run(|tx| tx.paused_queues()).await {
-            Ok(list) => {
+        match self
+            .store
+            .run(|tx| Ok((tx.paused_queues()?, tx.queue_configs()?)))
+            .await
+        {
+            Ok((list, configs)) => {
                 *self.paused.lock().unwrap_or_else(|e| e.into_inner()) =
                     list.into_iter().map(|(name, _)| name).collect();
+                self.keep_queue_configs(configs);
             }
             Err(e) => {
                 tracing::debug!(error = %e, "reading the paused queues failed; the last set read is used");

@@ -21,8 +21,12 @@ use crate::auth::{Grant, Operation};
 use crate::error::{store_error, ApiError};
 use crate::job::Job;
 use crate::metrics::JobEvent;
+use crate::model::rate::{self, Limits, OnLimit, RateLimit};
 use crate::model::{self, apply, Command};
-use crate::store::{record, wrong_state, Lease, Settle, StoreError, Tx};
+use crate::store::{
+    record, take_rate, wrong_state, Lease, RateDecision, Settle, StoreError, Tx, RATE_FILED,
+    RATE_WAITING,
+};
 use crate::Api;
 
 /// Longest a FETCH waits for jobs (the binding allows a short block).
@@ -818,24 +822,24 @@ impl Api {
             }
             (active_here, elsewhere)
         };
+        let queue_limits = self.queue_limits(queue);
         let decided = self
             .store
             .run(move |tx| {
+                let starting = Starting {
+                    worker: worker.as_deref(),
+                    visibility,
+                    now,
+                    replica: replica.as_deref(),
+                    queue_limits: queue_limits.as_ref(),
+                };
                 envelopes
                     .into_iter()
                     .map(|e| {
                         if elsewhere.contains(&e.id) {
                             return Ok(Activation::Duplicate);
                         }
-                        activate_one(
-                            tx,
-                            e,
-                            worker.as_deref(),
-                            visibility,
-                            now,
-                            replica.as_deref(),
-                            &mut active_here,
-                        )
+                        activate_one(tx, e, &starting, &mut active_here)
                     })
                     .collect::<Result<Vec<_>, _>>()
             })
@@ -1327,18 +1331,36 @@ impl Api {
     }
 }
 
+/// What the starts of one FETCH share.
+#[derive(Debug, Clone, Copy)]
+struct Starting<'a> {
+    /// The worker that asked.
+    worker: Option<&'a str>,
+    /// The visibility it asked for.
+    visibility: Option<Duration>,
+    now: DateTime<Utc>,
+    /// This replica, where replicas share the store.
+    replica: Option<&'a str>,
+    /// The limits of the queue's configuration.
+    queue_limits: Option<&'a Limits>,
+}
+
 /// FETCH of one envelope: available, retryable or (redelivered after a
 /// restart) active jobs become active; a job the store has not seen (put
 /// on the broker by another producer) is stored first.
 fn activate_one(
     tx: &mut dyn Tx,
     envelope: JobEnvelope,
-    worker: Option<&str>,
-    visibility: Option<Duration>,
-    now: DateTime<Utc>,
-    replica: Option<&str>,
+    starting: &Starting<'_>,
     active_here: &mut HashSet<String>,
 ) -> Result<Activation, StoreError> {
+    let Starting {
+        worker,
+        visibility,
+        now,
+        replica,
+        queue_limits,
+    } = *starting;
     let envelope_id = envelope.id.clone();
     let delivered_enqueued_at = envelope.enqueued_at;
     let mut job = match tx.load(&envelope.id) {
@@ -1406,15 +1428,47 @@ fn activate_one(
         return Ok(Activation::Settle);
     }
     let visibility = visibility.unwrap_or_else(|| job_visibility(&job));
-    // A start of its rate limit's key is taken in this transaction, so
-    // that of concurrent FETCHes (also through other replicas) no more
-    // than the limit start.
+    // A start of each rate-limit key the job falls under (its own, its
+    // queue's) is admitted in this transaction, so that of concurrent
+    // FETCHes (also through other replicas) no more than the limits start.
+    let mut filed: Option<Vec<String>> = None;
     if model::allows(job.state(), &Command::Start { worker }) {
-        if let Ok(Some(limit)) = crate::model::rate::RateLimit::of(&job.envelope) {
-            if let Err(until) = tx.take_rate(&limit, now)? {
-                return Ok(Activation::Limited(until));
+        let own = RateLimit::of(&job.envelope).ok().flatten();
+        let limits = rate::limits_of(own, queue_limits.map(|l| (job.envelope.queue.as_str(), l)));
+        if !limits.is_empty() {
+            match take_rate(tx, &job, &limits, now)? {
+                RateDecision::Started => {
+                    filed = Some(limits.into_iter().map(|l| l.key).collect());
+                }
+                RateDecision::Limited {
+                    until,
+                    key,
+                    on_limit,
+                } => {
+                    let until = match on_limit {
+                        OnLimit::Wait => {
+                            let keys: Vec<String> = limits.into_iter().map(|l| l.key).collect();
+                            tx.file_rate_job(&envelope_id, &keys, RATE_WAITING)?;
+                            // Marked, so that its next transition unfiles it.
+                            if !job.extra.contains_key(RATE_FILED) {
+                                job.extra.insert(RATE_FILED.into(), json!(keys));
+                                tx.save(&job, None)?;
+                            }
+                            return Ok(Activation::Limited(until));
+                        }
+                        OnLimit::Reschedule => Some(until),
+                        OnLimit::Drop => None,
+                    };
+                    let t = apply(job, Command::Limit { key: &key, until }, now)
+                        .map_err(|r| wrong_state(&envelope_id, r))?;
+                    record(tx, &t, now)?;
+                    return Ok(Activation::Settle);
+                }
             }
         }
+    }
+    if let Some(keys) = &filed {
+        job.extra.insert(RATE_FILED.into(), json!(keys));
     }
     // Finished or cancelled: the broker's copy is settled, nothing handed out.
     let started = match apply(job, Command::Start { worker }, now) {

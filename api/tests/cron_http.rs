@@ -5,65 +5,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::Arc;
+mod common;
 
-use bytes::Bytes;
-use ojs_api::auth::{Operation, Token, Tokens};
-use ojs_api::{Api, ApiSettings};
-use ojs_core::glob::Glob;
-use ojs_core::redact::Secret;
+use common::server;
 use serde_json::{json, Value};
-
-struct Server {
-    api: Arc<Api>,
-    _dir: ojs_bridge_tests::tempdir::TempDir,
-}
-
-async fn server() -> Server {
-    let dir = ojs_bridge_tests::tempdir::TempDir::new("ojs-cron-http");
-    let token = |name: &str, operations: Vec<Operation>, queues: &[&str]| Token {
-        name: name.into(),
-        secret: Secret::new(format!("secret-{name}")),
-        operations,
-        queues: queues.iter().map(|q| Glob::new(q).unwrap()).collect(),
-    };
-    let settings = ApiSettings {
-        state_dir: dir.path().to_path_buf(),
-        tokens: Tokens::new(vec![
-            token("root", vec![Operation::Admin], &[]),
-            token("reader", vec![Operation::Read], &[]),
-            token("team", vec![Operation::Admin], &["team.*"]),
-        ]),
-        ..ApiSettings::default()
-    };
-    let adapter = Arc::new(ojs_adapter_memory::MemoryAdapter::new(
-        ojs_adapter_memory::MemoryConfig::default(),
-    ));
-    let api = Api::open(settings, adapter, "memory").await.unwrap();
-    Server { api, _dir: dir }
-}
-
-impl Server {
-    async fn call(
-        &self,
-        token: &str,
-        method: &str,
-        path: &str,
-        body: Option<Value>,
-    ) -> (u16, Value) {
-        let request = http::Request::builder()
-            .method(method)
-            .uri(path)
-            .header("authorization", format!("Bearer secret-{token}"))
-            .header("content-type", "application/json")
-            .body(body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string())))
-            .unwrap();
-        let answer = ojs_api::http::handle(&self.api, request, "req_cron").await;
-        let status = answer.status().as_u16();
-        let body = serde_json::from_slice(answer.body()).unwrap_or(Value::Null);
-        (status, body)
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cron_jobs_are_registered_listed_changed_and_deleted_under_every_client_s_names() {

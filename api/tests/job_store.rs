@@ -8,11 +8,12 @@
 
 use chrono::{DateTime, Utc};
 use ojs_api::model::cron::CronJob;
-use ojs_api::model::rate::RateLimit;
+use ojs_api::model::rate::{Limits, OnLimit, Rate, RateLimit};
 use ojs_api::model::unique::Uniqueness;
 use ojs_api::roster::WorkerRecord;
 use ojs_api::store::{
-    Durability, EventFilter, Inserted, JobQuery, Lease, PostgresSettings, Store, StoreError,
+    take_rate, Durability, EventFilter, Inserted, JobQuery, Lease, PostgresSettings, RateDecision,
+    Store, StoreError,
 };
 use ojs_api::Job;
 use ojs_core::redact::Secret;
@@ -726,12 +727,30 @@ async fn a_role_has_one_holder_until_its_time_runs_out(store: &Store, place: &Pl
     assert_eq!(winners, 1);
 }
 
+fn rate(limit: u32) -> Limits {
+    Limits {
+        rate: Some(Rate {
+            limit,
+            period: "PT1S".into(),
+        }),
+        ..Limits::default()
+    }
+}
+
+async fn take(store: &Store, job: &Job, limits: &[RateLimit], now: DateTime<Utc>) -> RateDecision {
+    let (job, limits) = (job.clone(), limits.to_vec());
+    store
+        .run(move |tx| take_rate(tx, &job, &limits, now))
+        .await
+        .unwrap()
+}
+
 async fn a_rate_window_admits_its_limit_across_stores(store: &Store, place: &Place) {
     let other = replica(store, place).await;
     let limit = RateLimit {
         key: "queue:limited".into(),
-        limit: 5,
-        period: std::time::Duration::from_secs(1),
+        limits: rate(5),
+        on_limit: OnLimit::Wait,
     };
     let now = in_ms(0);
     let handles: Vec<_> = (0..20)
@@ -742,15 +761,16 @@ async fn a_rate_window_admits_its_limit_across_stores(store: &Store, place: &Pla
                 other.clone()
             };
             let limit = limit.clone();
-            tokio::spawn(async move { s.run(move |tx| tx.take_rate(&limit, now)).await.unwrap() })
+            let job = plain("limited");
+            tokio::spawn(async move { take(&s, &job, &[limit], now).await })
         })
         .collect();
     let mut taken = 0;
     let mut until = None;
     for h in handles {
         match h.await.unwrap() {
-            Ok(()) => taken += 1,
-            Err(at) => until = Some(at),
+            RateDecision::Started => taken += 1,
+            RateDecision::Limited { until: at, .. } => until = Some(at),
         }
     }
     assert_eq!(
@@ -760,54 +780,127 @@ async fn a_rate_window_admits_its_limit_across_stores(store: &Store, place: &Pla
     assert_eq!(until, Some(now + chrono::Duration::seconds(1)));
     // The next window.
     let later = now + chrono::Duration::seconds(1);
-    let l = limit.clone();
+    let l = [limit.clone()];
     assert_eq!(
-        store.run(move |tx| tx.take_rate(&l, later)).await.unwrap(),
-        Ok(())
+        take(store, &plain("limited"), &l, later).await,
+        RateDecision::Started
     );
     // Another key has its own window.
-    let mine = RateLimit {
+    let mine = [RateLimit {
         key: "tenant:1".into(),
         ..limit.clone()
-    };
+    }];
     assert_eq!(
-        other.run(move |tx| tx.take_rate(&mine, now)).await.unwrap(),
-        Ok(())
+        take(&other, &plain("limited"), &mine, now).await,
+        RateDecision::Started
     );
-    // Windows are pruned a day past the retention cut, not before.
-    let full = RateLimit { limit: 1, ..limit };
-    let f = full.clone();
-    assert!(store
-        .run(move |tx| tx.take_rate(&f, later))
-        .await
-        .unwrap()
-        .is_err());
+    // Keys are pruned a day past the retention cut, not before.
+    let full = [RateLimit {
+        limits: rate(1),
+        ..limit
+    }];
+    assert!(matches!(
+        take(store, &plain("limited"), &full, later).await,
+        RateDecision::Limited { .. }
+    ));
     store
         .prune(later + chrono::Duration::hours(23))
         .await
         .unwrap();
-    let f = full.clone();
-    assert!(store
-        .run(move |tx| tx.take_rate(&f, later))
-        .await
-        .unwrap()
-        .is_err());
+    assert!(matches!(
+        take(store, &plain("limited"), &full, later).await,
+        RateDecision::Limited { .. }
+    ));
+    // Filed jobs keep their key: unfiled, it goes at the next prune.
+    let (a, b) = store.run(|tx| tx.rate_jobs("queue:limited")).await.unwrap();
+    assert_eq!((a, b), (6, 0), "the jobs admitted under it run");
+    let gone = plain("limited");
+    let alone = [RateLimit {
+        key: "tenant:2".into(),
+        ..full[0].clone()
+    }];
+    assert_eq!(
+        take(store, &gone, &alone, later).await,
+        RateDecision::Started
+    );
+    let id = gone.envelope.id.clone();
+    store.run(move |tx| tx.unfile_rate_job(&id)).await.unwrap();
     store
         .prune(later + chrono::Duration::hours(25))
         .await
         .unwrap();
-    assert_eq!(
-        store
-            .run(move |tx| tx.take_rate(&full, later))
-            .await
-            .unwrap(),
-        Ok(())
+    assert!(
+        matches!(
+            take(store, &plain("limited"), &full, later).await,
+            RateDecision::Limited { .. }
+        ),
+        "a key jobs still run under is kept"
     );
+    let keys = store.run(|tx| tx.rate_keys(0, 100)).await.unwrap();
+    let names: Vec<&str> = keys.0.iter().map(|(k, _)| k.as_str()).collect();
+    assert!(!names.contains(&"tenant:2"), "{names:?}");
+}
+
+async fn concurrency_counts_running_jobs_across_stores(store: &Store, place: &Place) {
+    let other = replica(store, place).await;
+    let limit = RateLimit {
+        key: "tenant:7".into(),
+        limits: Limits {
+            concurrency: Some(3),
+            ..Limits::default()
+        },
+        on_limit: OnLimit::Wait,
+    };
+    let now = in_ms(0);
+    let jobs: Vec<Job> = (0..12).map(|_| plain("conc")).collect();
+    let handles: Vec<_> = jobs
+        .iter()
+        .enumerate()
+        .map(|(i, job)| {
+            let s = if i % 2 == 0 {
+                store.clone()
+            } else {
+                other.clone()
+            };
+            let (job, limit) = (job.clone(), limit.clone());
+            tokio::spawn(
+                async move { (job.envelope.id.clone(), take(&s, &job, &[limit], now).await) },
+            )
+        })
+        .collect();
+    let mut running = Vec::new();
+    for h in handles {
+        if let (id, RateDecision::Started) = h.await.unwrap() {
+            running.push(id);
+        }
+    }
+    assert_eq!(
+        running.len(),
+        3,
+        "of 12 concurrent starts through two stores"
+    );
+    let counts = store.run(|tx| tx.rate_jobs("tenant:7")).await.unwrap();
+    assert_eq!(counts, (3, 0));
+    // One finishes: a place frees.
+    let done = running[0].clone();
+    store
+        .run(move |tx| tx.unfile_rate_job(&done))
+        .await
+        .unwrap();
+    assert_eq!(
+        take(&other, &plain("conc"), std::slice::from_ref(&limit), now).await,
+        RateDecision::Started
+    );
+    assert!(matches!(
+        take(store, &plain("conc"), &[limit], now).await,
+        RateDecision::Limited { .. }
+    ));
 }
 
 on_both_backends!(
     admin_reads_list_count_and_bucket_jobs,
     a_rate_window_admits_its_limit_across_stores,
+    concurrency_counts_running_jobs_across_stores,
     cron_jobs_round_trip_and_are_removed,
     a_role_has_one_holder_until_its_time_runs_out,
     of_concurrent_pushes_of_one_unique_key_exactly_one_is_stored,

@@ -176,6 +176,29 @@ async fn five_minutes_of_a_minutely_cron_through_the_death_of_the_firing_replica
     );
     assert_eq!(jobs.len(), 5, "one job per tick: {slots:?}");
     assert_eq!(slots.len(), 5, "no tick fired twice: {slots:?}");
+    // Each fire recorded `cron.triggered` once, naming its job.
+    let page = b
+        .api
+        .events(
+            &grant,
+            ojs_api::store::EventFilter {
+                types: vec!["cron.triggered".into()],
+                limit: 100,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let mut fired: Vec<String> = page
+        .events
+        .iter()
+        .map(|e| e.body["data"]["job_id"].as_str().unwrap().to_owned())
+        .collect();
+    let mut fetched: Vec<String> = jobs.iter().map(|j| j.envelope.id.clone()).collect();
+    fired.sort();
+    fetched.sort();
+    assert_eq!(fired, fetched, "one cron.triggered per job fired");
+    assert!(page.events.iter().all(|e| e.body["subject"] == "minutely"));
     let _ = b.stop.send(true);
 }
 

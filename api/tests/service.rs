@@ -820,9 +820,10 @@ async fn a_rate_limited_queue_starts_its_limit_per_window_on_the_service_clock()
     assert_eq!(s.fetch("slow", WAIT).await.len(), 1);
     // A limit that cannot be followed is refused with the push.
     let read = |body: Value| ojs_api::job::from_json(body, s.api.now()).unwrap_err();
-    let refused =
-        read(json!({"type": "a.b", "args": [], "options": {"rate_limit": {"concurrency": 1}}}));
-    assert_eq!(refused.code(), ErrorCode::Unsupported);
+    let refused = read(
+        json!({"type": "a.b", "args": [], "options": {"rate_limit": {"concurrency": 1, "on_limit": "later"}}}),
+    );
+    assert_eq!(refused.code(), ErrorCode::InvalidRequest);
     let refused = read(json!({"type": "a.b", "args": [], "rate_limit": {"max_per_second": 0}}));
     assert_eq!(refused.code(), ErrorCode::InvalidRequest);
 }

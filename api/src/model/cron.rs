@@ -9,6 +9,7 @@
 //! previous run. The firing loop is `crate::cron`.
 
 use std::str::FromStr;
+use std::time::Duration;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use chrono_tz::Tz;
@@ -104,15 +105,45 @@ fn is_final(state: JobState) -> bool {
 /// A parsed expression in its zone.
 #[derive(Debug, Clone)]
 pub struct Schedule {
-    cron: Cron,
+    times: Times,
     zone: Tz,
 }
 
+/// What a schedule names.
+#[derive(Debug, Clone)]
+enum Times {
+    /// The times a cron expression names.
+    Cron(Box<Cron>),
+    /// Every `interval` from `anchor` (`@every 5m`), whatever the zone.
+    Every {
+        interval: Duration,
+        anchor: DateTime<Utc>,
+    },
+}
+
+/// Shortest `@every` interval: the firing loop's resolution is a second.
+pub const MIN_EVERY: Duration = Duration::from_secs(1);
+/// Longest `@every` interval.
+pub const MAX_EVERY: Duration = Duration::from_secs(366 * 86_400);
+
 impl Schedule {
-    /// Reads `expression` (5 fields, or 6 with seconds first, or an
-    /// `@hourly`-style name) in the IANA zone `timezone`. Errors name the
-    /// field (`expression`, `timezone`).
+    /// Reads `expression` (5 fields, or 6 with seconds first, an
+    /// `@hourly`-style name, or `@every <duration>` in Go's duration form
+    /// such as `90s`, `5m`, `1h30m`) in the IANA zone `timezone`. Errors
+    /// name the field (`expression`, `timezone`). An `@every` schedule
+    /// counts from the epoch here; a cron's from its registration
+    /// ([`Schedule::anchored`]).
     pub fn parse(expression: &str, timezone: &str) -> Result<Schedule, ApiError> {
+        Self::anchored(expression, timezone, DateTime::<Utc>::UNIX_EPOCH)
+    }
+
+    /// [`Schedule::parse`], an `@every` schedule counting from `anchor` (a
+    /// cron's last registration or change).
+    pub fn anchored(
+        expression: &str,
+        timezone: &str,
+        anchor: DateTime<Utc>,
+    ) -> Result<Schedule, ApiError> {
         let zone = zone(timezone)?;
         let trimmed = expression.trim();
         if trimmed.is_empty() {
@@ -126,6 +157,24 @@ impl Schedule {
                 "expression",
                 "the cron expression is longer than 256 characters",
             ));
+        }
+        if let Some(interval) = trimmed
+            .get(..6)
+            .filter(|head| head.eq_ignore_ascii_case("@every"))
+            .map(|_| trimmed[6..].trim())
+        {
+            let interval = go_duration(interval)
+                .filter(|d| (MIN_EVERY..=MAX_EVERY).contains(d))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "expression",
+                        format!("{trimmed:?} is not an interval from 1s to 8784h: @every takes a duration such as 90s, 5m or 1h30m"),
+                    )
+                })?;
+            return Ok(Schedule {
+                times: Times::Every { interval, anchor },
+                zone,
+            });
         }
         // croner knows every name the spec lists but `@midnight`.
         let text = if trimmed.eq_ignore_ascii_case("@midnight") {
@@ -160,7 +209,10 @@ impl Schedule {
                     format!("{trimmed:?} is not a valid cron expression: {e}"),
                 )
             })?;
-        let schedule = Schedule { cron, zone };
+        let schedule = Schedule {
+            times: Times::Cron(Box::new(cron)),
+            zone,
+        };
         // An expression that names no real time (`0 0 31 2 *`) never fires.
         if schedule.next_after(DateTime::<Utc>::UNIX_EPOCH).is_none() {
             return Err(ApiError::invalid(
@@ -174,14 +226,56 @@ impl Schedule {
     /// The first time of the schedule strictly after `t`; none when there is
     /// none (the parser searches a bounded range of years).
     pub fn next_after(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
-        // Slots are whole seconds: the search starts at `t`'s second (a
-        // slot in it has passed, strictly after is after it).
-        let local = t.trunc_subsecs(0).with_timezone(&self.zone);
-        self.cron
-            .find_next_occurrence(&local, false)
-            .ok()
-            .map(|at| at.with_timezone(&Utc).trunc_subsecs(0))
+        match &self.times {
+            Times::Cron(cron) => {
+                // Slots are whole seconds: the search starts at `t`'s second
+                // (a slot in it has passed, strictly after is after it).
+                let local = t.trunc_subsecs(0).with_timezone(&self.zone);
+                cron.find_next_occurrence(&local, false)
+                    .ok()
+                    .map(|at| at.with_timezone(&Utc).trunc_subsecs(0))
+            }
+            Times::Every { interval, anchor } => {
+                let step = i64::try_from(interval.as_millis()).ok()?.max(1);
+                let since = (t - *anchor).num_milliseconds();
+                let k = if since < 0 { 0 } else { since / step + 1 };
+                anchor.checked_add_signed(chrono::Duration::milliseconds(k.checked_mul(step)?))
+            }
+        }
     }
+}
+
+/// A duration in Go's form (`300ms`, `90s`, `5m`, `1h30m`, `1.5h`): one or
+/// more numbers, each with its unit (`ns`, `us`, `µs`, `ms`, `s`, `m`, `h`).
+fn go_duration(text: &str) -> Option<Duration> {
+    let mut rest = text;
+    let mut total = 0f64;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let number: f64 = rest[..number_len].parse().ok()?;
+        rest = &rest[number_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let seconds = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return None,
+        };
+        rest = &rest[unit_len..];
+        total += number * seconds;
+    }
+    (total.is_finite() && total <= MAX_EVERY.as_secs_f64() * 2.0)
+        .then(|| Duration::from_secs_f64(total))
 }
 
 /// The schedule names (besides `@midnight`).
@@ -301,7 +395,7 @@ impl CronJob {
             Some(Value::String(s)) => s.clone(),
             Some(_) => return Err(ApiError::invalid("timezone", "`timezone` must be a string")),
         };
-        let schedule = Schedule::parse(expression, &timezone)?;
+        let schedule = Schedule::anchored(expression, &timezone, now)?;
         let overlap = match body.get("overlap_policy") {
             None | Some(Value::Null) => Overlap::Skip,
             Some(Value::String(s)) => Overlap::parse(s).ok_or_else(|| {
@@ -366,7 +460,7 @@ impl CronJob {
 
     /// The schedule (the stored expression was checked when registered).
     pub fn schedule(&self) -> Result<Schedule, ApiError> {
-        Schedule::parse(&self.expression, &self.timezone)
+        Schedule::anchored(&self.expression, &self.timezone, self.updated_at)
     }
 
     /// The queue its jobs go to.
@@ -713,6 +807,25 @@ mod tests {
     }
 
     #[test]
+    fn every_counts_intervals_from_its_anchor() {
+        let anchor = at("2026-01-01T10:00:07Z");
+        let s = Schedule::anchored("@every 1h30m", "UTC", anchor).unwrap();
+        let next = |t: &str| crate::job::timestamp(s.next_after(at(t)).unwrap());
+        assert_eq!(next("2026-01-01T10:00:07Z"), "2026-01-01T11:30:07.000Z");
+        assert_eq!(next("2026-01-01T09:00:00Z"), "2026-01-01T10:00:07.000Z");
+        assert_eq!(next("2026-01-01T13:00:00Z"), "2026-01-01T13:00:07.000Z");
+        let s = Schedule::anchored("@EVERY 90s", "Europe/Berlin", anchor).unwrap();
+        assert_eq!(
+            crate::job::timestamp(s.next_after(anchor).unwrap()),
+            "2026-01-01T10:01:37.000Z"
+        );
+        for d in ["1.5h", "300ms5s", "2h45m30s"] {
+            assert!(go_duration(d).is_some(), "{d}");
+        }
+        assert_eq!(go_duration("1.5h"), Some(Duration::from_secs(5400)));
+    }
+
+    #[test]
     fn zones_follow_the_place_and_its_daylight_saving() {
         // 09:00 in Tokyo (UTC+9, no daylight saving) and New York (EST).
         assert_eq!(
@@ -757,7 +870,10 @@ mod tests {
             "99 25 32 13 8",
             "",
             "*/0 * * * *",
-            "@every 5m",
+            "@every",
+            "@every 0s",
+            "@every 5 minutes",
+            "@every 10000h",
             "@sometimes",
             "0 0 31 2 *",
             "* * * *",

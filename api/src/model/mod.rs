@@ -10,6 +10,7 @@
 //! save.
 
 pub mod cron;
+pub mod queue;
 pub mod rate;
 pub(crate) mod retry;
 pub mod unique;
@@ -57,6 +58,12 @@ pub(crate) enum Command<'a> {
     Revive,
     /// Past its `expires_at`: never handed out.
     Expire,
+    /// Over its rate limit `key` when it would start, with `on_limit`
+    /// `reschedule` (`until`: when the key frees) or `drop` (none).
+    Limit {
+        key: &'a str,
+        until: Option<DateTime<Utc>>,
+    },
 }
 
 impl Command<'_> {
@@ -74,6 +81,7 @@ impl Command<'_> {
             Command::Promote => "promote",
             Command::Revive => "revive",
             Command::Expire => "expire",
+            Command::Limit { .. } => "limit",
         }
     }
 }
@@ -88,11 +96,11 @@ impl Command<'_> {
 /// - `activate` from `pending`, `deactivate` from `available` (of an
 ///   activated job), `promote` from `scheduled`;
 /// - `revive` from `discarded` (of a dead letter);
-/// - `expire` from the states a job is handed out from.
+/// - `expire` and `limit` from the states a job is handed out from.
 pub(crate) fn allows(state: JobState, command: &Command<'_>) -> bool {
     use JobState::*;
     match command {
-        Command::Start { .. } | Command::Expire => {
+        Command::Start { .. } | Command::Expire | Command::Limit { .. } => {
             matches!(state, Available | Retryable | Scheduled | Active)
         }
         Command::Complete { .. } | Command::Fail { .. } | Command::TimeOut => state == Active,
@@ -362,6 +370,33 @@ pub(crate) fn apply(
             happened(
                 "job.discarded",
                 json!({"job_type": job_type, "queue": queue, "state": "discarded", "reason": "expired"}),
+            );
+        }
+        Command::Limit {
+            key,
+            until: Some(until),
+        } => {
+            job.envelope.state = Some(JobState::Scheduled);
+            job.envelope.scheduled_at = Some(until);
+            job.extra.remove("worker_id");
+            happened(
+                "job.scheduled",
+                json!({"job_type": job_type, "queue": queue, "scheduled_at": timestamp(until), "reason": "rate_limited", "key": key}),
+            );
+        }
+        Command::Limit { key, until: None } => {
+            job.envelope.state = Some(JobState::Discarded);
+            job.extra.remove("worker_id");
+            job.extra
+                .insert("discarded_at".into(), json!(timestamp(now)));
+            finished = Some(now);
+            happened(
+                "job.discarded",
+                json!({"job_type": job_type, "queue": queue, "state": "discarded", "reason": "rate_limited", "key": key}),
+            );
+            happened(
+                "rate_limit.dropped",
+                json!({"job_type": job_type, "queue": queue, "key": key}),
             );
         }
     }

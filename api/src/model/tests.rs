@@ -77,6 +77,10 @@ fn commands(f: &Failed) -> Vec<Command<'_>> {
         Command::Promote,
         Command::Revive,
         Command::Expire,
+        Command::Limit {
+            key: "queue:q",
+            until: None,
+        },
     ]
 }
 
@@ -85,15 +89,15 @@ fn the_transition_table() {
     // Rows: the states in STATES' order; a letter per command in
     // `commands`' order: y allowed, . refused.
     let table = [
-        ("scheduled", "y...y..y.y"),
-        ("available", "y...y.y..y"),
-        ("pending", "....yy...."),
-        ("active", "yyyyy....y"),
-        ("completed", ".........."),
-        ("retryable", "y...y....y"),
-        ("cancelled", ".........."),
-        ("discarded", "........y."),
-        ("other", ".........."),
+        ("scheduled", "y...y..y.yy"),
+        ("available", "y...y.y..yy"),
+        ("pending", "....yy....."),
+        ("active", "yyyyy....yy"),
+        ("completed", "..........."),
+        ("retryable", "y...y....yy"),
+        ("cancelled", "..........."),
+        ("discarded", "........y.."),
+        ("other", "..........."),
     ];
     let f = failed(true);
     for (state, (name, row)) in STATES.into_iter().zip(table) {
@@ -301,6 +305,40 @@ fn cancel_time_out_and_expire_record_why() {
     assert_eq!(t.job.state(), JobState::Discarded);
     assert!(!t.job.is_dead_letter());
     assert_eq!(t.events[0].data["reason"], "expired");
+}
+
+#[test]
+fn over_its_rate_limit_a_job_is_rescheduled_or_dropped() {
+    let until = at("2026-01-02T03:04:06.000Z");
+    let t = apply(
+        job(JobState::Available),
+        Command::Limit {
+            key: "tenant:1",
+            until: Some(until),
+        },
+        now(),
+    )
+    .unwrap();
+    assert_eq!(t.job.state(), JobState::Scheduled);
+    assert_eq!(t.job.envelope.scheduled_at, Some(until));
+    assert_eq!(t.finished, None);
+    assert_eq!(t.events[0].kind, "job.scheduled");
+    assert_eq!(t.events[0].data["key"], "tenant:1");
+    let t = apply(
+        job(JobState::Available),
+        Command::Limit {
+            key: "tenant:1",
+            until: None,
+        },
+        now(),
+    )
+    .unwrap();
+    assert_eq!(t.job.state(), JobState::Discarded);
+    assert!(!t.job.is_dead_letter());
+    assert_eq!(t.finished, Some(now()));
+    let kinds: Vec<_> = t.events.iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, ["job.discarded", "rate_limit.dropped"]);
+    assert_eq!(t.events[0].data["reason"], "rate_limited");
 }
 
 #[test]

@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 
 use crate::job::{timestamp, Extra, Job};
 use crate::model::cron::CronJob;
-use crate::model::rate::{RateLimit, Window};
+use crate::model::rate::{admit, Admission, KeyState, OnLimit, RateLimit};
 use crate::model::unique::{OnConflict, Uniqueness};
 use crate::model::workflow::Workflow;
 use crate::model::{self, Command};
@@ -280,18 +280,111 @@ pub enum Settle {
 /// pruned: the longest window, so that no running one goes.
 pub(crate) const RATE_WINDOW_SLACK_MS: i64 = 86_400_000;
 
-/// A rate-limit key's window after `limit` took a start at `now` from the
-/// one stored (`start_ms`, `count`), or when the full one ends.
-pub(crate) fn next_window(
-    limit: &RateLimit,
-    stored: Option<(i64, i64)>,
+/// When a rate-limit key may be pruned from: its last use at `now`, or
+/// when its override ends (never, for one without an end).
+pub(crate) fn rate_key_seen(state: &KeyState, now: DateTime<Utc>) -> i64 {
+    match &state.overridden {
+        Some(o) => o.expires_at.map_or(i64::MAX, |at| ms(at.max(now))),
+        None => ms(now),
+    }
+}
+
+/// What the rate limits a job falls under decided at its start.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RateDecision {
+    /// Every key admitted it: the job is filed active under them.
+    Started,
+    /// A key refused it until then: nothing moved but the key's
+    /// `limited` mark.
+    Limited {
+        /// When the first refusing key may admit it.
+        until: DateTime<Utc>,
+        /// The key that refused it (the latest to free, of those that did).
+        key: String,
+        /// What its limit says the job becomes.
+        on_limit: OnLimit,
+    },
+}
+
+/// Admits a start of `job` under each of `limits` at `now` (each key's
+/// state locked until the commit where replicas share the store, in key
+/// order so that two starts never wait on each other), recording
+/// `rate_limit.exceeded` when a key becomes limited and
+/// `rate_limit.released` when it admits again. A start admitted by every
+/// key moves them all and files the job active under them.
+pub fn take_rate(
+    tx: &mut dyn Tx,
+    job: &Job,
+    limits: &[RateLimit],
     now: DateTime<Utc>,
-) -> Result<Window, DateTime<Utc>> {
-    let window = stored.map(|(start, count)| Window {
-        start: DateTime::from_timestamp_millis(start).unwrap_or_default(),
-        count: u32::try_from(count).unwrap_or(u32::MAX),
-    });
-    limit.take(window, now)
+) -> Result<RateDecision, StoreError> {
+    let mut order: Vec<&RateLimit> = limits.iter().collect();
+    order.sort_by(|a, b| a.key.cmp(&b.key));
+    let mut admitted = Vec::with_capacity(order.len());
+    let mut refused: Option<(DateTime<Utc>, &RateLimit)> = None;
+    for limit in order {
+        let mut state = tx.rate_key(&limit.key)?.unwrap_or_default();
+        let (active, _) = tx.rate_jobs(&limit.key)?;
+        match admit(&limit.limits, &mut state, active, now) {
+            Admission::Started { released } => admitted.push((limit, state, released)),
+            Admission::Limited { until, newly } => {
+                if newly {
+                    tx.save_rate_key(&limit.key, &state, now)?;
+                    tx.event(
+                        "rate_limit.exceeded",
+                        &job.envelope,
+                        now,
+                        json!({"key": limit.key, "queue": job.envelope.queue, "job_type": job.envelope.job_type, "until": timestamp(until)}),
+                    )?;
+                }
+                if refused.is_none_or(|(u, _)| until > u) {
+                    refused = Some((until, limit));
+                }
+            }
+        }
+    }
+    if let Some((until, limit)) = refused {
+        return Ok(RateDecision::Limited {
+            until,
+            key: limit.key.clone(),
+            on_limit: limit.on_limit,
+        });
+    }
+    let keys: Vec<String> = admitted.iter().map(|(l, _, _)| l.key.clone()).collect();
+    for (limit, state, released) in admitted {
+        tx.save_rate_key(&limit.key, &state, now)?;
+        if released {
+            tx.event(
+                "rate_limit.released",
+                &job.envelope,
+                now,
+                json!({"key": limit.key, "queue": job.envelope.queue, "job_type": job.envelope.job_type}),
+            )?;
+        }
+    }
+    tx.file_rate_job(&job.envelope.id, &keys, RATE_ACTIVE)?;
+    Ok(RateDecision::Started)
+}
+
+/// A job filed under a key runs.
+pub(crate) const RATE_ACTIVE: &str = "active";
+/// A job filed under a key waits for it.
+pub(crate) const RATE_WAITING: &str = "waiting";
+/// The extra field of a job that was ever filed under a rate-limit key:
+/// its transitions unfile it when it leaves `active`.
+pub(crate) const RATE_FILED: &str = "rate_keys";
+
+/// A rate-limit key as the endpoints show it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateKeyView {
+    /// The key.
+    pub key: String,
+    /// Its state.
+    pub state: KeyState,
+    /// Its jobs running now.
+    pub active: u64,
+    /// Its jobs given back over its limit and not started since.
+    pub waiting: u64,
 }
 
 /// A queue's stored jobs, as its statistics read them.
@@ -408,6 +501,17 @@ pub struct JobCounts {
     pub finished: Vec<(String, String, u64)>,
 }
 
+/// What an event is about, as the log files it (filters read these).
+#[derive(Debug, Clone, Copy)]
+pub struct Subject<'a> {
+    /// The job, or empty for an event of a queue or a cron that made none.
+    pub job_id: &'a str,
+    /// Its queue.
+    pub queue: &'a str,
+    /// Its job type, or empty.
+    pub job_type: &'a str,
+}
+
 /// One transaction of the store, as a state transition sees it: read a
 /// job (locked until the commit where that matters), write it back, log
 /// what happened. Written once for both backends.
@@ -417,11 +521,27 @@ pub trait Tx {
     /// Writes the job back (state, envelope, extra); `finished` when it
     /// reached a final state (retention counts from then).
     fn save(&mut self, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError>;
-    /// Appends to the event log.
+    /// Appends a job's event to the event log.
     fn event(
         &mut self,
         event_type: &str,
         job: &JobEnvelope,
+        now: DateTime<Utc>,
+        data: Value,
+    ) -> Result<(), StoreError> {
+        let subject = Subject {
+            job_id: &job.id,
+            queue: &job.queue,
+            job_type: &job.job_type,
+        };
+        self.fact(event_type, &subject, now, data)
+    }
+    /// Appends an event to the event log: a job's, a queue's (no job id),
+    /// a cron's (the job it fired, if any).
+    fn fact(
+        &mut self,
+        event_type: &str,
+        subject: &Subject<'_>,
         now: DateTime<Utc>,
         data: Value,
     ) -> Result<(), StoreError>;
@@ -547,14 +667,39 @@ pub trait Tx {
         since: DateTime<Utc>,
         sample: usize,
     ) -> Result<QueueJobs, StoreError>;
-    /// Takes a start of `limit`'s key at `now` (its window moves in this
-    /// transaction, locked where replicas share the store); when the
-    /// window is full, when it ends.
-    fn take_rate(
+    /// A rate-limit key's state, locked until the commit where replicas
+    /// share the store; none for a key never used.
+    fn rate_key(&mut self, key: &str) -> Result<Option<KeyState>, StoreError>;
+    /// A rate-limit key's state, read without a lock.
+    fn peek_rate_key(&mut self, key: &str) -> Result<Option<KeyState>, StoreError>;
+    /// Writes a rate-limit key's state (used at `now`).
+    fn save_rate_key(
         &mut self,
-        limit: &RateLimit,
+        key: &str,
+        state: &KeyState,
         now: DateTime<Utc>,
-    ) -> Result<Result<(), DateTime<Utc>>, StoreError>;
+    ) -> Result<(), StoreError>;
+    /// A key's jobs (running, waiting).
+    fn rate_jobs(&mut self, key: &str) -> Result<(u64, u64), StoreError>;
+    /// Files a job under `keys` as [`RATE_ACTIVE`] or [`RATE_WAITING`].
+    fn file_rate_job(
+        &mut self,
+        job_id: &str,
+        keys: &[String],
+        state: &str,
+    ) -> Result<(), StoreError>;
+    /// Unfiles a job from every key.
+    fn unfile_rate_job(&mut self, job_id: &str) -> Result<(), StoreError>;
+    /// A page of rate-limit keys (by key), and how many there are.
+    fn rate_keys(
+        &mut self,
+        offset: u64,
+        limit: u64,
+    ) -> Result<(Vec<(String, KeyState)>, u64), StoreError>;
+    /// Every queue's configuration (its record).
+    fn queue_configs(&mut self) -> Result<Vec<(String, String)>, StoreError>;
+    /// Writes a queue's configuration record.
+    fn save_queue_config(&mut self, name: &str, record: &str) -> Result<(), StoreError>;
     /// Asks the replica `holder` to settle the job's delivery.
     fn send_settle(
         &mut self,
@@ -1014,12 +1159,24 @@ pub(crate) fn event_body(
             "source": "ojs-bridge",
             "time": time,
             "timestamp": time,
-            "subject": job_id,
+            "subject": subject_of(job_id, queue, &data),
             "job_id": job_id,
             "queue": queue,
             "job_type": job_type,
             "data": data,
         }),
+    }
+}
+
+/// An event's `subject`: its job, else its cron, else its queue.
+fn subject_of(job_id: &str, queue: &str, data: &Value) -> String {
+    if let Some(name) = data.get("cron_name").and_then(Value::as_str) {
+        return name.to_owned();
+    }
+    if job_id.is_empty() {
+        queue.to_owned()
+    } else {
+        job_id.to_owned()
     }
 }
 
@@ -1052,6 +1209,14 @@ pub(crate) fn record_alone(
     tx.save(&t.job, t.finished)?;
     for e in &t.events {
         tx.event(e.kind, &t.job.envelope, now, e.data.clone())?;
+    }
+    // A job filed under rate-limit keys that stops running (or waiting)
+    // frees its place there in the same transaction.
+    if t.job.extra.contains_key(RATE_FILED)
+        && t.job.state() != JobState::Active
+        && t.job.state() != t.previous
+    {
+        tx.unfile_rate_job(&t.job.envelope.id)?;
     }
     Ok(())
 }

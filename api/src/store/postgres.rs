@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use ojs_core::redact::Secret;
-use ojs_core::{JobEnvelope, JobState};
+use ojs_core::JobState;
 use postgres::error::SqlState;
 use postgres::{Client, Config, NoTls, Transaction};
 use serde_json::Value;
@@ -27,20 +27,20 @@ use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, next_window,
+    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, rate_key_seen,
     record_of, record_text, state_name, stored_event, unanswered, EventFilter, EventPage, Inserted,
-    Lease, QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
+    Lease, QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED, RATE_ACTIVE,
     RATE_WINDOW_SLACK_MS, SCHEDULE_CLAIM,
 };
-use super::{Bound, JobCounts, JobQuery};
+use super::{Bound, JobCounts, JobQuery, Subject};
 use crate::job::Job;
 use crate::model::cron::CronJob;
-use crate::model::rate::RateLimit;
+use crate::model::rate::KeyState;
 use crate::model::workflow::Workflow;
 use crate::roster::WorkerRecord;
 
 /// The schema version this build writes: 2 adds the workers' records.
-const SCHEMA_VERSION: i32 = 5;
+const SCHEMA_VERSION: i32 = 6;
 /// Taken while the schema is made or migrated: replicas starting together
 /// do it once.
 const MIGRATION_LOCK: i64 = 0x4f4a_5341;
@@ -150,6 +150,29 @@ CREATE INDEX workflows_finished ON workflows (finished_ms) WHERE finished_ms IS 
 CREATE TABLE system (
     key   text PRIMARY KEY,
     value text NOT NULL
+);
+";
+
+/// From version 5: rate-limit keys with the jobs filed under them (in
+/// place of the windows, which are only ever a second to a day old) and
+/// queue configurations.
+const MIGRATE_5_TO_6: &str = "
+DROP TABLE rate_windows;
+CREATE TABLE rate_keys (
+    key     text PRIMARY KEY,
+    seen_ms bigint NOT NULL,
+    record  text NOT NULL
+);
+CREATE TABLE rate_jobs (
+    job_id text NOT NULL,
+    key    text NOT NULL,
+    state  text NOT NULL,
+    PRIMARY KEY (job_id, key)
+);
+CREATE INDEX rate_jobs_by_key ON rate_jobs (key, state);
+CREATE TABLE queue_configs (
+    name   text PRIMARY KEY,
+    record text NOT NULL
 );
 ";
 
@@ -494,7 +517,7 @@ impl super::JobStore for PostgresStore {
             t.execute(sql::PRUNE_WORKERS.postgres, &[&cut])
                 .map_err(pg)?;
             t.execute(
-                sql::PRUNE_RATE_WINDOWS.postgres,
+                sql::PRUNE_RATE_KEYS.postgres,
                 &[&(cut - RATE_WINDOW_SLACK_MS)],
             )
             .map_err(pg)?;
@@ -747,7 +770,7 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
         .map_err(pg)?
         .and_then(|r| r.get(0));
     match version {
-        None | Some(1..=4) => {
+        None | Some(1..=5) => {
             if version.is_none() {
                 t.batch_execute(SCHEMA_V1).map_err(pg)?;
             }
@@ -760,7 +783,10 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
             if version.is_none_or(|v| v < 4) {
                 t.batch_execute(MIGRATE_3_TO_4).map_err(pg)?;
             }
-            t.batch_execute(MIGRATE_4_TO_5).map_err(pg)?;
+            if version.is_none_or(|v| v < 5) {
+                t.batch_execute(MIGRATE_4_TO_5).map_err(pg)?;
+            }
+            t.batch_execute(MIGRATE_5_TO_6).map_err(pg)?;
             t.execute(
                 "INSERT INTO schema_version (version) VALUES ($1)",
                 &[&SCHEMA_VERSION],
@@ -910,10 +936,10 @@ impl Tx for PostgresTx<'_, '_> {
         Ok(())
     }
 
-    fn event(
+    fn fact(
         &mut self,
         event_type: &str,
-        job: &JobEnvelope,
+        job: &Subject<'_>,
         now: DateTime<Utc>,
         data: Value,
     ) -> Result<(), StoreError> {
@@ -922,7 +948,7 @@ impl Tx for PostgresTx<'_, '_> {
                 sql::INSERT_EVENT.postgres,
                 &[
                     &event_type,
-                    &job.id,
+                    &job.job_id,
                     &job.queue,
                     &job.job_type,
                     &ms(now),
@@ -1367,41 +1393,130 @@ impl Tx for PostgresTx<'_, '_> {
         })
     }
 
-    fn take_rate(
-        &mut self,
-        limit: &RateLimit,
-        now: DateTime<Utc>,
-    ) -> Result<Result<(), DateTime<Utc>>, StoreError> {
+    fn rate_key(&mut self, key: &str) -> Result<Option<KeyState>, StoreError> {
         // The row exists before it is locked, so that concurrent first
-        // takes of a key wait for each other.
+        // uses of a key wait for each other.
         self.t
             .execute(
-                "INSERT INTO rate_windows (key, start_ms, count) VALUES ($1, 0, 0)
+                "INSERT INTO rate_keys (key, seen_ms, record) VALUES ($1, 0, '{}')
                  ON CONFLICT (key) DO NOTHING",
-                &[&limit.key],
+                &[&key],
             )
             .map_err(pg)?;
         let row = self
             .t
             .query_one(
-                "SELECT start_ms, count FROM rate_windows WHERE key = $1 FOR UPDATE",
-                &[&limit.key],
+                "SELECT record FROM rate_keys WHERE key = $1 FOR UPDATE",
+                &[&key],
             )
             .map_err(pg)?;
-        let stored: (i64, i64) = (row.get(0), row.get(1));
-        let stored = (stored.1 > 0).then_some(stored);
-        match next_window(limit, stored, now) {
-            Ok(w) => {
-                self.t
-                    .execute(
-                        sql::SAVE_RATE_WINDOW.postgres,
-                        &[&limit.key, &ms(w.start), &i64::from(w.count)],
-                    )
-                    .map_err(pg)?;
-                Ok(Ok(()))
+        let record: String = row.get(0);
+        Ok(Some(record_of(key, &record)?))
+    }
+
+    fn peek_rate_key(&mut self, key: &str) -> Result<Option<KeyState>, StoreError> {
+        let row = self
+            .t
+            .query_opt(sql::RATE_KEY.postgres, &[&key])
+            .map_err(pg)?;
+        row.map(|r| record_of(key, &r.get::<_, String>(0)))
+            .transpose()
+    }
+
+    fn save_rate_key(
+        &mut self,
+        key: &str,
+        state: &KeyState,
+        now: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        self.t
+            .execute(
+                sql::SAVE_RATE_KEY.postgres,
+                &[&key, &rate_key_seen(state, now), &record_text(key, state)?],
+            )
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn rate_jobs(&mut self, key: &str) -> Result<(u64, u64), StoreError> {
+        let rows = self
+            .t
+            .query(sql::RATE_JOB_COUNTS.postgres, &[&key])
+            .map_err(pg)?;
+        let mut counts = (0, 0);
+        for row in rows {
+            let state: String = row.get(0);
+            let n = u64::try_from(row.get::<_, i64>(1)).unwrap_or(0);
+            if state == RATE_ACTIVE {
+                counts.0 = n;
+            } else {
+                counts.1 = n;
             }
-            Err(until) => Ok(Err(until)),
         }
+        Ok(counts)
+    }
+
+    fn file_rate_job(
+        &mut self,
+        job_id: &str,
+        keys: &[String],
+        state: &str,
+    ) -> Result<(), StoreError> {
+        for key in keys {
+            self.t
+                .execute(sql::FILE_RATE_JOB.postgres, &[&job_id, key, &state])
+                .map_err(pg)?;
+        }
+        Ok(())
+    }
+
+    fn unfile_rate_job(&mut self, job_id: &str) -> Result<(), StoreError> {
+        self.t
+            .execute(sql::UNFILE_RATE_JOB.postgres, &[&job_id])
+            .map_err(pg)?;
+        Ok(())
+    }
+
+    fn rate_keys(
+        &mut self,
+        offset: u64,
+        limit: u64,
+    ) -> Result<(Vec<(String, KeyState)>, u64), StoreError> {
+        let total: i64 = self
+            .t
+            .query_one(sql::COUNT_RATE_KEYS.postgres, &[])
+            .map_err(pg)?
+            .get(0);
+        let rows = self
+            .t
+            .query(
+                sql::RATE_KEYS.postgres,
+                &[
+                    &i64::try_from(limit).unwrap_or(i64::MAX),
+                    &i64::try_from(offset).unwrap_or(i64::MAX),
+                ],
+            )
+            .map_err(pg)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let key: String = row.get(0);
+            let record: String = row.get(1);
+            let state = record_of(&key, &record)?;
+            out.push((key, state));
+        }
+        Ok((out, u64::try_from(total).unwrap_or(0)))
+    }
+
+    fn queue_configs(&mut self) -> Result<Vec<(String, String)>, StoreError> {
+        let rows = self.t.query(sql::QUEUE_CONFIGS.postgres, &[]).map_err(pg)?;
+        Ok(rows.into_iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    fn save_queue_config(&mut self, name: &str, record: &str) -> Result<(), StoreError> {
+        self.t
+            .execute(sql::SAVE_QUEUE_CONFIG.postgres, &[&name, &record])
+            .map_err(pg)?;
+        Ok(())
     }
 
     fn hold_role(

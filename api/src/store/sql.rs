@@ -94,7 +94,7 @@ shared!(
 );
 
 /// The tables a reset empties, in an order foreign keys would allow.
-pub(crate) const RESET_TABLES: [&str; 12] = [
+pub(crate) const RESET_TABLES: [&str; 14] = [
     "events",
     "unique_keys",
     "jobs",
@@ -102,7 +102,9 @@ pub(crate) const RESET_TABLES: [&str; 12] = [
     "workers",
     "crons",
     "paused_queues",
-    "rate_windows",
+    "rate_keys",
+    "rate_jobs",
+    "queue_configs",
     "leaders",
     "workflows",
     "system",
@@ -229,19 +231,50 @@ shared!(
 );
 
 shared!(
-    /// A rate-limit key's window.
-    RATE_WINDOW = "SELECT start_ms, count FROM rate_windows WHERE key = $1"
+    /// A rate-limit key's state.
+    RATE_KEY = "SELECT record FROM rate_keys WHERE key = $1"
 );
 shared!(
-    /// Writes a rate-limit key's window.
-    SAVE_RATE_WINDOW = "INSERT INTO rate_windows (key, start_ms, count) VALUES ($1, $2, $3)
-     ON CONFLICT (key) DO UPDATE SET start_ms = excluded.start_ms, count = excluded.count"
+    /// Writes a rate-limit key's state; `seen_ms` is when it may be
+    /// pruned from (its last use, or its override's end).
+    SAVE_RATE_KEY = "INSERT INTO rate_keys (key, seen_ms, record) VALUES ($1, $2, $3)
+     ON CONFLICT (key) DO UPDATE SET seen_ms = excluded.seen_ms, record = excluded.record"
 );
-
 shared!(
-    /// Rate-limit windows that ended before a time (`$1`, a day before
-    /// the retention cut: no window is longer).
-    PRUNE_RATE_WINDOWS = "DELETE FROM rate_windows WHERE start_ms < $1"
+    /// A page of rate-limit keys, by key.
+    RATE_KEYS = "SELECT key, record FROM rate_keys ORDER BY key LIMIT $1 OFFSET $2"
+);
+shared!(
+    /// How many rate-limit keys there are.
+    COUNT_RATE_KEYS = "SELECT count(*) FROM rate_keys"
+);
+shared!(
+    /// A key's jobs by state (`active`, `waiting`).
+    RATE_JOB_COUNTS = "SELECT state, count(*) FROM rate_jobs WHERE key = $1 GROUP BY state"
+);
+shared!(
+    /// Files a job under a key in a state.
+    FILE_RATE_JOB = "INSERT INTO rate_jobs (job_id, key, state) VALUES ($1, $2, $3)
+     ON CONFLICT (job_id, key) DO UPDATE SET state = excluded.state"
+);
+shared!(
+    /// Unfiles a job from every key.
+    UNFILE_RATE_JOB = "DELETE FROM rate_jobs WHERE job_id = $1"
+);
+shared!(
+    /// Rate-limit keys unused since a time (`$1`, a day before the
+    /// retention cut: no window is longer) and filed under by no job.
+    PRUNE_RATE_KEYS = "DELETE FROM rate_keys WHERE seen_ms < $1
+     AND NOT EXISTS (SELECT 1 FROM rate_jobs r WHERE r.key = rate_keys.key)"
+);
+shared!(
+    /// Every queue's configuration.
+    QUEUE_CONFIGS = "SELECT name, record FROM queue_configs ORDER BY name"
+);
+shared!(
+    /// Writes a queue's configuration.
+    SAVE_QUEUE_CONFIG = "INSERT INTO queue_configs (name, record) VALUES ($1, $2)
+     ON CONFLICT (name) DO UPDATE SET record = excluded.record"
 );
 
 shared!(

@@ -15,22 +15,22 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use ojs_core::{JobEnvelope, JobState};
+use ojs_core::JobState;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use serde_json::Value;
 use tokio::sync::oneshot;
 
 use super::sql;
 use super::{
-    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, next_window,
+    claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, rate_key_seen,
     record_of, record_text, state_name, stored_event, unanswered, Durability, EventFilter,
     EventPage, Inserted, QueueJobs, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
-    RATE_WINDOW_SLACK_MS,
+    RATE_ACTIVE, RATE_WINDOW_SLACK_MS,
 };
-use super::{Bound, JobCounts, JobQuery};
+use super::{Bound, JobCounts, JobQuery, Subject};
 use crate::job::Job;
 use crate::model::cron::CronJob;
-use crate::model::rate::RateLimit;
+use crate::model::rate::KeyState;
 use crate::model::unique::Uniqueness;
 use crate::model::workflow::Workflow;
 use crate::roster::WorkerRecord;
@@ -44,8 +44,10 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// published with an UPDATE of its row and gave each event a random id;
 /// version 2 keeps a watermark in `meta` and numbers events by `seq`.
 /// Version 4 adds the workers' records (`crate::roster`), 5 unique keys, 6
-/// cron jobs, roles (`crate::cron`), paused queues and rate-limit windows.
-const SCHEMA_VERSION: i64 = 7;
+/// cron jobs, roles (`crate::cron`), paused queues and rate-limit windows,
+/// 7 workflows, 8 rate-limit keys with the jobs filed under them (in place
+/// of the windows) and queue configurations.
+const SCHEMA_VERSION: i64 = 8;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -100,10 +102,22 @@ CREATE TABLE IF NOT EXISTS paused_queues (
     name      TEXT PRIMARY KEY,
     paused_ms INTEGER NOT NULL
 );
-CREATE TABLE IF NOT EXISTS rate_windows (
-    key      TEXT PRIMARY KEY,
-    start_ms INTEGER NOT NULL,
-    count    INTEGER NOT NULL
+DROP TABLE IF EXISTS rate_windows;
+CREATE TABLE IF NOT EXISTS rate_keys (
+    key     TEXT PRIMARY KEY,
+    seen_ms INTEGER NOT NULL,
+    record  TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rate_jobs (
+    job_id TEXT NOT NULL,
+    key    TEXT NOT NULL,
+    state  TEXT NOT NULL,
+    PRIMARY KEY (job_id, key)
+);
+CREATE INDEX IF NOT EXISTS rate_jobs_by_key ON rate_jobs (key, state);
+CREATE TABLE IF NOT EXISTS queue_configs (
+    name   TEXT PRIMARY KEY,
+    record TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS leaders (
     role     TEXT PRIMARY KEY,
@@ -598,14 +612,14 @@ fn jobs(
 fn event(
     tx: &Connection,
     event_type: &str,
-    job: &JobEnvelope,
+    job: &Subject<'_>,
     now: DateTime<Utc>,
     data: Value,
 ) -> Result<(), StoreError> {
     tx.prepare_cached(sql::INSERT_EVENT.sqlite)?
         .execute(params![
             event_type,
-            job.id,
+            job.job_id,
             job.queue,
             job.job_type,
             ms(now),
@@ -653,7 +667,12 @@ fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i
             available.push((e.id.clone(), seq));
         }
         let (name, at, data) = stored_event(job);
-        event(tx, name, e, at, data)?;
+        let subject = Subject {
+            job_id: &e.id,
+            queue: &e.queue,
+            job_type: &e.job_type,
+        };
+        event(tx, name, &subject, at, data)?;
     }
     let mut stmt =
         tx.prepare_cached("INSERT OR IGNORE INTO queues (name, created_ms) VALUES (?1, ?2)")?;
@@ -780,10 +799,10 @@ impl Tx for SqliteTx<'_> {
         save(self.conn, job, finished)
     }
 
-    fn event(
+    fn fact(
         &mut self,
         event_type: &str,
-        job: &JobEnvelope,
+        job: &Subject<'_>,
         now: DateTime<Utc>,
         data: Value,
     ) -> Result<(), StoreError> {
@@ -1152,25 +1171,110 @@ impl Tx for SqliteTx<'_> {
         })
     }
 
-    fn take_rate(
-        &mut self,
-        limit: &RateLimit,
-        now: DateTime<Utc>,
-    ) -> Result<Result<(), DateTime<Utc>>, StoreError> {
-        let stored: Option<(i64, i64)> = self
+    fn rate_key(&mut self, key: &str) -> Result<Option<KeyState>, StoreError> {
+        let record: Option<String> = self
             .conn
-            .prepare_cached(sql::RATE_WINDOW.sqlite)?
-            .query_row(params![limit.key], |r| Ok((r.get(0)?, r.get(1)?)))
+            .prepare_cached(sql::RATE_KEY.sqlite)?
+            .query_row(params![key], |r| r.get(0))
             .optional()?;
-        match next_window(limit, stored, now) {
-            Ok(w) => {
-                self.conn
-                    .prepare_cached(sql::SAVE_RATE_WINDOW.sqlite)?
-                    .execute(params![limit.key, ms(w.start), i64::from(w.count)])?;
-                Ok(Ok(()))
+        record.map(|r| record_of(key, &r)).transpose()
+    }
+
+    fn peek_rate_key(&mut self, key: &str) -> Result<Option<KeyState>, StoreError> {
+        self.rate_key(key)
+    }
+
+    fn save_rate_key(
+        &mut self,
+        key: &str,
+        state: &KeyState,
+        now: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(sql::SAVE_RATE_KEY.sqlite)?
+            .execute(params![
+                key,
+                rate_key_seen(state, now),
+                record_text(key, state)?
+            ])?;
+        Ok(())
+    }
+
+    fn rate_jobs(&mut self, key: &str) -> Result<(u64, u64), StoreError> {
+        let mut stmt = self.conn.prepare_cached(sql::RATE_JOB_COUNTS.sqlite)?;
+        let rows = stmt.query_map(params![key], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))
+        })?;
+        let mut counts = (0, 0);
+        for row in rows {
+            let (state, n) = row?;
+            let n = u64::try_from(n).unwrap_or(0);
+            if state == RATE_ACTIVE {
+                counts.0 = n;
+            } else {
+                counts.1 = n;
             }
-            Err(until) => Ok(Err(until)),
         }
+        Ok(counts)
+    }
+
+    fn file_rate_job(
+        &mut self,
+        job_id: &str,
+        keys: &[String],
+        state: &str,
+    ) -> Result<(), StoreError> {
+        let mut stmt = self.conn.prepare_cached(sql::FILE_RATE_JOB.sqlite)?;
+        for key in keys {
+            stmt.execute(params![job_id, key, state])?;
+        }
+        Ok(())
+    }
+
+    fn unfile_rate_job(&mut self, job_id: &str) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(sql::UNFILE_RATE_JOB.sqlite)?
+            .execute(params![job_id])?;
+        Ok(())
+    }
+
+    fn rate_keys(
+        &mut self,
+        offset: u64,
+        limit: u64,
+    ) -> Result<(Vec<(String, KeyState)>, u64), StoreError> {
+        let total: i64 = self
+            .conn
+            .prepare_cached(sql::COUNT_RATE_KEYS.sqlite)?
+            .query_row([], |r| r.get(0))?;
+        let mut stmt = self.conn.prepare_cached(sql::RATE_KEYS.sqlite)?;
+        let rows = stmt.query_map(
+            params![
+                i64::try_from(limit).unwrap_or(i64::MAX),
+                i64::try_from(offset).unwrap_or(i64::MAX)
+            ],
+            |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
+        )?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (key, record) = row?;
+            let state = record_of(&key, &record)?;
+            out.push((key, state));
+        }
+        Ok((out, u64::try_from(total).unwrap_or(0)))
+    }
+
+    fn queue_configs(&mut self) -> Result<Vec<(String, String)>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(sql::QUEUE_CONFIGS.sqlite)?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
+
+    fn save_queue_config(&mut self, name: &str, record: &str) -> Result<(), StoreError> {
+        self.conn
+            .prepare_cached(sql::SAVE_QUEUE_CONFIG.sqlite)?
+            .execute(params![name, record])?;
+        Ok(())
     }
 
     fn hold_role(
@@ -1433,7 +1537,7 @@ fn commit_group(
                     .execute(params![cut])?;
                 c.prepare_cached(sql::PRUNE_UNIQUE_KEYS.sqlite)?
                     .execute([])?;
-                c.prepare_cached(sql::PRUNE_RATE_WINDOWS.sqlite)?
+                c.prepare_cached(sql::PRUNE_RATE_KEYS.sqlite)?
                     .execute(params![cut - RATE_WINDOW_SLACK_MS])?;
                 c.prepare_cached(sql::PRUNE_WORKFLOWS.sqlite)?
                     .execute(params![cut])?;
