@@ -22,6 +22,10 @@ use crate::model::{self};
 use crate::store::{record_of, record_text, RateKeyView};
 use crate::Api;
 
+/// Keys a scoped token's listing looks at, at most (its page is cut from
+/// those it may see).
+const SCOPED_SCAN: u64 = 10_000;
+
 /// The queue a key limits, for a key of a queue (`queue:<name>`).
 fn queue_of(key: &str) -> Option<&str> {
     key.strip_prefix("queue:")
@@ -133,7 +137,7 @@ impl Api {
             .run(move |tx| {
                 // A scoped token's page is cut from the keys it may see.
                 let (keys, total) = if scoped {
-                    tx.rate_keys(0, u64::MAX >> 1)?
+                    tx.rate_keys(0, SCOPED_SCAN)?
                 } else {
                     tx.rate_keys(offset, limit)?
                 };

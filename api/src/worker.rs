@@ -1436,6 +1436,11 @@ fn activate_one(
         let own = RateLimit::of(&job.envelope).ok().flatten();
         let limits = rate::limits_of(own, queue_limits.map(|l| (job.envelope.queue.as_str(), l)));
         if !limits.is_empty() {
+            // Delivered again while the store says active (its process
+            // died holding it): that run is over and holds no place.
+            if job.state() == JobState::Active && job.extra.contains_key(RATE_FILED) {
+                tx.unfile_rate_job(&envelope_id)?;
+            }
             match take_rate(tx, &job, &limits, now)? {
                 RateDecision::Started => {
                     filed = Some(limits.into_iter().map(|l| l.key).collect());

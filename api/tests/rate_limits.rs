@@ -433,3 +433,61 @@ async fn pausing_and_resuming_a_queue_are_recorded_once_each() {
     assert_eq!(resumed.len(), 1);
     assert_eq!(resumed[0]["data"]["resumed_by"], "root");
 }
+
+/// A job delivered again while the store says it is active (the process
+/// that held it died) runs again: its old run holds no place of its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_its_dead_process_held_is_not_kept_out_by_its_own_place() {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use ojs_api::worker::Fetch;
+    use ojs_api::{Api, ApiSettings};
+
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("rate-redelivered");
+    let broker: Arc<dyn ojs_queue::QueueAdapter> = Arc::new(
+        ojs_adapter_memory::MemoryAdapter::new(ojs_adapter_memory::MemoryConfig::default()),
+    );
+    let open = || {
+        Api::open(
+            ApiSettings {
+                state_dir: dir.path().to_path_buf(),
+                ..ApiSettings::default()
+            },
+            broker.clone(),
+            "memory",
+        )
+    };
+    let fetch = || Fetch {
+        queues: vec!["solo".into()],
+        count: 1,
+        worker_id: None,
+        visibility: None,
+        wait: Duration::from_secs(2),
+    };
+    {
+        let first = open().await.unwrap();
+        let grant = first.tokens().identify(None).unwrap();
+        let job = ojs_api::job::from_json(
+            json!({"type": "one.at.a.time", "args": [],
+                   "options": {"queue": "solo", "rate_limit": {"concurrency": 1}}}),
+            first.now(),
+        )
+        .unwrap();
+        first.push_all(&grant, vec![job]).await.unwrap();
+        let held = first.fetch(&grant, fetch()).await.unwrap();
+        assert_eq!(held.len(), 1);
+        // The process goes without settling anything: its delivery goes
+        // back to the broker.
+    }
+    let second = open().await.unwrap();
+    let grant = second.tokens().identify(None).unwrap();
+    let mut again = Vec::new();
+    for _ in 0..10 {
+        again = second.fetch(&grant, fetch()).await.unwrap();
+        if !again.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(again.len(), 1, "the job runs again");
+}

@@ -278,3 +278,78 @@ async fn a_pause_holding_1000_jobs_and_its_resume_lose_none() {
     let _ = a.stop.send(true);
     let _ = b.stop.send(true);
 }
+
+/// A replica dies holding the one job a key lets run at once; its broker
+/// copy comes back to the other replica, which runs it once its lease has
+/// run out: the dead run holds no place of the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrency_limited_job_a_dead_replica_held_runs_again_through_the_other() {
+    let Some(url) = ojs_bridge_tests::postgres::find() else {
+        return;
+    };
+    let schema = ojs_bridge_tests::postgres::TestSchema::new(&url);
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("replica-rate-held");
+    let broker: Arc<dyn QueueAdapter> = Arc::new(ojs_adapter_memory::MemoryAdapter::new(
+        ojs_adapter_memory::MemoryConfig::default(),
+    ));
+    let clock = Arc::new(ManualClock::new(
+        DateTime::from_timestamp_millis(Utc::now().timestamp_millis()).unwrap(),
+    ));
+    let a = replica(
+        &url,
+        &schema.name,
+        &dir.path().join("a"),
+        broker.clone(),
+        clock.clone(),
+    )
+    .await;
+    let b = replica(
+        &url,
+        &schema.name,
+        &dir.path().join("b"),
+        broker.clone(),
+        clock.clone(),
+    )
+    .await;
+    let fetch = |wait_ms| Fetch {
+        queues: vec!["solo".into()],
+        count: 1,
+        worker_id: None,
+        visibility: None,
+        wait: Duration::from_millis(wait_ms),
+    };
+    {
+        let grant = a.api.tokens().identify(None).unwrap();
+        let job = ojs_api::job::from_json(
+            json!({"type": "one.at.a.time", "args": [],
+                   "options": {"queue": "solo", "rate_limit": {"concurrency": 1}}}),
+            a.api.now(),
+        )
+        .unwrap();
+        a.api.push_all(&grant, vec![job]).await.unwrap();
+        assert_eq!(a.api.fetch(&grant, fetch(2_000)).await.unwrap().len(), 1);
+    }
+    // A dies holding it: its delivery goes back to the broker.
+    a.stop.send(true).unwrap();
+    drop(a);
+    clock.advance(Duration::from_secs(60));
+    let grant = b.api.tokens().identify(None).unwrap();
+    let mut again = Vec::new();
+    for _ in 0..20 {
+        again = b.api.fetch(&grant, fetch(500)).await.unwrap();
+        if !again.is_empty() {
+            break;
+        }
+        clock.advance(Duration::from_secs(1));
+    }
+    println!(
+        "a concurrency-1 job held by a replica that died: handed out again {}",
+        again.len()
+    );
+    assert_eq!(
+        again.len(),
+        1,
+        "the job runs again through the other replica"
+    );
+    let _ = b.stop.send(true);
+}

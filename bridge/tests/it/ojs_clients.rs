@@ -102,8 +102,7 @@ async fn what_the_sdks_and_the_conformance_runner_send_is_answered_as_they_read_
     assert!(millisecond_time(&cancel.json()["cancelled_at"]));
 
     for (method, path, feature) in [
-        ("GET", "/ojs/v1/rate-limits", "rate limits"),
-        ("PUT", "/ojs/v1/admin/queues/q/config", "admin endpoints"),
+        ("GET", "/ojs/v1/ws", "WebSocket"),
         ("GET", "/ojs/v1/admin/tenants", "admin endpoints"),
     ] {
         let a = request(
