@@ -169,7 +169,38 @@ fn frame(id: Option<&str>, event: &str, data: &serde_json::Value) -> Bytes {
     Bytes::from(text)
 }
 
+/// How far back the admin UI's paged view of the log looks: one read of
+/// the store (the newest this many positions).
+pub const PAGED_WINDOW: i64 = crate::store::MAX_EVENTS_SCANNED;
+
 impl Api {
+    /// `GET /ojs/v1/events?page&per_page` (the admin UI's Events page): the
+    /// events `filter` selects among the newest [`PAGED_WINDOW`] of the
+    /// log, newest first, page `page` of `per_page`; and how many matched
+    /// there.
+    pub async fn recent_events(
+        &self,
+        grant: &Grant<'_>,
+        mut filter: EventFilter,
+        page: usize,
+        per_page: usize,
+    ) -> Result<(Vec<crate::store::Event>, usize), ApiError> {
+        grant.allow(Operation::Read)?;
+        let newest = self.store.run(|tx| tx.event_bounds()).await?.1.unwrap_or(0);
+        filter.scope = grant.scope().to_vec();
+        filter.after = newest.saturating_sub(PAGED_WINDOW).max(0);
+        filter.limit = usize::try_from(PAGED_WINDOW).unwrap_or(usize::MAX);
+        let mut events = self.store.events(filter).await?.events;
+        events.reverse();
+        let total = events.len();
+        let page = events
+            .into_iter()
+            .skip(page.saturating_sub(1).saturating_mul(per_page))
+            .take(per_page)
+            .collect();
+        Ok((page, total))
+    }
+
     /// Opens a stream of the events `filter` selects, after `after` (0:
     /// from now on). The stream yields SSE text frames.
     pub async fn event_stream(

@@ -457,6 +457,53 @@ async fn route(
                 request_id,
             ))
         }
+        (_, ["queues", queue, "priority-stats"]) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            json_only(request.headers())?;
+            let counts = api.priority_stats(&grant, queue).await?;
+            let total: u64 = counts.iter().map(|(_, n)| n).sum();
+            let by_priority: Map<String, Value> = counts
+                .iter()
+                .map(|(p, n)| (p.to_string(), json!(n)))
+                .collect();
+            let distribution: Vec<Value> = counts
+                .iter()
+                .map(|(p, n)| json!({"priority": p, "count": n}))
+                .collect();
+            Ok(json_response(
+                200,
+                &json!({"queue": queue, "counts_by_priority": by_priority, "distribution": distribution, "total": total}),
+                request_id,
+            ))
+        }
+        (_, ["unique-jobs"]) => {
+            if method != Method::GET {
+                return Err(not_allowed("GET"));
+            }
+            json_only(request.headers())?;
+            let (page, per_page) = page_query(request.uri().query().unwrap_or(""))?;
+            let (holds, total) = api.unique_jobs(&grant, page, per_page).await?;
+            let items: Vec<Value> = holds
+                .iter()
+                .map(|h| {
+                    json!({
+                        "key": h.key,
+                        "job_id": h.job.envelope.id,
+                        "type": h.job.envelope.job_type,
+                        "queue": h.job.envelope.queue,
+                        "state": crate::model::state_name(h.job.state()),
+                        "locked_until": h.until.map(crate::job::timestamp),
+                    })
+                })
+                .collect();
+            Ok(json_response(
+                200,
+                &json!({"items": items, "unique_jobs": items, "pagination": {"total": total, "page": page, "per_page": per_page}}),
+                request_id,
+            ))
+        }
         (_, ["queues", queue, "stats"]) => {
             if method != Method::GET {
                 return Err(not_allowed("GET"));
@@ -470,7 +517,25 @@ async fn route(
                 return Err(not_allowed("GET"));
             }
             json_only(request.headers())?;
-            let filter = event_filter(request.uri().query().unwrap_or(""))?;
+            let query = request.uri().query().unwrap_or("");
+            let filter = event_filter(query)?;
+            // The admin UI pages the log (`page`, `per_page`) and reads
+            // `items` and `pagination`: the newest events first.
+            let paged = query.split('&').any(|p| {
+                let k = p.split_once('=').map_or(p, |(k, _)| k);
+                k == "page" || k == "per_page"
+            });
+            if paged {
+                let (page, per_page) = page_query(query)?;
+                let (events, total) = api.recent_events(&grant, filter, page, per_page).await?;
+                let events: Vec<Value> = events.into_iter().map(|e| e.body).collect();
+                return Ok(json_response(
+                    200,
+                    &json!({"events": events, "items": events, "cursor": null, "has_more": page * per_page < total,
+                            "pagination": {"total": total, "page": page, "per_page": per_page}}),
+                    request_id,
+                ));
+            }
             let page = api.events(&grant, filter).await?;
             let has_more = page.has_more;
             // Past what was looked at (filtered-out events included), so
@@ -1359,8 +1424,32 @@ fn admin_job(job: &Job) -> Value {
     if !v.get("errors").is_some_and(Value::is_array) {
         v["errors"] = json!([]);
     }
-    if let Some(retry) = v.get("retry").cloned() {
-        v["retry_policy"] = retry;
+    // The drawer lists each error's backtrace as an array.
+    if let Some(Value::Array(errors)) = v.get_mut("errors") {
+        for e in errors.iter_mut().filter_map(Value::as_object_mut) {
+            if !e.get("backtrace").is_some_and(Value::is_array) {
+                let lines: Vec<Value> = match e.get("backtrace") {
+                    Some(Value::String(s)) => s.lines().map(|l| json!(l)).collect(),
+                    _ => Vec::new(),
+                };
+                e.insert("backtrace".into(), Value::Array(lines));
+            }
+        }
+    }
+    // The policy the job is retried by: its own, else the defaults.
+    v["retry_policy"] = match v.get("retry").filter(|r| !r.is_null()) {
+        Some(retry) => retry.clone(),
+        None => json!({
+            "max_attempts": crate::job::max_attempts(&job.envelope),
+            "initial_interval": "PT1S",
+            "backoff_coefficient": 2.0,
+            "max_interval": "PT5M",
+            "jitter": true,
+            "non_retryable_errors": [],
+        }),
+    };
+    if v.get("result").is_none() {
+        v["result"] = Value::Null;
     }
     let mut metadata = serde_json::Map::new();
     for k in [
@@ -1448,15 +1537,19 @@ async fn worker_admin_route(
 /// cases read it) and its fields at the top level (as the admin UI reads
 /// them).
 fn workflow_body(view: &crate::workflow::WorkflowView) -> Value {
-    job_body(view.to_json())
-        .as_object()
-        .map_or(Value::Null, |m| {
-            let mut m = m.clone();
-            if let Some(w) = m.remove("job") {
-                m.insert("workflow".into(), w);
-            }
-            Value::Object(m)
-        })
+    let mut v = view.to_json();
+    // What the admin UI's workflow page reads, there while unset.
+    if let Value::Object(m) = &mut v {
+        m.entry("completed_at").or_insert(Value::Null);
+        m.entry("meta").or_insert_with(|| json!({}));
+    }
+    job_body(v).as_object().map_or(Value::Null, |m| {
+        let mut m = m.clone();
+        if let Some(w) = m.remove("job") {
+            m.insert("workflow".into(), w);
+        }
+        Value::Object(m)
+    })
 }
 
 /// `/ojs/v1/workflows`: create, list, read, cancel (`DELETE` or `POST
@@ -2098,6 +2191,7 @@ fn event_filter(query: &str) -> Result<EventFilter, ApiError> {
     };
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let v = query_value(v);
         let list = || {
             v.split(',')
                 .filter(|s| !s.is_empty())
@@ -2110,7 +2204,8 @@ fn event_filter(query: &str) -> Result<EventFilter, ApiError> {
                     ApiError::invalid(k, "must be a cursor returned by this endpoint")
                 })?
             }
-            "types" => f.types = list(),
+            // `type` is the admin UI's name, `event_types` the stream's.
+            "types" | "type" | "event_types" => f.types = list(),
             "queues" => f.queues = list(),
             "job_types" => f.job_types = list(),
             "limit" => {

@@ -339,6 +339,7 @@ pub fn http_route(method: &str, path: &str) -> &'static str {
         ["cron" | "crons", ..] => "cron",
         ["workflows", ..] => "workflows",
         ["rate-limits", ..] => "rate_limits",
+        ["unique-jobs"] => "unique_jobs",
         ["admin", "stats" | "queues" | "jobs" | "system" | "reset", ..] => "admin",
         ["admin", ..] => "unsupported",
         _ => "unknown",

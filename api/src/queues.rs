@@ -272,3 +272,78 @@ impl Api {
         })
     }
 }
+
+/// Jobs a listing of unique keys or priorities looks at, at most.
+pub const LISTING_SCAN: u64 = 10_000;
+
+/// A job holding its unique key now.
+#[derive(Debug, Clone)]
+pub struct UniqueHold {
+    /// The key.
+    pub key: String,
+    /// The job holding it.
+    pub job: crate::Job,
+    /// Until when it holds it (its policy's period from its creation);
+    /// none: while it is in one of the policy's states.
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl Api {
+    /// `GET /ojs/v1/unique-jobs` (the admin UI's Unique Jobs page): the
+    /// jobs holding their unique keys now, by key, of the token's queues,
+    /// among the first [`LISTING_SCAN`] filed; a page and how many.
+    pub async fn unique_jobs(
+        &self,
+        grant: &Grant<'_>,
+        page: usize,
+        per_page: usize,
+    ) -> Result<(Vec<UniqueHold>, usize), ApiError> {
+        grant.allow(Operation::Read)?;
+        let now = self.now();
+        let filed = self.store.run(|tx| tx.unique_holders(LISTING_SCAN)).await?;
+        let holding: Vec<UniqueHold> = filed
+            .into_iter()
+            .filter(|(_, job)| grant.sees(&job.envelope.queue))
+            .filter_map(|(key, job)| {
+                let policy = crate::model::unique::Uniqueness::of(&job.envelope).ok()??;
+                policy.is_taken_by(&job, now).then(|| UniqueHold {
+                    until: policy
+                        .period
+                        .and_then(|p| chrono::Duration::from_std(p).ok())
+                        .zip(job.envelope.created_at)
+                        .and_then(|(p, created)| created.checked_add_signed(p)),
+                    key,
+                    job,
+                })
+            })
+            .collect();
+        let total = holding.len();
+        let page = holding
+            .into_iter()
+            .skip(page.saturating_sub(1).saturating_mul(per_page))
+            .take(per_page)
+            .collect();
+        Ok((page, total))
+    }
+
+    /// `GET /ojs/v1/queues/{name}/priority-stats`: the queue's jobs that
+    /// wait to run (available, scheduled, retryable, pending), by priority,
+    /// among the first [`LISTING_SCAN`] of them.
+    pub async fn priority_stats(
+        &self,
+        grant: &Grant<'_>,
+        queue: &str,
+    ) -> Result<Vec<(i64, u64)>, ApiError> {
+        grant.allow_on(Operation::Read, queue)?;
+        if !self.serves_queue(queue) {
+            return Err(ApiError::QueueNotServed {
+                queue: queue.to_owned(),
+            });
+        }
+        let name = queue.to_owned();
+        Ok(self
+            .store
+            .run(move |tx| tx.priority_counts(&name, LISTING_SCAN))
+            .await?)
+    }
+}

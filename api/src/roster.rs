@@ -153,7 +153,20 @@ impl WorkerRecord {
     }
 
     /// The record as the admin API shows it at `now`.
-    pub fn view(self, now: DateTime<Utc>) -> WorkerView {
+    pub fn view(mut self, now: DateTime<Utc>) -> WorkerView {
+        // What the admin UI's Workers page shows of every worker, there
+        // (`null` where the worker did not say).
+        for key in ["hostname", "version"] {
+            self.about.entry(key).or_insert(Value::Null);
+        }
+        self.about
+            .entry("metadata")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if let Some(first) = self.first_seen_at {
+            self.about
+                .entry("started_at")
+                .or_insert_with(|| Value::String(crate::job::timestamp(first)));
+        }
         WorkerView {
             stale: self.is_stale(now),
             record: self,

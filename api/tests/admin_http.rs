@@ -504,3 +504,116 @@ async fn a_reset_empties_the_store_and_its_queues_only_where_it_is_allowed() {
         after
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_events_unique_jobs_and_priority_pages_read_what_they_show() {
+    let s = server().await;
+    s.push("mail.send", "mail", 3).await;
+    for (priority, n) in [(5, 2), (-3, 1)] {
+        for _ in 0..n {
+            let (status, body) = s
+                .call(
+                    "root",
+                    "POST",
+                    "/ojs/v1/jobs",
+                    Some(json!({"type": "mail.send", "args": [], "options": {"queue": "mail", "priority": priority}})),
+                )
+                .await;
+            assert_eq!(status, 201, "{body}");
+        }
+    }
+    let (status, body) = s
+        .call(
+            "root",
+            "POST",
+            "/ojs/v1/jobs",
+            Some(
+                json!({"type": "invoice.make", "args": [7], "options": {"queue": "team.billing",
+                "unique": {"keys": ["type", "args"], "period": "PT1H"}}}),
+            ),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let holder = body["job"]["id"].as_str().unwrap().to_owned();
+
+    // Events, newest first, a page at a time, filtered by `type`.
+    let (status, page) = s
+        .call("root", "GET", "/ojs/v1/events?page=1&per_page=2", None)
+        .await;
+    assert_eq!(status, 200, "{page}");
+    let items = page["items"].as_array().unwrap();
+    assert_eq!(items.len(), 2);
+    assert_eq!(items[0]["job_id"], holder.as_str(), "newest first: {page}");
+    assert_eq!(page["pagination"]["total"], 7);
+    assert_eq!(page["events"], page["items"]);
+    let (_, page) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/events?type=job.enqueued&page=4&per_page=2",
+            None,
+        )
+        .await;
+    assert_eq!(page["items"].as_array().unwrap().len(), 1, "{page}");
+    assert_eq!(page["has_more"], false);
+    let (_, page) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/events?type=job.completed&page=1&per_page=2",
+            None,
+        )
+        .await;
+    assert_eq!(page["pagination"]["total"], 0, "{page}");
+
+    // Unique jobs: the holder, until its period ends; only for its queue's
+    // tokens.
+    let (status, unique) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/unique-jobs?page=1&per_page=25",
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{unique}");
+    let item = &unique["items"][0];
+    assert_eq!(unique["pagination"]["total"], 1);
+    assert_eq!(item["job_id"], holder.as_str());
+    assert_eq!(item["type"], "invoice.make");
+    assert_eq!(item["queue"], "team.billing");
+    assert_eq!(item["state"], "available");
+    assert_eq!(item["key"].as_str().unwrap().len(), 64, "{item}");
+    let created =
+        chrono::DateTime::parse_from_rfc3339(body["job"]["created_at"].as_str().unwrap()).unwrap();
+    let until =
+        chrono::DateTime::parse_from_rfc3339(item["locked_until"].as_str().unwrap()).unwrap();
+    assert_eq!(until - created, chrono::Duration::hours(1));
+    let (_, seen) = s.call("team", "GET", "/ojs/v1/unique-jobs", None).await;
+    assert_eq!(seen["pagination"]["total"], 1);
+    s.settle("team.billing", 1, true).await;
+    let (_, unique) = s.call("root", "GET", "/ojs/v1/unique-jobs", None).await;
+    assert_eq!(
+        unique["pagination"]["total"], 0,
+        "a completed job holds no key: {unique}"
+    );
+
+    // Priorities of the jobs that wait.
+    let (status, stats) = s
+        .call("root", "GET", "/ojs/v1/queues/mail/priority-stats", None)
+        .await;
+    assert_eq!(status, 200, "{stats}");
+    assert_eq!(stats["total"], 6);
+    assert_eq!(
+        stats["counts_by_priority"],
+        json!({"-3": 1, "0": 3, "5": 2})
+    );
+    assert_eq!(
+        stats["distribution"],
+        json!([{"priority": -3, "count": 1}, {"priority": 0, "count": 3}, {"priority": 5, "count": 2}])
+    );
+    let (status, _) = s
+        .call("team", "GET", "/ojs/v1/queues/mail/priority-stats", None)
+        .await;
+    assert_eq!(status, 403);
+}

@@ -374,6 +374,19 @@ pub(crate) const RATE_WAITING: &str = "waiting";
 /// its transitions unfile it when it leaves `active`.
 pub(crate) const RATE_FILED: &str = "rate_keys";
 
+/// Counts `envelopes` (stored JSON) by their `priority` (0 when none).
+pub(crate) fn count_priorities(envelopes: impl Iterator<Item = String>) -> Vec<(i64, u64)> {
+    let mut counts = std::collections::BTreeMap::<i64, u64>::new();
+    for text in envelopes {
+        let priority = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v.get("priority").and_then(Value::as_i64))
+            .unwrap_or(0);
+        *counts.entry(priority).or_default() += 1;
+    }
+    counts.into_iter().collect()
+}
+
 /// A rate-limit key as the endpoints show it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RateKeyView {
@@ -696,6 +709,11 @@ pub trait Tx {
         offset: u64,
         limit: u64,
     ) -> Result<(Vec<(String, KeyState)>, u64), StoreError>;
+    /// Jobs filed under unique keys, by key, at most `limit`: (key, job).
+    fn unique_holders(&mut self, limit: u64) -> Result<Vec<(String, Job)>, StoreError>;
+    /// The priorities of a queue's jobs that wait to run (at most
+    /// `limit` of them looked at), and how many have each.
+    fn priority_counts(&mut self, queue: &str, limit: u64) -> Result<Vec<(i64, u64)>, StoreError>;
     /// Every queue's configuration (its record).
     fn queue_configs(&mut self) -> Result<Vec<(String, String)>, StoreError>;
     /// Writes a queue's configuration record.

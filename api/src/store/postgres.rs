@@ -32,7 +32,7 @@ use super::{
     Lease, QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED, RATE_ACTIVE,
     RATE_WINDOW_SLACK_MS, SCHEDULE_CLAIM,
 };
-use super::{Bound, JobCounts, JobQuery, Subject};
+use super::{count_priorities, Bound, JobCounts, JobQuery, Subject};
 use crate::job::Job;
 use crate::model::cron::CronJob;
 use crate::model::rate::KeyState;
@@ -1505,6 +1505,32 @@ impl Tx for PostgresTx<'_, '_> {
             out.push((key, state));
         }
         Ok((out, u64::try_from(total).unwrap_or(0)))
+    }
+
+    fn unique_holders(&mut self, limit: u64) -> Result<Vec<(String, Job)>, StoreError> {
+        let rows = self
+            .t
+            .query(
+                sql::UNIQUE_HOLDERS.postgres,
+                &[&i64::try_from(limit).unwrap_or(i64::MAX)],
+            )
+            .map_err(pg)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            out.push((r.get(0), decode(r.get(1), r.get(2), r.get(3))?));
+        }
+        Ok(out)
+    }
+
+    fn priority_counts(&mut self, queue: &str, limit: u64) -> Result<Vec<(i64, u64)>, StoreError> {
+        let rows = self
+            .t
+            .query(
+                sql::PRIORITY_COUNTS.postgres,
+                &[&queue, &i64::try_from(limit).unwrap_or(i64::MAX)],
+            )
+            .map_err(pg)?;
+        Ok(count_priorities(rows.iter().map(|r| r.get::<_, String>(0))))
     }
 
     fn queue_configs(&mut self) -> Result<Vec<(String, String)>, StoreError> {

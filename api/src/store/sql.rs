@@ -278,6 +278,17 @@ shared!(
 );
 
 shared!(
+    /// Jobs filed under unique keys, by key (a page of them).
+    UNIQUE_HOLDERS = "SELECT u.key, j.id, j.envelope, j.extra FROM unique_keys u
+     JOIN jobs j ON j.id = u.job_id ORDER BY u.key, j.id LIMIT $1"
+);
+shared!(
+    /// A queue's jobs that wait to run, by priority.
+    PRIORITY_COUNTS = "SELECT envelope FROM jobs
+     WHERE queue = $1 AND state IN ('available', 'scheduled', 'retryable', 'pending') LIMIT $2"
+);
+
+shared!(
     /// The jobs filed under a unique key.
     JOBS_WITH_UNIQUE_KEY = "SELECT j.id, j.envelope, j.extra FROM unique_keys u
      JOIN jobs j ON j.id = u.job_id WHERE u.key = $1"

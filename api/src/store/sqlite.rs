@@ -27,7 +27,7 @@ use super::{
     EventPage, Inserted, QueueJobs, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
     RATE_ACTIVE, RATE_WINDOW_SLACK_MS,
 };
-use super::{Bound, JobCounts, JobQuery, Subject};
+use super::{count_priorities, Bound, JobCounts, JobQuery, Subject};
 use crate::job::Job;
 use crate::model::cron::CronJob;
 use crate::model::rate::KeyState;
@@ -1262,6 +1262,34 @@ impl Tx for SqliteTx<'_> {
             out.push((key, state));
         }
         Ok((out, u64::try_from(total).unwrap_or(0)))
+    }
+
+    fn unique_holders(&mut self, limit: u64) -> Result<Vec<(String, Job)>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(sql::UNIQUE_HOLDERS.sqlite)?;
+        let rows = stmt.query_map(params![i64::try_from(limit).unwrap_or(i64::MAX)], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, String>(3)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (key, id, envelope, extra) = row?;
+            out.push((key, decode(&id, &envelope, &extra)?));
+        }
+        Ok(out)
+    }
+
+    fn priority_counts(&mut self, queue: &str, limit: u64) -> Result<Vec<(i64, u64)>, StoreError> {
+        let mut stmt = self.conn.prepare_cached(sql::PRIORITY_COUNTS.sqlite)?;
+        let rows = stmt.query_map(
+            params![queue, i64::try_from(limit).unwrap_or(i64::MAX)],
+            |r| r.get::<_, String>(0),
+        )?;
+        let envelopes = rows.collect::<Result<Vec<_>, _>>()?;
+        Ok(count_priorities(envelopes.into_iter()))
     }
 
     fn queue_configs(&mut self) -> Result<Vec<(String, String)>, StoreError> {

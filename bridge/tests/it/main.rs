@@ -19,6 +19,7 @@ mod faults;
 mod fuzz_corpus;
 mod http_endpoint;
 mod local_processes;
+mod ojs_admin_pages;
 mod ojs_api;
 mod ojs_api_dead_letters;
 mod ojs_api_replicas;
