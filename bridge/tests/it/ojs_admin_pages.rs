@@ -38,15 +38,15 @@ fn at<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
 fn reads(what: &str, v: &Value, fields: &[(&str, Kind)]) {
     for (path, kind) in fields {
         let found = at(v, path);
-        let ok = match (kind, found) {
+        let ok = matches!(
+            (kind, found),
             (Kind::Str, Some(Value::String(_)))
-            | (Kind::Num, Some(Value::Number(_)))
-            | (Kind::Bool, Some(Value::Bool(_)))
-            | (Kind::Array, Some(Value::Array(_)))
-            | (Kind::Object, Some(Value::Object(_)))
-            | (Kind::Present, Some(_)) => true,
-            _ => false,
-        };
+                | (Kind::Num, Some(Value::Number(_)))
+                | (Kind::Bool, Some(Value::Bool(_)))
+                | (Kind::Array, Some(Value::Array(_)))
+                | (Kind::Object, Some(Value::Object(_)))
+                | (Kind::Present, Some(_))
+        );
         assert!(ok, "{what}: `{path}` is not a {kind:?}: {found:?} in {v}");
     }
 }
