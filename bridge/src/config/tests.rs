@@ -163,6 +163,43 @@ mod rules {
         let none = crons.replace("max_crons = 5", "max_workflow_steps = 0");
         let text = parse_built(&none, "t", &[]).unwrap_err().to_string();
         assert!(text.contains("api.max_workflow_steps"), "{text}");
+        // The live streams, parent results and the reset: taken, and
+        // refused out of bounds naming the field.
+        let set = crons.replace(
+            "max_crons = 5",
+            "max_event_streams = 7\nmax_parent_results_bytes = 2048\nallow_reset = true",
+        );
+        let c = parse_built(&set, "t", &[]).unwrap();
+        let settings = c
+            .api
+            .as_ref()
+            .unwrap()
+            .settings(&c.adapters, &c.http)
+            .unwrap();
+        assert_eq!(settings.max_event_streams, 7);
+        assert_eq!(settings.max_parent_results_bytes, 2048);
+        assert!(settings.allow_reset);
+        let defaults = parse_built(crons, "t", &[]).unwrap();
+        let defaults = defaults
+            .api
+            .as_ref()
+            .unwrap()
+            .settings(&defaults.adapters, &defaults.http)
+            .unwrap();
+        assert!(!defaults.allow_reset, "a reset is refused unless enabled");
+        for (line, field) in [
+            ("max_event_streams = 0", "api.max_event_streams"),
+            ("max_event_streams = 100001", "api.max_event_streams"),
+            (
+                "max_parent_results_bytes = 67108865",
+                "api.max_parent_results_bytes",
+            ),
+            ("allow_reset = \"yes\"", "allow_reset"),
+        ] {
+            let bad = crons.replace("max_crons = 5", line);
+            let text = parse_built(&bad, "t", &[]).unwrap_err().to_string();
+            assert!(text.contains(field), "{line}: {text}");
+        }
         // The environment names the adapter, even for a file without [api].
         let env = vec![("OJS_BRIDGE_API_ADAPTER".to_owned(), "local".to_owned())];
         let c = parse_built(MINIMAL, "t", &env).unwrap();
