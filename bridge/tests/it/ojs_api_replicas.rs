@@ -443,8 +443,8 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
         .schema
         .execute(&format!(
             "SET search_path TO \"{schema}\"; DROP TABLE workers; DROP TABLE unique_keys;
-             DROP TABLE crons; DROP TABLE paused_queues; DROP TABLE rate_windows; DROP TABLE leaders;
-             DROP TABLE workflows; DROP TABLE system;
+             DROP TABLE crons; DROP TABLE paused_queues; DROP TABLE rate_keys; DROP TABLE rate_jobs;
+             DROP TABLE queue_configs; DROP TABLE leaders; DROP TABLE workflows; DROP TABLE system;
              DELETE FROM schema_version; INSERT INTO schema_version (version) VALUES (1);"
         ))
         .unwrap();
@@ -454,7 +454,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             .schema
             .count("SELECT max(version)::bigint FROM schema_version")
             .unwrap(),
-        5
+        6
     );
     let beat = post_json(
         server.addr,
@@ -489,6 +489,16 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
         0,
         "version 5's tables are there"
     );
+    for table in ["rate_keys", "rate_jobs", "queue_configs"] {
+        assert_eq!(
+            setup
+                .schema
+                .count(&format!("SELECT count(*) FROM {table}"))
+                .unwrap(),
+            0,
+            "version 6's {table} is there"
+        );
+    }
     for id in &sent {
         let a = get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
         assert_eq!(a.json()["job"]["state"], "available", "{:?}", a.body);
