@@ -79,6 +79,20 @@ const STATES: [&str; 8] = [
 ];
 
 impl Api {
+    /// What an operator's change of a queue needs: `admin` on it, a queue
+    /// this server serves, a valid name (a queue never seen is made known
+    /// by the change).
+    pub(crate) fn admin_on_queue(&self, grant: &Grant<'_>, queue: &str) -> Result<(), ApiError> {
+        grant.allow_on(Operation::Admin, queue)?;
+        if !self.serves_queue(queue) {
+            return Err(ApiError::QueueNotServed {
+                queue: queue.to_owned(),
+            });
+        }
+        ojs_core::envelope::validate_queue_name(queue)
+            .map_err(|e| ApiError::invalid("queue", e.to_string()))
+    }
+
     /// Pauses `queue` (admin): FETCH hands out none of its jobs until it is
     /// resumed. A queue never seen before is made known.
     pub async fn pause_queue(
@@ -104,14 +118,7 @@ impl Api {
         queue: &str,
         paused: bool,
     ) -> Result<QueueState, ApiError> {
-        grant.allow_on(Operation::Admin, queue)?;
-        if !self.serves_queue(queue) {
-            return Err(ApiError::QueueNotServed {
-                queue: queue.to_owned(),
-            });
-        }
-        ojs_core::envelope::validate_queue_name(queue)
-            .map_err(|e| ApiError::invalid("queue", e.to_string()))?;
+        self.admin_on_queue(grant, queue)?;
         let now = self.now();
         let name = queue.to_owned();
         let by = grant.token_name().unwrap_or("api").to_owned();

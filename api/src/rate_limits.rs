@@ -90,14 +90,7 @@ impl Api {
         queue: &str,
         body: Value,
     ) -> Result<Value, ApiError> {
-        grant.allow_on(Operation::Admin, queue)?;
-        if !self.serves_queue(queue) {
-            return Err(ApiError::QueueNotServed {
-                queue: queue.to_owned(),
-            });
-        }
-        ojs_core::envelope::validate_queue_name(queue)
-            .map_err(|e| ApiError::invalid("queue", e.to_string()))?;
+        self.admin_on_queue(grant, queue)?;
         let retention = self.settings.retention;
         let name = queue.to_owned();
         let stored = self.store.run(|tx| tx.queue_configs()).await?;

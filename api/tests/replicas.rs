@@ -50,6 +50,52 @@ async fn replica(
     Replica { api, stop }
 }
 
+/// Two replicas on a fresh schema, one broker and one clock (starting now).
+struct Pair {
+    a: Replica,
+    b: Replica,
+    clock: Arc<ManualClock>,
+    _schema: ojs_bridge_tests::postgres::TestSchema,
+    _dir: ojs_bridge_tests::tempdir::TempDir,
+}
+
+impl Pair {
+    /// `None` where PostgreSQL is not there (and not required).
+    async fn start(name: &str) -> Option<Pair> {
+        let url = ojs_bridge_tests::postgres::find()?;
+        let schema = ojs_bridge_tests::postgres::TestSchema::new(&url);
+        let dir = ojs_bridge_tests::tempdir::TempDir::new(name);
+        let broker: Arc<dyn QueueAdapter> = Arc::new(ojs_adapter_memory::MemoryAdapter::new(
+            ojs_adapter_memory::MemoryConfig::default(),
+        ));
+        let clock = Arc::new(ManualClock::new(
+            DateTime::from_timestamp_millis(Utc::now().timestamp_millis()).unwrap(),
+        ));
+        let mut two = Vec::new();
+        for side in ["a", "b"] {
+            two.push(
+                replica(
+                    &url,
+                    &schema.name,
+                    &dir.path().join(side),
+                    broker.clone(),
+                    clock.clone(),
+                )
+                .await,
+            );
+        }
+        let b = two.pop()?;
+        let a = two.pop()?;
+        Some(Pair {
+            a,
+            b,
+            clock,
+            _schema: schema,
+            _dir: dir,
+        })
+    }
+}
+
 async fn drain(api: &Api, queue: &str) -> Vec<Job> {
     let grant = api.tokens().identify(None).unwrap();
     let mut out = Vec::new();
@@ -206,33 +252,10 @@ async fn five_minutes_of_a_minutely_cron_through_the_death_of_the_firing_replica
 /// through one of them, every job comes out once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pause_holding_1000_jobs_and_its_resume_lose_none() {
-    let Some(url) = ojs_bridge_tests::postgres::find() else {
+    let Some(pair) = Pair::start("replica-pause").await else {
         return;
     };
-    let schema = ojs_bridge_tests::postgres::TestSchema::new(&url);
-    let dir = ojs_bridge_tests::tempdir::TempDir::new("replica-pause");
-    let broker: Arc<dyn QueueAdapter> = Arc::new(ojs_adapter_memory::MemoryAdapter::new(
-        ojs_adapter_memory::MemoryConfig::default(),
-    ));
-    let clock = Arc::new(ManualClock::new(
-        DateTime::from_timestamp_millis(Utc::now().timestamp_millis()).unwrap(),
-    ));
-    let a = replica(
-        &url,
-        &schema.name,
-        &dir.path().join("a"),
-        broker.clone(),
-        clock.clone(),
-    )
-    .await;
-    let b = replica(
-        &url,
-        &schema.name,
-        &dir.path().join("b"),
-        broker.clone(),
-        clock.clone(),
-    )
-    .await;
+    let (a, b, clock) = (pair.a, pair.b, pair.clock);
     let grant = a.api.tokens().identify(None).unwrap();
     a.api.pause_queue(&grant, "held").await.unwrap();
     let mut sent = BTreeSet::new();
@@ -284,33 +307,10 @@ async fn a_pause_holding_1000_jobs_and_its_resume_lose_none() {
 /// run out: the dead run holds no place of the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrency_limited_job_a_dead_replica_held_runs_again_through_the_other() {
-    let Some(url) = ojs_bridge_tests::postgres::find() else {
+    let Some(pair) = Pair::start("replica-rate-held").await else {
         return;
     };
-    let schema = ojs_bridge_tests::postgres::TestSchema::new(&url);
-    let dir = ojs_bridge_tests::tempdir::TempDir::new("replica-rate-held");
-    let broker: Arc<dyn QueueAdapter> = Arc::new(ojs_adapter_memory::MemoryAdapter::new(
-        ojs_adapter_memory::MemoryConfig::default(),
-    ));
-    let clock = Arc::new(ManualClock::new(
-        DateTime::from_timestamp_millis(Utc::now().timestamp_millis()).unwrap(),
-    ));
-    let a = replica(
-        &url,
-        &schema.name,
-        &dir.path().join("a"),
-        broker.clone(),
-        clock.clone(),
-    )
-    .await;
-    let b = replica(
-        &url,
-        &schema.name,
-        &dir.path().join("b"),
-        broker.clone(),
-        clock.clone(),
-    )
-    .await;
+    let (a, b, clock) = (pair.a, pair.b, pair.clock);
     let fetch = |wait_ms| Fetch {
         queues: vec!["solo".into()],
         count: 1,

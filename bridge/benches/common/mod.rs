@@ -252,3 +252,24 @@ pub async fn post(
         serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
     )
 }
+
+/// A GET on `sender`'s connection: the status and the answer.
+pub async fn get_json(
+    sender: &mut hyper::client::conn::http1::SendRequest<http_body_util::Full<bytes::Bytes>>,
+    path: &str,
+) -> (u16, serde_json::Value) {
+    use http_body_util::BodyExt;
+    let request = hyper::Request::get(path)
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    sender.ready().await.unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
+}

@@ -126,6 +126,16 @@ mod rules {
         assert_eq!(c.adapters.len(), 1);
     }
 
+    /// The `[api]` settings a configuration text builds.
+    fn api_settings(text: &str) -> ojs_api::ApiSettings {
+        let c = parse_built(text, "t", &[]).unwrap();
+        c.api
+            .as_ref()
+            .unwrap()
+            .settings(&c.adapters, &c.http)
+            .unwrap()
+    }
+
     #[test]
     fn the_api_table_is_checked_and_may_stand_alone() {
         let alone = "[adapters]\nrabbit = \"amqp://u:p@127.0.0.1:5672/%2f\"\n[api]\nadapter = \"rabbit\"\nqueues = [\"orders\", \"mail.*\"]\n";
@@ -140,25 +150,13 @@ mod rules {
         assert_eq!(settings.max_crons, 1000);
         let crons =
             "[adapters]\nlocal = \"local:./d\"\n[api]\nadapter = \"local\"\nmax_crons = 5\n";
-        let c = parse_built(crons, "t", &[]).unwrap();
-        let settings = c
-            .api
-            .as_ref()
-            .unwrap()
-            .settings(&c.adapters, &c.http)
-            .unwrap();
+        let settings = api_settings(crons);
         assert_eq!(settings.max_crons, 5);
         let too_many = crons.replace("max_crons = 5", "max_crons = 100001");
         let text = parse_built(&too_many, "t", &[]).unwrap_err().to_string();
         assert!(text.contains("api.max_crons"), "{text}");
         let steps = crons.replace("max_crons = 5", "max_workflow_steps = 3");
-        let c = parse_built(&steps, "t", &[]).unwrap();
-        let settings = c
-            .api
-            .as_ref()
-            .unwrap()
-            .settings(&c.adapters, &c.http)
-            .unwrap();
+        let settings = api_settings(&steps);
         assert_eq!(settings.max_workflow_steps, 3);
         let none = crons.replace("max_crons = 5", "max_workflow_steps = 0");
         let text = parse_built(&none, "t", &[]).unwrap_err().to_string();
@@ -169,23 +167,11 @@ mod rules {
             "max_crons = 5",
             "max_event_streams = 7\nmax_parent_results_bytes = 2048\nallow_reset = true",
         );
-        let c = parse_built(&set, "t", &[]).unwrap();
-        let settings = c
-            .api
-            .as_ref()
-            .unwrap()
-            .settings(&c.adapters, &c.http)
-            .unwrap();
+        let settings = api_settings(&set);
         assert_eq!(settings.max_event_streams, 7);
         assert_eq!(settings.max_parent_results_bytes, 2048);
         assert!(settings.allow_reset);
-        let defaults = parse_built(crons, "t", &[]).unwrap();
-        let defaults = defaults
-            .api
-            .as_ref()
-            .unwrap()
-            .settings(&defaults.adapters, &defaults.http)
-            .unwrap();
+        let defaults = api_settings(crons);
         assert!(!defaults.allow_reset, "a reset is refused unless enabled");
         for (line, field) in [
             ("max_event_streams = 0", "api.max_event_streams"),
