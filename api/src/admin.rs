@@ -15,7 +15,7 @@ use chrono::{DateTime, Utc};
 use crate::auth::{Grant, Operation};
 use crate::error::ApiError;
 use crate::job::Job;
-use crate::store::{JobCounts, JobQuery, StoreError};
+use crate::store::{JobCounts, JobQuery, StoreError, LIST_COUNT_LIMIT};
 use crate::Api;
 
 /// Every state a stored job can be in, as the admin counts list them.
@@ -76,8 +76,10 @@ pub struct SystemStats {
 pub struct JobPage {
     /// The jobs.
     pub items: Vec<Job>,
-    /// How many match.
+    /// How many match, up to [`LIST_COUNT_LIMIT`].
     pub total: u64,
+    /// More than [`LIST_COUNT_LIMIT`] match (not counted further).
+    pub total_capped: bool,
     /// The page, from 1.
     pub page: usize,
     /// Its size.
@@ -289,13 +291,20 @@ impl Api {
         let page = page.max(1);
         let per_page = per_page.clamp(1, MAX_PAGE);
         let offset = (page - 1).saturating_mul(per_page);
+        if (offset as u64) >= LIST_COUNT_LIMIT {
+            return Err(ApiError::invalid(
+                "page",
+                format!("pages reach the first {LIST_COUNT_LIMIT} jobs a filter matches: narrow the filter (queue, state, type, since, until) or turn the order"),
+            ));
+        }
         let (items, total) = self
             .store
             .run(move |tx| tx.list_jobs(&query, per_page, offset))
             .await?;
         Ok(JobPage {
             items,
-            total,
+            total: total.min(LIST_COUNT_LIMIT),
+            total_capped: total > LIST_COUNT_LIMIT,
             page,
             per_page,
         })

@@ -1299,7 +1299,7 @@ async fn admin_route(
             let items: Vec<Value> = listed.items.iter().map(Job::to_json).collect();
             Ok(json_response(
                 200,
-                &json!({"items": items, "jobs": items, "pagination": {"total": listed.total, "page": listed.page, "per_page": listed.per_page}}),
+                &json!({"items": items, "jobs": items, "pagination": {"total": listed.total, "total_capped": listed.total_capped, "page": listed.page, "per_page": listed.per_page}}),
                 request_id,
             ))
         }

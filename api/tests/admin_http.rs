@@ -617,3 +617,78 @@ async fn the_events_unique_jobs_and_priority_pages_read_what_they_show() {
         .await;
     assert_eq!(status, 403);
 }
+
+/// Past 10,000 matching jobs a listing stops counting and paging (a count
+/// or an offset beyond would read a large store's jobs one by one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_listing_counts_and_pages_to_a_bound() {
+    let s = server().await;
+    for _ in 0..11 {
+        s.push("bulk.item", "bulk", 1_000).await;
+    }
+    let (status, page) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=bulk&page=1&per_page=50",
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(page["pagination"]["total"], 10_000);
+    assert_eq!(page["pagination"]["total_capped"], true);
+    let (status, last) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=bulk&page=200&per_page=50",
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{last}");
+    assert_eq!(last["items"].as_array().unwrap().len(), 50);
+    let (status, beyond) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=bulk&page=201&per_page=50",
+            None,
+        )
+        .await;
+    assert_eq!(status, 400, "{beyond}");
+    assert_eq!(beyond["error"]["details"]["attribute"], "page");
+    // Newest first, each once, across pages.
+    let (_, first) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=bulk&page=1&per_page=100",
+            None,
+        )
+        .await;
+    let (_, second) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=bulk&page=2&per_page=100",
+            None,
+        )
+        .await;
+    let ids: std::collections::HashSet<&str> = first["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(second["items"].as_array().unwrap())
+        .map(|j| j["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 200);
+    let (_, small) = s
+        .call(
+            "root",
+            "GET",
+            "/ojs/v1/admin/jobs?queue=nothing&page=1&per_page=50",
+            None,
+        )
+        .await;
+    assert_eq!(small["pagination"]["total_capped"], false);
+}

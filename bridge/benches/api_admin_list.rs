@@ -2,7 +2,8 @@
 //! release binary in a process of its own) on the embedded default: JOBS
 //! jobs (default 1,000,000) are pushed in batches of 100 over ten queues
 //! and five types (untimed), a thousand of one queue completed; then each
-//! listing the admin UI's Jobs and Scheduled pages make is asked 200 times
+//! listing the admin UI's Jobs and Scheduled pages make, and the Dashboard's
+//! statistics and queue list, is asked 100 times
 //! on one keep-alive connection, a page of 50, and its latency taken.
 //!
 //! Each case ends with one JSON line: `{"bench":"api_admin_list","case":…,
@@ -28,7 +29,7 @@ use serde_json::json;
 const FILLERS: usize = 8;
 const QUEUES: usize = 10;
 const TYPES: usize = 5;
-const ASKS: usize = 200;
+const ASKS: usize = 100;
 
 /// `n` jobs, 100 a request, `FILLERS` at a time.
 async fn fill(addr: SocketAddr, n: usize) -> Duration {
@@ -117,6 +118,8 @@ fn main() {
             ("type", "/ojs/v1/admin/jobs?type=report.kind2&page=1&per_page=50"),
             ("page 100", "/ojs/v1/admin/jobs?page=100&per_page=50"),
             ("scheduled page", "/ojs/v1/admin/jobs?state=scheduled&per_page=50&sort=scheduled_at&order=asc"),
+            ("dashboard stats", "/ojs/v1/admin/stats"),
+            ("queue list", "/ojs/v1/admin/queues?page=1&per_page=50"),
         ] {
             let mut latencies = Vec::with_capacity(ASKS);
             let mut total = 0;

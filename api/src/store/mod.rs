@@ -433,6 +433,11 @@ pub struct JobQuery {
     pub ascending: bool,
 }
 
+/// How many jobs a listing counts at most (its `total` stops there), and
+/// how deep its pages go: a count or an offset past it would read a large
+/// store's jobs one by one.
+pub const LIST_COUNT_LIMIT: u64 = 10_000;
+
 /// A value a [`JobQuery`] binds.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Bound {
@@ -443,10 +448,13 @@ pub(crate) enum Bound {
 impl JobQuery {
     /// The query's `WHERE` clause (`TRUE` without filters) and its `ORDER
     /// BY`, with the values to bind in order; `placeholder(n)` names the
-    /// n-th, `job_type` is the dialect's expression of the envelope's type.
+    /// n-th, `job_type` is the dialect's expression of the envelope's type,
+    /// `tiebreak` the column that orders jobs of one time (one the
+    /// indexes by time hold: SQLite's `rowid`, PostgreSQL's `id`).
     pub(crate) fn sql(
         &self,
         job_type: &str,
+        tiebreak: &str,
         placeholder: impl Fn(usize) -> String,
     ) -> (String, String, Vec<Bound>) {
         let mut clauses = Vec::new();
@@ -497,7 +505,7 @@ impl JobQuery {
         };
         (
             filter,
-            format!("{column} {direction}, id {direction}"),
+            format!("{column} {direction}, {tiebreak} {direction}"),
             values,
         )
     }

@@ -154,8 +154,8 @@ CREATE TABLE system (
 ";
 
 /// From version 5: rate-limit keys with the jobs filed under them (in
-/// place of the windows, which are only ever a second to a day old) and
-/// queue configurations.
+/// place of the windows, which are only ever a second to a day old),
+/// queue configurations, and the indexes the admin job list reads by.
 const MIGRATE_5_TO_6: &str = "
 DROP TABLE rate_windows;
 CREATE TABLE rate_keys (
@@ -174,6 +174,9 @@ CREATE TABLE queue_configs (
     name   text PRIMARY KEY,
     record text NOT NULL
 );
+CREATE INDEX jobs_created ON jobs (created_ms, id);
+CREATE INDEX jobs_queue_created ON jobs (queue, created_ms, id);
+CREATE INDEX jobs_state_created ON jobs (state, created_ms, id);
 ";
 
 /// How to reach PostgreSQL.
@@ -1169,7 +1172,7 @@ impl Tx for PostgresTx<'_, '_> {
         offset: usize,
     ) -> Result<(Vec<Job>, u64), StoreError> {
         let (filter, order, values) =
-            query.sql("(envelope::jsonb ->> 'type')", |n| format!("${n}"));
+            query.sql("(envelope::jsonb ->> 'type')", "id", |n| format!("${n}"));
         let values: Vec<Box<dyn ::postgres::types::ToSql + Sync>> = values
             .into_iter()
             .map(|v| match v {
@@ -1181,7 +1184,13 @@ impl Tx for PostgresTx<'_, '_> {
             values.iter().map(|v| v.as_ref()).collect();
         let total: i64 = self
             .t
-            .query_one(&format!("SELECT count(*) FROM jobs WHERE {filter}"), &refs)
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM (SELECT 1 FROM jobs WHERE {filter} LIMIT {}) AS matched",
+                    super::LIST_COUNT_LIMIT + 1
+                ),
+                &refs,
+            )
             .map_err(pg)?
             .get(0);
         let rows = self

@@ -66,6 +66,9 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_due ON jobs (state, due_ms);
 CREATE INDEX IF NOT EXISTS jobs_dead ON jobs (finished_ms) WHERE dead = 1;
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (finished_ms) WHERE finished_ms IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_ms);
+CREATE INDEX IF NOT EXISTS jobs_queue_created ON jobs (queue, created_ms);
+CREATE INDEX IF NOT EXISTS jobs_state_created ON jobs (state, created_ms);
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
     value INTEGER NOT NULL
@@ -957,8 +960,9 @@ impl Tx for SqliteTx<'_> {
         limit: usize,
         offset: usize,
     ) -> Result<(Vec<Job>, u64), StoreError> {
-        let (filter, order, values) =
-            query.sql("json_extract(envelope, '$.type')", |n| format!("?{n}"));
+        let (filter, order, values) = query.sql("json_extract(envelope, '$.type')", "rowid", |n| {
+            format!("?{n}")
+        });
         let values: Vec<rusqlite::types::Value> = values
             .into_iter()
             .map(|v| match v {
@@ -967,7 +971,10 @@ impl Tx for SqliteTx<'_> {
             })
             .collect();
         let total: i64 = self.conn.query_row(
-            &format!("SELECT count(*) FROM jobs WHERE {filter}"),
+            &format!(
+                "SELECT count(*) FROM (SELECT 1 FROM jobs WHERE {filter} LIMIT {})",
+                super::LIST_COUNT_LIMIT + 1
+            ),
             rusqlite::params_from_iter(values.iter()),
             |r| r.get(0),
         )?;
@@ -1011,7 +1018,12 @@ impl Tx for SqliteTx<'_> {
             Ok(out)
         };
         Ok(JobCounts {
-            by_queue: read(sql::COUNTS_BY_QUEUE.sqlite, &[])?,
+            // One pass over the table: through an index by queue, each
+            // row's state would be a lookup of its own.
+            by_queue: read(
+                "SELECT queue, state, count(*) FROM jobs NOT INDEXED GROUP BY queue, state",
+                &[],
+            )?,
             finished: read(sql::FINISHED_BY_QUEUE.sqlite, &[&ms(since)])?,
         })
     }
