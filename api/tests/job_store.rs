@@ -918,3 +918,48 @@ on_both_backends!(
     leases_are_kept_only_where_replicas_share_the_store,
     queues_are_listed_once_each,
 );
+
+/// A migration PostgreSQL refuses says PostgreSQL's own reason and code
+/// (the client's text alone is "db error"), and changes nothing.
+#[tokio::test]
+async fn a_refused_migration_names_what_postgres_said() {
+    let Some(url) = ojs_bridge_tests::postgres::find() else {
+        return;
+    };
+    let schema = ojs_bridge_tests::postgres::TestSchema::new(&url);
+    let name = &schema.name;
+    // A version-5 schema that already has a relation version 6 makes.
+    schema
+        .execute(&format!(
+            "CREATE SCHEMA \"{name}\"; SET search_path TO \"{name}\";
+             CREATE TABLE schema_version (version integer NOT NULL);
+             INSERT INTO schema_version (version) VALUES (5);
+             CREATE TABLE rate_windows (key text);
+             CREATE TABLE rate_keys (key text);"
+        ))
+        .unwrap();
+    let opened = Store::connect(&PostgresSettings {
+        url: Secret::new(url),
+        password: None,
+        schema: name.clone(),
+        connections: 1,
+    })
+    .await;
+    let Err(e) = opened else {
+        panic!("a schema that cannot be migrated was opened");
+    };
+    let said = e.to_string();
+    assert!(
+        said.contains("relation \"rate_keys\" already exists") && said.contains("42P07"),
+        "{said}"
+    );
+    assert_eq!(
+        schema
+            .count(&format!(
+                "SELECT max(version)::bigint FROM \"{name}\".schema_version"
+            ))
+            .unwrap(),
+        5,
+        "the failed migration is rolled back"
+    );
+}

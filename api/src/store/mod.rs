@@ -74,8 +74,10 @@ pub enum StoreError {
     /// SQLite failed.
     #[error("SQLite: {0}")]
     Sqlite(#[from] rusqlite::Error),
-    /// PostgreSQL answered with an error.
-    #[error("PostgreSQL: {0}")]
+    /// PostgreSQL answered with an error; shown with the server's code
+    /// and message (the client's own text is only "db error"), never its
+    /// detail, which can quote a row's values.
+    #[error("PostgreSQL: {}", postgres_said(.0))]
     Postgres(#[source] ::postgres::Error),
     /// PostgreSQL cannot be reached (down, restarting, the connection
     /// lost): the request may be repeated; the next one connects again.
@@ -147,6 +149,8 @@ pub struct EventFilter {
     pub queues: Vec<String>,
     /// Job types (empty: all).
     pub job_types: Vec<String>,
+    /// Jobs (empty: all).
+    pub job_ids: Vec<String>,
     /// Queue patterns the reader may see (empty: all): a token's scope.
     pub scope: Vec<ojs_core::glob::Glob>,
     /// At most this many.
@@ -186,6 +190,7 @@ impl EventFilter {
             ("type", &self.types),
             ("queue", &self.queues),
             ("job_type", &self.job_types),
+            ("job_id", &self.job_ids),
         ] {
             if values.is_empty() {
                 continue;
@@ -218,6 +223,7 @@ impl EventFilter {
             && listed(&self.types, field("type"))
             && listed(&self.queues, field("queue"))
             && listed(&self.job_types, field("job_type"))
+            && listed(&self.job_ids, field("job_id"))
             && self.sees(field("queue"))
     }
 }
@@ -274,6 +280,16 @@ pub enum Settle {
         /// From now.
         by_ms: u64,
     },
+}
+
+/// What PostgreSQL said: its SQLSTATE and message for a server error,
+/// the client's text and its cause otherwise.
+pub(crate) fn postgres_said(e: &::postgres::Error) -> String {
+    match (e.as_db_error(), std::error::Error::source(e)) {
+        (Some(db), _) => format!("{} ({})", db.message(), db.code().code()),
+        (None, Some(cause)) => format!("{e}: {cause}"),
+        (None, None) => e.to_string(),
+    }
 }
 
 /// How much older than the retention cut a rate-limit window must be to be
@@ -1173,7 +1189,7 @@ pub(crate) fn event_body(
     time_ms: i64,
     data: &str,
 ) -> Event {
-    let id = format!("evt_{seq:016}");
+    let id = crate::events::event_id(seq);
     let time = timestamp(DateTime::from_timestamp_millis(time_ms).unwrap_or_default());
     let data: Value = serde_json::from_str(data).unwrap_or(Value::Null);
     Event {

@@ -277,7 +277,7 @@ impl Connection {
 
 fn unavailable(e: postgres::Error) -> StoreError {
     StoreError::Unavailable {
-        reason: e.to_string(),
+        reason: super::postgres_said(&e),
     }
 }
 

@@ -445,6 +445,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             "SET search_path TO \"{schema}\"; DROP TABLE workers; DROP TABLE unique_keys;
              DROP TABLE crons; DROP TABLE paused_queues; DROP TABLE rate_keys; DROP TABLE rate_jobs;
              DROP TABLE queue_configs; DROP TABLE leaders; DROP TABLE workflows; DROP TABLE system;
+             DROP INDEX jobs_created; DROP INDEX jobs_queue_created; DROP INDEX jobs_state_created;
              DELETE FROM schema_version; INSERT INTO schema_version (version) VALUES (1);"
         ))
         .unwrap();
@@ -499,6 +500,17 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             "version 6's {table} is there"
         );
     }
+    assert_eq!(
+        setup
+            .schema
+            .count(&format!(
+                "SELECT count(*) FROM pg_indexes WHERE schemaname = '{schema}' \
+                 AND indexname IN ('jobs_created', 'jobs_queue_created', 'jobs_state_created')"
+            ))
+            .unwrap(),
+        3,
+        "version 6's indexes of the admin job list are there"
+    );
     for id in &sent {
         let a = get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
         assert_eq!(a.json()["job"]["state"], "available", "{:?}", a.body);
