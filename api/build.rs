@@ -8,6 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ojs/v1/worker.proto",
         "ojs/v1/queue.proto",
         "ojs/v1/workflow.proto",
+        "ojs/v1/events.proto",
         "ojs/v1/service.proto",
     ];
     for file in files {

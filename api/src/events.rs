@@ -38,6 +38,9 @@ const HEARTBEAT: Duration = Duration::from_secs(15);
 /// replica's events, the server draining).
 const LOOK: Duration = Duration::from_secs(1);
 
+/// How long a draining server gives its streams to end.
+pub const CLOSE_WITHIN: Duration = Duration::from_secs(5);
+
 /// The newest events kept for every subscriber, at most.
 pub const TAIL: usize = 10_000;
 
@@ -154,6 +157,11 @@ pub fn cursor_of(id: &str) -> Option<i64> {
         .ok()
 }
 
+/// The id the bindings show for the event at log position `seq`.
+pub fn event_id(seq: i64) -> String {
+    format!("evt_{seq:016}")
+}
+
 fn frame(id: Option<&str>, event: &str, data: &serde_json::Value) -> Bytes {
     let mut text = String::new();
     if let Some(id) = id {
@@ -201,14 +209,26 @@ impl Api {
         Ok((page, total))
     }
 
-    /// Opens a stream of the events `filter` selects, after `after` (0:
-    /// from now on). The stream yields SSE text frames.
-    pub async fn event_stream(
+    /// While the server drains: waits for the open streams to tell their
+    /// clients and end, at most [`CLOSE_WITHIN`] (a client that reads
+    /// nothing cannot be told).
+    pub(crate) async fn streams_closed(&self) {
+        let until = Instant::now() + CLOSE_WITHIN;
+        while self.streams.open.load(Ordering::SeqCst) > 0 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Follows the log: the events `filter` selects after `after` (`None`:
+    /// from now on), as [`Delivery`]s, holding one of `[api]
+    /// max_event_streams` until dropped. The SSE stream, the WebSocket and
+    /// gRPC `StreamEvents` are each a view of one.
+    pub async fn follow(
         self: &Arc<Self>,
         grant: &Grant<'_>,
         mut filter: EventFilter,
         after: Option<i64>,
-    ) -> Result<impl tokio_stream::Stream<Item = Bytes> + Send + 'static, ApiError> {
+    ) -> Result<impl tokio_stream::Stream<Item = Delivery> + Send + 'static, ApiError> {
         grant.allow(Operation::Read)?;
         filter.scope = grant.scope().to_vec();
         filter.limit = PAGE;
@@ -224,25 +244,253 @@ impl Api {
             Some(after) => (after, oldest.filter(|o| *o > after + 1).map(|o| (after, o))),
             None => (newest.unwrap_or(0), None),
         };
-        let api = self.clone();
-        let stream = async_stream(slot, api, filter, start, gap);
-        Ok(stream)
+        Ok(follow_log(slot, self.clone(), filter, start, gap))
+    }
+
+    /// Opens a Server-Sent Events stream of `view` (the events `filter`
+    /// selects, after `after`; `None`: from now on). The stream yields SSE
+    /// text frames.
+    pub async fn event_stream(
+        self: &Arc<Self>,
+        grant: &Grant<'_>,
+        filter: EventFilter,
+        after: Option<i64>,
+        view: StreamView,
+    ) -> Result<impl tokio_stream::Stream<Item = Bytes> + Send + 'static, ApiError> {
+        use futures::StreamExt;
+        let view = match view {
+            StreamView::Job { id } => {
+                let job = self.info(grant, &id).await?;
+                ViewState::Job {
+                    id,
+                    queue: job.envelope.queue.clone(),
+                    job_type: job.envelope.job_type.clone(),
+                    state: job.state(),
+                }
+            }
+            StreamView::Queue { name } => {
+                let known = self.queues(grant).await?.iter().any(|q| q.name == name);
+                if !known {
+                    return Err(ApiError::NotFound {
+                        resource_type: "queue",
+                        resource_id: name,
+                    });
+                }
+                ViewState::Queue {
+                    states: Default::default(),
+                }
+            }
+            StreamView::Log => ViewState::Log,
+        };
+        let mut first = vec![Bytes::from_static(b"retry: 3000\n\n")];
+        let mut ended = false;
+        if let ViewState::Job {
+            id,
+            queue,
+            job_type,
+            state,
+        } = &view
+        {
+            // A finished job's stream says where it is and ends.
+            if crate::model::is_final(*state) {
+                let to = state.as_str().unwrap_or("unknown");
+                let data = state_changed(id, queue, job_type, None, to, &timestamp_now());
+                first.push(frame(None, "job.state_changed", &data));
+                ended = true;
+            }
+        }
+        let follower = if ended {
+            None
+        } else {
+            Some(self.follow(grant, filter, after).await?.boxed())
+        };
+        let head = futures::stream::iter(first);
+        // Ends right after the frames that finish the view (a finished
+        // job), not at the follower's next delivery.
+        let tail = futures::stream::unfold((view, follower), |(mut view, follower)| async move {
+            let mut follower = follower?;
+            let delivery = follower.next().await?;
+            let (frames, end) = view.frames(delivery);
+            let follower = (!end).then_some(follower);
+            Some((futures::stream::iter(frames), (view, follower)))
+        })
+        .flatten();
+        Ok(head.chain(tail))
     }
 }
 
-/// The stream itself: pages of the log after the cursor, as SSE frames.
-fn async_stream(
+/// What a follower of the log hands on, in the log's order.
+#[derive(Debug, Clone)]
+pub enum Delivery {
+    /// The next event that matched.
+    Event(crate::store::Event),
+    /// The log no longer holds the events after `after` up to `oldest`
+    /// (pruned past `[api] retention`): the client resumed too late.
+    Gap {
+        /// Where the client was.
+        after: i64,
+        /// The oldest event the log holds.
+        oldest: i64,
+    },
+    /// Nothing for a while: a keep-alive is due.
+    Idle,
+    /// The server is draining: the last delivery.
+    Shutdown,
+}
+
+impl Delivery {
+    /// The `system.gap` event's body.
+    pub fn gap_body(after: i64, oldest: i64) -> serde_json::Value {
+        json!({"type": "system.gap", "timestamp": timestamp_now(),
+               "data": {"gap_start": after + 1, "gap_end": oldest - 1,
+                        "estimated_missed_count": oldest - 1 - after}})
+    }
+
+    /// The `server.shutdown` event's body.
+    pub fn shutdown_body() -> serde_json::Value {
+        json!({"type": "server.shutdown", "timestamp": timestamp_now(),
+               "data": {"reason": "the server is stopping", "grace_period_ms": 0}})
+    }
+}
+
+/// Which events an SSE stream shows.
+#[derive(Debug, Clone)]
+pub enum StreamView {
+    /// `GET /ojs/v1/events/stream`: the log as filtered.
+    Log,
+    /// `GET /ojs/v1/jobs/{id}/events`: one job's events, each state change
+    /// also as `job.state_changed`; ends when the job finishes.
+    Job {
+        /// The job.
+        id: String,
+    },
+    /// `GET /ojs/v1/queues/{name}/events`: one queue's events, each state
+    /// change also as `job.state_changed`.
+    Queue {
+        /// The queue.
+        name: String,
+    },
+}
+
+/// A view's state while it streams.
+enum ViewState {
+    Log,
+    Job {
+        id: String,
+        queue: String,
+        job_type: String,
+        state: ojs_core::JobState,
+    },
+    Queue {
+        /// The last state seen of the queue's jobs (bounded: forgotten
+        /// all at once when full, which only costs a `from` of `null`).
+        states: std::collections::HashMap<String, &'static str>,
+    },
+}
+
+/// Jobs whose last state a queue's stream remembers, at most.
+const STATES_KEPT: usize = 10_000;
+
+impl ViewState {
+    /// The frames of one delivery, and whether the stream ends after them.
+    fn frames(&mut self, delivery: Delivery) -> (Vec<Bytes>, bool) {
+        match delivery {
+            Delivery::Idle => (vec![Bytes::from_static(b":heartbeat\n\n")], false),
+            Delivery::Shutdown => (
+                vec![frame(None, "server.shutdown", &Delivery::shutdown_body())],
+                true,
+            ),
+            Delivery::Gap { after, oldest } => (
+                vec![frame(
+                    None,
+                    "system.gap",
+                    &Delivery::gap_body(after, oldest),
+                )],
+                false,
+            ),
+            Delivery::Event(e) => {
+                let id = e.body["id"].as_str().unwrap_or_default().to_owned();
+                let kind = e.body["type"].as_str().unwrap_or("event").to_owned();
+                let mut out = vec![frame(Some(&id), &kind, &e.body)];
+                let Some(to) = state_after(&kind) else {
+                    return (out, false);
+                };
+                let field = |k: &str| e.body[k].as_str().unwrap_or_default().to_owned();
+                let time = field("time");
+                let (job_id, queue, job_type) =
+                    (field("job_id"), field("queue"), field("job_type"));
+                let mut end = false;
+                let from = match self {
+                    ViewState::Log => return (out, false),
+                    ViewState::Job { state, .. } => {
+                        let from = state.as_str();
+                        if let Some(next) = ojs_core::JobState::parse(to) {
+                            *state = next;
+                            end = crate::model::is_final(next);
+                        }
+                        from
+                    }
+                    ViewState::Queue { states } => {
+                        if states.len() >= STATES_KEPT && !states.contains_key(&job_id) {
+                            states.clear();
+                        }
+                        states.insert(job_id.clone(), to)
+                    }
+                };
+                let data = state_changed(&job_id, &queue, &job_type, from, to, &time);
+                out.push(frame(Some(&id), "job.state_changed", &data));
+                (out, end)
+            }
+        }
+    }
+}
+
+/// The state a job is in after an event of `kind`, for the events that
+/// move it.
+pub fn state_after(kind: &str) -> Option<&'static str> {
+    Some(match kind {
+        "job.enqueued" => "available",
+        "job.scheduled" => "scheduled",
+        "job.started" => "active",
+        "job.completed" => "completed",
+        "job.retrying" => "retryable",
+        "job.discarded" | "job.dead" | "job.expired" => "discarded",
+        "job.cancelled" => "cancelled",
+        _ => return None,
+    })
+}
+
+fn state_changed(
+    job_id: &str,
+    queue: &str,
+    job_type: &str,
+    from: Option<&str>,
+    to: &str,
+    timestamp: &str,
+) -> serde_json::Value {
+    json!({"type": "job.state_changed", "job_id": job_id, "queue": queue, "job_type": job_type,
+           "timestamp": timestamp,
+           "data": {"job_id": job_id, "queue": queue, "type": job_type, "from": from, "to": to,
+                    "timestamp": timestamp}})
+}
+
+fn timestamp_now() -> String {
+    crate::job::timestamp(chrono::Utc::now())
+}
+
+/// The follower itself: pages of the log after the cursor.
+fn follow_log(
     slot: Slot,
     api: Arc<Api>,
     mut filter: EventFilter,
     start: i64,
     gap: Option<(i64, i64)>,
-) -> impl tokio_stream::Stream<Item = Bytes> + Send + 'static {
+) -> impl tokio_stream::Stream<Item = Delivery> + Send + 'static {
     struct State {
         _slot: Slot,
         api: Arc<Api>,
         filter: EventFilter,
-        pending: std::collections::VecDeque<Bytes>,
+        pending: std::collections::VecDeque<Delivery>,
         quiet_since: Instant,
         /// When it last woke to look (the tail read after that serves it).
         woken: Instant,
@@ -252,14 +500,8 @@ fn async_stream(
     }
     filter.after = start;
     let mut pending = std::collections::VecDeque::new();
-    pending.push_back(Bytes::from_static(b"retry: 3000\n\n"));
     if let Some((after, oldest)) = gap {
-        pending.push_back(frame(
-            None,
-            "system.gap",
-            &json!({"type": "system.gap", "data": {"gap_start": after + 1, "gap_end": oldest - 1,
-                    "estimated_missed_count": oldest - 1 - after}}),
-        ));
+        pending.push_back(Delivery::Gap { after, oldest });
     }
     let state = State {
         _slot: slot,
@@ -281,11 +523,7 @@ fn async_stream(
             }
             if s.api.is_draining() {
                 s.done = true;
-                s.pending.push_back(frame(
-                    None,
-                    "server.shutdown",
-                    &json!({"type": "server.shutdown", "data": {"reason": "the server is stopping"}}),
-                ));
+                s.pending.push_back(Delivery::Shutdown);
                 continue;
             }
             // Registered before the read: a write while it runs wakes the
@@ -309,11 +547,8 @@ fn async_stream(
             match page {
                 Ok(page) => {
                     s.filter.after = page.cursor.max(s.filter.after);
-                    for e in page.events {
-                        let id = e.body["id"].as_str().unwrap_or_default().to_owned();
-                        let kind = e.body["type"].as_str().unwrap_or("event").to_owned();
-                        s.pending.push_back(frame(Some(&id), &kind, &e.body));
-                    }
+                    s.pending
+                        .extend(page.events.into_iter().map(Delivery::Event));
                     if !s.pending.is_empty() || page.has_more {
                         s.quiet_since = Instant::now();
                         continue;
@@ -325,7 +560,7 @@ fn async_stream(
             }
             if s.quiet_since.elapsed() >= HEARTBEAT {
                 s.quiet_since = Instant::now();
-                return Some((Bytes::from_static(b":heartbeat\n\n"), s));
+                return Some((Delivery::Idle, s));
             }
             s.by_write = tokio::select! {
                 () = written => true,

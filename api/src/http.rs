@@ -57,20 +57,35 @@ pub fn standard_headers(headers: &mut HeaderMap, request_id: &str) {
     }
 }
 
-/// Whether the request is for the live event stream (answered with a
-/// streaming body: [`event_stream`]).
-pub fn is_event_stream(method: &Method, path: &str) -> bool {
-    *method == Method::GET && path.trim_end_matches('/') == "/ojs/v1/events/stream"
+/// Which live event stream (Server-Sent Events) the request is for, if
+/// it is for one (answered with a streaming body: [`event_stream`]):
+/// `GET /ojs/v1/events/stream`, `/ojs/v1/jobs/{id}/events`,
+/// `/ojs/v1/queues/{name}/events`.
+pub fn event_stream_view(method: &Method, path: &str) -> Option<crate::events::StreamView> {
+    use crate::events::StreamView;
+    if *method != Method::GET {
+        return None;
+    }
+    let rest = path.trim_end_matches('/').strip_prefix("/ojs/v1/")?;
+    let segments: Vec<&str> = rest.split('/').collect();
+    let name = |s: &str| s.to_owned();
+    match segments.as_slice() {
+        ["events", "stream"] => Some(StreamView::Log),
+        ["jobs", id, "events"] if !id.is_empty() => Some(StreamView::Job { id: name(id) }),
+        ["queues", q, "events"] if !q.is_empty() => Some(StreamView::Queue { name: name(q) }),
+        _ => None,
+    }
 }
 
-/// `GET /ojs/v1/events/stream`: the answer's head and the SSE frames of
-/// its body (`crate::events`), or the error answer. Filters as `GET
+/// A live event stream: the answer's head and the SSE frames of its body
+/// (`crate::events`), or the error answer. Filters as `GET
 /// /ojs/v1/events` (`types` or `event_types`, `queues`, `job_types`); where
 /// to go on from: `Last-Event-ID`, or `after`.
 pub async fn event_stream(
     api: &std::sync::Arc<Api>,
     request: &Request<()>,
     request_id: &str,
+    view: crate::events::StreamView,
 ) -> Result<
     (
         Response<()>,
@@ -102,7 +117,12 @@ pub async fn event_stream(
             None => None,
         };
         filter.after = 0;
-        api.event_stream(&grant, filter, after).await
+        match &view {
+            crate::events::StreamView::Job { id } => filter.job_ids = vec![id.clone()],
+            crate::events::StreamView::Queue { name } => filter.queues = vec![name.clone()],
+            crate::events::StreamView::Log => {}
+        }
+        api.event_stream(&grant, filter, after, view).await
     }
     .await;
     let status = match &opened {
@@ -648,7 +668,6 @@ fn unserved_feature(segments: &[&str]) -> Option<&'static str> {
         {
             Some("admin endpoints other than stats, queues, jobs, maintenance, workers and dead letters")
         }
-        ["ws", ..] => Some("WebSocket event streams"),
         _ => None,
     }
 }

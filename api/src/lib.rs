@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod model;
 pub mod queues;
 pub mod rate_limits;
+pub mod realtime;
 pub mod roster;
 pub mod store;
 pub mod worker;
@@ -227,6 +228,8 @@ pub struct Api {
     maintenance: Mutex<maintenance::Maintenance>,
     /// Live event streams open now.
     streams: events::Streams,
+    /// Closed WebSocket connections' subscriptions, for `resume`.
+    sessions: realtime::Sessions,
     broker_copies: dead::BrokerCopies,
     /// Where the time comes from.
     clock: Arc<dyn clock::Clock>,
@@ -345,6 +348,7 @@ impl Api {
             metrics,
             broker_copies: dead::BrokerCopies::default(),
             streams: events::Streams::default(),
+            sessions: realtime::Sessions::default(),
             maintenance: Mutex::new(maintenance::Maintenance::default()),
             settings,
             clock,

@@ -72,6 +72,9 @@ pub struct Capabilities {
     pub workflows: bool,
     /// Pausing and resuming queues.
     pub pause_resume: bool,
+    /// The event log and its live views (SSE, WebSocket, gRPC
+    /// `StreamEvents`); the admin UI shows its Events page for it.
+    pub events: bool,
 }
 
 impl Manifest {
@@ -108,6 +111,7 @@ impl Manifest {
                 unique_jobs: true,
                 workflows: true,
                 pause_resume: true,
+                events: true,
             },
             extensions: Vec::new(),
             encodings: vec![

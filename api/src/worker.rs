@@ -698,13 +698,18 @@ impl Api {
     /// the jobs this process handed out, at most `[api] drain_timeout`. A job still
     /// held then goes back to the broker when the adapter closes and is
     /// handed out again (its late ACK is a conflict, or completes it
-    /// twice: at-least-once).
+    /// twice: at-least-once). The live event streams say the server is
+    /// stopping and end meanwhile (`crate::events`).
     pub async fn drain(&self) {
-        let timeout = self.settings.drain_timeout;
         self.workers()
             .draining
             .store(true, std::sync::atomic::Ordering::Relaxed);
         self.workers().published.notify_waiters();
+        tokio::join!(self.drain_workers(), self.streams_closed());
+    }
+
+    async fn drain_workers(&self) {
+        let timeout = self.settings.drain_timeout;
         let until = Instant::now() + timeout;
         let mut said = false;
         loop {

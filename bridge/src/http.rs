@@ -285,12 +285,15 @@ async fn handle(
         }
     }
     if let Some(api) = &state.api {
-        if ojs_api::http::is_event_stream(req.method(), &path) {
+        if ojs_api::realtime::is_websocket(req.method(), &path) {
+            return Ok(websocket(api, req).await);
+        }
+        if let Some(view) = ojs_api::http::event_stream_view(req.method(), &path) {
             let request_id = ojs_api::http::request_id(req.headers());
             let (parts, _) = req.into_parts();
             let head = Request::from_parts(parts, ());
             return Ok(
-                match ojs_api::http::event_stream(api, &head, &request_id).await {
+                match ojs_api::http::event_stream(api, &head, &request_id, view).await {
                     Ok((head, frames)) => {
                         use futures::StreamExt;
                         let body = http_body_util::StreamBody::new(
@@ -311,6 +314,28 @@ async fn handle(
         ojs_api::http::standard_headers(response.headers_mut(), id);
     }
     Ok(response.map(AnswerBody::new))
+}
+
+/// `GET /ojs/v1/ws`: the handshake's answer; the session runs on the
+/// upgraded connection in a task of its own (bounded by `[api]
+/// max_event_streams`, not by the HTTP connection limits it leaves).
+async fn websocket(api: &Arc<ojs_api::Api>, mut req: Request<Incoming>) -> Response<AnswerBody> {
+    let request_id = ojs_api::http::request_id(req.headers());
+    let upgrade = hyper::upgrade::on(&mut req);
+    let (parts, _) = req.into_parts();
+    let head = Request::from_parts(parts, ());
+    match ojs_api::realtime::accept(api, &head, &request_id).await {
+        Ok((answer, session)) => {
+            tokio::spawn(async move {
+                match upgrade.await {
+                    Ok(upgraded) => session.run(TokioIo::new(upgraded)).await,
+                    Err(e) => tracing::debug!(error = %e, "a WebSocket upgrade did not complete"),
+                }
+            });
+            answer.map(|()| AnswerBody::empty())
+        }
+        Err(answer) => answer.map(|b| AnswerBody::new(Full::new(b))),
+    }
 }
 
 async fn answer(
@@ -671,7 +696,8 @@ async fn connection<I>(
         .max_buf_size(HTTP1_READ_BUFFER)
         .keep_alive(true);
     builder.http2().timer(TokioTimer::new());
-    let conn = builder.serve_connection(io, service);
+    // Upgrades: the WebSocket (`GET /ojs/v1/ws`) leaves HTTP on its connection.
+    let conn = builder.serve_connection_with_upgrades(io, service);
     tokio::pin!(conn);
     let tick =
         (limits.idle_timeout.min(limits.header_read_timeout) / 4).max(Duration::from_millis(50));

@@ -6,8 +6,8 @@
 //! [`services`] gives the three gRPC services the daemon serves on its
 //! HTTP listener (HTTP/2, cleartext or TLS with ALPN `h2`): this binding,
 //! server reflection (so `grpcurl` and dynamic clients need no protos)
-//! and `grpc.health.v1`. Methods it does not know (`StreamEvents`) answer
-//! `UNIMPLEMENTED` from the router.
+//! and `grpc.health.v1`. Methods it does not know answer `UNIMPLEMENTED`
+//! from the router.
 
 pub mod convert;
 
@@ -25,6 +25,7 @@ use tonic_types::{ErrorDetails, StatusExt};
 use crate::auth::Grant;
 use crate::dead::DeadLetterQuery;
 use crate::error::ApiError;
+use crate::events::Delivery;
 use crate::metrics::Binding;
 use crate::roster::{Beat, Directive};
 use crate::{worker, Api};
@@ -282,6 +283,26 @@ fn job_id(id: &str) -> Result<&str, ApiError> {
 }
 
 type JobStream = Pin<Box<dyn Stream<Item = Result<pb::Job, Status>> + Send + 'static>>;
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::Event, Status>> + Send + 'static>>;
+
+/// An event of the log (as the HTTP binding shows it) as the gRPC
+/// binding's message.
+fn event_message(body: &Value) -> pb::Event {
+    let text = |k: &str| body[k].as_str().unwrap_or_default().to_owned();
+    pb::Event {
+        id: text("id"),
+        r#type: text("type"),
+        job_id: text("job_id"),
+        job_type: text("job_type"),
+        queue: text("queue"),
+        timestamp: body["timestamp"].as_str().and_then(convert::text_timestamp),
+        data: body["data"].as_object().map(convert::json_to_struct),
+        workflow_id: body["data"]["workflow_id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+    }
+}
 
 #[tonic::async_trait]
 impl pb::ojs_service_server::OjsService for OjsGrpc {
@@ -633,6 +654,64 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
             Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as JobStream,
             &rpc.request_id,
         ))
+    }
+
+    type StreamEventsStream = EventStream;
+
+    async fn stream_events(
+        &self,
+        request: Request<pb::StreamEventsRequest>,
+    ) -> Result<Response<Self::StreamEventsStream>, Status> {
+        use futures::StreamExt;
+        let rpc = self.begin(request.metadata(), "events")?;
+        let r = request.into_inner();
+        // Exact types are selected by the log's reader; `job.*` patterns
+        // here.
+        let patterns = r.event_types.iter().any(|t| t.ends_with('*'));
+        let filter = crate::store::EventFilter {
+            queues: r.queues,
+            types: if patterns {
+                Vec::new()
+            } else {
+                r.event_types.clone()
+            },
+            job_ids: if r.job_id.is_empty() {
+                Vec::new()
+            } else {
+                vec![r.job_id]
+            },
+            ..crate::store::EventFilter::default()
+        };
+        let follower = match self.api.follow(&rpc.grant, filter, None).await {
+            Ok(f) => f,
+            Err(e) => return rpc.reply(Err(e)),
+        };
+        let (types, workflow_id) = (r.event_types, r.workflow_id);
+        let events = follower
+            .take_while(|d| futures::future::ready(!matches!(d, Delivery::Shutdown)))
+            .filter_map(move |d| {
+                let out = match d {
+                    Delivery::Event(e) => {
+                        let kind = e.body["type"].as_str().unwrap_or_default();
+                        let typed = !patterns
+                            || types.iter().any(|t| crate::realtime::type_matches(t, kind));
+                        let in_workflow = workflow_id.is_empty()
+                            || e.body["data"]["workflow_id"].as_str() == Some(workflow_id.as_str());
+                        (typed && in_workflow).then(|| event_message(&e.body))
+                    }
+                    Delivery::Gap { after, oldest } => {
+                        Some(event_message(&Delivery::gap_body(after, oldest)))
+                    }
+                    Delivery::Idle => Some(pb::Event {
+                        r#type: "stream.keepalive".to_owned(),
+                        timestamp: Some(convert::time_stamp(chrono::Utc::now())),
+                        ..pb::Event::default()
+                    }),
+                    Delivery::Shutdown => None,
+                };
+                futures::future::ready(out.map(Ok))
+            });
+        rpc.reply(Ok(Box::pin(events) as EventStream))
     }
 
     async fn list_queues(

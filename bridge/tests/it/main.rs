@@ -29,6 +29,7 @@ mod ojs_clients;
 mod ojs_conformance;
 mod ojs_events;
 mod ojs_grpc;
+mod ojs_realtime;
 mod ojs_server;
 mod ojs_workflows;
 mod secrets;

@@ -524,6 +524,20 @@ async fn every_page_reads_its_fields(config: Option<String>, what: &str) {
             ("extensions", Kind::Array),
         ],
     );
+    // The sidebar shows a page only for a capability that is `true`.
+    for page in [
+        "cron",
+        "workflows",
+        "rate_limiting",
+        "unique_jobs",
+        "dead_letter",
+        "events",
+    ] {
+        assert_eq!(
+            manifest["capabilities"][page], true,
+            "{what}: the sidebar hides the {page} page"
+        );
+    }
     assert!(
         manifest["extensions"]
             .as_array()

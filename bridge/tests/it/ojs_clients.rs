@@ -101,10 +101,7 @@ async fn what_the_sdks_and_the_conformance_runner_send_is_answered_as_they_read_
     assert_eq!(cancel.json()["job"]["state"], "cancelled");
     assert!(millisecond_time(&cancel.json()["cancelled_at"]));
 
-    for (method, path, feature) in [
-        ("GET", "/ojs/v1/ws", "WebSocket"),
-        ("GET", "/ojs/v1/admin/tenants", "admin endpoints"),
-    ] {
+    for (method, path, feature) in [("GET", "/ojs/v1/admin/tenants", "admin endpoints")] {
         let a = request(
             addr,
             method,

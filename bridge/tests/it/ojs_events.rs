@@ -20,10 +20,10 @@ use crate::ojs_server::{post_json, OjsServer};
 
 /// One SSE event: its id, type and data (JSON text).
 #[derive(Debug, Clone)]
-struct Sse {
-    id: Option<String>,
-    event: String,
-    data: String,
+pub(crate) struct Sse {
+    pub(crate) id: Option<String>,
+    pub(crate) event: String,
+    pub(crate) data: String,
 }
 
 impl Sse {
@@ -40,7 +40,7 @@ impl Sse {
 }
 
 /// A subscriber: the answer's body and what is left of its last frame.
-struct Subscriber {
+pub(crate) struct Subscriber {
     body: Incoming,
     buffer: Vec<u8>,
     parsed: std::collections::VecDeque<Sse>,
@@ -53,13 +53,22 @@ impl Subscriber {
         query: &str,
         last: Option<&str>,
     ) -> Result<Subscriber, (u16, Value)> {
+        Subscriber::at(addr, &format!("/ojs/v1/events/stream?{query}"), last).await
+    }
+
+    /// Opens the stream at `path`; its status when it was refused.
+    pub(crate) async fn at(
+        addr: SocketAddr,
+        path: &str,
+        last: Option<&str>,
+    ) -> Result<Subscriber, (u16, Value)> {
         let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         let (mut sender, conn) =
             hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
                 .await
                 .unwrap();
         tokio::spawn(conn);
-        let mut request = hyper::Request::get(format!("/ojs/v1/events/stream?{query}"))
+        let mut request = hyper::Request::get(path)
             .header("host", "test")
             .header("accept", "text/event-stream");
         if let Some(id) = last {
@@ -87,7 +96,7 @@ impl Subscriber {
 
     /// The next event (comments and the `retry:` line skipped); `None` at
     /// the stream's end or after `limit`.
-    async fn next(&mut self, limit: Duration) -> Option<Sse> {
+    pub(crate) async fn next(&mut self, limit: Duration) -> Option<Sse> {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             if let Some(e) = self.parsed.pop_front() {
