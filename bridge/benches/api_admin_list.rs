@@ -1,5 +1,7 @@
 //! The admin job list over a large store, through `ojs-bridge run` (the
-//! release binary in a process of its own) on the embedded default: JOBS
+//! release binary in a process of its own) on the embedded default, then
+//! with the store on PostgreSQL (`OJS_BRIDGE_TEST_POSTGRES_URL`, a schema
+//! of the run's own; `OJS_ADMIN_BENCH_ONLY=embedded|postgres` runs one): JOBS
 //! jobs (default 1,000,000) are pushed in batches of 100 over ten queues
 //! and five types (untimed), a thousand of one queue completed; then each
 //! listing the admin UI's Jobs and Scheduled pages make, and the Dashboard's
@@ -7,7 +9,8 @@
 //! on one keep-alive connection, a page of 50, and its latency taken.
 //!
 //! Each case ends with one JSON line: `{"bench":"api_admin_list","case":…,
-//! "jobs":…,"p50_ms":…,"p99_ms":…,"peak_rss_mib":…}`.
+//! "jobs":…,"p50_ms":…,"p99_ms":…,"peak_rss_mib":…}` (cases on PostgreSQL
+//! start with `postgres `).
 //!
 //! `cargo bench -p ojs-bridge --bench api_admin_list [-- JOBS]`.
 
@@ -96,53 +99,120 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    runtime.block_on(async {
-        let server =
-            daemon("[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n");
+    let only = std::env::var("OJS_ADMIN_BENCH_ONLY").unwrap_or_default();
+    let embedded = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n";
+    if only.is_empty() || only == "embedded" {
+        runtime.block_on(run("embedded", "", embedded, jobs, None));
+    }
+    if only.is_empty() || only == "postgres" {
+        let Some(url) = ojs_bridge_tests::postgres::find() else {
+            println!("PostgreSQL: no server; the postgres cases are skipped");
+            return;
+        };
+        let schema = ojs_bridge_tests::postgres::TestSchema::new(&url);
+        let config = format!(
+            "{embedded}state = \"{url}\"\nstate_schema = \"{}\"\n",
+            schema.name
+        );
+        runtime.block_on(run("postgres", "postgres ", &config, jobs, Some(&schema)));
+    }
+}
+
+/// Fills a store and asks it every listing; on PostgreSQL (`schema`) also
+/// again after `VACUUM ANALYZE` (what autovacuum does after a bulk load:
+/// statistics for the planner, and a visibility map that lets a count read
+/// the index alone).
+async fn run(
+    store: &str,
+    prefix: &str,
+    config: &str,
+    jobs: usize,
+    schema: Option<&ojs_bridge_tests::postgres::TestSchema>,
+) {
+    {
+        let server = daemon(config);
         let addr = server.addr;
         let took = fill(addr, jobs).await;
         println!(
-            "admin job list: {jobs} jobs pushed in {:.1} s ({:.0} jobs/s), {QUEUES} queues, {TYPES} types",
+            "admin job list ({store} store): {jobs} jobs pushed in {:.1} s ({:.0} jobs/s), {QUEUES} queues, {TYPES} types",
             took.as_secs_f64(),
             jobs as f64 / took.as_secs_f64()
         );
         complete(addr, "q0", 1_000).await;
         let mut sender = connect(addr).await;
-        for (case, path) in [
-            ("newest", "/ojs/v1/admin/jobs?page=1&per_page=50"),
-            ("queue", "/ojs/v1/admin/jobs?queue=q3&page=1&per_page=50"),
-            ("queue prefix", "/ojs/v1/admin/jobs?queue=q*&page=1&per_page=50"),
-            ("state common", "/ojs/v1/admin/jobs?state=available&page=1&per_page=50"),
-            ("state rare", "/ojs/v1/admin/jobs?state=completed&page=1&per_page=50"),
-            ("queue and state", "/ojs/v1/admin/jobs?queue=q0&state=completed&page=1&per_page=50"),
-            ("type", "/ojs/v1/admin/jobs?type=report.kind2&page=1&per_page=50"),
-            ("page 100", "/ojs/v1/admin/jobs?page=100&per_page=50"),
-            ("scheduled page", "/ojs/v1/admin/jobs?state=scheduled&per_page=50&sort=scheduled_at&order=asc"),
-            ("dashboard stats", "/ojs/v1/admin/stats"),
-            ("queue list", "/ojs/v1/admin/queues?page=1&per_page=50"),
-        ] {
-            let mut latencies = Vec::with_capacity(ASKS);
-            let mut total = 0;
-            for _ in 0..ASKS {
-                let began = Instant::now();
-                let (status, body) = get_json(&mut sender, path).await;
-                latencies.push(began.elapsed());
-                assert_eq!(status, 200, "{path}: {body}");
-                total = body["pagination"]["total"].as_u64().unwrap_or(0);
-            }
-            latencies.sort_unstable();
-            let at = |q: f64| latencies[((ASKS as f64 * q) as usize).min(ASKS - 1)].as_secs_f64() * 1e3;
-            let rss = rss_mib(server.child.id(), "VmHWM:");
-            println!(
-                "  {case:<18} total {total:>8}   p50 {:>8.2} ms   p99 {:>8.2} ms",
-                at(0.5),
-                at(0.99)
-            );
-            println!(
-                "{}",
-                json!({"bench": "api_admin_list", "case": case, "jobs": jobs,
-                       "p50_ms": at(0.5), "p99_ms": at(0.99), "peak_rss_mib": rss})
-            );
+        let mut rounds = vec![prefix.to_owned()];
+        if schema.is_some() {
+            rounds.push(format!("{prefix}vacuumed "));
         }
-    });
+        for round in rounds {
+            if round.contains("vacuumed") {
+                if let Some(schema) = schema {
+                    let began = Instant::now();
+                    schema
+                        .execute(&format!("VACUUM ANALYZE \"{}\".jobs", schema.name))
+                        .unwrap();
+                    println!(
+                        "  VACUUM ANALYZE of the jobs table took {:.1} s",
+                        began.elapsed().as_secs_f64()
+                    );
+                }
+            }
+            for (case, path) in [
+                ("newest", "/ojs/v1/admin/jobs?page=1&per_page=50"),
+                ("queue", "/ojs/v1/admin/jobs?queue=q3&page=1&per_page=50"),
+                (
+                    "queue prefix",
+                    "/ojs/v1/admin/jobs?queue=q*&page=1&per_page=50",
+                ),
+                (
+                    "state common",
+                    "/ojs/v1/admin/jobs?state=available&page=1&per_page=50",
+                ),
+                (
+                    "state rare",
+                    "/ojs/v1/admin/jobs?state=completed&page=1&per_page=50",
+                ),
+                (
+                    "queue and state",
+                    "/ojs/v1/admin/jobs?queue=q0&state=completed&page=1&per_page=50",
+                ),
+                (
+                    "type",
+                    "/ojs/v1/admin/jobs?type=report.kind2&page=1&per_page=50",
+                ),
+                ("page 100", "/ojs/v1/admin/jobs?page=100&per_page=50"),
+                (
+                    "scheduled page",
+                    "/ojs/v1/admin/jobs?state=scheduled&per_page=50&sort=scheduled_at&order=asc",
+                ),
+                ("dashboard stats", "/ojs/v1/admin/stats"),
+                ("queue list", "/ojs/v1/admin/queues?page=1&per_page=50"),
+            ] {
+                let mut latencies = Vec::with_capacity(ASKS);
+                let mut total = 0;
+                for _ in 0..ASKS {
+                    let began = Instant::now();
+                    let (status, body) = get_json(&mut sender, path).await;
+                    latencies.push(began.elapsed());
+                    assert_eq!(status, 200, "{path}: {body}");
+                    total = body["pagination"]["total"].as_u64().unwrap_or(0);
+                }
+                latencies.sort_unstable();
+                let at = |q: f64| {
+                    latencies[((ASKS as f64 * q) as usize).min(ASKS - 1)].as_secs_f64() * 1e3
+                };
+                let rss = rss_mib(server.child.id(), "VmHWM:");
+                println!(
+                    "  {round}{case:<18} total {total:>8}   p50 {:>8.2} ms   p99 {:>8.2} ms",
+                    at(0.5),
+                    at(0.99)
+                );
+                println!(
+                    "{}",
+                    json!({"bench": "api_admin_list", "case": format!("{round}{case}"), "jobs": jobs,
+                       "p50_ms": at(0.5), "p99_ms": at(0.99), "peak_rss_mib": rss})
+                );
+            }
+        }
+    }
 }

@@ -225,8 +225,9 @@ async fn adapter_load(adapter: Arc<dyn QueueAdapter>, calls: usize, per_call: us
 
 /// One backend: daemon single and batch PUSH, adapter single and batched
 /// publish, in `rounds` alternating rounds; medians printed.
+/// `(name, case)`: the heading printed, and the case of the JSON lines.
 async fn backend(
-    name: &str,
+    (name, case): (&str, &str),
     config: &str,
     adapter: impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Arc<dyn QueueAdapter>>>>,
     single: usize,
@@ -237,6 +238,7 @@ async fn backend(
     let (mut push, mut push_batch, mut raw, mut raw_batch) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut enqueue, mut enqueue_batch) = (Vec::new(), Vec::new());
+    let mut peak_rss = 0.0f64;
     for _ in 0..rounds {
         let server = daemon(config);
         // Untimed: topics and queues exist, connections are up.
@@ -255,6 +257,7 @@ async fn backend(
         grpc_load(server.addr, 256, 1).await;
         enqueue.push(grpc_load(server.addr, single, 1).await);
         enqueue_batch.push(grpc_load(server.addr, batches, BATCH).await);
+        peak_rss = peak_rss.max(rss_mib(server.child.id(), "VmHWM:"));
         drop(server);
         let a = adapter().await;
         adapter_load(a.clone(), 256, 1).await;
@@ -302,6 +305,16 @@ async fn backend(
         &enqueue_batch,
         Some(&raw_batch),
     );
+    println!("  daemon peak RSS {peak_rss:.1} MiB");
+    for (kind, api, adapter) in [("single", &push, &raw), ("batch", &push_batch, &raw_batch)] {
+        println!(
+            "{}",
+            json!({"bench": "api_push", "case": format!("{case} {kind}"),
+                   "jobs_per_s": api.jobs_per_s, "adapter_jobs_per_s": adapter.jobs_per_s,
+                   "p50_ms": api.p50.as_secs_f64() * 1e3, "p99_ms": api.p99.as_secs_f64() * 1e3,
+                   "peak_rss_mib": peak_rss})
+        );
+    }
 }
 
 /// Resident memory of the daemon before and with 1,000 keep-alive
@@ -375,7 +388,10 @@ fn main() {
         line("hello-world endpoint, same HTTP stack", &hello_single, None);
 
         backend(
-            "embedded broker (local:, durable: every PUSH a store commit and a broker commit)",
+            (
+                "embedded broker (local:, durable: every PUSH a store commit and a broker commit)",
+                "embedded",
+            ),
             "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n",
             || Box::pin(local_adapter()),
             single,
@@ -404,7 +420,10 @@ fn main() {
                 if kafka.contains('?') { '&' } else { '?' }
             );
             backend(
-                "Kafka (tansu on this machine; 201 after the delivery report)",
+                (
+                    "Kafka (tansu on this machine; 201 after the delivery report)",
+                    "kafka",
+                ),
                 &config,
                 move || {
                     let url = url.clone();

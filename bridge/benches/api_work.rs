@@ -25,7 +25,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::{connect, daemon, hello, line, local_adapter, median, post, serve_hello, Measured};
+use common::{
+    connect, daemon, hello, line, local_adapter, median, post, rss_mib, serve_hello, Measured,
+};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -363,6 +365,7 @@ async fn push_to_fetch(addr: SocketAddr, samples: usize) -> Measured {
 
 async fn backend(
     name: &str,
+    case: &str,
     config: &str,
     adapter: impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Arc<dyn QueueAdapter>>>>,
     jobs: usize,
@@ -370,6 +373,7 @@ async fn backend(
 ) {
     let (mut api, mut raw, mut latency) = (Vec::new(), Vec::new(), Vec::new());
     let mut grpc = Vec::new();
+    let mut peak_rss = 0.0f64;
     for round in 0..rounds {
         let server = daemon(config);
         fill(server.addr, QUEUE, jobs).await;
@@ -377,6 +381,7 @@ async fn backend(
         fill(server.addr, QUEUE, jobs).await;
         grpc.push(grpc_work(server.addr, jobs).await);
         latency.push(push_to_fetch(server.addr, 200).await);
+        peak_rss = peak_rss.max(rss_mib(server.child.id(), "VmHWM:"));
         drop(server);
         let a = adapter().await;
         raw.push(
@@ -403,6 +408,14 @@ async fn backend(
         "  PUSH → FETCH, idle queue, long-poll waiting: p50 {:.2} ms, p99 {:.2} ms (200 jobs)",
         latency.p50.as_secs_f64() * 1e3,
         latency.p99.as_secs_f64() * 1e3
+    );
+    println!("  daemon peak RSS {peak_rss:.1} MiB");
+    println!(
+        "{}",
+        json!({"bench": "api_work", "case": case, "jobs_per_s": api.jobs_per_s,
+               "adapter_jobs_per_s": raw.jobs_per_s,
+               "p50_ms": latency.p50.as_secs_f64() * 1e3, "p99_ms": latency.p99.as_secs_f64() * 1e3,
+               "peak_rss_mib": peak_rss})
     );
 }
 
@@ -441,6 +454,7 @@ fn main() {
         if !only_kafka {
             backend(
                 "embedded broker (local:)",
+                "embedded",
                 "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\n",
                 || Box::pin(local_adapter()),
                 jobs,
@@ -464,6 +478,7 @@ fn main() {
             );
             backend(
                 "Kafka (4 partitions)",
+                "kafka",
                 &config,
                 move || {
                     let url = url.clone();

@@ -40,7 +40,7 @@ use crate::model::workflow::Workflow;
 use crate::roster::WorkerRecord;
 
 /// The schema version this build writes: 2 adds the workers' records.
-const SCHEMA_VERSION: i32 = 6;
+const SCHEMA_VERSION: i32 = 7;
 /// Taken while the schema is made or migrated: replicas starting together
 /// do it once.
 const MIGRATION_LOCK: i64 = 0x4f4a_5341;
@@ -177,6 +177,16 @@ CREATE TABLE queue_configs (
 CREATE INDEX jobs_created ON jobs (created_ms, id);
 CREATE INDEX jobs_queue_created ON jobs (queue, created_ms, id);
 CREATE INDEX jobs_state_created ON jobs (state, created_ms, id);
+";
+
+/// From version 6: the job's type in a column of its own, indexed as the
+/// admin job list reads it (reading it out of the envelope's JSON took
+/// 100 ms and more over a million jobs). Existing rows are filled once,
+/// under the migration lock.
+const MIGRATE_6_TO_7: &str = "
+ALTER TABLE jobs ADD COLUMN job_type text;
+UPDATE jobs SET job_type = envelope::jsonb ->> 'type';
+CREATE INDEX jobs_type_created ON jobs (job_type, created_ms, id);
 ";
 
 /// How to reach PostgreSQL.
@@ -773,7 +783,7 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
         .map_err(pg)?
         .and_then(|r| r.get(0));
     match version {
-        None | Some(1..=5) => {
+        None | Some(1..=6) => {
             if version.is_none() {
                 t.batch_execute(SCHEMA_V1).map_err(pg)?;
             }
@@ -789,7 +799,10 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
             if version.is_none_or(|v| v < 5) {
                 t.batch_execute(MIGRATE_4_TO_5).map_err(pg)?;
             }
-            t.batch_execute(MIGRATE_5_TO_6).map_err(pg)?;
+            if version.is_none_or(|v| v < 6) {
+                t.batch_execute(MIGRATE_5_TO_6).map_err(pg)?;
+            }
+            t.batch_execute(MIGRATE_6_TO_7).map_err(pg)?;
             t.execute(
                 "INSERT INTO schema_version (version) VALUES ($1)",
                 &[&SCHEMA_VERSION],
@@ -813,6 +826,7 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
 fn insert(t: &mut Transaction<'_>, jobs: &[Job], seen: bool) -> Result<(), StoreError> {
     let now = ms(Utc::now());
     let n = jobs.len();
+    let mut types = Vec::with_capacity(n);
     let (mut ids, mut queues, mut states, mut dues, mut created, mut published) = (
         Vec::with_capacity(n),
         Vec::with_capacity(n),
@@ -833,6 +847,7 @@ fn insert(t: &mut Transaction<'_>, jobs: &[Job], seen: bool) -> Result<(), Store
         let (envelope, extra) = encode(job)?;
         ids.push(e.id.clone());
         queues.push(e.queue.clone());
+        types.push(e.job_type.clone());
         states.push(state_name(job.state()).to_owned());
         dues.push(due_ms(job));
         created.push(e.created_at.map_or(0, ms));
@@ -854,14 +869,16 @@ fn insert(t: &mut Transaction<'_>, jobs: &[Job], seen: bool) -> Result<(), Store
         .execute(
             &format!(
                 "INSERT INTO jobs (id, queue, state, due_ms, created_ms, stored_ms, published,
-                                   envelope, extra)
-                 SELECT i, q, s, d, c, $6, p, e, x
+                                   envelope, extra, job_type)
+                 SELECT i, q, s, d, c, $6, p, e, x, y
                  FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
-                             $7::boolean[], $8::text[], $9::text[]) AS u(i, q, s, d, c, p, e, x)
+                             $7::boolean[], $8::text[], $9::text[], $10::text[])
+                      AS u(i, q, s, d, c, p, e, x, y)
                  {conflict}"
             ),
             &[
                 &ids, &queues, &states, &dues, &created, &now, &published, &envelopes, &extras,
+                &types,
             ],
         )
         .map_err(|e| match e.as_db_error() {
@@ -1171,8 +1188,7 @@ impl Tx for PostgresTx<'_, '_> {
         limit: usize,
         offset: usize,
     ) -> Result<(Vec<Job>, u64), StoreError> {
-        let (filter, order, values) =
-            query.sql("(envelope::jsonb ->> 'type')", "id", |n| format!("${n}"));
+        let (filter, order, values) = query.sql("job_type", "id", |n| format!("${n}"));
         let values: Vec<Box<dyn ::postgres::types::ToSql + Sync>> = values
             .into_iter()
             .map(|v| match v {

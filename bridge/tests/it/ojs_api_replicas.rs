@@ -446,6 +446,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
              DROP TABLE crons; DROP TABLE paused_queues; DROP TABLE rate_keys; DROP TABLE rate_jobs;
              DROP TABLE queue_configs; DROP TABLE leaders; DROP TABLE workflows; DROP TABLE system;
              DROP INDEX jobs_created; DROP INDEX jobs_queue_created; DROP INDEX jobs_state_created;
+             DROP INDEX jobs_type_created; ALTER TABLE jobs DROP COLUMN job_type;
              DELETE FROM schema_version; INSERT INTO schema_version (version) VALUES (1);"
         ))
         .unwrap();
@@ -455,7 +456,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             .schema
             .count("SELECT max(version)::bigint FROM schema_version")
             .unwrap(),
-        6
+        7
     );
     let beat = post_json(
         server.addr,
@@ -505,11 +506,21 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             .schema
             .count(&format!(
                 "SELECT count(*) FROM pg_indexes WHERE schemaname = '{schema}' \
-                 AND indexname IN ('jobs_created', 'jobs_queue_created', 'jobs_state_created')"
+                 AND indexname IN ('jobs_created', 'jobs_queue_created', 'jobs_state_created', \
+                                   'jobs_type_created')"
             ))
             .unwrap(),
+        4,
+        "the indexes of the admin job list (versions 6 and 7) are there"
+    );
+    // Version 7 filled the type of the jobs it found.
+    assert_eq!(
+        setup
+            .schema
+            .count("SELECT count(*) FROM jobs WHERE job_type = 'work.item'")
+            .unwrap(),
         3,
-        "version 6's indexes of the admin job list are there"
+        "the kept jobs' types"
     );
     for id in &sent {
         let a = get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
