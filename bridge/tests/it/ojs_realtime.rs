@@ -189,6 +189,12 @@ async fn send(ws: &mut Ws, v: Value) {
     ws.send(Message::text(v.to_string())).await.unwrap();
 }
 
+/// Sends `v` and reads the answer.
+async fn ask(ws: &mut Ws, v: Value) -> Value {
+    send(ws, v).await;
+    receive(ws).await
+}
+
 /// The next JSON message (pings skipped), within 10 s.
 async fn receive(ws: &mut Ws) -> Value {
     loop {
@@ -211,27 +217,30 @@ async fn the_websocket_serves_both_dialects_resumes_and_refuses_what_it_should()
 
     let (mut ws, protocol) = connect(addr).await.unwrap();
     assert_eq!(protocol.as_deref(), Some("ojs.v1"));
-    send(
-        &mut ws,
-        json!({"action": "subscribe", "channel": "queue:ws"}),
-    )
-    .await;
     assert_eq!(
-        receive(&mut ws).await,
+        ask(
+            &mut ws,
+            json!({"action": "subscribe", "channel": "queue:ws"})
+        )
+        .await,
         json!({"type": "subscribed", "channel": "queue:ws"})
     );
-    send(
-        &mut ws,
-        json!({"action": "subscribe", "channel": "job:019a0000-0000-7000-8000-000000000000"}),
-    )
-    .await;
-    assert_eq!(receive(&mut ws).await["code"], "not_found");
-    send(
-        &mut ws,
-        json!({"action": "subscribe", "channel": "queue:nobody"}),
-    )
-    .await;
-    assert_eq!(receive(&mut ws).await["code"], "not_found");
+    assert_eq!(
+        ask(
+            &mut ws,
+            json!({"action": "subscribe", "channel": "job:019a0000-0000-7000-8000-000000000000"})
+        )
+        .await["code"],
+        "not_found"
+    );
+    assert_eq!(
+        ask(
+            &mut ws,
+            json!({"action": "subscribe", "channel": "queue:nobody"})
+        )
+        .await["code"],
+        "not_found"
+    );
     send(
         &mut ws,
         json!({"action": "subscribe", "channel": "events", "filter": {"event_types": ["job.completed"]}}),
@@ -243,8 +252,10 @@ async fn the_websocket_serves_both_dialects_resumes_and_refuses_what_it_should()
     assert!(sub_id.starts_with("sub_"), "{subscribed}");
     ws.send(Message::text("not json")).await.unwrap();
     assert_eq!(receive(&mut ws).await["code"], "invalid_request");
-    send(&mut ws, json!({"action": "dance"})).await;
-    assert_eq!(receive(&mut ws).await["code"], "invalid_request");
+    assert_eq!(
+        ask(&mut ws, json!({"action": "dance"})).await["code"],
+        "invalid_request"
+    );
 
     work(addr, "ws", &id).await;
     let started = receive(&mut ws).await;
@@ -267,25 +278,16 @@ async fn the_websocket_serves_both_dialects_resumes_and_refuses_what_it_should()
     let started_id = started["id"].as_str().unwrap().to_owned();
     ws.close(None).await.unwrap();
     drop(ws);
-    let mut back = None;
-    for _ in 0..50 {
-        match connect(addr).await {
-            Ok((ws, _)) => {
-                back = Some(ws);
-                break;
-            }
-            Err(429) => tokio::time::sleep(Duration::from_millis(100)).await,
-            Err(other) => panic!("{other}"),
-        }
-    }
-    let mut ws = back.expect("the reconnect was admitted");
+    let (mut ws, _) = connect_when_free(addr).await;
     let completed_id = realtime["id"].as_str().unwrap().to_owned();
-    send(
-        &mut ws,
-        json!({"action": "resume", "last_event_id": "evt_x"}),
-    )
-    .await;
-    assert_eq!(receive(&mut ws).await["code"], "unknown_event_id");
+    assert_eq!(
+        ask(
+            &mut ws,
+            json!({"action": "resume", "last_event_id": "evt_x"})
+        )
+        .await["code"],
+        "unknown_event_id"
+    );
     send(
         &mut ws,
         json!({"action": "resume", "last_event_id": completed_id}),
@@ -301,12 +303,14 @@ async fn the_websocket_serves_both_dialects_resumes_and_refuses_what_it_should()
         .collect();
     channels.sort_unstable();
     assert_eq!(channels, ["events", "queue:ws"]);
-    send(
-        &mut ws,
-        json!({"action": "resume", "last_event_id": started_id}),
-    )
-    .await;
-    assert_eq!(receive(&mut ws).await["type"], "resumed");
+    assert_eq!(
+        ask(
+            &mut ws,
+            json!({"action": "resume", "last_event_id": started_id})
+        )
+        .await["type"],
+        "resumed"
+    );
     let (a, b) = (receive(&mut ws).await, receive(&mut ws).await);
     let mut again = [a["event"].clone(), b["type"].clone()];
     again.sort_by_key(|v| v.to_string());
@@ -315,19 +319,20 @@ async fn the_websocket_serves_both_dialects_resumes_and_refuses_what_it_should()
         [json!("job.completed"), json!("job.completed")],
         "{a} {b}"
     );
-    send(
-        &mut ws,
-        json!({"action": "unsubscribe", "subscription_id": sub_id}),
-    )
-    .await;
-    assert_eq!(receive(&mut ws).await["action"], "unsubscribed");
-    send(
-        &mut ws,
-        json!({"action": "unsubscribe", "channel": "queue:ws"}),
-    )
-    .await;
     assert_eq!(
-        receive(&mut ws).await,
+        ask(
+            &mut ws,
+            json!({"action": "unsubscribe", "subscription_id": sub_id})
+        )
+        .await["action"],
+        "unsubscribed"
+    );
+    assert_eq!(
+        ask(
+            &mut ws,
+            json!({"action": "unsubscribe", "channel": "queue:ws"})
+        )
+        .await,
         json!({"type": "unsubscribed", "channel": "queue:ws"})
     );
 
