@@ -52,6 +52,11 @@ pub const MAX_SUBSCRIPTIONS: usize = 100;
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 /// Closed connections whose subscriptions a `resume` can restore.
 pub const SESSIONS_KEPT: usize = 1_000;
+/// The text of one subscription (its channel, types and filters), at
+/// most: with [`MAX_SUBSCRIPTIONS`], what a connection holds, and with
+/// [`SESSIONS_KEPT`], what the remembered ones hold (100 MiB at the very
+/// most; a few hundred KiB in practice).
+pub const MAX_SUBSCRIPTION_BYTES: usize = 1024;
 
 /// Whether the request is for the WebSocket.
 pub fn is_websocket(method: &Method, path: &str) -> bool {
@@ -91,6 +96,21 @@ impl Channel {
 }
 
 impl Subscription {
+    /// The bytes of text it holds.
+    fn size(&self) -> usize {
+        let list = |l: &[String]| l.iter().map(String::len).sum::<usize>();
+        let channel = match &self.channel {
+            Channel::All => 0,
+            Channel::Job(s) | Channel::Queue(s) => s.len(),
+            Channel::Events {
+                id,
+                queues,
+                job_types,
+            } => id.len() + list(queues) + list(job_types),
+        };
+        channel + list(&self.event_types)
+    }
+
     fn admits(&self, event: &Event) -> bool {
         let field = |k: &str| event.body[k].as_str().unwrap_or_default();
         let kind = field("type");
@@ -493,14 +513,18 @@ impl Session {
                     }
                     self.next_id += 1;
                     let id = format!("sub_{}", self.next_id);
-                    self.subscriptions.push(Subscription {
+                    let subscription = Subscription {
                         channel: Channel::Events {
                             id: id.clone(),
                             queues,
                             job_types,
                         },
                         event_types: types,
-                    });
+                    };
+                    if subscription.size() > MAX_SUBSCRIPTION_BYTES {
+                        return vec![too_large()];
+                    }
+                    self.subscriptions.push(subscription);
                     return vec![
                         json!({"action": "subscribed", "channel": "events", "subscription_id": id}),
                     ];
@@ -509,6 +533,11 @@ impl Session {
                     Ok(t) => t,
                     Err(e) => return vec![e],
                 };
+                let text: usize =
+                    channel.len() + event_types.iter().map(String::len).sum::<usize>();
+                if text > MAX_SUBSCRIPTION_BYTES {
+                    return vec![too_large()];
+                }
                 let (api, authorization) = (self.api.clone(), self.authorization.clone());
                 let parsed = match channel_named(&api, authorization.as_ref(), &channel).await {
                     Ok(c) => c,
@@ -518,6 +547,9 @@ impl Session {
                     channel: parsed,
                     event_types: event_types.clone(),
                 };
+                if subscription.size() > MAX_SUBSCRIPTION_BYTES {
+                    return vec![too_large()];
+                }
                 // Subscribing again replaces the channel's filter.
                 let held = self.subscriptions.len();
                 match self
@@ -666,6 +698,13 @@ fn api_error(e: &ApiError) -> Value {
     error(e.code().as_str(), &e.to_string())
 }
 
+fn too_large() -> Value {
+    error(
+        "invalid_request",
+        &format!("a subscription's channel, types and filters hold at most {MAX_SUBSCRIPTION_BYTES} bytes"),
+    )
+}
+
 fn too_many() -> Value {
     error(
         "too_many_subscriptions",
@@ -734,6 +773,19 @@ mod tests {
         }
         .message(&e);
         assert_eq!(bare, e.body);
+    }
+
+    #[test]
+    fn a_subscription_counts_its_text() {
+        let sub = Subscription {
+            channel: Channel::Events {
+                id: "sub_1".into(),
+                queues: vec!["q".repeat(600)],
+                job_types: vec!["t".repeat(600)],
+            },
+            event_types: vec![],
+        };
+        assert_eq!(sub.size(), 1205);
     }
 
     #[test]

@@ -256,6 +256,15 @@ async fn the_websocket_serves_both_dialects_resumes_and_refuses_what_it_should()
         ask(&mut ws, json!({"action": "dance"})).await["code"],
         "invalid_request"
     );
+    // A subscription holds at most 1 KiB of names (what a closed
+    // connection leaves remembered is bounded by it).
+    for big in [
+        json!({"action": "subscribe", "channel": "events", "filter": {"queues": ["q".repeat(2000)]}}),
+        json!({"action": "subscribe", "channel": "all", "event_types": ["t".repeat(2000)]}),
+    ] {
+        let refused = ask(&mut ws, big).await;
+        assert_eq!(refused["code"], "invalid_request", "{refused}");
+    }
 
     work(addr, "ws", &id).await;
     let started = receive(&mut ws).await;
