@@ -384,7 +384,7 @@ enum ViewState {
     Queue {
         /// The last state seen of the queue's jobs (bounded: forgotten
         /// all at once when full, which only costs a `from` of `null`).
-        states: std::collections::HashMap<String, &'static str>,
+        states: std::collections::HashMap<String, ojs_core::JobState>,
     },
 }
 
@@ -412,24 +412,20 @@ impl ViewState {
                 let id = e.body["id"].as_str().unwrap_or_default().to_owned();
                 let kind = e.body["type"].as_str().unwrap_or("event").to_owned();
                 let mut out = vec![frame(Some(&id), &kind, &e.body)];
-                let Some(to) = state_after(&kind) else {
+                // Every event that moves a job names the state it left the
+                // job in (the model writes it); a second event of one move
+                // (`job.failed`, then `job.retrying`) changes nothing.
+                let Some(to) = e.body["data"]["state"]
+                    .as_str()
+                    .and_then(ojs_core::JobState::parse)
+                else {
                     return (out, false);
                 };
                 let field = |k: &str| e.body[k].as_str().unwrap_or_default().to_owned();
-                let time = field("time");
-                let (job_id, queue, job_type) =
-                    (field("job_id"), field("queue"), field("job_type"));
-                let mut end = false;
+                let job_id = field("job_id");
                 let from = match self {
                     ViewState::Log => return (out, false),
-                    ViewState::Job { state, .. } => {
-                        let from = state.as_str();
-                        if let Some(next) = ojs_core::JobState::parse(to) {
-                            *state = next;
-                            end = crate::model::is_final(next);
-                        }
-                        from
-                    }
+                    ViewState::Job { state, .. } => Some(std::mem::replace(state, to)),
                     ViewState::Queue { states } => {
                         if states.len() >= STATES_KEPT && !states.contains_key(&job_id) {
                             states.clear();
@@ -437,27 +433,23 @@ impl ViewState {
                         states.insert(job_id.clone(), to)
                     }
                 };
-                let data = state_changed(&job_id, &queue, &job_type, from, to, &time);
+                if from == Some(to) {
+                    return (out, false);
+                }
+                let data = state_changed(
+                    &job_id,
+                    &field("queue"),
+                    &field("job_type"),
+                    from.and_then(ojs_core::JobState::as_str),
+                    to.as_str().unwrap_or("unknown"),
+                    &field("time"),
+                );
                 out.push(frame(Some(&id), "job.state_changed", &data));
+                let end = matches!(self, ViewState::Job { .. }) && crate::model::is_final(to);
                 (out, end)
             }
         }
     }
-}
-
-/// The state a job is in after an event of `kind`, for the events that
-/// move it.
-pub fn state_after(kind: &str) -> Option<&'static str> {
-    Some(match kind {
-        "job.enqueued" => "available",
-        "job.scheduled" => "scheduled",
-        "job.started" => "active",
-        "job.completed" => "completed",
-        "job.retrying" => "retryable",
-        "job.discarded" | "job.dead" | "job.expired" => "discarded",
-        "job.cancelled" => "cancelled",
-        _ => return None,
-    })
 }
 
 fn state_changed(

@@ -311,7 +311,8 @@ pub(crate) fn apply(
             finished = Some(now);
             happened(
                 "job.cancelled",
-                json!({"job_type": job_type, "queue": queue, "previous_state": state_name(previous)}),
+                json!({"job_type": job_type, "queue": queue, "state": "cancelled",
+                       "previous_state": state_name(previous)}),
             );
         }
         Command::Activate => {
@@ -381,7 +382,8 @@ pub(crate) fn apply(
             job.extra.remove("worker_id");
             happened(
                 "job.scheduled",
-                json!({"job_type": job_type, "queue": queue, "scheduled_at": timestamp(until), "reason": "rate_limited", "key": key}),
+                json!({"job_type": job_type, "queue": queue, "state": "scheduled",
+                       "scheduled_at": timestamp(until), "reason": "rate_limited", "key": key}),
             );
         }
         Command::Limit { key, until: None } => {

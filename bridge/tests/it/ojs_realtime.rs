@@ -13,7 +13,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
 use crate::ojs_events::{Sse, Subscriber};
-use crate::ojs_server::{get, post_json, OjsServer};
+use crate::ojs_server::{get, post_json, request, OjsServer};
 
 const EMBEDDED: &str = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\nmax_event_streams = 4\n";
 
@@ -157,6 +157,60 @@ async fn a_job_s_and_a_queue_s_streams_show_each_state_change() {
             "{path}: {body}"
         );
     }
+    server.stop();
+}
+
+/// A failed attempt is two events (`job.failed`, `job.retrying`) and one
+/// state change; a cancel is one, and ends the job's stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_attempt_and_a_cancel_are_one_state_change_each() {
+    let server = OjsServer::start(Some(EMBEDDED)).await;
+    let addr = server.addr;
+    let id = push(addr, "rt-fail").await;
+    let mut job = Subscriber::at(addr, &format!("/ojs/v1/jobs/{id}/events"), None)
+        .await
+        .unwrap();
+    let f = post_json(
+        addr,
+        "/ojs/v1/workers/fetch",
+        &json!({"queues": ["rt-fail"], "count": 1, "wait_ms": 5000}),
+    )
+    .await;
+    assert_eq!(f.json()["jobs"][0]["id"], id.as_str(), "{:?}", f.body);
+    let n = post_json(
+        addr,
+        "/ojs/v1/workers/nack",
+        &json!({"job_id": id, "error": {"code": "boom", "message": "failed on purpose"}}),
+    )
+    .await;
+    assert_eq!(n.json()["state"], "retryable", "{:?}", n.body);
+    let c = request(addr, "DELETE", &format!("/ojs/v1/jobs/{id}"), &[], None).await;
+    assert_eq!(c.status, 200, "{:?}", c.body);
+    let seen = drain(&mut job, Duration::from_secs(10)).await;
+    let shown: Vec<String> = seen
+        .iter()
+        .map(|e| match e.event.as_str() {
+            "job.state_changed" => format!(
+                "{}→{}",
+                data(e)["data"]["from"].as_str().unwrap(),
+                data(e)["data"]["to"].as_str().unwrap()
+            ),
+            other => other.to_owned(),
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            "job.started",
+            "available→active",
+            "job.failed",
+            "active→retryable",
+            "job.retrying",
+            "job.cancelled",
+            "retryable→cancelled"
+        ],
+        "{seen:?}"
+    );
     server.stop();
 }
 
