@@ -248,16 +248,21 @@ impl Api {
     }
 
     /// Opens a Server-Sent Events stream of `view` (the events `filter`
-    /// selects, after `after`; `None`: from now on). The stream yields SSE
-    /// text frames.
+    /// selects, narrowed to the view's job or queue, after `after`; `None`:
+    /// from now on). The stream yields SSE text frames.
     pub async fn event_stream(
         self: &Arc<Self>,
         grant: &Grant<'_>,
-        filter: EventFilter,
+        mut filter: EventFilter,
         after: Option<i64>,
         view: StreamView,
     ) -> Result<impl tokio_stream::Stream<Item = Bytes> + Send + 'static, ApiError> {
         use futures::StreamExt;
+        match &view {
+            StreamView::Job { id } => filter.job_ids = vec![id.clone()],
+            StreamView::Queue { name } => filter.queues = vec![name.clone()],
+            StreamView::Log => {}
+        }
         let view = match view {
             StreamView::Job { id } => {
                 let job = self.info(grant, &id).await?;

@@ -68,11 +68,12 @@ pub fn event_stream_view(method: &Method, path: &str) -> Option<crate::events::S
     }
     let rest = path.trim_end_matches('/').strip_prefix("/ojs/v1/")?;
     let segments: Vec<&str> = rest.split('/').collect();
-    let name = |s: &str| s.to_owned();
     match segments.as_slice() {
         ["events", "stream"] => Some(StreamView::Log),
-        ["jobs", id, "events"] if !id.is_empty() => Some(StreamView::Job { id: name(id) }),
-        ["queues", q, "events"] if !q.is_empty() => Some(StreamView::Queue { name: name(q) }),
+        ["jobs", id, "events"] if !id.is_empty() => Some(StreamView::Job { id: id.to_string() }),
+        ["queues", q, "events"] if !q.is_empty() => Some(StreamView::Queue {
+            name: q.to_string(),
+        }),
         _ => None,
     }
 }
@@ -117,11 +118,6 @@ pub async fn event_stream(
             None => None,
         };
         filter.after = 0;
-        match &view {
-            crate::events::StreamView::Job { id } => filter.job_ids = vec![id.clone()],
-            crate::events::StreamView::Queue { name } => filter.queues = vec![name.clone()],
-            crate::events::StreamView::Log => {}
-        }
         api.event_stream(&grant, filter, after, view).await
     }
     .await;

@@ -20,12 +20,12 @@ use crate::ojs_server::{request, Answer, OjsServer};
 
 const JSON: &str = "application/openjobspec+json";
 
-const OPERATOR: &str = "op-7c1d-operator-secret";
-const PRODUCER: &str = "pr-41aa-producer-secret";
-const AUDITOR: &str = "au-9b2e-auditor-secret";
-const OPS: &str = "ad-55f0-ops-secret";
+pub(crate) const OPERATOR: &str = "op-7c1d-operator-secret";
+pub(crate) const PRODUCER: &str = "pr-41aa-producer-secret";
+pub(crate) const AUDITOR: &str = "au-9b2e-auditor-secret";
+pub(crate) const OPS: &str = "ad-55f0-ops-secret";
 
-const TOKENS_CONFIG: &str = r#"
+pub(crate) const TOKENS_CONFIG: &str = r#"
 [adapters]
 local = "local:./ojs-bridge-data"
 

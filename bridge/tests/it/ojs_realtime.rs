@@ -219,6 +219,11 @@ type Ws = tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>;
 /// Opens the WebSocket offering `ojs.v1`: the connection and the
 /// subprotocol the server chose, or the refusal's status.
 async fn connect(addr: SocketAddr) -> Result<(Ws, Option<String>), u16> {
+    connect_as(addr, None).await
+}
+
+/// The same with a bearer token.
+async fn connect_as(addr: SocketAddr, token: Option<&str>) -> Result<(Ws, Option<String>), u16> {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut request = format!("ws://{addr}/ojs/v1/ws")
         .into_client_request()
@@ -226,6 +231,11 @@ async fn connect(addr: SocketAddr) -> Result<(Ws, Option<String>), u16> {
     request
         .headers_mut()
         .insert("sec-websocket-protocol", "ojs.v1".parse().unwrap());
+    if let Some(t) = token {
+        request
+            .headers_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
     match tokio_tungstenite::client_async(request, stream).await {
         Ok((ws, answer)) => {
             let protocol = answer
@@ -492,5 +502,103 @@ async fn grpc_stream_events_sends_what_its_filters_select() {
     assert!(first.id.starts_with("evt_"), "{first:?}");
     assert!(first.timestamp.is_some());
     assert!(first.data.is_some());
+    server.stop();
+}
+
+/// Tokens: no token or one without `read` is refused at the handshake; a
+/// token scoped to one queue sees that queue's events on `all`, cannot
+/// subscribe to another queue, nor open another queue's job stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_views_show_a_token_only_its_queues() {
+    use crate::ojs_api_security::{AUDITOR, OPERATOR, OPS, PRODUCER, TOKENS_CONFIG};
+    let dir = ojs_bridge_tests::tempdir::TempDir::new("ojs-realtime-tokens");
+    for (file, secret) in [
+        ("operator.token", OPERATOR),
+        ("producer.token", PRODUCER),
+        ("auditor.token", AUDITOR),
+        ("ops.token", OPS),
+    ] {
+        std::fs::write(dir.path().join(file), secret).unwrap();
+    }
+    let server =
+        OjsServer::start_with(dir, Some(TOKENS_CONFIG), &[("OJS_BRIDGE_LOG", "trace")]).await;
+    let addr = server.addr;
+    assert_eq!(connect_as(addr, None).await.err(), Some(401));
+    assert_eq!(connect_as(addr, Some("nope")).await.err(), Some(401));
+    assert_eq!(connect_as(addr, Some(PRODUCER)).await.err(), Some(403));
+
+    let push_as = |queue: &'static str| async move {
+        let a = request(
+            addr,
+            "POST",
+            "/ojs/v1/jobs",
+            &[
+                ("content-type".into(), "application/json".into()),
+                ("authorization".into(), format!("Bearer {PRODUCER}")),
+            ],
+            Some(
+                json!({"type": "scope.check", "args": [1], "options": {"queue": queue}})
+                    .to_string()
+                    .as_bytes(),
+            ),
+        )
+        .await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        a.json()["job"]["id"].as_str().unwrap().to_owned()
+    };
+    let mail = push_as("mail.x").await;
+    push_as("orders").await;
+
+    let (mut ws, _) = connect_as(addr, Some(AUDITOR)).await.unwrap();
+    assert_eq!(
+        ask(
+            &mut ws,
+            json!({"action": "subscribe", "channel": "queue:mail.x"})
+        )
+        .await["code"],
+        "not_found"
+    );
+    assert_ne!(
+        ask(
+            &mut ws,
+            json!({"action": "subscribe", "channel": format!("job:{mail}")})
+        )
+        .await["type"],
+        "subscribed"
+    );
+    assert_eq!(
+        ask(&mut ws, json!({"action": "subscribe", "channel": "all"})).await["type"],
+        "subscribed"
+    );
+    push_as("mail.x").await;
+    let orders = push_as("orders").await;
+    // The first event it is sent is the orders job's: the mail.x one, pushed
+    // first, never comes.
+    let first = receive(&mut ws).await;
+    assert_eq!(first["data"]["job_id"], orders.as_str(), "{first}");
+    assert_eq!(first["data"]["queue"], "orders");
+
+    let job_stream = request(
+        addr,
+        "GET",
+        &format!("/ojs/v1/jobs/{mail}/events"),
+        &[("authorization".into(), format!("Bearer {AUDITOR}"))],
+        None,
+    )
+    .await;
+    assert!(
+        matches!(job_stream.status, 403 | 404),
+        "another queue's job stream: {} {:?}",
+        job_stream.status,
+        job_stream.body
+    );
+    drop(ws);
+    // No log line, even at trace, holds a token the WebSocket was opened with.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let log = server.log();
+    for secret in [OPERATOR, PRODUCER, AUDITOR, OPS] {
+        assert!(!log.contains(secret), "the log holds a token");
+    }
+    assert!(!String::from_utf8_lossy(&job_stream.body).contains(AUDITOR));
     server.stop();
 }
