@@ -897,7 +897,102 @@ async fn concurrency_counts_running_jobs_across_stores(store: &Store, place: &Pl
     ));
 }
 
+/// The counts the admin statistics read are kept as jobs are written, by
+/// every writer of the store (on PostgreSQL two pools, each connection
+/// counting into rows of its own), through inserts, moves, removals,
+/// prunes and resets: they always say what counting the table says.
+async fn job_counts_follow_every_write(store: &Store, place: &Place) {
+    let other = replica(store, place).await;
+    let counted = |store: &Store| {
+        let store = store.clone();
+        async move {
+            let counts = store
+                .run(|tx| tx.job_counts(Utc::now()))
+                .await
+                .unwrap()
+                .by_queue;
+            let mut kept: Vec<(String, String, u64)> = counts
+                .into_iter()
+                .filter(|(q, _, _)| q.starts_with("counted"))
+                .collect();
+            kept.sort();
+            // What counting the table says, state by state.
+            let mut listed = Vec::new();
+            for (queue, state, _) in &kept {
+                let q = JobQuery {
+                    queue: Some(queue.clone()),
+                    state: Some(state.clone()),
+                    ..JobQuery::default()
+                };
+                let (_, total) = store.run(move |tx| tx.list_jobs(&q, 1, 0)).await.unwrap();
+                listed.push((queue.clone(), state.clone(), total));
+            }
+            assert_eq!(kept, listed, "the kept counts are the table's");
+            kept.into_iter()
+                .map(|(q, s, n)| format!("{q}/{s}={n}"))
+                .collect::<Vec<_>>()
+        }
+    };
+    let jobs: Vec<Job> = (0..3).map(|_| plain("counted")).collect();
+    store.insert(jobs.clone()).await.unwrap();
+    store
+        .cancel(jobs[0].envelope.id.clone(), Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(
+        counted(store).await,
+        ["counted/available=2", "counted/cancelled=1"]
+    );
+    // Another writer (a replica's pool on PostgreSQL) counts too.
+    let more: Vec<Job> = (0..2).map(|_| plain("counted.b")).collect();
+    other.insert(more.clone()).await.unwrap();
+    other
+        .cancel(more[0].envelope.id.clone(), Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(
+        counted(store).await,
+        [
+            "counted/available=2",
+            "counted/cancelled=1",
+            "counted.b/available=1",
+            "counted.b/cancelled=1"
+        ]
+    );
+    // A job the broker refused is removed; one deleted in a transaction.
+    store
+        .remove(vec![jobs[1].envelope.id.clone()])
+        .await
+        .unwrap();
+    let gone = more[1].envelope.id.clone();
+    other.run(move |tx| tx.delete(&gone)).await.unwrap();
+    // Finished jobs past retention are pruned (on PostgreSQL the rows of
+    // connections that closed are folded into one as well).
+    store.prune(in_ms(1_000)).await.unwrap();
+    assert_eq!(counted(store).await, ["counted/available=1"]);
+    if let Place::Schema(schema) = place {
+        assert_eq!(
+            schema
+                .count(
+                    "SELECT count(*) FROM job_counts WHERE slot <> 0 \
+                     AND slot NOT IN (SELECT pid FROM pg_stat_activity)"
+                )
+                .unwrap(),
+            0,
+            "no counter of a closed connection is left after a prune"
+        );
+    }
+    store.run(|tx| tx.reset()).await.unwrap();
+    assert!(
+        counted(store).await.is_empty(),
+        "a reset empties the counts"
+    );
+    store.insert(vec![plain("counted")]).await.unwrap();
+    assert_eq!(counted(store).await, ["counted/available=1"]);
+}
+
 on_both_backends!(
+    job_counts_follow_every_write,
     admin_reads_list_count_and_bucket_jobs,
     a_rate_window_admits_its_limit_across_stores,
     concurrency_counts_running_jobs_across_stores,

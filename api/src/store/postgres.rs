@@ -40,7 +40,7 @@ use crate::model::workflow::Workflow;
 use crate::roster::WorkerRecord;
 
 /// The schema version this build writes: 2 adds the workers' records.
-const SCHEMA_VERSION: i32 = 7;
+const SCHEMA_VERSION: i32 = 8;
 /// Taken while the schema is made or migrated: replicas starting together
 /// do it once.
 const MIGRATION_LOCK: i64 = 0x4f4a_5341;
@@ -188,6 +188,66 @@ ALTER TABLE jobs ADD COLUMN job_type text;
 UPDATE jobs SET job_type = envelope::jsonb ->> 'type';
 CREATE INDEX jobs_type_created ON jobs (job_type, created_ms, id);
 ";
+
+/// From version 7: the jobs counted by queue and state, kept by triggers
+/// in the writing transaction, so the admin statistics read a row per
+/// queue and state instead of counting the table. Each connection writes
+/// rows of its own (`slot` = its backend's pid): concurrent transactions
+/// never wait on one counter, nor lock two in opposite orders. The rows of
+/// connections gone are folded into slot 0 as jobs are pruned
+/// ([`FOLD_JOB_COUNTS`]). The function keeps the schema it was made in, so
+/// a role with another search path counts into the right table.
+const MIGRATE_7_TO_8: &str = "
+CREATE TABLE job_counts (
+    queue text NOT NULL,
+    state text NOT NULL,
+    slot  integer NOT NULL,
+    n     bigint NOT NULL,
+    PRIMARY KEY (queue, state, slot)
+);
+INSERT INTO job_counts (queue, state, slot, n)
+    SELECT queue, state, 0, count(*) FROM jobs GROUP BY queue, state;
+CREATE FUNCTION count_jobs() RETURNS trigger LANGUAGE plpgsql
+SET search_path FROM CURRENT AS $$
+BEGIN
+    IF TG_OP <> 'INSERT' THEN
+        INSERT INTO job_counts (queue, state, slot, n)
+            VALUES (OLD.queue, OLD.state, pg_backend_pid(), -1)
+            ON CONFLICT (queue, state, slot) DO UPDATE SET n = job_counts.n - 1;
+    END IF;
+    IF TG_OP <> 'DELETE' THEN
+        INSERT INTO job_counts (queue, state, slot, n)
+            VALUES (NEW.queue, NEW.state, pg_backend_pid(), 1)
+            ON CONFLICT (queue, state, slot) DO UPDATE SET n = job_counts.n + 1;
+    END IF;
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER jobs_counted_in AFTER INSERT ON jobs
+    FOR EACH ROW EXECUTE FUNCTION count_jobs();
+CREATE TRIGGER jobs_counted_out AFTER DELETE ON jobs
+    FOR EACH ROW EXECUTE FUNCTION count_jobs();
+CREATE TRIGGER jobs_counted_moved AFTER UPDATE OF queue, state ON jobs
+    FOR EACH ROW WHEN (OLD.queue IS DISTINCT FROM NEW.queue OR OLD.state IS DISTINCT FROM NEW.state)
+    EXECUTE FUNCTION count_jobs();
+";
+
+/// Folds the counter rows of connections no longer open into slot 0 (one
+/// replica at a time: the caller holds [`FOLD_LOCK`]), and drops counters
+/// at zero.
+const FOLD_JOB_COUNTS: &str = "
+WITH gone AS (
+    DELETE FROM job_counts
+    WHERE slot <> 0 AND slot NOT IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)
+    RETURNING queue, state, n
+)
+INSERT INTO job_counts (queue, state, slot, n)
+    SELECT queue, state, 0, sum(n) FROM gone GROUP BY queue, state
+    ON CONFLICT (queue, state, slot) DO UPDATE SET n = job_counts.n + excluded.n;
+DELETE FROM job_counts WHERE slot = 0 AND n = 0;
+";
+/// Taken (for the transaction) while counter rows are folded.
+const FOLD_LOCK: i64 = 0x4f4a_5342;
 
 /// How to reach PostgreSQL.
 #[derive(Debug, Clone)]
@@ -536,6 +596,13 @@ impl super::JobStore for PostgresStore {
             .map_err(pg)?;
             t.execute(sql::PRUNE_WORKFLOWS.postgres, &[&cut])
                 .map_err(pg)?;
+            let folding: bool = t
+                .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&FOLD_LOCK])
+                .map_err(pg)?
+                .get(0);
+            if folding {
+                t.batch_execute(FOLD_JOB_COUNTS).map_err(pg)?;
+            }
             Ok(jobs)
         })
         .await
@@ -783,7 +850,7 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
         .map_err(pg)?
         .and_then(|r| r.get(0));
     match version {
-        None | Some(1..=6) => {
+        None | Some(1..=7) => {
             if version.is_none() {
                 t.batch_execute(SCHEMA_V1).map_err(pg)?;
             }
@@ -802,7 +869,10 @@ fn make_schema(client: &mut Client, schema: &str) -> Result<(), StoreError> {
             if version.is_none_or(|v| v < 6) {
                 t.batch_execute(MIGRATE_5_TO_6).map_err(pg)?;
             }
-            t.batch_execute(MIGRATE_6_TO_7).map_err(pg)?;
+            if version.is_none_or(|v| v < 7) {
+                t.batch_execute(MIGRATE_6_TO_7).map_err(pg)?;
+            }
+            t.batch_execute(MIGRATE_7_TO_8).map_err(pg)?;
             t.execute(
                 "INSERT INTO schema_version (version) VALUES ($1)",
                 &[&SCHEMA_VERSION],

@@ -46,8 +46,9 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// Version 4 adds the workers' records (`crate::roster`), 5 unique keys, 6
 /// cron jobs, roles (`crate::cron`), paused queues and rate-limit windows,
 /// 7 workflows, 8 rate-limit keys with the jobs filed under them (in place
-/// of the windows) and queue configurations.
-const SCHEMA_VERSION: i64 = 8;
+/// of the windows) and queue configurations, 9 the jobs counted by queue and
+/// state (`job_counts`, kept by triggers).
+const SCHEMA_VERSION: i64 = 9;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -141,6 +142,32 @@ CREATE TABLE IF NOT EXISTS system (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS job_counts (
+    queue TEXT NOT NULL,
+    state TEXT NOT NULL,
+    n     INTEGER NOT NULL,
+    PRIMARY KEY (queue, state)
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS jobs_counted_in AFTER INSERT ON jobs BEGIN
+    INSERT INTO job_counts (queue, state, n) VALUES (new.queue, new.state, 1)
+        ON CONFLICT (queue, state) DO UPDATE SET n = n + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS jobs_counted_out AFTER DELETE ON jobs BEGIN
+    UPDATE job_counts SET n = n - 1 WHERE queue = old.queue AND state = old.state;
+END;
+CREATE TRIGGER IF NOT EXISTS jobs_counted_moved AFTER UPDATE OF queue, state ON jobs
+    WHEN old.queue IS NOT new.queue OR old.state IS NOT new.state BEGIN
+    UPDATE job_counts SET n = n - 1 WHERE queue = old.queue AND state = old.state;
+    INSERT INTO job_counts (queue, state, n) VALUES (new.queue, new.state, 1)
+        ON CONFLICT (queue, state) DO UPDATE SET n = n + 1;
+END;
+";
+
+/// Before version 9 the counts were not kept: they are counted once, in the
+/// migration's transaction.
+const COUNT_JOBS: &str = "
+DELETE FROM job_counts;
+INSERT INTO job_counts (queue, state, n) SELECT queue, state, count(*) FROM jobs GROUP BY queue, state;
 ";
 
 /// From version 1: the broker-confirmed mark of each row becomes the
@@ -337,6 +364,9 @@ impl SqliteStore {
             tx.execute_batch(MIGRATE_2_TO_3)?;
         }
         tx.execute_batch(SCHEMA)?;
+        if version < 9 {
+            tx.execute_batch(COUNT_JOBS)?;
+        }
         tx.execute_batch(&format!(
             "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};"
         ))?;
@@ -1018,12 +1048,7 @@ impl Tx for SqliteTx<'_> {
             Ok(out)
         };
         Ok(JobCounts {
-            // One pass over the table: through an index by queue, each
-            // row's state would be a lookup of its own.
-            by_queue: read(
-                "SELECT queue, state, count(*) FROM jobs NOT INDEXED GROUP BY queue, state",
-                &[],
-            )?,
+            by_queue: read(sql::COUNTS_BY_QUEUE.sqlite, &[])?,
             finished: read(sql::FINISHED_BY_QUEUE.sqlite, &[&ms(since)])?,
         })
     }
@@ -1854,6 +1879,9 @@ mod tests {
             .events;
         assert_eq!(events.len(), 1);
         assert_eq!(events[0].body["id"], "evt_0000000000000001");
+        // The jobs it found are counted (version 9).
+        let counts = store.run(|tx| tx.job_counts(Utc::now())).await?.by_queue;
+        assert_eq!(counts, [("default".to_owned(), "available".to_owned(), 3)]);
         // The workers' records (version 4) are there too.
         let now = Utc::now();
         let record = store

@@ -447,6 +447,8 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
              DROP TABLE queue_configs; DROP TABLE leaders; DROP TABLE workflows; DROP TABLE system;
              DROP INDEX jobs_created; DROP INDEX jobs_queue_created; DROP INDEX jobs_state_created;
              DROP INDEX jobs_type_created; ALTER TABLE jobs DROP COLUMN job_type;
+             DROP TRIGGER jobs_counted_in ON jobs; DROP TRIGGER jobs_counted_out ON jobs;
+             DROP TRIGGER jobs_counted_moved ON jobs; DROP FUNCTION count_jobs(); DROP TABLE job_counts;
              DELETE FROM schema_version; INSERT INTO schema_version (version) VALUES (1);"
         ))
         .unwrap();
@@ -456,7 +458,7 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
             .schema
             .count("SELECT max(version)::bigint FROM schema_version")
             .unwrap(),
-        7
+        8
     );
     let beat = post_json(
         server.addr,
@@ -522,6 +524,15 @@ async fn a_version_1_schema_is_migrated_keeping_its_jobs() {
         3,
         "the kept jobs' types"
     );
+    // Version 8 counted the jobs it found, and its triggers count the next.
+    let counted = "SELECT coalesce(sum(n), 0)::bigint FROM job_counts WHERE queue = 'kept' AND state = 'available'";
+    assert_eq!(
+        setup.schema.count(counted).unwrap(),
+        3,
+        "the kept jobs counted"
+    );
+    push_all(server.addr, "kept", 2, json!({})).await;
+    assert_eq!(setup.schema.count(counted).unwrap(), 5, "new jobs counted");
     for id in &sent {
         let a = get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
         assert_eq!(a.json()["job"]["state"], "available", "{:?}", a.body);
