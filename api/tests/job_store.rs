@@ -916,16 +916,30 @@ async fn job_counts_follow_every_write(store: &Store, place: &Place) {
                 .filter(|(q, _, _)| q.starts_with("counted"))
                 .collect();
             kept.sort();
-            // What counting the table says, state by state.
+            // What counting the table says, queue by queue and state by
+            // state (a state the counts miss shows too).
             let mut listed = Vec::new();
-            for (queue, state, _) in &kept {
-                let q = JobQuery {
-                    queue: Some(queue.clone()),
-                    state: Some(state.clone()),
-                    ..JobQuery::default()
-                };
-                let (_, total) = store.run(move |tx| tx.list_jobs(&q, 1, 0)).await.unwrap();
-                listed.push((queue.clone(), state.clone(), total));
+            for queue in ["counted", "counted.b"] {
+                for state in [
+                    "active",
+                    "available",
+                    "cancelled",
+                    "completed",
+                    "discarded",
+                    "pending",
+                    "retryable",
+                    "scheduled",
+                ] {
+                    let q = JobQuery {
+                        queue: Some(queue.into()),
+                        state: Some(state.into()),
+                        ..JobQuery::default()
+                    };
+                    let (_, total) = store.run(move |tx| tx.list_jobs(&q, 1, 0)).await.unwrap();
+                    if total > 0 {
+                        listed.push((queue.to_owned(), state.to_owned(), total));
+                    }
+                }
             }
             assert_eq!(kept, listed, "the kept counts are the table's");
             kept.into_iter()
@@ -943,6 +957,39 @@ async fn job_counts_follow_every_write(store: &Store, place: &Place) {
         counted(store).await,
         ["counted/available=2", "counted/cancelled=1"]
     );
+    // A transition that fails moves nothing; one that reads the counts
+    // after a write of its own sees it (the embedded store writes them at
+    // its commit).
+    let target = jobs[1].envelope.id.clone();
+    let failed = store
+        .run(move |tx| {
+            tx.insert_seen(&plain("counted"))?;
+            let mut job = tx.load(&target)?;
+            job.envelope.state = Some(JobState::Completed);
+            tx.save(&job, Some(Utc::now()))?;
+            Err::<(), _>(StoreError::NotFound("on purpose".into()))
+        })
+        .await;
+    assert!(matches!(failed, Err(StoreError::NotFound(_))), "{failed:?}");
+    let extra = plain("counted");
+    let extra_id = extra.envelope.id.clone();
+    let during = store
+        .run(move |tx| {
+            tx.insert_seen(&extra)?;
+            tx.job_counts(Utc::now())
+        })
+        .await
+        .unwrap()
+        .by_queue;
+    assert!(
+        during.contains(&("counted".into(), "available".into(), 3)),
+        "{during:?}"
+    );
+    assert_eq!(
+        counted(store).await,
+        ["counted/available=3", "counted/cancelled=1"]
+    );
+    store.remove(vec![extra_id]).await.unwrap();
     // Another writer (a replica's pool on PostgreSQL) counts too.
     let more: Vec<Job> = (0..2).map(|_| plain("counted.b")).collect();
     other.insert(more.clone()).await.unwrap();

@@ -47,7 +47,7 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// cron jobs, roles (`crate::cron`), paused queues and rate-limit windows,
 /// 7 workflows, 8 rate-limit keys with the jobs filed under them (in place
 /// of the windows) and queue configurations, 9 the jobs counted by queue and
-/// state (`job_counts`, kept by triggers).
+/// state (`job_counts`, kept by the writer: [`Tally`]).
 const SCHEMA_VERSION: i64 = 9;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
@@ -148,19 +148,6 @@ CREATE TABLE IF NOT EXISTS job_counts (
     n     INTEGER NOT NULL,
     PRIMARY KEY (queue, state)
 ) WITHOUT ROWID;
-CREATE TRIGGER IF NOT EXISTS jobs_counted_in AFTER INSERT ON jobs BEGIN
-    INSERT INTO job_counts (queue, state, n) VALUES (new.queue, new.state, 1)
-        ON CONFLICT (queue, state) DO UPDATE SET n = n + 1;
-END;
-CREATE TRIGGER IF NOT EXISTS jobs_counted_out AFTER DELETE ON jobs BEGIN
-    UPDATE job_counts SET n = n - 1 WHERE queue = old.queue AND state = old.state;
-END;
-CREATE TRIGGER IF NOT EXISTS jobs_counted_moved AFTER UPDATE OF queue, state ON jobs
-    WHEN old.queue IS NOT new.queue OR old.state IS NOT new.state BEGIN
-    UPDATE job_counts SET n = n - 1 WHERE queue = old.queue AND state = old.state;
-    INSERT INTO job_counts (queue, state, n) VALUES (new.queue, new.state, 1)
-        ON CONFLICT (queue, state) DO UPDATE SET n = n + 1;
-END;
 ";
 
 /// Before version 9 the counts were not kept: they are counted once, in the
@@ -351,6 +338,7 @@ impl SqliteStore {
         })?;
         let path = dir.join(STORE_FILE);
         let mut writer = open_connection(&path, durability)?;
+        let tally = Mutex::new(Tally::default());
         // A larger page cache than SQLite's 2 MiB for the writer: the jobs
         // table and its indexes are written on every push. The readers
         // keep SQLite's default.
@@ -391,7 +379,7 @@ impl SqliteStore {
         std::thread::Builder::new()
             .name("ojs-api-store".into())
             .spawn(move || {
-                write_loop(writer, rx, confirmed, &writer_health);
+                write_loop(writer, rx, confirmed, &writer_health, &tally);
                 drop(keep_reader);
             })
             .map_err(|e| StoreError::Open {
@@ -663,7 +651,12 @@ fn event(
 
 /// Inserts `jobs`, numbering rows from `next_seq`; the available ones
 /// (to be published now) with their numbers.
-fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i64)>, StoreError> {
+fn insert(
+    tx: &Connection,
+    jobs: &[Job],
+    next_seq: i64,
+    tally: &Mutex<Tally>,
+) -> Result<Vec<(String, i64)>, StoreError> {
     let mut queues: Vec<(&str, i64)> = Vec::new();
     let mut available = Vec::new();
     for (n, job) in jobs.iter().enumerate() {
@@ -693,6 +686,7 @@ fn insert(tx: &Connection, jobs: &[Job], next_seq: i64) -> Result<Vec<(String, i
             }
             _ => StoreError::from(err),
         })?;
+        moved(tally, &e.queue, state_name(state), 1);
         if !queues.iter().any(|(q, _)| *q == e.queue) {
             queues.push((&e.queue, created));
         }
@@ -733,10 +727,11 @@ fn insert_new(
     jobs: &mut [Job],
     uniques: &[Option<Uniqueness>],
     next_seq: i64,
+    tally: &Mutex<Tally>,
 ) -> Result<NewRows, StoreError> {
     if uniques.iter().all(Option::is_none) {
         return Ok(NewRows {
-            available: insert(tx, jobs, next_seq)?,
+            available: insert(tx, jobs, next_seq, tally)?,
             answered: Vec::new(),
             used: jobs.len() as i64,
         });
@@ -747,17 +742,21 @@ fn insert_new(
             conn: tx,
             next_seq: &mut seq,
             outbox: Vec::new(),
+            tally,
+            loaded: Vec::new(),
         },
         jobs,
         uniques,
     )?;
     let stored = unanswered(jobs, &answered);
-    let available = insert(tx, &stored, seq)?;
+    let available = insert(tx, &stored, seq, tally)?;
     keep_unique_keys(
         &mut SqliteTx {
             conn: tx,
             next_seq: &mut seq,
             outbox: Vec::new(),
+            tally,
+            loaded: Vec::new(),
         },
         jobs,
         uniques,
@@ -821,15 +820,51 @@ struct SqliteTx<'a> {
     next_seq: &'a mut i64,
     /// Jobs this transaction readied, published after its commit.
     outbox: Vec<Job>,
+    /// The moves between queues and states not yet in `job_counts`.
+    tally: &'a Mutex<Tally>,
+    /// The queue and state of each job this transaction read or wrote:
+    /// what a save moves it from.
+    loaded: Vec<(String, String, &'static str)>,
+}
+
+impl SqliteTx<'_> {
+    fn remember(&mut self, id: &str, queue: &str, state: &'static str) {
+        match self.loaded.iter_mut().find(|(i, _, _)| i == id) {
+            Some(entry) => entry.2 = state,
+            None => self.loaded.push((id.to_owned(), queue.to_owned(), state)),
+        }
+    }
 }
 
 impl Tx for SqliteTx<'_> {
     fn load(&mut self, id: &str) -> Result<Job, StoreError> {
-        load(self.conn, id)
+        let job = load(self.conn, id)?;
+        self.remember(id, &job.envelope.queue, state_name(job.state()));
+        Ok(job)
     }
 
     fn save(&mut self, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
-        save(self.conn, job, finished)
+        let id = &job.envelope.id;
+        let was = match self.loaded.iter().find(|(i, _, _)| i == id) {
+            Some((_, queue, state)) => Some((queue.clone(), (*state).to_owned())),
+            None => self
+                .conn
+                .prepare_cached("SELECT queue, state FROM jobs WHERE id = ?1")?
+                .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?)))
+                .optional()?,
+        };
+        let Some((queue, state)) = was else {
+            // No such row: the UPDATE changes nothing.
+            return save(self.conn, job, finished);
+        };
+        save(self.conn, job, finished)?;
+        let now = state_name(job.state());
+        if now != state {
+            moved(self.tally, &queue, &state, -1);
+            moved(self.tally, &queue, now, 1);
+        }
+        self.remember(id, &queue, now);
+        Ok(())
     }
 
     fn fact(
@@ -855,15 +890,24 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError> {
-        insert(self.conn, std::slice::from_ref(job), *self.next_seq)?;
+        insert(
+            self.conn,
+            std::slice::from_ref(job),
+            *self.next_seq,
+            self.tally,
+        )?;
+        self.remember(
+            &job.envelope.id,
+            &job.envelope.queue,
+            state_name(job.state()),
+        );
         *self.next_seq += 1;
         Ok(())
     }
 
     fn delete(&mut self, id: &str) -> Result<(), StoreError> {
-        self.conn
-            .prepare_cached(sql::DELETE_JOB.sqlite)?
-            .execute(params![id])?;
+        delete_counted(self.conn, sql::DELETE_JOB.sqlite, params![id], self.tally)?;
+        self.loaded.retain(|(i, _, _)| i != id);
         self.conn
             .prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?
             .execute(params![id])?;
@@ -922,9 +966,17 @@ impl Tx for SqliteTx<'_> {
     }
 
     fn reset(&mut self) -> Result<(), StoreError> {
+        // The counts go to zero with the jobs (at the commit, or not at
+        // all): what `job_counts` holds and what this transaction moved so
+        // far, taken back.
+        let counts = self.job_counts(Utc::now())?.by_queue;
+        for (queue, state, n) in counts {
+            moved(self.tally, &queue, &state, -i64::try_from(n).unwrap_or(0));
+        }
+        self.loaded.clear();
         for table in sql::RESET_TABLES {
             // `settles` is PostgreSQL's alone.
-            if table != "settles" {
+            if table != "settles" && table != "job_counts" {
                 self.conn.execute(&format!("DELETE FROM {table}"), [])?;
             }
         }
@@ -1047,10 +1099,28 @@ impl Tx for SqliteTx<'_> {
             }
             Ok(out)
         };
-        Ok(JobCounts {
-            by_queue: read(sql::COUNTS_BY_QUEUE.sqlite, &[])?,
-            finished: read(sql::FINISHED_BY_QUEUE.sqlite, &[&ms(since)])?,
-        })
+        let mut by_queue = read(sql::COUNTS_BY_QUEUE.sqlite, &[])?;
+        let finished = read(sql::FINISHED_BY_QUEUE.sqlite, &[&ms(since)])?;
+        // What this transaction moved so far is in `job_counts` only once
+        // it commits: the jobs' rows it already shows.
+        {
+            let tally = self.tally.lock().unwrap_or_else(|e| e.into_inner());
+            let mut counts: HashMap<(String, String), i64> = by_queue
+                .drain(..)
+                .map(|(q, s, n)| ((q, s), i64::try_from(n).unwrap_or(i64::MAX)))
+                .collect();
+            for (queue, state, n) in tally.pending() {
+                *counts
+                    .entry((queue.to_owned(), state.to_owned()))
+                    .or_default() += n;
+            }
+            by_queue = counts
+                .into_iter()
+                .filter(|(_, n)| *n != 0)
+                .map(|((q, s), n)| (q, s, u64::try_from(n).unwrap_or(0)))
+                .collect();
+        }
+        Ok(JobCounts { by_queue, finished })
     }
 
     fn event_bounds(&mut self) -> Result<(Option<i64>, Option<i64>), StoreError> {
@@ -1437,11 +1507,117 @@ impl Confirmed {
     }
 }
 
+/// The jobs the writer's open transaction moved between queues and states,
+/// not yet in `job_counts`: every statement that writes `jobs` (they are all
+/// in this file: [`insert`], [`SqliteTx::save`], [`delete_counted`]) says
+/// what it moved, and the group's commit writes one row per queue and state
+/// it touched. Triggers counting each row instead cost a batch PUSH a
+/// quarter of its rate (SQLite runs a trigger program per row).
+/// A request's moves count once its savepoint is released; a rolled-back
+/// request's, or a failed group's, are dropped with its writes.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Of the requests released in this transaction.
+    transaction: HashMap<String, HashMap<String, i64>>,
+    /// Of the request running now.
+    request: HashMap<String, HashMap<String, i64>>,
+}
+
+type Moves = HashMap<String, HashMap<String, i64>>;
+
+fn add_move(moves: &mut Moves, queue: &str, state: &str, n: i64) {
+    let states = match moves.get_mut(queue) {
+        Some(states) => states,
+        None => moves.entry(queue.to_owned()).or_default(),
+    };
+    match states.get_mut(state) {
+        Some(count) => *count += n,
+        None => {
+            states.insert(state.to_owned(), n);
+        }
+    }
+}
+
+impl Tally {
+    fn released(&mut self) {
+        for (queue, states) in std::mem::take(&mut self.request) {
+            for (state, n) in states {
+                add_move(&mut self.transaction, &queue, &state, n);
+            }
+        }
+    }
+
+    fn clear(&mut self) {
+        self.transaction.clear();
+        self.request.clear();
+    }
+
+    /// What the open transaction moved so far, nonzero.
+    fn pending(&self) -> Vec<(&str, &str, i64)> {
+        let mut out = Vec::new();
+        for moves in [&self.transaction, &self.request] {
+            for (queue, states) in moves {
+                for (state, n) in states {
+                    if *n != 0 {
+                        out.push((queue.as_str(), state.as_str(), *n));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn moved(tally: &Mutex<Tally>, queue: &str, state: &str, n: i64) {
+    let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+    add_move(&mut tally.request, queue, state, n);
+}
+
+/// Runs a `DELETE FROM jobs …` (`sql`), counting the rows it removes out
+/// of their queue and state; how many.
+fn delete_counted(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+    tally: &Mutex<Tally>,
+) -> Result<usize, StoreError> {
+    let mut stmt = conn.prepare_cached(&format!("{sql} RETURNING queue, state"))?;
+    let mut rows = stmt.query(params)?;
+    let mut removed = 0;
+    while let Some(row) = rows.next()? {
+        let queue: String = row.get(0)?;
+        let state: String = row.get(1)?;
+        moved(tally, &queue, &state, -1);
+        removed += 1;
+    }
+    Ok(removed)
+}
+
+/// Writes what the transaction moved into `job_counts`, one upsert per
+/// queue and state.
+fn write_counts(conn: &Connection, tally: &Mutex<Tally>) -> rusqlite::Result<()> {
+    let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+    tally.released();
+    let mut upsert = conn.prepare_cached(
+        "INSERT INTO job_counts (queue, state, n) VALUES (?1, ?2, ?3)
+         ON CONFLICT (queue, state) DO UPDATE SET n = n + excluded.n",
+    )?;
+    for (queue, states) in &tally.transaction {
+        for (state, n) in states {
+            if *n != 0 {
+                upsert.execute(params![queue, state, n])?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn write_loop(
     mut conn: Connection,
     rx: mpsc::Receiver<WriteBox>,
     mut confirmed: Confirmed,
     health: &WriterHealth,
+    tally: &Mutex<Tally>,
 ) {
     while let Ok(first) = rx.recv() {
         let mut group = vec![first.0];
@@ -1455,7 +1631,7 @@ fn write_loop(
         // the group's own steps, so that the group's requests fail and the
         // writer goes on (its transaction is rolled back as it unwinds).
         let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            commit_group(&mut conn, &mut group, &mut confirmed)
+            commit_group(&mut conn, &mut group, &mut confirmed, tally)
         }))
         .unwrap_or_else(|_| {
             tracing::error!(
@@ -1528,7 +1704,10 @@ fn commit_group(
     conn: &mut Connection,
     group: &mut [Write],
     confirmed: &mut Confirmed,
+    tally: &Mutex<Tally>,
 ) -> Vec<Outcome> {
+    // What a failed group (or one that panicked) moved went with it.
+    tally.lock().unwrap_or_else(|e| e.into_inner()).clear();
     // Confirmations need no write of their own.
     for write in group.iter() {
         if let Write::Published { ids } = write {
@@ -1554,12 +1733,14 @@ fn commit_group(
             Write::Run { f, .. } => match f.take() {
                 Some(f) => {
                     let before = next_seq;
-                    let r = in_savepoint(&tx, |conn| {
+                    let r = in_savepoint(&tx, tally, |conn| {
                         super::guarded(|| {
                             f(&mut SqliteTx {
                                 conn,
                                 next_seq: &mut next_seq,
                                 outbox: Vec::new(),
+                                tally,
+                                loaded: Vec::new(),
                             })
                         })
                     });
@@ -1571,7 +1752,9 @@ fn commit_group(
                 None => Outcome::Any(Err(StoreError::Commit("ran twice".into()))),
             },
             Write::Insert { jobs, uniques, .. } => {
-                match in_savepoint(&tx, |c| insert_new(c, jobs, uniques, next_seq)) {
+                match in_savepoint(&tx, tally, |c| {
+                    insert_new(c, jobs, uniques, next_seq, tally)
+                }) {
                     Ok(rows) => {
                         next_seq += rows.used;
                         added.extend(rows.available);
@@ -1581,21 +1764,18 @@ fn commit_group(
                 }
             }
             Write::Published { .. } => Outcome::Unit(Ok(())),
-            Write::Remove { ids, .. } => Outcome::Unit(in_savepoint(&tx, |c| {
-                let mut jobs = c.prepare_cached(sql::DELETE_JOB.sqlite)?;
+            Write::Remove { ids, .. } => Outcome::Unit(in_savepoint(&tx, tally, |c| {
                 let mut events = c.prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?;
                 for id in ids.iter() {
-                    if jobs.execute(params![id])? > 0 {
+                    if delete_counted(c, sql::DELETE_JOB.sqlite, params![id], tally)? > 0 {
                         events.execute(params![id])?;
                     }
                 }
                 Ok(())
             })),
-            Write::Prune { before, .. } => Outcome::Pruned(in_savepoint(&tx, |c| {
+            Write::Prune { before, .. } => Outcome::Pruned(in_savepoint(&tx, tally, |c| {
                 let cut = ms(*before);
-                let jobs = c
-                    .prepare_cached(sql::PRUNE_JOBS.sqlite)?
-                    .execute(params![cut])?;
+                let jobs = delete_counted(c, sql::PRUNE_JOBS.sqlite, params![cut], tally)?;
                 c.prepare_cached(sql::PRUNE_EVENTS.sqlite)?
                     .execute(params![cut])?;
                 c.prepare_cached(sql::PRUNE_WORKERS.sqlite)?
@@ -1641,6 +1821,10 @@ fn commit_group(
             return group.iter().map(|_| failed(&reason)).collect();
         }
     }
+    if let Err(e) = write_counts(&tx, tally) {
+        let reason = e.to_string();
+        return group.iter().map(|_| failed(&reason)).collect();
+    }
     if let Err(e) = tx.commit() {
         let reason = e.to_string();
         return group.iter().map(|_| failed(&reason)).collect();
@@ -1664,15 +1848,23 @@ fn failed(reason: &str) -> Outcome {
 /// undoes its own writes and nobody else's.
 fn in_savepoint<T>(
     conn: &Connection,
+    tally: &Mutex<Tally>,
     f: impl FnOnce(&Connection) -> Result<T, StoreError>,
 ) -> Result<T, StoreError> {
     conn.execute_batch("SAVEPOINT request")?;
-    match f(conn) {
+    let done = f(conn).and_then(|v| {
+        conn.execute_batch("RELEASE request")?;
+        Ok(v)
+    });
+    let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+    match done {
         Ok(v) => {
-            conn.execute_batch("RELEASE request")?;
+            tally.released();
             Ok(v)
         }
         Err(e) => {
+            tally.request.clear();
+            drop(tally);
             conn.execute_batch("ROLLBACK TO request; RELEASE request")?;
             Err(e)
         }
