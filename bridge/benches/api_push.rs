@@ -33,7 +33,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
-use common::{daemon, hello, line, local_adapter, median, rss_mib, serve_hello, Measured};
+use common::{
+    daemon, hello, line, local_adapter, median, median_per_job, rss_mib, serve_hello, work_line,
+    Measured, Work,
+};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -239,11 +242,15 @@ async fn backend(
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut enqueue, mut enqueue_batch) = (Vec::new(), Vec::new());
     let mut peak_rss = 0.0f64;
+    let (mut work_single, mut work_batch) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         let server = daemon(config);
         // Untimed: topics and queues exist, connections are up.
         http_load(server.addr, "/ojs/v1/jobs", 256, 1, single_body).await;
+        let work = Work::count(server.child.id());
         push.push(http_load(server.addr, "/ojs/v1/jobs", single, 1, single_body).await);
+        work_single.push(work.stop().per_job(single));
+        let work = Work::count(server.child.id());
         push_batch.push(
             http_load(
                 server.addr,
@@ -254,6 +261,7 @@ async fn backend(
             )
             .await,
         );
+        work_batch.push(work.stop().per_job(batches * BATCH));
         grpc_load(server.addr, 256, 1).await;
         enqueue.push(grpc_load(server.addr, single, 1).await);
         enqueue_batch.push(grpc_load(server.addr, batches, BATCH).await);
@@ -306,13 +314,20 @@ async fn backend(
         Some(&raw_batch),
     );
     println!("  daemon peak RSS {peak_rss:.1} MiB");
-    for (kind, api, adapter) in [("single", &push, &raw), ("batch", &push_batch, &raw_batch)] {
+    let (work_single, work_batch) = (median_per_job(&work_single), median_per_job(&work_batch));
+    work_line("single PUSH", work_single);
+    work_line("batch PUSH", work_batch);
+    for (kind, api, adapter, work) in [
+        ("single", &push, &raw, work_single),
+        ("batch", &push_batch, &raw_batch, work_batch),
+    ] {
         println!(
             "{}",
             json!({"bench": "api_push", "case": format!("{case} {kind}"),
                    "jobs_per_s": api.jobs_per_s, "adapter_jobs_per_s": adapter.jobs_per_s,
                    "p50_ms": api.p50.as_secs_f64() * 1e3, "p99_ms": api.p99.as_secs_f64() * 1e3,
-                   "peak_rss_mib": peak_rss})
+                   "peak_rss_mib": peak_rss, "instructions_per_job": work.0,
+                   "cpu_us_per_job": work.1})
         );
     }
 }

@@ -26,7 +26,8 @@
 
 mod common;
 use common::{
-    connect, daemon, hello, line, local_adapter, median, post, rss_mib, serve_hello, Measured,
+    connect, daemon, hello, line, local_adapter, median, median_per_job, post, rss_mib,
+    serve_hello, work_line, Measured, Work,
 };
 
 #[global_allocator]
@@ -374,10 +375,13 @@ async fn backend(
     let (mut api, mut raw, mut latency) = (Vec::new(), Vec::new(), Vec::new());
     let mut grpc = Vec::new();
     let mut peak_rss = 0.0f64;
+    let mut work = Vec::new();
     for round in 0..rounds {
         let server = daemon(config);
         fill(server.addr, QUEUE, jobs).await;
+        let counting = Work::count(server.child.id());
         api.push(http_work(server.addr, jobs).await);
+        work.push(counting.stop().per_job(jobs));
         fill(server.addr, QUEUE, jobs).await;
         grpc.push(grpc_work(server.addr, jobs).await);
         latency.push(push_to_fetch(server.addr, 200).await);
@@ -410,12 +414,15 @@ async fn backend(
         latency.p99.as_secs_f64() * 1e3
     );
     println!("  daemon peak RSS {peak_rss:.1} MiB");
+    let work = median_per_job(&work);
+    work_line("FETCH + ACK", work);
     println!(
         "{}",
         json!({"bench": "api_work", "case": case, "jobs_per_s": api.jobs_per_s,
                "adapter_jobs_per_s": raw.jobs_per_s,
                "p50_ms": latency.p50.as_secs_f64() * 1e3, "p99_ms": latency.p99.as_secs_f64() * 1e3,
-               "peak_rss_mib": peak_rss})
+               "peak_rss_mib": peak_rss, "instructions_per_job": work.0,
+               "cpu_us_per_job": work.1})
     );
 }
 

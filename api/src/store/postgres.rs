@@ -1258,7 +1258,10 @@ impl Tx for PostgresTx<'_, '_> {
         limit: usize,
         offset: usize,
     ) -> Result<(Vec<Job>, u64), StoreError> {
-        let (filter, order, values) = query.sql("job_type", "id", |n| format!("${n}"));
+        // Every queue with jobs has a row in `job_counts` (a counter
+        // left at zero names a queue with none: harmless).
+        let (filter, order, values) =
+            query.sql("job_type", "id", Some("job_counts"), |n| format!("${n}"));
         let values: Vec<Box<dyn ::postgres::types::ToSql + Sync>> = values
             .into_iter()
             .map(|v| match v {

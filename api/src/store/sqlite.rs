@@ -1042,9 +1042,10 @@ impl Tx for SqliteTx<'_> {
         limit: usize,
         offset: usize,
     ) -> Result<(Vec<Job>, u64), StoreError> {
-        let (filter, order, values) = query.sql("json_extract(envelope, '$.type')", "rowid", |n| {
-            format!("?{n}")
-        });
+        let (filter, order, values) =
+            query.sql("json_extract(envelope, '$.type')", "rowid", None, |n| {
+                format!("?{n}")
+            });
         let values: Vec<rusqlite::types::Value> = values
             .into_iter()
             .map(|v| match v {

@@ -273,3 +273,102 @@ pub async fn get_json(
         serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
     )
 }
+
+/// The work a process does from [`Work::count`] to [`Work::stop`], by
+/// `perf stat`: the instructions it retires where the machine has hardware
+/// counters, and its CPU time (a software counter, always). A rate on a
+/// shared 2-core machine moves from run to run; the work per job moves
+/// much less (instructions not at all).
+pub struct Work(Option<Child>);
+
+/// What [`Work`] counted.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counted {
+    pub instructions: Option<u64>,
+    pub cpu_ms: Option<f64>,
+}
+
+impl Counted {
+    /// Per job: (instructions, CPU µs).
+    pub fn per_job(&self, jobs: usize) -> (Option<f64>, Option<f64>) {
+        let jobs = jobs.max(1) as f64;
+        (
+            self.instructions.map(|i| i as f64 / jobs),
+            self.cpu_ms.map(|ms| ms * 1e3 / jobs),
+        )
+    }
+}
+
+impl Work {
+    pub fn count(pid: u32) -> Work {
+        let child = Command::new("perf")
+            .args([
+                "stat",
+                "-x,",
+                "-e",
+                "instructions,task-clock",
+                "-p",
+                &pid.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .ok();
+        // perf attaches to the process's threads before it counts.
+        std::thread::sleep(Duration::from_millis(200));
+        Work(child)
+    }
+
+    /// What was counted (nothing where perf does not run).
+    pub fn stop(self) -> Counted {
+        let Some(child) = self.0 else {
+            return Counted::default();
+        };
+        // perf prints its counts when interrupted.
+        let _ = Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status();
+        let Ok(out) = child.wait_with_output() else {
+            return Counted::default();
+        };
+        let mut counted = Counted::default();
+        for l in String::from_utf8_lossy(&out.stderr).lines() {
+            // value,unit,event,...; "<not supported>" without a PMU.
+            let fields: Vec<&str> = l.split(',').collect();
+            if fields.len() < 3 {
+                continue;
+            }
+            if fields[2].starts_with("instructions") {
+                counted.instructions = fields[0].parse().ok();
+            } else if fields[2].starts_with("task-clock") {
+                counted.cpu_ms = fields[0].parse().ok();
+            }
+        }
+        counted
+    }
+}
+
+/// The median of what was counted in each round (per job), where it was.
+pub fn median_per_job(rounds: &[(Option<f64>, Option<f64>)]) -> (Option<f64>, Option<f64>) {
+    let mid = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| v[v.len() / 2])
+    };
+    (
+        mid(rounds.iter().filter_map(|r| r.0).collect()),
+        mid(rounds.iter().filter_map(|r| r.1).collect()),
+    )
+}
+
+/// The daemon's work per job, as printed beside a rate.
+pub fn work_line(what: &str, (instructions, cpu_us): (Option<f64>, Option<f64>)) {
+    let instructions = instructions.map_or_else(
+        || "instructions not counted (no hardware counters)".to_owned(),
+        |i| format!("{:.0} instructions", i),
+    );
+    let cpu = cpu_us.map_or_else(
+        || "CPU not counted".to_owned(),
+        |c| format!("{c:.1} µs CPU"),
+    );
+    println!("  {what}: daemon per job {cpu}, {instructions}");
+}
