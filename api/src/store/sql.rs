@@ -126,8 +126,9 @@ shared!(
     DELETE_SYSTEM = "DELETE FROM system WHERE key = $1"
 );
 shared!(
-    /// Stored jobs by queue and state, as the triggers on `jobs` keep them
-    /// (PostgreSQL's in one row per connection that wrote: no two
+    /// Stored jobs by queue and state, as the store keeps them in
+    /// `job_counts` (the embedded store's writer at each commit;
+    /// PostgreSQL's triggers in one row per connection that wrote: no two
     /// transactions wait on one counter).
     COUNTS_BY_QUEUE = "SELECT queue, state, CAST(sum(n) AS bigint) FROM job_counts
      GROUP BY queue, state HAVING sum(n) <> 0"

@@ -8,6 +8,7 @@
 //! connection (WAL readers do not wait for the writer).
 
 use std::any::Any;
+use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -338,7 +339,7 @@ impl SqliteStore {
         })?;
         let path = dir.join(STORE_FILE);
         let mut writer = open_connection(&path, durability)?;
-        let tally = Mutex::new(Tally::default());
+        let tally = RefCell::new(Tally::default());
         // A larger page cache than SQLite's 2 MiB for the writer: the jobs
         // table and its indexes are written on every push. The readers
         // keep SQLite's default.
@@ -655,7 +656,7 @@ fn insert(
     tx: &Connection,
     jobs: &[Job],
     next_seq: i64,
-    tally: &Mutex<Tally>,
+    tally: &RefCell<Tally>,
 ) -> Result<Vec<(String, i64)>, StoreError> {
     let mut queues: Vec<(&str, i64)> = Vec::new();
     let mut available = Vec::new();
@@ -727,7 +728,7 @@ fn insert_new(
     jobs: &mut [Job],
     uniques: &[Option<Uniqueness>],
     next_seq: i64,
-    tally: &Mutex<Tally>,
+    tally: &RefCell<Tally>,
 ) -> Result<NewRows, StoreError> {
     if uniques.iter().all(Option::is_none) {
         return Ok(NewRows {
@@ -821,17 +822,19 @@ struct SqliteTx<'a> {
     /// Jobs this transaction readied, published after its commit.
     outbox: Vec<Job>,
     /// The moves between queues and states not yet in `job_counts`.
-    tally: &'a Mutex<Tally>,
+    tally: &'a RefCell<Tally>,
     /// The queue and state of each job this transaction read or wrote:
     /// what a save moves it from.
-    loaded: Vec<(String, String, &'static str)>,
+    loaded: Vec<(String, String, String)>,
 }
 
 impl SqliteTx<'_> {
-    fn remember(&mut self, id: &str, queue: &str, state: &'static str) {
+    fn remember(&mut self, id: &str, queue: &str, state: &str) {
         match self.loaded.iter_mut().find(|(i, _, _)| i == id) {
-            Some(entry) => entry.2 = state,
-            None => self.loaded.push((id.to_owned(), queue.to_owned(), state)),
+            Some(entry) => state.clone_into(&mut entry.2),
+            None => self
+                .loaded
+                .push((id.to_owned(), queue.to_owned(), state.to_owned())),
         }
     }
 }
@@ -845,25 +848,27 @@ impl Tx for SqliteTx<'_> {
 
     fn save(&mut self, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
         let id = &job.envelope.id;
-        let was = match self.loaded.iter().find(|(i, _, _)| i == id) {
-            Some((_, queue, state)) => Some((queue.clone(), (*state).to_owned())),
-            None => self
+        if !self.loaded.iter().any(|(i, _, _)| i == id) {
+            let row: Option<(String, String)> = self
                 .conn
                 .prepare_cached("SELECT queue, state FROM jobs WHERE id = ?1")?
                 .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?)))
-                .optional()?,
-        };
-        let Some((queue, state)) = was else {
-            // No such row: the UPDATE changes nothing.
-            return save(self.conn, job, finished);
-        };
+                .optional()?;
+            let Some((queue, state)) = row else {
+                // No such row: the UPDATE changes nothing.
+                return save(self.conn, job, finished);
+            };
+            self.loaded.push((id.clone(), queue, state));
+        }
         save(self.conn, job, finished)?;
         let now = state_name(job.state());
-        if now != state {
-            moved(self.tally, &queue, &state, -1);
-            moved(self.tally, &queue, now, 1);
+        if let Some((_, queue, was)) = self.loaded.iter_mut().find(|(i, _, _)| i == id) {
+            if was.as_str() != now {
+                moved(self.tally, queue, was, -1);
+                moved(self.tally, queue, now, 1);
+                now.clone_into(was);
+            }
         }
-        self.remember(id, &queue, now);
         Ok(())
     }
 
@@ -1105,7 +1110,7 @@ impl Tx for SqliteTx<'_> {
         // What this transaction moved so far is in `job_counts` only once
         // it commits: the jobs' rows it already shows.
         {
-            let tally = self.tally.lock().unwrap_or_else(|e| e.into_inner());
+            let tally = self.tally.borrow_mut();
             let mut counts: HashMap<(String, String), i64> = by_queue
                 .drain(..)
                 .map(|(q, s, n)| ((q, s), i64::try_from(n).unwrap_or(i64::MAX)))
@@ -1515,15 +1520,18 @@ impl Confirmed {
 /// it touched. Triggers counting each row instead cost a batch PUSH a
 /// quarter of its rate (SQLite runs a trigger program per row).
 /// A request's moves count once its savepoint is released; a rolled-back
-/// request's, or a failed group's, are dropped with its writes.
+/// request's, or a failed group's, are dropped with its writes. Only the
+/// writer's thread touches it.
 #[derive(Debug, Default)]
 struct Tally {
     /// Of the requests released in this transaction.
-    transaction: HashMap<String, HashMap<String, i64>>,
+    transaction: Moves,
     /// Of the request running now.
-    request: HashMap<String, HashMap<String, i64>>,
+    request: Moves,
 }
 
+/// Jobs moved, by queue and state (a map of maps: a move is looked up by
+/// two borrowed names, without making a key).
 type Moves = HashMap<String, HashMap<String, i64>>;
 
 fn add_move(moves: &mut Moves, queue: &str, state: &str, n: i64) {
@@ -1569,8 +1577,8 @@ impl Tally {
     }
 }
 
-fn moved(tally: &Mutex<Tally>, queue: &str, state: &str, n: i64) {
-    let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+fn moved(tally: &RefCell<Tally>, queue: &str, state: &str, n: i64) {
+    let mut tally = tally.borrow_mut();
     add_move(&mut tally.request, queue, state, n);
 }
 
@@ -1580,7 +1588,7 @@ fn delete_counted(
     conn: &Connection,
     sql: &str,
     params: impl rusqlite::Params,
-    tally: &Mutex<Tally>,
+    tally: &RefCell<Tally>,
 ) -> Result<usize, StoreError> {
     let mut stmt = conn.prepare_cached(&format!("{sql} RETURNING queue, state"))?;
     let mut rows = stmt.query(params)?;
@@ -1596,8 +1604,8 @@ fn delete_counted(
 
 /// Writes what the transaction moved into `job_counts`, one upsert per
 /// queue and state.
-fn write_counts(conn: &Connection, tally: &Mutex<Tally>) -> rusqlite::Result<()> {
-    let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+fn write_counts(conn: &Connection, tally: &RefCell<Tally>) -> rusqlite::Result<()> {
+    let mut tally = tally.borrow_mut();
     tally.released();
     let mut upsert = conn.prepare_cached(
         "INSERT INTO job_counts (queue, state, n) VALUES (?1, ?2, ?3)
@@ -1618,7 +1626,7 @@ fn write_loop(
     rx: mpsc::Receiver<WriteBox>,
     mut confirmed: Confirmed,
     health: &WriterHealth,
-    tally: &Mutex<Tally>,
+    tally: &RefCell<Tally>,
 ) {
     while let Ok(first) = rx.recv() {
         let mut group = vec![first.0];
@@ -1705,10 +1713,10 @@ fn commit_group(
     conn: &mut Connection,
     group: &mut [Write],
     confirmed: &mut Confirmed,
-    tally: &Mutex<Tally>,
+    tally: &RefCell<Tally>,
 ) -> Vec<Outcome> {
     // What a failed group (or one that panicked) moved went with it.
-    tally.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    tally.borrow_mut().clear();
     // Confirmations need no write of their own.
     for write in group.iter() {
         if let Write::Published { ids } = write {
@@ -1849,7 +1857,7 @@ fn failed(reason: &str) -> Outcome {
 /// undoes its own writes and nobody else's.
 fn in_savepoint<T>(
     conn: &Connection,
-    tally: &Mutex<Tally>,
+    tally: &RefCell<Tally>,
     f: impl FnOnce(&Connection) -> Result<T, StoreError>,
 ) -> Result<T, StoreError> {
     conn.execute_batch("SAVEPOINT request")?;
@@ -1857,7 +1865,7 @@ fn in_savepoint<T>(
         conn.execute_batch("RELEASE request")?;
         Ok(v)
     });
-    let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+    let mut tally = tally.borrow_mut();
     match done {
         Ok(v) => {
             tally.released();
