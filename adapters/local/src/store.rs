@@ -162,6 +162,19 @@ pub(crate) fn open(config: &LocalConfig) -> Result<Connection> {
     Ok(conn)
 }
 
+/// A second connection to the database of `config` (opened by [`open`]
+/// first), for its checkpoints.
+pub(crate) fn open_checkpoints(config: &LocalConfig) -> Result<Connection> {
+    let conn = Connection::open_with_flags(
+        config.database_path(),
+        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(db_error)?;
+    conn.busy_timeout(Duration::from_millis(config.busy_timeout_ms))
+        .map_err(db_error)?;
+    Ok(conn)
+}
+
 /// A transaction that writes, holding the write lock from its start. A
 /// deferred one that reads before it writes fails at once with
 /// `SQLITE_BUSY` when another connection (another process on the same

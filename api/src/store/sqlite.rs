@@ -4,8 +4,10 @@
 //! Writes go through one thread that commits everything that arrived while
 //! the previous commit ran in one transaction (each request in its own
 //! savepoint, so one request's failure leaves the others): a thousand
-//! concurrent PUSHes cost a few fsyncs, not a thousand. Reads use a second
-//! connection (WAL readers do not wait for the writer).
+//! concurrent PUSHes cost a few fsyncs, not a thousand. Reads use other
+//! connections (WAL readers do not wait for the writer), and checkpoints
+//! one more, on a thread of its own ([`ojs_sqlite::Checkpointer`]): a
+//! commit no longer waits for the log to be copied into the file.
 
 use std::any::Any;
 use std::cell::RefCell;
@@ -375,12 +377,18 @@ impl SqliteStore {
         // VFS mutex and waits for the file's, the other the reverse; seen
         // as a daemon that never exited after SIGTERM).
         let keep_reader = reader.clone();
+        let checkpoints = open_connection(&path, durability)?;
         let health = Arc::new(WriterHealth::default());
         let writer_health = health.clone();
         std::thread::Builder::new()
             .name("ojs-api-store".into())
             .spawn(move || {
-                write_loop(writer, rx, confirmed, &writer_health, &tally);
+                // Checkpoints run on a thread of their own, stopped (its
+                // connection closed) before the writer's connection closes
+                // (one connection closing at a time, as above).
+                let checkpointer =
+                    ojs_sqlite::Checkpointer::start(STORE_FILE, checkpoints, &writer);
+                write_loop(writer, rx, confirmed, &writer_health, &tally, checkpointer);
                 drop(keep_reader);
             })
             .map_err(|e| StoreError::Open {
@@ -1627,6 +1635,7 @@ fn write_loop(
     mut confirmed: Confirmed,
     health: &WriterHealth,
     tally: &RefCell<Tally>,
+    mut checkpointer: ojs_sqlite::Checkpointer,
 ) {
     while let Ok(first) = rx.recv() {
         let mut group = vec![first.0];
@@ -1653,7 +1662,10 @@ fn write_loop(
         });
         health.record(&results);
         deliver(group, results);
+        checkpointer.committed(&conn);
     }
+    checkpointer.stop();
+    drop(conn);
     // Every sender is gone: the store is closing, nothing to warn of.
     *health.0.lock().unwrap_or_else(|e| e.into_inner()) =
         Some("the job store is closed".to_owned());
