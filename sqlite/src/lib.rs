@@ -26,10 +26,6 @@ fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: std::ffi::c_int) -> rusqlite:
     Ok(())
 }
 
-/// Log pages past which the writer copies what the thread has not, so
-/// that the log starts over.
-pub const WRITER_CHECKPOINT_PAGES: i32 = 4 * CHECKPOINT_PAGES;
-
 const IDLE: u8 = 0;
 const COPYING: u8 = 1;
 /// A pass that copied all but what was committed while it ran.
@@ -44,10 +40,12 @@ const COPIED: u8 = 2;
 /// writer goes on. The log starts over only once every page in it was
 /// copied: a pass that ran while the writer paused does that, but beside
 /// a writer that keeps committing no pass ever sees it all (the log grew
-/// without bound that way), so past [`WRITER_CHECKPOINT_PAGES`] the writer
-/// copies the pages committed since the thread's last pass itself, between
-/// two commits (a copy and two syncs in its commit path, as SQLite's own
-/// checkpoint, but of what is left, and a quarter as often).
+/// without bound that way), so after a pass that left pages the writer
+/// copies them itself, between two commits: the syncs of SQLite's own
+/// checkpoint stay in its commit path, the copying does not. Passes that
+/// ran back to back instead, each copying the few pages committed during
+/// the last, cost FETCH + ACK a third more CPU per job (hot pages copied
+/// again and again).
 ///
 /// Stopped when dropped, before the writer's connection closes (SQLite's
 /// unix VFS can deadlock when two connections to one file close at once on
@@ -102,8 +100,7 @@ impl Checkpointer {
 
     /// To call on the thread that committed, right after its commits on
     /// `writer`: past [`CHECKPOINT_PAGES`] the thread is asked to copy the
-    /// log; past [`WRITER_CHECKPOINT_PAGES`], after a pass of the thread,
-    /// `writer` copies the rest.
+    /// log; after a pass that left pages, `writer` copies them.
     pub fn committed(&self, writer: &Connection) {
         let pages = WAL_PAGES.replace(0);
         if pages < CHECKPOINT_PAGES {
@@ -111,13 +108,13 @@ impl Checkpointer {
         }
         let Some(nudge) = &self.nudge else { return };
         match self.pass.load(Ordering::Acquire) {
-            COPIED if pages >= WRITER_CHECKPOINT_PAGES => {
+            COPIED => {
                 if let Err(error) = checkpoint(writer) {
                     tracing::warn!(file = self.file, %error, "a checkpoint of the log failed; the next commit tries again");
                 }
                 self.pass.store(IDLE, Ordering::Release);
             }
-            IDLE | COPIED => {
+            IDLE => {
                 self.pass.store(COPYING, Ordering::Release);
                 if nudge.try_send(()).is_err() {
                     self.pass.store(IDLE, Ordering::Release);

@@ -273,6 +273,36 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
+    /// A claim is prepared once: its time and its count change on every
+    /// call, and SQLite would prepare it again each time if its plan
+    /// depended on them.
+    #[test]
+    fn a_claim_is_not_prepared_again_for_new_values() {
+        let dir = temp_dir("reprepare");
+        let mut conn = store::open(&LocalConfig::new(&dir)).unwrap();
+        let messages: Vec<OutgoingMessage> = (0..20)
+            .map(|i| OutgoingMessage::new(format!("m{i}"), OJS_PROTO))
+            .collect();
+        store::insert(&mut conn, "q", &messages).unwrap();
+        let mut claimed = 0;
+        for max in [1, 2, 3, 5, 1, 4] {
+            std::thread::sleep(Duration::from_millis(2));
+            let (got, _) =
+                store::claim(&mut conn, "q", false, max, Duration::from_secs(30), None).unwrap();
+            claimed += got.len();
+        }
+        assert_eq!(claimed, 16);
+        let stmt = conn.prepare_cached(store::CLAIM).unwrap();
+        assert_eq!(
+            stmt.get_status(rusqlite::StatementStatus::RePrepare),
+            0,
+            "the claim was prepared again"
+        );
+        drop(stmt);
+        drop(conn);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
     /// Every publish is a commit of its own: the WAL is copied back into
     /// the file beside them (`ojs_sqlite::Checkpointer`) and starts over,
     /// and what was published is all there to receive. 12,000 commits of a
