@@ -6,7 +6,7 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 
@@ -18,8 +18,12 @@ thread_local! {
     /// Pages in the log after the last commit made on this thread, as
     /// SQLite's log hook said: the hook is a plain function, called on the
     /// thread that commits, and read there right after the commit.
-    static WAL_PAGES: Cell<i32> = const { Cell::new(0) };
+    /// [`NO_COMMIT`] until the hook is called.
+    static WAL_PAGES: Cell<i32> = const { Cell::new(NO_COMMIT) };
 }
+
+/// No commit on this thread since the last look.
+const NO_COMMIT: i32 = -1;
 
 fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: std::ffi::c_int) -> rusqlite::Result<()> {
     WAL_PAGES.set(pages);
@@ -28,7 +32,7 @@ fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: std::ffi::c_int) -> rusqlite:
 
 const IDLE: u8 = 0;
 const COPYING: u8 = 1;
-/// A pass that copied all but what was committed while it ran.
+/// A pass done: it copied what was committed when it began.
 const COPIED: u8 = 2;
 
 /// Checkpoints mostly on a thread and connection of their own.
@@ -36,15 +40,19 @@ const COPIED: u8 = 2;
 /// SQLite's automatic checkpoint runs inside the commit that crosses its
 /// threshold: that commit's callers wait while the log is copied into the
 /// file and synced (the slowest PUSHes and FETCHes were those). Here a
-/// passive checkpoint on another thread copies what is committed while the
-/// writer goes on. The log starts over only once every page in it was
-/// copied: a pass that ran while the writer paused does that, but beside
-/// a writer that keeps committing no pass ever sees it all (the log grew
-/// without bound that way), so after a pass that left pages the writer
-/// copies them itself, between two commits: the syncs of SQLite's own
-/// checkpoint stay in its commit path, the copying does not. Passes that
-/// ran back to back instead, each copying the few pages committed during
-/// the last, cost FETCH + ACK a third more CPU per job (hot pages copied
+/// passive checkpoint on another thread copies what was committed when it
+/// began, while the writer goes on.
+///
+/// The log starts over only when the writer begins a transaction and finds
+/// every page in it copied. A pass copies up to the last commit it saw:
+/// whenever the writer committed while it ran (always, under load, and
+/// more so on a busy machine) the log did not start over, and passes asked
+/// again and again never caught up (the log grew past 70 MB in CI that
+/// way). So after every pass the writer's next commit tells: a short log
+/// means it started over; a long one, the writer copies what the pass left
+/// itself, between two commits — a few pages, nothing committed after it —
+/// and its next transaction starts the log over. Passes back to back
+/// instead cost FETCH + ACK a third more CPU per job (hot pages copied
 /// again and again).
 ///
 /// Stopped when dropped, before the writer's connection closes (SQLite's
@@ -54,13 +62,15 @@ const COPIED: u8 = 2;
 pub struct Checkpointer {
     nudge: Option<mpsc::SyncSender<()>>,
     /// [`IDLE`], [`COPYING`] (the thread's pass, asked by the writer) or
-    /// [`COPIED`] (a pass done that left pages): one checkpoint at a time,
-    /// so the writer's never finds the thread's running (it would fail
-    /// busy).
+    /// [`COPIED`] (a pass done, the writer's next commit to tell whether
+    /// the log started over): one checkpoint at a time, so the writer's
+    /// never finds the thread's running (it would fail busy).
     pass: Arc<AtomicU8>,
     thread: Option<std::thread::JoinHandle<()>>,
     /// Which file, for the log.
     file: &'static str,
+    /// The writer's failed checkpoints.
+    failures: Failures,
 }
 
 impl Checkpointer {
@@ -84,6 +94,7 @@ impl Checkpointer {
                     pass,
                     thread: Some(thread),
                     file,
+                    failures: Failures::default(),
                 }
             }
             Err(error) => {
@@ -93,24 +104,33 @@ impl Checkpointer {
                     pass,
                     thread: None,
                     file,
+                    failures: Failures::default(),
                 }
             }
         }
     }
 
     /// To call on the thread that committed, right after its commits on
-    /// `writer`: past [`CHECKPOINT_PAGES`] the thread is asked to copy the
-    /// log; after a pass that left pages, `writer` copies them.
+    /// `writer` (a call with no commit since the last does nothing): past
+    /// [`CHECKPOINT_PAGES`] the thread is asked to copy the log; after a
+    /// pass, `writer` copies what it left unless the log started over.
     pub fn committed(&self, writer: &Connection) {
-        let pages = WAL_PAGES.replace(0);
+        let pages = WAL_PAGES.replace(NO_COMMIT);
+        if pages == NO_COMMIT {
+            return;
+        }
         if pages < CHECKPOINT_PAGES {
+            // Started over since the pass (or never grew): nothing left.
+            if self.pass.load(Ordering::Acquire) == COPIED {
+                self.pass.store(IDLE, Ordering::Release);
+            }
             return;
         }
         let Some(nudge) = &self.nudge else { return };
         match self.pass.load(Ordering::Acquire) {
             COPIED => {
                 if let Err(error) = checkpoint(writer) {
-                    tracing::warn!(file = self.file, %error, "a checkpoint of the log failed; the next commit tries again");
+                    self.failures.warn(self.file, "the writer's", &error);
                 }
                 self.pass.store(IDLE, Ordering::Release);
             }
@@ -141,11 +161,10 @@ impl Drop for Checkpointer {
     }
 }
 
-/// A passive checkpoint: whether it copied every page in the log.
-fn checkpoint(conn: &Connection) -> rusqlite::Result<bool> {
-    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
-        Ok(r.get::<_, i64>(2)? >= r.get::<_, i64>(1)?)
-    })
+/// A passive checkpoint: it copies what no reader still needs from the log,
+/// up to the last commit it sees, and waits for no one.
+fn checkpoint(conn: &Connection) -> rusqlite::Result<()> {
+    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
 }
 
 fn checkpoint_loop(
@@ -154,17 +173,49 @@ fn checkpoint_loop(
     nudged: &mpsc::Receiver<()>,
     pass: &AtomicU8,
 ) {
+    let failures = Failures::default();
     while nudged.recv().is_ok() {
-        match checkpoint(conn) {
-            // All of it: the writer's next transaction starts the log over.
-            Ok(true) => pass.store(IDLE, Ordering::Release),
-            Ok(false) => pass.store(COPIED, Ordering::Release),
-            Err(error) => {
-                tracing::warn!(file, %error, "a checkpoint of the log failed; the next commit asks again");
-                std::thread::sleep(Duration::from_millis(100));
-                pass.store(IDLE, Ordering::Release);
-            }
+        // Complete or not (a reader kept older pages), the writer's next
+        // commit finishes it: the pass could not see what was committed
+        // while it ran. A failed pass too: the writer's own connection may
+        // still copy, as SQLite's automatic checkpoint would have.
+        if let Err(error) = checkpoint(conn) {
+            failures.warn(file, "the checkpoint thread's", &error);
         }
+        pass.store(COPIED, Ordering::Release);
+    }
+}
+
+/// Failed checkpoints, logged at most once per [`Failures::EVERY`] with
+/// how many failed since: a file that cannot be checkpointed fails at every
+/// commit past the threshold.
+#[derive(Debug, Default)]
+struct Failures {
+    /// When the last was logged, and how many failed since.
+    last: std::sync::Mutex<(Option<Instant>, u64)>,
+}
+
+impl Failures {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn warn(&self, file: &'static str, by: &'static str, error: &rusqlite::Error) {
+        let Ok(mut last) = self.last.lock() else {
+            return;
+        };
+        let (logged, failed_since) = &mut *last;
+        if logged.is_some_and(|at| at.elapsed() < Self::EVERY) {
+            *failed_since += 1;
+            return;
+        }
+        tracing::warn!(
+            file,
+            by,
+            %error,
+            failed_since = *failed_since,
+            "a checkpoint of the log failed; the next commit past the threshold tries again"
+        );
+        *logged = Some(Instant::now());
+        *failed_since = 0;
     }
 }
 
@@ -183,14 +234,26 @@ mod tests {
         std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
     }
 
-    /// A writer that commits without a pause: with SQLite's automatic
-    /// checkpoint off, the log still starts over (it stays within a few
-    /// thresholds), the thread does the copying, and every row is there.
-    #[test]
-    fn the_log_stays_bounded_while_the_writer_keeps_committing(
-    ) -> Result<(), Box<dyn std::error::Error>> {
+    /// What a writer that commits 20,000 rows of 1,000 bytes without a
+    /// pause saw, beside a checkpointer whose thread has the connection
+    /// `own` opens.
+    struct Stream {
+        largest_log: u64,
+        /// Four thresholds' worth of pages.
+        bound: u64,
+        rows: i64,
+        file: u64,
+        during_passes: usize,
+    }
+
+    const COMMITS: i64 = 20_000;
+
+    fn stream_of_commits(
+        name: &str,
+        own: impl FnOnce(&std::path::Path) -> rusqlite::Result<Connection>,
+    ) -> Result<Stream, Box<dyn std::error::Error>> {
         let dir = std::env::temp_dir().join(format!(
-            "ojs-sqlite-checkpoint-{}-{}",
+            "ojs-sqlite-{name}-{}-{}",
             std::process::id(),
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -201,14 +264,16 @@ mod tests {
         let path = dir.join("t.sqlite");
         let mut writer = open(&path)?;
         writer.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")?;
-        let mut checkpointer = Checkpointer::start("test", open(&path)?, &writer);
+        let mut checkpointer = Checkpointer::start("test", own(&path)?, &writer);
         let body = vec![7u8; 1000];
         let mut largest_log = 0;
-        let commits = 20_000;
-        for _ in 0..commits {
+        let mut during_passes = 0;
+        for _ in 0..COMMITS {
+            let passing = checkpointer.pass.load(Ordering::Acquire) == COPYING;
             let tx = writer.transaction()?;
             tx.execute("INSERT INTO t (body) VALUES (?1)", [&body])?;
             tx.commit()?;
+            during_passes += usize::from(passing);
             checkpointer.committed(&writer);
             largest_log = largest_log.max(file_len(&dir.join("t.sqlite-wal")));
         }
@@ -218,18 +283,107 @@ mod tests {
         let file = file_len(&path);
         drop(writer);
         let _ = std::fs::remove_dir_all(&dir);
-        assert_eq!(rows, commits);
-        // A page or more each commit: 20,000 commits would be a log of 80
-        // MiB or more had it never started over.
-        let bound = 8 * CHECKPOINT_PAGES as u64 * page as u64;
-        println!("largest log {largest_log} bytes (bound {bound}), file {file} bytes");
-        assert!(largest_log < bound, "the log grew to {largest_log} bytes");
+        let stream = Stream {
+            largest_log,
+            // A page or more each commit: 20,000 commits would be a log of
+            // 80 MiB or more had it never started over.
+            bound: 4 * CHECKPOINT_PAGES as u64 * page as u64,
+            rows,
+            file,
+            during_passes,
+        };
+        println!(
+            "{name}: largest log {} bytes (bound {}), file {} bytes, {} commits while a pass ran",
+            stream.largest_log, stream.bound, stream.file, stream.during_passes
+        );
+        Ok(stream)
+    }
+
+    /// A writer that commits without a pause, so through every pass: with
+    /// SQLite's automatic checkpoint off, the log still starts over (it
+    /// stays within a few thresholds: a pass that saw all it could is not
+    /// enough, what was committed while it ran must be copied too), and
+    /// every row is there.
+    #[test]
+    fn the_log_stays_bounded_while_the_writer_keeps_committing(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let stream = stream_of_commits("passes", open)?;
+        assert_eq!(stream.rows, COMMITS);
+        assert!(
+            stream.during_passes > 0,
+            "no commit was made while a pass ran"
+        );
+        assert!(
+            stream.largest_log < stream.bound,
+            "the log grew to {} bytes",
+            stream.largest_log
+        );
         // What was copied reached the file.
         assert!(
-            file >= (commits as u64) * 1000 / 2,
-            "the file holds {file} bytes"
+            stream.file >= (COMMITS as u64) * 1000 / 2,
+            "the file holds {} bytes",
+            stream.file
         );
         Ok(())
+    }
+
+    /// The thread's connection cannot checkpoint (it is read-only, as a
+    /// file gone read-only under it would be): every pass fails, commits go
+    /// on, and the writer copies the log itself, so it still starts over.
+    #[test]
+    fn when_the_thread_cannot_checkpoint_the_writer_does() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let stream = stream_of_commits("read-only", |path| {
+            Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+        })?;
+        assert_eq!(stream.rows, COMMITS);
+        assert!(
+            stream.largest_log < stream.bound,
+            "the log grew to {} bytes",
+            stream.largest_log
+        );
+        assert!(
+            stream.file >= (COMMITS as u64) * 1000 / 2,
+            "the file holds {} bytes",
+            stream.file
+        );
+        Ok(())
+    }
+
+    /// A read-only connection's checkpoint fails: what the test above
+    /// stands on.
+    #[test]
+    fn a_read_only_connection_cannot_checkpoint() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = std::env::temp_dir().join(format!("ojs-sqlite-ro-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("t.sqlite");
+        let writer = open(&path)?;
+        writer.execute_batch(
+            "CREATE TABLE t (id INTEGER PRIMARY KEY); INSERT INTO t DEFAULT VALUES;",
+        )?;
+        let read_only =
+            Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
+        let outcome = checkpoint(&read_only);
+        drop(read_only);
+        drop(writer);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(outcome.is_err(), "{outcome:?}");
+        Ok(())
+    }
+
+    /// A file that cannot be checkpointed fails at every commit past the
+    /// threshold: the first failure is logged, the next ones counted until
+    /// [`Failures::EVERY`] has passed.
+    #[test]
+    fn failures_are_logged_once_then_counted() {
+        let failures = Failures::default();
+        let error = rusqlite::Error::InvalidQuery;
+        for _ in 0..3 {
+            failures.warn("test", "the writer's", &error);
+        }
+        let last = failures.last.lock().map(|l| *l).unwrap_or((None, 0));
+        assert!(last.0.is_some(), "the first failure was not logged");
+        assert_eq!(last.1, 2);
     }
 
     /// Stopping ends the thread (a second stop, and the drop, do nothing).

@@ -321,7 +321,7 @@ mod tests {
                 .unwrap();
             largest = largest.max(std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0));
         }
-        let bound = 8 * ojs_sqlite::CHECKPOINT_PAGES as u64 * 4096;
+        let bound = 4 * ojs_sqlite::CHECKPOINT_PAGES as u64 * 4096;
         println!("largest WAL {largest} bytes (bound {bound})");
         assert!(largest < bound, "the WAL grew to {largest} bytes");
         let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
