@@ -246,6 +246,24 @@ mod tests {
         during_passes: usize,
     }
 
+    impl Stream {
+        /// Every row is there, the log stayed within its bound, and what
+        /// was copied reached the file.
+        fn assert_bounded_and_whole(&self) {
+            assert_eq!(self.rows, COMMITS);
+            assert!(
+                self.largest_log < self.bound,
+                "the log grew to {} bytes",
+                self.largest_log
+            );
+            assert!(
+                self.file >= (COMMITS as u64) * 1000 / 2,
+                "the file holds {} bytes",
+                self.file
+            );
+        }
+    }
+
     const COMMITS: i64 = 20_000;
 
     fn stream_of_commits(
@@ -308,22 +326,11 @@ mod tests {
     fn the_log_stays_bounded_while_the_writer_keeps_committing(
     ) -> Result<(), Box<dyn std::error::Error>> {
         let stream = stream_of_commits("passes", open)?;
-        assert_eq!(stream.rows, COMMITS);
         assert!(
             stream.during_passes > 0,
             "no commit was made while a pass ran"
         );
-        assert!(
-            stream.largest_log < stream.bound,
-            "the log grew to {} bytes",
-            stream.largest_log
-        );
-        // What was copied reached the file.
-        assert!(
-            stream.file >= (COMMITS as u64) * 1000 / 2,
-            "the file holds {} bytes",
-            stream.file
-        );
+        stream.assert_bounded_and_whole();
         Ok(())
     }
 
@@ -336,17 +343,7 @@ mod tests {
         let stream = stream_of_commits("read-only", |path| {
             Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
         })?;
-        assert_eq!(stream.rows, COMMITS);
-        assert!(
-            stream.largest_log < stream.bound,
-            "the log grew to {} bytes",
-            stream.largest_log
-        );
-        assert!(
-            stream.file >= (COMMITS as u64) * 1000 / 2,
-            "the file holds {} bytes",
-            stream.file
-        );
+        stream.assert_bounded_and_whole();
         Ok(())
     }
 
