@@ -30,6 +30,15 @@ fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: std::ffi::c_int) -> rusqlite:
     Ok(())
 }
 
+/// Log pages past which a writer whose pass has not ended yet waits for it
+/// and copies the rest itself, as SQLite's own checkpoint would have in its
+/// commit: on a disk slow to sync (a loaded machine), passes last long and
+/// the log would grow by all that was committed meanwhile.
+pub const WAIT_PAGES: i32 = 3 * CHECKPOINT_PAGES;
+
+/// The longest the writer waits for the thread's pass.
+pub const PASS_WAIT: Duration = Duration::from_secs(2);
+
 const IDLE: u8 = 0;
 const COPYING: u8 = 1;
 /// A pass done: it copied what was committed when it began.
@@ -53,7 +62,9 @@ const COPIED: u8 = 2;
 /// itself, between two commits — a few pages, nothing committed after it —
 /// and its next transaction starts the log over. Passes back to back
 /// instead cost FETCH + ACK a third more CPU per job (hot pages copied
-/// again and again).
+/// again and again). A pass that runs long (a disk slow to sync) is waited
+/// for past [`WAIT_PAGES`], as SQLite's own checkpoint would make the
+/// commit wait: the log stays within that however slow the disk.
 ///
 /// Stopped when dropped, before the writer's connection closes (SQLite's
 /// unix VFS can deadlock when two connections to one file close at once on
@@ -128,20 +139,64 @@ impl Checkpointer {
         }
         let Some(nudge) = &self.nudge else { return };
         match self.pass.load(Ordering::Acquire) {
-            COPIED => {
-                if let Err(error) = checkpoint(writer) {
-                    self.failures.warn(self.file, "the writer's", &error);
-                }
-                self.pass.store(IDLE, Ordering::Release);
-            }
             IDLE => {
                 self.pass.store(COPYING, Ordering::Release);
                 if nudge.try_send(()).is_err() {
                     self.pass.store(IDLE, Ordering::Release);
                 }
             }
-            _ => {}
+            COPIED => self.copy_rest(writer),
+            // A pass still running: past WAIT_PAGES the writer waits for it.
+            _ => {
+                if pages >= WAIT_PAGES && self.pass_ended() {
+                    self.copy_rest(writer);
+                }
+            }
         }
+    }
+
+    /// The writer copies what the thread's pass left (what was committed
+    /// while it ran), so that its next transaction starts the log over.
+    fn copy_rest(&self, writer: &Connection) {
+        if let Err(error) = checkpoint(writer) {
+            self.failures.warn(self.file, "the writer's", &error);
+        }
+        self.pass.store(IDLE, Ordering::Release);
+    }
+
+    /// Copies the whole log into the file and truncates it to nothing, on
+    /// `writer`, between two of its commits (as `committed` is called).
+    /// A pass of the thread's is waited for first (at most
+    /// [`PASS_WAIT`]): two checkpoints cannot run at once, and a
+    /// truncation during a pass did nothing (busy). Whether the log was
+    /// emptied: a reader's older snapshot, or a pass that did not end in
+    /// time, keeps it.
+    pub fn truncate(&self, writer: &Connection) -> rusqlite::Result<bool> {
+        if !self.pass_ended() {
+            return Ok(false);
+        }
+        let busy: i64 = writer.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+        if busy != 0 {
+            return Ok(false);
+        }
+        // The log is empty: what the last commit said of it is past.
+        WAL_PAGES.set(NO_COMMIT);
+        self.pass.store(IDLE, Ordering::Release);
+        Ok(true)
+    }
+
+    /// Waits (at most [`PASS_WAIT`]) for a pass of the thread's to end;
+    /// whether it did. Only the writer asks for a pass, and it is the
+    /// caller: once this one ended, none starts until its next commit.
+    fn pass_ended(&self) -> bool {
+        let deadline = Instant::now() + PASS_WAIT;
+        while self.pass.load(Ordering::Acquire) == COPYING {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 
     /// Ends the thread and closes its connection (also when dropped).
@@ -365,6 +420,78 @@ mod tests {
         drop(writer);
         let _ = std::fs::remove_dir_all(&dir);
         assert!(outcome.is_err(), "{outcome:?}");
+        Ok(())
+    }
+
+    /// Truncating the log (the broker's housekeeping) right after the
+    /// writer asked the thread for a pass: it waits for the pass, and the
+    /// log is empty afterwards, every time.
+    #[test]
+    fn a_truncation_waits_for_the_threads_pass() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = std::env::temp_dir().join(format!("ojs-sqlite-truncate-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("t.sqlite");
+        let writer = open(&path)?;
+        writer.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")?;
+        let mut checkpointer = Checkpointer::start("test", open(&path)?, &writer);
+        let body = vec![7u8; 4000];
+        let mut outcomes = Vec::new();
+        for _ in 0..50 {
+            while checkpointer.pass.load(Ordering::Acquire) != COPYING {
+                writer.execute("INSERT INTO t (body) VALUES (?1)", [&body])?;
+                checkpointer.committed(&writer);
+            }
+            let emptied = checkpointer.truncate(&writer)?;
+            outcomes.push((emptied, file_len(&dir.join("t.sqlite-wal"))));
+        }
+        checkpointer.stop();
+        drop(writer);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            outcomes.iter().all(|&(emptied, log)| emptied && log == 0),
+            "(emptied, log bytes) after each truncation: {outcomes:?}"
+        );
+        Ok(())
+    }
+
+    /// A pass that runs long (a disk slow to sync): past [`WAIT_PAGES`]
+    /// the writer waits for it and copies the rest, so the log stays within
+    /// its bound however long the pass takes. The pass here is one the
+    /// test holds open for half a second.
+    #[test]
+    fn the_writer_waits_for_a_pass_that_runs_long() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = std::env::temp_dir().join(format!("ojs-sqlite-long-pass-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("t.sqlite");
+        let writer = open(&path)?;
+        writer.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")?;
+        let mut checkpointer = Checkpointer::start("test", open(&path)?, &writer);
+        checkpointer.pass.store(COPYING, Ordering::Release);
+        let pass = checkpointer.pass.clone();
+        let long_pass = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            pass.store(COPIED, Ordering::Release);
+        });
+        let body = vec![7u8; 1000];
+        let mut largest_log = 0;
+        let commits = 2 * WAIT_PAGES as i64;
+        for _ in 0..commits {
+            writer.execute("INSERT INTO t (body) VALUES (?1)", [&body])?;
+            checkpointer.committed(&writer);
+            largest_log = largest_log.max(file_len(&dir.join("t.sqlite-wal")));
+        }
+        let _ = long_pass.join();
+        checkpointer.stop();
+        let rows: i64 = writer.query_row("SELECT count(*) FROM t", [], |r| r.get(0))?;
+        let page: i64 = writer.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+        drop(writer);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(rows, commits);
+        let bound = (WAIT_PAGES as u64 + 100) * (page as u64 + 24);
+        assert!(
+            largest_log < bound,
+            "the log grew to {largest_log} bytes (bound {bound})"
+        );
         Ok(())
     }
 

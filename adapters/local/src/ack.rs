@@ -50,7 +50,7 @@ pub(crate) async fn ack_writer(
             let count = keys.len() as u64;
             let before = inner.deletes.fetch_add(count, Ordering::Relaxed);
             if (before + count) / HOUSEKEEPING_EVERY > before / HOUSEKEEPING_EVERY {
-                if let Err(e) = store::housekeeping(conn) {
+                if let Err(e) = store::housekeeping(conn, &inner.checkpointer) {
                     tracing::warn!(error = %e, "housekeeping failed");
                 }
             }

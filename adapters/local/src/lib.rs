@@ -210,7 +210,10 @@ impl QueueAdapter for LocalAdapter {
     async fn close(&self) -> Result<()> {
         // Commits are durable when publish returns: nothing to flush. Tidy up.
         self.closed.store(true, Ordering::Release);
-        blocking(&self.inner, |_, conn| store::housekeeping(conn)).await
+        blocking(&self.inner, |inner, conn| {
+            store::housekeeping(conn, &inner.checkpointer)
+        })
+        .await
     }
 }
 
@@ -491,9 +494,11 @@ mod tests {
                     acked += 1;
                 }
             }
-            blocking(&a.inner, |_, conn| store::housekeeping(conn))
-                .await
-                .unwrap();
+            blocking(&a.inner, |inner, conn| {
+                store::housekeeping(conn, &inner.checkpointer)
+            })
+            .await
+            .unwrap();
             sizes.push(file_bytes(&dir));
         }
         println!("files after each round of 2000 x 2 KiB published and acked: {sizes:?} bytes");

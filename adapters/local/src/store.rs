@@ -506,8 +506,13 @@ pub(crate) fn delete_queue(conn: &Connection, queue: &str) -> Result<u64> {
 }
 
 /// Returns free pages to the file system and folds the WAL back, so that
-/// acked messages do not leave the files growing.
-pub(crate) fn housekeeping(conn: &Connection) -> Result<()> {
+/// acked messages do not leave the files growing. The WAL is truncated
+/// through `checkpoints`, which waits for its thread's pass (a truncation
+/// during one did nothing).
+pub(crate) fn housekeeping(
+    conn: &Connection,
+    checkpoints: &ojs_sqlite::Checkpointer,
+) -> Result<()> {
     // The pragma frees one page per step: step it until it is done.
     let mut stmt = conn
         .prepare("PRAGMA incremental_vacuum")
@@ -516,7 +521,8 @@ pub(crate) fn housekeeping(conn: &Connection) -> Result<()> {
     while rows.next().map_err(db_error)?.is_some() {}
     drop(rows);
     drop(stmt);
-    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
-        .map_err(db_error)?;
+    if !checkpoints.truncate(conn).map_err(db_error)? {
+        tracing::debug!("the WAL was not truncated: a reader still uses it");
+    }
     Ok(())
 }
