@@ -285,6 +285,41 @@ mod tests {
         Ok(conn)
     }
 
+    /// A directory of its own holding `t.sqlite` with a table `t`, and the
+    /// writer's connection to it; the directory goes when dropped.
+    struct Scratch {
+        dir: std::path::PathBuf,
+        path: std::path::PathBuf,
+    }
+
+    impl Scratch {
+        fn new(name: &str) -> Result<(Scratch, Connection), Box<dyn std::error::Error>> {
+            let dir = std::env::temp_dir().join(format!(
+                "ojs-sqlite-{name}-{}-{}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or_default()
+            ));
+            std::fs::create_dir_all(&dir)?;
+            let path = dir.join("t.sqlite");
+            let writer = open(&path)?;
+            writer.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body BLOB)")?;
+            Ok((Scratch { dir, path }, writer))
+        }
+
+        fn log_len(&self) -> u64 {
+            file_len(&self.dir.join("t.sqlite-wal"))
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
     fn file_len(path: &std::path::Path) -> u64 {
         std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
     }
@@ -325,19 +360,8 @@ mod tests {
         name: &str,
         own: impl FnOnce(&std::path::Path) -> rusqlite::Result<Connection>,
     ) -> Result<Stream, Box<dyn std::error::Error>> {
-        let dir = std::env::temp_dir().join(format!(
-            "ojs-sqlite-{name}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or_default()
-        ));
-        std::fs::create_dir_all(&dir)?;
-        let path = dir.join("t.sqlite");
-        let mut writer = open(&path)?;
-        writer.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")?;
-        let mut checkpointer = Checkpointer::start("test", own(&path)?, &writer);
+        let (scratch, mut writer) = Scratch::new(name)?;
+        let mut checkpointer = Checkpointer::start("test", own(&scratch.path)?, &writer);
         let body = vec![7u8; 1000];
         let mut largest_log = 0;
         let mut during_passes = 0;
@@ -348,14 +372,13 @@ mod tests {
             tx.commit()?;
             during_passes += usize::from(passing);
             checkpointer.committed(&writer);
-            largest_log = largest_log.max(file_len(&dir.join("t.sqlite-wal")));
+            largest_log = largest_log.max(scratch.log_len());
         }
         checkpointer.stop();
         let rows: i64 = writer.query_row("SELECT count(*) FROM t", [], |r| r.get(0))?;
         let page: i64 = writer.query_row("PRAGMA page_size", [], |r| r.get(0))?;
-        let file = file_len(&path);
+        let file = file_len(&scratch.path);
         drop(writer);
-        let _ = std::fs::remove_dir_all(&dir);
         let stream = Stream {
             largest_log,
             // A page or more each commit: 20,000 commits would be a log of
@@ -406,19 +429,13 @@ mod tests {
     /// stands on.
     #[test]
     fn a_read_only_connection_cannot_checkpoint() -> Result<(), Box<dyn std::error::Error>> {
-        let dir = std::env::temp_dir().join(format!("ojs-sqlite-ro-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let path = dir.join("t.sqlite");
-        let writer = open(&path)?;
-        writer.execute_batch(
-            "CREATE TABLE t (id INTEGER PRIMARY KEY); INSERT INTO t DEFAULT VALUES;",
-        )?;
+        let (scratch, writer) = Scratch::new("ro")?;
+        writer.execute_batch("INSERT INTO t DEFAULT VALUES")?;
         let read_only =
-            Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
+            Connection::open_with_flags(&scratch.path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
         let outcome = checkpoint(&read_only);
         drop(read_only);
         drop(writer);
-        let _ = std::fs::remove_dir_all(&dir);
         assert!(outcome.is_err(), "{outcome:?}");
         Ok(())
     }
@@ -428,12 +445,8 @@ mod tests {
     /// log is empty afterwards, every time.
     #[test]
     fn a_truncation_waits_for_the_threads_pass() -> Result<(), Box<dyn std::error::Error>> {
-        let dir = std::env::temp_dir().join(format!("ojs-sqlite-truncate-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let path = dir.join("t.sqlite");
-        let writer = open(&path)?;
-        writer.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")?;
-        let mut checkpointer = Checkpointer::start("test", open(&path)?, &writer);
+        let (scratch, writer) = Scratch::new("truncate")?;
+        let mut checkpointer = Checkpointer::start("test", open(&scratch.path)?, &writer);
         let body = vec![7u8; 4000];
         let mut outcomes = Vec::new();
         for _ in 0..50 {
@@ -442,11 +455,10 @@ mod tests {
                 checkpointer.committed(&writer);
             }
             let emptied = checkpointer.truncate(&writer)?;
-            outcomes.push((emptied, file_len(&dir.join("t.sqlite-wal"))));
+            outcomes.push((emptied, scratch.log_len()));
         }
         checkpointer.stop();
         drop(writer);
-        let _ = std::fs::remove_dir_all(&dir);
         assert!(
             outcomes.iter().all(|&(emptied, log)| emptied && log == 0),
             "(emptied, log bytes) after each truncation: {outcomes:?}"
@@ -460,12 +472,8 @@ mod tests {
     /// test holds open for half a second.
     #[test]
     fn the_writer_waits_for_a_pass_that_runs_long() -> Result<(), Box<dyn std::error::Error>> {
-        let dir = std::env::temp_dir().join(format!("ojs-sqlite-long-pass-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let path = dir.join("t.sqlite");
-        let writer = open(&path)?;
-        writer.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body BLOB NOT NULL)")?;
-        let mut checkpointer = Checkpointer::start("test", open(&path)?, &writer);
+        let (scratch, writer) = Scratch::new("long-pass")?;
+        let mut checkpointer = Checkpointer::start("test", open(&scratch.path)?, &writer);
         checkpointer.pass.store(COPYING, Ordering::Release);
         let pass = checkpointer.pass.clone();
         let long_pass = std::thread::spawn(move || {
@@ -478,14 +486,13 @@ mod tests {
         for _ in 0..commits {
             writer.execute("INSERT INTO t (body) VALUES (?1)", [&body])?;
             checkpointer.committed(&writer);
-            largest_log = largest_log.max(file_len(&dir.join("t.sqlite-wal")));
+            largest_log = largest_log.max(scratch.log_len());
         }
         let _ = long_pass.join();
         checkpointer.stop();
         let rows: i64 = writer.query_row("SELECT count(*) FROM t", [], |r| r.get(0))?;
         let page: i64 = writer.query_row("PRAGMA page_size", [], |r| r.get(0))?;
         drop(writer);
-        let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(rows, commits);
         let bound = (WAIT_PAGES as u64 + 100) * (page as u64 + 24);
         assert!(
