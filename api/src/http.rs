@@ -151,12 +151,21 @@ pub async fn event_stream(
 
 /// A JSON answer.
 pub fn json_response(status: u16, body: &Value, request_id: &str) -> Response<Bytes> {
-    let mut r = Response::new(Bytes::from(body.to_string()));
+    let mut r = Response::new(Bytes::from(json_text(body)));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     r.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(OJS_JSON));
     standard_headers(r.headers_mut(), request_id);
     r
+}
+
+/// `value` as compact JSON text. Written straight into bytes:
+/// `Value`'s `Display` writes the same text through `fmt`'s machinery, a
+/// call per token, and was a tenth of a FETCH + ACK's instructions.
+pub(crate) fn json_text(value: &Value) -> Vec<u8> {
+    // A `Value`'s keys are strings, so writing it cannot fail; the
+    // fallback is the same text by the slower path.
+    serde_json::to_vec(value).unwrap_or_else(|_| value.to_string().into_bytes())
 }
 
 /// The HTTP status of an error (the binding's table). The gRPC binding

@@ -34,8 +34,8 @@
 
 mod common;
 use common::{
-    daemon, hello, line, local_adapter, median, median_per_job, rss_mib, serve_hello, work_line,
-    Measured, Work,
+    callgrind_available, daemon, daemon_under_callgrind, hello, line, local_adapter, median,
+    median_per_job, rss_mib, serve_hello, work_line, Instructions, Measured, Work,
 };
 
 #[global_allocator]
@@ -314,7 +314,12 @@ async fn backend(
         Some(&raw_batch),
     );
     println!("  daemon peak RSS {peak_rss:.1} MiB");
-    let (work_single, work_batch) = (median_per_job(&work_single), median_per_job(&work_batch));
+    let (mut work_single, mut work_batch) =
+        (median_per_job(&work_single), median_per_job(&work_batch));
+    if work_single.0.is_none() && callgrind_available() {
+        let (single, batch) = instructions_under_callgrind(config, single.min(COUNTED_JOBS)).await;
+        (work_single.0, work_batch.0) = (Some(single), Some(batch));
+    }
     work_line("single PUSH", work_single);
     work_line("batch PUSH", work_batch);
     for (kind, api, adapter, work) in [
@@ -330,6 +335,35 @@ async fn backend(
                    "cpu_us_per_job": work.1})
         );
     }
+}
+
+/// Jobs each PUSH kind of the round under callgrind sends: enough that
+/// the daemon's per-job work dwarfs its setup, few enough for minutes.
+const COUNTED_JOBS: usize = 2_000;
+
+/// Instructions per job of single and of batch PUSH, the daemon under
+/// callgrind (see `common::Instructions`): a round of its own, since it
+/// runs far slower.
+async fn instructions_under_callgrind(config: &str, jobs: usize) -> (f64, f64) {
+    let server = daemon_under_callgrind(config);
+    let pid = server.child.id();
+    http_load(server.addr, "/ojs/v1/jobs", 256, 1, single_body).await;
+    let counting = Instructions::count(pid);
+    http_load(server.addr, "/ojs/v1/jobs", jobs, 1, single_body).await;
+    let single = counting.stop() as f64 / jobs as f64;
+    let batches = jobs.div_ceil(BATCH);
+    let counting = Instructions::count(pid);
+    http_load(
+        server.addr,
+        "/ojs/v1/jobs/batch",
+        batches,
+        BATCH,
+        batch_body,
+    )
+    .await;
+    let batch = counting.stop() as f64 / (batches * BATCH) as f64;
+    println!("  instructions counted by callgrind: the daemon under valgrind, {jobs} jobs each");
+    (single, batch)
 }
 
 /// Resident memory of the daemon before and with 1,000 keep-alive

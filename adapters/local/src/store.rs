@@ -522,7 +522,9 @@ pub(crate) fn housekeeping(
     drop(rows);
     drop(stmt);
     if !checkpoints.truncate(conn).map_err(db_error)? {
-        tracing::debug!("the WAL was not truncated: a reader still uses it");
+        tracing::debug!(
+            "the WAL was not truncated: a reader still uses it, or a checkpoint pass did not end in time; the next housekeeping tries again"
+        );
     }
     Ok(())
 }

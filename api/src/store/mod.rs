@@ -1161,7 +1161,22 @@ pub(crate) fn encode(job: &Job) -> Result<(String, String), StoreError> {
         id: job.envelope.id.clone(),
         reason: e.to_string(),
     })?;
-    Ok((envelope, Value::Object(job.extra.clone()).to_string()))
+    // Written straight into a string: `Value`'s `Display` writes the same
+    // text through `fmt`'s machinery, and needed the map cloned.
+    let extra = serde_json::to_string(&job.extra).map_err(|e| StoreError::Corrupt {
+        id: job.envelope.id.clone(),
+        reason: e.to_string(),
+    })?;
+    Ok((envelope, extra))
+}
+
+/// `value` as compact JSON text, for a TEXT column: the text `Display`
+/// writes, written straight into a string instead of through `fmt`'s
+/// machinery (a call per token).
+pub(crate) fn json_text(value: &Value) -> String {
+    // A `Value`'s keys are strings, so writing it cannot fail; the
+    // fallback is the same text by the slower path.
+    serde_json::to_string(value).unwrap_or_else(|_| value.to_string())
 }
 
 pub(crate) use crate::model::state_name;

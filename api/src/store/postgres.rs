@@ -32,7 +32,7 @@ use super::{
     Lease, QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED, RATE_ACTIVE,
     RATE_WINDOW_SLACK_MS, SCHEDULE_CLAIM,
 };
-use super::{count_priorities, Bound, JobCounts, JobQuery, Subject};
+use super::{count_priorities, json_text, Bound, JobCounts, JobQuery, Subject};
 use crate::job::Job;
 use crate::model::cron::CronJob;
 use crate::model::rate::KeyState;
@@ -927,7 +927,7 @@ fn insert(t: &mut Transaction<'_>, jobs: &[Job], seen: bool) -> Result<(), Store
         let (name, at, data) = stored_event(job);
         ev_types.push(name.to_owned());
         ev_times.push(ms(at));
-        ev_data.push(data.to_string());
+        ev_data.push(json_text(&data));
         ev_job_types.push(e.job_type.clone());
     }
     let conflict = if seen {
@@ -1042,7 +1042,7 @@ impl Tx for PostgresTx<'_, '_> {
                     &job.queue,
                     &job.job_type,
                     &ms(now),
-                    &data.to_string(),
+                    &json_text(&data),
                 ],
             )
             .map_err(pg)?;

@@ -38,10 +38,43 @@ impl Drop for Server {
 
 /// `ojs-bridge run` with `config` in a fresh directory.
 pub fn daemon(config: &str) -> Server {
+    spawn_daemon(config, false)
+}
+
+/// `ojs-bridge run` under callgrind, which counts the instructions it runs
+/// (see [`Instructions`]). It runs some 50 times slower: only the count is
+/// worth reading.
+pub fn daemon_under_callgrind(config: &str) -> Server {
+    spawn_daemon(config, true)
+}
+
+fn spawn_daemon(config: &str, under_callgrind: bool) -> Server {
     let dir = ojs_bridge_tests::tempdir::TempDir::new("api-bench");
     let file = dir.path().join("bridge.toml");
     std::fs::write(&file, config).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ojs-bridge"))
+    let program = env!("CARGO_BIN_EXE_ojs-bridge");
+    let mut command = if under_callgrind {
+        let mut c = Command::new("valgrind");
+        c.arg("--tool=callgrind")
+            // Valgrind's own lines and the profile stay out of the daemon's
+            // stderr, which says where it listens.
+            .arg(format!(
+                "--log-file={}",
+                dir.path().join("valgrind.log").display()
+            ))
+            // `OJS_BENCH_CALLGRIND_OUT=<dir>` keeps each counted part's
+            // profile there, for `callgrind_annotate`.
+            .arg(format!(
+                "--callgrind-out-file={}/callgrind.out.%p",
+                std::env::var("OJS_BENCH_CALLGRIND_OUT")
+                    .unwrap_or_else(|_| dir.path().display().to_string())
+            ))
+            .arg(program);
+        c
+    } else {
+        Command::new(program)
+    };
+    let mut child = command
         .current_dir(dir.path())
         .env("OJS_BRIDGE_HTTP_LISTEN", "127.0.0.1:0")
         .env(
@@ -345,6 +378,75 @@ impl Work {
             }
         }
         counted
+    }
+}
+
+/// Whether [`daemon_under_callgrind`] can run here: valgrind is installed
+/// and `OJS_BENCH_CALLGRIND` is not `0` (a round under callgrind takes a
+/// minute or more).
+pub fn callgrind_available() -> bool {
+    std::env::var("OJS_BENCH_CALLGRIND").map_or(true, |v| v != "0")
+        && Command::new("callgrind_control")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+        && Command::new("valgrind")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+}
+
+/// The instructions a process under callgrind runs from
+/// [`Instructions::count`] to [`Instructions::stop`], all its threads: the
+/// count where the machine has no hardware counters (a virtual machine's
+/// `perf stat` has none). Callgrind runs one thread at a time, so batches
+/// that form from concurrent requests (group commits) may differ from a
+/// native run's; the count still moves far less than a rate.
+pub struct Instructions(u32);
+
+impl Instructions {
+    pub fn count(pid: u32) -> Instructions {
+        let zeroed = Command::new("callgrind_control")
+            .args(["--zero", &pid.to_string()])
+            .output()
+            .unwrap();
+        assert!(
+            zeroed.status.success(),
+            "callgrind_control --zero: {}",
+            String::from_utf8_lossy(&zeroed.stderr)
+        );
+        Instructions(pid)
+    }
+
+    /// The sum over the threads of what `callgrind_control -e Ir` prints.
+    pub fn stop(self) -> u64 {
+        let out = Command::new("callgrind_control")
+            .args(["-e", "Ir", &self.0.to_string()])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let counts: Vec<u64> = text
+            .lines()
+            // "Th 9  1,234" and "Th10  1,234".
+            .filter_map(|l| l.trim().strip_prefix("Th"))
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .filter_map(|n| n.replace(',', "").parse().ok())
+            .collect();
+        assert!(
+            !counts.is_empty(),
+            "callgrind_control -e Ir printed: {text}"
+        );
+        if std::env::var_os("OJS_BENCH_CALLGRIND_OUT").is_some() {
+            let dumped = Command::new("callgrind_control")
+                .args(["--dump=counted", &self.0.to_string()])
+                .output()
+                .unwrap();
+            assert!(dumped.status.success(), "callgrind_control --dump failed");
+        }
+        counts.iter().sum()
     }
 }
 
