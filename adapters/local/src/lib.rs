@@ -29,6 +29,7 @@
 mod ack;
 mod config;
 mod consume;
+mod publish;
 mod store;
 
 use std::collections::HashSet;
@@ -44,6 +45,7 @@ use tokio::sync::Notify;
 pub use config::{Durability, LocalConfig, DATABASE_FILE};
 
 use crate::ack::{ack_writer, AckRequest};
+use crate::publish::{publish_writer, PublishRequest};
 pub use consume::LocalConsumer;
 use consume::{lock_held, Held};
 
@@ -59,6 +61,7 @@ struct Inner {
     notify: Notify,
     deletes: AtomicU64,
     acks: tokio::sync::mpsc::UnboundedSender<AckRequest>,
+    publishes: tokio::sync::mpsc::UnboundedSender<PublishRequest>,
 }
 
 impl Inner {
@@ -103,7 +106,10 @@ impl LocalAdapter {
         .map_err(|e| Error::broker("local", e.to_string(), false))??;
         let checkpointer =
             ojs_sqlite::Checkpointer::start(config::DATABASE_FILE, checkpoints, &conn);
-        let (acks, rx) = tokio::sync::mpsc::unbounded_channel();
+        // Unbounded: each request is a caller awaiting its answer, so
+        // the callers bound them.
+        let (acks, ack_requests) = tokio::sync::mpsc::unbounded_channel();
+        let (publishes, publish_requests) = tokio::sync::mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             config,
             checkpointer,
@@ -111,8 +117,10 @@ impl LocalAdapter {
             notify: Notify::new(),
             deletes: AtomicU64::new(0),
             acks,
+            publishes,
         });
-        tokio::spawn(ack_writer(Arc::downgrade(&inner), rx));
+        tokio::spawn(ack_writer(Arc::downgrade(&inner), ack_requests));
+        tokio::spawn(publish_writer(Arc::downgrade(&inner), publish_requests));
         Ok(LocalAdapter {
             inner,
             closed: AtomicBool::new(false),
@@ -144,13 +152,19 @@ impl QueueAdapter for LocalAdapter {
         )?;
         if !accepted.is_empty() {
             let (indices, batch): (Vec<usize>, Vec<OutgoingMessage>) = accepted.into_iter().unzip();
-            let q = queue.to_owned();
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let request = PublishRequest {
+                queue: queue.to_owned(),
+                messages: batch,
+                reply,
+            };
             // The batch comes back so that a failed commit can hand it back.
-            let (result, batch) = blocking(&self.inner, move |_, conn| {
-                let r = store::insert(conn, &q, &batch);
-                Ok((r, batch))
-            })
-            .await?;
+            let (result, batch) = match self.inner.publishes.send(request) {
+                Ok(()) => answer
+                    .await
+                    .map_err(|_| Error::broker("local", "the publish writer stopped", true))?,
+                Err(unsent) => (Err(Error::Closed), unsent.0.messages),
+            };
             match result {
                 Ok(()) => self.inner.notify.notify_waiters(),
                 Err(e) => {
@@ -273,6 +287,134 @@ mod tests {
             before,
             "foreign file not modified"
         );
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// Makes the store refuse every message whose payload is `bad`, on
+    /// the adapter's own connection (a TEMP trigger): a publish that fails
+    /// for its own rows, as a constraint would make it.
+    fn refuse_bad_payloads(conn: &Connection) {
+        conn.execute_batch(
+            "CREATE TEMP TRIGGER refuse_bad BEFORE INSERT ON main.messages
+             WHEN NEW.payload = CAST('bad' AS BLOB)
+             BEGIN SELECT RAISE(ABORT, 'refused by the test'); END;",
+        )
+        .unwrap();
+    }
+
+    /// Publishes committed together are each all or nothing: one whose
+    /// rows fail leaves the others of its commit on disk, and nothing of
+    /// its own (`insert_publishes` directly, so the group is certain).
+    #[test]
+    fn one_failing_publish_of_a_group_fails_alone() {
+        let dir = temp_dir("group");
+        let mut conn = store::open(&LocalConfig::new(&dir)).unwrap();
+        refuse_bad_payloads(&conn);
+        let message = |p: &str| OutgoingMessage::new(p.to_owned(), OJS_PROTO);
+        let first = [message("a1"), message("a2")];
+        let failing = [message("b1"), message("bad"), message("b3")];
+        let last = [message("c1")];
+        let results = store::insert_publishes(
+            &mut conn,
+            &[("q", &first[..]), ("q", &failing[..]), ("other", &last[..])],
+        )
+        .unwrap();
+        assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
+        let error = results[1].as_ref().unwrap_err().to_string();
+        assert!(error.contains("refused by the test"), "{error}");
+        let payloads: Vec<(String, String)> = conn
+            .prepare("SELECT queue, CAST(payload AS TEXT) FROM messages ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let expected = [("q", "a1"), ("q", "a2"), ("other", "c1")];
+        assert_eq!(
+            payloads,
+            expected.map(|(q, p)| (q.to_owned(), p.to_owned())),
+            "what is on disk"
+        );
+        // Alone, a failing publish leaves nothing either.
+        let results = store::insert_publishes(&mut conn, &[("q", &failing[..])]).unwrap();
+        assert!(results[0].is_err());
+        assert_eq!(store::depth(&conn, "q").unwrap(), 2);
+        drop(conn);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// Concurrent publishes go through the writer's group commits: every
+    /// good one is received, each publisher's in its order, and a refused
+    /// one comes back to its caller with its messages while the publishes
+    /// beside it land.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_publishes_land_each_in_order_and_fail_alone() {
+        let dir = temp_dir("concurrent");
+        let a = Arc::new(LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap());
+        refuse_bad_payloads(&a.inner.lock());
+        const PUBLISHERS: usize = 32;
+        const EACH: usize = 50;
+        let mut tasks = Vec::new();
+        for p in 0..PUBLISHERS {
+            let a = a.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut refused = 0;
+                for i in 0..EACH {
+                    // Every 10th publish of every 4th publisher is refused.
+                    let bad = p % 4 == 0 && i % 10 == 5;
+                    let payload = if bad {
+                        "bad".to_owned()
+                    } else {
+                        format!("{p}:{i}")
+                    };
+                    match a
+                        .publish("q", vec![OutgoingMessage::new(payload, OJS_PROTO)])
+                        .await
+                    {
+                        Ok(()) => assert!(!bad, "a refused message was published"),
+                        Err(Error::Publish(failure)) => {
+                            assert!(bad, "a good message failed: {failure}");
+                            assert_eq!(failure.failed.len(), 1);
+                            assert_eq!(&failure.failed[0].message.payload[..], b"bad");
+                            refused += 1;
+                        }
+                        Err(other) => panic!("{other}"),
+                    }
+                }
+                refused
+            }));
+        }
+        let mut refused = 0;
+        for t in tasks {
+            refused += t.await.unwrap();
+        }
+        assert_eq!(refused, (PUBLISHERS / 4) * (EACH / 10));
+        let mut consumer = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let mut next = vec![0usize; PUBLISHERS];
+        let mut received = 0;
+        let expected = PUBLISHERS * EACH - refused;
+        while received < expected {
+            let batch = consumer
+                .receive(100, Duration::from_millis(200))
+                .await
+                .unwrap();
+            assert!(!batch.is_empty(), "{received} of {expected} received");
+            for d in batch {
+                let text = std::str::from_utf8(&d.payload).unwrap().to_owned();
+                let (p, i) = text.split_once(':').unwrap();
+                let (p, i): (usize, usize) = (p.parse().unwrap(), i.parse().unwrap());
+                assert!(i >= next[p], "publisher {p}: {i} after {}", next[p]);
+                next[p] = i + 1;
+                received += 1;
+                d.ack().await.unwrap();
+            }
+        }
+        assert!(consumer
+            .receive(10, Duration::from_millis(50))
+            .await
+            .unwrap()
+            .is_empty());
+        a.close().await.unwrap();
         std::fs::remove_dir_all(dir).ok();
     }
 

@@ -196,38 +196,82 @@ fn write_transaction(conn: &mut Connection) -> Result<rusqlite::Transaction<'_>>
 }
 
 /// Inserts a batch in one transaction: all on disk, or none.
+#[cfg(test)]
 pub(crate) fn insert(
     conn: &mut Connection,
     queue: &str,
     messages: &[OutgoingMessage],
 ) -> Result<()> {
+    insert_publishes(conn, &[(queue, messages)])?
+        .pop()
+        .unwrap_or(Ok(()))
+}
+
+/// Inserts several publishes in one transaction (one commit), each in a
+/// savepoint of its own: a publish is all on disk or none, and one whose
+/// rows fail fails alone. One result per publish, in order; `Err` when
+/// the transaction itself failed (nothing of any publish is on disk).
+pub(crate) fn insert_publishes(
+    conn: &mut Connection,
+    publishes: &[(&str, &[OutgoingMessage])],
+) -> Result<Vec<Result<()>>> {
     let now = now_ms();
     let tx = write_transaction(conn)?;
-    {
-        let mut stmt = tx
-            .prepare_cached(
-                "INSERT INTO messages (queue, priority, visible_at, payload, headers, msg_key, message_id, enqueued_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            )
-            .map_err(db_error)?;
-        for m in messages {
-            let visible_at = m.deliver_at.map_or(now, |t| t.timestamp_millis().max(now));
-            let headers = serde_json::to_string(&m.headers)
-                .map_err(|e| Error::broker("local", e.to_string(), false))?;
-            stmt.execute(params![
-                queue,
-                m.priority,
-                visible_at,
-                m.payload.as_ref(),
-                headers,
-                key_value(m.key.as_deref()),
-                m.message_id,
-                now
-            ])
-            .map_err(db_error)?;
+    let mut results = Vec::with_capacity(publishes.len());
+    if let [(queue, messages)] = publishes {
+        // Alone, the transaction is the publish's all or nothing; a
+        // failure rolls it back when `tx` is dropped.
+        if let Err(e) = insert_rows(&tx, queue, messages, now) {
+            return Ok(vec![Err(e)]);
+        }
+        results.push(Ok(()));
+    } else {
+        for (queue, messages) in publishes {
+            let step = |sql: &str| tx.prepare_cached(sql).and_then(|mut s| s.execute([]));
+            step("SAVEPOINT publish").map_err(db_error)?;
+            match insert_rows(&tx, queue, messages, now) {
+                Ok(()) => results.push(Ok(())),
+                Err(e) => {
+                    step("ROLLBACK TO publish").map_err(db_error)?;
+                    results.push(Err(e));
+                }
+            }
+            step("RELEASE publish").map_err(db_error)?;
         }
     }
-    tx.commit().map_err(db_error)
+    tx.commit().map_err(db_error)?;
+    Ok(results)
+}
+
+fn insert_rows(
+    tx: &rusqlite::Transaction<'_>,
+    queue: &str,
+    messages: &[OutgoingMessage],
+    now: i64,
+) -> Result<()> {
+    let mut stmt = tx
+        .prepare_cached(
+            "INSERT INTO messages (queue, priority, visible_at, payload, headers, msg_key, message_id, enqueued_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        )
+        .map_err(db_error)?;
+    for m in messages {
+        let visible_at = m.deliver_at.map_or(now, |t| t.timestamp_millis().max(now));
+        let headers = serde_json::to_string(&m.headers)
+            .map_err(|e| Error::broker("local", e.to_string(), false))?;
+        stmt.execute(params![
+            queue,
+            m.priority,
+            visible_at,
+            m.payload.as_ref(),
+            headers,
+            key_value(m.key.as_deref()),
+            m.message_id,
+            now
+        ])
+        .map_err(db_error)?;
+    }
+    Ok(())
 }
 
 /// A claimed message.
