@@ -226,6 +226,17 @@ async fn adapter_load(adapter: Arc<dyn QueueAdapter>, calls: usize, per_call: us
     Measured::from(calls * per_call, started.elapsed(), latencies)
 }
 
+/// `n` single PUSHes over the bench's 64 connections.
+async fn single_pushes(addr: SocketAddr, n: usize) -> Measured {
+    http_load(addr, "/ojs/v1/jobs", n, 1, single_body).await
+}
+
+/// `batches` batch PUSHes of [`BATCH`] jobs over the bench's 64
+/// connections.
+async fn batch_pushes(addr: SocketAddr, batches: usize) -> Measured {
+    http_load(addr, "/ojs/v1/jobs/batch", batches, BATCH, batch_body).await
+}
+
 /// One backend: daemon single and batch PUSH, adapter single and batched
 /// publish, in `rounds` alternating rounds; medians printed.
 /// `(name, case)`: the heading printed, and the case of the JSON lines.
@@ -246,21 +257,12 @@ async fn backend(
     for _ in 0..rounds {
         let server = daemon(config);
         // Untimed: topics and queues exist, connections are up.
-        http_load(server.addr, "/ojs/v1/jobs", 256, 1, single_body).await;
+        single_pushes(server.addr, 256).await;
         let work = Work::count(server.child.id());
-        push.push(http_load(server.addr, "/ojs/v1/jobs", single, 1, single_body).await);
+        push.push(single_pushes(server.addr, single).await);
         work_single.push(work.stop().per_job(single));
         let work = Work::count(server.child.id());
-        push_batch.push(
-            http_load(
-                server.addr,
-                "/ojs/v1/jobs/batch",
-                batches,
-                BATCH,
-                batch_body,
-            )
-            .await,
-        );
+        push_batch.push(batch_pushes(server.addr, batches).await);
         work_batch.push(work.stop().per_job(batches * BATCH));
         grpc_load(server.addr, 256, 1).await;
         enqueue.push(grpc_load(server.addr, single, 1).await);
@@ -347,20 +349,13 @@ const COUNTED_JOBS: usize = 2_000;
 async fn instructions_under_callgrind(config: &str, jobs: usize) -> (f64, f64) {
     let server = daemon_under_callgrind(config);
     let pid = server.child.id();
-    http_load(server.addr, "/ojs/v1/jobs", 256, 1, single_body).await;
+    single_pushes(server.addr, 256).await;
     let counting = Instructions::count(pid);
-    http_load(server.addr, "/ojs/v1/jobs", jobs, 1, single_body).await;
+    single_pushes(server.addr, jobs).await;
     let single = counting.stop() as f64 / jobs as f64;
     let batches = jobs.div_ceil(BATCH);
     let counting = Instructions::count(pid);
-    http_load(
-        server.addr,
-        "/ojs/v1/jobs/batch",
-        batches,
-        BATCH,
-        batch_body,
-    )
-    .await;
+    batch_pushes(server.addr, batches).await;
     let batch = counting.stop() as f64 / (batches * BATCH) as f64;
     println!("  instructions counted by callgrind: the daemon under valgrind, {jobs} jobs each");
     (single, batch)
