@@ -418,6 +418,80 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
+    /// The store runs out of room (its quota, as a full disk would) while
+    /// publishes are committed in groups. SQLite may roll a whole
+    /// transaction back on a full database, so a group can lose what its
+    /// earlier publishes wrote: every publish answered Ok must be on disk,
+    /// and every one answered with an error (retryable: the store's fault)
+    /// must have left nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_store_answers_every_grouped_publish_truthfully() {
+        let dir = temp_dir("full");
+        let mut config = LocalConfig::new(&dir);
+        config.max_size_bytes = 256 * 1024;
+        let a = Arc::new(LocalAdapter::open(config).await.unwrap());
+        const PUBLISHERS: usize = 32;
+        const EACH: usize = 20;
+        let mut tasks = Vec::new();
+        for p in 0..PUBLISHERS {
+            let a = a.clone();
+            tasks.push(tokio::spawn(async move {
+                let (mut stored, mut refused) = (Vec::new(), 0);
+                for i in 0..EACH {
+                    let mut payload = format!("{p}:{i}:").into_bytes();
+                    payload.resize(2048, b'x');
+                    let message = OutgoingMessage::new(payload, OJS_PROTO);
+                    match a.publish("q", vec![message]).await {
+                        Ok(()) => stored.push(format!("{p}:{i}")),
+                        Err(Error::Publish(failure)) => {
+                            let error = &failure.failed[0].error;
+                            assert!(error.is_retryable(), "{error}");
+                            refused += 1;
+                        }
+                        Err(other) => panic!("{other}"),
+                    }
+                }
+                (stored, refused)
+            }));
+        }
+        let (mut stored, mut refused) = (HashSet::new(), 0);
+        for t in tasks {
+            let (s, r) = t.await.unwrap();
+            stored.extend(s);
+            refused += r;
+        }
+        assert!(refused > 0, "the quota was never reached");
+        assert!(!stored.is_empty(), "nothing fit");
+        let mut consumer = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let mut received = HashSet::new();
+        loop {
+            let batch = consumer
+                .receive(100, Duration::from_millis(100))
+                .await
+                .unwrap();
+            if batch.is_empty() {
+                break;
+            }
+            for d in batch {
+                let text = String::from_utf8_lossy(&d.payload);
+                let id = text.rsplit_once(':').unwrap().0.to_owned();
+                assert!(received.insert(id), "received twice");
+            }
+        }
+        println!(
+            "published {} · stored {} · refused {refused} · on disk {}",
+            PUBLISHERS * EACH,
+            stored.len(),
+            received.len()
+        );
+        assert_eq!(
+            received, stored,
+            "on disk: exactly the publishes answered Ok"
+        );
+        a.close().await.unwrap();
+        std::fs::remove_dir_all(dir).ok();
+    }
+
     /// A claim is prepared once: its time and its count change on every
     /// call, and SQLite would prepare it again each time if its plan
     /// depended on them.
