@@ -20,7 +20,7 @@ use serde_json::Map;
 use crate::auth::Grant;
 use crate::dead::DeadLetterQuery;
 use crate::error::ApiError;
-use crate::job::{self, Job};
+use crate::job::{self, Job, JobJson};
 use crate::limits;
 use crate::model::cron::CronJob;
 use crate::roster::{self, Beat, Directive};
@@ -151,7 +151,24 @@ pub async fn event_stream(
 
 /// A JSON answer.
 pub fn json_response(status: u16, body: &Value, request_id: &str) -> Response<Bytes> {
-    let mut r = Response::new(Bytes::from(json_text(body)));
+    json_bytes_response(status, json_text(body), request_id)
+}
+
+/// A JSON answer written straight from `body`, without a `Value` tree;
+/// should writing it fail (a job whose state has no JSON name),
+/// `as_value` builds the answer as the `Value` it was built as before.
+fn serialized_response(
+    status: u16,
+    body: &impl serde::Serialize,
+    as_value: impl FnOnce() -> Value,
+    request_id: &str,
+) -> Response<Bytes> {
+    let bytes = serde_json::to_vec(body).unwrap_or_else(|_| json_text(&as_value()));
+    json_bytes_response(status, bytes, request_id)
+}
+
+fn json_bytes_response(status: u16, bytes: Vec<u8>, request_id: &str) -> Response<Bytes> {
+    let mut r = Response::new(Bytes::from(bytes));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     r.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(OJS_JSON));
@@ -864,16 +881,23 @@ async fn worker_route(
     match worker_request(action, body)? {
         WorkerRequest::Fetch(fetch) => {
             let jobs = api.fetch(grant, fetch).await?;
-            let list: Vec<Value> = jobs.iter().map(Job::to_json).collect();
-            Ok(json_response(200, &json!({"jobs": list}), request_id))
+            Ok(serialized_response(
+                200,
+                &JobList {
+                    jobs: jobs.iter().map(JobJson).collect(),
+                    count: None,
+                },
+                || json!({"jobs": jobs.iter().map(Job::to_json).collect::<Vec<_>>()}),
+                request_id,
+            ))
         }
         WorkerRequest::Ack { job_id, result } => {
             let job = api.ack(grant, &job_id, result).await?;
-            Ok(json_response(200, &settle_body(&job, true), request_id))
+            Ok(settle_response(&job, true, request_id))
         }
         WorkerRequest::Nack(failure) => {
             let job = api.nack(grant, failure).await?;
-            Ok(json_response(200, &settle_body(&job, false), request_id))
+            Ok(settle_response(&job, false, request_id))
         }
         WorkerRequest::Heartbeat {
             worker_id,
@@ -1853,6 +1877,46 @@ fn cron_enabled_query(query: &str) -> Result<Option<bool>, ApiError> {
 
 /// The answer of ACK and NACK: the binding's fields at the top (`job_id`
 /// and `id`, as the cases read), and the whole job.
+/// The answer to an ACK or a NACK: the fields of [`settle_body`], written
+/// straight.
+fn settle_response(job: &Job, acknowledged: bool, request_id: &str) -> Response<Bytes> {
+    let extra = |k: &str| job.extra.get(k);
+    let body = Settled {
+        job_id: &job.envelope.id,
+        id: &job.envelope.id,
+        state: job.state().as_str().unwrap_or("unknown"),
+        attempt: job.envelope.attempt,
+        max_attempts: job::max_attempts(&job.envelope),
+        job: JobJson(job),
+        acknowledged,
+        completed_at: job.envelope.completed_at.map(job::timestamp),
+        next_attempt_at: extra("next_attempt_at"),
+        retry_delay_ms: extra("retry_delay_ms"),
+        discarded_at: extra("discarded_at"),
+    };
+    serialized_response(200, &body, || settle_body(job, acknowledged), request_id)
+}
+
+#[derive(serde::Serialize)]
+struct Settled<'a> {
+    job_id: &'a str,
+    id: &'a str,
+    state: &'a str,
+    attempt: i32,
+    max_attempts: i32,
+    job: JobJson<'a>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    acknowledged: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    completed_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next_attempt_at: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_delay_ms: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    discarded_at: Option<&'a Value>,
+}
+
 fn settle_body(job: &Job, acknowledged: bool) -> Value {
     let mut body = json!({
         "job_id": job.envelope.id,
@@ -2046,17 +2110,35 @@ fn job_response(
         // INFO answers with the job's fields at the top too; a PUSH answers
         // `{"job": …}` alone, as every SDK reads it (a large job is not
         // answered twice over).
-        let body = if status == 201 {
-            json!({"job": job.to_json()})
-        } else {
-            job_body(job.to_json())
-        };
-        return Ok(json_response(status, &body, request_id));
+        if status == 201 {
+            return Ok(serialized_response(
+                status,
+                &PushedJob { job: JobJson(job) },
+                || json!({"job": job.to_json()}),
+                request_id,
+            ));
+        }
+        return Ok(json_response(status, &job_body(job.to_json()), request_id));
     }
     let bytes = job_proto(job)
         .to_proto_bytes()
         .map_err(job::invalid_envelope)?;
     Ok(proto_response(status, bytes, request_id))
+}
+
+/// `{"jobs": [...]}` (a FETCH) or `{"jobs": [...], "count": n}` (a batch
+/// PUSH), written straight.
+#[derive(serde::Serialize)]
+struct JobList<'a> {
+    jobs: Vec<JobJson<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    count: Option<usize>,
+}
+
+/// `{"job": ...}`, a PUSH's answer, written straight.
+#[derive(serde::Serialize)]
+struct PushedJob<'a> {
+    job: JobJson<'a>,
 }
 
 fn batch_response(
@@ -2065,10 +2147,13 @@ fn batch_response(
     request_id: &str,
 ) -> Result<Response<Bytes>, ApiError> {
     if answer != Encoding::OjsProto {
-        let list: Vec<Value> = jobs.iter().map(Job::to_json).collect();
-        return Ok(json_response(
+        return Ok(serialized_response(
             201,
-            &json!({"jobs": list, "count": jobs.len()}),
+            &JobList {
+                jobs: jobs.iter().map(JobJson).collect(),
+                count: Some(jobs.len()),
+            },
+            || json!({"jobs": jobs.iter().map(Job::to_json).collect::<Vec<_>>(), "count": jobs.len()}),
             request_id,
         ));
     }
@@ -2248,4 +2333,39 @@ fn event_filter(query: &str) -> Result<EventFilter, ApiError> {
         }
     }
     Ok(f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An ACK's and a NACK's answer written straight are the object the
+    /// `Value` path builds, with and without the optional fields.
+    #[test]
+    fn a_settle_answer_written_straight_is_the_one_built_as_a_value() {
+        let now = chrono::DateTime::parse_from_rfc3339("2026-11-26T10:00:00Z")
+            .map(|t| t.with_timezone(&chrono::Utc))
+            .unwrap_or_default();
+        let Ok(mut job) = job::from_json(
+            json!({"type": "a.b", "args": [1], "options": {"tags": ["x"]}}),
+            now,
+        ) else {
+            panic!("a valid job was refused");
+        };
+        for (acknowledged, finished) in [(true, true), (false, false), (false, true)] {
+            if finished {
+                job.envelope.completed_at = Some(now);
+                for (k, v) in [
+                    ("next_attempt_at", json!("2026-11-26T10:00:05.000Z")),
+                    ("retry_delay_ms", json!(5000)),
+                    ("discarded_at", json!("2026-11-26T10:00:01.000Z")),
+                ] {
+                    job.extra.insert(k.into(), v);
+                }
+            }
+            let response = settle_response(&job, acknowledged, "r");
+            let written: Value = serde_json::from_slice(response.body()).unwrap_or_default();
+            assert_eq!(written, settle_body(&job, acknowledged));
+        }
+    }
 }

@@ -114,6 +114,58 @@ impl Job {
     }
 }
 
+/// The binding's Job object written straight to a serializer: the entries
+/// of [`Job::to_json`] (in another order) without building a `Value` tree
+/// first, which with writing and dropping it was a tenth of a FETCH +
+/// ACK's instructions. Unlike `to_json` it does not validate the envelope
+/// again (every stored one was validated before it was stored).
+#[derive(Debug, Clone, Copy)]
+pub struct JobJson<'a>(pub &'a Job);
+
+impl serde::Serialize for JobJson<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let job = self.0;
+        // An extra field overrides the envelope's entry of its name, as it
+        // does in `to_json`; the outbox mark is never shown.
+        let extra = |k: &str| k != crate::dead::PUBLISHING && job.extra.contains_key(k);
+        let (mut meta, mut priority, mut attempt, mut tags) = (false, false, false, false);
+        let mut m = s.serialize_map(None)?;
+        job.envelope.write_json_entries(&mut m, |k| {
+            match k {
+                "meta" => meta = true,
+                "priority" => priority = true,
+                "attempt" => attempt = true,
+                "tags" => tags = true,
+                _ => {}
+            }
+            k != "max_attempts" && !extra(k)
+        })?;
+        let empty: &[Value] = &[];
+        if !meta && !extra("meta") {
+            m.serialize_entry("meta", &Map::new())?;
+        }
+        if !priority && !extra("priority") {
+            m.serialize_entry("priority", &0)?;
+        }
+        if !attempt && !extra("attempt") {
+            m.serialize_entry("attempt", &0)?;
+        }
+        if !tags && !extra("tags") {
+            m.serialize_entry("tags", empty)?;
+        }
+        if !extra("max_attempts") {
+            m.serialize_entry("max_attempts", &max_attempts(&job.envelope))?;
+        }
+        for (k, x) in &job.extra {
+            if k != crate::dead::PUBLISHING {
+                m.serialize_entry(k, x)?;
+            }
+        }
+        m.end()
+    }
+}
+
 /// Attempts in total the job's policy allows.
 pub fn max_attempts(job: &JobEnvelope) -> i32 {
     job.retry
@@ -511,6 +563,72 @@ mod tests {
         assert_eq!(v["max_attempts"], 5);
         assert_eq!(v["x_custom"], json!({"kept": true}));
         assert_eq!(v["attempt"], 0);
+        Ok(())
+    }
+
+    /// The keys of a JSON object as written, duplicates kept.
+    fn keys_as_written(text: &str) -> Vec<String> {
+        struct Keys;
+        impl<'de> serde::de::Visitor<'de> for Keys {
+            type Value = Vec<String>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut keys = Vec::new();
+                while let Some((k, _)) = map.next_entry::<String, serde::de::IgnoredAny>()? {
+                    keys.push(k);
+                }
+                Ok(keys)
+            }
+        }
+        let mut de = serde_json::Deserializer::from_str(text);
+        serde::Deserializer::deserialize_map(&mut de, Keys).unwrap_or_default()
+    }
+
+    /// The job written straight to bytes is the object `to_json` builds,
+    /// each key once, whatever the envelope holds and the extra fields
+    /// override (state, attempt, max_attempts, tags, meta), and without the
+    /// outbox mark.
+    #[test]
+    fn a_job_written_straight_is_the_job_to_json_builds() -> Result<(), ApiError> {
+        let bodies = [
+            json!({"type": "a.b", "args": []}),
+            json!({"type": "report.generate", "args": [1, "x", {"n": null}], "meta": {"k": "v"},
+                   "options": {"queue": "reports", "priority": -5, "timeout_ms": 1500,
+                               "tags": ["a", "b"], "retry": {"max_attempts": 5, "initial_interval_ms": 250},
+                               "unique": {"keys": ["args"], "on_conflict": "reject"}},
+                   "x_custom": {"kept": true}}),
+            json!({"type": "later", "args": [true], "options": {"delay_until": "2030-01-01T00:00:00Z"}}),
+        ];
+        let extras = [
+            json!({}),
+            json!({"publishing": true, "previous_state": "active", "cancelled_at": "2026-11-26T10:00:01.000Z"}),
+            json!({"attempt": 2, "max_attempts": 9, "tags": ["t"], "meta": {"m": 1}, "state": "retryable",
+                   "next_attempt_at": "2026-11-26T10:00:05.000Z"}),
+        ];
+        for body in bodies {
+            for extra in &extras {
+                let mut job = from_json(body.clone(), now())?;
+                job.envelope.attempt = 1;
+                job.envelope.started_at = Some(now());
+                if let Value::Object(extra) = extra {
+                    job.extra = extra.clone();
+                }
+                let text = serde_json::to_string(&JobJson(&job))
+                    .map_err(|e| ApiError::invalid("", e.to_string()))?;
+                let written: Value = serde_json::from_str(&text)
+                    .map_err(|e| ApiError::invalid("", e.to_string()))?;
+                assert_eq!(written, job.to_json(), "{text}");
+                let keys = keys_as_written(&text);
+                let unique: std::collections::BTreeSet<&String> = keys.iter().collect();
+                assert_eq!(keys.len(), unique.len(), "a key written twice: {text}");
+                assert!(!keys.iter().any(|k| k == "publishing"), "{text}");
+            }
+        }
         Ok(())
     }
 

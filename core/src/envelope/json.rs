@@ -44,6 +44,19 @@ impl JobEnvelope {
         serde_json::to_vec(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
     }
 
+    /// Writes the entries of the envelope's JSON object (what
+    /// [`JobEnvelope::to_json_vec`] writes, without validating) into `map`,
+    /// each one only if `keep` says so: `keep` sees every key about to be
+    /// written. For an object that adds to the envelope's or overrides
+    /// some of its entries, written without a `Value` tree in between.
+    pub fn write_json_entries<M: SerializeMap>(
+        &self,
+        map: &mut M,
+        mut keep: impl FnMut(&str) -> bool,
+    ) -> std::result::Result<(), M::Error> {
+        write_entries(self, map, &mut keep)
+    }
+
     /// Validates and encodes as a JSON value.
     pub fn to_json_value(&self) -> Result<Value> {
         self.validate()?;
@@ -343,93 +356,128 @@ impl Serialize for Ts<'_> {
     }
 }
 
+/// Whether to write a key: every entry of an envelope's object asks it
+/// first (see [`JobEnvelope::write_json_entries`]).
+type Keep<'k> = &'k mut dyn FnMut(&str) -> bool;
+
+fn put<M: SerializeMap, V: Serialize + ?Sized>(
+    m: &mut M,
+    keep: Keep<'_>,
+    k: &str,
+    v: &V,
+) -> std::result::Result<(), M::Error> {
+    if keep(k) {
+        m.serialize_entry(k, v)?;
+    }
+    Ok(())
+}
+
 fn put_ts<M: SerializeMap>(
     m: &mut M,
+    keep: Keep<'_>,
     k: &str,
     t: &Option<DateTime<Utc>>,
 ) -> std::result::Result<(), M::Error> {
     if let Some(t) = t {
-        m.serialize_entry(k, &Ts(t))?;
+        put(m, keep, k, &Ts(t))?;
     }
     Ok(())
 }
 
-fn put_i32<M: SerializeMap>(m: &mut M, k: &str, v: i32) -> std::result::Result<(), M::Error> {
+fn put_i32<M: SerializeMap>(
+    m: &mut M,
+    keep: Keep<'_>,
+    k: &str,
+    v: i32,
+) -> std::result::Result<(), M::Error> {
     if v != 0 {
-        m.serialize_entry(k, &v)?;
+        put(m, keep, k, &v)?;
     }
     Ok(())
 }
 
-fn put_str<M: SerializeMap>(m: &mut M, k: &str, v: &str) -> std::result::Result<(), M::Error> {
+fn put_str<M: SerializeMap>(
+    m: &mut M,
+    keep: Keep<'_>,
+    k: &str,
+    v: &str,
+) -> std::result::Result<(), M::Error> {
     if !v.is_empty() {
-        m.serialize_entry(k, v)?;
+        put(m, keep, k, v)?;
     }
     Ok(())
 }
 
 impl Serialize for JsonView<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        use serde::ser::Error as _;
-        let j = self.0;
         let mut m = s.serialize_map(None)?;
-        m.serialize_entry("specversion", &j.specversion)?;
-        m.serialize_entry("id", &j.id)?;
-        m.serialize_entry("type", &j.job_type)?;
-        m.serialize_entry("queue", &j.queue)?;
-        m.serialize_entry("args", &j.args)?;
-        if !j.meta.is_empty() {
-            m.serialize_entry("meta", &j.meta)?;
-        }
-        put_i32(&mut m, "priority", j.priority)?;
-        put_i32(&mut m, "timeout", j.timeout)?;
-        put_ts(&mut m, "scheduled_at", &j.scheduled_at)?;
-        put_ts(&mut m, "expires_at", &j.expires_at)?;
-        if let Some(p) = &j.retry {
-            m.serialize_entry("retry", &RetryView(p))?;
-        }
-        if let Some(p) = &j.unique {
-            m.serialize_entry("unique", &UniqueView(p))?;
-        }
-        if let Some(schema) = &j.schema {
-            put_str(&mut m, "schema", schema)?;
-        }
-        if let Some(state) = j.state {
-            let name = state.as_str().ok_or_else(|| {
-                S::Error::custom(format!(
-                    "state {} is unknown to this build and has no JSON name",
-                    state.to_i32()
-                ))
-            })?;
-            m.serialize_entry("state", name)?;
-        }
-        put_i32(&mut m, "attempt", j.attempt)?;
-        put_ts(&mut m, "created_at", &j.created_at)?;
-        put_ts(&mut m, "enqueued_at", &j.enqueued_at)?;
-        put_ts(&mut m, "started_at", &j.started_at)?;
-        put_ts(&mut m, "completed_at", &j.completed_at)?;
-        if let Some(e) = &j.error {
-            m.serialize_entry("error", &ErrorView(e))?;
-        }
-        if let Some(r) = &j.result {
-            m.serialize_entry("result", r)?;
-        }
-        put_i32(&mut m, "total_timeout", j.total_timeout)?;
-        put_i32(&mut m, "enqueue_ttl", j.enqueue_ttl)?;
-        put_i32(&mut m, "grace_period", j.grace_period)?;
-        put_i32(&mut m, "heartbeat_timeout", j.heartbeat_timeout)?;
-        put_i32(&mut m, "result_ttl", j.result_ttl)?;
-        if !j.extensions.is_empty() {
-            m.serialize_entry("extensions", &j.extensions)?;
-        }
-        if !j.errors.is_empty() {
-            m.serialize_entry("errors", &j.errors)?;
-        }
-        for (k, v) in &j.unknown_attributes {
-            m.serialize_entry(k, v)?;
-        }
+        write_entries(self.0, &mut m, &mut |_| true)?;
         m.end()
     }
+}
+
+fn write_entries<M: SerializeMap>(
+    j: &JobEnvelope,
+    m: &mut M,
+    keep: Keep<'_>,
+) -> std::result::Result<(), M::Error> {
+    use serde::ser::Error as _;
+    put(m, keep, "specversion", &j.specversion)?;
+    put(m, keep, "id", &j.id)?;
+    put(m, keep, "type", &j.job_type)?;
+    put(m, keep, "queue", &j.queue)?;
+    put(m, keep, "args", &j.args)?;
+    if !j.meta.is_empty() {
+        put(m, keep, "meta", &j.meta)?;
+    }
+    put_i32(m, keep, "priority", j.priority)?;
+    put_i32(m, keep, "timeout", j.timeout)?;
+    put_ts(m, keep, "scheduled_at", &j.scheduled_at)?;
+    put_ts(m, keep, "expires_at", &j.expires_at)?;
+    if let Some(p) = &j.retry {
+        put(m, keep, "retry", &RetryView(p))?;
+    }
+    if let Some(p) = &j.unique {
+        put(m, keep, "unique", &UniqueView(p))?;
+    }
+    if let Some(schema) = &j.schema {
+        put_str(m, keep, "schema", schema)?;
+    }
+    if let Some(state) = j.state {
+        let name = state.as_str().ok_or_else(|| {
+            M::Error::custom(format!(
+                "state {} is unknown to this build and has no JSON name",
+                state.to_i32()
+            ))
+        })?;
+        put(m, keep, "state", name)?;
+    }
+    put_i32(m, keep, "attempt", j.attempt)?;
+    put_ts(m, keep, "created_at", &j.created_at)?;
+    put_ts(m, keep, "enqueued_at", &j.enqueued_at)?;
+    put_ts(m, keep, "started_at", &j.started_at)?;
+    put_ts(m, keep, "completed_at", &j.completed_at)?;
+    if let Some(e) = &j.error {
+        put(m, keep, "error", &ErrorView(e))?;
+    }
+    if let Some(r) = &j.result {
+        put(m, keep, "result", r)?;
+    }
+    put_i32(m, keep, "total_timeout", j.total_timeout)?;
+    put_i32(m, keep, "enqueue_ttl", j.enqueue_ttl)?;
+    put_i32(m, keep, "grace_period", j.grace_period)?;
+    put_i32(m, keep, "heartbeat_timeout", j.heartbeat_timeout)?;
+    put_i32(m, keep, "result_ttl", j.result_ttl)?;
+    if !j.extensions.is_empty() {
+        put(m, keep, "extensions", &j.extensions)?;
+    }
+    if !j.errors.is_empty() {
+        put(m, keep, "errors", &j.errors)?;
+    }
+    for (k, v) in &j.unknown_attributes {
+        put(m, keep, k, v)?;
+    }
+    Ok(())
 }
 
 impl Serialize for RetryView<'_> {
@@ -439,17 +487,22 @@ impl Serialize for RetryView<'_> {
         if let Some(n) = p.max_attempts {
             m.serialize_entry("max_attempts", &n)?;
         }
-        put_str(&mut m, "initial_interval", &p.initial_interval)?;
+        put_str(
+            &mut m,
+            &mut |_| true,
+            "initial_interval",
+            &p.initial_interval,
+        )?;
         if p.backoff_coefficient != 0.0 {
             m.serialize_entry("backoff_coefficient", &p.backoff_coefficient)?;
         }
-        put_str(&mut m, "max_interval", &p.max_interval)?;
+        put_str(&mut m, &mut |_| true, "max_interval", &p.max_interval)?;
         // Always written: JSON without it means `true`.
         m.serialize_entry("jitter", &p.jitter)?;
         if !p.non_retryable_errors.is_empty() {
             m.serialize_entry("non_retryable_errors", &p.non_retryable_errors)?;
         }
-        put_str(&mut m, "on_exhaustion", &p.on_exhaustion)?;
+        put_str(&mut m, &mut |_| true, "on_exhaustion", &p.on_exhaustion)?;
         m.end()
     }
 }
@@ -461,8 +514,8 @@ impl Serialize for UniqueView<'_> {
         if !p.keys.is_empty() {
             m.serialize_entry("keys", &p.keys)?;
         }
-        put_str(&mut m, "period", &p.period)?;
-        put_str(&mut m, "on_conflict", &p.on_conflict)?;
+        put_str(&mut m, &mut |_| true, "period", &p.period)?;
+        put_str(&mut m, &mut |_| true, "on_conflict", &p.on_conflict)?;
         for (k, list) in [
             ("args_keys", &p.args_keys),
             ("meta_keys", &p.meta_keys),
@@ -480,14 +533,14 @@ impl Serialize for ErrorView<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         let e = self.0;
         let mut m = s.serialize_map(None)?;
-        put_str(&mut m, "type", &e.error_type)?;
-        put_str(&mut m, "message", &e.message)?;
+        put_str(&mut m, &mut |_| true, "type", &e.error_type)?;
+        put_str(&mut m, &mut |_| true, "message", &e.message)?;
         if !e.backtrace.is_empty() {
             m.serialize_entry("backtrace", &e.backtrace)?;
         }
-        put_str(&mut m, "timeout_kind", &e.timeout_kind)?;
-        put_i32(&mut m, "limit_seconds", e.limit_seconds)?;
-        put_i32(&mut m, "elapsed_seconds", e.elapsed_seconds)?;
+        put_str(&mut m, &mut |_| true, "timeout_kind", &e.timeout_kind)?;
+        put_i32(&mut m, &mut |_| true, "limit_seconds", e.limit_seconds)?;
+        put_i32(&mut m, &mut |_| true, "elapsed_seconds", e.elapsed_seconds)?;
         m.end()
     }
 }
