@@ -176,13 +176,9 @@ fn json_bytes_response(status: u16, bytes: Vec<u8>, request_id: &str) -> Respons
     r
 }
 
-/// `value` as compact JSON text. Written straight into bytes:
-/// `Value`'s `Display` writes the same text through `fmt`'s machinery, a
-/// call per token, and was a tenth of a FETCH + ACK's instructions.
-pub(crate) fn json_text(value: &Value) -> Vec<u8> {
-    // A `Value`'s keys are strings, so writing it cannot fail; the
-    // fallback is the same text by the slower path.
-    serde_json::to_vec(value).unwrap_or_else(|_| value.to_string().into_bytes())
+/// `value` as compact JSON bytes (the store's `json_text`, the one rule).
+fn json_text(value: &Value) -> Vec<u8> {
+    crate::store::json_text(value).into_bytes()
 }
 
 /// The HTTP status of an error (the binding's table). The gRPC binding
