@@ -1,5 +1,5 @@
-//! Settling: acks go to one writer that commits them in groups (one
-//! SQLite transaction for many acks); nacks reschedule or dead-letter the
+//! Settling: acks are committed in groups (one SQLite transaction for many
+//! acks, see `group`); nacks reschedule or dead-letter the
 //! row in the store.
 
 use std::sync::atomic::Ordering;
@@ -9,69 +9,63 @@ use std::time::Duration;
 use async_trait::async_trait;
 use ojs_queue::{Acknowledger, Error, Nack, Result};
 
+use crate::group::{GroupCommit, Member};
 use crate::{blocking, lock_held, store, Held, Inner, HOUSEKEEPING_EVERY};
-
-/// Most acks folded into one commit.
-pub(crate) const MAX_ACKS_PER_COMMIT: usize = 1_000;
 
 /// Acks to commit together, and where to send their results (one per key,
 /// in order): one request per delivery, or one for a batch of them.
-pub(crate) type AckRequest = (
-    Vec<(i64, i64)>,
-    tokio::sync::oneshot::Sender<Vec<Result<()>>>,
-);
+#[derive(Debug)]
+pub(crate) struct AckRequest {
+    keys: Vec<(i64, i64)>,
+    reply: tokio::sync::oneshot::Sender<Vec<Result<()>>>,
+}
 
-/// Group commit for acks: every ack waiting when a commit starts goes into
-/// it. Each commit writes whole pages to the WAL, so one commit for many acks
-/// is what makes concurrent consumers fast; an ack still resolves only after
-/// its own delete is committed.
-pub(crate) async fn ack_writer(
-    inner: std::sync::Weak<Inner>,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<AckRequest>,
-) {
-    while let Some(first) = rx.recv().await {
-        let mut count = first.0.len();
-        let mut batch = vec![first];
-        while count < MAX_ACKS_PER_COMMIT {
-            match rx.try_recv() {
-                Ok(req) => {
-                    count += req.0.len();
-                    batch.push(req);
-                }
-                Err(_) => break,
-            }
-        }
-        let Some(inner) = inner.upgrade() else { break };
-        let sizes: Vec<usize> = batch.iter().map(|(keys, _)| keys.len()).collect();
-        let (keys, replies): (Vec<Vec<(i64, i64)>>, Vec<_>) = batch.into_iter().unzip();
-        let keys: Vec<(i64, i64)> = keys.into_iter().flatten().collect();
-        let outcome = blocking(&inner, move |inner, conn| {
-            let results = store::ack_many(conn, &keys)?;
+impl Member for AckRequest {
+    const LIMITS: (usize, usize) = (1_000, usize::MAX);
+
+    fn size(&self) -> (usize, usize) {
+        (self.keys.len(), 0)
+    }
+}
+
+/// Commits a group of acks in one transaction (group commit: each commit
+/// writes whole pages to the WAL, so one commit for many acks is what makes
+/// concurrent consumers fast) and answers each; an ack still resolves only
+/// after its own delete is committed. Runs on the blocking pool.
+fn commit_ack_group(inner: &Arc<Inner>, group: Vec<AckRequest>) {
+    let keys: Vec<(i64, i64)> = group.iter().flat_map(|r| r.keys.iter().copied()).collect();
+    let outcome = {
+        let mut conn = inner.lock();
+        let outcome = store::ack_many(&mut conn, &keys);
+        if outcome.is_ok() {
             let count = keys.len() as u64;
             let before = inner.deletes.fetch_add(count, Ordering::Relaxed);
             if (before + count) / HOUSEKEEPING_EVERY > before / HOUSEKEEPING_EVERY {
-                if let Err(e) = store::housekeeping(conn, &inner.checkpointer) {
+                if let Err(e) = store::housekeeping(&conn, &inner.checkpointer) {
                     tracing::warn!(error = %e, "housekeeping failed");
                 }
             }
-            Ok(results)
-        })
-        .await;
-        match outcome {
-            Ok(results) => {
-                let mut results = results.into_iter();
-                for (reply, size) in replies.into_iter().zip(sizes) {
-                    let _ = reply.send(results.by_ref().take(size).collect());
-                }
+        }
+        inner.checkpointer.committed(&conn);
+        outcome
+    };
+    match outcome {
+        Ok(results) => {
+            let mut results = results.into_iter();
+            for request in group {
+                let size = request.keys.len();
+                let _ = request.reply.send(results.by_ref().take(size).collect());
             }
-            Err(e) => {
-                let (text, retryable) = (e.to_string(), e.is_retryable());
-                for (reply, size) in replies.into_iter().zip(sizes) {
-                    let failed = (0..size)
-                        .map(|_| Err(Error::broker("local", text.clone(), retryable)))
-                        .collect();
-                    let _ = reply.send(failed);
-                }
+        }
+        Err(e) => {
+            let (text, retryable) = (e.to_string(), e.is_retryable());
+            for request in group {
+                let failed = request
+                    .keys
+                    .iter()
+                    .map(|_| Err(Error::broker("local", text.clone(), retryable)))
+                    .collect();
+                let _ = request.reply.send(failed);
             }
         }
     }
@@ -91,19 +85,18 @@ impl LocalAcker {
     }
 }
 
-/// Hands `keys` to the ack writer and waits for their commit: exactly one
+/// Hands `keys` to the group commit and waits for their commit: exactly one
 /// result per key, in order.
-pub(crate) async fn commit_acks(inner: &Inner, keys: Vec<(i64, i64)>) -> Vec<Result<()>> {
+pub(crate) async fn commit_acks(inner: &Arc<Inner>, keys: Vec<(i64, i64)>) -> Vec<Result<()>> {
     let size = keys.len();
     let (reply, done) = tokio::sync::oneshot::channel();
-    if inner.acks.send((keys, reply)).is_err() {
-        return (0..size).map(|_| Err(Error::Closed)).collect();
-    }
+    let request = AckRequest { keys, reply };
+    GroupCommit::submit(inner, |i| &i.acks, request, commit_ack_group);
     let mut results = done.await.unwrap_or_default();
-    // A writer that stopped (or answered short) leaves these unsettled:
+    // A commit that never ran (or answered short) leaves these unsettled:
     // retryable, as the broker will hand them out again.
     results.resize_with(size, || {
-        Err(Error::broker("local", "ack writer stopped", true))
+        Err(Error::broker("local", "the ack commit stopped", true))
     });
     results
 }
@@ -121,7 +114,7 @@ impl Acknowledger for LocalAcker {
     }
 
     /// A batch of this consumer's deliveries as one request to the ack
-    /// writer (one commit, one reply), not one each.
+    /// commit (one commit, one reply), not one each.
     async fn ack_batch(&self, batch: &[&dyn Acknowledger]) -> Option<Vec<Result<()>>> {
         let members = ojs_queue::batch_of::<LocalAcker>(batch, |l| {
             Arc::ptr_eq(&l.inner, &self.inner) && Arc::ptr_eq(&l.held, &self.held)

@@ -29,6 +29,7 @@
 mod ack;
 mod config;
 mod consume;
+mod group;
 mod publish;
 mod store;
 
@@ -44,8 +45,9 @@ use tokio::sync::Notify;
 
 pub use config::{Durability, LocalConfig, DATABASE_FILE};
 
-use crate::ack::{ack_writer, AckRequest};
-use crate::publish::{publish_writer, PublishRequest};
+use crate::ack::AckRequest;
+use crate::group::GroupCommit;
+use crate::publish::{commit_publishes, PublishRequest};
 pub use consume::LocalConsumer;
 use consume::{lock_held, Held};
 
@@ -60,8 +62,10 @@ struct Inner {
     /// Wakes this process's consumers on publish and nack.
     notify: Notify,
     deletes: AtomicU64,
-    acks: tokio::sync::mpsc::UnboundedSender<AckRequest>,
-    publishes: tokio::sync::mpsc::UnboundedSender<PublishRequest>,
+    /// Acks and publishes waiting for their commit. Unbounded: each is a
+    /// caller awaiting its answer, so the callers bound them.
+    acks: GroupCommit<AckRequest>,
+    publishes: GroupCommit<PublishRequest>,
 }
 
 impl Inner {
@@ -106,21 +110,15 @@ impl LocalAdapter {
         .map_err(|e| Error::broker("local", e.to_string(), false))??;
         let checkpointer =
             ojs_sqlite::Checkpointer::start(config::DATABASE_FILE, checkpoints, &conn);
-        // Unbounded: each request is a caller awaiting its answer, so
-        // the callers bound them.
-        let (acks, ack_requests) = tokio::sync::mpsc::unbounded_channel();
-        let (publishes, publish_requests) = tokio::sync::mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             config,
             checkpointer,
             conn: Mutex::new(conn),
             notify: Notify::new(),
             deletes: AtomicU64::new(0),
-            acks,
-            publishes,
+            acks: GroupCommit::default(),
+            publishes: GroupCommit::default(),
         });
-        tokio::spawn(ack_writer(Arc::downgrade(&inner), ack_requests));
-        tokio::spawn(publish_writer(Arc::downgrade(&inner), publish_requests));
         Ok(LocalAdapter {
             inner,
             closed: AtomicBool::new(false),
@@ -158,13 +156,11 @@ impl QueueAdapter for LocalAdapter {
                 messages: batch,
                 reply,
             };
+            GroupCommit::submit(&self.inner, |i| &i.publishes, request, commit_publishes);
             // The batch comes back so that a failed commit can hand it back.
-            let (result, batch) = match self.inner.publishes.send(request) {
-                Ok(()) => answer
-                    .await
-                    .map_err(|_| Error::broker("local", "the publish writer stopped", true))?,
-                Err(unsent) => (Err(Error::Closed), unsent.0.messages),
-            };
+            let (result, batch) = answer
+                .await
+                .map_err(|_| Error::broker("local", "the publish commit stopped", true))?;
             match result {
                 Ok(()) => self.inner.notify.notify_waiters(),
                 Err(e) => {
@@ -343,7 +339,7 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
-    /// Concurrent publishes go through the writer's group commits: every
+    /// Concurrent publishes go through group commits: every
     /// good one is received, each publisher's in its order, and a refused
     /// one comes back to its caller with its messages while the publishes
     /// beside it land.
