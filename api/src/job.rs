@@ -176,7 +176,7 @@ pub fn max_attempts(job: &JobEnvelope) -> i32 {
 
 /// An RFC 3339 timestamp as the binding writes it: UTC, milliseconds, `Z`.
 pub fn timestamp(t: DateTime<Utc>) -> String {
-    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+    ojs_core::timestamp::rfc3339(&t, SecondsFormat::Millis)
 }
 
 /// A job from a JSON PUSH body, ready to store: id, `specversion`, state

@@ -22,6 +22,7 @@ mod error;
 pub mod fuzz_targets;
 pub mod glob;
 pub mod redact;
+pub mod timestamp;
 
 pub use envelope::media::Encoding;
 pub use envelope::value::MAX_VALUE_DEPTH;

@@ -352,7 +352,7 @@ struct ErrorView<'a>(&'a JobError);
 
 impl Serialize for Ts<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(&self.0.to_rfc3339_opts(SecondsFormat::AutoSi, true))
+        s.serialize_str(&crate::timestamp::rfc3339(self.0, SecondsFormat::AutoSi))
     }
 }
 
