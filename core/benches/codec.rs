@@ -93,9 +93,29 @@ fn codecs(c: &mut Criterion) {
     group.finish();
 }
 
+/// A timestamp as the envelope's JSON writes it, beside chrono's own
+/// formatter (the same text).
+fn timestamps(c: &mut Criterion) {
+    use chrono::SecondsFormat;
+    let t = chrono::DateTime::from_timestamp(1_795_000_000, 123_000_000).unwrap();
+    let mut group = c.benchmark_group("timestamp");
+    group.bench_function("ours", |b| {
+        b.iter(|| {
+            black_box(ojs_core::timestamp::rfc3339(
+                black_box(&t),
+                SecondsFormat::AutoSi,
+            ))
+        })
+    });
+    group.bench_function("chrono", |b| {
+        b.iter(|| black_box(black_box(&t).to_rfc3339_opts(SecondsFormat::AutoSi, true)))
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2)).warm_up_time(std::time::Duration::from_millis(500));
-    targets = codecs
+    targets = codecs, timestamps
 }
 criterion_main!(benches);

@@ -12,8 +12,12 @@ use chrono::{DateTime, Datelike, SecondsFormat, Timelike, Utc};
 /// few as hold it exactly). Years outside 0–9999, leap seconds and the
 /// other formats go to chrono.
 pub fn rfc3339(t: &DateTime<Utc>, format: SecondsFormat) -> String {
-    let nanos = t.nanosecond();
-    let year = t.year();
+    // The accessors of `DateTime` convert to local time on each call; the
+    // naive date and time are that once.
+    let naive = t.naive_utc();
+    let (date, time) = (naive.date(), naive.time());
+    let nanos = time.nanosecond();
+    let year = date.year();
     let digits = match format {
         SecondsFormat::Millis => 3,
         SecondsFormat::AutoSi if nanos == 0 => 0,
@@ -25,29 +29,34 @@ pub fn rfc3339(t: &DateTime<Utc>, format: SecondsFormat) -> String {
     if !(0..=9999).contains(&year) || nanos >= 1_000_000_000 {
         return t.to_rfc3339_opts(format, true);
     }
-    let mut out = [0u8; 30];
-    let mut at = 0;
-    let mut put = |mut n: u32, width: usize, end: u8| {
-        for i in (0..width).rev() {
-            out[at + i] = b'0' + (n % 10) as u8;
-            n /= 10;
-        }
-        out[at + width] = end;
-        at += width + 1;
-    };
-    put(year as u32, 4, b'-');
-    put(t.month(), 2, b'-');
-    put(t.day(), 2, b'T');
-    put(t.hour(), 2, b':');
-    put(t.minute(), 2, b':');
-    if digits == 0 {
-        put(t.second(), 2, b'Z');
+    let mut out = *b"0000-00-00T00:00:00.000000000Z";
+    write_digits(&mut out[0..4], year as u32);
+    write_digits(&mut out[5..7], date.month());
+    write_digits(&mut out[8..10], date.day());
+    write_digits(&mut out[11..13], time.hour());
+    write_digits(&mut out[14..16], time.minute());
+    write_digits(&mut out[17..19], time.second());
+    let end = if digits == 0 {
+        19
     } else {
-        put(t.second(), 2, b'.');
-        put(nanos / 10u32.pow(9 - digits as u32), digits, b'Z');
+        write_digits(
+            &mut out[20..20 + digits],
+            nanos / 10u32.pow(9 - digits as u32),
+        );
+        20 + digits
+    };
+    out[end] = b'Z';
+    // Every byte is an ASCII digit or separator, so this never falls back.
+    std::str::from_utf8(&out[..=end])
+        .map_or_else(|_| t.to_rfc3339_opts(format, true), str::to_owned)
+}
+
+/// `n`'s last `slot.len()` decimal digits into `slot`, zero-padded.
+fn write_digits(slot: &mut [u8], mut n: u32) {
+    for byte in slot.iter_mut().rev() {
+        *byte = b'0' + (n % 10) as u8;
+        n /= 10;
     }
-    // Every byte written is an ASCII digit or separator.
-    out[..at].iter().map(|&b| char::from(b)).collect()
 }
 
 #[cfg(test)]
