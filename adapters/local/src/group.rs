@@ -35,6 +35,7 @@ impl<R: Member> GroupCommit<R> {
     /// Queues `request`. When no commit run is going, starts one on the
     /// blocking pool: it hands `run` the waiting requests, a group at a
     /// time, until none waits.
+    ///
     /// `owner` holds this queue (`field` finds it there) and what `run`
     /// needs (the adapter's connection).
     pub(crate) fn submit<H: Send + Sync + 'static>(
