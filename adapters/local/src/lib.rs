@@ -286,6 +286,208 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
+    /// A database of schema 1 (queues named by text in every row), as
+    /// builds before schema 2 left it: waiting, scheduled, leased and
+    /// dead-lettered messages of two queues, and ids handed out past the
+    /// largest left (acked messages).
+    fn write_schema_1(path: &std::path::Path) {
+        let c = Connection::open(path).unwrap();
+        c.execute_batch(
+            "PRAGMA auto_vacuum = INCREMENTAL; PRAGMA journal_mode = WAL;
+             CREATE TABLE messages (
+                 id INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT NOT NULL,
+                 dead INTEGER NOT NULL DEFAULT 0, priority INTEGER NOT NULL DEFAULT 0,
+                 visible_at INTEGER NOT NULL, deliveries INTEGER NOT NULL DEFAULT 0,
+                 lease INTEGER, max_deliveries INTEGER, payload BLOB NOT NULL,
+                 headers TEXT NOT NULL, msg_key TEXT, message_id TEXT,
+                 enqueued_at INTEGER NOT NULL);
+             CREATE INDEX messages_order ON messages (queue, dead, priority DESC, id);
+             CREATE INDEX messages_visible ON messages (queue, dead, visible_at);
+             CREATE INDEX messages_leased ON messages (queue, visible_at) WHERE lease IS NOT NULL;
+             INSERT INTO messages (id, queue, visible_at, payload, headers, enqueued_at)
+                 VALUES (90, 'acked', 0, CAST('gone' AS BLOB), '{}', 0);
+             DELETE FROM messages;
+             INSERT INTO messages (id, queue, priority, visible_at, payload, headers, msg_key, message_id, enqueued_at) VALUES
+                 (3, 'q', 0, 0, CAST('low' AS BLOB), '{\"traceparent\":\"t1\"}', 'k1', 'm-low', 1),
+                 (4, 'q', 5, 0, CAST('high' AS BLOB), '{}', NULL, NULL, 1),
+                 (5, 'q', 0, 0, CAST('next' AS BLOB), '{}', NULL, NULL, 1),
+                 (6, 'q', 9, 4102444800000, CAST('scheduled' AS BLOB), '{}', NULL, NULL, 1),
+                 (7, 'other', 0, 0, CAST('elsewhere' AS BLOB), '{}', NULL, NULL, 1);
+             INSERT INTO messages (id, queue, dead, visible_at, payload, headers, enqueued_at)
+                 VALUES (8, 'q', 1, 0, CAST('dead' AS BLOB), '{\"x-ojs-dead-letter-kind\":\"test\"}', 1);
+             INSERT INTO messages (id, queue, visible_at, deliveries, lease, payload, headers, enqueued_at)
+                 VALUES (9, 'q', 4102444800000, 1, 77, CAST('leased' AS BLOB), '{}', 1);",
+        )
+        .unwrap();
+        c.execute_batch(&format!(
+            "PRAGMA application_id = {}; PRAGMA user_version = 1;",
+            0x4F4A_5342
+        ))
+        .unwrap();
+    }
+
+    /// Opening a directory of schema 1 moves it to schema 2 with nothing
+    /// lost or reordered: each queue delivers what it held, in its order,
+    /// scheduled and leased messages stay invisible, dead letters stay
+    /// dead, and no id handed out before is given again.
+    #[tokio::test]
+    async fn a_schema_1_database_is_moved_to_schema_2_with_its_messages() {
+        let dir = temp_dir("schema-1");
+        write_schema_1(&dir.join(DATABASE_FILE));
+        let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let payloads = |batch: &[ojs_queue::Delivery]| -> Vec<String> {
+            batch
+                .iter()
+                .map(|d| String::from_utf8(d.payload.to_vec()).unwrap())
+                .collect()
+        };
+        let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let got = c.receive(10, Duration::ZERO).await.unwrap();
+        assert_eq!(payloads(&got), ["high", "low", "next"]);
+        assert_eq!(got[1].headers.get_str("traceparent"), Some("t1"));
+        assert_eq!(got[1].key.as_deref(), Some(&b"k1"[..]));
+        assert_eq!(got[1].message_id.as_deref(), Some("m-low"));
+        let mut dead = a
+            .consumer(
+                "q",
+                ConsumerOptions {
+                    source: Source::DeadLetters,
+                    ..ConsumerOptions::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            payloads(&dead.receive(10, Duration::ZERO).await.unwrap()),
+            ["dead"]
+        );
+        let mut other = a
+            .consumer("other", ConsumerOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(
+            payloads(&other.receive(10, Duration::ZERO).await.unwrap()),
+            ["elsewhere"]
+        );
+        a.publish("q", vec![OutgoingMessage::new("new", OJS_PROTO)])
+            .await
+            .unwrap();
+        let (version, ids): (i64, Vec<i64>) = {
+            let conn = a.inner.lock();
+            let version = conn
+                .query_row("PRAGMA user_version", [], |r| r.get(0))
+                .unwrap();
+            let ids = conn
+                .prepare("SELECT id FROM messages WHERE payload = CAST('new' AS BLOB)")
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            (version, ids)
+        };
+        assert_eq!(version, 2);
+        assert!(
+            ids.len() == 1 && ids[0] > 90,
+            "the new message's id: {ids:?}"
+        );
+        // The scheduled and the leased one are still there, not delivered.
+        assert_eq!(
+            payloads(&c.receive(10, Duration::ZERO).await.unwrap()),
+            ["new"]
+        );
+        drop((c, dead, other));
+        a.close().await.unwrap();
+        drop(a);
+        // Opened again, it is schema 2 already and opens as it is.
+        let again = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let counts: (i64, i64) = again
+            .inner
+            .lock()
+            .query_row(
+                "SELECT (SELECT count(*) FROM messages), (SELECT count(*) FROM messages WHERE visible_at = 4102444800000)",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(counts.1, 2, "the scheduled and the leased message");
+        assert!(counts.0 >= 2, "{counts:?}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// A database a newer build wrote is refused, untouched.
+    #[tokio::test]
+    async fn a_newer_schema_is_refused_untouched() {
+        let dir = temp_dir("schema-newer");
+        let path = dir.join(DATABASE_FILE);
+        drop(LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap());
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch("PRAGMA user_version = 3;")
+            .unwrap();
+        let before = std::fs::read(&path).unwrap();
+        let err = LocalAdapter::open(LocalConfig::new(&dir))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
+        assert!(
+            err.to_string().contains("schema version 3 is newer"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), before, "not modified");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// A deleted reply queue takes its name with it, and housekeeping
+    /// removes the names of queues left empty, so short-lived queue names
+    /// do not accumulate; a queue used again works under a new id.
+    #[tokio::test]
+    async fn names_of_deleted_and_empty_queues_do_not_accumulate() {
+        let dir = temp_dir("queue-names");
+        let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let names = |a: &LocalAdapter| -> Vec<String> {
+            a.inner
+                .lock()
+                .prepare("SELECT name FROM queues ORDER BY name")
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+        };
+        for q in ["reply-1", "reply-2", "kept", "emptied"] {
+            a.publish(q, vec![OutgoingMessage::new(q.to_owned(), OJS_PROTO)])
+                .await
+                .unwrap();
+        }
+        a.delete_reply_queue("reply-1").await.unwrap();
+        a.delete_reply_queue("never-used").await.unwrap();
+        assert_eq!(names(&a), ["emptied", "kept", "reply-2"]);
+        a.delete_reply_queue("reply-2").await.unwrap();
+        let mut c = a
+            .consumer("emptied", ConsumerOptions::default())
+            .await
+            .unwrap();
+        for d in c.receive(10, Duration::ZERO).await.unwrap() {
+            d.ack().await.unwrap();
+        }
+        blocking(&a.inner, |inner, conn| {
+            store::housekeeping(conn, &inner.checkpointer)
+        })
+        .await
+        .unwrap();
+        assert_eq!(names(&a), ["kept"]);
+        assert_eq!(a.depth("reply-1").await.unwrap(), Some(0));
+        a.publish("emptied", vec![OutgoingMessage::new("again", OJS_PROTO)])
+            .await
+            .unwrap();
+        let got = c.receive(10, Duration::ZERO).await.unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(&got[0].payload[..], b"again");
+        assert_eq!(a.depth("kept").await.unwrap(), Some(1));
+        std::fs::remove_dir_all(dir).ok();
+    }
+
     /// Makes the store refuse every message whose payload is `bad`, on
     /// the adapter's own connection (a TEMP trigger): a publish that fails
     /// for its own rows, as a constraint would make it.
@@ -319,7 +521,10 @@ mod tests {
         let error = results[1].as_ref().unwrap_err().to_string();
         assert!(error.contains("refused by the test"), "{error}");
         let payloads: Vec<(String, String)> = conn
-            .prepare("SELECT queue, CAST(payload AS TEXT) FROM messages ORDER BY id")
+            .prepare(
+                "SELECT q.name, CAST(m.payload AS TEXT) FROM messages m
+                 JOIN queues q ON q.id = m.queue_id ORDER BY m.id",
+            )
             .unwrap()
             .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
             .unwrap()

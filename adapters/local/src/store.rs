@@ -20,13 +20,20 @@ use crate::config::{Durability, LocalConfig};
 /// `PRAGMA application_id` of our databases ("OJSB"), so a foreign SQLite
 /// file is recognised instead of being written to.
 const APPLICATION_ID: i64 = 0x4F4A_5342;
-/// Schema version in `PRAGMA user_version`.
-const SCHEMA_VERSION: i64 = 1;
+/// Schema version in `PRAGMA user_version`. 2: messages name their queue
+/// by an integer id (table `queues`); 1 named it by its text, which every
+/// index lookup compared string by string (a fifth of the daemon's
+/// instructions moving messages from one embedded queue to another).
+const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS queues (
+    id   INTEGER PRIMARY KEY,
+    name TEXT    NOT NULL UNIQUE
+);
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    queue       TEXT    NOT NULL,
+    queue_id    INTEGER NOT NULL,
     dead        INTEGER NOT NULL DEFAULT 0,
     priority    INTEGER NOT NULL DEFAULT 0,
     visible_at  INTEGER NOT NULL,
@@ -40,10 +47,52 @@ CREATE TABLE IF NOT EXISTS messages (
     message_id  TEXT,
     enqueued_at INTEGER NOT NULL
 );
-CREATE INDEX IF NOT EXISTS messages_order ON messages (queue, dead, priority DESC, id);
-CREATE INDEX IF NOT EXISTS messages_visible ON messages (queue, dead, visible_at);
+-- Every index entry ends with the row's id: publish order within a priority
+-- (naming `id` here stored it twice).
+CREATE INDEX IF NOT EXISTS messages_order ON messages (queue_id, dead, priority DESC);
+CREATE INDEX IF NOT EXISTS messages_visible ON messages (queue_id, dead, visible_at);
 -- Only leased rows: finding expired leases must not scan the ready backlog.
-CREATE INDEX IF NOT EXISTS messages_leased ON messages (queue, visible_at) WHERE lease IS NOT NULL;
+CREATE INDEX IF NOT EXISTS messages_leased ON messages (queue_id, visible_at) WHERE lease IS NOT NULL;
+";
+
+/// From schema 1: the queue names move to `queues`, and `messages` is
+/// copied into a table that names them by id (ids, order, leases, dead
+/// letters and the AUTOINCREMENT counter kept). The new indexes are made
+/// by [`SCHEMA`] after it.
+const MIGRATE_FROM_1: &str = "
+CREATE TABLE queues (
+    id   INTEGER PRIMARY KEY,
+    name TEXT    NOT NULL UNIQUE
+);
+INSERT INTO queues (name) SELECT DISTINCT queue FROM messages ORDER BY queue;
+CREATE TABLE messages_2 (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue_id    INTEGER NOT NULL,
+    dead        INTEGER NOT NULL DEFAULT 0,
+    priority    INTEGER NOT NULL DEFAULT 0,
+    visible_at  INTEGER NOT NULL,
+    deliveries  INTEGER NOT NULL DEFAULT 0,
+    lease       INTEGER,
+    max_deliveries INTEGER,
+    payload     BLOB    NOT NULL,
+    headers     TEXT    NOT NULL,
+    msg_key     TEXT,
+    message_id  TEXT,
+    enqueued_at INTEGER NOT NULL
+);
+INSERT INTO messages_2 (id, queue_id, dead, priority, visible_at, deliveries, lease, max_deliveries,
+                        payload, headers, msg_key, message_id, enqueued_at)
+    SELECT m.id, q.id, m.dead, m.priority, m.visible_at, m.deliveries, m.lease, m.max_deliveries,
+           m.payload, m.headers, m.msg_key, m.message_id, m.enqueued_at
+    FROM messages m JOIN queues q ON q.name = m.queue;
+-- The counter of ids handed out, not only the largest left: an acked
+-- message's id is never given again.
+DELETE FROM sqlite_sequence WHERE name = 'messages_2';
+INSERT INTO sqlite_sequence (name, seq) VALUES ('messages_2', max(
+    coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'messages'), 0),
+    coalesce((SELECT max(id) FROM messages_2), 0)));
+DROP TABLE messages;
+ALTER TABLE messages_2 RENAME TO messages;
 ";
 
 pub(crate) fn now_ms() -> i64 {
@@ -102,7 +151,7 @@ pub(crate) fn open(config: &LocalConfig) -> Result<Connection> {
         reason: format!("cannot create {}: {e}", config.path.display()),
     })?;
     let path = config.database_path();
-    let conn = Connection::open_with_flags(
+    let mut conn = Connection::open_with_flags(
         &path,
         OpenFlags::SQLITE_OPEN_READ_WRITE
             | OpenFlags::SQLITE_OPEN_CREATE
@@ -154,11 +203,7 @@ pub(crate) fn open(config: &LocalConfig) -> Result<Connection> {
     };
     conn.execute_batch(&format!("PRAGMA synchronous = {sync};"))
         .map_err(db_error)?;
-    conn.execute_batch(SCHEMA).map_err(db_error)?;
-    conn.execute_batch(&format!(
-        "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};"
-    ))
-    .map_err(db_error)?;
+    prepare_schema(&mut conn, &path)?;
     // Plans that do not depend on bound values: otherwise SQLite prepares
     // a claim again on every call (its time and its LIMIT change, and the
     // planner had looked at them), a thirtieth of the daemon's CPU under
@@ -169,6 +214,39 @@ pub(crate) fn open(config: &LocalConfig) -> Result<Connection> {
     )
     .map_err(db_error)?;
     Ok(conn)
+}
+
+/// Brings the schema to [`SCHEMA_VERSION`] in one transaction that holds
+/// the write lock and reads the version again: of two processes opening a
+/// directory at once, one migrates and the other finds it done.
+fn prepare_schema(conn: &mut Connection, path: &Path) -> Result<()> {
+    let tx = write_transaction(conn)?;
+    let version: i64 = tx
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(db_error)?;
+    if version > SCHEMA_VERSION {
+        return Err(foreign(
+            path,
+            &format!("schema version {version} is newer than this build's {SCHEMA_VERSION}"),
+        ));
+    }
+    if version == 1 {
+        let messages: i64 = tx
+            .query_row("SELECT count(*) FROM messages", [], |r| r.get(0))
+            .map_err(db_error)?;
+        tx.execute_batch(MIGRATE_FROM_1).map_err(db_error)?;
+        tracing::info!(
+            path = %path.display(),
+            messages,
+            "moved the embedded broker's database from schema 1 to 2 (queues named by id)"
+        );
+    }
+    tx.execute_batch(SCHEMA).map_err(db_error)?;
+    tx.execute_batch(&format!(
+        "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};"
+    ))
+    .map_err(db_error)?;
+    tx.commit().map_err(db_error)
 }
 
 /// A second connection to the database of `config` (opened by [`open`]
@@ -243,15 +321,36 @@ pub(crate) fn insert_publishes(
     Ok(results)
 }
 
+/// The id of `queue`, or `None` when nothing was ever published to it
+/// (or everything in it is gone and housekeeping removed its name).
+fn queue_id(conn: &Connection, queue: &str) -> Result<Option<i64>> {
+    conn.prepare_cached("SELECT id FROM queues WHERE name = ?1")
+        .and_then(|mut s| s.query_row([queue], |r| r.get(0)).optional())
+        .map_err(db_error)
+}
+
+/// The id of `queue`, its name added when it has none, in the publish's
+/// transaction or savepoint: a publish that fails leaves no name behind.
+fn add_queue(conn: &Connection, queue: &str) -> Result<i64> {
+    if let Some(id) = queue_id(conn, queue)? {
+        return Ok(id);
+    }
+    conn.prepare_cached("INSERT INTO queues (name) VALUES (?1)")
+        .and_then(|mut s| s.execute([queue]))
+        .map_err(db_error)?;
+    Ok(conn.last_insert_rowid())
+}
+
 fn insert_rows(
     tx: &rusqlite::Transaction<'_>,
     queue: &str,
     messages: &[OutgoingMessage],
     now: i64,
 ) -> Result<()> {
+    let queue_id = add_queue(tx, queue)?;
     let mut stmt = tx
         .prepare_cached(
-            "INSERT INTO messages (queue, priority, visible_at, payload, headers, msg_key, message_id, enqueued_at)
+            "INSERT INTO messages (queue_id, priority, visible_at, payload, headers, msg_key, message_id, enqueued_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         )
         .map_err(db_error)?;
@@ -260,7 +359,7 @@ fn insert_rows(
         let headers = serde_json::to_string(&m.headers)
             .map_err(|e| Error::broker("local", e.to_string(), false))?;
         stmt.execute(params![
-            queue,
+            queue_id,
             m.priority,
             visible_at,
             m.payload.as_ref(),
@@ -295,7 +394,7 @@ fn parse_headers(text: &str) -> Headers {
 pub(crate) const CLAIM: &str =
     "UPDATE messages SET lease = ?1, visible_at = ?2, deliveries = deliveries + 1, max_deliveries = ?7
      WHERE id IN (SELECT id FROM messages INDEXED BY messages_order
-                  WHERE queue = ?3 AND dead = ?4 AND visible_at <= ?5
+                  WHERE queue_id = ?3 AND dead = ?4 AND visible_at <= ?5
                   ORDER BY priority DESC, id LIMIT ?6)
      RETURNING id, priority, payload, headers, msg_key, message_id, deliveries";
 
@@ -313,10 +412,14 @@ pub(crate) fn claim(
     let now = now_ms();
     let lease = uuid::Uuid::new_v4().as_u64_pair().0 as i64;
     let tx = write_transaction(conn)?;
+    let Some(queue_id) = queue_id(&tx, queue)? else {
+        // Nothing was published to it: nothing to claim or sweep.
+        return Ok((Vec::new(), lease));
+    };
     // Expired leases of messages that reached their consumer's limit go to
     // the dead letters before anything is claimed (from the queue or the
     // dead letters), so neither reader sees them in the wrong place.
-    sweep_exhausted(&tx, queue, now)?;
+    sweep_exhausted(&tx, queue_id, now)?;
     // Dead letters are never dead-lettered again.
     let max_deliveries = if dead { None } else { max_deliveries };
     // INDEXED BY: walking the (priority, id) order and skipping the few
@@ -329,7 +432,7 @@ pub(crate) fn claim(
                 params![
                     lease,
                     deadline,
-                    queue,
+                    queue_id,
                     dead,
                     now,
                     max as i64,
@@ -360,17 +463,17 @@ pub(crate) fn claim(
     Ok((claimed, lease))
 }
 
-fn sweep_exhausted(conn: &Connection, queue: &str, now: i64) -> Result<()> {
+fn sweep_exhausted(conn: &Connection, queue_id: i64, now: i64) -> Result<()> {
     let exhausted: Vec<(i64, String, i64)> = {
         let mut stmt = conn
             .prepare_cached(
                 "SELECT id, headers, deliveries FROM messages INDEXED BY messages_leased
-                 WHERE queue = ?1 AND lease IS NOT NULL AND visible_at <= ?2 AND dead = 0
+                 WHERE queue_id = ?1 AND lease IS NOT NULL AND visible_at <= ?2 AND dead = 0
                    AND max_deliveries IS NOT NULL AND deliveries >= max_deliveries",
             )
             .map_err(db_error)?;
         let rows = stmt
-            .query_map(params![queue, now], |r| {
+            .query_map(params![queue_id, now], |r| {
                 Ok((r.get(0)?, r.get(1)?, r.get(2)?))
             })
             .map_err(db_error)?;
@@ -405,7 +508,8 @@ fn move_to_dead(conn: &Connection, id: i64, headers: &Headers) -> Result<()> {
 /// The earliest time a message of the queue becomes deliverable.
 pub(crate) fn next_visible(conn: &Connection, queue: &str, dead: bool) -> Result<Option<i64>> {
     conn.prepare_cached(
-        "SELECT min(visible_at) FROM messages WHERE queue = ?1 AND dead = ?2 AND visible_at > ?3",
+        "SELECT min(visible_at) FROM messages
+         WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND dead = ?2 AND visible_at > ?3",
     )
     .and_then(|mut s| s.query_row(params![queue, dead, now_ms()], |r| r.get(0)))
     .map_err(db_error)
@@ -533,7 +637,9 @@ pub(crate) fn release(conn: &mut Connection, leases: &[(i64, i64)]) -> Result<()
 /// Messages waiting (not leased) in the queue.
 pub(crate) fn depth(conn: &Connection, queue: &str) -> Result<u64> {
     conn.prepare_cached(
-        "SELECT count(*) FROM messages WHERE queue = ?1 AND dead = 0 AND (lease IS NULL OR visible_at <= ?2)",
+        "SELECT count(*) FROM messages
+         WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND dead = 0
+           AND (lease IS NULL OR visible_at <= ?2)",
     )
     .and_then(|mut s| s.query_row(params![queue, now_ms()], |r| r.get::<_, i64>(0)))
     .map(|n| n.max(0) as u64)
@@ -541,12 +647,21 @@ pub(crate) fn depth(conn: &Connection, queue: &str) -> Result<u64> {
 }
 
 /// Removes everything in `queue`, dead letters and leased messages too (a
-/// reply queue its client is done with).
-pub(crate) fn delete_queue(conn: &Connection, queue: &str) -> Result<u64> {
-    conn.prepare_cached("DELETE FROM messages WHERE queue = ?1")
-        .and_then(|mut s| s.execute(params![queue]))
-        .map(|n| n as u64)
-        .map_err(db_error)
+/// reply queue its client is done with), and its name.
+pub(crate) fn delete_queue(conn: &mut Connection, queue: &str) -> Result<u64> {
+    let tx = write_transaction(conn)?;
+    let Some(queue_id) = queue_id(&tx, queue)? else {
+        return Ok(0);
+    };
+    let deleted = tx
+        .prepare_cached("DELETE FROM messages WHERE queue_id = ?1")
+        .and_then(|mut s| s.execute([queue_id]))
+        .map_err(db_error)?;
+    tx.prepare_cached("DELETE FROM queues WHERE id = ?1")
+        .and_then(|mut s| s.execute([queue_id]))
+        .map_err(db_error)?;
+    tx.commit().map_err(db_error)?;
+    Ok(deleted as u64)
 }
 
 /// Returns free pages to the file system and folds the WAL back, so that
@@ -557,6 +672,14 @@ pub(crate) fn housekeeping(
     conn: &Connection,
     checkpoints: &ojs_sqlite::Checkpointer,
 ) -> Result<()> {
+    // Names of queues left empty go, so that a stream of short-lived queue
+    // names (reply queues) does not grow the table; a queue published to
+    // again gets a new id. One statement: atomic against other processes.
+    conn.execute(
+        "DELETE FROM queues WHERE NOT EXISTS (SELECT 1 FROM messages WHERE queue_id = queues.id)",
+        [],
+    )
+    .map_err(db_error)?;
     // The pragma frees one page per step: step it until it is done.
     let mut stmt = conn
         .prepare("PRAGMA incremental_vacuum")
