@@ -246,6 +246,14 @@ mod tests {
         dir
     }
 
+    async fn dead_letters(a: &LocalAdapter, queue: &str) -> Box<dyn Consumer> {
+        let options = ConsumerOptions {
+            source: Source::DeadLetters,
+            ..ConsumerOptions::default()
+        };
+        a.consumer(queue, options).await.unwrap()
+    }
+
     #[tokio::test]
     async fn a_corrupt_file_is_a_clear_error() {
         let dir = temp_dir("corrupt");
@@ -347,16 +355,7 @@ mod tests {
         assert_eq!(got[1].headers.get_str("traceparent"), Some("t1"));
         assert_eq!(got[1].key.as_deref(), Some(&b"k1"[..]));
         assert_eq!(got[1].message_id.as_deref(), Some("m-low"));
-        let mut dead = a
-            .consumer(
-                "q",
-                ConsumerOptions {
-                    source: Source::DeadLetters,
-                    ..ConsumerOptions::default()
-                },
-            )
-            .await
-            .unwrap();
+        let mut dead = dead_letters(&a, "q").await;
         assert_eq!(
             payloads(&dead.receive(10, Duration::ZERO).await.unwrap()),
             ["dead"]
@@ -862,16 +861,7 @@ mod tests {
         );
         // Every settle took effect: half are dead letters, half wait for
         // their retry; none is lost, none is still leased.
-        let mut dead = settler
-            .consumer(
-                "q",
-                ConsumerOptions {
-                    source: Source::DeadLetters,
-                    ..ConsumerOptions::default()
-                },
-            )
-            .await
-            .unwrap();
+        let mut dead = dead_letters(&settler, "q").await;
         let dead_letters = dead.receive(n, Duration::from_secs(1)).await.unwrap().len();
         let waiting = settler.depth("q").await.unwrap();
         println!(

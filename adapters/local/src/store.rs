@@ -55,44 +55,31 @@ CREATE INDEX IF NOT EXISTS messages_visible ON messages (queue_id, dead, visible
 CREATE INDEX IF NOT EXISTS messages_leased ON messages (queue_id, visible_at) WHERE lease IS NOT NULL;
 ";
 
-/// From schema 1: the queue names move to `queues`, and `messages` is
-/// copied into a table that names them by id (ids, order, leases, dead
-/// letters and the AUTOINCREMENT counter kept). The new indexes are made
-/// by [`SCHEMA`] after it.
-const MIGRATE_FROM_1: &str = "
-CREATE TABLE queues (
-    id   INTEGER PRIMARY KEY,
-    name TEXT    NOT NULL UNIQUE
-);
-INSERT INTO queues (name) SELECT DISTINCT queue FROM messages ORDER BY queue;
-CREATE TABLE messages_2 (
-    id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    queue_id    INTEGER NOT NULL,
-    dead        INTEGER NOT NULL DEFAULT 0,
-    priority    INTEGER NOT NULL DEFAULT 0,
-    visible_at  INTEGER NOT NULL,
-    deliveries  INTEGER NOT NULL DEFAULT 0,
-    lease       INTEGER,
-    max_deliveries INTEGER,
-    payload     BLOB    NOT NULL,
-    headers     TEXT    NOT NULL,
-    msg_key     TEXT,
-    message_id  TEXT,
-    enqueued_at INTEGER NOT NULL
-);
-INSERT INTO messages_2 (id, queue_id, dead, priority, visible_at, deliveries, lease, max_deliveries,
-                        payload, headers, msg_key, message_id, enqueued_at)
+/// From schema 1, before [`SCHEMA`]: the table of schema 1 steps aside
+/// (its indexes dropped, their names are schema 2's).
+const SET_ASIDE_1: &str = "
+ALTER TABLE messages RENAME TO messages_1;
+DROP INDEX messages_order;
+DROP INDEX messages_visible;
+DROP INDEX messages_leased;
+";
+
+/// From schema 1, after [`SCHEMA`]: the queue names move to `queues` and
+/// the messages into schema 2's table, ids, order, leases and dead letters
+/// kept, with the counter of ids handed out (not only the largest left: an
+/// acked message's id is never given again).
+const MOVE_FROM_1: &str = "
+INSERT INTO queues (name) SELECT DISTINCT queue FROM messages_1 ORDER BY queue;
+INSERT INTO messages (id, queue_id, dead, priority, visible_at, deliveries, lease, max_deliveries,
+                      payload, headers, msg_key, message_id, enqueued_at)
     SELECT m.id, q.id, m.dead, m.priority, m.visible_at, m.deliveries, m.lease, m.max_deliveries,
            m.payload, m.headers, m.msg_key, m.message_id, m.enqueued_at
-    FROM messages m JOIN queues q ON q.name = m.queue;
--- The counter of ids handed out, not only the largest left: an acked
--- message's id is never given again.
-DELETE FROM sqlite_sequence WHERE name = 'messages_2';
-INSERT INTO sqlite_sequence (name, seq) VALUES ('messages_2', max(
-    coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'messages'), 0),
-    coalesce((SELECT max(id) FROM messages_2), 0)));
-DROP TABLE messages;
-ALTER TABLE messages_2 RENAME TO messages;
+    FROM messages_1 m JOIN queues q ON q.name = m.queue;
+DELETE FROM sqlite_sequence WHERE name = 'messages';
+INSERT INTO sqlite_sequence (name, seq) VALUES ('messages', max(
+    coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'messages_1'), 0),
+    coalesce((SELECT max(id) FROM messages), 0)));
+DROP TABLE messages_1;
 ";
 
 pub(crate) fn now_ms() -> i64 {
@@ -231,17 +218,20 @@ fn prepare_schema(conn: &mut Connection, path: &Path) -> Result<()> {
         ));
     }
     if version == 1 {
+        tx.execute_batch(SET_ASIDE_1).map_err(db_error)?;
+    }
+    tx.execute_batch(SCHEMA).map_err(db_error)?;
+    if version == 1 {
         let messages: i64 = tx
-            .query_row("SELECT count(*) FROM messages", [], |r| r.get(0))
+            .query_row("SELECT count(*) FROM messages_1", [], |r| r.get(0))
             .map_err(db_error)?;
-        tx.execute_batch(MIGRATE_FROM_1).map_err(db_error)?;
+        tx.execute_batch(MOVE_FROM_1).map_err(db_error)?;
         tracing::info!(
             path = %path.display(),
             messages,
             "moved the embedded broker's database from schema 1 to 2 (queues named by id)"
         );
     }
-    tx.execute_batch(SCHEMA).map_err(db_error)?;
     tx.execute_batch(&format!(
         "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};"
     ))
