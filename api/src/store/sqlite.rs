@@ -50,10 +50,8 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// cron jobs, roles (`crate::cron`), paused queues and rate-limit windows,
 /// 7 workflows, 8 rate-limit keys with the jobs filed under them (in place
 /// of the windows) and queue configurations, 9 the jobs counted by queue and
-/// state (`job_counts`, kept by the writer: [`Tally`]), 10 indexes only the
-/// scheduled jobs by due time (`jobs_scheduled`, in place of `jobs_due` on
-/// every job's state and due time, which each transition rewrote).
-const SCHEMA_VERSION: i64 = 10;
+/// state (`job_counts`, kept by the writer: [`Tally`]).
+const SCHEMA_VERSION: i64 = 9;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -69,9 +67,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     extra       TEXT NOT NULL DEFAULT '{}',
     dead        INTEGER NOT NULL DEFAULT 0
 );
--- Only scheduled jobs have a due time the scheduler looks for; indexing
--- them alone keeps the index out of every other transition's writes.
-CREATE INDEX IF NOT EXISTS jobs_scheduled ON jobs (due_ms) WHERE state = 'scheduled';
+CREATE INDEX IF NOT EXISTS jobs_due ON jobs (state, due_ms);
 CREATE INDEX IF NOT EXISTS jobs_dead ON jobs (finished_ms) WHERE dead = 1;
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (finished_ms) WHERE finished_ms IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_ms);
@@ -358,9 +354,6 @@ impl SqliteStore {
         if version == 1 || version == 2 {
             tx.execute_batch(MIGRATE_2_TO_3)?;
         }
-        if version < 10 {
-            tx.execute_batch("DROP INDEX IF EXISTS jobs_due;")?;
-        }
         tx.execute_batch(SCHEMA)?;
         if version < 9 {
             tx.execute_batch(COUNT_JOBS)?;
@@ -508,10 +501,8 @@ impl super::JobStore for SqliteStore {
     async fn due(&self, now: DateTime<Utc>, limit: usize) -> Result<Vec<Job>, StoreError> {
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
-                // INDEXED BY: without statistics the planner prefers
-                // `jobs_state_created` and sorts every scheduled job.
-                "SELECT id, envelope, extra FROM jobs INDEXED BY jobs_scheduled
-                 WHERE state = 'scheduled' AND due_ms <= ?1 ORDER BY due_ms LIMIT ?2",
+                "SELECT id, envelope, extra FROM jobs WHERE state = 'scheduled' AND due_ms <= ?1
+                 ORDER BY due_ms LIMIT ?2",
             )?;
             jobs(&mut stmt, params![ms(now), limit as i64])
         })
@@ -521,7 +512,7 @@ impl super::JobStore for SqliteStore {
     async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
         self.read(|conn| {
             let at: Option<i64> = conn.query_row(
-                "SELECT min(due_ms) FROM jobs INDEXED BY jobs_scheduled WHERE state = 'scheduled'",
+                "SELECT min(due_ms) FROM jobs WHERE state = 'scheduled'",
                 [],
                 |r| r.get(0),
             )?;
@@ -2047,59 +2038,6 @@ mod tests {
         drop(store);
         let store = Store::open(&dir, Durability::Process).await?;
         assert_eq!(ids(&store.unpublished(10).await?), ids(&[f]));
-        let _ = std::fs::remove_dir_all(&dir);
-        Ok(())
-    }
-
-    /// Version 9 indexed every job by state and due time; opened by this
-    /// build, the store indexes only the scheduled jobs and still finds them
-    /// due in order.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_version_9_store_finds_its_scheduled_jobs_by_the_new_index() -> Result<(), StoreError>
-    {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
-        let now = Utc::now();
-        let scheduled = |seconds: i64| {
-            let at = crate::job::timestamp(now + chrono::Duration::seconds(seconds));
-            let body = json!({"type": "a.b", "args": [1], "scheduled_at": at});
-            crate::job::from_json(body, now).unwrap_or_else(|e| panic!("{e}"))
-        };
-        let (later, sooner, not_yet) = (scheduled(20), scheduled(10), scheduled(30));
-        let store = Store::open(&dir, Durability::Process).await?;
-        store
-            .insert(vec![later.clone(), job(None), sooner.clone(), not_yet])
-            .await?;
-        settle(&store).await?;
-        drop(store);
-        let indexes = |dir: &Path| -> Result<Vec<String>, StoreError> {
-            let conn = Connection::open(dir.join(STORE_FILE))?;
-            let mut stmt = conn.prepare(
-                "SELECT name FROM sqlite_master WHERE type = 'index' AND name LIKE 'jobs_%' ORDER BY name",
-            )?;
-            let names = stmt
-                .query_map([], |r| r.get(0))?
-                .collect::<Result<_, _>>()?;
-            Ok(names)
-        };
-        Connection::open(dir.join(STORE_FILE))?.execute_batch(
-            "DROP INDEX jobs_scheduled; CREATE INDEX jobs_due ON jobs (state, due_ms);
-             PRAGMA user_version = 9;",
-        )?;
-        assert!(indexes(&dir)?.contains(&"jobs_due".to_owned()));
-        let store = Store::open(&dir, Durability::Process).await?;
-        let due = store.due(now + chrono::Duration::seconds(25), 10).await?;
-        assert_eq!(ids(&due), ids(&[sooner.clone(), later]));
-        assert_eq!(
-            store.next_due().await?.map(|t| t.timestamp()),
-            Some((now + chrono::Duration::seconds(10)).timestamp())
-        );
-        drop(store);
-        let names = indexes(&dir)?;
-        assert!(
-            names.contains(&"jobs_scheduled".to_owned()) && !names.contains(&"jobs_due".to_owned()),
-            "{names:?}"
-        );
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }
