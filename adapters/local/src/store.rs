@@ -22,8 +22,7 @@ use crate::config::{Durability, LocalConfig};
 const APPLICATION_ID: i64 = 0x4F4A_5342;
 /// Schema version in `PRAGMA user_version`. 2: messages name their queue
 /// by an integer id (table `queues`); 1 named it by its text, which every
-/// index lookup compared string by string (a fifth of the daemon's
-/// instructions moving messages from one embedded queue to another).
+/// step of every index lookup compared as text.
 const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = "
