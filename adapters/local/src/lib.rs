@@ -329,7 +329,7 @@ mod tests {
         .unwrap();
         c.execute_batch(&format!(
             "PRAGMA application_id = {}; PRAGMA user_version = 1;",
-            0x4F4A_5342
+            store::APPLICATION_ID
         ))
         .unwrap();
     }

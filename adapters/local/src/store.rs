@@ -19,7 +19,7 @@ use crate::config::{Durability, LocalConfig};
 
 /// `PRAGMA application_id` of our databases ("OJSB"), so a foreign SQLite
 /// file is recognised instead of being written to.
-const APPLICATION_ID: i64 = 0x4F4A_5342;
+pub(crate) const APPLICATION_ID: i64 = 0x4F4A_5342;
 /// Schema version in `PRAGMA user_version`. 2: messages name their queue
 /// by an integer id (table `queues`); 1 named it by its text, which every
 /// step of every index lookup compared as text.
@@ -664,11 +664,13 @@ pub(crate) fn housekeeping(
     // Names of queues left empty go, so that a stream of short-lived queue
     // names (reply queues) does not grow the table; a queue published to
     // again gets a new id. One statement: atomic against other processes.
-    conn.execute(
+    // Its failure does not keep the pages and the WAL from being returned.
+    if let Err(e) = conn.execute(
         "DELETE FROM queues WHERE NOT EXISTS (SELECT 1 FROM messages WHERE queue_id = queues.id)",
         [],
-    )
-    .map_err(db_error)?;
+    ) {
+        tracing::warn!(error = %e, "the names of empty queues were not removed; the next housekeeping tries again");
+    }
     // The pragma frees one page per step: step it until it is done.
     let mut stmt = conn
         .prepare("PRAGMA incremental_vacuum")
