@@ -3,7 +3,8 @@
 //! with the store on PostgreSQL (`OJS_BRIDGE_TEST_POSTGRES_URL`, a schema
 //! of the run's own; `OJS_ADMIN_BENCH_ONLY=embedded|postgres` runs one): JOBS
 //! jobs (default 1,000,000) are pushed in batches of 100 over ten queues
-//! and five types (untimed), a thousand of one queue completed; then each
+//! and five types (untimed; one in seven scheduled in the next century), a
+//! thousand of one queue completed; then each
 //! listing the admin UI's Jobs and Scheduled pages make, and the Dashboard's
 //! statistics and queue list, is asked 100 times
 //! on one keep-alive connection, a page of 50, and its latency taken.
@@ -34,6 +35,21 @@ const QUEUES: usize = 10;
 const TYPES: usize = 5;
 const ASKS: usize = 100;
 
+/// One job in this many is scheduled (the Scheduled page's): prime to
+/// `QUEUES`, so every queue has some.
+const SCHEDULED_EVERY: usize = 7;
+
+/// When the `i`-th of `n` jobs is due: in the next century (none comes due
+/// during the run), in an order unlike the pushes' (a multiplicative
+/// scramble by a prime), so a listing by due time is not the one by creation.
+fn scheduled_at(i: usize, n: usize) -> String {
+    let base = chrono::DateTime::parse_from_rfc3339("2100-01-01T00:00:00Z").unwrap();
+    let scrambled = (i as u64).wrapping_mul(7_919) % (n as u64).max(1);
+    (base + chrono::Duration::seconds(scrambled as i64))
+        .to_utc()
+        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
 /// `n` jobs, 100 a request, `FILLERS` at a time.
 async fn fill(addr: SocketAddr, n: usize) -> Duration {
     let started = Instant::now();
@@ -50,8 +66,13 @@ async fn fill(addr: SocketAddr, n: usize) -> Duration {
                 }
                 let jobs: Vec<_> = (start..n.min(start + 100))
                     .map(|i| {
-                        json!({"type": format!("report.kind{}", i % TYPES), "args": [i],
-                               "options": {"queue": format!("q{}", i % QUEUES)}})
+                        let mut job = json!({"type": format!("report.kind{}", i % TYPES),
+                                             "args": [i],
+                                             "options": {"queue": format!("q{}", i % QUEUES)}});
+                        if i % SCHEDULED_EVERY == 0 {
+                            job["scheduled_at"] = json!(scheduled_at(i, n));
+                        }
+                        job
                     })
                     .collect();
                 let (status, body) =

@@ -443,7 +443,9 @@ pub struct JobQuery {
     pub since: Option<DateTime<Utc>>,
     /// Created before.
     pub until: Option<DateTime<Utc>>,
-    /// By when it is scheduled (else when it was created).
+    /// By when it is scheduled (else when it was created). Only scheduled
+    /// jobs have a due time: listed with another state, jobs come in the
+    /// order they were created either way.
     pub by_schedule: bool,
     /// Oldest first (else newest first).
     pub ascending: bool,
@@ -462,6 +464,12 @@ pub(crate) enum Bound {
 }
 
 impl JobQuery {
+    /// Whether it lists the scheduled jobs by when they are due: the one
+    /// listing a partial index of the store holds in order.
+    pub(crate) fn scheduled_by_due_time(&self) -> bool {
+        self.by_schedule && self.state.as_deref() == Some(state_name(JobState::Scheduled))
+    }
+
     /// The query's `WHERE` clause (`TRUE` without filters) and its `ORDER
     /// BY`, with the values to bind in order; `placeholder(n)` names the
     /// n-th, `job_type` is the dialect's expression of the envelope's type,
@@ -508,8 +516,16 @@ impl JobQuery {
             }
         }
         if let Some(state) = &self.state {
-            let p = bind(Bound::Text(state.clone()), &mut values);
-            clauses.push(format!("state = {p}"));
+            // A state the binding names is written as a literal: a partial
+            // index (the scheduled jobs by due time) serves only a query
+            // whose text names its condition, never a bound value.
+            match crate::admin::STATES.iter().find(|s| **s == state.as_str()) {
+                Some(known) => clauses.push(format!("state = '{known}'")),
+                None => {
+                    let p = bind(Bound::Text(state.clone()), &mut values);
+                    clauses.push(format!("state = {p}"));
+                }
+            }
         }
         if let Some(t) = self.since {
             let p = bind(Bound::Int(ms(t)), &mut values);
@@ -525,7 +541,11 @@ impl JobQuery {
             clauses.join(" AND ")
         };
         let direction = if self.ascending { "ASC" } else { "DESC" };
-        let column = if self.by_schedule {
+        // Only a scheduled job has a due time: by schedule, the jobs of
+        // another state come in the order they were created, which an index
+        // holds (ordered by a column empty throughout, every job of the
+        // state would be sorted for one page).
+        let column = if self.by_schedule && (self.state.is_none() || self.scheduled_by_due_time()) {
             "due_ms"
         } else {
             "created_ms"

@@ -50,8 +50,11 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// cron jobs, roles (`crate::cron`), paused queues and rate-limit windows,
 /// 7 workflows, 8 rate-limit keys with the jobs filed under them (in place
 /// of the windows) and queue configurations, 9 the jobs counted by queue and
-/// state (`job_counts`, kept by the writer: [`Tally`]).
-const SCHEMA_VERSION: i64 = 9;
+/// state (`job_counts`, kept by the writer: [`Tally`]), 10 indexes by when
+/// they are due only the scheduled jobs (`jobs_scheduled`, in place of
+/// `jobs_due` on every job's state and due time, which each change of state
+/// rewrote).
+const SCHEMA_VERSION: i64 = 10;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -67,7 +70,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     extra       TEXT NOT NULL DEFAULT '{}',
     dead        INTEGER NOT NULL DEFAULT 0
 );
-CREATE INDEX IF NOT EXISTS jobs_due ON jobs (state, due_ms);
+CREATE INDEX IF NOT EXISTS jobs_scheduled ON jobs (due_ms) WHERE state = 'scheduled';
 CREATE INDEX IF NOT EXISTS jobs_dead ON jobs (finished_ms) WHERE dead = 1;
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (finished_ms) WHERE finished_ms IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_ms);
@@ -319,6 +322,52 @@ fn open_connection(path: &Path, durability: Durability) -> Result<Connection, St
     Ok(conn)
 }
 
+/// The statements of an admin job listing on SQLite: how many jobs match
+/// (counted up to [`super::LIST_COUNT_LIMIT`] and one), one page of them,
+/// and the values both bind.
+struct JobList {
+    count: String,
+    page: String,
+    values: Vec<rusqlite::types::Value>,
+}
+
+impl JobList {
+    fn new(query: &JobQuery, limit: usize, offset: usize) -> JobList {
+        let (filter, order, values) =
+            query.sql("json_extract(envelope, '$.type')", "rowid", None, |n| {
+                format!("?{n}")
+            });
+        // Without statistics SQLite takes the index of states by creation
+        // and sorts the state's jobs for one page: the partial index of
+        // scheduled jobs is named (as it was chosen when every state's jobs
+        // were indexed by due time), which reads a page in order.
+        let jobs = if query.scheduled_by_due_time() {
+            "jobs INDEXED BY jobs_scheduled"
+        } else {
+            "jobs"
+        };
+        JobList {
+            count: format!(
+                "SELECT count(*) FROM (SELECT 1 FROM {jobs} WHERE {filter} LIMIT {})",
+                super::LIST_COUNT_LIMIT + 1
+            ),
+            page: format!(
+                "SELECT id, envelope, extra FROM {jobs} WHERE {filter} ORDER BY {order} \
+                 LIMIT {} OFFSET {}",
+                i64::try_from(limit).unwrap_or(i64::MAX),
+                i64::try_from(offset).unwrap_or(i64::MAX),
+            ),
+            values: values
+                .into_iter()
+                .map(|v| match v {
+                    Bound::Text(t) => rusqlite::types::Value::Text(t),
+                    Bound::Int(i) => rusqlite::types::Value::Integer(i),
+                })
+                .collect(),
+        }
+    }
+}
+
 impl SqliteStore {
     /// Opens (creating when needed) the store in `dir`.
     pub(super) async fn open(
@@ -353,6 +402,9 @@ impl SqliteStore {
         }
         if version == 1 || version == 2 {
             tx.execute_batch(MIGRATE_2_TO_3)?;
+        }
+        if version < 10 {
+            tx.execute_batch("DROP INDEX IF EXISTS jobs_due;")?;
         }
         tx.execute_batch(SCHEMA)?;
         if version < 9 {
@@ -501,8 +553,8 @@ impl super::JobStore for SqliteStore {
     async fn due(&self, now: DateTime<Utc>, limit: usize) -> Result<Vec<Job>, StoreError> {
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
-                "SELECT id, envelope, extra FROM jobs WHERE state = 'scheduled' AND due_ms <= ?1
-                 ORDER BY due_ms LIMIT ?2",
+                "SELECT id, envelope, extra FROM jobs INDEXED BY jobs_scheduled
+                 WHERE state = 'scheduled' AND due_ms <= ?1 ORDER BY due_ms LIMIT ?2",
             )?;
             jobs(&mut stmt, params![ms(now), limit as i64])
         })
@@ -512,7 +564,7 @@ impl super::JobStore for SqliteStore {
     async fn next_due(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
         self.read(|conn| {
             let at: Option<i64> = conn.query_row(
-                "SELECT min(due_ms) FROM jobs WHERE state = 'scheduled'",
+                "SELECT min(due_ms) FROM jobs INDEXED BY jobs_scheduled WHERE state = 'scheduled'",
                 [],
                 |r| r.get(0),
             )?;
@@ -1055,30 +1107,14 @@ impl Tx for SqliteTx<'_> {
         limit: usize,
         offset: usize,
     ) -> Result<(Vec<Job>, u64), StoreError> {
-        let (filter, order, values) =
-            query.sql("json_extract(envelope, '$.type')", "rowid", None, |n| {
-                format!("?{n}")
-            });
-        let values: Vec<rusqlite::types::Value> = values
-            .into_iter()
-            .map(|v| match v {
-                Bound::Text(t) => rusqlite::types::Value::Text(t),
-                Bound::Int(i) => rusqlite::types::Value::Integer(i),
-            })
-            .collect();
+        let list = JobList::new(query, limit, offset);
         let total: i64 = self.conn.query_row(
-            &format!(
-                "SELECT count(*) FROM (SELECT 1 FROM jobs WHERE {filter} LIMIT {})",
-                super::LIST_COUNT_LIMIT + 1
-            ),
-            rusqlite::params_from_iter(values.iter()),
+            &list.count,
+            rusqlite::params_from_iter(list.values.iter()),
             |r| r.get(0),
         )?;
-        let mut stmt = self.conn.prepare(&format!(
-            "SELECT id, envelope, extra FROM jobs WHERE {filter} ORDER BY {order} LIMIT {} OFFSET {}",
-            i64::try_from(limit).unwrap_or(i64::MAX),
-            i64::try_from(offset).unwrap_or(i64::MAX),
-        ))?;
+        let mut stmt = self.conn.prepare(&list.page)?;
+        let values = list.values;
         let rows = stmt.query_map(rusqlite::params_from_iter(values.iter()), |r| {
             Ok((
                 r.get::<_, String>(0)?,
@@ -2168,6 +2204,154 @@ mod tests {
         blocker.execute_batch("ROLLBACK")?;
         store.insert(vec![job(None)]).await?;
         assert!(store.ping().await.is_ok());
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// A job of `job_type` scheduled `hours` from `now` (or available).
+    fn scheduled_in(hours: Option<i64>, now: DateTime<Utc>) -> Job {
+        let mut body = json!({"type": "a.b", "args": []});
+        if let Some(h) = hours {
+            body["scheduled_at"] = json!(crate::job::timestamp(now + chrono::Duration::hours(h)));
+        }
+        crate::job::from_json(body, now).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The plan SQLite makes for a page of `query`, one line per step.
+    fn page_plan(conn: &Connection, query: &JobQuery) -> Result<Vec<String>, StoreError> {
+        let list = JobList::new(query, 50, 0);
+        let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {}", list.page))?;
+        let rows = stmt.query_map(rusqlite::params_from_iter(list.values.iter()), |r| {
+            r.get::<_, String>(3)
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn scheduled_jobs_are_listed_by_due_time_and_other_states_unsorted_from_indexes(
+    ) -> Result<(), StoreError> {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let store = Store::open(&dir, Durability::Process).await?;
+        let now = Utc::now();
+        let (late, early, middle) = (
+            scheduled_in(Some(3), now),
+            scheduled_in(Some(1), now),
+            scheduled_in(Some(2), now),
+        );
+        let (first, second) = (scheduled_in(None, now), scheduled_in(None, now));
+        let due_order = ids(&[early.clone(), middle.clone(), late.clone()]);
+        store
+            .insert(vec![
+                late,
+                first.clone(),
+                early.clone(),
+                second.clone(),
+                middle,
+            ])
+            .await?;
+        let list = |state: &'static str, ascending: bool| {
+            let store = store.clone();
+            async move {
+                let query = JobQuery {
+                    state: Some(state.to_owned()),
+                    by_schedule: true,
+                    ascending,
+                    ..JobQuery::default()
+                };
+                store
+                    .run(move |tx| tx.list_jobs(&query, 50, 0))
+                    .await
+                    .map(|(jobs, total)| (ids(&jobs), total))
+            }
+        };
+        assert_eq!(list("scheduled", true).await?, (due_order.clone(), 3));
+        let mut reversed = due_order.clone();
+        reversed.reverse();
+        assert_eq!(list("scheduled", false).await?, (reversed, 3));
+        assert_eq!(list("available", true).await?, (ids(&[first, second]), 2));
+        // The scheduler finds them by the same index.
+        let half_past = now + chrono::Duration::minutes(90);
+        assert_eq!(
+            ids(&store.due(half_past, 10).await?),
+            ids(std::slice::from_ref(&early))
+        );
+        assert_eq!(
+            store.next_due().await?.map(|t| t.timestamp_millis()),
+            early.envelope.scheduled_at.map(|t| t.timestamp_millis())
+        );
+        // No page sorts the jobs of its state: the scheduled ones are read
+        // from the partial index in order, the others from the index of
+        // states by creation.
+        let conn = Connection::open(dir.join(STORE_FILE))?;
+        for (state, index) in [
+            ("scheduled", "jobs_scheduled"),
+            ("available", "jobs_state_created"),
+        ] {
+            for ascending in [true, false] {
+                let plan = page_plan(
+                    &conn,
+                    &JobQuery {
+                        state: Some(state.to_owned()),
+                        by_schedule: true,
+                        ascending,
+                        ..JobQuery::default()
+                    },
+                )?;
+                assert!(
+                    plan.iter().any(|step| step.contains(index))
+                        && !plan.iter().any(|step| step.contains("TEMP B-TREE")),
+                    "{state}: {plan:?}"
+                );
+            }
+        }
+        drop(conn);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_version_9_store_finds_its_scheduled_jobs_by_the_new_index() -> Result<(), StoreError>
+    {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let now = Utc::now();
+        let scheduled = scheduled_in(Some(1), now);
+        let store = Store::open(&dir, Durability::Process).await?;
+        store.insert(vec![scheduled.clone()]).await?;
+        drop(store);
+        // Back to version 9's index.
+        let indexes = |conn: &Connection| -> Result<Vec<String>, StoreError> {
+            let mut stmt = conn.prepare(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND name LIKE 'jobs_%' \
+                 ORDER BY name",
+            )?;
+            let names = stmt.query_map([], |r| r.get::<_, String>(0))?;
+            Ok(names.collect::<Result<_, _>>()?)
+        };
+        {
+            let conn = Connection::open(dir.join(STORE_FILE))?;
+            conn.execute_batch(
+                "DROP INDEX jobs_scheduled; CREATE INDEX jobs_due ON jobs (state, due_ms);
+                 PRAGMA user_version = 9;",
+            )?;
+            assert!(indexes(&conn)?.contains(&"jobs_due".to_owned()));
+        }
+        let store = Store::open(&dir, Durability::Process).await?;
+        assert_eq!(
+            ids(&store.due(now + chrono::Duration::hours(2), 10).await?),
+            ids(&[scheduled])
+        );
+        drop(store);
+        let conn = Connection::open(dir.join(STORE_FILE))?;
+        let names = indexes(&conn)?;
+        assert!(
+            names.contains(&"jobs_scheduled".to_owned()) && !names.contains(&"jobs_due".to_owned()),
+            "{names:?}"
+        );
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        assert_eq!(version, SCHEMA_VERSION);
+        drop(conn);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }
