@@ -58,6 +58,11 @@ impl OjsServer {
             .spawn()
             .unwrap();
         let stderr = child.stderr.take().unwrap();
+        // Killed if this start is dropped (a failing test's other tasks
+        // cancelled) or panics before the server is made: a `Child` alone
+        // is left running, holding its connections (PostgreSQL's among
+        // them) after the test has ended.
+        let mut starting = Starting(Some(child));
         let (tx, rx) = std::sync::mpsc::channel();
         let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let kept = log.clone();
@@ -87,7 +92,7 @@ impl OjsServer {
         .await
         .unwrap();
         OjsServer {
-            child,
+            child: starting.0.take().unwrap(),
             addr,
             dir,
             log,
@@ -146,6 +151,18 @@ impl OjsServer {
         assert!(exited.success(), "SIGTERM must exit 0");
         let dir = TempDir::new("ojs-api-moved");
         std::mem::replace(&mut self.dir, dir)
+    }
+}
+
+/// A daemon that has not said where it listens yet: killed when dropped.
+struct Starting(Option<Child>);
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
