@@ -187,6 +187,51 @@ proptest! {
         prop_assert_eq!(again, proto);
     }
 
+    /// `from_json_slice` reads a common envelope in one pass and anything
+    /// else through the parsed object: both read the same texts the same
+    /// way, whatever the order of the keys, a key given twice (the last
+    /// one counts), a `null`, an escaped key or an invalid attribute.
+    #[test]
+    fn one_pass_reads_as_the_parsed_object_does(
+        job in envelope(),
+        order in any::<prop::sample::Index>(),
+        twice in proptest::option::of((any::<prop::sample::Index>(), any::<prop::sample::Index>(), json_value())),
+        nulled in proptest::option::of(any::<prop::sample::Index>()),
+        escaped in any::<bool>(),
+    ) {
+        let Value::Object(object) = job.to_json_value().unwrap() else { unreachable!() };
+        let mut entries: Vec<(String, Value)> = object.into_iter().collect();
+        // A rotation stands in for another order of the keys.
+        let at = order.index(entries.len());
+        entries.rotate_left(at);
+        if let Some((which, at, value)) = twice {
+            let key = entries[which.index(entries.len())].0.clone();
+            entries.insert(at.index(entries.len() + 1), (key, value));
+        }
+        if let Some(which) = nulled {
+            let i = which.index(entries.len());
+            entries[i].1 = Value::Null;
+        }
+        let mut text = String::from("{");
+        for (i, (key, value)) in entries.iter().enumerate() {
+            if i > 0 {
+                text.push(',');
+            }
+            if escaped && key == "id" {
+                text.push_str("\"\\u0069d\"");
+            } else {
+                text.push_str(&serde_json::to_string(key).unwrap());
+            }
+            text.push(':');
+            text.push_str(&serde_json::to_string(value).unwrap());
+        }
+        text.push('}');
+        let one_pass = JobEnvelope::from_json_slice(text.as_bytes()).map_err(|e| e.to_string());
+        let parsed = JobEnvelope::from_json_value(serde_json::from_str(&text).unwrap())
+            .map_err(|e| e.to_string());
+        prop_assert_eq!(one_pass, parsed, "{}", text);
+    }
+
     #[test]
     fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         let _ = JobEnvelope::from_proto_bytes(&bytes);

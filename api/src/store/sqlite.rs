@@ -692,28 +692,85 @@ fn jobs(
 }
 
 fn event(
-    tx: &Connection,
+    prepared: &Prepared<'_>,
     event_type: &str,
     job: &Subject<'_>,
     now: DateTime<Utc>,
     data: Value,
 ) -> Result<(), StoreError> {
-    tx.prepare_cached(sql::INSERT_EVENT.sqlite)?
-        .execute(params![
+    prepared.run(&prepared.event, |s| {
+        s.execute(params![
             event_type,
             job.job_id,
             job.queue,
             job.job_type,
             ms(now),
             json_text(&data),
-        ])?;
+        ])
+    })?;
     Ok(())
+}
+
+/// The statements of every job's transitions, prepared once on the
+/// writer's connection and kept for its life. Through rusqlite's statement
+/// cache each use hashed the statement's text to take it out and again to
+/// put it back (2–3 % of a FETCH + ACK's instructions).
+struct Prepared<'c> {
+    conn: &'c Connection,
+    load: Slot<'c>,
+    save: Slot<'c>,
+    event: Slot<'c>,
+    savepoint: Slot<'c>,
+    release: Slot<'c>,
+}
+
+/// One statement of [`Prepared`], prepared at its first use.
+struct Slot<'c> {
+    sql: &'static str,
+    statement: RefCell<Option<rusqlite::Statement<'c>>>,
+}
+
+impl<'c> Slot<'c> {
+    fn new(sql: &'static str) -> Slot<'c> {
+        Slot {
+            sql,
+            statement: RefCell::new(None),
+        }
+    }
+}
+
+impl<'c> Prepared<'c> {
+    fn new(conn: &'c Connection) -> Prepared<'c> {
+        Prepared {
+            conn,
+            load: Slot::new(sql::JOB.sqlite),
+            save: Slot::new(SAVE_JOB),
+            event: Slot::new(sql::INSERT_EVENT.sqlite),
+            savepoint: Slot::new("SAVEPOINT request"),
+            release: Slot::new("RELEASE request"),
+        }
+    }
+
+    /// Runs `f` on `slot`'s statement, preparing it first if it is not yet.
+    /// A statement is used by one call at a time: `f` runs no other.
+    fn run<T>(
+        &self,
+        slot: &Slot<'c>,
+        f: impl FnOnce(&mut rusqlite::Statement<'c>) -> rusqlite::Result<T>,
+    ) -> rusqlite::Result<T> {
+        let mut statement = slot.statement.borrow_mut();
+        let statement = match &mut *statement {
+            Some(s) => s,
+            none => none.insert(self.conn.prepare(slot.sql)?),
+        };
+        f(statement)
+    }
 }
 
 /// Inserts `jobs`, numbering rows from `next_seq`; the available ones
 /// (to be published now) with their numbers.
 fn insert(
-    tx: &Connection,
+    prepared: &Prepared<'_>,
     jobs: &[Job],
     next_seq: i64,
     tally: &RefCell<Tally>,
@@ -726,27 +783,29 @@ fn insert(
         let (envelope, extra) = encode(job)?;
         let state = job.state();
         let created = e.created_at.map_or(0, ms);
-        tx.prepare_cached(
-            "INSERT INTO jobs (rowid, id, queue, state, due_ms, created_ms, envelope, extra)
+        prepared
+            .conn
+            .prepare_cached(
+                "INSERT INTO jobs (rowid, id, queue, state, due_ms, created_ms, envelope, extra)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-        )?
-        .execute(params![
-            seq,
-            e.id,
-            e.queue,
-            state_name(state),
-            due_ms(job),
-            created,
-            envelope,
-            extra
-        ])
-        .map_err(|err| match err.sqlite_error() {
-            // The primary key: a stored id.
-            Some(f) if f.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY => {
-                StoreError::Duplicate(e.id.clone())
-            }
-            _ => StoreError::from(err),
-        })?;
+            )?
+            .execute(params![
+                seq,
+                e.id,
+                e.queue,
+                state_name(state),
+                due_ms(job),
+                created,
+                envelope,
+                extra
+            ])
+            .map_err(|err| match err.sqlite_error() {
+                // The primary key: a stored id.
+                Some(f) if f.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY => {
+                    StoreError::Duplicate(e.id.clone())
+                }
+                _ => StoreError::from(err),
+            })?;
         moved(tally, &e.queue, state_name(state), 1);
         if !queues.iter().any(|(q, _)| *q == e.queue) {
             queues.push((&e.queue, created));
@@ -760,10 +819,11 @@ fn insert(
             queue: &e.queue,
             job_type: &e.job_type,
         };
-        event(tx, name, &subject, at, data)?;
+        event(prepared, name, &subject, at, data)?;
     }
-    let mut stmt =
-        tx.prepare_cached("INSERT OR IGNORE INTO queues (name, created_ms) VALUES (?1, ?2)")?;
+    let mut stmt = prepared
+        .conn
+        .prepare_cached("INSERT OR IGNORE INTO queues (name, created_ms) VALUES (?1, ?2)")?;
     for (queue, created) in queues {
         stmt.execute(params![queue, created])?;
     }
@@ -784,7 +844,7 @@ struct NewRows {
 /// An insert of new jobs: the unique-key step where a job has a key
 /// ([`claim_unique_keys`]), then the rows.
 fn insert_new(
-    tx: &Connection,
+    prepared: &Prepared<'_>,
     jobs: &mut [Job],
     uniques: &[Option<Uniqueness>],
     next_seq: i64,
@@ -792,7 +852,7 @@ fn insert_new(
 ) -> Result<NewRows, StoreError> {
     if uniques.iter().all(Option::is_none) {
         return Ok(NewRows {
-            available: insert(tx, jobs, next_seq, tally)?,
+            available: insert(prepared, jobs, next_seq, tally)?,
             answered: Vec::new(),
             used: jobs.len() as i64,
         });
@@ -800,7 +860,8 @@ fn insert_new(
     let mut seq = next_seq;
     let answered = claim_unique_keys(
         &mut SqliteTx {
-            conn: tx,
+            conn: prepared.conn,
+            prepared,
             next_seq: &mut seq,
             outbox: Vec::new(),
             tally,
@@ -810,10 +871,11 @@ fn insert_new(
         uniques,
     )?;
     let stored = unanswered(jobs, &answered);
-    let available = insert(tx, &stored, seq, tally)?;
+    let available = insert(prepared, &stored, seq, tally)?;
     keep_unique_keys(
         &mut SqliteTx {
-            conn: tx,
+            conn: prepared.conn,
+            prepared,
             next_seq: &mut seq,
             outbox: Vec::new(),
             tally,
@@ -844,40 +906,47 @@ fn inserted(jobs: Vec<Job>, answered: Vec<Option<Job>>) -> Vec<Inserted> {
         .collect()
 }
 
-fn load(tx: &Connection, id: &str) -> Result<Job, StoreError> {
-    let row = tx
-        .prepare_cached(sql::JOB.sqlite)?
-        .query_row(params![id], |r| {
+fn load(prepared: &Prepared<'_>, id: &str) -> Result<Job, StoreError> {
+    let row = prepared.run(&prepared.load, |s| {
+        s.query_row(params![id], |r| {
             Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
         })
-        .optional()?;
+        .optional()
+    })?;
     let (envelope, extra) = row.ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
     decode(id, &envelope, &extra)
 }
 
-fn save(tx: &Connection, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
+const SAVE_JOB: &str =
+    "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
+         dead = ?7
+     WHERE id = ?1";
+
+fn save(
+    prepared: &Prepared<'_>,
+    job: &Job,
+    finished: Option<DateTime<Utc>>,
+) -> Result<(), StoreError> {
     let (envelope, extra) = encode(job)?;
-    tx.prepare_cached(
-        "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
-             dead = ?7
-         WHERE id = ?1",
-    )?
-    .execute(params![
-        job.envelope.id,
-        state_name(job.state()),
-        envelope,
-        extra,
-        finished.map(ms),
-        due_ms(job),
-        job.store_mark()
-    ])?;
+    prepared.run(&prepared.save, |s| {
+        s.execute(params![
+            job.envelope.id,
+            state_name(job.state()),
+            envelope,
+            extra,
+            finished.map(ms),
+            due_ms(job),
+            job.store_mark()
+        ])
+    })?;
     Ok(())
 }
 
 /// A transition's view of the group's transaction: it numbers any job it
 /// stores from the writer's counter.
-struct SqliteTx<'a> {
+struct SqliteTx<'a, 'c> {
     conn: &'a Connection,
+    prepared: &'a Prepared<'c>,
     next_seq: &'a mut i64,
     /// Jobs this transaction readied, published after its commit.
     outbox: Vec<Job>,
@@ -888,7 +957,7 @@ struct SqliteTx<'a> {
     loaded: Vec<(String, String, String)>,
 }
 
-impl SqliteTx<'_> {
+impl SqliteTx<'_, '_> {
     fn remember(&mut self, id: &str, queue: &str, state: &str) {
         match self.loaded.iter_mut().find(|(i, _, _)| i == id) {
             Some(entry) => state.clone_into(&mut entry.2),
@@ -899,9 +968,9 @@ impl SqliteTx<'_> {
     }
 }
 
-impl Tx for SqliteTx<'_> {
+impl Tx for SqliteTx<'_, '_> {
     fn load(&mut self, id: &str) -> Result<Job, StoreError> {
-        let job = load(self.conn, id)?;
+        let job = load(self.prepared, id)?;
         self.remember(id, &job.envelope.queue, state_name(job.state()));
         Ok(job)
     }
@@ -916,11 +985,11 @@ impl Tx for SqliteTx<'_> {
                 .optional()?;
             let Some((queue, state)) = row else {
                 // No such row: the UPDATE changes nothing.
-                return save(self.conn, job, finished);
+                return save(self.prepared, job, finished);
             };
             self.loaded.push((id.clone(), queue, state));
         }
-        save(self.conn, job, finished)?;
+        save(self.prepared, job, finished)?;
         let now = state_name(job.state());
         if let Some((_, queue, was)) = self.loaded.iter_mut().find(|(i, _, _)| i == id) {
             if was.as_str() != now {
@@ -939,7 +1008,7 @@ impl Tx for SqliteTx<'_> {
         now: DateTime<Utc>,
         data: Value,
     ) -> Result<(), StoreError> {
-        event(self.conn, event_type, job, now, data)
+        event(self.prepared, event_type, job, now, data)
     }
 
     fn jobs_with_unique_key(&mut self, key: &str) -> Result<Vec<Job>, StoreError> {
@@ -956,7 +1025,7 @@ impl Tx for SqliteTx<'_> {
 
     fn insert_seen(&mut self, job: &Job) -> Result<(), StoreError> {
         insert(
-            self.conn,
+            self.prepared,
             std::slice::from_ref(job),
             *self.next_seq,
             self.tally,
@@ -1666,13 +1735,14 @@ fn write_counts(conn: &Connection, tally: &RefCell<Tally>) -> rusqlite::Result<(
 }
 
 fn write_loop(
-    mut conn: Connection,
+    conn: Connection,
     rx: mpsc::Receiver<WriteBox>,
     mut confirmed: Confirmed,
     health: &WriterHealth,
     tally: &RefCell<Tally>,
     mut checkpointer: ojs_sqlite::Checkpointer,
 ) {
+    let prepared = Prepared::new(&conn);
     while let Ok(first) = rx.recv() {
         let mut group = vec![first.0];
         while group.len() < MAX_GROUP {
@@ -1685,7 +1755,7 @@ fn write_loop(
         // the group's own steps, so that the group's requests fail and the
         // writer goes on (its transaction is rolled back as it unwinds).
         let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            commit_group(&mut conn, &mut group, &mut confirmed, tally)
+            commit_group(&prepared, &mut group, &mut confirmed, tally)
         }))
         .unwrap_or_else(|_| {
             tracing::error!(
@@ -1701,6 +1771,7 @@ fn write_loop(
         checkpointer.committed(&conn);
     }
     checkpointer.stop();
+    drop(prepared);
     drop(conn);
     // Every sender is gone: the store is closing, nothing to warn of.
     *health.0.lock().unwrap_or_else(|e| e.into_inner()) =
@@ -1758,7 +1829,7 @@ enum Outcome {
 }
 
 fn commit_group(
-    conn: &mut Connection,
+    prepared: &Prepared<'_>,
     group: &mut [Write],
     confirmed: &mut Confirmed,
     tally: &RefCell<Tally>,
@@ -1774,7 +1845,10 @@ fn commit_group(
     if group.iter().all(|w| matches!(w, Write::Published { .. })) {
         return group.iter().map(|_| Outcome::Unit(Ok(()))).collect();
     }
-    let tx = match rusqlite::Transaction::new(conn, rusqlite::TransactionBehavior::Immediate) {
+    let tx = match rusqlite::Transaction::new_unchecked(
+        prepared.conn,
+        rusqlite::TransactionBehavior::Immediate,
+    ) {
         Ok(tx) => tx,
         Err(e) => {
             let reason = e.to_string();
@@ -1790,10 +1864,11 @@ fn commit_group(
             Write::Run { f, .. } => match f.take() {
                 Some(f) => {
                     let before = next_seq;
-                    let r = in_savepoint(&tx, tally, |conn| {
+                    let r = in_savepoint(prepared, tally, |conn| {
                         super::guarded(|| {
                             f(&mut SqliteTx {
                                 conn,
+                                prepared,
                                 next_seq: &mut next_seq,
                                 outbox: Vec::new(),
                                 tally,
@@ -1809,8 +1884,8 @@ fn commit_group(
                 None => Outcome::Any(Err(StoreError::Commit("ran twice".into()))),
             },
             Write::Insert { jobs, uniques, .. } => {
-                match in_savepoint(&tx, tally, |c| {
-                    insert_new(c, jobs, uniques, next_seq, tally)
+                match in_savepoint(prepared, tally, |_| {
+                    insert_new(prepared, jobs, uniques, next_seq, tally)
                 }) {
                     Ok(rows) => {
                         next_seq += rows.used;
@@ -1821,7 +1896,7 @@ fn commit_group(
                 }
             }
             Write::Published { .. } => Outcome::Unit(Ok(())),
-            Write::Remove { ids, .. } => Outcome::Unit(in_savepoint(&tx, tally, |c| {
+            Write::Remove { ids, .. } => Outcome::Unit(in_savepoint(prepared, tally, |c| {
                 let mut events = c.prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?;
                 for id in ids.iter() {
                     if delete_counted(c, sql::DELETE_JOB.sqlite, params![id], tally)? > 0 {
@@ -1830,7 +1905,7 @@ fn commit_group(
                 }
                 Ok(())
             })),
-            Write::Prune { before, .. } => Outcome::Pruned(in_savepoint(&tx, tally, |c| {
+            Write::Prune { before, .. } => Outcome::Pruned(in_savepoint(prepared, tally, |c| {
                 let cut = ms(*before);
                 let jobs = delete_counted(c, sql::PRUNE_JOBS.sqlite, params![cut], tally)?;
                 c.prepare_cached(sql::PRUNE_EVENTS.sqlite)?
@@ -1904,15 +1979,16 @@ fn failed(reason: &str) -> Outcome {
 /// Runs one request in a savepoint of the group's transaction: its failure
 /// undoes its own writes and nobody else's.
 fn in_savepoint<T>(
-    conn: &Connection,
+    prepared: &Prepared<'_>,
     tally: &RefCell<Tally>,
     f: impl FnOnce(&Connection) -> Result<T, StoreError>,
 ) -> Result<T, StoreError> {
     // Prepared once: a group has a savepoint per request, and parsing the
     // two statements each time was a few per cent of a single PUSH.
-    conn.prepare_cached("SAVEPOINT request")?.execute([])?;
+    let conn = prepared.conn;
+    prepared.run(&prepared.savepoint, |s| s.execute([]))?;
     let done = f(conn).and_then(|v| {
-        conn.prepare_cached("RELEASE request")?.execute([])?;
+        prepared.run(&prepared.release, |s| s.execute([]))?;
         Ok(v)
     });
     let mut tally = tally.borrow_mut();

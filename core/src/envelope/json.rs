@@ -12,12 +12,15 @@ use serde_json::{Map, Value};
 
 use crate::envelope::proto::split_backtrace;
 use crate::envelope::value::normalize_value;
-use crate::envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy, DEFAULT_QUEUE};
+use crate::envelope::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
 use crate::error::{Error, Result};
 
 impl JobEnvelope {
     /// Decodes and validates one JSON envelope.
     pub fn from_json_slice(bytes: &[u8]) -> Result<Self> {
+        if let Some(job) = read_in_one_pass(bytes) {
+            return Ok(job);
+        }
         let value: Value = serde_json::from_slice(bytes).map_err(|e| Error::InvalidJson {
             line: Some(e.line()),
             reason: e.to_string(),
@@ -117,9 +120,14 @@ fn want_string_list(name: &str, v: Value) -> Result<Vec<String>> {
 
 fn want_timestamp(name: &str, v: Value) -> Result<Option<DateTime<Utc>>> {
     let s = want_string(name, v)?;
-    let t = DateTime::parse_from_rfc3339(&s)
-        .map_err(|e| Error::invalid(name, format!("{s:?} is not an RFC 3339 timestamp: {e}")))?
-        .with_timezone(&Utc);
+    // The text this codec writes is read digit by digit; chrono reads the
+    // rest (and says what is wrong with the text neither reads).
+    let t = match crate::timestamp::parse_rfc3339(&s) {
+        Some(t) => t,
+        None => DateTime::parse_from_rfc3339(&s)
+            .map_err(|e| Error::invalid(name, format!("{s:?} is not an RFC 3339 timestamp: {e}")))?
+            .with_timezone(&Utc),
+    };
     // The epoch is protobuf's "unset"; reading it as unset here keeps both
     // codecs in agreement (docs/design.md §3).
     if t.timestamp() == 0 && t.timestamp_subsec_nanos() == 0 {
@@ -133,6 +141,7 @@ fn want_timestamp(name: &str, v: Value) -> Result<Option<DateTime<Utc>>> {
 
 /// The attributes the codec reads into fields; every other top-level
 /// attribute is kept as it is, `null` included.
+#[cfg(test)]
 const KNOWN_ATTRIBUTES: [&str; 28] = [
     "specversion",
     "id",
@@ -164,89 +173,161 @@ const KNOWN_ATTRIBUTES: [&str; 28] = [
     "errors",
 ];
 
-fn decode_object(map: Map<String, Value>) -> Result<JobEnvelope> {
-    let mut job = JobEnvelope::new("x", Vec::new());
+/// The index of `key` in [`KNOWN_ATTRIBUTES`], if it is one (a `match`
+/// compiles to a jump on the length and a comparison or two, where a scan
+/// of the list compares up to 28 names for each key of every envelope).
+fn known_attribute(key: &str) -> Option<u32> {
+    Some(match key {
+        "specversion" => 0,
+        "id" => 1,
+        "type" => 2,
+        "queue" => 3,
+        "args" => 4,
+        "meta" => 5,
+        "priority" => 6,
+        "timeout" => 7,
+        "scheduled_at" => 8,
+        "expires_at" => 9,
+        "retry" => 10,
+        "unique" => 11,
+        "schema" => 12,
+        "state" => 13,
+        "attempt" => 14,
+        "created_at" => 15,
+        "enqueued_at" => 16,
+        "started_at" => 17,
+        "completed_at" => 18,
+        "error" => 19,
+        "result" => 20,
+        "total_timeout" => 21,
+        "enqueue_ttl" => 22,
+        "grace_period" => 23,
+        "heartbeat_timeout" => 24,
+        "result_ttl" => 25,
+        "extensions" => 26,
+        "errors" => 27,
+        _ => return None,
+    })
+}
+
+/// Reads the common envelope — valid, each attribute once — as the
+/// general path ([`decode_object`] on the parsed object) does, but in one
+/// pass over the text: no object of every attribute built first, no key
+/// copied unless it is kept. `None` for anything else (a syntax error, an
+/// invalid attribute, a key given twice, an envelope that fails
+/// validation), which the general path reads again: its error, and its
+/// reading of a repeated key (the last one), stay as they were.
+fn read_in_one_pass(bytes: &[u8]) -> Option<JobEnvelope> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let job = serde::Deserializer::deserialize_map(&mut de, OnePass).ok()??;
+    de.end().ok()?;
+    job.validate().ok()?;
+    Some(job)
+}
+
+struct OnePass;
+
+impl<'de> serde::de::Visitor<'de> for OnePass {
+    type Value = Option<JobEnvelope>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an OJS envelope object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
+        let mut job = blank();
+        let mut saw_args = false;
+        let mut seen = 0u32;
+        while let Some(key) = map.next_key::<Key<'de>>()? {
+            let v: Value = map.next_value()?;
+            let name: &str = match &key {
+                Key::Borrowed(k) => k,
+                Key::Owned(k) => k,
+            };
+            match known_attribute(name) {
+                Some(bit) => {
+                    if seen & (1 << bit) != 0 {
+                        return Ok(None);
+                    }
+                    seen |= 1 << bit;
+                    if !v.is_null() && set_known(&mut job, name, v, &mut saw_args).is_err() {
+                        return Ok(None);
+                    }
+                }
+                None => {
+                    let mut v = v;
+                    normalize_value(&mut v);
+                    let key = match key {
+                        Key::Borrowed(k) => k.to_owned(),
+                        Key::Owned(k) => k,
+                    };
+                    if job.unknown_attributes.insert(key, v).is_some() {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+        Ok(saw_args.then_some(job))
+    }
+}
+
+/// A key of the envelope's object, borrowed from the text unless it holds
+/// an escape.
+enum Key<'de> {
+    Borrowed(&'de str),
+    Owned(String),
+}
+
+impl<'de> serde::Deserialize<'de> for Key<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        d.deserialize_str(KeyVisitor)
+    }
+}
+
+struct KeyVisitor;
+
+impl<'de> serde::de::Visitor<'de> for KeyVisitor {
+    type Value = Key<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an attribute name")
+    }
+
+    fn visit_borrowed_str<E: serde::de::Error>(
+        self,
+        v: &'de str,
+    ) -> std::result::Result<Key<'de>, E> {
+        Ok(Key::Borrowed(v))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<Key<'de>, E> {
+        Ok(Key::Owned(v.to_owned()))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, v: String) -> std::result::Result<Key<'de>, E> {
+        Ok(Key::Owned(v))
+    }
+}
+
+/// An envelope with nothing set: the decoders fill it from the text.
+fn blank() -> JobEnvelope {
+    let mut job = JobEnvelope::with_id(String::new(), String::new(), Vec::new());
     job.specversion.clear();
-    job.id.clear();
-    job.job_type.clear();
-    job.queue = DEFAULT_QUEUE.to_owned();
-    job.created_at = None;
+    job
+}
+
+fn decode_object(map: Map<String, Value>) -> Result<JobEnvelope> {
+    let mut job = blank();
     let mut saw_args = false;
     for (key, v) in map {
-        if v.is_null() && KNOWN_ATTRIBUTES.contains(&key.as_str()) {
-            continue; // null = absent (an unknown attribute keeps its null)
-        }
-        match key.as_str() {
-            "specversion" => job.specversion = want_string(&key, v)?,
-            "id" => job.id = want_string(&key, v)?,
-            "type" => job.job_type = want_string(&key, v)?,
-            "queue" => job.queue = want_string(&key, v)?,
-            "args" => match v {
-                Value::Array(mut items) => {
-                    items.iter_mut().for_each(normalize_value);
-                    job.args = items;
-                    saw_args = true;
-                }
-                other => {
-                    return Err(Error::invalid(
-                        "args",
-                        format!("must be a JSON array, got {}", kind_of(&other)),
-                    ))
-                }
-            },
-            "meta" => {
-                job.meta = want_object(&key, v)?;
-                job.meta.values_mut().for_each(normalize_value);
-            }
-            "priority" => job.priority = want_i32(&key, &v)?,
-            "timeout" => job.timeout = want_i32(&key, &v)?,
-            "scheduled_at" => job.scheduled_at = want_timestamp(&key, v)?,
-            "expires_at" => job.expires_at = want_timestamp(&key, v)?,
-            "retry" => job.retry = Some(decode_retry(want_object(&key, v)?)?),
-            "unique" => job.unique = Some(decode_unique(want_object(&key, v)?)?),
-            "schema" => {
-                let s = want_string(&key, v)?;
-                job.schema = (!s.is_empty()).then_some(s);
-            }
-            "state" => {
-                let s = want_string(&key, v)?;
-                job.state = Some(JobState::parse(&s).ok_or_else(|| {
-                    Error::invalid("state", format!("{s:?} is not an OJS state"))
-                })?);
-            }
-            "attempt" => job.attempt = want_i32(&key, &v)?,
-            "created_at" => job.created_at = want_timestamp(&key, v)?,
-            "enqueued_at" => job.enqueued_at = want_timestamp(&key, v)?,
-            "started_at" => job.started_at = want_timestamp(&key, v)?,
-            "completed_at" => job.completed_at = want_timestamp(&key, v)?,
-            "error" => job.error = Some(decode_error(want_object(&key, v)?)?),
-            "result" => {
-                let mut v = v;
-                normalize_value(&mut v);
-                job.result = Some(v);
-            }
-            "total_timeout" => job.total_timeout = want_i32(&key, &v)?,
-            "enqueue_ttl" => job.enqueue_ttl = want_i32(&key, &v)?,
-            "grace_period" => job.grace_period = want_i32(&key, &v)?,
-            "heartbeat_timeout" => job.heartbeat_timeout = want_i32(&key, &v)?,
-            "result_ttl" => job.result_ttl = want_i32(&key, &v)?,
-            "extensions" => {
-                job.extensions = want_object(&key, v)?;
-                job.extensions.values_mut().for_each(normalize_value);
-            }
-            "errors" => match v {
-                Value::Array(mut items) => {
-                    items.iter_mut().for_each(normalize_value);
-                    job.errors = items;
-                }
-                other => {
-                    return Err(Error::invalid(
-                        "errors",
-                        format!("must be an array, got {}", kind_of(&other)),
-                    ))
-                }
-            },
-            _ => {
+        match known_attribute(&key) {
+            // null = absent (an unknown attribute keeps its null)
+            Some(_) if v.is_null() => {}
+            Some(_) => set_known(&mut job, &key, v, &mut saw_args)?,
+            None => {
                 let mut v = v;
                 normalize_value(&mut v);
                 job.unknown_attributes.insert(key, v);
@@ -257,6 +338,86 @@ fn decode_object(map: Map<String, Value>) -> Result<JobEnvelope> {
         return Err(Error::MissingAttribute("args"));
     }
     Ok(job)
+}
+
+/// Sets the attribute `key` (one of [`KNOWN_ATTRIBUTES`], not `null`) of
+/// `job` from `v`.
+fn set_known(job: &mut JobEnvelope, key: &str, v: Value, saw_args: &mut bool) -> Result<()> {
+    match key {
+        "specversion" => job.specversion = want_string(key, v)?,
+        "id" => job.id = want_string(key, v)?,
+        "type" => job.job_type = want_string(key, v)?,
+        "queue" => job.queue = want_string(key, v)?,
+        "args" => match v {
+            Value::Array(mut items) => {
+                items.iter_mut().for_each(normalize_value);
+                job.args = items;
+                *saw_args = true;
+            }
+            other => {
+                return Err(Error::invalid(
+                    "args",
+                    format!("must be a JSON array, got {}", kind_of(&other)),
+                ))
+            }
+        },
+        "meta" => {
+            job.meta = want_object(key, v)?;
+            job.meta.values_mut().for_each(normalize_value);
+        }
+        "priority" => job.priority = want_i32(key, &v)?,
+        "timeout" => job.timeout = want_i32(key, &v)?,
+        "scheduled_at" => job.scheduled_at = want_timestamp(key, v)?,
+        "expires_at" => job.expires_at = want_timestamp(key, v)?,
+        "retry" => job.retry = Some(decode_retry(want_object(key, v)?)?),
+        "unique" => job.unique = Some(decode_unique(want_object(key, v)?)?),
+        "schema" => {
+            let s = want_string(key, v)?;
+            job.schema = (!s.is_empty()).then_some(s);
+        }
+        "state" => {
+            let s = want_string(key, v)?;
+            job.state =
+                Some(JobState::parse(&s).ok_or_else(|| {
+                    Error::invalid("state", format!("{s:?} is not an OJS state"))
+                })?);
+        }
+        "attempt" => job.attempt = want_i32(key, &v)?,
+        "created_at" => job.created_at = want_timestamp(key, v)?,
+        "enqueued_at" => job.enqueued_at = want_timestamp(key, v)?,
+        "started_at" => job.started_at = want_timestamp(key, v)?,
+        "completed_at" => job.completed_at = want_timestamp(key, v)?,
+        "error" => job.error = Some(decode_error(want_object(key, v)?)?),
+        "result" => {
+            let mut v = v;
+            normalize_value(&mut v);
+            job.result = Some(v);
+        }
+        "total_timeout" => job.total_timeout = want_i32(key, &v)?,
+        "enqueue_ttl" => job.enqueue_ttl = want_i32(key, &v)?,
+        "grace_period" => job.grace_period = want_i32(key, &v)?,
+        "heartbeat_timeout" => job.heartbeat_timeout = want_i32(key, &v)?,
+        "result_ttl" => job.result_ttl = want_i32(key, &v)?,
+        "extensions" => {
+            job.extensions = want_object(key, v)?;
+            job.extensions.values_mut().for_each(normalize_value);
+        }
+        "errors" => match v {
+            Value::Array(mut items) => {
+                items.iter_mut().for_each(normalize_value);
+                job.errors = items;
+            }
+            other => {
+                return Err(Error::invalid(
+                    "errors",
+                    format!("must be an array, got {}", kind_of(&other)),
+                ))
+            }
+        },
+        // Only the names above reach here.
+        _ => {}
+    }
+    Ok(())
 }
 
 fn unknown_key(object: &str, key: &str) -> Error {
@@ -542,5 +703,46 @@ impl Serialize for ErrorView<'_> {
         put_i32(&mut m, &mut |_| true, "limit_seconds", e.limit_seconds)?;
         put_i32(&mut m, &mut |_| true, "elapsed_seconds", e.elapsed_seconds)?;
         m.end()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_attributes_are_the_listed_ones() {
+        for (i, name) in KNOWN_ATTRIBUTES.iter().enumerate() {
+            assert_eq!(known_attribute(name), u32::try_from(i).ok(), "{name}");
+        }
+        for name in ["", "ID", "args ", "x-known", "tags", "priorities"] {
+            assert_eq!(known_attribute(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn every_known_attribute_is_read_into_its_field() {
+        let mut job = JobEnvelope::with_id(
+            "019438a2-7c1e-7000-8000-000000000001".to_owned(),
+            "a.b",
+            Vec::new(),
+        );
+        // `blank()` leaves every field empty; each listed attribute, set,
+        // must leave the unknown ones empty too.
+        for name in KNOWN_ATTRIBUTES {
+            let mut saw_args = false;
+            let value = match name {
+                "args" | "errors" => serde_json::json!([]),
+                "meta" | "extensions" | "retry" | "unique" => serde_json::json!({}),
+                "error" => serde_json::json!({"type": "t"}),
+                "state" => serde_json::json!("active"),
+                n if n.ends_with("_at") => serde_json::json!("2026-11-30T03:04:05Z"),
+                "priority" | "timeout" | "attempt" | "total_timeout" | "enqueue_ttl"
+                | "grace_period" | "heartbeat_timeout" | "result_ttl" => serde_json::json!(1),
+                _ => serde_json::json!("1.0"),
+            };
+            set_known(&mut job, name, value, &mut saw_args).unwrap();
+            assert!(job.unknown_attributes.is_empty(), "{name}");
+        }
     }
 }
