@@ -200,15 +200,21 @@ mod tests {
         }
     }
 
+    /// As many whole millis and micros as arbitrary nanos: `nanos` as it
+    /// is, to the micro, to the milli or none, as `round` says.
+    fn rounded(nanos: u32, round: u8) -> u32 {
+        match round {
+            0 => nanos,
+            1 => nanos / 1_000 * 1_000,
+            2 => nanos / 1_000_000 * 1_000_000,
+            _ => 0,
+        }
+    }
+
     proptest! {
         #[test]
         fn reads_every_text_it_writes(secs in -62_167_219_200i64..253_402_300_799, nanos in 0u32..1_000_000_000, round in 0u8..4) {
-            let nanos = match round {
-                0 => nanos,
-                1 => nanos / 1_000 * 1_000,
-                2 => nanos / 1_000_000 * 1_000_000,
-                _ => 0,
-            };
+            let nanos = rounded(nanos, round);
             let t = DateTime::from_timestamp(secs, nanos).unwrap();
             prop_assert_eq!(read_as_chrono(&rfc3339(&t, SecondsFormat::AutoSi)), Some(t));
             // Whole milliseconds: read as chrono reads them (checked inside).
@@ -222,13 +228,7 @@ mod tests {
 
         #[test]
         fn the_text_is_chronos(secs in -62_167_219_200i64..253_402_300_799, nanos in 0u32..1_000_000_000, round in 0u8..4) {
-            // As many whole millis and micros as arbitrary nanos.
-            let nanos = match round {
-                0 => nanos,
-                1 => nanos / 1_000 * 1_000,
-                2 => nanos / 1_000_000 * 1_000_000,
-                _ => 0,
-            };
+            let nanos = rounded(nanos, round);
             both(DateTime::from_timestamp(secs, nanos).unwrap());
         }
     }
