@@ -491,4 +491,5 @@ fn main() {
         }
         rss_with_1000_connections().await;
     });
+    common::remove_adapter_dirs();
 }

@@ -530,4 +530,5 @@ fn main() {
             println!("Kafka: no broker at {kafka}; skipped");
         }
     });
+    common::remove_adapter_dirs();
 }

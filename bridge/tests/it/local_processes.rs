@@ -180,7 +180,9 @@ async fn a_consumer_killed_mid_batch_loses_nothing() {
 /// message's attempt as it was, and a consumer then gets attempt 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listing_and_tailing_count_no_attempt() {
-    let dir = temp_dir("looks");
+    // Removed when the test ends, however it ends.
+    let kept = ojs_bridge_tests::tempdir::TempDir::new("proc-looks");
+    let dir = kept.path().to_path_buf();
     let url = format!("local:{}", dir.display());
     let adapter = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
     let messages: Vec<OutgoingMessage> = (0..2)
@@ -261,7 +263,9 @@ async fn long_cli_work_shows_progress_on_a_terminal_only() {
     if Command::new("script").arg("--version").output().is_err() {
         panic!("`script` (util-linux) is needed to give the CLI a terminal");
     }
-    let dir = temp_dir("progress");
+    // Removed when the test ends, however it ends.
+    let kept = ojs_bridge_tests::tempdir::TempDir::new("proc-progress");
+    let dir = kept.path().to_path_buf();
     let url = format!("local:{}", dir.display());
     let mut ndjson = String::new();
     for i in 0..2000 {
