@@ -241,30 +241,22 @@ impl<'de> serde::de::Visitor<'de> for OnePass {
         let mut job = blank();
         let mut saw_args = false;
         let mut seen = 0u32;
-        while let Some(key) = map.next_key::<Key<'de>>()? {
+        while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
             let v: Value = map.next_value()?;
-            let name: &str = match &key {
-                Key::Borrowed(k) => k,
-                Key::Owned(k) => k,
-            };
-            match known_attribute(name) {
+            match known_attribute(&key) {
                 Some(bit) => {
                     if seen & (1 << bit) != 0 {
                         return Ok(None);
                     }
                     seen |= 1 << bit;
-                    if !v.is_null() && set_known(&mut job, name, v, &mut saw_args).is_err() {
+                    if !v.is_null() && set_known(&mut job, &key, v, &mut saw_args).is_err() {
                         return Ok(None);
                     }
                 }
                 None => {
                     let mut v = v;
                     normalize_value(&mut v);
-                    let key = match key {
-                        Key::Borrowed(k) => k.to_owned(),
-                        Key::Owned(k) => k,
-                    };
-                    if job.unknown_attributes.insert(key, v).is_some() {
+                    if job.unknown_attributes.insert(key.into_owned(), v).is_some() {
                         return Ok(None);
                     }
                 }
@@ -276,10 +268,7 @@ impl<'de> serde::de::Visitor<'de> for OnePass {
 
 /// A key of the envelope's object, borrowed from the text unless it holds
 /// an escape.
-enum Key<'de> {
-    Borrowed(&'de str),
-    Owned(String),
-}
+struct Key<'de>(std::borrow::Cow<'de, str>);
 
 impl<'de> serde::Deserialize<'de> for Key<'de> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -300,15 +289,15 @@ impl<'de> serde::de::Visitor<'de> for KeyVisitor {
         self,
         v: &'de str,
     ) -> std::result::Result<Key<'de>, E> {
-        Ok(Key::Borrowed(v))
+        Ok(Key(std::borrow::Cow::Borrowed(v)))
     }
 
     fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<Key<'de>, E> {
-        Ok(Key::Owned(v.to_owned()))
+        Ok(Key(std::borrow::Cow::Owned(v.to_owned())))
     }
 
     fn visit_string<E: serde::de::Error>(self, v: String) -> std::result::Result<Key<'de>, E> {
-        Ok(Key::Owned(v))
+        Ok(Key(std::borrow::Cow::Owned(v)))
     }
 }
 
