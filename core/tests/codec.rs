@@ -296,7 +296,15 @@ fn deep_nesting_is_rejected_with_a_clear_error() {
     }
     let mut doc = serde_json::from_str::<serde_json::Value>(MINIMAL).unwrap();
     doc["args"] = json!([v]);
+    let text = serde_json::to_vec(&doc).unwrap();
     let err = JobEnvelope::from_json_value(doc).unwrap_err();
+    assert!(
+        matches!(err, Error::NestingTooDeep { limit: 64, .. }),
+        "{err}"
+    );
+    // The same text read from bytes (the one-pass reader, then the general
+    // path for its error) gives the same error.
+    let err = JobEnvelope::from_json_slice(&text).unwrap_err();
     assert!(
         matches!(err, Error::NestingTooDeep { limit: 64, .. }),
         "{err}"
