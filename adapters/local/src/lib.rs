@@ -722,6 +722,65 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
+    /// A claim hands out the most urgent messages first and counts each
+    /// delivery; a lease that ran out makes its message claimable again,
+    /// counted once more; past the consumer's limit it goes to the dead
+    /// letters, counted afresh there.
+    #[test]
+    fn claims_count_deliveries_and_expired_leases_come_back() {
+        let dir = temp_dir("claims");
+        let mut conn = store::open(&LocalConfig::new(&dir)).unwrap();
+        let mut messages: Vec<OutgoingMessage> = (0..4)
+            .map(|i| OutgoingMessage::new(format!("m{i}"), OJS_PROTO))
+            .collect();
+        messages[2].priority = 5;
+        store::insert(&mut conn, "q", &messages).unwrap();
+        let bodies = |got: &[store::Claimed]| -> Vec<String> {
+            got.iter()
+                .map(|c| String::from_utf8_lossy(&c.payload).into_owned())
+                .collect()
+        };
+        // Leased for no time: visible again at once.
+        let (first, lease) =
+            store::claim(&mut conn, "q", false, 3, Duration::ZERO, Some(2)).unwrap();
+        assert_eq!(bodies(&first), ["m2", "m0", "m1"]);
+        assert!(first.iter().all(|c| c.deliveries == 1));
+        std::thread::sleep(Duration::from_millis(2));
+        let (second, again) =
+            store::claim(&mut conn, "q", false, 10, Duration::from_secs(30), Some(2)).unwrap();
+        assert_ne!(lease, again);
+        assert_eq!(bodies(&second), ["m2", "m0", "m1", "m3"]);
+        assert_eq!(
+            second.iter().map(|c| c.deliveries).collect::<Vec<_>>(),
+            [2, 2, 2, 1]
+        );
+        // The first lease is over: its ack finds nothing.
+        let acks = store::ack_many(&mut conn, &[(first[0].id, lease)]).unwrap();
+        assert!(acks[0].is_err());
+        // Held under the second lease: nothing more to claim.
+        let (none, _) = store::claim(&mut conn, "q", false, 10, Duration::ZERO, Some(2)).unwrap();
+        assert!(none.is_empty());
+        // The second lease runs out at once: the three delivered twice reach
+        // the limit of 2 and go to the dead letters; m3 comes back.
+        let ids: Vec<(i64, i64)> = second.iter().map(|c| (c.id, again)).collect();
+        store::release(&mut conn, &ids[3..]).unwrap();
+        conn.execute(
+            "UPDATE messages SET visible_at = 0 WHERE lease = ?1",
+            [again],
+        )
+        .unwrap();
+        let (back, _) =
+            store::claim(&mut conn, "q", false, 10, Duration::from_secs(30), Some(2)).unwrap();
+        assert_eq!(bodies(&back), ["m3"]);
+        assert_eq!(back[0].deliveries, 2);
+        let (dead, _) =
+            store::claim(&mut conn, "q", true, 10, Duration::from_secs(30), None).unwrap();
+        assert_eq!(bodies(&dead), ["m2", "m0", "m1"]);
+        assert!(dead.iter().all(|c| c.deliveries == 1));
+        drop(conn);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
     /// Every publish is a commit of its own: the WAL is copied back into
     /// the file beside them (`ojs_sqlite::Checkpointer`) and starts over,
     /// and what was published is all there to receive. 12,000 commits of a

@@ -365,7 +365,6 @@ fn insert_rows(
 /// A claimed message.
 pub(crate) struct Claimed {
     pub id: i64,
-    pub priority: i64,
     pub payload: Bytes,
     pub headers: Headers,
     pub key: Option<Bytes>,
@@ -379,13 +378,20 @@ fn parse_headers(text: &str) -> Headers {
     serde_json::from_str(text).unwrap_or_default()
 }
 
-/// The claim of [`claim`].
+/// The messages a claim takes, in delivery order: highest priority, then
+/// oldest. Read first and then leased one by one by their row id: an
+/// `UPDATE … WHERE id IN (SELECT …) RETURNING …` built two temporary
+/// B-trees a claim (the subquery's ids, the returned rows), each with a page
+/// cache of its own opened and freed, and gave its rows in no order.
 pub(crate) const CLAIM: &str =
-    "UPDATE messages SET lease = ?1, visible_at = ?2, deliveries = deliveries + 1, max_deliveries = ?7
-     WHERE id IN (SELECT id FROM messages INDEXED BY messages_order
-                  WHERE queue_id = ?3 AND dead = ?4 AND visible_at <= ?5
-                  ORDER BY priority DESC, id LIMIT ?6)
-     RETURNING id, priority, payload, headers, msg_key, message_id, deliveries";
+    "SELECT id, payload, headers, msg_key, message_id, deliveries
+     FROM messages INDEXED BY messages_order
+     WHERE queue_id = ?1 AND dead = ?2 AND visible_at <= ?3
+     ORDER BY priority DESC, id LIMIT ?4";
+
+/// Leases one claimed message (by its row id, in the claim's transaction).
+const LEASE: &str = "UPDATE messages SET lease = ?2, visible_at = ?3, deliveries = deliveries + 1, max_deliveries = ?4
+     WHERE id = ?1";
 
 /// Claims up to `max` deliverable messages under a new lease. With
 /// `max_deliveries`, messages already delivered that often are moved to the
@@ -413,42 +419,38 @@ pub(crate) fn claim(
     let max_deliveries = if dead { None } else { max_deliveries };
     // INDEXED BY: walking the (priority, id) order and skipping the few
     // invisible rows beats the planner's choice of sorting every visible row.
-    let mut claimed: Vec<Claimed> = {
+    let claimed: Vec<Claimed> = {
         let mut stmt = tx.prepare_cached(CLAIM).map_err(db_error)?;
-        let deadline = now.saturating_add(visibility.as_millis() as i64);
         let rows = stmt
-            .query_map(
-                params![
-                    lease,
-                    deadline,
-                    queue_id,
-                    dead,
-                    now,
-                    max as i64,
-                    max_deliveries
-                ],
-                |r| {
-                    Ok(Claimed {
-                        id: r.get(0)?,
-                        priority: r.get(1)?,
-                        payload: Bytes::from(r.get::<_, Vec<u8>>(2)?),
-                        headers: parse_headers(&r.get::<_, String>(3)?),
-                        key: match r.get_ref(4)? {
-                            rusqlite::types::ValueRef::Text(b)
-                            | rusqlite::types::ValueRef::Blob(b) => Some(Bytes::copy_from_slice(b)),
-                            _ => None,
-                        },
-                        message_id: r.get(5)?,
-                        deliveries: u32::try_from(r.get::<_, i64>(6)?).unwrap_or(u32::MAX),
-                    })
-                },
-            )
+            .query_map(params![queue_id, dead, now, max as i64], |r| {
+                Ok(Claimed {
+                    id: r.get(0)?,
+                    payload: Bytes::from(r.get::<_, Vec<u8>>(1)?),
+                    headers: parse_headers(&r.get::<_, String>(2)?),
+                    key: match r.get_ref(3)? {
+                        rusqlite::types::ValueRef::Text(b) | rusqlite::types::ValueRef::Blob(b) => {
+                            Some(Bytes::copy_from_slice(b))
+                        }
+                        _ => None,
+                    },
+                    message_id: r.get(4)?,
+                    // This claim is its next delivery.
+                    deliveries: u32::try_from(r.get::<_, i64>(5)?.saturating_add(1))
+                        .unwrap_or(u32::MAX),
+                })
+            })
             .map_err(db_error)?;
         rows.collect::<rusqlite::Result<_>>().map_err(db_error)?
     };
+    if !claimed.is_empty() {
+        let deadline = now.saturating_add(visibility.as_millis() as i64);
+        let mut stmt = tx.prepare_cached(LEASE).map_err(db_error)?;
+        for c in &claimed {
+            stmt.execute(params![c.id, lease, deadline, max_deliveries])
+                .map_err(db_error)?;
+        }
+    }
     tx.commit().map_err(db_error)?;
-    // RETURNING gives no order; deliver highest priority, then oldest, first.
-    claimed.sort_by_key(|c| (std::cmp::Reverse(c.priority), c.id));
     Ok((claimed, lease))
 }
 
