@@ -334,12 +334,12 @@ mod tests {
         .unwrap();
     }
 
-    /// Opening a directory of schema 1 moves it to schema 2 with nothing
+    /// Opening a directory of schema 1 moves it to schema 3 with nothing
     /// lost or reordered: each queue delivers what it held, in its order,
     /// scheduled and leased messages stay invisible, dead letters stay
     /// dead, and no id handed out before is given again.
     #[tokio::test]
-    async fn a_schema_1_database_is_moved_to_schema_2_with_its_messages() {
+    async fn a_schema_1_database_is_moved_to_schema_3_with_its_messages() {
         let dir = temp_dir("schema-1");
         write_schema_1(&dir.join(DATABASE_FILE));
         let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
@@ -385,7 +385,7 @@ mod tests {
                 .collect();
             (version, ids)
         };
-        assert_eq!(version, 2);
+        assert_eq!(version, 3);
         assert!(
             ids.len() == 1 && ids[0] > 90,
             "the new message's id: {ids:?}"
@@ -398,7 +398,7 @@ mod tests {
         drop((c, dead, other));
         a.close().await.unwrap();
         drop(a);
-        // Opened again, it is schema 2 already and opens as it is.
+        // Opened again, it is schema 3 already and opens as it is.
         let again = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
         let counts: (i64, i64) = again
             .inner
@@ -414,6 +414,88 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
+    /// A directory of schema 2: its messages as that schema's build left
+    /// them, with its two indexes over every message.
+    fn write_schema_2(path: &std::path::Path) {
+        let c = Connection::open(path).unwrap();
+        c.execute_batch(
+            "PRAGMA auto_vacuum = INCREMENTAL; PRAGMA journal_mode = WAL;
+             CREATE TABLE queues (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE);
+             CREATE TABLE messages (
+                 id INTEGER PRIMARY KEY AUTOINCREMENT, queue_id INTEGER NOT NULL,
+                 dead INTEGER NOT NULL DEFAULT 0, priority INTEGER NOT NULL DEFAULT 0,
+                 visible_at INTEGER NOT NULL, deliveries INTEGER NOT NULL DEFAULT 0,
+                 lease INTEGER, max_deliveries INTEGER, payload BLOB NOT NULL,
+                 headers TEXT NOT NULL, msg_key TEXT, message_id TEXT,
+                 enqueued_at INTEGER NOT NULL);
+             CREATE INDEX messages_order ON messages (queue_id, dead, priority DESC);
+             CREATE INDEX messages_visible ON messages (queue_id, dead, visible_at);
+             CREATE INDEX messages_leased ON messages (queue_id, visible_at) WHERE lease IS NOT NULL;
+             INSERT INTO queues (id, name) VALUES (1, 'q'), (2, 'other');
+             INSERT INTO messages (id, queue_id, priority, visible_at, deliveries, lease, payload, headers, enqueued_at) VALUES
+                 (3, 1, 0, 0, 0, NULL, CAST('low' AS BLOB), '{}', 1),
+                 (4, 1, 5, 0, 0, NULL, CAST('high' AS BLOB), '{}', 1),
+                 (5, 1, 9, 4102444800000, 0, NULL, CAST('scheduled' AS BLOB), '{}', 1),
+                 (6, 1, 0, 4102444800000, 1, 77, CAST('leased' AS BLOB), '{}', 1),
+                 (7, 1, 7, 1, 2, 78, CAST('expired' AS BLOB), '{}', 1),
+                 (8, 2, 0, 0, 0, NULL, CAST('elsewhere' AS BLOB), '{}', 1);
+             INSERT INTO messages (id, queue_id, dead, visible_at, payload, headers, enqueued_at)
+                 VALUES (9, 1, 1, 0, CAST('dead' AS BLOB), '{}', 1);",
+        )
+        .unwrap();
+        c.execute_batch(&format!(
+            "PRAGMA application_id = {}; PRAGMA user_version = 2;",
+            store::APPLICATION_ID
+        ))
+        .unwrap();
+    }
+
+    /// Opening a directory of schema 2 gives it schema 3's indexes, with
+    /// nothing lost or reordered: the queue delivers what was not leased and
+    /// what was leased but ran out, by priority, counted once more; what is
+    /// still leased or scheduled stays invisible; dead letters stay dead.
+    #[tokio::test]
+    async fn a_schema_2_database_gets_the_indexes_of_schema_3() {
+        let dir = temp_dir("schema-2");
+        write_schema_2(&dir.join(DATABASE_FILE));
+        let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let (version, indexes): (i64, Vec<String>) = {
+            let conn = a.inner.lock();
+            let version = conn
+                .query_row("PRAGMA user_version", [], |r| r.get(0))
+                .unwrap();
+            let indexes = conn
+                .prepare(
+                    "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'messages'
+                     AND sql IS NOT NULL ORDER BY name",
+                )
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            (version, indexes)
+        };
+        assert_eq!(version, 3);
+        assert_eq!(
+            indexes,
+            ["messages_leased", "messages_ready", "messages_waiting"]
+        );
+        let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let got = c.receive(10, Duration::ZERO).await.unwrap();
+        let payloads: Vec<String> = got
+            .iter()
+            .map(|d| String::from_utf8(d.payload.to_vec()).unwrap())
+            .collect();
+        assert_eq!(payloads, ["expired", "high", "low"]);
+        assert_eq!(got.iter().map(|d| d.attempt).collect::<Vec<_>>(), [3, 1, 1]);
+        let mut dead = dead_letters(&a, "q").await;
+        assert_eq!(dead.receive(10, Duration::ZERO).await.unwrap().len(), 1);
+        drop((got, c, dead));
+        a.close().await.unwrap();
+        std::fs::remove_dir_all(dir).ok();
+    }
+
     /// A database a newer build wrote is refused, untouched.
     #[tokio::test]
     async fn a_newer_schema_is_refused_untouched() {
@@ -422,7 +504,7 @@ mod tests {
         drop(LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap());
         Connection::open(&path)
             .unwrap()
-            .execute_batch("PRAGMA user_version = 3;")
+            .execute_batch("PRAGMA user_version = 4;")
             .unwrap();
         let before = std::fs::read(&path).unwrap();
         let err = LocalAdapter::open(LocalConfig::new(&dir))
@@ -430,7 +512,7 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
         assert!(
-            err.to_string().contains("schema version 3 is newer"),
+            err.to_string().contains("schema version 4 is newer"),
             "{err}"
         );
         assert_eq!(std::fs::read(&path).unwrap(), before, "not modified");
@@ -718,6 +800,54 @@ mod tests {
             "the claim was prepared again"
         );
         drop(stmt);
+        drop(conn);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// Every statement that looks a queue's messages up reads them through
+    /// an index: none scans the whole table (a backlog of millions, or the
+    /// messages in flight, would be read on every claim, wait or depth).
+    #[test]
+    fn every_lookup_of_a_queue_reads_an_index() {
+        let dir = temp_dir("plans");
+        let conn = store::open(&LocalConfig::new(&dir)).unwrap();
+        let mut statements: Vec<(&str, &str)> = vec![
+            ("claim", store::CLAIM),
+            ("claim of expired leases", store::CLAIM_EXPIRED),
+            ("depth", store::DEPTH),
+            ("empty queues", store::DELETE_EMPTY_QUEUES),
+        ];
+        for sql in store::NEXT_VISIBLE {
+            statements.push(("next visible", sql));
+        }
+        for sql in store::DELETE_QUEUE {
+            statements.push(("delete queue", sql));
+        }
+        for (what, sql) in statements {
+            let mut explain = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+            let unbound = std::iter::repeat_n(rusqlite::types::Null, explain.parameter_count());
+            let plan: Vec<String> = explain
+                .query_map(rusqlite::params_from_iter(unbound), |r| r.get(3))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            assert!(
+                !plan
+                    .iter()
+                    .any(|step| step.starts_with("SCAN messages") && !step.contains("INDEX")),
+                "{what} scans the table: {plan:?}"
+            );
+            assert!(
+                plan.iter().any(|step| step.contains("messages USING")),
+                "{what} reads no index of messages: {plan:?}"
+            );
+            if what == "claim" {
+                assert!(
+                    !plan.iter().any(|step| step.contains("TEMP B-TREE")),
+                    "the claim sorts: {plan:?}"
+                );
+            }
+        }
         drop(conn);
         std::fs::remove_dir_all(dir).ok();
     }

@@ -20,10 +20,11 @@ use crate::config::{Durability, LocalConfig};
 /// `PRAGMA application_id` of our databases ("OJSB"), so a foreign SQLite
 /// file is recognised instead of being written to.
 pub(crate) const APPLICATION_ID: i64 = 0x4F4A_5342;
-/// Schema version in `PRAGMA user_version`. 2: messages name their queue
-/// by an integer id (table `queues`); 1 named it by its text, which every
-/// step of every index lookup compared as text.
-const SCHEMA_VERSION: i64 = 2;
+/// Schema version in `PRAGMA user_version`. 3: the indexes a claim and a
+/// waiting consumer read hold only messages not leased; 2: messages name
+/// their queue by an integer id (table `queues`); 1 named it by its text,
+/// which every step of every index lookup compared as text.
+const SCHEMA_VERSION: i64 = 3;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS queues (
@@ -46,12 +47,22 @@ CREATE TABLE IF NOT EXISTS messages (
     message_id  TEXT,
     enqueued_at INTEGER NOT NULL
 );
--- Every index entry ends with the row's id: publish order within a priority
--- (naming `id` here stored it twice).
-CREATE INDEX IF NOT EXISTS messages_order ON messages (queue_id, dead, priority DESC);
-CREATE INDEX IF NOT EXISTS messages_visible ON messages (queue_id, dead, visible_at);
--- Only leased rows: finding expired leases must not scan the ready backlog.
+-- Messages not leased, in delivery order (every index entry ends with the
+-- row's id: publish order within a priority). A claim walks it and never
+-- steps over the messages in flight; an ack finds nothing of its message
+-- here to delete.
+CREATE INDEX IF NOT EXISTS messages_ready ON messages (queue_id, dead, priority DESC) WHERE lease IS NULL;
+-- Messages not leased, by the time they become deliverable.
+CREATE INDEX IF NOT EXISTS messages_waiting ON messages (queue_id, dead, visible_at) WHERE lease IS NULL;
+-- Only leased rows: expired leases, found without scanning the backlog.
 CREATE INDEX IF NOT EXISTS messages_leased ON messages (queue_id, visible_at) WHERE lease IS NOT NULL;
+";
+
+/// From schema 2, before [`SCHEMA`]: its two indexes over every message
+/// give way to schema 3's over those not leased.
+const FROM_2: &str = "
+DROP INDEX IF EXISTS messages_order;
+DROP INDEX IF EXISTS messages_visible;
 ";
 
 /// From schema 1, before [`SCHEMA`]: the table of schema 1 steps aside
@@ -219,6 +230,9 @@ fn prepare_schema(conn: &mut Connection, path: &Path) -> Result<()> {
     if version == 1 {
         tx.execute_batch(SET_ASIDE_1).map_err(db_error)?;
     }
+    if version == 2 {
+        tx.execute_batch(FROM_2).map_err(db_error)?;
+    }
     tx.execute_batch(SCHEMA).map_err(db_error)?;
     if version == 1 {
         let messages: i64 = tx
@@ -228,7 +242,14 @@ fn prepare_schema(conn: &mut Connection, path: &Path) -> Result<()> {
         tracing::info!(
             path = %path.display(),
             messages,
-            "moved the embedded broker's database from schema 1 to 2 (queues named by id)"
+            "moved the embedded broker's database from schema 1 to {SCHEMA_VERSION}"
+        );
+    } else if version > 0 && version < SCHEMA_VERSION {
+        tracing::info!(
+            path = %path.display(),
+            from = version,
+            to = SCHEMA_VERSION,
+            "the embedded broker's database has the indexes of its new schema"
         );
     }
     tx.execute_batch(&format!(
@@ -378,15 +399,25 @@ fn parse_headers(text: &str) -> Headers {
     serde_json::from_str(text).unwrap_or_default()
 }
 
-/// The messages a claim takes, in delivery order: highest priority, then
-/// oldest. Read first and then leased one by one by their row id: an
-/// `UPDATE … WHERE id IN (SELECT …) RETURNING …` built two temporary
-/// B-trees a claim (the subquery's ids, the returned rows), each with a page
-/// cache of its own opened and freed, and gave its rows in no order.
+/// The messages not leased that a claim takes, in delivery order: highest
+/// priority, then oldest. Read first and then leased one by one by their
+/// row id: an `UPDATE … WHERE id IN (SELECT …) RETURNING …` built two
+/// temporary B-trees a claim (the subquery's ids, the returned rows), each
+/// with a page cache of its own opened and freed, and gave its rows in no
+/// order.
 pub(crate) const CLAIM: &str =
-    "SELECT id, payload, headers, msg_key, message_id, deliveries
-     FROM messages INDEXED BY messages_order
-     WHERE queue_id = ?1 AND dead = ?2 AND visible_at <= ?3
+    "SELECT id, payload, headers, msg_key, message_id, deliveries, priority
+     FROM messages INDEXED BY messages_ready
+     WHERE queue_id = ?1 AND dead = ?2 AND lease IS NULL AND visible_at <= ?3
+     ORDER BY priority DESC, id LIMIT ?4";
+
+/// Leased messages whose lease ran out, in the same order: claimable again.
+/// Few, usually none: their index is read from the queue's oldest deadline
+/// up to now.
+pub(crate) const CLAIM_EXPIRED: &str =
+    "SELECT id, payload, headers, msg_key, message_id, deliveries, priority
+     FROM messages INDEXED BY messages_leased
+     WHERE queue_id = ?1 AND lease IS NOT NULL AND visible_at <= ?3 AND dead = ?2
      ORDER BY priority DESC, id LIMIT ?4";
 
 /// Leases one claimed message (by its row id, in the claim's transaction).
@@ -418,12 +449,46 @@ pub(crate) fn claim(
     // Dead letters are never dead-lettered again.
     let max_deliveries = if dead { None } else { max_deliveries };
     // INDEXED BY: walking the (priority, id) order and skipping the few
-    // invisible rows beats the planner's choice of sorting every visible row.
-    let claimed: Vec<Claimed> = {
-        let mut stmt = tx.prepare_cached(CLAIM).map_err(db_error)?;
-        let rows = stmt
-            .query_map(params![queue_id, dead, now, max as i64], |r| {
-                Ok(Claimed {
+    // invisible rows (scheduled, retried later) beats the planner's choice
+    // of sorting every visible row. The messages not leased and those whose
+    // lease ran out are each read in that order and merged: the first `max`
+    // of both.
+    let ready = claimable(&tx, CLAIM, queue_id, dead, now, max)?;
+    let expired = claimable(&tx, CLAIM_EXPIRED, queue_id, dead, now, max)?;
+    let claimed: Vec<Claimed> = if expired.is_empty() {
+        ready.into_iter().map(|(c, _)| c).collect()
+    } else {
+        let mut both: Vec<(Claimed, i64)> = ready.into_iter().chain(expired).collect();
+        both.sort_by_key(|(c, priority)| (std::cmp::Reverse(*priority), c.id));
+        both.into_iter().take(max).map(|(c, _)| c).collect()
+    };
+    if !claimed.is_empty() {
+        let deadline = now.saturating_add(visibility.as_millis() as i64);
+        let mut stmt = tx.prepare_cached(LEASE).map_err(db_error)?;
+        for c in &claimed {
+            stmt.execute(params![c.id, lease, deadline, max_deliveries])
+                .map_err(db_error)?;
+        }
+    }
+    tx.commit().map_err(db_error)?;
+    Ok((claimed, lease))
+}
+
+/// Up to `max` messages of `sql` ([`CLAIM`] or [`CLAIM_EXPIRED`]), each
+/// with its priority.
+fn claimable(
+    conn: &Connection,
+    sql: &str,
+    queue_id: i64,
+    dead: bool,
+    now: i64,
+    max: usize,
+) -> Result<Vec<(Claimed, i64)>> {
+    let mut stmt = conn.prepare_cached(sql).map_err(db_error)?;
+    let rows = stmt
+        .query_map(params![queue_id, dead, now, max as i64], |r| {
+            Ok((
+                Claimed {
                     id: r.get(0)?,
                     payload: Bytes::from(r.get::<_, Vec<u8>>(1)?),
                     headers: parse_headers(&r.get::<_, String>(2)?),
@@ -437,21 +502,12 @@ pub(crate) fn claim(
                     // This claim is its next delivery.
                     deliveries: u32::try_from(r.get::<_, i64>(5)?.saturating_add(1))
                         .unwrap_or(u32::MAX),
-                })
-            })
-            .map_err(db_error)?;
-        rows.collect::<rusqlite::Result<_>>().map_err(db_error)?
-    };
-    if !claimed.is_empty() {
-        let deadline = now.saturating_add(visibility.as_millis() as i64);
-        let mut stmt = tx.prepare_cached(LEASE).map_err(db_error)?;
-        for c in &claimed {
-            stmt.execute(params![c.id, lease, deadline, max_deliveries])
-                .map_err(db_error)?;
-        }
-    }
-    tx.commit().map_err(db_error)?;
-    Ok((claimed, lease))
+                },
+                r.get(6)?,
+            ))
+        })
+        .map_err(db_error)?;
+    rows.collect::<rusqlite::Result<_>>().map_err(db_error)
 }
 
 fn sweep_exhausted(conn: &Connection, queue_id: i64, now: i64) -> Result<()> {
@@ -496,14 +552,37 @@ fn move_to_dead(conn: &Connection, id: i64, headers: &Headers) -> Result<()> {
     Ok(())
 }
 
+/// The next message not leased to become deliverable, and the next lease
+/// to run out, of a queue: each read from its own index.
+pub(crate) const NEXT_VISIBLE: [&str; 2] = [
+    "SELECT visible_at FROM messages INDEXED BY messages_waiting
+     WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND dead = ?2 AND lease IS NULL
+       AND visible_at > ?3
+     ORDER BY visible_at LIMIT 1",
+    "SELECT visible_at FROM messages INDEXED BY messages_leased
+     WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND lease IS NOT NULL
+       AND visible_at > ?3 AND dead = ?2
+     ORDER BY visible_at LIMIT 1",
+];
+
 /// The earliest time a message of the queue becomes deliverable.
 pub(crate) fn next_visible(conn: &Connection, queue: &str, dead: bool) -> Result<Option<i64>> {
-    conn.prepare_cached(
-        "SELECT min(visible_at) FROM messages
-         WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND dead = ?2 AND visible_at > ?3",
-    )
-    .and_then(|mut s| s.query_row(params![queue, dead, now_ms()], |r| r.get(0)))
-    .map_err(db_error)
+    let now = now_ms();
+    let mut earliest: Option<i64> = None;
+    for sql in NEXT_VISIBLE {
+        let at: Option<i64> = conn
+            .prepare_cached(sql)
+            .and_then(|mut s| {
+                s.query_row(params![queue, dead, now], |r| r.get(0))
+                    .optional()
+            })
+            .map_err(db_error)?;
+        earliest = match (earliest, at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    Ok(earliest)
 }
 
 /// Deletes many acked messages in one transaction (group commit); one result
@@ -625,17 +704,34 @@ pub(crate) fn release(conn: &mut Connection, leases: &[(i64, i64)]) -> Result<()
     tx.commit().map_err(db_error)
 }
 
+/// Messages waiting in a queue: those not leased and those whose lease ran
+/// out, each counted from its own index.
+pub(crate) const DEPTH: &str = "SELECT
+    (SELECT count(*) FROM messages INDEXED BY messages_ready
+     WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND dead = 0 AND lease IS NULL)
+  + (SELECT count(*) FROM messages INDEXED BY messages_leased
+     WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND lease IS NOT NULL
+       AND visible_at <= ?2 AND dead = 0)";
+
 /// Messages waiting (not leased) in the queue.
 pub(crate) fn depth(conn: &Connection, queue: &str) -> Result<u64> {
-    conn.prepare_cached(
-        "SELECT count(*) FROM messages
-         WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND dead = 0
-           AND (lease IS NULL OR visible_at <= ?2)",
-    )
-    .and_then(|mut s| s.query_row(params![queue, now_ms()], |r| r.get::<_, i64>(0)))
-    .map(|n| n.max(0) as u64)
-    .map_err(db_error)
+    conn.prepare_cached(DEPTH)
+        .and_then(|mut s| s.query_row(params![queue, now_ms()], |r| r.get::<_, i64>(0)))
+        .map(|n| n.max(0) as u64)
+        .map_err(db_error)
 }
+
+/// A queue's messages not leased and those leased, each found through its
+/// own index (no index holds both).
+pub(crate) const DELETE_QUEUE: [&str; 2] = [
+    "DELETE FROM messages WHERE queue_id = ?1 AND lease IS NULL",
+    "DELETE FROM messages WHERE queue_id = ?1 AND lease IS NOT NULL",
+];
+
+/// Queues without a message, leased or not.
+pub(crate) const DELETE_EMPTY_QUEUES: &str = "DELETE FROM queues
+     WHERE NOT EXISTS (SELECT 1 FROM messages WHERE queue_id = queues.id AND lease IS NULL)
+       AND NOT EXISTS (SELECT 1 FROM messages WHERE queue_id = queues.id AND lease IS NOT NULL)";
 
 /// Removes everything in `queue`, dead letters and leased messages too (a
 /// reply queue its client is done with), and its name.
@@ -644,10 +740,13 @@ pub(crate) fn delete_queue(conn: &mut Connection, queue: &str) -> Result<u64> {
     let Some(queue_id) = queue_id(&tx, queue)? else {
         return Ok(0);
     };
-    let deleted = tx
-        .prepare_cached("DELETE FROM messages WHERE queue_id = ?1")
-        .and_then(|mut s| s.execute([queue_id]))
-        .map_err(db_error)?;
+    let mut deleted = 0;
+    for sql in DELETE_QUEUE {
+        deleted += tx
+            .prepare_cached(sql)
+            .and_then(|mut s| s.execute([queue_id]))
+            .map_err(db_error)?;
+    }
     tx.prepare_cached("DELETE FROM queues WHERE id = ?1")
         .and_then(|mut s| s.execute([queue_id]))
         .map_err(db_error)?;
@@ -667,10 +766,7 @@ pub(crate) fn housekeeping(
     // names (reply queues) does not grow the table; a queue published to
     // again gets a new id. One statement: atomic against other processes.
     // Its failure does not keep the pages and the WAL from being returned.
-    if let Err(e) = conn.execute(
-        "DELETE FROM queues WHERE NOT EXISTS (SELECT 1 FROM messages WHERE queue_id = queues.id)",
-        [],
-    ) {
+    if let Err(e) = conn.execute(DELETE_EMPTY_QUEUES, []) {
         tracing::warn!(error = %e, "the names of empty queues were not removed; the next housekeeping tries again");
     }
     // The pragma frees one page per step: step it until it is done.
