@@ -793,13 +793,14 @@ mod tests {
             claimed += got.len();
         }
         assert_eq!(claimed, 16);
-        let stmt = conn.prepare_cached(store::CLAIM).unwrap();
-        assert_eq!(
-            stmt.get_status(rusqlite::StatementStatus::RePrepare),
-            0,
-            "the claim was prepared again"
-        );
-        drop(stmt);
+        for sql in [store::CLAIM, store::CLAIM_EXPIRED] {
+            let stmt = conn.prepare_cached(sql).unwrap();
+            assert_eq!(
+                stmt.get_status(rusqlite::StatementStatus::RePrepare),
+                0,
+                "the claim was prepared again: {sql}"
+            );
+        }
         drop(conn);
         std::fs::remove_dir_all(dir).ok();
     }
