@@ -49,6 +49,14 @@ const MIGRATION_LOCK: i64 = 0x4f4a_5341;
 /// replica publishes it.
 const ORPHAN_AFTER: Duration = Duration::from_secs(60);
 
+/// Appends one event (numbered by its sequence; the embedded store numbers
+/// its own).
+const INSERT_EVENT: &str = "INSERT INTO events (type, job_id, queue, job_type, time_ms, data)
+     VALUES ($1, $2, $3, $4, $5, $6)";
+
+/// Events past retention (read through `events_time`).
+const PRUNE_EVENTS: &str = "DELETE FROM events WHERE time_ms < $1";
+
 const SCHEMA_V1: &str = "
 CREATE TABLE jobs (
     seq              bigserial NOT NULL,
@@ -584,7 +592,7 @@ impl super::JobStore for PostgresStore {
         let cut = ms(before);
         self.transaction(move |t| {
             let jobs = t.execute(sql::PRUNE_JOBS.postgres, &[&cut]).map_err(pg)?;
-            t.execute(sql::PRUNE_EVENTS.postgres, &[&cut]).map_err(pg)?;
+            t.execute(PRUNE_EVENTS, &[&cut]).map_err(pg)?;
             t.execute(sql::PRUNE_UNIQUE_KEYS.postgres, &[])
                 .map_err(pg)?;
             t.execute(sql::PRUNE_WORKERS.postgres, &[&cut])
@@ -1035,7 +1043,7 @@ impl Tx for PostgresTx<'_, '_> {
     ) -> Result<(), StoreError> {
         self.t
             .execute(
-                sql::INSERT_EVENT.postgres,
+                INSERT_EVENT,
                 &[
                     &event_type,
                     &job.job_id,

@@ -55,21 +55,12 @@ shared!(
     DELETE_JOB_EVENTS = "DELETE FROM events WHERE job_id = $1"
 );
 shared!(
-    /// Appends one event.
-    INSERT_EVENT = "INSERT INTO events (type, job_id, queue, job_type, time_ms, data)
-     VALUES ($1, $2, $3, $4, $5, $6)"
-);
-shared!(
     /// Every queue with the time its first job arrived.
     QUEUES = "SELECT name, created_ms FROM queues ORDER BY name"
 );
 shared!(
     /// Finished jobs past retention.
     PRUNE_JOBS = "DELETE FROM jobs WHERE finished_ms IS NOT NULL AND finished_ms < $1"
-);
-shared!(
-    /// Events past retention.
-    PRUNE_EVENTS = "DELETE FROM events WHERE time_ms < $1"
 );
 shared!(
     /// Workers silent past retention.
@@ -320,7 +311,7 @@ mod tests {
         );
         assert_eq!(JOB.sqlite, "SELECT envelope, extra FROM jobs WHERE id = ?1");
         assert!(SAVE_WORKER.sqlite.contains("VALUES (?1, ?2, ?3)"));
-        for sql in [JOB, DELETE_JOB, INSERT_EVENT, SAVE_WORKER, WORKERS] {
+        for sql in [JOB, DELETE_JOB, DELETE_JOB_EVENTS, SAVE_WORKER, WORKERS] {
             assert!(!sql.sqlite.contains('$'), "{}", sql.sqlite);
             assert_eq!(sql.sqlite.len(), sql.postgres.len());
         }

@@ -10,7 +10,7 @@
 //! commit no longer waits for the log to be copied into the file.
 
 use std::any::Any;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -53,8 +53,10 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// state (`job_counts`, kept by the writer: [`Tally`]), 10 indexes by when
 /// they are due only the scheduled jobs (`jobs_scheduled`, in place of
 /// `jobs_due` on every job's state and due time, which each change of state
-/// rewrote).
-const SCHEMA_VERSION: i64 = 10;
+/// rewrote), 11 numbers events itself (`events` without `AUTOINCREMENT`,
+/// the highest number given kept in `meta` when events are deleted) and
+/// indexes them by job (`events_job`: deleting a job read every event).
+const SCHEMA_VERSION: i64 = 11;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -86,7 +88,7 @@ CREATE TABLE IF NOT EXISTS queues (
     created_ms INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS events (
-    seq      INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq      INTEGER PRIMARY KEY,
     type     TEXT NOT NULL,
     job_id   TEXT NOT NULL,
     queue    TEXT NOT NULL,
@@ -94,6 +96,8 @@ CREATE TABLE IF NOT EXISTS events (
     time_ms  INTEGER NOT NULL,
     data     TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS events_job ON events (job_id);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('events_through', 0);
 CREATE TABLE IF NOT EXISTS workers (
     id      TEXT PRIMARY KEY,
     seen_ms INTEGER NOT NULL,
@@ -155,6 +159,44 @@ CREATE TABLE IF NOT EXISTS job_counts (
     PRIMARY KEY (queue, state)
 ) WITHOUT ROWID;
 ";
+
+/// Before version 11 events were numbered by SQLite (`AUTOINCREMENT`, which
+/// reads and rewrites `sqlite_sequence` on every insert): their table is
+/// copied into one the writer numbers, and the highest number SQLite gave
+/// (deleted events included) is kept, so that no number is given twice.
+const NUMBER_EVENTS: &str = "
+CREATE TABLE events_numbered (
+    seq      INTEGER PRIMARY KEY,
+    type     TEXT NOT NULL,
+    job_id   TEXT NOT NULL,
+    queue    TEXT NOT NULL,
+    job_type TEXT NOT NULL,
+    time_ms  INTEGER NOT NULL,
+    data     TEXT NOT NULL
+);
+INSERT INTO events_numbered (seq, type, job_id, queue, job_type, time_ms, data)
+    SELECT seq, type, job_id, queue, job_type, time_ms, data FROM events ORDER BY seq;
+DROP TABLE events;
+ALTER TABLE events_numbered RENAME TO events;
+";
+
+/// Appends one event under the number the writer gives it.
+const INSERT_EVENT: &str = "INSERT INTO events (seq, type, job_id, queue, job_type, time_ms, data)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
+
+/// Keeps the highest event number given before events are deleted: the
+/// next start numbers from above it even when the newest are gone.
+const KEEP_EVENTS_THROUGH: &str =
+    "UPDATE meta SET value = max(value, ?1) WHERE key = 'events_through'";
+
+/// Events from before `?1`, the oldest first, up to the first that is not:
+/// the events are in the order of their time (one writer stamps them), so
+/// a prune reads the ones it deletes and one more, not the whole log. One
+/// stamped before an older one (the clock set back) waits for the next
+/// prune after those before it.
+const PRUNE_EVENTS: &str = "DELETE FROM events WHERE seq < coalesce(
+    (SELECT seq FROM events WHERE time_ms >= ?1 ORDER BY seq LIMIT 1),
+    (SELECT max(seq) + 1 FROM events))";
 
 /// Before version 9 the counts were not kept: they are counted once, in the
 /// migration's transaction.
@@ -406,6 +448,29 @@ impl SqliteStore {
         if version < 10 {
             tx.execute_batch("DROP INDEX IF EXISTS jobs_due;")?;
         }
+        if (1..11).contains(&version) {
+            // SQLite makes `sqlite_sequence` with the first table that has
+            // `AUTOINCREMENT`: without it, it gave no number.
+            let numbered: bool = tx.query_row(
+                "SELECT count(*) > 0 FROM sqlite_master WHERE name = 'sqlite_sequence'",
+                [],
+                |r| r.get(0),
+            )?;
+            let given: i64 = if numbered {
+                tx.query_row(
+                    "SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0)",
+                    [],
+                    |r| r.get(0),
+                )?
+            } else {
+                0
+            };
+            tx.execute_batch(NUMBER_EVENTS)?;
+            tx.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('events_through', ?1)",
+                params![given],
+            )?;
+        }
         tx.execute_batch(SCHEMA)?;
         if version < 9 {
             tx.execute_batch(COUNT_JOBS)?;
@@ -415,6 +480,12 @@ impl SqliteStore {
         ))?;
         tx.commit()?;
         let confirmed = Confirmed::load(&writer)?;
+        let next_event: i64 = writer.query_row(
+            "SELECT max((SELECT value FROM meta WHERE key = 'events_through'),
+                        coalesce((SELECT max(seq) FROM events), 0)) + 1",
+            [],
+            |r| r.get(0),
+        )?;
         let recover = (confirmed.persisted, confirmed.next_seq - 1);
         let reader = Arc::new(Readers {
             connections: (0..READERS)
@@ -440,7 +511,14 @@ impl SqliteStore {
                 // (one connection closing at a time, as above).
                 let checkpointer =
                     ojs_sqlite::Checkpointer::start(STORE_FILE, checkpoints, &writer);
-                write_loop(writer, rx, confirmed, &writer_health, &tally, checkpointer);
+                write_loop(
+                    writer,
+                    rx,
+                    (confirmed, next_event),
+                    &writer_health,
+                    &tally,
+                    checkpointer,
+                );
                 drop(keep_reader);
             })
             .map_err(|e| StoreError::Open {
@@ -698,8 +776,10 @@ fn event(
     now: DateTime<Utc>,
     data: Value,
 ) -> Result<(), StoreError> {
+    let seq = prepared.next_event.get();
     prepared.run(&prepared.event, |s| {
         s.execute(params![
+            seq,
             event_type,
             job.job_id,
             job.queue,
@@ -708,6 +788,19 @@ fn event(
             json_text(&data),
         ])
     })?;
+    // A number is not given again even when its request or group is rolled
+    // back: the log may have gaps, never a number twice.
+    prepared.next_event.set(seq + 1);
+    Ok(())
+}
+
+/// Keeps the highest event number given so far in `meta`, before a
+/// statement that may delete the newest events.
+fn keep_events_through(prepared: &Prepared<'_>) -> Result<(), StoreError> {
+    prepared
+        .conn
+        .prepare_cached(KEEP_EVENTS_THROUGH)?
+        .execute(params![prepared.next_event.get() - 1])?;
     Ok(())
 }
 
@@ -722,6 +815,9 @@ struct Prepared<'c> {
     event: Slot<'c>,
     savepoint: Slot<'c>,
     release: Slot<'c>,
+    /// The number the next event gets: one more than any given before, in
+    /// the log or deleted from it (`events_through`).
+    next_event: Cell<i64>,
 }
 
 /// One statement of [`Prepared`], prepared at its first use.
@@ -740,14 +836,15 @@ impl<'c> Slot<'c> {
 }
 
 impl<'c> Prepared<'c> {
-    fn new(conn: &'c Connection) -> Prepared<'c> {
+    fn new(conn: &'c Connection, next_event: i64) -> Prepared<'c> {
         Prepared {
             conn,
             load: Slot::new(sql::JOB.sqlite),
             save: Slot::new(SAVE_JOB),
-            event: Slot::new(sql::INSERT_EVENT.sqlite),
+            event: Slot::new(INSERT_EVENT),
             savepoint: Slot::new("SAVEPOINT request"),
             release: Slot::new("RELEASE request"),
+            next_event: Cell::new(next_event),
         }
     }
 
@@ -1042,6 +1139,7 @@ impl Tx for SqliteTx<'_, '_> {
     fn delete(&mut self, id: &str) -> Result<(), StoreError> {
         delete_counted(self.conn, sql::DELETE_JOB.sqlite, params![id], self.tally)?;
         self.loaded.retain(|(i, _, _)| i != id);
+        keep_events_through(self.prepared)?;
         self.conn
             .prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?
             .execute(params![id])?;
@@ -1108,6 +1206,9 @@ impl Tx for SqliteTx<'_, '_> {
             moved(self.tally, &queue, &state, -i64::try_from(n).unwrap_or(0));
         }
         self.loaded.clear();
+        // Numbering goes on after a reset (as PostgreSQL's sequence does):
+        // a reader's cursor from before never skips what comes after.
+        keep_events_through(self.prepared)?;
         for table in sql::RESET_TABLES {
             // `settles` is PostgreSQL's alone.
             if table != "settles" && table != "job_counts" {
@@ -1737,12 +1838,12 @@ fn write_counts(conn: &Connection, tally: &RefCell<Tally>) -> rusqlite::Result<(
 fn write_loop(
     conn: Connection,
     rx: mpsc::Receiver<WriteBox>,
-    mut confirmed: Confirmed,
+    (mut confirmed, next_event): (Confirmed, i64),
     health: &WriterHealth,
     tally: &RefCell<Tally>,
     mut checkpointer: ojs_sqlite::Checkpointer,
 ) {
-    let prepared = Prepared::new(&conn);
+    let prepared = Prepared::new(&conn, next_event);
     while let Ok(first) = rx.recv() {
         let mut group = vec![first.0];
         while group.len() < MAX_GROUP {
@@ -1897,6 +1998,7 @@ fn commit_group(
             }
             Write::Published { .. } => Outcome::Unit(Ok(())),
             Write::Remove { ids, .. } => Outcome::Unit(in_savepoint(prepared, tally, |c| {
+                keep_events_through(prepared)?;
                 let mut events = c.prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?;
                 for id in ids.iter() {
                     if delete_counted(c, sql::DELETE_JOB.sqlite, params![id], tally)? > 0 {
@@ -1908,8 +2010,8 @@ fn commit_group(
             Write::Prune { before, .. } => Outcome::Pruned(in_savepoint(prepared, tally, |c| {
                 let cut = ms(*before);
                 let jobs = delete_counted(c, sql::PRUNE_JOBS.sqlite, params![cut], tally)?;
-                c.prepare_cached(sql::PRUNE_EVENTS.sqlite)?
-                    .execute(params![cut])?;
+                keep_events_through(prepared)?;
+                c.prepare_cached(PRUNE_EVENTS)?.execute(params![cut])?;
                 c.prepare_cached(sql::PRUNE_WORKERS.sqlite)?
                     .execute(params![cut])?;
                 c.prepare_cached(sql::PRUNE_UNIQUE_KEYS.sqlite)?
@@ -2427,6 +2529,178 @@ mod tests {
         );
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
         assert_eq!(version, SCHEMA_VERSION);
+        drop(conn);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+    /// The log's numbers, oldest first.
+    async fn event_seqs(store: &Store) -> Result<Vec<i64>, StoreError> {
+        let page = store
+            .events(EventFilter {
+                limit: 100,
+                ..EventFilter::default()
+            })
+            .await?;
+        Ok(page.events.iter().map(|e| e.seq).collect())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_event_number_is_given_twice_after_deletes_and_reopens() -> Result<(), StoreError> {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let store = Store::open(&dir, Durability::Process).await?;
+        let (a, b) = (job(None), job(None));
+        store.insert(vec![a.clone()]).await?;
+        store.insert(vec![b.clone()]).await?;
+        assert_eq!(event_seqs(&store).await?, [1, 2]);
+        // The newest event goes with its job (a PUSH the broker refused).
+        store.remove(vec![b.envelope.id.clone()]).await?;
+        assert_eq!(event_seqs(&store).await?, [1]);
+        drop(store);
+        let store = Store::open(&dir, Durability::Process).await?;
+        store.insert(vec![job(None)]).await?;
+        assert_eq!(event_seqs(&store).await?, [1, 3]);
+        // A prune past every event empties the log.
+        store.prune(Utc::now() + chrono::Duration::days(1)).await?;
+        assert_eq!(event_seqs(&store).await?, Vec::<i64>::new());
+        drop(store);
+        let store = Store::open(&dir, Durability::Process).await?;
+        store.insert(vec![job(None)]).await?;
+        assert_eq!(event_seqs(&store).await?, [4]);
+        // A reset empties the log; the numbering goes on.
+        store.run(|tx| tx.reset()).await?;
+        drop(store);
+        let store = Store::open(&dir, Durability::Process).await?;
+        store.insert(vec![job(None)]).await?;
+        assert_eq!(event_seqs(&store).await?, [5]);
+        // A request rolled back leaves a gap, not a number given again.
+        let c = job(None);
+        let failed = store.insert(vec![c.clone(), c]).await;
+        assert!(
+            matches!(failed, Err(StoreError::Duplicate(_))),
+            "{failed:?}"
+        );
+        store.insert(vec![job(None)]).await?;
+        let seqs = event_seqs(&store).await?;
+        assert_eq!(seqs.len(), 2);
+        assert!(seqs[1] > 6, "{seqs:?}");
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deleting_a_job_reads_its_events_by_index_and_a_prune_only_the_old_ones(
+    ) -> Result<(), StoreError> {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let store = Store::open(&dir, Durability::Process).await?;
+        let old = job(None);
+        store.insert(vec![old.clone()]).await?;
+        drop(store);
+        let conn = Connection::open(dir.join(STORE_FILE))?;
+        let plan: Vec<String> = conn
+            .prepare(&format!(
+                "EXPLAIN QUERY PLAN {}",
+                sql::DELETE_JOB_EVENTS.sqlite
+            ))?
+            .query_map(params!["x"], |r| r.get::<_, String>(3))?
+            .collect::<Result<_, _>>()?;
+        assert!(
+            plan.iter()
+                .any(|step| step.contains("USING COVERING INDEX events_job")
+                    || step.contains("USING INDEX events_job")),
+            "{plan:?}"
+        );
+        // The old job's event dates from a day ago; a prune of what is
+        // older than an hour takes it and keeps the new one.
+        conn.execute(
+            "UPDATE events SET time_ms = time_ms - 86400000 WHERE job_id = ?1",
+            params![old.envelope.id],
+        )?;
+        drop(conn);
+        let store = Store::open(&dir, Durability::Process).await?;
+        let new = job(None);
+        store.insert(vec![new.clone()]).await?;
+        store.prune(Utc::now() - chrono::Duration::hours(1)).await?;
+        let page = store
+            .events(EventFilter {
+                limit: 10,
+                ..EventFilter::default()
+            })
+            .await?;
+        let kept: Vec<&Value> = page.events.iter().map(|e| &e.body["job_id"]).collect();
+        assert_eq!(kept, [&json!(new.envelope.id)], "{:?}", page.events);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_version_10_store_keeps_its_events_and_numbers_above_sqlites(
+    ) -> Result<(), StoreError> {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let store = Store::open(&dir, Durability::Process).await?;
+        let (a, b) = (job(None), job(None));
+        store.insert(vec![a.clone(), b.clone()]).await?;
+        let before = store
+            .events(EventFilter {
+                limit: 10,
+                ..EventFilter::default()
+            })
+            .await?
+            .events;
+        drop(store);
+        // Back to version 10's log: numbered by SQLite, which gave 40 last
+        // (the events after the second deleted).
+        {
+            let conn = Connection::open(dir.join(STORE_FILE))?;
+            conn.execute_batch(
+                "DROP INDEX events_job;
+                 ALTER TABLE events RENAME TO events_11;
+                 CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, type TEXT NOT NULL,
+                   job_id TEXT NOT NULL, queue TEXT NOT NULL, job_type TEXT NOT NULL,
+                   time_ms INTEGER NOT NULL, data TEXT NOT NULL);
+                 INSERT INTO events SELECT * FROM events_11;
+                 DROP TABLE events_11;
+                 UPDATE sqlite_sequence SET seq = 40 WHERE name = 'events';
+                 DELETE FROM meta WHERE key = 'events_through';
+                 PRAGMA user_version = 10;",
+            )?;
+            let given: i64 = conn.query_row(
+                "SELECT seq FROM sqlite_sequence WHERE name = 'events'",
+                [],
+                |r| r.get(0),
+            )?;
+            assert_eq!(given, 40);
+        }
+        let store = Store::open(&dir, Durability::Process).await?;
+        let after = store
+            .events(EventFilter {
+                limit: 10,
+                ..EventFilter::default()
+            })
+            .await?
+            .events;
+        assert_eq!(
+            after.iter().map(|e| (e.seq, &e.body)).collect::<Vec<_>>(),
+            before.iter().map(|e| (e.seq, &e.body)).collect::<Vec<_>>()
+        );
+        assert_eq!(after.len(), 2);
+        store.insert(vec![job(None)]).await?;
+        assert_eq!(event_seqs(&store).await?, [1, 2, 41]);
+        drop(store);
+        let conn = Connection::open(dir.join(STORE_FILE))?;
+        let (version, table, index): (i64, String, i64) = conn.query_row(
+            "SELECT (SELECT user_version FROM pragma_user_version),
+                    (SELECT sql FROM sqlite_master WHERE name = 'events'),
+                    (SELECT count(*) FROM sqlite_master WHERE name = 'events_job')",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )?;
+        assert_eq!((version, index), (SCHEMA_VERSION, 1));
+        assert!(!table.contains("AUTOINCREMENT"), "{table}");
         drop(conn);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
