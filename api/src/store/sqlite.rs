@@ -882,10 +882,7 @@ fn insert(
         let created = e.created_at.map_or(0, ms);
         prepared
             .conn
-            .prepare_cached(
-                "INSERT INTO jobs (rowid, id, queue, state, due_ms, created_ms, envelope, extra)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            )?
+            .prepare_cached(INSERT_JOB)?
             .execute(params![
                 seq,
                 e.id,
@@ -1014,6 +1011,14 @@ fn load(prepared: &Prepared<'_>, id: &str) -> Result<Job, StoreError> {
     decode(id, &envelope, &extra)
 }
 
+/// Stores a new job under the number the writer gives it.
+const INSERT_JOB: &str =
+    "INSERT INTO jobs (rowid, id, queue, state, due_ms, created_ms, envelope, extra)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)";
+
+/// A job's queue and state: what a save moves it from.
+const JOB_PLACE: &str = "SELECT queue, state FROM jobs WHERE id = ?1";
+
 const SAVE_JOB: &str =
     "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
          dead = ?7
@@ -1077,7 +1082,7 @@ impl Tx for SqliteTx<'_, '_> {
         if !self.loaded.iter().any(|(i, _, _)| i == id) {
             let row: Option<(String, String)> = self
                 .conn
-                .prepare_cached("SELECT queue, state FROM jobs WHERE id = ?1")?
+                .prepare_cached(JOB_PLACE)?
                 .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?)))
                 .optional()?;
             let Some((queue, state)) = row else {
@@ -2701,6 +2706,59 @@ mod tests {
         )?;
         assert_eq!((version, index), (SCHEMA_VERSION, 1));
         assert!(!table.contains("AUTOINCREMENT"), "{table}");
+        drop(conn);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+    #[test]
+    fn no_statement_of_a_request_reads_a_whole_table() -> Result<(), StoreError> {
+        let dir =
+            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).map_err(|e| StoreError::Commit(e.to_string()))?;
+        let conn = Connection::open(dir.join(STORE_FILE))?;
+        conn.execute_batch(SCHEMA)?;
+        // What the writer runs for one job, worker, workflow, key or cron
+        // job: each finds its rows through the table's key or an index,
+        // however many jobs and events the store holds. (Lists, counts and
+        // prunes read more by design, within their own limits.)
+        let per_request = [
+            sql::JOB.sqlite,
+            JOB_PLACE,
+            INSERT_JOB,
+            SAVE_JOB,
+            INSERT_EVENT,
+            KEEP_EVENTS_THROUGH,
+            sql::DELETE_JOB.sqlite,
+            sql::DELETE_JOB_EVENTS.sqlite,
+            sql::WORKER.sqlite,
+            sql::SAVE_WORKER.sqlite,
+            sql::DELETE_WORKER.sqlite,
+            sql::SAVE_WORKFLOW.sqlite,
+            sql::DELETE_WORKFLOW.sqlite,
+            sql::RATE_KEY.sqlite,
+            sql::SAVE_RATE_KEY.sqlite,
+            sql::RATE_JOB_COUNTS.sqlite,
+            sql::FILE_RATE_JOB.sqlite,
+            sql::UNFILE_RATE_JOB.sqlite,
+            sql::JOBS_WITH_UNIQUE_KEY.sqlite,
+            sql::KEEP_UNIQUE_KEY.sqlite,
+            sql::CRON.sqlite,
+            sql::SAVE_CRON.sqlite,
+            sql::DELETE_CRON.sqlite,
+        ];
+        for statement in per_request {
+            let mut plan = conn.prepare(&format!("EXPLAIN QUERY PLAN {statement}"))?;
+            let unbound = vec![rusqlite::types::Null; plan.parameter_count()];
+            let steps: Vec<String> = plan
+                .query_map(rusqlite::params_from_iter(unbound), |r| {
+                    r.get::<_, String>(3)
+                })?
+                .collect::<Result<_, _>>()?;
+            assert!(
+                !steps.iter().any(|step| step.starts_with("SCAN ")),
+                "{statement}: {steps:?}"
+            );
+        }
         drop(conn);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
