@@ -2160,8 +2160,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn inserts_are_all_or_nothing_and_cancel_follows_the_state_machine(
     ) -> Result<(), StoreError> {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         let store = Store::open(&dir, Durability::Process).await?;
         let first = job(None);
         let id = first.envelope.id.clone();
@@ -2219,8 +2218,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn jobs_the_broker_did_not_confirm_are_found_again_after_a_reopen(
     ) -> Result<(), StoreError> {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         let store = Store::open(&dir, Durability::Process).await?;
         let (a, b, c, d) = (job(None), job(None), job(None), job(None));
         let all = ids(&[a.clone(), b.clone(), c.clone(), d.clone()]);
@@ -2264,8 +2262,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_version_1_store_is_migrated_keeping_what_was_not_confirmed() -> Result<(), StoreError>
     {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         std::fs::create_dir_all(&dir).map_err(|e| StoreError::Commit(e.to_string()))?;
         let (a, b, c) = (job(None), job(None), job(None));
         {
@@ -2304,13 +2301,7 @@ mod tests {
                 .map(|j| j.envelope.id),
             Some(a.envelope.id.clone())
         );
-        let events = store
-            .events(EventFilter {
-                limit: 10,
-                ..EventFilter::default()
-            })
-            .await?
-            .events;
+        let events = events_of(&store).await?.events;
         assert_eq!(events.len(), 1);
         assert_eq!(events[0].body["id"], "evt_0000000000000001");
         // The jobs it found are counted (version 9).
@@ -2339,8 +2330,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_transition_that_panics_fails_alone_and_the_store_goes_on() -> Result<(), StoreError>
     {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         let store = Store::open(&dir, Durability::Process).await?;
         let a = job(None);
         let id = a.envelope.id.clone();
@@ -2371,8 +2361,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_store_that_cannot_write_says_so_until_it_writes_again() -> Result<(), StoreError> {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         let store = Store::open(&dir, Durability::Process).await?;
         store.insert(vec![job(None)]).await?;
         // Another process holds the file's write lock past the busy wait.
@@ -2413,8 +2402,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn scheduled_jobs_are_listed_by_due_time_and_other_states_unsorted_from_indexes(
     ) -> Result<(), StoreError> {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         let store = Store::open(&dir, Durability::Process).await?;
         let now = Utc::now();
         let (late, early, middle) = (
@@ -2496,8 +2484,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_version_9_store_finds_its_scheduled_jobs_by_the_new_index() -> Result<(), StoreError>
     {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         let now = Utc::now();
         let scheduled = scheduled_in(Some(1), now);
         let store = Store::open(&dir, Durability::Process).await?;
@@ -2538,21 +2525,30 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }
-    /// The log's numbers, oldest first.
-    async fn event_seqs(store: &Store) -> Result<Vec<i64>, StoreError> {
-        let page = store
+    /// A directory of its own for a test's store.
+    fn fresh_dir() -> PathBuf {
+        std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()))
+    }
+
+    /// The first page of the log, oldest first.
+    async fn events_of(store: &Store) -> Result<EventPage, StoreError> {
+        store
             .events(EventFilter {
                 limit: 100,
                 ..EventFilter::default()
             })
-            .await?;
+            .await
+    }
+
+    /// The log's numbers, oldest first.
+    async fn event_seqs(store: &Store) -> Result<Vec<i64>, StoreError> {
+        let page = events_of(store).await?;
         Ok(page.events.iter().map(|e| e.seq).collect())
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn no_event_number_is_given_twice_after_deletes_and_reopens() -> Result<(), StoreError> {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         let store = Store::open(&dir, Durability::Process).await?;
         let (a, b) = (job(None), job(None));
         store.insert(vec![a.clone()]).await?;
@@ -2597,8 +2593,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deleting_a_job_reads_its_events_by_index_and_a_prune_only_the_old_ones(
     ) -> Result<(), StoreError> {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         let store = Store::open(&dir, Durability::Process).await?;
         let old = job(None);
         store.insert(vec![old.clone()]).await?;
@@ -2628,12 +2623,7 @@ mod tests {
         let new = job(None);
         store.insert(vec![new.clone()]).await?;
         store.prune(Utc::now() - chrono::Duration::hours(1)).await?;
-        let page = store
-            .events(EventFilter {
-                limit: 10,
-                ..EventFilter::default()
-            })
-            .await?;
+        let page = events_of(&store).await?;
         let kept: Vec<&Value> = page.events.iter().map(|e| &e.body["job_id"]).collect();
         assert_eq!(kept, [&json!(new.envelope.id)], "{:?}", page.events);
         drop(store);
@@ -2644,18 +2634,11 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_version_10_store_keeps_its_events_and_numbers_above_sqlites(
     ) -> Result<(), StoreError> {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         let store = Store::open(&dir, Durability::Process).await?;
         let (a, b) = (job(None), job(None));
         store.insert(vec![a.clone(), b.clone()]).await?;
-        let before = store
-            .events(EventFilter {
-                limit: 10,
-                ..EventFilter::default()
-            })
-            .await?
-            .events;
+        let before = events_of(&store).await?.events;
         drop(store);
         // Back to version 10's log: numbered by SQLite, which gave 40 last
         // (the events after the second deleted).
@@ -2681,13 +2664,7 @@ mod tests {
             assert_eq!(given, 40);
         }
         let store = Store::open(&dir, Durability::Process).await?;
-        let after = store
-            .events(EventFilter {
-                limit: 10,
-                ..EventFilter::default()
-            })
-            .await?
-            .events;
+        let after = events_of(&store).await?.events;
         assert_eq!(
             after.iter().map(|e| (e.seq, &e.body)).collect::<Vec<_>>(),
             before.iter().map(|e| (e.seq, &e.body)).collect::<Vec<_>>()
@@ -2712,8 +2689,7 @@ mod tests {
     }
     #[test]
     fn no_statement_of_a_request_reads_a_whole_table() -> Result<(), StoreError> {
-        let dir =
-            std::env::temp_dir().join(format!("ojs-api-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir = fresh_dir();
         std::fs::create_dir_all(&dir).map_err(|e| StoreError::Commit(e.to_string()))?;
         let conn = Connection::open(dir.join(STORE_FILE))?;
         conn.execute_batch(SCHEMA)?;
