@@ -291,6 +291,13 @@ const SCHEDULER_BATCH: usize = 500;
 /// same store is found this late at most.
 const SCHEDULER_TICK: Duration = Duration::from_millis(500);
 
+/// How often health asks the store whether it answers.
+const STORE_PING_EVERY: Duration = Duration::from_secs(1);
+
+/// How long health waits for the store's answer before it says the store
+/// does not answer.
+const STORE_PING_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Api {
     /// Opens the store and serves `adapter` (named `adapter_name` in the
     /// configuration).
@@ -742,12 +749,13 @@ impl Api {
         tokio::spawn(self.clone().follow_dead_letters(stop.clone()));
         tokio::spawn(self.clone().run_crons(stop.clone()));
         tokio::spawn(self.clone().publish_readied(stop.clone()));
+        tokio::spawn(self.clone().watch_store(stop.clone()));
         self.recover().await;
         self.refresh_directives().await;
         self.refresh_maintenance().await;
         let mut last_prune = Instant::now();
         let mut last_recover = Instant::now();
-        let mut last_ping = Instant::now();
+        let mut last_refresh = Instant::now();
         let mut last_feed_reap = Instant::now();
         loop {
             if let Some(me) = self.replication.id() {
@@ -760,31 +768,13 @@ impl Api {
                     self.recover().await;
                 }
             }
-            if last_ping.elapsed() >= Duration::from_secs(1) {
-                last_ping = Instant::now();
-                // Whether the store answers (PostgreSQL) or writes (the
-                // embedded one): health says so.
-                let down = self.store.ping().await.err().map(|e| e.to_string());
-                {
-                    let mut was = self.store_down.lock().unwrap_or_else(|e| e.into_inner());
-                    match (&*was, &down) {
-                        (None, Some(reason)) => {
-                            tracing::warn!(%reason, "the job store does not answer; requests fail as retryable until it does")
-                        }
-                        (Some(_), None) => tracing::info!("the job store answers again"),
-                        _ => {}
-                    }
-                    *was = down;
-                }
-                if self.replication.id().is_some() {
-                    // Directives another replica was given, and maintenance
-                    // switched through another replica (a process alone on
-                    // its store keeps its own state: this loop must not wait
-                    // on a store that cannot write, or health would not say
-                    // so in time).
-                    self.refresh_directives().await;
-                    self.refresh_maintenance().await;
-                }
+            if self.replication.id().is_some() && last_refresh.elapsed() >= Duration::from_secs(1) {
+                last_refresh = Instant::now();
+                // Directives another replica was given, and maintenance
+                // switched through another replica (a process alone on its
+                // store keeps its own state).
+                self.refresh_directives().await;
+                self.refresh_maintenance().await;
             }
             let due = if self.in_maintenance() {
                 // Held: scheduled jobs wait in the store.
@@ -830,6 +820,39 @@ impl Api {
                 _ = stop.wait_for(|s| *s) => return,
                 () = self.scheduled.notified() => {}
                 () = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Asks the store every second whether it answers (PostgreSQL) or
+    /// writes (the embedded one), for health; until `stop`. A task of its
+    /// own: the scheduler's loop waits on the store's writes, and health
+    /// must say the store is down while they wait.
+    async fn watch_store(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        loop {
+            let asked = Instant::now();
+            let down = match tokio::time::timeout(STORE_PING_TIMEOUT, self.store.ping()).await {
+                Ok(answer) => answer.err().map(|e| e.to_string()),
+                Err(_) => Some(format!(
+                    "the job store did not answer within {} s",
+                    STORE_PING_TIMEOUT.as_secs()
+                )),
+            };
+            {
+                let mut was = self.store_down.lock().unwrap_or_else(|e| e.into_inner());
+                match (&*was, &down) {
+                    (None, Some(reason)) => {
+                        tracing::warn!(%reason, "the job store does not answer; requests fail as retryable until it does")
+                    }
+                    (Some(_), None) => tracing::info!("the job store answers again"),
+                    _ => {}
+                }
+                *was = down;
+            }
+            let rest = STORE_PING_EVERY.saturating_sub(asked.elapsed());
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                () = tokio::time::sleep(rest) => {}
             }
         }
     }

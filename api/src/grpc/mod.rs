@@ -46,13 +46,21 @@ pub const SERVICE_PATH: &str = "/ojs.v1.OJSService/";
 /// The domain of every `ErrorInfo` this binding sends.
 pub const ERROR_DOMAIN: &str = "openjobspec.org";
 
-/// Longest `Fetch` wait a caller's deadline can ask for.
-const MAX_FETCH_WAIT: Duration = Duration::from_secs(30);
+/// How long before the caller's deadline a waiting `Fetch` answers: a
+/// fifth of the deadline, at least `DEADLINE_MARGIN_MIN` and at most
+/// `DEADLINE_MARGIN_MAX`. The caller's clock started before its request
+/// was sent (a connection made, a loaded machine's scheduling) and this
+/// wait starts when the request is read, so the margin must cover both
+/// ends' delays, not only the answer's way back: 100 ms at a 1 s deadline
+/// was once too little on a loaded 2-core machine.
+const DEADLINE_MARGIN_MIN: Duration = Duration::from_millis(250);
+const DEADLINE_MARGIN_MAX: Duration = Duration::from_secs(1);
 
-/// How long before the caller's deadline a waiting `Fetch` answers at
-/// least (a tenth of the deadline when that is more), so the answer (empty
-/// or not) arrives in time on a loaded machine.
-const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
+/// How long a `Fetch` with the caller's deadline `d` waits for jobs.
+fn fetch_wait(d: Duration) -> Duration {
+    let margin = (d / 5).clamp(DEADLINE_MARGIN_MIN, DEADLINE_MARGIN_MAX);
+    d.saturating_sub(margin).min(crate::worker::MAX_FETCH_WAIT)
+}
 
 /// `ojs.v1.OJSService` over an [`Api`].
 #[derive(Debug, Clone)]
@@ -479,12 +487,9 @@ impl pb::ojs_service_server::OjsService for OjsGrpc {
     ) -> Result<Response<pb::FetchResponse>, Status> {
         let rpc = self.begin(request.metadata(), "fetch")?;
         // A long poll as long as the caller waits (less a margin to
-        // answer in), at most MAX_FETCH_WAIT; no deadline, no wait.
+        // answer in), at most the FETCH's longest wait; no deadline, no wait.
         let wait = deadline(request.metadata())
-            .map(|d| {
-                d.saturating_sub(DEADLINE_MARGIN.max(d / 10))
-                    .min(MAX_FETCH_WAIT)
-            })
+            .map(fetch_wait)
             .unwrap_or(Duration::ZERO);
         let r = request.into_inner();
         let done = async {
@@ -1329,4 +1334,26 @@ fn percent_decoded(text: &str) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fetch_waits_its_deadline_less_a_margin_to_answer_in() {
+        let ms = Duration::from_millis;
+        // A fifth of the deadline, at least 250 ms, at most 1 s.
+        assert_eq!(fetch_wait(ms(1_000)), ms(750));
+        assert_eq!(fetch_wait(ms(2_000)), ms(1_600));
+        assert_eq!(fetch_wait(ms(8_000)), ms(7_000));
+        // Never past the FETCH's longest wait.
+        assert_eq!(
+            fetch_wait(Duration::from_secs(60)),
+            crate::worker::MAX_FETCH_WAIT
+        );
+        // Too short a deadline to wait in: what is there, at once.
+        assert_eq!(fetch_wait(ms(250)), Duration::ZERO);
+        assert_eq!(fetch_wait(ms(100)), Duration::ZERO);
+    }
 }
