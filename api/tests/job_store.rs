@@ -13,7 +13,7 @@ use ojs_api::model::unique::Uniqueness;
 use ojs_api::roster::WorkerRecord;
 use ojs_api::store::{
     take_rate, Durability, EventFilter, Inserted, JobQuery, Lease, PostgresSettings, RateDecision,
-    Store, StoreError,
+    Settle, Store, StoreError,
 };
 use ojs_api::Job;
 use ojs_core::redact::Secret;
@@ -372,6 +372,35 @@ async fn leases_are_kept_only_where_replicas_share_the_store(store: &Store, plac
             assert!(store.is_shared());
             assert_eq!(store.kind(), "postgres");
             assert_eq!(read, Some(lease));
+            // Settlements for the holder, in the order sent; a retry's
+            // delay counts from when it was sent, not from when the
+            // holder takes it.
+            store
+                .run(|tx| {
+                    tx.send_settle("replica-a", "j1", &Settle::Retry { delay_ms: 1_000 })?;
+                    tx.send_settle("replica-a", "j2", &Settle::Extend { by_ms: 1_000 })?;
+                    tx.send_settle("replica-b", "j3", &Settle::Retry { delay_ms: 1_000 })?;
+                    tx.send_settle("replica-a", "j4", &Settle::Ack)
+                })
+                .await
+                .unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            let taken = store.take_settles("replica-a").await.unwrap();
+            let ids: Vec<&str> = taken.iter().map(|(id, _)| id.as_str()).collect();
+            assert_eq!(ids, ["j1", "j2", "j4"]);
+            match &taken[0].1 {
+                Settle::Retry { delay_ms } => {
+                    assert!(
+                        *delay_ms <= 700,
+                        "a retry taken 300 ms late waits {delay_ms} ms"
+                    )
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(taken[1].1, Settle::Extend { by_ms: 1_000 });
+            assert_eq!(taken[2].1, Settle::Ack);
+            assert!(store.take_settles("replica-a").await.unwrap().is_empty());
+            assert_eq!(store.take_settles("replica-b").await.unwrap().len(), 1);
         }
         Place::Dir(_) => {
             assert!(!store.is_shared());

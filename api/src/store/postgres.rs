@@ -773,14 +773,15 @@ impl super::SharedStore for PostgresStore {
         self.call(move |c| {
             let rows = c
                 .query(
-                    "DELETE FROM settles WHERE holder = $1 RETURNING seq, job_id, action",
+                    "DELETE FROM settles WHERE holder = $1
+                     RETURNING seq, job_id, action, (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
                     &[&holder],
                 )
                 .map_err(pg)?;
             let mut out: Vec<(i64, String, Settle)> = Vec::with_capacity(rows.len());
             for r in &rows {
                 let id: String = r.get(1);
-                match serde_json::from_str::<Settle>(r.get(2)) {
+                match read_settle(r.get(2), r.get(3)) {
                     Ok(s) => out.push((r.get(0), id, s)),
                     Err(e) => {
                         tracing::warn!(job_id = %id, error = %e, "a settlement this build cannot read is dropped; the job's delivery is settled when the broker gives it back")
@@ -792,6 +793,24 @@ impl super::SharedStore for PostgresStore {
         })
         .await
     }
+}
+
+/// A settlement as stored (`action`), taken when the database's clock
+/// said `now_ms`: a retry's delay less the time since it was sent
+/// (`sent_ms`, by the same clock), so that the job comes back when the
+/// request that failed it was told.
+fn read_settle(action: &str, now_ms: i64) -> Result<Settle, serde_json::Error> {
+    let mut v: serde_json::Value = serde_json::from_str(action)?;
+    let sent_ms = v
+        .as_object_mut()
+        .and_then(|m| m.remove("sent_ms"))
+        .and_then(|t| t.as_i64());
+    let mut settle: Settle = serde_json::from_value(v)?;
+    if let (Settle::Retry { delay_ms }, Some(sent_ms)) = (&mut settle, sent_ms) {
+        let waited = u64::try_from(now_ms.saturating_sub(sent_ms)).unwrap_or(0);
+        *delay_ms = delay_ms.saturating_sub(waited);
+    }
+    Ok(settle)
 }
 
 /// The schema's version, read without creating anything; `None` when it
@@ -1136,12 +1155,18 @@ impl Tx for PostgresTx<'_, '_> {
             id: id.to_owned(),
             reason: e.to_string(),
         })?;
-        self.t
-            .execute(
-                "INSERT INTO settles (holder, job_id, action) VALUES ($1, $2, $3)",
-                &[&holder, &id, &action],
-            )
-            .map_err(pg)?;
+        // A retry's delay counts from the decision, not from when the
+        // holder reads it (its next look at the store, a loop's turn
+        // later): the database's clock says when it was sent, and the
+        // same clock how long ago when it is taken (`read_settle`).
+        let sql = if matches!(settle, Settle::Retry { .. }) {
+            "INSERT INTO settles (holder, job_id, action) VALUES ($1, $2,
+             jsonb_set($3::text::jsonb, '{sent_ms}',
+                       to_jsonb((extract(epoch FROM clock_timestamp()) * 1000)::bigint))::text)"
+        } else {
+            "INSERT INTO settles (holder, job_id, action) VALUES ($1, $2, $3)"
+        };
+        self.t.execute(sql, &[&holder, &id, &action]).map_err(pg)?;
         Ok(())
     }
 
