@@ -1986,7 +1986,7 @@ pub fn read_job(
         Encoding::OjsProto => {
             ojs_core::envelope::value::with_value_budget(max_values, || job::from_proto(&body, now))
         }
-        _ => job::from_json(parse_json(&body)?, now),
+        _ => job::from_json_slice(&body, now),
     }
 }
 
@@ -2037,27 +2037,36 @@ pub fn batch(
                 .collect::<Result<Vec<_>, _>>()?
         }
         _ => {
-            let body = parse_json(body)?;
-            let Value::Object(mut body) = body else {
-                return Err(ApiError::invalid(
-                    "jobs",
-                    "the body must be {\"jobs\": [...]}",
-                ));
-            };
-            let Some(Value::Array(items)) = body.remove("jobs") else {
-                return Err(ApiError::invalid(
-                    "jobs",
-                    "`jobs` is required: an array of jobs",
-                ));
-            };
-            if items.len() > limit {
-                return Err(too_many(items.len()));
+            if let Some(read) = job::batch_in_one_pass(body, limit, now) {
+                read.into_iter()
+                    .enumerate()
+                    .map(|(i, (envelope, pending))| {
+                        job::accept(envelope, pending, now).map_err(|e| e.at_index(i))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+            } else {
+                let body = parse_json(body)?;
+                let Value::Object(mut body) = body else {
+                    return Err(ApiError::invalid(
+                        "jobs",
+                        "the body must be {\"jobs\": [...]}",
+                    ));
+                };
+                let Some(Value::Array(items)) = body.remove("jobs") else {
+                    return Err(ApiError::invalid(
+                        "jobs",
+                        "`jobs` is required: an array of jobs",
+                    ));
+                };
+                if items.len() > limit {
+                    return Err(too_many(items.len()));
+                }
+                items
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, item)| job::from_json(item, now).map_err(|e| e.at_index(i)))
+                    .collect::<Result<Vec<_>, _>>()?
             }
-            items
-                .into_iter()
-                .enumerate()
-                .map(|(i, item)| job::from_json(item, now).map_err(|e| e.at_index(i)))
-                .collect::<Result<Vec<_>, _>>()?
         }
     };
     if jobs.is_empty() {

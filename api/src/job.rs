@@ -182,6 +182,24 @@ pub fn timestamp(t: DateTime<Utc>) -> String {
 /// A job from a JSON PUSH body, ready to store: id, `specversion`, state
 /// and timestamps filled, validated.
 pub fn from_json(body: Value, now: DateTime<Utc>) -> Result<Job, ApiError> {
+    let (envelope, pending) = read_push(body, now)?;
+    accept(envelope, pending, now)
+}
+
+/// A job from the bytes of a JSON PUSH body, ready to store, as
+/// [`from_json`] makes it from the parsed body: the common body is read in
+/// one pass over its text ([`push_in_one_pass`]), anything else (and every
+/// error) as a parsed body.
+pub fn from_json_slice(bytes: &[u8], now: DateTime<Utc>) -> Result<Job, ApiError> {
+    let (envelope, pending) = match push_in_one_pass(bytes, now) {
+        Some(read) => read,
+        None => read_push(crate::http::parse_json(bytes)?, now)?,
+    };
+    accept(envelope, pending, now)
+}
+
+/// A parsed PUSH body's envelope, before [`accept`], and `pending`.
+fn read_push(body: Value, now: DateTime<Utc>) -> Result<(JobEnvelope, bool), ApiError> {
     let Value::Object(mut body) = body else {
         return Err(ApiError::invalid(
             "",
@@ -204,7 +222,12 @@ pub fn from_json(body: Value, now: DateTime<Utc>) -> Result<Job, ApiError> {
     let mut pending = false;
     match body.remove("options") {
         None | Some(Value::Null) => {}
-        Some(Value::Object(options)) => pending = fold_options(&mut body, options, now)?,
+        Some(Value::Object(options)) => {
+            pending = fold_options(options, now, &mut |key, v| {
+                body.insert(key.into(), v);
+                Ok(())
+            })?
+        }
         Some(_) => return Err(ApiError::invalid("options", "`options` must be an object")),
     }
     if let Some(at) = body.get("scheduled_at").and_then(Value::as_str) {
@@ -219,7 +242,221 @@ pub fn from_json(body: Value, now: DateTime<Utc>) -> Result<Job, ApiError> {
     body.entry("id")
         .or_insert_with(|| json!(ojs_core::envelope::new_job_id()));
     let envelope = JobEnvelope::from_json_value(Value::Object(body)).map_err(invalid_envelope)?;
-    accept(envelope, pending, now)
+    Ok((envelope, pending))
+}
+
+/// What [`read_push`] reads from the common PUSH body (each attribute
+/// once, valid), read in one pass over its text: the envelope's
+/// attributes straight into it, without an object of them all built and
+/// taken apart first (a batch PUSH's largest cost of ours that is not the
+/// store's). `None` for anything else — a syntax error, an invalid or
+/// repeated attribute, a `scheduled_at` that is not text — which
+/// `read_push` reads again: its errors and its reading of a repeated key
+/// stay as they were.
+fn push_in_one_pass(bytes: &[u8], now: DateTime<Utc>) -> Option<(JobEnvelope, bool)> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let read = serde::Deserializer::deserialize_map(&mut de, PushOnePass).ok()??;
+    de.end().ok()?;
+    read.finish(now)
+}
+
+/// The envelopes (and `pending`) of a batch PUSH body's jobs, as
+/// [`read_push`] reads each, read in one pass over the body's text as
+/// [`push_in_one_pass`] reads one; `None` unless every job is read so (and
+/// for more than `limit` jobs or none), for the batch to be read again
+/// as a parsed body, with its errors.
+pub(crate) fn batch_in_one_pass(
+    bytes: &[u8],
+    limit: usize,
+    now: DateTime<Utc>,
+) -> Option<Vec<(JobEnvelope, bool)>> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let read = serde::Deserializer::deserialize_map(&mut de, BatchOnePass { limit }).ok()??;
+    de.end().ok()?;
+    if read.is_empty() {
+        return None;
+    }
+    read.into_iter().map(|job| job.finish(now)).collect()
+}
+
+/// A PUSH body's entries as one pass reads them.
+struct PushEntries {
+    entries: ojs_core::envelope::EnvelopeEntries,
+    options: Option<Map<String, Value>>,
+    /// A top-level `scheduled_at` given as text.
+    scheduled_at: Option<String>,
+}
+
+struct PushOnePass;
+
+impl<'de> serde::de::Visitor<'de> for PushOnePass {
+    type Value = Option<PushEntries>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a PUSH body object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        use ojs_core::envelope::JsonKey;
+        let mut read = PushEntries {
+            entries: ojs_core::envelope::EnvelopeEntries::new(),
+            options: None,
+            scheduled_at: None,
+        };
+        let (mut options_seen, mut scheduled_seen, mut type_seen) = (false, false, false);
+        while let Some(JsonKey(key)) = map.next_key::<JsonKey<'de>>()? {
+            // Every value is read as the parsed body's (a number past
+            // what a `Value` holds fails here as it fails there).
+            let v: Value = map.next_value()?;
+            match key.as_ref() {
+                "options" => {
+                    if std::mem::replace(&mut options_seen, true) {
+                        return Ok(None);
+                    }
+                    match v {
+                        Value::Null => {}
+                        Value::Object(m) => read.options = Some(m),
+                        _ => return Ok(None),
+                    }
+                }
+                "scheduled_at" => {
+                    if std::mem::replace(&mut scheduled_seen, true) {
+                        return Ok(None);
+                    }
+                    match v {
+                        // Absent, as a known attribute's `null` is.
+                        Value::Null => {}
+                        Value::String(s) => read.scheduled_at = Some(s),
+                        _ => return Ok(None),
+                    }
+                }
+                k if SYSTEM_ATTRIBUTES.contains(&k) => {}
+                k => {
+                    match k {
+                        "type" => type_seen = true,
+                        "args" if !v.is_array() => return Ok(None),
+                        "id" if !v.is_string() => return Ok(None),
+                        _ => {}
+                    }
+                    if !matches!(read.entries.set(key, v), Ok(true)) {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+        Ok(type_seen.then_some(read))
+    }
+}
+
+impl PushEntries {
+    /// The rest of [`read_push`] on what one pass read.
+    fn finish(self, now: DateTime<Utc>) -> Option<(JobEnvelope, bool)> {
+        let PushEntries {
+            mut entries,
+            options,
+            scheduled_at,
+        } = self;
+        // As `read_push`: an option's `scheduled_at` replaces the top-level
+        // one (read first here: one that fails is read again there).
+        if let Some(at) = scheduled_at {
+            let t = parse_time("scheduled_at", &at, now).ok()?;
+            entries.replace("scheduled_at", json!(timestamp(t))).ok()?;
+        }
+        let mut pending = false;
+        if let Some(options) = options {
+            pending = fold_options(options, now, &mut |key, v| {
+                entries.replace(key, v).map_err(invalid_envelope)
+            })
+            .ok()?;
+        }
+        if !entries.has("specversion") {
+            entries
+                .replace("specversion", json!(ojs_core::envelope::SPEC_VERSION))
+                .ok()?;
+        }
+        if !entries.has("id") {
+            entries
+                .replace("id", json!(ojs_core::envelope::new_job_id()))
+                .ok()?;
+        }
+        Some((entries.finish().ok()?, pending))
+    }
+}
+
+/// A batch PUSH body, `{"jobs": [...]}`, as one pass reads it.
+struct BatchOnePass {
+    limit: usize,
+}
+
+impl<'de> serde::de::Visitor<'de> for BatchOnePass {
+    type Value = Option<Vec<PushEntries>>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a batch PUSH body object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        use ojs_core::envelope::JsonKey;
+        let mut jobs = None;
+        while let Some(JsonKey(key)) = map.next_key::<JsonKey<'de>>()? {
+            if key == "jobs" {
+                if jobs.is_some() {
+                    return Ok(None);
+                }
+                jobs = Some(map.next_value_seed(JobsOnePass { limit: self.limit })?);
+            } else {
+                // Read as the parsed body reads it, and left.
+                map.next_value::<Value>()?;
+            }
+        }
+        Ok(jobs)
+    }
+}
+
+/// The `jobs` array of a batch PUSH body: each job read by
+/// [`PushOnePass`]; the first that is not ends the pass (as an error, so
+/// that nothing more is read).
+struct JobsOnePass {
+    limit: usize,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for JobsOnePass {
+    type Value = Vec<PushEntries>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for JobsOnePass {
+    type Value = Vec<PushEntries>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an array of jobs")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        use serde::de::Error;
+        let mut jobs = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(self.limit));
+        while let Some(job) = seq.next_element_seed(PushSeed)? {
+            match job {
+                Some(job) if jobs.len() < self.limit => jobs.push(job),
+                _ => return Err(A::Error::custom("read as a parsed body")),
+            }
+        }
+        Ok(jobs)
+    }
+}
+
+/// One job of a batch, as [`PushOnePass`] reads it.
+struct PushSeed;
+
+impl<'de> serde::de::DeserializeSeed<'de> for PushSeed {
+    type Value = Option<PushEntries>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(PushOnePass)
+    }
 }
 
 /// A job from a protobuf PUSH (one `JobEnvelope`, `id` and `specversion`
@@ -295,11 +532,12 @@ pub(crate) fn accept(
     })
 }
 
-/// Moves `options` onto the envelope's attributes; returns `pending`.
+/// Moves `options` onto the envelope's attributes, each through `set`
+/// (which replaces what the body gave); returns `pending`.
 fn fold_options(
-    body: &mut Map<String, Value>,
     options: Map<String, Value>,
     now: DateTime<Utc>,
+    set: &mut dyn FnMut(&'static str, Value) -> Result<(), ApiError>,
 ) -> Result<bool, ApiError> {
     let mut pending = false;
     for (key, v) in options {
@@ -312,7 +550,7 @@ fn fold_options(
                 let q = v
                     .as_str()
                     .ok_or_else(|| ApiError::invalid(&at, "must be a string"))?;
-                body.insert("queue".into(), json!(q));
+                set("queue", json!(q))?;
             }
             "priority" => {
                 let p = v
@@ -324,31 +562,31 @@ fn fold_options(
                         format!("{p} is outside -100..=100 (schema: minimum -100, maximum 100)"),
                     ));
                 }
-                body.insert("priority".into(), json!(p));
+                set("priority", json!(p))?;
             }
             "timeout_ms" => {
                 let ms = non_negative(&at, &v)?;
-                body.insert("timeout".into(), json!(timeout_seconds(ms)));
-                body.insert("timeout_ms".into(), json!(ms));
+                set("timeout", json!(timeout_seconds(ms)))?;
+                set("timeout_ms", json!(ms))?;
             }
             "visibility_timeout_ms" => {
                 let ms = non_negative(&at, &v)?;
                 check_visibility_timeout(&at, ms)?;
-                body.insert("visibility_timeout_ms".into(), json!(ms));
+                set("visibility_timeout_ms", json!(ms))?;
             }
             "delay_until" | "scheduled_at" => {
                 let s = v
                     .as_str()
                     .ok_or_else(|| ApiError::invalid(&at, "must be an RFC 3339 date-time"))?;
                 let t = parse_time(&at, s, now)?;
-                body.insert("scheduled_at".into(), json!(timestamp(t)));
+                set("scheduled_at", json!(timestamp(t)))?;
             }
             "expires_at" => {
                 let s = v
                     .as_str()
                     .ok_or_else(|| ApiError::invalid(&at, "must be an RFC 3339 date-time"))?;
                 let t = parse_time(&at, s, now)?;
-                body.insert("expires_at".into(), json!(timestamp(t)));
+                set("expires_at", json!(timestamp(t)))?;
             }
             "retry" => {
                 let Value::Object(policy) = v else {
@@ -357,7 +595,7 @@ fn fold_options(
                 let mut policy = retry_aliases(policy)?;
                 // Unset: the spec's default.
                 policy.entry("jitter").or_insert(json!(true));
-                body.insert("retry".into(), Value::Object(policy));
+                set("retry", Value::Object(policy))?;
             }
             "unique" => {
                 let Value::Object(mut policy) = v else {
@@ -367,7 +605,7 @@ fn fold_options(
                 if let Some(k) = policy.remove("key") {
                     policy.entry("keys").or_insert(k);
                 }
-                body.insert("unique".into(), Value::Object(policy));
+                set("unique", Value::Object(policy))?;
             }
             "tags" => {
                 let tags = v
@@ -383,7 +621,7 @@ fn fold_options(
                     })
                     .collect::<Result<Vec<_>, _>>()?;
                 check_tags(&at, &tags)?;
-                body.insert("tags".into(), v);
+                set("tags", v)?;
             }
             "pending" => {
                 pending = v
@@ -392,7 +630,7 @@ fn fold_options(
             }
             "rate_limit" => {
                 let kept = crate::model::rate::RateLimit::read(&at, &v)?;
-                body.insert("rate_limit".into(), kept);
+                set("rate_limit", kept)?;
             }
             other => {
                 return Err(ApiError::invalid(
@@ -727,5 +965,196 @@ mod tests {
         let proto_job = from_proto(&bytes, now())?;
         assert_eq!(proto_job.to_json(), json_job.to_json());
         Ok(())
+    }
+
+    /// The general path's reading of a PUSH body's text, before `accept`.
+    fn read_parsed(bytes: &[u8]) -> Result<(JobEnvelope, bool), ApiError> {
+        read_push(crate::http::parse_json(bytes)?, now())
+    }
+
+    /// One pass and the general path read `text` alike: where one pass
+    /// reads it, the general path reads the same envelope (a generated id
+    /// aside) and `pending`. Whether one pass read it.
+    fn reads_alike(text: &str) -> bool {
+        let Some((mut fast, fast_pending)) = push_in_one_pass(text.as_bytes(), now()) else {
+            return false;
+        };
+        let general = read_parsed(text.as_bytes());
+        let Ok((mut general, general_pending)) = general else {
+            panic!("one pass read {text}, the general path refused it: {general:?}");
+        };
+        if !text.contains("\"id\"") {
+            fast.id.clear();
+            general.id.clear();
+        }
+        assert_eq!(fast, general, "{text}");
+        assert_eq!(fast_pending, general_pending, "{text}");
+        true
+    }
+
+    #[test]
+    fn common_push_bodies_are_read_in_one_pass_as_parsed() {
+        for text in [
+            r#"{"type":"email.send","args":["a@example.com"]}"#,
+            r#"{"type":"t.w","args":[1,{"k":[true,null]}],"id":"019539a4-aaaa-7000-8000-111111111111","meta":{"k":"v"}}"#,
+            r#"{"type":"t.w","args":[],"options":{"queue":"mail","priority":3,"timeout_ms":1500,"tags":["a","b"],
+                "retry":{"max_attempts":5,"initial_interval_ms":250},"unique":{"key":["type"]},
+                "visibility_timeout_ms":5000,"expires_at":"2027-01-01T00:00:00+02:00"}}"#,
+            r#"{"type":"t.w","args":[],"queue":"top","options":{"queue":"option"}}"#,
+            r#"{"type":"t.w","args":[],"scheduled_at":"+PT30S","x_custom":{"kept":1.5e3}}"#,
+            r#"{"type":"t.w","args":[],"scheduled_at":"2020-01-01T00:00:00Z","options":{"delay_until":"+PT1M"}}"#,
+            r#"{"type":"t.w","args":[],"state":"completed","attempt":4,"max_attempts":9,"options":null,"options2":null}"#,
+            r#"{"type":"t.w","args":[],"options":{"pending":true,"rate_limit":{"key":"k","max_per_second":5}}}"#,
+            r#"{"type":"t.w","args":[],"specversion":"1.0","schema":"urn:s","queue":null}"#,
+            r#"{"qu\u0065ue":"escaped","type":"t.w","args":[]}"#,
+        ] {
+            assert!(reads_alike(text), "not read in one pass: {text}");
+        }
+    }
+
+    #[test]
+    fn uncommon_push_bodies_are_left_to_the_general_path() {
+        for text in [
+            "",
+            " ",
+            "[]",
+            r#"{"args":[]}"#,
+            r#"{"type":"t","args":{}}"#,
+            r#"{"type":"t","args":null}"#,
+            r#"{"type":"t","args":[],"id":null}"#,
+            r#"{"type":"t","args":[],"type":"u"}"#,
+            r#"{"type":"t","args":[],"x":1,"x":2}"#,
+            r#"{"type":"t","args":[],"options":{},"options":{}}"#,
+            r#"{"type":"t","args":[],"options":[]}"#,
+            r#"{"type":"t","args":[],"options":{"nope":1}}"#,
+            r#"{"type":"t","args":[],"scheduled_at":5}"#,
+            r#"{"type":"t","args":[],"scheduled_at":"yesterday"}"#,
+            r#"{"type":"t","args":[],"state":1e999}"#,
+            r#"{"type":"t","args":[]} x"#,
+        ] {
+            assert!(
+                push_in_one_pass(text.as_bytes(), now()).is_none(),
+                "read in one pass: {text}"
+            );
+        }
+    }
+
+    /// Entries of PUSH bodies: valid, invalid, `null`, repeated, escaped.
+    fn entry() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let option = prop_oneof![
+            Just(r#""queue":"o""#),
+            Just(r#""queue":7"#),
+            Just(r#""queue":null"#),
+            Just(r#""priority":5"#),
+            Just(r#""priority":500"#),
+            Just(r#""timeout_ms":2500"#),
+            Just(r#""timeout_ms":-1"#),
+            Just(r#""visibility_timeout_ms":500"#),
+            Just(r#""visibility_timeout_ms":2000"#),
+            Just(r#""delay_until":"+PT5S""#),
+            Just(r#""scheduled_at":"2020-01-01T00:00:00Z""#),
+            Just(r#""scheduled_at":"never""#),
+            Just(r#""expires_at":"2030-01-01T00:00:00Z""#),
+            Just(r#""retry":{"max_attempts":2,"max_interval_ms":1000}"#),
+            Just(r#""retry":{"max_attempts":"x"}"#),
+            Just(r#""unique":{"key":["type"],"period":"PT1H"}"#),
+            Just(r#""unique":[]"#),
+            Just(r#""tags":["a","b"]"#),
+            Just(r#""tags":["a","a"]"#),
+            Just(r#""pending":true"#),
+            Just(r#""pending":"yes""#),
+            Just(r#""rate_limit":{"key":"k","max_per_second":3}"#),
+            Just(r#""other":1"#),
+        ];
+        prop_oneof![
+            Just(r#""type":"t.w""#.to_owned()),
+            Just(r#""type":null"#.to_owned()),
+            Just(r#""type":"bad type!""#.to_owned()),
+            Just(r#""args":[1,"two",{"three":[3.5]}]"#.to_owned()),
+            Just(r#""args":[]"#.to_owned()),
+            Just(r#""args":"no""#.to_owned()),
+            Just(r#""id":"019539a4-aaaa-7000-8000-111111111111""#.to_owned()),
+            Just(r#""id":"not-a-uuid""#.to_owned()),
+            Just(r#""id":5"#.to_owned()),
+            Just(r#""queue":"top""#.to_owned()),
+            Just(r#""qu\u0065ue":"escaped""#.to_owned()),
+            Just(r#""priority":-3"#.to_owned()),
+            Just(r#""priority":null"#.to_owned()),
+            Just(r#""meta":{"a":{"b":null}}"#.to_owned()),
+            Just(r#""meta":1"#.to_owned()),
+            Just(r#""scheduled_at":"+PT10S""#.to_owned()),
+            Just(r#""scheduled_at":null"#.to_owned()),
+            Just(r#""scheduled_at":"later""#.to_owned()),
+            Just(r#""state":"completed""#.to_owned()),
+            Just(r#""attempt":9"#.to_owned()),
+            Just(r#""max_attempts":1"#.to_owned()),
+            Just(r#""result":{"r":1}"#.to_owned()),
+            Just(r#""specversion":"1.0""#.to_owned()),
+            Just(r#""specversion":null"#.to_owned()),
+            Just(r#""tags":["t"]"#.to_owned()),
+            Just(r#""timeout_ms":100"#.to_owned()),
+            Just(r#""x_custom":{"k":[1,2.25,null]}"#.to_owned()),
+            Just(r#""pending":true"#.to_owned()),
+            Just(r#""options":null"#.to_owned()),
+            Just(r#""options":3"#.to_owned()),
+            proptest::collection::vec(option, 0..5)
+                .prop_map(|o| format!(r#""options":{{{}}}"#, o.join(","))),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+
+        /// Whatever one pass reads of a PUSH body, the parsed body reads
+        /// the same; a batch of such bodies alike.
+        #[test]
+        fn one_pass_reads_what_the_parsed_body_reads(
+            required in proptest::bool::weighted(0.8),
+            entries in proptest::collection::vec(entry(), 0..9),
+            more in proptest::collection::vec(proptest::collection::vec(entry(), 0..3), 0..4),
+        ) {
+            // Most bodies with what a PUSH needs, so that most are read in
+            // one pass (and others, which mostly are not).
+            let mut entries = entries;
+            if required {
+                entries.insert(0, r#""type":"t.w","args":[0]"#.to_owned());
+            }
+            let text = format!("{{{}}}", entries.join(","));
+            reads_alike(&text);
+            // A batch: every job read in one pass, or the batch is read
+            // as a parsed body; each job as the general path reads it.
+            let jobs: Vec<String> = std::iter::once(&entries)
+                .map(|e| format!("{{{}}}", e.join(",")))
+                .chain(
+                    more.iter().map(|e| {
+                        let e: Vec<&str> = std::iter::once(r#""type":"t.b","args":[]"#)
+                            .chain(e.iter().map(String::as_str))
+                            .collect();
+                        format!("{{{}}}", e.join(","))
+                    }),
+                )
+                .collect();
+            let batch = format!(r#"{{"jobs":[{}],"other":{{"x":1}}}}"#, jobs.join(","));
+            if let Some(read) = batch_in_one_pass(batch.as_bytes(), 100, now()) {
+                proptest::prop_assert_eq!(read.len(), jobs.len());
+                for ((mut fast, fast_pending), text) in read.into_iter().zip(&jobs) {
+                    let (mut general, general_pending) = read_parsed(text.as_bytes())
+                        .unwrap_or_else(|e| panic!("one pass read {text} in a batch, the general path refused it: {e:?}"));
+                    if !text.contains("\"id\"") {
+                        fast.id.clear();
+                        general.id.clear();
+                    }
+                    proptest::prop_assert_eq!(fast, general);
+                    proptest::prop_assert_eq!(fast_pending, general_pending);
+                }
+            } else {
+                // Left to the general path only when one of its jobs is.
+                proptest::prop_assert!(
+                    jobs.iter().any(|t| push_in_one_pass(t.as_bytes(), now()).is_none()),
+                    "{}", batch
+                );
+            }
+        }
     }
 }

@@ -238,39 +238,119 @@ impl<'de> serde::de::Visitor<'de> for OnePass {
         self,
         mut map: A,
     ) -> std::result::Result<Self::Value, A::Error> {
-        let mut job = blank();
-        let mut saw_args = false;
-        let mut seen = 0u32;
-        while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
+        let mut entries = EnvelopeEntries::new();
+        while let Some(JsonKey(key)) = map.next_key::<JsonKey<'de>>()? {
             let v: Value = map.next_value()?;
-            match known_attribute(&key) {
-                Some(bit) => {
-                    if seen & (1 << bit) != 0 {
-                        return Ok(None);
-                    }
-                    seen |= 1 << bit;
-                    if !v.is_null() && set_known(&mut job, &key, v, &mut saw_args).is_err() {
-                        return Ok(None);
-                    }
-                }
-                None => {
-                    let mut v = v;
-                    normalize_value(&mut v);
-                    if job.unknown_attributes.insert(key.into_owned(), v).is_some() {
-                        return Ok(None);
-                    }
-                }
+            if !matches!(entries.set(key, v), Ok(true)) {
+                return Ok(None);
             }
         }
-        Ok(saw_args.then_some(job))
+        Ok(entries.into_unvalidated())
     }
 }
 
-/// A key of the envelope's object, borrowed from the text unless it holds
-/// an escape.
-struct Key<'de>(std::borrow::Cow<'de, str>);
+/// An envelope read one attribute of its JSON object at a time, for a
+/// reader that goes over the object's text once (a PUSH body's, which
+/// holds other entries beside the envelope's): each attribute as the
+/// general path reads it from a parsed object (`null` is absent for an
+/// attribute the codec knows, an unknown one is kept as it is).
+#[derive(Debug)]
+pub struct EnvelopeEntries {
+    job: JobEnvelope,
+    /// The known attributes set so far, by their index.
+    seen: u32,
+    saw_args: bool,
+}
 
-impl<'de> serde::Deserialize<'de> for Key<'de> {
+impl Default for EnvelopeEntries {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EnvelopeEntries {
+    /// Nothing set yet.
+    pub fn new() -> Self {
+        EnvelopeEntries {
+            job: blank(),
+            seen: 0,
+            saw_args: false,
+        }
+    }
+
+    /// Sets the attribute `key` from `v`; `Ok(false)` when `key` was set
+    /// already (what a key given twice means is the reader's to decide:
+    /// a parsed object keeps the last).
+    pub fn set(&mut self, key: std::borrow::Cow<'_, str>, v: Value) -> Result<bool> {
+        match known_attribute(&key) {
+            Some(bit) => {
+                if self.seen & (1 << bit) != 0 {
+                    return Ok(false);
+                }
+                self.seen |= 1 << bit;
+                if !v.is_null() {
+                    set_known(&mut self.job, &key, v, &mut self.saw_args)?;
+                }
+                Ok(true)
+            }
+            None => {
+                if self.job.unknown_attributes.contains_key(key.as_ref()) {
+                    return Ok(false);
+                }
+                let mut v = v;
+                normalize_value(&mut v);
+                self.job.unknown_attributes.insert(key.into_owned(), v);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Sets the attribute `key` from `v` (not `null`) whether or not it
+    /// was set before, replacing what was.
+    pub fn replace(&mut self, key: &str, v: Value) -> Result<()> {
+        match known_attribute(key) {
+            Some(bit) => {
+                self.seen |= 1 << bit;
+                set_known(&mut self.job, key, v, &mut self.saw_args)
+            }
+            None => {
+                let mut v = v;
+                normalize_value(&mut v);
+                self.job.unknown_attributes.insert(key.to_owned(), v);
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether the attribute `key` was given (as `null` too).
+    pub fn has(&self, key: &str) -> bool {
+        match known_attribute(key) {
+            Some(bit) => self.seen & (1 << bit) != 0,
+            None => self.job.unknown_attributes.contains_key(key),
+        }
+    }
+
+    /// The envelope, validated; an error as the general path's for a
+    /// missing `args` or an invalid envelope.
+    pub fn finish(self) -> Result<JobEnvelope> {
+        if !self.saw_args {
+            return Err(Error::MissingAttribute("args"));
+        }
+        self.job.validate()?;
+        Ok(self.job)
+    }
+
+    fn into_unvalidated(self) -> Option<JobEnvelope> {
+        self.saw_args.then_some(self.job)
+    }
+}
+
+/// A key of a JSON object, borrowed from the text unless it holds an
+/// escape: a one-pass reader's keys, without a copy of each.
+#[derive(Debug)]
+pub struct JsonKey<'de>(pub std::borrow::Cow<'de, str>);
+
+impl<'de> serde::Deserialize<'de> for JsonKey<'de> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         d.deserialize_str(KeyVisitor)
     }
@@ -279,7 +359,7 @@ impl<'de> serde::Deserialize<'de> for Key<'de> {
 struct KeyVisitor;
 
 impl<'de> serde::de::Visitor<'de> for KeyVisitor {
-    type Value = Key<'de>;
+    type Value = JsonKey<'de>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("an attribute name")
@@ -288,16 +368,16 @@ impl<'de> serde::de::Visitor<'de> for KeyVisitor {
     fn visit_borrowed_str<E: serde::de::Error>(
         self,
         v: &'de str,
-    ) -> std::result::Result<Key<'de>, E> {
-        Ok(Key(std::borrow::Cow::Borrowed(v)))
+    ) -> std::result::Result<JsonKey<'de>, E> {
+        Ok(JsonKey(std::borrow::Cow::Borrowed(v)))
     }
 
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<Key<'de>, E> {
-        Ok(Key(std::borrow::Cow::Owned(v.to_owned())))
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<JsonKey<'de>, E> {
+        Ok(JsonKey(std::borrow::Cow::Owned(v.to_owned())))
     }
 
-    fn visit_string<E: serde::de::Error>(self, v: String) -> std::result::Result<Key<'de>, E> {
-        Ok(Key(std::borrow::Cow::Owned(v)))
+    fn visit_string<E: serde::de::Error>(self, v: String) -> std::result::Result<JsonKey<'de>, E> {
+        Ok(JsonKey(std::borrow::Cow::Owned(v)))
     }
 }
 

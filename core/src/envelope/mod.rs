@@ -7,6 +7,8 @@ pub mod stream;
 pub mod value;
 pub mod wire;
 
+pub use json::{EnvelopeEntries, JsonKey};
+
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
 
