@@ -1986,7 +1986,12 @@ pub fn read_job(
         Encoding::OjsProto => {
             ojs_core::envelope::value::with_value_budget(max_values, || job::from_proto(&body, now))
         }
-        _ => job::from_json_slice(&body, now),
+        // The common body in one pass over its text; anything else (and
+        // every error) as a parsed body.
+        _ => match job::push_in_one_pass(&body, now) {
+            Some((envelope, pending)) => job::accept(envelope, pending, now),
+            None => job::from_json(parse_json(&body)?, now),
+        },
     }
 }
 

@@ -186,18 +186,6 @@ pub fn from_json(body: Value, now: DateTime<Utc>) -> Result<Job, ApiError> {
     accept(envelope, pending, now)
 }
 
-/// A job from the bytes of a JSON PUSH body, ready to store, as
-/// [`from_json`] makes it from the parsed body: the common body is read in
-/// one pass over its text ([`push_in_one_pass`]), anything else (and every
-/// error) as a parsed body.
-pub fn from_json_slice(bytes: &[u8], now: DateTime<Utc>) -> Result<Job, ApiError> {
-    let (envelope, pending) = match push_in_one_pass(bytes, now) {
-        Some(read) => read,
-        None => read_push(crate::http::parse_json(bytes)?, now)?,
-    };
-    accept(envelope, pending, now)
-}
-
 /// A parsed PUSH body's envelope, before [`accept`], and `pending`.
 fn read_push(body: Value, now: DateTime<Utc>) -> Result<(JobEnvelope, bool), ApiError> {
     let Value::Object(mut body) = body else {
@@ -253,7 +241,7 @@ fn read_push(body: Value, now: DateTime<Utc>) -> Result<(JobEnvelope, bool), Api
 /// repeated attribute, a `scheduled_at` that is not text — which
 /// `read_push` reads again: its errors and its reading of a repeated key
 /// stay as they were.
-fn push_in_one_pass(bytes: &[u8], now: DateTime<Utc>) -> Option<(JobEnvelope, bool)> {
+pub(crate) fn push_in_one_pass(bytes: &[u8], now: DateTime<Utc>) -> Option<(JobEnvelope, bool)> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let read = serde::Deserializer::deserialize_map(&mut de, PushOnePass).ok()??;
     de.end().ok()?;
@@ -969,7 +957,11 @@ mod tests {
 
     /// The general path's reading of a PUSH body's text, before `accept`.
     fn read_parsed(bytes: &[u8]) -> Result<(JobEnvelope, bool), ApiError> {
-        read_push(crate::http::parse_json(bytes)?, now())
+        let body = serde_json::from_slice(bytes).map_err(|e| ApiError::InvalidPayload {
+            encoding: "JSON",
+            reason: e.to_string(),
+        })?;
+        read_push(body, now())
     }
 
     /// One pass and the general path read `text` alike: where one pass
