@@ -258,7 +258,7 @@ impl Daemon {
         let starting = if config.http.listen == "off" {
             None
         } else {
-            let listener = TcpListener::bind(&config.http.listen)
+            let listener = crate::http::bind(&config.http.listen, config.http.listen_backlog)
                 .await
                 .map_err(|source| DaemonError::Listen {
                     addr: config.http.listen.clone(),

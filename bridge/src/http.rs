@@ -641,6 +641,40 @@ pub async fn serve(
     }
 }
 
+/// The endpoint's listener on `addr` (a socket address or `host:port`,
+/// its addresses tried in turn) with `backlog` connections queued for the
+/// accept loop. tokio's `TcpListener::bind` queues 128, as the standard
+/// library does: a burst of a few hundred connects overflows that, and the
+/// kernel drops the overflow's handshakes for their clients to retry a
+/// second later (or answers with SYN cookies).
+pub async fn bind(addr: &str, backlog: u32) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for at in tokio::net::lookup_host(addr).await? {
+        let socket = if at.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        };
+        let listening = socket.and_then(|s| {
+            // As tokio's own bind: a restart rebinds a port whose old
+            // connections are still in TIME_WAIT.
+            s.set_reuseaddr(true)?;
+            s.bind(at)?;
+            s.listen(backlog)
+        });
+        match listening {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the address resolved to nothing",
+        )
+    }))
+}
+
 /// One accepted connection. A failure (out of file descriptors and the
 /// like) is logged and backed off from, and `None` returned: the caller
 /// keeps serving.

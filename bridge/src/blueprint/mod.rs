@@ -179,6 +179,12 @@ impl Blueprint {
         if config.http.max_connections == 0 {
             errors.push(invalid("http.max_connections", "must be at least 1"));
         }
+        if config.http.listen_backlog == 0 || config.http.listen_backlog > i32::MAX as u32 {
+            errors.push(invalid(
+                "http.listen_backlog",
+                "must be at least 1 (the kernel caps it at net.core.somaxconn)",
+            ));
+        }
         if config.worker_threads == Some(0) {
             errors.push(invalid("worker_threads", "must be at least 1"));
         }

@@ -43,6 +43,12 @@ pub struct HttpConfig {
     /// oldest one that has not sent a request yet. Default 256.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Connections the kernel completes and queues for the accept loop
+    /// (`listen(2)`'s backlog; the kernel caps it at
+    /// `net.core.somaxconn`). Past it a burst's connects are dropped and
+    /// retried by their clients a second later. Default 1024.
+    #[serde(default = "default_listen_backlog")]
+    pub listen_backlog: u32,
     /// How often adapter health is probed in the background (health
     /// requests read the last probe). Default `5s`.
     #[serde(default = "default_http_health_interval", with = "duration_text")]
@@ -68,6 +74,7 @@ impl Default for HttpConfig {
             header_read_timeout: default_header_read_timeout(),
             idle_timeout: default_idle_timeout(),
             max_connections: default_max_connections(),
+            listen_backlog: default_listen_backlog(),
             health_interval: default_http_health_interval(),
             health_timeout: default_http_health_timeout(),
             admin_ui_dir: None,
@@ -83,6 +90,9 @@ pub(crate) fn default_idle_timeout() -> Duration {
 }
 pub(crate) fn default_max_connections() -> usize {
     256
+}
+pub(crate) fn default_listen_backlog() -> u32 {
+    1024
 }
 pub(crate) fn default_http_health_interval() -> Duration {
     Duration::from_secs(5)

@@ -323,6 +323,7 @@ fn check_config_accepts_the_shipped_examples_and_rejects_bad_files_naming_the_fi
         ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\nbatchsize = 5\n", "unknown field `batchsize`"),
         ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"kafka\"\n", "routes[0].sink"),
         ("[adapters]\nlocal = \"gopher://x\"\n", "adapters.local"),
+        ("[http]\nlisten_backlog = 0\n[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\n", "http.listen_backlog"),
         ("worker_threads = 0\n[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\n", "worker_threads"),
         ("[adapters]\nlocal = \"local:./d\"\n[[sources]]\nname = \"s\"\nadapter = \"local\"\nqueue = \"q\"\n[[routes]]\nname = \"r\"\nsink = \"local\"\ndescriptor_set = \"/nonexistent.binpb\"\n", "routes[0].descriptor_set"),
         // A misspelt Kafka setting is taken for a librdkafka option, which

@@ -83,6 +83,45 @@ async fn a_thousand_concurrent_health_requests_cause_at_most_one_probe_per_inter
     daemon.shutdown().await;
 }
 
+/// A listening socket's backlog as the kernel holds it: `ss` shows it as
+/// the socket's Send-Q.
+fn listen_backlog(addr: std::net::SocketAddr) -> u32 {
+    let out = std::process::Command::new("ss")
+        .args(["-Hltn", &format!("sport = :{}", addr.port())])
+        .output()
+        .expect("`ss` (Debian's iproute2) runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains(&addr.to_string()))
+        .unwrap_or_else(|| panic!("no listener on {addr} in `ss`: {text}"));
+    // State, Recv-Q, Send-Q, local address, peer address.
+    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_queues_listen_backlog_connections_for_the_accept_loop() {
+    // The kernel caps a backlog at net.core.somaxconn.
+    let somaxconn: u32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // By default 1024, not the 128 of tokio's and the standard library's
+    // bind: a burst of connects beyond that had its handshakes dropped.
+    let daemon = start(&config(""), BTreeMap::new()).await;
+    let addr = daemon.http.unwrap();
+    assert_eq!(listen_backlog(addr), 1024.min(somaxconn));
+    daemon.shutdown().await;
+    let daemon = start(&config("listen_backlog = 300"), BTreeMap::new()).await;
+    let addr = daemon.http.unwrap();
+    assert_eq!(listen_backlog(addr), 300.min(somaxconn));
+    // Served as before.
+    let (status, _) = http_get(addr, "/ojs/v1/health").await;
+    assert_eq!(status, 200);
+    daemon.shutdown().await;
+}
+
 async fn idle_connections(addr: std::net::SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
     let mut held = Vec::with_capacity(n);
     for _ in 0..n {
