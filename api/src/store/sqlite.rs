@@ -36,6 +36,9 @@ use crate::model::cron::CronJob;
 use crate::model::rate::KeyState;
 use crate::model::unique::Uniqueness;
 use crate::model::workflow::Workflow;
+use recent::Recent;
+
+mod recent;
 use crate::roster::WorkerRecord;
 
 /// The store's file in the data directory.
@@ -817,6 +820,9 @@ struct Prepared<'c> {
     event: Slot<'c>,
     savepoint: Slot<'c>,
     release: Slot<'c>,
+    data_version: Slot<'c>,
+    /// Active jobs as the writer committed them.
+    recent: RefCell<Recent>,
     /// The number the next event gets: one more than any given before, in
     /// the log or deleted from it (`events_through`).
     next_event: Cell<i64>,
@@ -839,11 +845,34 @@ impl<'c> Slot<'c> {
 
 impl<'c> Prepared<'c> {
     fn new(conn: &'c Connection, next_event: i64) -> Prepared<'c> {
+        // Without the hook nothing may be kept: a change the writer did
+        // not make itself would go unseen.
+        let changed = recent::Changed::default();
+        let named = changed.clone();
+        let hooked = conn.update_hook(Some(
+            move |action: rusqlite::hooks::Action, _: &str, table: &str, row: i64| {
+                // A new row cannot be one kept: the writer numbers rows
+                // upwards and never again (a row kept and then deleted was
+                // named when it was deleted). Every PUSH is inserts.
+                if table == "jobs" && action != rusqlite::hooks::Action::SQLITE_INSERT {
+                    named.lock().unwrap_or_else(|e| e.into_inner()).push(row);
+                }
+            },
+        ));
+        let capacity = match hooked {
+            Ok(()) => recent::RECENT_JOBS,
+            Err(e) => {
+                tracing::warn!(error = %e, "the job store's writer reads every job from its row");
+                0
+            }
+        };
         Prepared {
             conn,
+            recent: RefCell::new(Recent::new(changed, capacity)),
+            data_version: Slot::new("PRAGMA data_version"),
             insert: Slot::new(INSERT_JOB),
             add_queue: Slot::new(ADD_QUEUE),
-            load: Slot::new(sql::JOB.sqlite),
+            load: Slot::new(LOAD_JOB),
             save: Slot::new(SAVE_JOB),
             event: Slot::new(INSERT_EVENT),
             savepoint: Slot::new("SAVEPOINT request"),
@@ -1001,16 +1030,25 @@ fn inserted(jobs: Vec<Job>, answered: Vec<Option<Job>>) -> Vec<Inserted> {
         .collect()
 }
 
-fn load(prepared: &Prepared<'_>, id: &str) -> Result<Job, StoreError> {
+/// A job and its row id, read from its row.
+fn load(prepared: &Prepared<'_>, id: &str) -> Result<(i64, Job), StoreError> {
     let row = prepared.run(&prepared.load, |s| {
         s.query_row(params![id], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
         })
         .optional()
     })?;
-    let (envelope, extra) = row.ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
-    decode(id, &envelope, &extra)
+    let (envelope, extra, row) = row.ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+    Ok((row, decode(id, &envelope, &extra)?))
 }
+
+/// A job's row, read by the writer: its row id too (what the update hook
+/// names).
+const LOAD_JOB: &str = "SELECT envelope, extra, rowid FROM jobs WHERE id = ?1";
 
 /// Stores a new job under the number the writer gives it.
 const INSERT_JOB: &str =
@@ -1020,8 +1058,8 @@ const INSERT_JOB: &str =
 /// Names a queue the first time a job arrives in it.
 const ADD_QUEUE: &str = "INSERT OR IGNORE INTO queues (name, created_ms) VALUES (?1, ?2)";
 
-/// A job's queue and state: what a save moves it from.
-const JOB_PLACE: &str = "SELECT queue, state FROM jobs WHERE id = ?1";
+/// A job's queue, state and row id: what a save moves it from.
+const JOB_PLACE: &str = "SELECT queue, state, rowid FROM jobs WHERE id = ?1";
 
 const SAVE_JOB: &str =
     "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
@@ -1058,50 +1096,78 @@ struct SqliteTx<'a, 'c> {
     outbox: Vec<Job>,
     /// The moves between queues and states not yet in `job_counts`.
     tally: &'a RefCell<Tally>,
-    /// The queue and state of each job this transaction read or wrote:
-    /// what a save moves it from.
-    loaded: Vec<(String, String, String)>,
+    /// The queue and state of each job this transaction read or wrote
+    /// (what a save moves it from), and its row id where known.
+    loaded: Vec<Loaded>,
 }
 
+/// A job a transaction read or wrote: id, queue, state, row id.
+type Loaded = (String, String, String, Option<i64>);
+
 impl SqliteTx<'_, '_> {
-    fn remember(&mut self, id: &str, queue: &str, state: &str) {
-        match self.loaded.iter_mut().find(|(i, _, _)| i == id) {
-            Some(entry) => state.clone_into(&mut entry.2),
+    fn remember(&mut self, id: &str, queue: &str, state: &str, row: Option<i64>) {
+        match self.loaded.iter_mut().find(|(i, _, _, _)| i == id) {
+            Some(entry) => {
+                state.clone_into(&mut entry.2);
+                if row.is_some() {
+                    entry.3 = row;
+                }
+            }
             None => self
                 .loaded
-                .push((id.to_owned(), queue.to_owned(), state.to_owned())),
+                .push((id.to_owned(), queue.to_owned(), state.to_owned(), row)),
         }
     }
 }
 
 impl Tx for SqliteTx<'_, '_> {
     fn load(&mut self, id: &str) -> Result<Job, StoreError> {
-        let job = load(self.prepared, id)?;
-        self.remember(id, &job.envelope.queue, state_name(job.state()));
+        let kept = self.prepared.recent.borrow_mut().get(id);
+        let (row, job) = match kept {
+            Some(kept) => {
+                // Every test runs this: what the writer kept is what its
+                // row reads as.
+                #[cfg(debug_assertions)]
+                {
+                    let read = load(self.prepared, id);
+                    assert!(
+                        matches!(&read, Ok((row, job)) if *row == kept.0 && *job == kept.1),
+                        "the writer kept {kept:?}, its row reads {read:?}"
+                    );
+                }
+                kept
+            }
+            None => load(self.prepared, id)?,
+        };
+        self.remember(id, &job.envelope.queue, state_name(job.state()), Some(row));
         Ok(job)
     }
 
     fn save(&mut self, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
         let id = &job.envelope.id;
-        if !self.loaded.iter().any(|(i, _, _)| i == id) {
-            let row: Option<(String, String)> = self
+        if !self.loaded.iter().any(|(i, _, _, _)| i == id) {
+            let row: Option<(String, String, i64)> = self
                 .conn
                 .prepare_cached(JOB_PLACE)?
-                .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?)))
+                .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
                 .optional()?;
-            let Some((queue, state)) = row else {
+            let Some((queue, state, row)) = row else {
                 // No such row: the UPDATE changes nothing.
                 return save(self.prepared, job, finished);
             };
-            self.loaded.push((id.clone(), queue, state));
+            self.loaded.push((id.clone(), queue, state, Some(row)));
         }
         save(self.prepared, job, finished)?;
         let now = state_name(job.state());
-        if let Some((_, queue, was)) = self.loaded.iter_mut().find(|(i, _, _)| i == id) {
+        if let Some((_, queue, was, row)) = self.loaded.iter_mut().find(|(i, _, _, _)| i == id) {
             if was.as_str() != now {
                 moved(self.tally, queue, was, -1);
                 moved(self.tally, queue, now, 1);
                 now.clone_into(was);
+            }
+            // An active job is what a worker's next step loads.
+            if let (Some(row), JobState::Active) = (*row, job.state()) {
+                self.prepared.recent.borrow_mut().stage(row, job);
             }
         }
         Ok(())
@@ -1140,6 +1206,7 @@ impl Tx for SqliteTx<'_, '_> {
             &job.envelope.id,
             &job.envelope.queue,
             state_name(job.state()),
+            Some(*self.next_seq),
         );
         *self.next_seq += 1;
         Ok(())
@@ -1147,7 +1214,7 @@ impl Tx for SqliteTx<'_, '_> {
 
     fn delete(&mut self, id: &str) -> Result<(), StoreError> {
         delete_counted(self.conn, sql::DELETE_JOB.sqlite, params![id], self.tally)?;
-        self.loaded.retain(|(i, _, _)| i != id);
+        self.loaded.retain(|(i, _, _, _)| i != id);
         keep_events_through(self.prepared)?;
         self.conn
             .prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?
@@ -1215,6 +1282,9 @@ impl Tx for SqliteTx<'_, '_> {
             moved(self.tally, &queue, &state, -i64::try_from(n).unwrap_or(0));
         }
         self.loaded.clear();
+        // SQLite deletes every row of a table without naming them to the
+        // update hook.
+        self.prepared.recent.borrow_mut().clear();
         // Numbering goes on after a reset (as PostgreSQL's sequence does):
         // a reader's cursor from before never skips what comes after.
         keep_events_through(self.prepared)?;
@@ -1965,6 +2035,14 @@ fn commit_group(
             return group.iter().map(|_| failed(&reason)).collect();
         }
     };
+    // Read holding the write lock: no other connection commits until this
+    // transaction ends.
+    let data_version = prepared
+        .run(&prepared.data_version, |s| {
+            s.query_row([], |r| r.get::<_, i64>(0))
+        })
+        .ok();
+    prepared.recent.borrow_mut().begin(data_version);
     let mut outcomes = Vec::with_capacity(group.len());
     let mut next_seq = confirmed.next_seq;
     let mut added: Vec<(String, i64)> = Vec::new();
@@ -2061,17 +2139,21 @@ fn commit_group(
             .and_then(|mut s| s.execute(params![watermark]));
         if let Err(e) = updated {
             let reason = e.to_string();
+            prepared.recent.borrow_mut().failed();
             return group.iter().map(|_| failed(&reason)).collect();
         }
     }
     if let Err(e) = write_counts(&tx, tally) {
         let reason = e.to_string();
+        prepared.recent.borrow_mut().failed();
         return group.iter().map(|_| failed(&reason)).collect();
     }
     if let Err(e) = tx.commit() {
         let reason = e.to_string();
+        prepared.recent.borrow_mut().failed();
         return group.iter().map(|_| failed(&reason)).collect();
     }
+    prepared.recent.borrow_mut().committed();
     confirmed.next_seq = next_seq;
     confirmed.persisted = watermark;
     for (id, seq) in added {
@@ -2106,10 +2188,12 @@ fn in_savepoint<T>(
     match done {
         Ok(v) => {
             tally.released();
+            prepared.recent.borrow_mut().released();
             Ok(v)
         }
         Err(e) => {
             tally.request.clear();
+            prepared.recent.borrow_mut().rolled_back();
             drop(tally);
             conn.execute_batch("ROLLBACK TO request; RELEASE request")?;
             Err(e)
@@ -2589,6 +2673,77 @@ mod tests {
         let seqs = event_seqs(&store).await?;
         assert_eq!(seqs.len(), 2);
         assert!(seqs[1] > 6, "{seqs:?}");
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// Makes the job active (what a FETCH saves) with `args`, then fails
+    /// the transaction when `fail`.
+    async fn activate_with(
+        store: &Store,
+        id: &str,
+        args: Value,
+        fail: bool,
+    ) -> Result<(), StoreError> {
+        let id = id.to_owned();
+        store
+            .run(move |tx| {
+                let mut job = tx.load(&id)?;
+                job.envelope.state = Some(JobState::Active);
+                job.envelope.args =
+                    serde_json::from_value(args).map_err(|e| StoreError::Commit(e.to_string()))?;
+                tx.save(&job, None)?;
+                if fail {
+                    return Err(StoreError::Commit("rolled back on purpose".into()));
+                }
+                Ok(())
+            })
+            .await
+    }
+
+    async fn args_of(store: &Store, id: &str) -> Result<Value, StoreError> {
+        let id = id.to_owned();
+        let job = store.run(move |tx| tx.load(&id)).await?;
+        serde_json::to_value(&job.envelope.args).map_err(|e| StoreError::Commit(e.to_string()))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_active_job_the_writer_keeps_is_read_again_after_any_change_it_did_not_make(
+    ) -> Result<(), StoreError> {
+        let dir = fresh_dir();
+        let store = Store::open(&dir, Durability::Process).await?;
+        let pushed = job(None);
+        let id = pushed.envelope.id.clone();
+        store.insert(vec![pushed]).await?;
+        activate_with(&store, &id, json!([1]), false).await?;
+        assert_eq!(args_of(&store, &id).await?, json!([1]));
+        // Another connection (another process) changes the row.
+        let other = Connection::open(dir.join(STORE_FILE))?;
+        other.busy_timeout(Duration::from_secs(5))?;
+        other.execute(
+            "UPDATE jobs SET envelope = json_set(envelope, '$.args', json('[2]')) WHERE id = ?1",
+            params![id],
+        )?;
+        assert_eq!(args_of(&store, &id).await?, json!([2]));
+        // A transition that saved and then failed: what it saved is gone.
+        activate_with(&store, &id, json!([3]), false).await?;
+        let failed = activate_with(&store, &id, json!([4]), true).await;
+        assert!(failed.is_err());
+        assert_eq!(args_of(&store, &id).await?, json!([3]));
+        // A removal through the writer's own statements.
+        store.remove(vec![id.clone()]).await?;
+        let gone = args_of(&store, &id).await;
+        assert!(matches!(gone, Err(StoreError::NotFound(_))), "{gone:?}");
+        // A reset, whose DELETE SQLite does not name to the update hook.
+        let pushed = job(None);
+        let id = pushed.envelope.id.clone();
+        store.insert(vec![pushed]).await?;
+        activate_with(&store, &id, json!([5]), false).await?;
+        assert_eq!(args_of(&store, &id).await?, json!([5]));
+        store.run(|tx| tx.reset()).await?;
+        let gone = args_of(&store, &id).await;
+        assert!(matches!(gone, Err(StoreError::NotFound(_))), "{gone:?}");
         drop(store);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())

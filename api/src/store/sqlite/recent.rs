@@ -1,0 +1,315 @@
+//! The active jobs the SQLite store's writer committed last, kept decoded.
+//!
+//! A worker's next step on a job it fetched (its ACK, NACK or heartbeat)
+//! loads the job the FETCH saved a moment before: reading that row and
+//! decoding its JSON was about a seventh of a FETCH + ACK's work. The writer
+//! is the only connection that writes the store, so it can keep what it
+//! wrote, if it learns of every change it did not make through this cache:
+//! - SQLite's update hook names each row of `jobs` a statement on the
+//!   writer's connection updates or deletes (inserts make rows no entry
+//!   can name: the writer numbers rows upwards, never twice); an entry
+//!   whose row is named is dropped (the writer's own saves included: the
+//!   saved job is staged again after its statement);
+//! - `PRAGMA data_version` changes when another connection (another
+//!   process) committed: everything is dropped;
+//! - a reset's `DELETE FROM jobs`, which SQLite runs without the hook,
+//!   drops everything ([`Recent::clear`]).
+//!
+//! A job enters only with the commit that wrote it: staged by its request,
+//! kept when the request's savepoint is released, moved in when the group
+//! commits, forgotten when either is rolled back.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use crate::job::Job;
+
+/// The most jobs kept: a worker's next step comes within its visibility
+/// timeout, and more jobs than this active at once read their rows as
+/// before.
+pub(super) const RECENT_JOBS: usize = 4096;
+
+/// Rows of `jobs` that statements changed, as the update hook reports
+/// them; drained by the writer.
+pub(super) type Changed = Arc<Mutex<Vec<i64>>>;
+
+/// See the module.
+#[derive(Debug)]
+pub(super) struct Recent {
+    /// By job id: its row id, when it entered, the job as committed.
+    jobs: HashMap<String, (i64, u64, Job)>,
+    /// Row id → job id, for the hook's row ids.
+    ids: HashMap<i64, String>,
+    /// (entered, row id), oldest first; an entry that entered again later
+    /// or was dropped is skipped when its turn comes.
+    order: VecDeque<(u64, i64)>,
+    entered: u64,
+    /// Staged by the request running now.
+    request: Vec<(i64, Job)>,
+    /// Staged by the requests of this group whose savepoints were released.
+    group: Vec<(i64, Job)>,
+    changed: Changed,
+    data_version: Option<i64>,
+    capacity: usize,
+}
+
+impl Recent {
+    pub(super) fn new(changed: Changed, capacity: usize) -> Recent {
+        Recent {
+            jobs: HashMap::new(),
+            ids: HashMap::new(),
+            order: VecDeque::new(),
+            entered: 0,
+            request: Vec::new(),
+            group: Vec::new(),
+            changed,
+            data_version: None,
+            capacity,
+        }
+    }
+
+    /// A group's transaction began (holding the write lock) and read
+    /// `data_version`: another connection's commit since the last group
+    /// drops everything, as does a version that could not be read.
+    /// Anything staged by a group that never finished (it panicked) goes.
+    pub(super) fn begin(&mut self, data_version: Option<i64>) {
+        if data_version.is_none() || self.data_version != data_version {
+            self.clear();
+            self.data_version = data_version;
+        }
+        self.request.clear();
+        self.group.clear();
+        self.drain();
+    }
+
+    /// The job `id` as committed, with its row id, unless a statement
+    /// changed its row since.
+    pub(super) fn get(&mut self, id: &str) -> Option<(i64, Job)> {
+        self.drain();
+        self.jobs.get(id).map(|(row, _, job)| (*row, job.clone()))
+    }
+
+    /// The running request wrote `job` to row `row` (its statement has
+    /// run): kept if the request and its group commit.
+    pub(super) fn stage(&mut self, row: i64, job: &Job) {
+        self.drain();
+        self.request.push((row, job.clone()));
+    }
+
+    /// The request's savepoint was released.
+    pub(super) fn released(&mut self) {
+        self.drain();
+        self.group.append(&mut self.request);
+    }
+
+    /// The request's savepoint was rolled back: its staged jobs go (the rows
+    /// it changed are dropped as the hook named them).
+    pub(super) fn rolled_back(&mut self) {
+        self.request.clear();
+    }
+
+    /// The group committed: its staged jobs enter.
+    pub(super) fn committed(&mut self) {
+        self.drain();
+        let staged = std::mem::take(&mut self.group);
+        for (row, job) in staged {
+            self.enter(row, job);
+        }
+        self.request.clear();
+    }
+
+    /// The group failed: nothing it staged enters.
+    pub(super) fn failed(&mut self) {
+        self.request.clear();
+        self.group.clear();
+        self.drain();
+    }
+
+    /// Everything goes.
+    pub(super) fn clear(&mut self) {
+        self.jobs.clear();
+        self.ids.clear();
+        self.order.clear();
+        self.request.clear();
+        self.group.clear();
+        self.take_changed();
+    }
+
+    /// How many jobs are kept.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    fn take_changed(&self) -> Vec<i64> {
+        std::mem::take(&mut *self.changed.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Drops every entry and staged job whose row a statement changed.
+    fn drain(&mut self) {
+        let changed = self.take_changed();
+        if changed.is_empty() {
+            return;
+        }
+        if self.jobs.is_empty() && self.request.is_empty() && self.group.is_empty() {
+            return;
+        }
+        for row in &changed {
+            if let Some(id) = self.ids.remove(row) {
+                self.jobs.remove(&id);
+            }
+        }
+        if !self.request.is_empty() {
+            self.request.retain(|(row, _)| !changed.contains(row));
+        }
+        if !self.group.is_empty() {
+            self.group.retain(|(row, _)| !changed.contains(row));
+        }
+    }
+
+    fn enter(&mut self, row: i64, job: Job) {
+        self.entered += 1;
+        let id = job.envelope.id.clone();
+        if let Some((old_row, _, _)) = self.jobs.get(&id) {
+            if *old_row != row {
+                self.ids.remove(old_row);
+            }
+        }
+        self.ids.insert(row, id.clone());
+        self.jobs.insert(id, (row, self.entered, job));
+        self.order.push_back((self.entered, row));
+        while self.jobs.len() > self.capacity {
+            let Some((entered, row)) = self.order.pop_front() else {
+                break;
+            };
+            let current = self
+                .ids
+                .get(&row)
+                .and_then(|id| self.jobs.get(id))
+                .is_some_and(|(_, e, _)| *e == entered);
+            if current {
+                if let Some(id) = self.ids.remove(&row) {
+                    self.jobs.remove(&id);
+                }
+            }
+        }
+        // Entries that entered again leave their old places behind.
+        if self.order.len() > 4 * self.capacity.max(1) {
+            let mut live: Vec<(u64, i64)> =
+                self.jobs.values().map(|(row, e, _)| (*e, *row)).collect();
+            live.sort_unstable();
+            self.order = live.into();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A job whose id is made of `name` (at most 6 bytes).
+    fn job(name: &str) -> Job {
+        let body = serde_json::json!({"type": "a.b", "args": [1], "id": id(name)});
+        crate::job::from_json(body, chrono::Utc::now()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn id(name: &str) -> String {
+        let hex: String = name.bytes().map(|b| format!("{b:02x}")).collect();
+        format!("019aaaaa-0000-7000-8000-{hex:0>12}")
+    }
+
+    fn recent(capacity: usize) -> (Recent, Changed) {
+        let changed = Changed::default();
+        (Recent::new(changed.clone(), capacity), changed)
+    }
+
+    #[test]
+    fn a_job_enters_with_its_commit_and_leaves_when_its_row_changes() {
+        let (mut r, changed) = recent(10);
+        r.begin(Some(1));
+        // Our own statement names the row, then the job is staged.
+        changed.lock().unwrap().push(7);
+        r.stage(7, &job("a"));
+        assert!(r.get(&id("a")).is_none(), "staged, not committed");
+        r.released();
+        assert!(r.get(&id("a")).is_none());
+        r.committed();
+        assert_eq!(r.get(&id("a")).unwrap().0, 7);
+        // Any later change of the row drops it.
+        changed.lock().unwrap().push(7);
+        assert!(r.get(&id("a")).is_none());
+    }
+
+    #[test]
+    fn what_a_rolled_back_request_or_group_staged_never_enters() {
+        let (mut r, changed) = recent(10);
+        r.begin(Some(1));
+        r.stage(1, &job("a"));
+        r.rolled_back();
+        r.stage(2, &job("b"));
+        r.released();
+        r.committed();
+        assert!(r.get(&id("a")).is_none());
+        assert!(r.get(&id("b")).is_some());
+        r.begin(Some(1));
+        r.stage(3, &job("c"));
+        r.released();
+        r.failed();
+        r.begin(Some(1));
+        r.committed();
+        assert!(r.get(&id("c")).is_none());
+        // A later request of the group changing a staged job's row (a
+        // delete, say) drops it before the commit.
+        r.begin(Some(1));
+        r.stage(4, &job("d"));
+        r.released();
+        changed.lock().unwrap().push(4);
+        r.committed();
+        assert!(r.get(&id("d")).is_none());
+    }
+
+    #[test]
+    fn another_connections_commit_or_a_reset_drops_everything() {
+        let (mut r, _) = recent(10);
+        r.begin(Some(1));
+        r.stage(1, &job("a"));
+        r.released();
+        r.committed();
+        r.begin(Some(1));
+        assert!(r.get(&id("a")).is_some());
+        r.begin(Some(2));
+        assert!(r.get(&id("a")).is_none());
+        r.stage(1, &job("a"));
+        r.released();
+        r.committed();
+        r.clear();
+        assert!(r.get(&id("a")).is_none());
+    }
+
+    #[test]
+    fn it_keeps_at_most_its_capacity_the_latest_entered() {
+        let (mut r, _) = recent(3);
+        r.begin(Some(1));
+        for (row, name) in ["a", "b", "c", "d"].iter().enumerate() {
+            r.stage(row as i64, &job(name));
+        }
+        // "a" again: it is now the latest.
+        r.stage(0, &job("a"));
+        r.released();
+        r.committed();
+        assert_eq!(r.len(), 3);
+        assert!(r.get(&id("b")).is_none(), "the oldest goes");
+        for name in ["a", "c", "d"] {
+            assert!(r.get(&id(name)).is_some(), "{name}");
+        }
+        for n in 0..100 {
+            r.stage(10 + n, &job(&format!("x{n}")));
+        }
+        r.released();
+        r.committed();
+        assert_eq!(r.len(), 3);
+        assert!(r.order.len() <= 12);
+    }
+}
