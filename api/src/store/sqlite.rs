@@ -36,10 +36,10 @@ use crate::model::cron::CronJob;
 use crate::model::rate::KeyState;
 use crate::model::unique::Uniqueness;
 use crate::model::workflow::Workflow;
+use crate::roster::WorkerRecord;
 use recent::Recent;
 
 mod recent;
-use crate::roster::WorkerRecord;
 
 /// The store's file in the data directory.
 pub const STORE_FILE: &str = "jobs.sqlite";

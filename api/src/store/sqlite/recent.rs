@@ -19,7 +19,7 @@
 //! kept when the request's savepoint is released, moved in when the group
 //! commits, forgotten when either is rolled back.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use crate::job::Job;
@@ -159,12 +159,14 @@ impl Recent {
                 self.jobs.remove(&id);
             }
         }
-        if !self.request.is_empty() {
-            self.request.retain(|(row, _)| !changed.contains(row));
+        if self.request.is_empty() && self.group.is_empty() {
+            return;
         }
-        if !self.group.is_empty() {
-            self.group.retain(|(row, _)| !changed.contains(row));
-        }
+        // A set: a prune or a queue's purge names every row it deletes,
+        // and a group stages up to its size.
+        let changed: HashSet<i64> = changed.into_iter().collect();
+        self.request.retain(|(row, _)| !changed.contains(row));
+        self.group.retain(|(row, _)| !changed.contains(row));
     }
 
     fn enter(&mut self, row: i64, job: Job) {
