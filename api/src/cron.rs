@@ -24,6 +24,7 @@ use tokio::sync::watch;
 use crate::auth::{Grant, Operation};
 use crate::error::ApiError;
 use crate::model::cron::{CronJob, SlotAction};
+use crate::model::EventData;
 use crate::store::StoreError;
 use crate::Api;
 
@@ -414,7 +415,7 @@ impl Api {
                     queue: cron.queue(),
                     job_type: cron.job_type(),
                 };
-                tx.fact(kind, &subject, now, data.clone())?;
+                tx.fact(kind, &subject, now, &EventData::of_value(&data))?;
                 // One catch-up at most: the next slot is after now.
                 cron.next_run_at = cron
                     .schedule()

@@ -13,6 +13,7 @@ use chrono::{DateTime, Utc};
 
 use crate::auth::{Grant, Operation};
 use crate::error::ApiError;
+use crate::model::EventData;
 use crate::Api;
 
 /// A queue after a pause or a resume.
@@ -137,8 +138,8 @@ impl Api {
                         queue: &name,
                         job_type: "",
                     };
-                    let data = serde_json::json!({"queue": name, field: by});
-                    tx.fact(kind, &subject, now, data)?;
+                    let data = EventData::empty().field(field, &by).field("queue", &name);
+                    tx.fact(kind, &subject, now, &data)?;
                 }
                 Ok(changed)
             })

@@ -32,7 +32,7 @@ use crate::model::workflow::{
     Callback, Next, Outcome, Request, State, Step, StepError, StepState, Workflow, PARENT_RESULTS,
     WORKFLOW_ID, WORKFLOW_STEP,
 };
-use crate::model::{self, Command};
+use crate::model::{self, Command, EventData};
 use crate::store::{record_alone, wrong_state, StoreError, Tx};
 use crate::Api;
 
@@ -547,7 +547,7 @@ fn workflow_event(
     if let (Some(d), Value::Object(m)) = (data.as_object_mut(), more) {
         d.extend(m);
     }
-    tx.event(kind, job, now, data)
+    tx.event(kind, job, now, &EventData::of_value(&data))
 }
 
 /// Where the `i`-th job of a workflow (its steps, then its callbacks) is

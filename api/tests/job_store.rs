@@ -10,6 +10,7 @@ use chrono::{DateTime, Utc};
 use ojs_api::model::cron::CronJob;
 use ojs_api::model::rate::{Limits, OnLimit, Rate, RateLimit};
 use ojs_api::model::unique::Uniqueness;
+use ojs_api::model::EventData;
 use ojs_api::roster::WorkerRecord;
 use ojs_api::store::{
     take_rate, Durability, EventFilter, Inserted, JobQuery, Lease, PostgresSettings, RateDecision,
@@ -137,7 +138,12 @@ async fn a_failed_transition_writes_nothing(store: &Store, _: &Place) {
             let mut job = tx.load(&target)?;
             job.envelope.state = Some(JobState::Completed);
             tx.save(&job, Some(Utc::now()))?;
-            tx.event("job.completed", &job.envelope, Utc::now(), json!({}))?;
+            tx.event(
+                "job.completed",
+                &job.envelope,
+                Utc::now(),
+                &EventData::empty(),
+            )?;
             Err::<(), _>(StoreError::NotFound("on purpose".into()))
         })
         .await;

@@ -10,6 +10,7 @@
 //! save.
 
 pub mod cron;
+mod event_data;
 pub mod queue;
 pub mod rate;
 pub(crate) mod retry;
@@ -24,6 +25,7 @@ use crate::job::{timestamp, Job};
 use crate::store::Settle;
 use crate::Exhaustion;
 
+pub use event_data::EventData;
 pub(crate) use retry::Failed;
 
 /// How many entries of a job's error history are kept (the oldest go).
@@ -124,7 +126,7 @@ pub(crate) fn is_final(state: JobState) -> bool {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Happened {
     pub kind: &'static str,
-    pub data: Value,
+    pub data: EventData,
 }
 
 /// A transition's outcome.
@@ -166,8 +168,7 @@ pub(crate) fn apply(
     let mut finished = None;
     let mut settle = None;
     let mut events = Vec::with_capacity(2);
-    let mut happened = |kind, data: Value| events.push(Happened { kind, data });
-    let (job_type, queue) = (job.envelope.job_type.clone(), job.envelope.queue.clone());
+    let mut happened = |kind, data: EventData| events.push(Happened { kind, data });
     match command {
         Command::Start { worker } => {
             let e = &mut job.envelope;
@@ -182,8 +183,9 @@ pub(crate) fn apply(
             };
             happened(
                 "job.started",
-                json!({"job_type": job_type, "queue": queue, "state": "active",
-                       "attempt": job.envelope.attempt, "worker_id": worker}),
+                job_event(&job, "active")
+                    .field("attempt", &job.envelope.attempt)
+                    .field("worker_id", &worker),
             );
         }
         Command::Complete { result } => {
@@ -196,8 +198,10 @@ pub(crate) fn apply(
             let duration = e.started_at.map(|s| (now - s).num_milliseconds().max(0));
             happened(
                 "job.completed",
-                json!({"job_type": job_type, "queue": queue, "state": "completed",
-                       "attempt": e.attempt, "duration_ms": duration, "result": e.result}),
+                job_event(&job, "completed")
+                    .field("attempt", &job.envelope.attempt)
+                    .field("duration_ms", &duration)
+                    .field("result", &job.envelope.result),
             );
         }
         Command::Fail {
@@ -236,8 +240,9 @@ pub(crate) fn apply(
                     error["retryable"] = json!(failed.retryable);
                     (
                         JobState::Available,
-                        json!({"job_type": job_type, "queue": queue, "state": "available",
-                               "attempt": attempt, "error": error}),
+                        job_event(&job, "available")
+                            .field("attempt", &attempt)
+                            .field("error", &error),
                     )
                 }
                 Some(retry::Decision::Retry(delay)) => {
@@ -253,8 +258,9 @@ pub(crate) fn apply(
                     error["retryable"] = json!(true);
                     (
                         JobState::Retryable,
-                        json!({"job_type": job_type, "queue": queue, "state": "retryable",
-                               "attempt": attempt, "error": error}),
+                        job_event(&job, "retryable")
+                            .field("attempt", &attempt)
+                            .field("error", &error),
                     )
                 }
                 Some(exhausted) => {
@@ -273,8 +279,9 @@ pub(crate) fn apply(
                     });
                     (
                         JobState::Discarded,
-                        json!({"job_type": job_type, "queue": queue, "state": "discarded",
-                               "total_attempts": attempt, "last_error": error}),
+                        job_event(&job, "discarded")
+                            .field("total_attempts", &attempt)
+                            .field("last_error", &error),
                     )
                 }
             };
@@ -298,8 +305,10 @@ pub(crate) fn apply(
             job.extra.remove("worker_id");
             happened(
                 "job.failed",
-                json!({"job_type": job_type, "queue": queue, "state": "available",
-                       "error": {"code": "visibility_timeout", "retryable": true}}),
+                job_event(&job, "available").field(
+                    "error",
+                    &json!({"code": "visibility_timeout", "retryable": true}),
+                ),
             );
         }
         Command::Cancel => {
@@ -311,8 +320,7 @@ pub(crate) fn apply(
             finished = Some(now);
             happened(
                 "job.cancelled",
-                json!({"job_type": job_type, "queue": queue, "state": "cancelled",
-                       "previous_state": state_name(previous)}),
+                job_event(&job, "cancelled").field("previous_state", state_name(previous)),
             );
         }
         Command::Activate => {
@@ -323,7 +331,7 @@ pub(crate) fn apply(
             job.extra.insert("previous_state".into(), json!("pending"));
             happened(
                 "job.enqueued",
-                json!({"job_type": job_type, "queue": queue, "state": "available", "previous_state": "pending"}),
+                job_event(&job, "available").field("previous_state", "pending"),
             );
         }
         Command::Deactivate => {
@@ -335,10 +343,7 @@ pub(crate) fn apply(
         Command::Promote => {
             job.envelope.state = Some(JobState::Available);
             job.envelope.enqueued_at = Some(now);
-            happened(
-                "job.enqueued",
-                json!({"job_type": job_type, "queue": queue, "state": "available"}),
-            );
+            happened("job.enqueued", job_event(&job, "available"));
         }
         Command::Revive => {
             let e = &mut job.envelope;
@@ -360,7 +365,7 @@ pub(crate) fn apply(
                 .insert("re_enqueued_at".into(), json!(timestamp(now)));
             happened(
                 "job.enqueued",
-                json!({"job_type": job_type, "queue": queue, "state": "available", "from": "dead_letter"}),
+                job_event(&job, "available").field("from", "dead_letter"),
             );
         }
         Command::Expire => {
@@ -370,7 +375,7 @@ pub(crate) fn apply(
             finished = Some(now);
             happened(
                 "job.discarded",
-                json!({"job_type": job_type, "queue": queue, "state": "discarded", "reason": "expired"}),
+                job_event(&job, "discarded").field("reason", "expired"),
             );
         }
         Command::Limit {
@@ -382,8 +387,10 @@ pub(crate) fn apply(
             job.extra.remove("worker_id");
             happened(
                 "job.scheduled",
-                json!({"job_type": job_type, "queue": queue, "state": "scheduled",
-                       "scheduled_at": timestamp(until), "reason": "rate_limited", "key": key}),
+                job_event(&job, "scheduled")
+                    .field("scheduled_at", &timestamp(until))
+                    .field("reason", "rate_limited")
+                    .field("key", key),
             );
         }
         Command::Limit { key, until: None } => {
@@ -394,11 +401,16 @@ pub(crate) fn apply(
             finished = Some(now);
             happened(
                 "job.discarded",
-                json!({"job_type": job_type, "queue": queue, "state": "discarded", "reason": "rate_limited", "key": key}),
+                job_event(&job, "discarded")
+                    .field("reason", "rate_limited")
+                    .field("key", key),
             );
             happened(
                 "rate_limit.dropped",
-                json!({"job_type": job_type, "queue": queue, "key": key}),
+                EventData::empty()
+                    .field("job_type", &job.envelope.job_type)
+                    .field("queue", &job.envelope.queue)
+                    .field("key", key),
             );
         }
     }
@@ -409,6 +421,12 @@ pub(crate) fn apply(
         events,
         settle,
     })
+}
+
+/// A job event's data: the job's type and queue (no command changes them)
+/// and the state it is in.
+fn job_event(job: &Job, state: &str) -> EventData {
+    EventData::of_job(&job.envelope.job_type, &job.envelope.queue, state)
 }
 
 /// Whether `job` is past its `expires_at` at `now`.

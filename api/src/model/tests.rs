@@ -153,7 +153,7 @@ fn start_counts_an_attempt_and_names_its_worker() {
     assert_eq!(t.finished, None);
     assert_eq!(t.events.len(), 1);
     assert_eq!(t.events[0].kind, "job.started");
-    assert_eq!(t.events[0].data["attempt"], 2);
+    assert_eq!(t.events[0].data.value()["attempt"], 2);
     // A start without a worker id forgets the previous worker's.
     let t = apply(t.job, Command::Start { worker: None }, now()).unwrap();
     assert!(!t.job.extra.contains_key("worker_id"));
@@ -173,7 +173,7 @@ fn complete_keeps_the_result_and_the_duration() {
     assert_eq!(t.job.envelope.result, Some(json!({"sent": 1})));
     assert_eq!(t.finished, Some(now()));
     assert_eq!(t.events[0].kind, "job.completed");
-    assert_eq!(t.events[0].data["duration_ms"], 678);
+    assert_eq!(t.events[0].data.value()["duration_ms"], 678);
     assert_eq!(t.settle, None);
 }
 
@@ -229,7 +229,7 @@ fn an_exhausted_job_is_discarded_or_dead_lettered() {
         assert_eq!(t.settle, Some(settle));
         assert_eq!(t.finished, Some(now()));
         assert_eq!(t.events[1].kind, "job.discarded");
-        assert_eq!(t.events[1].data["total_attempts"], 2);
+        assert_eq!(t.events[1].data.value()["total_attempts"], 2);
         // A dead letter goes back from attempt 0; a job merely discarded
         // cannot.
         let revived = apply(t.job, Command::Revive, now());
@@ -258,7 +258,7 @@ fn a_requeue_puts_the_job_back_without_a_backoff() {
     assert_eq!(t.job.state(), JobState::Available);
     assert_eq!(t.settle, Some(Settle::Requeue));
     assert_eq!(t.events.len(), 1);
-    assert_eq!(t.events[0].data["error"]["retryable"], false);
+    assert_eq!(t.events[0].data.value()["error"]["retryable"], false);
 }
 
 #[test]
@@ -284,7 +284,7 @@ fn cancel_time_out_and_expire_record_why() {
     let t = apply(job(JobState::Scheduled), Command::Cancel, now()).unwrap();
     assert_eq!(t.job.state(), JobState::Cancelled);
     assert_eq!(t.job.extra.get("previous_state"), Some(&json!("scheduled")));
-    assert_eq!(t.events[0].data["previous_state"], "scheduled");
+    assert_eq!(t.events[0].data.value()["previous_state"], "scheduled");
     assert_eq!(t.finished, Some(now()));
 
     let mut active = job(JobState::Active);
@@ -304,7 +304,7 @@ fn cancel_time_out_and_expire_record_why() {
     let t = apply(old, Command::Expire, now()).unwrap();
     assert_eq!(t.job.state(), JobState::Discarded);
     assert!(!t.job.is_dead_letter());
-    assert_eq!(t.events[0].data["reason"], "expired");
+    assert_eq!(t.events[0].data.value()["reason"], "expired");
 }
 
 #[test]
@@ -323,7 +323,7 @@ fn over_its_rate_limit_a_job_is_rescheduled_or_dropped() {
     assert_eq!(t.job.envelope.scheduled_at, Some(until));
     assert_eq!(t.finished, None);
     assert_eq!(t.events[0].kind, "job.scheduled");
-    assert_eq!(t.events[0].data["key"], "tenant:1");
+    assert_eq!(t.events[0].data.value()["key"], "tenant:1");
     let t = apply(
         job(JobState::Available),
         Command::Limit {
@@ -338,7 +338,7 @@ fn over_its_rate_limit_a_job_is_rescheduled_or_dropped() {
     assert_eq!(t.finished, Some(now()));
     let kinds: Vec<_> = t.events.iter().map(|e| e.kind).collect();
     assert_eq!(kinds, ["job.discarded", "rate_limit.dropped"]);
-    assert_eq!(t.events[0].data["reason"], "rate_limited");
+    assert_eq!(t.events[0].data.value()["reason"], "rate_limited");
 }
 
 #[test]
@@ -378,7 +378,7 @@ fn a_dead_letter_goes_back_from_attempt_zero() {
     assert_eq!(t.job.envelope.started_at, None);
     assert!(!t.job.is_dead_letter());
     assert!(!t.job.extra.contains_key("discarded_at"));
-    assert_eq!(t.events[0].data["from"], "dead_letter");
+    assert_eq!(t.events[0].data.value()["from"], "dead_letter");
     let started = apply(t.job, Command::Start { worker: None }, now()).unwrap();
     assert_eq!(started.job.envelope.attempt, 1);
 }

@@ -25,7 +25,7 @@ use crate::model::cron::CronJob;
 use crate::model::rate::{admit, Admission, KeyState, OnLimit, RateLimit};
 use crate::model::unique::{OnConflict, Uniqueness};
 use crate::model::workflow::Workflow;
-use crate::model::{self, Command};
+use crate::model::{self, Command, EventData};
 use crate::roster::WorkerRecord;
 
 mod postgres;
@@ -350,7 +350,11 @@ pub fn take_rate(
                         "rate_limit.exceeded",
                         &job.envelope,
                         now,
-                        json!({"key": limit.key, "queue": job.envelope.queue, "job_type": job.envelope.job_type, "until": timestamp(until)}),
+                        &EventData::empty()
+                            .field("job_type", &job.envelope.job_type)
+                            .field("key", &limit.key)
+                            .field("queue", &job.envelope.queue)
+                            .field("until", &timestamp(until)),
                     )?;
                 }
                 if refused.is_none_or(|(u, _)| until > u) {
@@ -374,7 +378,10 @@ pub fn take_rate(
                 "rate_limit.released",
                 &job.envelope,
                 now,
-                json!({"key": limit.key, "queue": job.envelope.queue, "job_type": job.envelope.job_type}),
+                &EventData::empty()
+                    .field("job_type", &job.envelope.job_type)
+                    .field("key", &limit.key)
+                    .field("queue", &job.envelope.queue),
             )?;
         }
     }
@@ -595,7 +602,7 @@ pub trait Tx {
         event_type: &str,
         job: &JobEnvelope,
         now: DateTime<Utc>,
-        data: Value,
+        data: &EventData,
     ) -> Result<(), StoreError> {
         let subject = Subject {
             job_id: &job.id,
@@ -611,7 +618,7 @@ pub trait Tx {
         event_type: &str,
         subject: &Subject<'_>,
         now: DateTime<Utc>,
-        data: Value,
+        data: &EventData,
     ) -> Result<(), StoreError>;
     /// Stored jobs under a unique key (any state; the policy decides which
     /// count).
@@ -1209,7 +1216,7 @@ pub(crate) fn due_ms(job: &Job) -> Option<i64> {
 }
 
 /// The event `job.enqueued` or `job.scheduled` of a job just stored.
-pub(crate) fn stored_event(job: &Job) -> (&'static str, DateTime<Utc>, Value) {
+pub(crate) fn stored_event(job: &Job) -> (&'static str, DateTime<Utc>, EventData) {
     let e = &job.envelope;
     let state = job.state();
     let name = if state == JobState::Scheduled {
@@ -1220,7 +1227,7 @@ pub(crate) fn stored_event(job: &Job) -> (&'static str, DateTime<Utc>, Value) {
     (
         name,
         e.created_at.unwrap_or_else(Utc::now),
-        json!({"job_type": e.job_type, "queue": e.queue, "state": state_name(state)}),
+        EventData::of_job(&e.job_type, &e.queue, state_name(state)),
     )
 }
 
@@ -1296,7 +1303,7 @@ pub(crate) fn record_alone(
 ) -> Result<(), StoreError> {
     tx.save(&t.job, t.finished)?;
     for e in &t.events {
-        tx.event(e.kind, &t.job.envelope, now, e.data.clone())?;
+        tx.event(e.kind, &t.job.envelope, now, &e.data)?;
     }
     // A job filed under rate-limit keys that stops running (or waiting)
     // frees its place there in the same transaction.

@@ -22,7 +22,6 @@ use ojs_core::redact::Secret;
 use ojs_core::JobState;
 use postgres::error::SqlState;
 use postgres::{Client, Config, NoTls, Transaction};
-use serde_json::Value;
 use tokio::sync::oneshot;
 
 use super::sql;
@@ -32,11 +31,12 @@ use super::{
     Lease, QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED, RATE_ACTIVE,
     RATE_WINDOW_SLACK_MS, SCHEDULE_CLAIM,
 };
-use super::{count_priorities, json_text, Bound, JobCounts, JobQuery, Subject};
+use super::{count_priorities, Bound, JobCounts, JobQuery, Subject};
 use crate::job::Job;
 use crate::model::cron::CronJob;
 use crate::model::rate::KeyState;
 use crate::model::workflow::Workflow;
+use crate::model::EventData;
 use crate::roster::WorkerRecord;
 
 /// The schema version this build writes: 2 adds the workers' records.
@@ -954,7 +954,7 @@ fn insert(t: &mut Transaction<'_>, jobs: &[Job], seen: bool) -> Result<(), Store
         let (name, at, data) = stored_event(job);
         ev_types.push(name.to_owned());
         ev_times.push(ms(at));
-        ev_data.push(json_text(&data));
+        ev_data.push(data.text().to_owned());
         ev_job_types.push(e.job_type.clone());
     }
     let conflict = if seen {
@@ -1058,7 +1058,7 @@ impl Tx for PostgresTx<'_, '_> {
         event_type: &str,
         job: &Subject<'_>,
         now: DateTime<Utc>,
-        data: Value,
+        data: &EventData,
     ) -> Result<(), StoreError> {
         self.t
             .execute(
@@ -1069,7 +1069,7 @@ impl Tx for PostgresTx<'_, '_> {
                     &job.queue,
                     &job.job_type,
                     &ms(now),
-                    &json_text(&data),
+                    &data.text(),
                 ],
             )
             .map_err(pg)?;

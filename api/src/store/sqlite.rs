@@ -20,7 +20,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use ojs_core::JobState;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
-use serde_json::Value;
 use tokio::sync::oneshot;
 
 use super::sql;
@@ -30,12 +29,13 @@ use super::{
     EventPage, Inserted, QueueJobs, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
     RATE_ACTIVE, RATE_WINDOW_SLACK_MS,
 };
-use super::{count_priorities, json_text, Bound, JobCounts, JobQuery, Subject};
+use super::{count_priorities, Bound, JobCounts, JobQuery, Subject};
 use crate::job::Job;
 use crate::model::cron::CronJob;
 use crate::model::rate::KeyState;
 use crate::model::unique::Uniqueness;
 use crate::model::workflow::Workflow;
+use crate::model::EventData;
 use crate::roster::WorkerRecord;
 use recent::Recent;
 
@@ -777,7 +777,7 @@ fn event(
     event_type: &str,
     job: &Subject<'_>,
     now: DateTime<Utc>,
-    data: Value,
+    data: &EventData,
 ) -> Result<(), StoreError> {
     let seq = prepared.next_event.get();
     prepared.run(&prepared.event, |s| {
@@ -788,7 +788,7 @@ fn event(
             job.queue,
             job.job_type,
             ms(now),
-            json_text(&data),
+            data.text(),
         ])
     })?;
     // A number is not given again even when its request or group is rolled
@@ -946,7 +946,7 @@ fn insert(
             queue: &e.queue,
             job_type: &e.job_type,
         };
-        event(prepared, name, &subject, at, data)?;
+        event(prepared, name, &subject, at, &data)?;
     }
     for (queue, created) in queues {
         prepared.run(&prepared.add_queue, |s| s.execute(params![queue, created]))?;
@@ -1178,7 +1178,7 @@ impl Tx for SqliteTx<'_, '_> {
         event_type: &str,
         job: &Subject<'_>,
         now: DateTime<Utc>,
-        data: Value,
+        data: &EventData,
     ) -> Result<(), StoreError> {
         event(self.prepared, event_type, job, now, data)
     }
@@ -2235,7 +2235,7 @@ fn deliver(group: Vec<Write>, results: Vec<Outcome>) {
 mod tests {
     use super::*;
     use crate::store::Store;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     fn job(id: Option<&str>) -> Job {
         let mut body = json!({"type": "a.b", "args": [1]});
