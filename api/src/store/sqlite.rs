@@ -817,6 +817,7 @@ struct Prepared<'c> {
     add_queue: Slot<'c>,
     load: Slot<'c>,
     save: Slot<'c>,
+    save_at_row: Slot<'c>,
     event: Slot<'c>,
     savepoint: Slot<'c>,
     release: Slot<'c>,
@@ -874,6 +875,7 @@ impl<'c> Prepared<'c> {
             add_queue: Slot::new(ADD_QUEUE),
             load: Slot::new(LOAD_JOB),
             save: Slot::new(SAVE_JOB),
+            save_at_row: Slot::new(SAVE_JOB_AT_ROW),
             event: Slot::new(INSERT_EVENT),
             savepoint: Slot::new("SAVEPOINT request"),
             release: Slot::new("RELEASE request"),
@@ -1066,15 +1068,42 @@ const SAVE_JOB: &str =
          dead = ?7
      WHERE id = ?1";
 
+/// [`SAVE_JOB`] of a row whose number the transaction knows (it read or
+/// wrote the job): found by the table's own key, not through the index of
+/// text ids.
+const SAVE_JOB_AT_ROW: &str =
+    "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
+         dead = ?7
+     WHERE rowid = ?1";
+
 fn save(
     prepared: &Prepared<'_>,
     job: &Job,
     finished: Option<DateTime<Utc>>,
+    row: Option<i64>,
 ) -> Result<(), StoreError> {
     let (envelope, extra) = encode(job)?;
-    prepared.run(&prepared.save, |s| {
+    let (statement, at): (_, &dyn rusqlite::ToSql) = match &row {
+        Some(row) => {
+            // Every test runs this: the row a transaction knows is the job's
+            // (or gone, when the UPDATE by id would have changed nothing too).
+            #[cfg(debug_assertions)]
+            {
+                let id: Option<String> = prepared
+                    .conn
+                    .query_row("SELECT id FROM jobs WHERE rowid = ?1", [row], |r| r.get(0))
+                    .optional()?;
+                if let Some(id) = id {
+                    assert_eq!(id, job.envelope.id, "row {row}");
+                }
+            }
+            (&prepared.save_at_row, row)
+        }
+        None => (&prepared.save, &job.envelope.id),
+    };
+    prepared.run(statement, |s| {
         s.execute(params![
-            job.envelope.id,
+            at,
             state_name(job.state()),
             envelope,
             extra,
@@ -1145,19 +1174,23 @@ impl Tx for SqliteTx<'_, '_> {
 
     fn save(&mut self, job: &Job, finished: Option<DateTime<Utc>>) -> Result<(), StoreError> {
         let id = &job.envelope.id;
-        if !self.loaded.iter().any(|(i, _, _, _)| i == id) {
-            let row: Option<(String, String, i64)> = self
-                .conn
-                .prepare_cached(JOB_PLACE)?
-                .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-                .optional()?;
-            let Some((queue, state, row)) = row else {
-                // No such row: the UPDATE changes nothing.
-                return save(self.prepared, job, finished);
-            };
-            self.loaded.push((id.clone(), queue, state, Some(row)));
-        }
-        save(self.prepared, job, finished)?;
+        let row = match self.loaded.iter().find(|(i, _, _, _)| i == id) {
+            Some((_, _, _, row)) => *row,
+            None => {
+                let place: Option<(String, String, i64)> = self
+                    .conn
+                    .prepare_cached(JOB_PLACE)?
+                    .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                    .optional()?;
+                let Some((queue, state, row)) = place else {
+                    // No such row: the UPDATE changes nothing.
+                    return save(self.prepared, job, finished, None);
+                };
+                self.loaded.push((id.clone(), queue, state, Some(row)));
+                Some(row)
+            }
+        };
+        save(self.prepared, job, finished, row)?;
         let now = state_name(job.state());
         if let Some((_, queue, was, row)) = self.loaded.iter_mut().find(|(i, _, _, _)| i == id) {
             if was.as_str() != now {
