@@ -13,6 +13,13 @@ use chrono::{DateTime, Datelike, NaiveDate, SecondsFormat, Timelike, Utc};
 /// few as hold it exactly). Years outside 0–9999, leap seconds and the
 /// other formats go to chrono.
 pub fn rfc3339(t: &DateTime<Utc>, format: SecondsFormat) -> String {
+    with_rfc3339(t, format, str::to_owned)
+}
+
+/// [`rfc3339`]'s text handed to `f` where it was written, on the stack: a
+/// writer of many timestamps (every envelope the store keeps, every job an
+/// answer carries) skips making a `String` of each.
+pub fn with_rfc3339<R>(t: &DateTime<Utc>, format: SecondsFormat, f: impl FnOnce(&str) -> R) -> R {
     // The accessors of `DateTime` convert to local time on each call; the
     // naive date and time are that once.
     let naive = t.naive_utc();
@@ -25,10 +32,10 @@ pub fn rfc3339(t: &DateTime<Utc>, format: SecondsFormat) -> String {
         SecondsFormat::AutoSi if nanos % 1_000_000 == 0 => 3,
         SecondsFormat::AutoSi if nanos % 1_000 == 0 => 6,
         SecondsFormat::AutoSi => 9,
-        _ => return t.to_rfc3339_opts(format, true),
+        _ => return f(&t.to_rfc3339_opts(format, true)),
     };
     if !(0..=9999).contains(&year) || nanos >= 1_000_000_000 {
-        return t.to_rfc3339_opts(format, true);
+        return f(&t.to_rfc3339_opts(format, true));
     }
     let mut out = *b"0000-00-00T00:00:00.000000000Z";
     write_digits(&mut out[0..4], year as u32);
@@ -48,8 +55,10 @@ pub fn rfc3339(t: &DateTime<Utc>, format: SecondsFormat) -> String {
     };
     out[end] = b'Z';
     // Every byte is an ASCII digit or separator, so this never falls back.
-    std::str::from_utf8(&out[..=end])
-        .map_or_else(|_| t.to_rfc3339_opts(format, true), str::to_owned)
+    match std::str::from_utf8(&out[..=end]) {
+        Ok(text) => f(text),
+        Err(_) => f(&t.to_rfc3339_opts(format, true)),
+    }
 }
 
 /// `s` read as [`rfc3339`] writes it — `YYYY-MM-DDTHH:MM:SS`, a fraction

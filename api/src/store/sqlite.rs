@@ -1874,10 +1874,16 @@ fn add_move(moves: &mut Moves, queue: &str, state: &str, n: i64) {
 }
 
 impl Tally {
+    /// Adds the request's moves to the transaction's. The request's entries
+    /// stay, at zero, for the group's next requests: most move jobs
+    /// between the same few queues and states, which then find their
+    /// entries instead of making them (names, maps) each time.
     fn released(&mut self) {
-        for (queue, states) in std::mem::take(&mut self.request) {
-            for (state, n) in states {
-                add_move(&mut self.transaction, &queue, &state, n);
+        for (queue, states) in &mut self.request {
+            for (state, n) in states.iter_mut() {
+                if *n != 0 {
+                    add_move(&mut self.transaction, queue, state, std::mem::take(n));
+                }
             }
         }
     }

@@ -582,7 +582,7 @@ struct ErrorView<'a>(&'a JobError);
 
 impl Serialize for Ts<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(&crate::timestamp::rfc3339(self.0, SecondsFormat::AutoSi))
+        crate::timestamp::with_rfc3339(self.0, SecondsFormat::AutoSi, |text| s.serialize_str(text))
     }
 }
 
