@@ -48,6 +48,10 @@ pub(super) struct Recent {
     request: Vec<(i64, Job)>,
     /// Staged by the requests of this group whose savepoints were released.
     group: Vec<(i64, Job)>,
+    /// The rows of `request` and `group` (and of jobs staged and dropped
+    /// since the group began): a change is looked up here, not in every
+    /// staged job, which a group of a few thousand made quadratic.
+    staged_rows: HashSet<i64>,
     changed: Changed,
     data_version: Option<i64>,
     capacity: usize,
@@ -62,6 +66,7 @@ impl Recent {
             entered: 0,
             request: Vec::new(),
             group: Vec::new(),
+            staged_rows: HashSet::new(),
             changed,
             data_version: None,
             capacity,
@@ -79,6 +84,7 @@ impl Recent {
         }
         self.request.clear();
         self.group.clear();
+        self.staged_rows.clear();
         self.drain();
     }
 
@@ -93,6 +99,7 @@ impl Recent {
     /// run): kept if the request and its group commit.
     pub(super) fn stage(&mut self, row: i64, job: &Job) {
         self.drain();
+        self.staged_rows.insert(row);
         self.request.push((row, job.clone()));
     }
 
@@ -116,12 +123,14 @@ impl Recent {
             self.enter(row, job);
         }
         self.request.clear();
+        self.staged_rows.clear();
     }
 
     /// The group failed: nothing it staged enters.
     pub(super) fn failed(&mut self) {
         self.request.clear();
         self.group.clear();
+        self.staged_rows.clear();
         self.drain();
     }
 
@@ -132,6 +141,7 @@ impl Recent {
         self.order.clear();
         self.request.clear();
         self.group.clear();
+        self.staged_rows.clear();
         self.take_changed();
     }
 
@@ -159,7 +169,10 @@ impl Recent {
                 self.jobs.remove(&id);
             }
         }
-        if self.request.is_empty() && self.group.is_empty() {
+        // Usually no staged job's row is among them: a save's own row is
+        // named before its job is staged, so only a second save of a job
+        // in the same group, or a statement deleting it, drops one.
+        if !changed.iter().any(|row| self.staged_rows.contains(row)) {
             return;
         }
         // A set: a prune or a queue's purge names every row it deletes,
@@ -270,6 +283,19 @@ mod tests {
         changed.lock().unwrap().push(4);
         r.committed();
         assert!(r.get(&id("d")).is_none());
+        // Of several staged jobs, in the group and in the request, the one
+        // whose row a statement changed goes and the others stay.
+        r.begin(Some(1));
+        r.stage(5, &job("e"));
+        r.released();
+        r.stage(6, &job("f"));
+        r.stage(7, &job("g"));
+        changed.lock().unwrap().extend([6, 99]);
+        r.released();
+        r.committed();
+        assert!(r.get(&id("e")).is_some());
+        assert!(r.get(&id("f")).is_none());
+        assert!(r.get(&id("g")).is_some());
     }
 
     #[test]
