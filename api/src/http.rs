@@ -254,7 +254,13 @@ fn answer_encoding(headers: &HeaderMap) -> Result<Encoding, ApiError> {
         .get(ACCEPT)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let normalised = accept.replace(OJS_PROTOBUF_ALIAS, OJS_PROTO);
+    // Most requests name no media type with a `+` (or send no `Accept`):
+    // nothing to rewrite, and no search for the alias on every request.
+    let normalised = if accept.contains('+') {
+        std::borrow::Cow::Owned(accept.replace(OJS_PROTOBUF_ALIAS, OJS_PROTO))
+    } else {
+        std::borrow::Cow::Borrowed(accept)
+    };
     match Encoding::negotiate(&normalised) {
         Ok(Encoding::OjsJson) => Ok(Encoding::OjsJson),
         Ok(Encoding::OjsProto | Encoding::OjsProtoDelimited) => Ok(Encoding::OjsProto),
@@ -2348,6 +2354,50 @@ fn event_filter(query: &str) -> Result<EventFilter, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The answer's encoding by `Accept`, the binding's alias for protobuf
+    /// included, with and without other media types around it.
+    #[test]
+    fn an_answer_is_encoded_as_accept_asks() {
+        let asked = |accept: Option<&str>| {
+            let mut headers = HeaderMap::new();
+            if let Some(a) = accept {
+                headers.insert(
+                    ACCEPT,
+                    HeaderValue::from_str(a).unwrap_or(HeaderValue::from_static("")),
+                );
+            }
+            answer_encoding(&headers)
+        };
+        for (accept, expected) in [
+            (None, Encoding::OjsJson),
+            (Some(""), Encoding::OjsJson),
+            (Some("*/*"), Encoding::OjsJson),
+            (Some("application/json"), Encoding::OjsJson),
+            (Some(OJS_JSON), Encoding::OjsJson),
+            (Some(OJS_PROTO), Encoding::OjsProto),
+            (Some(OJS_PROTOBUF_ALIAS), Encoding::OjsProto),
+            (
+                Some("text/html;q=0.9, application/openjobspec+protobuf"),
+                Encoding::OjsProto,
+            ),
+            (
+                Some("application/openjobspec+protobuf;q=0.1, application/json"),
+                Encoding::OjsJson,
+            ),
+        ] {
+            match asked(accept) {
+                Ok(e) => assert_eq!(e, expected, "{accept:?}"),
+                Err(e) => panic!("{accept:?}: {e}"),
+            }
+        }
+        for accept in ["text/html", "application/grpcq+proto", "application/x+y"] {
+            assert!(
+                matches!(asked(Some(accept)), Err(ApiError::NotAcceptable { .. })),
+                "{accept}"
+            );
+        }
+    }
 
     /// An ACK's and a NACK's answer written straight are the object the
     /// `Value` path builds, with and without the optional fields.

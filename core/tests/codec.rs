@@ -286,6 +286,17 @@ fn one_mebibyte_envelopes_work_in_both_codecs() {
     assert_eq!(JobEnvelope::from_proto_bytes(&bytes).unwrap(), job);
     let text = job.to_json_vec().unwrap();
     assert_eq!(JobEnvelope::from_json_slice(&text).unwrap(), job);
+    assert_eq!(job.to_json_string().unwrap().as_bytes(), text.as_slice());
+}
+
+#[test]
+fn an_invalid_envelope_is_written_as_text_no_more_than_as_bytes() {
+    let mut job = JobEnvelope::new("email.send", vec![json!(1)]);
+    job.queue = String::new();
+    let as_bytes = job.to_json_vec().unwrap_err().to_string();
+    let as_text = job.to_json_string().unwrap_err().to_string();
+    assert_eq!(as_text, as_bytes);
+    assert!(as_text.contains("queue"), "{as_text}");
 }
 
 #[test]

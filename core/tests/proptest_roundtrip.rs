@@ -179,6 +179,13 @@ proptest! {
         prop_assert_eq!(back, job);
     }
 
+    /// The store's text is the bytes' text, exactly.
+    #[test]
+    fn json_string_is_the_json_bytes(job in envelope()) {
+        let bytes = job.to_json_vec().unwrap();
+        prop_assert_eq!(job.to_json_string().unwrap().into_bytes(), bytes);
+    }
+
     #[test]
     fn proto_to_json_to_proto_is_unchanged(job in envelope()) {
         let proto = job.to_proto_bytes().unwrap();

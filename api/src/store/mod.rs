@@ -1179,15 +1179,11 @@ pub(crate) fn decode(id: &str, envelope: &str, extra: &str) -> Result<Job, Store
 pub(crate) fn encode(job: &Job) -> Result<(String, String), StoreError> {
     let envelope = job
         .envelope
-        .to_json_vec()
+        .to_json_string()
         .map_err(|e| StoreError::Corrupt {
             id: job.envelope.id.clone(),
             reason: e.to_string(),
         })?;
-    let envelope = String::from_utf8(envelope).map_err(|e| StoreError::Corrupt {
-        id: job.envelope.id.clone(),
-        reason: e.to_string(),
-    })?;
     // Written straight into a string: `Value`'s `Display` writes the same
     // text through `fmt`'s machinery, and needed the map cloned.
     let extra = serde_json::to_string(&job.extra).map_err(|e| StoreError::Corrupt {

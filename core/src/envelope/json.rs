@@ -47,6 +47,14 @@ impl JobEnvelope {
         serde_json::to_vec(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
     }
 
+    /// Validates and encodes as compact JSON text: what
+    /// [`JobEnvelope::to_json_vec`] writes, as a `String` without checking
+    /// again that the bytes written are UTF-8 (the writer's own text is).
+    pub fn to_json_string(&self) -> Result<String> {
+        self.validate()?;
+        serde_json::to_string(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
+    }
+
     /// Writes the entries of the envelope's JSON object (what
     /// [`JobEnvelope::to_json_vec`] writes, without validating) into `map`,
     /// each one only if `keep` says so: `keep` sees every key about to be
