@@ -8,7 +8,7 @@
 //! one store transaction: one worker gets a job, an ACK of a job that is
 //! not active is 409.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashSet, HashSetExt};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

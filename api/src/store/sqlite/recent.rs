@@ -19,7 +19,9 @@
 //! kept when the request's savepoint is released, moved in when the group
 //! commits, forgotten when either is rolled back.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::sync::{Arc, Mutex};
 
 use crate::job::Job;
