@@ -43,17 +43,37 @@ pub fn is_ojs_path(path: &str) -> bool {
 /// sane token, else a new `req_<uuidv7>`.
 pub fn request_id(headers: &HeaderMap) -> String {
     headers
-        .get("x-request-id")
+        .get(X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
-        .map_or_else(|| format!("req_{}", uuid::Uuid::now_v7()), str::to_owned)
+        .map_or_else(new_request_id, str::to_owned)
 }
+
+/// `req_` and a UUIDv7, written into one string (through `format!` it was
+/// the formatting machinery's, a call per piece, on every request).
+fn new_request_id() -> String {
+    let mut buffer = uuid::Uuid::encode_buffer();
+    let uuid = uuid::Uuid::now_v7();
+    let text = uuid.hyphenated().encode_lower(&mut buffer);
+    let mut id = String::with_capacity(4 + text.len());
+    id.push_str("req_");
+    id.push_str(text);
+    id
+}
+
+/// `X-Request-ID`, named once: a name given as text is parsed on each use.
+const X_REQUEST_ID: http::header::HeaderName =
+    http::header::HeaderName::from_static("x-request-id");
+
+/// `OJS-Version`, likewise.
+const OJS_VERSION_HEADER: http::header::HeaderName =
+    http::header::HeaderName::from_static("ojs-version");
 
 /// Adds the headers every OJS answer carries.
 pub fn standard_headers(headers: &mut HeaderMap, request_id: &str) {
-    headers.insert("ojs-version", HeaderValue::from_static(OJS_VERSION));
+    headers.insert(OJS_VERSION_HEADER, HeaderValue::from_static(OJS_VERSION));
     if let Ok(v) = HeaderValue::from_str(request_id) {
-        headers.insert("x-request-id", v);
+        headers.insert(X_REQUEST_ID, v);
     }
 }
 
@@ -346,7 +366,7 @@ async fn route(
     // request does not hold its bytes beside the values made of them.
     let (parts, mut body) = request.into_parts();
     let request = &Request::from_parts(parts, ());
-    if let Some(v) = request.headers().get("ojs-version") {
+    if let Some(v) = request.headers().get(OJS_VERSION_HEADER) {
         let v = v.to_str().unwrap_or("").trim();
         if !(v == "1" || v == "1.0" || v.starts_with("1.0.")) {
             return Err(ApiError::UnsupportedVersion(v.to_owned()));
@@ -2354,6 +2374,51 @@ fn event_filter(query: &str) -> Result<EventFilter, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request's id: the client's `X-Request-ID` when it is one (printable
+    /// ASCII, 1–128 bytes), else `req_` and a fresh UUIDv7.
+    #[test]
+    fn a_request_keeps_its_id_or_gets_a_fresh_one() {
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            if let Ok(v) = HeaderValue::from_str(value) {
+                headers.insert(X_REQUEST_ID, v);
+            }
+            request_id(&headers)
+        };
+        assert_eq!(with("abc-123"), "abc-123");
+        let long = "x".repeat(128);
+        assert_eq!(with(&long), long);
+        let mut fresh = Vec::new();
+        for value in ["", "has space", &"x".repeat(129)] {
+            let id = with(value);
+            let Some(uuid) = id.strip_prefix("req_") else {
+                panic!("{value:?} gave {id}");
+            };
+            let parsed = uuid::Uuid::parse_str(uuid).unwrap_or_else(|e| panic!("{id}: {e}"));
+            assert_eq!(parsed.get_version_num(), 7, "{id}");
+            assert_eq!(
+                uuid,
+                parsed.hyphenated().to_string(),
+                "lowercase, hyphenated"
+            );
+            fresh.push(id);
+        }
+        fresh.push(request_id(&HeaderMap::new()));
+        fresh.sort();
+        fresh.dedup();
+        assert_eq!(fresh.len(), 4, "each fresh id is new");
+        let mut answer = HeaderMap::new();
+        standard_headers(&mut answer, "abc-123");
+        assert_eq!(
+            answer.get("x-request-id").and_then(|v| v.to_str().ok()),
+            Some("abc-123")
+        );
+        assert_eq!(
+            answer.get("ojs-version").and_then(|v| v.to_str().ok()),
+            Some(OJS_VERSION)
+        );
+    }
 
     /// The answer's encoding by `Accept`, the binding's alias for protobuf
     /// included, with and without other media types around it.
