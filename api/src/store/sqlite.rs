@@ -438,9 +438,9 @@ impl SqliteStore {
         let path = dir.join(STORE_FILE);
         let mut writer = open_connection(&path, durability)?;
         let tally = RefCell::new(Tally::default());
-        // The writer's page cache is kept small (2 MiB, SQLite's default,
-        // as the readers'): what it writes is the tails of the tables and
-        // indexes. A large one costs commits: when a B-tree balance splits
+        // The writer's page cache is kept small (2 MiB, about the 2,000 KiB
+        // of SQLite's default that the readers keep): what it writes is the
+        // tails of the tables and indexes. A large one costs commits: when a B-tree balance splits
         // pages, SQLite gives one for a moment the number of the 1 GiB lock
         // page, the cache then counts that as its highest page, and the
         // commit, which drops pages past the end of the file, walks every
