@@ -1,7 +1,9 @@
 //! What the two SQLite files of ojs-bridge share: the embedded broker's
 //! queues (`ojs-adapter-local`) and the job store (`ojs-api`). Each has one
 //! connection that writes; [`Checkpointer`] takes the copying of its log
-//! (WAL) back into the file out of its commits.
+//! (WAL) back into the file out of its commits, and [`open`] opens each
+//! connection through a VFS that writes a commit's log frames in one call
+//! ([`log_writes`]).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -9,6 +11,9 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
+
+pub mod log_writes;
+pub use log_writes::open;
 
 /// Log pages past which the log is copied back into the file: SQLite's own
 /// automatic checkpoint threshold.
@@ -274,49 +279,69 @@ impl Failures {
     }
 }
 
+/// A directory of its own for a test, removed when dropped.
+#[cfg(test)]
+struct ScratchDir(std::path::PathBuf);
+
+#[cfg(test)]
+impl ScratchDir {
+    fn new(name: &str) -> std::io::Result<ScratchDir> {
+        let dir = std::env::temp_dir().join(format!(
+            "ojs-sqlite-{name}-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or_default()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        Ok(ScratchDir(dir))
+    }
+
+    fn file(&self, name: &str) -> std::path::PathBuf {
+        self.0.join(name)
+    }
+}
+
+#[cfg(test)]
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn open(path: &std::path::Path) -> rusqlite::Result<Connection> {
-        let conn = Connection::open(path)?;
+        let conn = crate::open(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_CREATE,
+        )?;
         conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))?;
         conn.execute_batch("PRAGMA synchronous = NORMAL;")?;
         Ok(conn)
     }
 
-    /// A directory of its own holding `t.sqlite` with a table `t`, and the
+    /// `t.sqlite` with a table `t` in a directory of its own, and the
     /// writer's connection to it; the directory goes when dropped.
     struct Scratch {
-        dir: std::path::PathBuf,
+        dir: crate::ScratchDir,
         path: std::path::PathBuf,
     }
 
     impl Scratch {
         fn new(name: &str) -> Result<(Scratch, Connection), Box<dyn std::error::Error>> {
-            let dir = std::env::temp_dir().join(format!(
-                "ojs-sqlite-{name}-{}-{}",
-                std::process::id(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos())
-                    .unwrap_or_default()
-            ));
-            std::fs::create_dir_all(&dir)?;
-            let path = dir.join("t.sqlite");
+            let dir = crate::ScratchDir::new(name)?;
+            let path = dir.file("t.sqlite");
             let writer = open(&path)?;
             writer.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, body BLOB)")?;
             Ok((Scratch { dir, path }, writer))
         }
 
         fn log_len(&self) -> u64 {
-            file_len(&self.dir.join("t.sqlite-wal"))
-        }
-    }
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.dir);
+            file_len(&self.dir.file("t.sqlite-wal"))
         }
     }
 

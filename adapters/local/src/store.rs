@@ -148,7 +148,7 @@ pub(crate) fn open(config: &LocalConfig) -> Result<Connection> {
         reason: format!("cannot create {}: {e}", config.path.display()),
     })?;
     let path = config.database_path();
-    let mut conn = Connection::open_with_flags(
+    let mut conn = ojs_sqlite::open(
         &path,
         OpenFlags::SQLITE_OPEN_READ_WRITE
             | OpenFlags::SQLITE_OPEN_CREATE
@@ -262,8 +262,8 @@ fn prepare_schema(conn: &mut Connection, path: &Path) -> Result<()> {
 /// A second connection to the database of `config` (opened by [`open`]
 /// first), for its checkpoints.
 pub(crate) fn open_checkpoints(config: &LocalConfig) -> Result<Connection> {
-    let conn = Connection::open_with_flags(
-        config.database_path(),
+    let conn = ojs_sqlite::open(
+        &config.database_path(),
         OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )
     .map_err(db_error)?;

@@ -333,7 +333,7 @@ fn open_connection(path: &Path, durability: Durability) -> Result<Connection, St
         place: path.display().to_string(),
         reason,
     };
-    let conn = Connection::open_with_flags(
+    let conn = ojs_sqlite::open(
         path,
         OpenFlags::SQLITE_OPEN_READ_WRITE
             | OpenFlags::SQLITE_OPEN_CREATE
