@@ -39,10 +39,11 @@
 //!   database file is not found holds nothing.
 //!
 //! So a commit is two calls up to about 128 KiB of frames (one write of
-//! the unix VFS takes at most that), and one more per 128 KiB past it. A crash loses only what a
-//! crash between SQLite's own calls could: frames of a transaction not yet
-//! committed. Every other file (the database itself, its shared memory) is
-//! the unix VFS's own, untouched but for that lock.
+//! the unix VFS takes at most that), and one more per 128 KiB past it. A
+//! crash loses only what a crash between SQLite's own calls could: frames
+//! of a transaction not yet committed. The database file's calls reach the
+//! unix file as SQLite made them (the lock above is only looked at), and
+//! every other file (journals, temporary files) is the unix VFS's own.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
@@ -137,7 +138,7 @@ fn register() -> Result<(), &'static str> {
 /// [`REAL_AT`]. Any other file (a temporary one) is the unix file alone, at
 /// the start of the same bytes.
 #[repr(C)]
-struct LogFile {
+struct WrappedFile {
     /// What SQLite reads: `pMethods` is [`LOG_METHODS`] or [`DB_METHODS`].
     base: ffi::sqlite3_file,
     /// The unix VFS's file, in the same allocation.
@@ -153,7 +154,7 @@ struct LogFile {
     holds: bool,
     /// A log's database file, a database file's log, while both are open
     /// (one connection's: used by one thread at a time).
-    partner: *mut LogFile,
+    partner: *mut WrappedFile,
     /// A database file's name as SQLite passed it (its key in [`LINKS`]).
     name: usize,
 }
@@ -168,8 +169,8 @@ fn links() -> std::sync::MutexGuard<'static, Option<HashMap<usize, usize>>> {
     LINKS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Where the unix file starts in a log file's bytes.
-const REAL_AT: usize = std::mem::size_of::<LogFile>().next_multiple_of(16);
+/// Where the unix file starts in a wrapped file's bytes.
+const REAL_AT: usize = std::mem::size_of::<WrappedFile>().next_multiple_of(16);
 
 #[cfg(test)]
 thread_local! {
@@ -231,10 +232,10 @@ unsafe extern "C" fn open_file(
             (*file).pMethods = ptr::null();
             return rc;
         }
-        let this = file.cast::<LogFile>();
+        let this = file.cast::<WrappedFile>();
         ptr::write(
             this,
-            LogFile {
+            WrappedFile {
                 base: ffi::sqlite3_file {
                     pMethods: if log { &LOG_METHODS } else { &DB_METHODS },
                 },
@@ -253,7 +254,7 @@ unsafe extern "C" fn open_file(
             // The log's name follows its database's in one allocation.
             let database = ffi::sqlite3_filename_database(name);
             if let Some(&db) = links.get(&(database as usize)) {
-                let db = db as *mut LogFile;
+                let db = db as *mut WrappedFile;
                 (*db).partner = this;
                 (*this).partner = db;
                 (*this).holds = true;
@@ -265,25 +266,26 @@ unsafe extern "C" fn open_file(
     }
 }
 
-/// The log file behind `file`.
+/// The wrapped file behind `file`.
 ///
 /// # Safety
-/// `file` is a file [`open_file`] opened as a log file and not yet closed,
+/// `file` is a file [`open_file`] opened as a log or database file and not
+/// yet closed,
 /// used by one connection (SQLite's connections are used by one thread at
 /// a time).
-unsafe fn log_file<'a>(file: *mut ffi::sqlite3_file) -> &'a mut LogFile {
+unsafe fn wrapped<'a>(file: *mut ffi::sqlite3_file) -> &'a mut WrappedFile {
     // SAFETY: as the caller promises.
-    unsafe { &mut *file.cast::<LogFile>() }
+    unsafe { &mut *file.cast::<WrappedFile>() }
 }
 
 /// The unix file's methods.
-fn real_methods(log: &LogFile) -> &'static ffi::sqlite3_io_methods {
-    // SAFETY: `real` was opened (its methods set) before `log` existed,
+fn real_methods(this: &WrappedFile) -> &'static ffi::sqlite3_io_methods {
+    // SAFETY: `real` was opened (its methods set) before `this` existed,
     // and the unix VFS's methods are static.
-    unsafe { &*(*log.real).pMethods }
+    unsafe { &*(*this.real).pMethods }
 }
 
-impl LogFile {
+impl WrappedFile {
     /// Writes what is held. On failure what was held is dropped, as a
     /// failed write of the unix VFS leaves it: SQLite fails the
     /// transaction it belonged to.
@@ -372,36 +374,36 @@ fn is_commit_header(data: &[u8]) -> bool {
 /// Writes what `file` holds, then `then`.
 ///
 /// # Safety
-/// As [`log_file`].
+/// As [`wrapped`].
 unsafe fn after_held(
     file: *mut ffi::sqlite3_file,
-    then: impl FnOnce(&mut LogFile) -> c_int,
+    then: impl FnOnce(&mut WrappedFile) -> c_int,
 ) -> c_int {
     // SAFETY: as the caller promises.
-    let log = unsafe { log_file(file) };
-    let rc = log.write_held();
+    let this = unsafe { wrapped(file) };
+    let rc = this.write_held();
     if rc != ffi::SQLITE_OK {
         return rc;
     }
-    then(log)
+    then(this)
 }
 
-unsafe extern "C" fn log_close(file: *mut ffi::sqlite3_file) -> c_int {
+unsafe extern "C" fn file_close(file: *mut ffi::sqlite3_file) -> c_int {
     // SAFETY: SQLite closes a file it opened, once.
-    let log = unsafe { log_file(file) };
-    let held = log.write_held();
+    let this = unsafe { wrapped(file) };
+    let held = this.write_held();
     // SAFETY: the partner is open (each unlinks the other when it closes),
     // and both are the one connection's.
-    unsafe { unlink(log) };
-    let closed = match real_methods(log).xClose {
+    unsafe { unlink(this) };
+    let closed = match real_methods(this).xClose {
         // SAFETY: the unix file is open; it is closed once, here.
-        Some(close) => unsafe { close(log.real) },
+        Some(close) => unsafe { close(this.real) },
         None => ffi::SQLITE_OK,
     };
     // SAFETY: the struct was written by `open_file`; nothing reads it after
     // this close.
     unsafe {
-        ptr::drop_in_place(&mut log.held);
+        ptr::drop_in_place(&mut this.held);
         (*file).pMethods = ptr::null();
     }
     if held != ffi::SQLITE_OK {
@@ -411,7 +413,7 @@ unsafe extern "C" fn log_close(file: *mut ffi::sqlite3_file) -> c_int {
     }
 }
 
-unsafe extern "C" fn log_read(
+unsafe extern "C" fn file_read(
     file: *mut ffi::sqlite3_file,
     buf: *mut c_void,
     amount: c_int,
@@ -419,8 +421,8 @@ unsafe extern "C" fn log_read(
 ) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
     unsafe {
-        after_held(file, |log| match real_methods(log).xRead {
-            Some(read) => read(log.real, buf, amount, offset),
+        after_held(file, |this| match real_methods(this).xRead {
+            Some(read) => read(this.real, buf, amount, offset),
             None => ffi::SQLITE_IOERR_READ,
         })
     }
@@ -439,111 +441,114 @@ unsafe extern "C" fn log_write(
     // buffer holds `amount` bytes for the call's length.
     unsafe {
         let data = std::slice::from_raw_parts(buf.cast::<u8>(), len);
-        log_file(file).write(data, offset)
+        wrapped(file).write(data, offset)
     }
 }
 
-unsafe extern "C" fn log_truncate(file: *mut ffi::sqlite3_file, size: ffi::sqlite3_int64) -> c_int {
+unsafe extern "C" fn file_truncate(
+    file: *mut ffi::sqlite3_file,
+    size: ffi::sqlite3_int64,
+) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
     unsafe {
-        after_held(file, |log| match real_methods(log).xTruncate {
-            Some(truncate) => truncate(log.real, size),
+        after_held(file, |this| match real_methods(this).xTruncate {
+            Some(truncate) => truncate(this.real, size),
             None => ffi::SQLITE_IOERR_TRUNCATE,
         })
     }
 }
 
-unsafe extern "C" fn log_sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
+unsafe extern "C" fn file_sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
     unsafe {
-        after_held(file, |log| match real_methods(log).xSync {
-            Some(sync) => sync(log.real, flags),
+        after_held(file, |this| match real_methods(this).xSync {
+            Some(sync) => sync(this.real, flags),
             None => ffi::SQLITE_IOERR_FSYNC,
         })
     }
 }
 
-unsafe extern "C" fn log_file_size(
+unsafe extern "C" fn file_file_size(
     file: *mut ffi::sqlite3_file,
     size: *mut ffi::sqlite3_int64,
 ) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
     unsafe {
-        after_held(file, |log| match real_methods(log).xFileSize {
-            Some(file_size) => file_size(log.real, size),
+        after_held(file, |this| match real_methods(this).xFileSize {
+            Some(file_size) => file_size(this.real, size),
             None => ffi::SQLITE_IOERR_FSTAT,
         })
     }
 }
 
-unsafe extern "C" fn log_lock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
+unsafe extern "C" fn file_lock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    match real_methods(log).xLock {
+    let this = unsafe { wrapped(file) };
+    match real_methods(this).xLock {
         // SAFETY: the unix file is open.
-        Some(lock) => unsafe { lock(log.real, level) },
+        Some(lock) => unsafe { lock(this.real, level) },
         None => ffi::SQLITE_IOERR_LOCK,
     }
 }
 
-unsafe extern "C" fn log_unlock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
+unsafe extern "C" fn file_unlock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    match real_methods(log).xUnlock {
+    let this = unsafe { wrapped(file) };
+    match real_methods(this).xUnlock {
         // SAFETY: the unix file is open.
-        Some(unlock) => unsafe { unlock(log.real, level) },
+        Some(unlock) => unsafe { unlock(this.real, level) },
         None => ffi::SQLITE_IOERR_UNLOCK,
     }
 }
 
-unsafe extern "C" fn log_check_reserved_lock(
+unsafe extern "C" fn file_check_reserved_lock(
     file: *mut ffi::sqlite3_file,
     out: *mut c_int,
 ) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    match real_methods(log).xCheckReservedLock {
+    let this = unsafe { wrapped(file) };
+    match real_methods(this).xCheckReservedLock {
         // SAFETY: the unix file is open; `out` is SQLite's.
-        Some(check) => unsafe { check(log.real, out) },
+        Some(check) => unsafe { check(this.real, out) },
         None => ffi::SQLITE_IOERR_CHECKRESERVEDLOCK,
     }
 }
 
-unsafe extern "C" fn log_file_control(
+unsafe extern "C" fn file_file_control(
     file: *mut ffi::sqlite3_file,
     op: c_int,
     arg: *mut c_void,
 ) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
     unsafe {
-        after_held(file, |log| match real_methods(log).xFileControl {
-            Some(control) => control(log.real, op, arg),
+        after_held(file, |this| match real_methods(this).xFileControl {
+            Some(control) => control(this.real, op, arg),
             None => ffi::SQLITE_NOTFOUND,
         })
     }
 }
 
-unsafe extern "C" fn log_sector_size(file: *mut ffi::sqlite3_file) -> c_int {
+unsafe extern "C" fn file_sector_size(file: *mut ffi::sqlite3_file) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    match real_methods(log).xSectorSize {
+    let this = unsafe { wrapped(file) };
+    match real_methods(this).xSectorSize {
         // SAFETY: the unix file is open.
-        Some(sector_size) => unsafe { sector_size(log.real) },
+        Some(sector_size) => unsafe { sector_size(this.real) },
         None => 4096,
     }
 }
 
-unsafe extern "C" fn log_device_characteristics(file: *mut ffi::sqlite3_file) -> c_int {
+unsafe extern "C" fn file_device_characteristics(file: *mut ffi::sqlite3_file) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    match real_methods(log).xDeviceCharacteristics {
+    let this = unsafe { wrapped(file) };
+    match real_methods(this).xDeviceCharacteristics {
         // SAFETY: the unix file is open.
-        Some(characteristics) => unsafe { characteristics(log.real) },
+        Some(characteristics) => unsafe { characteristics(this.real) },
         None => 0,
     }
 }
 
-unsafe extern "C" fn log_shm_map(
+unsafe extern "C" fn file_shm_map(
     file: *mut ffi::sqlite3_file,
     region: c_int,
     size: c_int,
@@ -551,49 +556,49 @@ unsafe extern "C" fn log_shm_map(
     out: *mut *mut c_void,
 ) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    match real_methods(log).xShmMap {
+    let this = unsafe { wrapped(file) };
+    match real_methods(this).xShmMap {
         // SAFETY: the unix file is open; `out` is SQLite's.
-        Some(map) => unsafe { map(log.real, region, size, extend, out) },
+        Some(map) => unsafe { map(this.real, region, size, extend, out) },
         None => ffi::SQLITE_IOERR_SHMMAP,
     }
 }
 
-unsafe extern "C" fn log_shm_lock(
+unsafe extern "C" fn file_shm_lock(
     file: *mut ffi::sqlite3_file,
     offset: c_int,
     n: c_int,
     flags: c_int,
 ) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    match real_methods(log).xShmLock {
+    let this = unsafe { wrapped(file) };
+    match real_methods(this).xShmLock {
         // SAFETY: the unix file is open.
-        Some(lock) => unsafe { lock(log.real, offset, n, flags) },
+        Some(lock) => unsafe { lock(this.real, offset, n, flags) },
         None => ffi::SQLITE_IOERR_SHMLOCK,
     }
 }
 
-unsafe extern "C" fn log_shm_barrier(file: *mut ffi::sqlite3_file) {
+unsafe extern "C" fn file_shm_barrier(file: *mut ffi::sqlite3_file) {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    if let Some(barrier) = real_methods(log).xShmBarrier {
+    let this = unsafe { wrapped(file) };
+    if let Some(barrier) = real_methods(this).xShmBarrier {
         // SAFETY: the unix file is open.
-        unsafe { barrier(log.real) }
+        unsafe { barrier(this.real) }
     }
 }
 
-unsafe extern "C" fn log_shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
+unsafe extern "C" fn file_shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    match real_methods(log).xShmUnmap {
+    let this = unsafe { wrapped(file) };
+    match real_methods(this).xShmUnmap {
         // SAFETY: the unix file is open.
-        Some(unmap) => unsafe { unmap(log.real, delete) },
+        Some(unmap) => unsafe { unmap(this.real, delete) },
         None => ffi::SQLITE_OK,
     }
 }
 
-unsafe extern "C" fn log_fetch(
+unsafe extern "C" fn file_fetch(
     file: *mut ffi::sqlite3_file,
     offset: ffi::sqlite3_int64,
     amount: c_int,
@@ -602,8 +607,8 @@ unsafe extern "C" fn log_fetch(
     // SAFETY: SQLite calls the file's methods on an open file; `out` is
     // SQLite's.
     unsafe {
-        after_held(file, |log| match real_methods(log).xFetch {
-            Some(fetch) => fetch(log.real, offset, amount, out),
+        after_held(file, |this| match real_methods(this).xFetch {
+            Some(fetch) => fetch(this.real, offset, amount, out),
             None => {
                 // No memory map: SQLite reads instead.
                 *out = ptr::null_mut();
@@ -613,16 +618,16 @@ unsafe extern "C" fn log_fetch(
     }
 }
 
-unsafe extern "C" fn log_unfetch(
+unsafe extern "C" fn file_unfetch(
     file: *mut ffi::sqlite3_file,
     offset: ffi::sqlite3_int64,
     page: *mut c_void,
 ) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let log = unsafe { log_file(file) };
-    match real_methods(log).xUnfetch {
+    let this = unsafe { wrapped(file) };
+    match real_methods(this).xUnfetch {
         // SAFETY: the unix file is open; `page` came from its fetch.
-        Some(unfetch) => unsafe { unfetch(log.real, offset, page) },
+        Some(unfetch) => unsafe { unfetch(this.real, offset, page) },
         None => ffi::SQLITE_OK,
     }
 }
@@ -632,7 +637,7 @@ unsafe extern "C" fn log_unfetch(
 ///
 /// # Safety
 /// `file`'s partner, if any, is open.
-unsafe fn unlink(file: &mut LogFile) {
+unsafe fn unlink(file: &mut WrappedFile) {
     if !file.partner.is_null() {
         // SAFETY: as the caller promises.
         unsafe {
@@ -659,7 +664,7 @@ unsafe extern "C" fn db_write(
     offset: ffi::sqlite3_int64,
 ) -> c_int {
     // SAFETY: SQLite calls the file's methods on an open file.
-    let db = unsafe { log_file(file) };
+    let db = unsafe { wrapped(file) };
     match real_methods(db).xWrite {
         // SAFETY: the unix file is open; the buffer is SQLite's.
         Some(write) => unsafe { write(db.real, buf, amount, offset) },
@@ -677,7 +682,7 @@ unsafe extern "C" fn db_shm_lock(
 ) -> c_int {
     const WRITE_LOCK: c_int = 0;
     // SAFETY: SQLite calls the file's methods on an open file.
-    let db = unsafe { log_file(file) };
+    let db = unsafe { wrapped(file) };
     if flags == ffi::SQLITE_SHM_UNLOCK | ffi::SQLITE_SHM_EXCLUSIVE
         && offset <= WRITE_LOCK
         && WRITE_LOCK < offset.saturating_add(n)
@@ -699,46 +704,46 @@ unsafe extern "C" fn db_shm_lock(
 /// held), its shared memory's locks ([`db_shm_lock`]) and its close.
 static DB_METHODS: ffi::sqlite3_io_methods = ffi::sqlite3_io_methods {
     iVersion: 3,
-    xClose: Some(log_close),
-    xRead: Some(log_read),
+    xClose: Some(file_close),
+    xRead: Some(file_read),
     xWrite: Some(db_write),
-    xTruncate: Some(log_truncate),
-    xSync: Some(log_sync),
-    xFileSize: Some(log_file_size),
-    xLock: Some(log_lock),
-    xUnlock: Some(log_unlock),
-    xCheckReservedLock: Some(log_check_reserved_lock),
-    xFileControl: Some(log_file_control),
-    xSectorSize: Some(log_sector_size),
-    xDeviceCharacteristics: Some(log_device_characteristics),
-    xShmMap: Some(log_shm_map),
+    xTruncate: Some(file_truncate),
+    xSync: Some(file_sync),
+    xFileSize: Some(file_file_size),
+    xLock: Some(file_lock),
+    xUnlock: Some(file_unlock),
+    xCheckReservedLock: Some(file_check_reserved_lock),
+    xFileControl: Some(file_file_control),
+    xSectorSize: Some(file_sector_size),
+    xDeviceCharacteristics: Some(file_device_characteristics),
+    xShmMap: Some(file_shm_map),
     xShmLock: Some(db_shm_lock),
-    xShmBarrier: Some(log_shm_barrier),
-    xShmUnmap: Some(log_shm_unmap),
-    xFetch: Some(log_fetch),
-    xUnfetch: Some(log_unfetch),
+    xShmBarrier: Some(file_shm_barrier),
+    xShmUnmap: Some(file_shm_unmap),
+    xFetch: Some(file_fetch),
+    xUnfetch: Some(file_unfetch),
 };
 
 static LOG_METHODS: ffi::sqlite3_io_methods = ffi::sqlite3_io_methods {
     iVersion: 3,
-    xClose: Some(log_close),
-    xRead: Some(log_read),
+    xClose: Some(file_close),
+    xRead: Some(file_read),
     xWrite: Some(log_write),
-    xTruncate: Some(log_truncate),
-    xSync: Some(log_sync),
-    xFileSize: Some(log_file_size),
-    xLock: Some(log_lock),
-    xUnlock: Some(log_unlock),
-    xCheckReservedLock: Some(log_check_reserved_lock),
-    xFileControl: Some(log_file_control),
-    xSectorSize: Some(log_sector_size),
-    xDeviceCharacteristics: Some(log_device_characteristics),
-    xShmMap: Some(log_shm_map),
-    xShmLock: Some(log_shm_lock),
-    xShmBarrier: Some(log_shm_barrier),
-    xShmUnmap: Some(log_shm_unmap),
-    xFetch: Some(log_fetch),
-    xUnfetch: Some(log_unfetch),
+    xTruncate: Some(file_truncate),
+    xSync: Some(file_sync),
+    xFileSize: Some(file_file_size),
+    xLock: Some(file_lock),
+    xUnlock: Some(file_unlock),
+    xCheckReservedLock: Some(file_check_reserved_lock),
+    xFileControl: Some(file_file_control),
+    xSectorSize: Some(file_sector_size),
+    xDeviceCharacteristics: Some(file_device_characteristics),
+    xShmMap: Some(file_shm_map),
+    xShmLock: Some(file_shm_lock),
+    xShmBarrier: Some(file_shm_barrier),
+    xShmUnmap: Some(file_shm_unmap),
+    xFetch: Some(file_fetch),
+    xUnfetch: Some(file_unfetch),
 };
 
 #[cfg(test)]
