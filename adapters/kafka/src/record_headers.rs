@@ -8,8 +8,9 @@
 //! panic our consumer and, replayed after every restart, wedge the
 //! partition. Reading the names as bytes lets the caller decide
 //! ([`crate::received_record`] reads them the way Kafka's Java client
-//! does). This is the workspace's only unsafe code: two librdkafka calls
-//! whose results borrow from the message.
+//! does). One of the workspace's two modules of unsafe code (the other is
+//! `ojs-sqlite`'s VFS): two librdkafka calls whose results borrow from the
+//! message.
 #![allow(unsafe_code)]
 
 use std::ffi::CStr;
