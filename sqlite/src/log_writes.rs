@@ -51,7 +51,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::Path;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{LazyLock, Mutex, OnceLock};
 
 use rusqlite::ffi;
 use rusqlite::{Connection, OpenFlags};
@@ -162,9 +162,9 @@ struct WrappedFile {
 /// The open database files, by the address of the name SQLite opened each
 /// by: a log's name is in the same allocation, and
 /// `sqlite3_filename_database` finds that address from it.
-static LINKS: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
+static LINKS: LazyLock<Mutex<HashMap<usize, usize>>> = LazyLock::new(Mutex::default);
 
-fn links() -> std::sync::MutexGuard<'static, Option<HashMap<usize, usize>>> {
+fn links() -> std::sync::MutexGuard<'static, HashMap<usize, usize>> {
     // Only inserts and removals happen under the lock.
     LINKS.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -179,14 +179,16 @@ thread_local! {
     pub(crate) static COUNTED: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
 }
 
+#[cfg(test)]
 fn count(asked: u64, made: u64) {
-    #[cfg(test)]
     COUNTED.with(|c| {
         let (a, m) = c.get();
         c.set((a + asked, m + made));
     });
-    let _ = (asked, made);
 }
+
+#[cfg(not(test))]
+fn count(_asked: u64, _made: u64) {}
 
 unsafe extern "C" fn open_file(
     _vfs: *mut ffi::sqlite3_vfs,
@@ -249,7 +251,6 @@ unsafe extern "C" fn open_file(
             },
         );
         let mut links = links();
-        let links = links.get_or_insert_with(HashMap::new);
         if log {
             // The log's name follows its database's in one allocation.
             let database = ffi::sqlite3_filename_database(name);
@@ -270,9 +271,8 @@ unsafe extern "C" fn open_file(
 ///
 /// # Safety
 /// `file` is a file [`open_file`] opened as a log or database file and not
-/// yet closed,
-/// used by one connection (SQLite's connections are used by one thread at
-/// a time).
+/// yet closed, used by one connection (SQLite's connections are used by
+/// one thread at a time).
 unsafe fn wrapped<'a>(file: *mut ffi::sqlite3_file) -> &'a mut WrappedFile {
     // SAFETY: as the caller promises.
     unsafe { &mut *file.cast::<WrappedFile>() }
@@ -648,10 +648,9 @@ unsafe fn unlink(file: &mut WrappedFile) {
     }
     if file.name != 0 {
         let this = ptr::from_mut(file) as usize;
-        if let Some(links) = links().as_mut() {
-            if links.get(&file.name) == Some(&this) {
-                links.remove(&file.name);
-            }
+        let mut links = links();
+        if links.get(&file.name) == Some(&this) {
+            links.remove(&file.name);
         }
     }
 }
