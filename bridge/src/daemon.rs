@@ -627,6 +627,19 @@ impl Daemon {
                 tracing::warn!(adapter = %name, error = %e, "closing the adapter failed");
             }
         }
+        // Last, once nothing writes jobs any more: the process exits with
+        // the store's connections open, so SQLite's own checkpoint on the
+        // last close never runs. Bounded like the rest of the stop (a
+        // stalled disk must not keep the process).
+        if let Some(api) = &self.api {
+            let limit = self.config.shutdown_timeout;
+            match tokio::time::timeout(limit, api.store().close()).await {
+                Ok(Ok(true)) => tracing::debug!("the job store's log is copied into its file"),
+                Ok(Ok(false)) => tracing::info!("the job store's log is kept (a read was still running); the next start recovers from it"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "the job store's log could not be copied into its file; the next start recovers from it"),
+                Err(_) => tracing::warn!(timeout_ms = limit.as_millis() as u64, "the job store's log was not copied into its file in time; the next start recovers from it"),
+            }
+        }
         RunSummary {
             sources: self
                 .metrics

@@ -835,6 +835,11 @@ pub(crate) trait JobStore: std::fmt::Debug + Send + Sync {
     async fn queues(&self) -> Result<Vec<(String, DateTime<Utc>)>, StoreError>;
     /// See [`Store::events`].
     async fn events(&self, filter: EventFilter) -> Result<EventPage, StoreError>;
+    /// See [`Store::close`]. A store that keeps no log of its own (a
+    /// server's) has nothing to do.
+    async fn close(&self) -> Result<bool, StoreError> {
+        Ok(true)
+    }
 }
 
 /// What only a store shared by replicas does: pass settlements between
@@ -958,6 +963,17 @@ impl Store {
     /// commit went through).
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.backend.ping().await
+    }
+
+    /// Before the process stops: what the store keeps in a log of its own
+    /// is written into its files (the embedded store's write-ahead log is
+    /// copied into the database and emptied), so that a clean stop leaves
+    /// files that need no recovery and that any SQLite program reads
+    /// whole. Whether the log was emptied: a read still running keeps it,
+    /// and the next open recovers from it as after a crash. Writes after
+    /// it still work (they go to the log again).
+    pub async fn close(&self) -> Result<bool, StoreError> {
+        self.backend.close().await
     }
 
     /// Stores new jobs, all or none: a stored id is

@@ -262,7 +262,7 @@ enum Write {
 /// The embedded store: a writer thread and a reader connection.
 #[derive(Debug, Clone)]
 pub(super) struct SqliteStore {
-    writes: mpsc::Sender<WriteBox>,
+    writes: mpsc::Sender<Request>,
     readers: Arc<Readers>,
     path: PathBuf,
     /// The watermark and the last job number when the store was opened:
@@ -318,13 +318,20 @@ impl Readers {
     }
 }
 
-/// `Write` is not `Debug` (it holds reply channels); the channel needs a
-/// named type.
-struct WriteBox(Write);
+/// What the writer thread is sent: a write, or the store's close (its log
+/// checkpointed and emptied between two commits, answered whether it was).
+enum Request {
+    Write(Write),
+    Close(oneshot::Sender<Result<bool, StoreError>>),
+}
 
-impl std::fmt::Debug for WriteBox {
+// `Write` is not `Debug` (it holds reply channels); the channel needs it.
+impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Write")
+        f.write_str(match self {
+            Request::Write(_) => "Write",
+            Request::Close(_) => "Close",
+        })
     }
 }
 
@@ -503,7 +510,7 @@ impl SqliteStore {
                 .collect::<Result<_, _>>()?,
             next: std::sync::atomic::AtomicUsize::new(0),
         });
-        let (tx, rx) = mpsc::channel::<WriteBox>();
+        let (tx, rx) = mpsc::channel::<Request>();
         // The writer thread keeps the reader alive until it has closed the
         // writer: SQLite's unix VFS deadlocks when two connections to one
         // file close at the same time on two threads (one holds the global
@@ -552,7 +559,7 @@ impl SqliteStore {
     ) -> Result<T, StoreError> {
         let (tx, rx) = oneshot::channel();
         self.writes
-            .send(WriteBox(make(tx)))
+            .send(Request::Write(make(tx)))
             .map_err(|_| StoreError::Closed)?;
         rx.await.map_err(|_| StoreError::Closed)?
     }
@@ -608,7 +615,7 @@ impl super::JobStore for SqliteStore {
     }
 
     fn published(&self, ids: Vec<String>) {
-        let _ = self.writes.send(WriteBox(Write::Published { ids }));
+        let _ = self.writes.send(Request::Write(Write::Published { ids }));
     }
 
     async fn remove(&self, ids: Vec<String>) -> Result<(), StoreError> {
@@ -757,6 +764,14 @@ impl super::JobStore for SqliteStore {
             None => Ok(()),
             Some(reason) => Err(StoreError::Commit(reason)),
         }
+    }
+
+    async fn close(&self) -> Result<bool, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        self.writes
+            .send(Request::Close(tx))
+            .map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)?
     }
 }
 
@@ -1962,7 +1977,7 @@ fn write_counts(conn: &Connection, tally: &RefCell<Tally>) -> rusqlite::Result<(
 
 fn write_loop(
     conn: Connection,
-    rx: mpsc::Receiver<WriteBox>,
+    rx: mpsc::Receiver<Request>,
     (mut confirmed, next_event): (Confirmed, i64),
     health: &WriterHealth,
     tally: &RefCell<Tally>,
@@ -1970,31 +1985,30 @@ fn write_loop(
 ) {
     let prepared = Prepared::new(&conn, next_event);
     while let Ok(first) = rx.recv() {
-        let mut group = vec![first.0];
-        while group.len() < MAX_GROUP {
+        let (mut group, mut closing) = match first {
+            Request::Write(w) => (vec![w], None),
+            Request::Close(reply) => (Vec::new(), Some(reply)),
+        };
+        // A close ends the group: the writes sent before it are committed
+        // first, and it checkpoints what they wrote.
+        while closing.is_none() && group.len() < MAX_GROUP {
             match rx.try_recv() {
-                Ok(w) => group.push(w.0),
+                Ok(Request::Write(w)) => group.push(w),
+                Ok(Request::Close(reply)) => closing = Some(reply),
                 Err(_) => break,
             }
         }
-        // Each transition runs guarded already; this catches a failure of
-        // the group's own steps, so that the group's requests fail and the
-        // writer goes on (its transaction is rolled back as it unwinds).
-        let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            commit_group(&prepared, &mut group, &mut confirmed, tally)
-        }))
-        .unwrap_or_else(|_| {
-            tracing::error!(
-                "a job store commit failed unexpectedly; its requests fail and the store goes on"
-            );
-            group
-                .iter()
-                .map(|_| failed("the commit failed unexpectedly"))
-                .collect()
-        });
-        health.record(&results);
-        deliver(group, results);
-        checkpointer.committed(&conn);
+        commit_and_deliver(
+            &prepared,
+            group,
+            &mut confirmed,
+            health,
+            tally,
+            &checkpointer,
+        );
+        if let Some(reply) = closing {
+            let _ = reply.send(checkpointer.truncate(&conn).map_err(StoreError::from));
+        }
     }
     checkpointer.stop();
     drop(prepared);
@@ -2002,6 +2016,38 @@ fn write_loop(
     // Every sender is gone: the store is closing, nothing to warn of.
     *health.0.lock().unwrap_or_else(|e| e.into_inner()) =
         Some("the job store is closed".to_owned());
+}
+
+/// Commits one group of writes (none: nothing) and answers each.
+fn commit_and_deliver(
+    prepared: &Prepared<'_>,
+    mut group: Vec<Write>,
+    confirmed: &mut Confirmed,
+    health: &WriterHealth,
+    tally: &RefCell<Tally>,
+    checkpointer: &ojs_sqlite::Checkpointer,
+) {
+    if group.is_empty() {
+        return;
+    }
+    // Each transition runs guarded already; this catches a failure of
+    // the group's own steps, so that the group's requests fail and the
+    // writer goes on (its transaction is rolled back as it unwinds).
+    let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        commit_group(prepared, &mut group, confirmed, tally)
+    }))
+    .unwrap_or_else(|_| {
+        tracing::error!(
+            "a job store commit failed unexpectedly; its requests fail and the store goes on"
+        );
+        group
+            .iter()
+            .map(|_| failed("the commit failed unexpectedly"))
+            .collect()
+    });
+    health.record(&results);
+    deliver(group, results);
+    checkpointer.committed(prepared.conn);
 }
 
 /// Whether the writer's last commit failed, and why: while it does, the
@@ -2408,6 +2454,62 @@ mod tests {
             store.get(id).await?.map(|j| j.state()),
             Some(JobState::Cancelled)
         );
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// The daemon closes the store before it exits with its connections
+    /// open: SQLite's own checkpoint on the last close never runs then, and
+    /// every commit stayed in the log beside an empty database file.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn close_copies_the_log_into_the_file_and_writes_go_on_after_it() -> Result<(), StoreError>
+    {
+        let dir = fresh_dir();
+        let store = Store::open(&dir, Durability::Process).await?;
+        let handles: Vec<_> = (0..50)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.insert(vec![job(None), job(None)]).await })
+            })
+            .collect();
+        for h in handles {
+            assert!(h.await.is_ok_and(|r| r.is_ok()));
+        }
+        let log = dir.join(format!("{STORE_FILE}-wal"));
+        let log_size = || std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+        assert!(
+            log_size() > 0,
+            "the commits are in the log before the close"
+        );
+        // The file alone, as a copy without its log would be read.
+        let rows_in_file_alone = |name: &str| -> rusqlite::Result<i64> {
+            let copy = dir.join(name);
+            std::fs::copy(dir.join(STORE_FILE), &copy).map_err(|e| {
+                rusqlite::Error::InvalidPath(format!("{}: {e}", copy.display()).into())
+            })?;
+            let conn = Connection::open(&copy)?;
+            let rows = conn
+                .query_row("SELECT count(*) FROM jobs", [], |r| r.get(0))
+                .unwrap_or(-1);
+            Ok(rows)
+        };
+        assert_ne!(rows_in_file_alone("before.sqlite")?, 100);
+
+        assert!(store.close().await?, "no read runs: the log is emptied");
+        assert_eq!(log_size(), 0);
+        assert_eq!(rows_in_file_alone("after.sqlite")?, 100);
+
+        let late = job(None);
+        let late_id = late.envelope.id.clone();
+        store.insert(vec![late]).await?;
+        assert!(store.get(late_id.clone()).await?.is_some());
+        drop(store);
+        let store = Store::open(&dir, Durability::Process).await?;
+        assert!(
+            store.get(late_id).await?.is_some(),
+            "a write after the close is kept"
+        );
+        drop(store);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

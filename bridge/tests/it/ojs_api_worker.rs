@@ -43,6 +43,70 @@ async fn workers_share_a_queue(config: Option<String>, what: &str) {
     server.stop();
 }
 
+/// A clean stop copies the job store's log into its file: the process
+/// exits with the store's connections open, so SQLite's own checkpoint on
+/// the last close never ran, and every job lived in `jobs.sqlite-wal`
+/// beside a database file that held none (a copy of the file alone, a
+/// backup that skips the log, had no jobs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_leaves_every_job_in_the_store_file_itself() {
+    let server = OjsServer::start(None).await;
+    let queue = "work";
+    let sent = push_all(server.addr, queue, 120, json!({})).await;
+    let mut completed = Vec::new();
+    while completed.len() < 30 {
+        let jobs = fetch(&server, queue, 30 - completed.len(), "w1").await;
+        assert!(!jobs.is_empty(), "the queue holds 120 jobs");
+        for job in jobs {
+            let id = job["id"].as_str().unwrap().to_owned();
+            let a = post_json(
+                server.addr,
+                "/ojs/v1/workers/ack",
+                &json!({"job_id": id, "worker_id": "w1", "result": {"ok": true}}),
+            )
+            .await;
+            assert_eq!(a.status, 200, "{:?}", a.body);
+            completed.push(id);
+        }
+    }
+    assert_eq!(completed.len(), 30);
+    let dir = server.stop();
+    let data = dir.path().join("ojs-bridge-data");
+    let log = data.join("jobs.sqlite-wal");
+    let log_size = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+    assert_eq!(log_size, 0, "the store's log after a clean stop");
+    // The database file alone: its log and shared memory gone.
+    for file in ["jobs.sqlite-wal", "jobs.sqlite-shm"] {
+        match std::fs::remove_file(data.join(file)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => panic!("{file}: {e}"),
+        }
+    }
+    let server = OjsServer::start_in(dir, None).await;
+    let mut states = std::collections::BTreeMap::<String, usize>::new();
+    for id in &sent {
+        let a = crate::ojs_server::get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
+        assert_eq!(a.status, 200, "job {id} after the restart: {:?}", a.body);
+        *states
+            .entry(a.json()["job"]["state"].as_str().unwrap_or("?").to_owned())
+            .or_default() += 1;
+    }
+    println!("after a clean stop, the file alone: {states:?}");
+    assert_eq!(states.get("completed"), Some(&30), "{states:?}");
+    assert_eq!(states.get("available"), Some(&90), "{states:?}");
+    for id in &completed {
+        let a = crate::ojs_server::get(server.addr, &format!("/ojs/v1/jobs/{id}")).await;
+        assert_eq!(
+            a.json()["job"]["result"],
+            json!({"ok": true}),
+            "{:?}",
+            a.body
+        );
+    }
+    server.stop();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_http_workers_share_a_queue_on_the_embedded_default() {
     workers_share_a_queue(None, "4 workers on the embedded broker").await;
