@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 
 pub mod log_writes;
+mod transaction;
 pub use log_writes::open;
+pub use transaction::{begin_immediate, WriteTransaction};
 
 /// Log pages past which the log is copied back into the file: SQLite's own
 /// automatic checkpoint threshold.

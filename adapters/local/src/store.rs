@@ -157,9 +157,6 @@ pub(crate) fn open(config: &LocalConfig) -> Result<Connection> {
     .map_err(|e| foreign(&path, &e.to_string()))?;
     conn.busy_timeout(Duration::from_millis(config.busy_timeout_ms))
         .map_err(db_error)?;
-    // Every statement of this module stays prepared (rusqlite keeps 16 by
-    // default, fewer than a claim, an ack and a publish use together).
-    conn.set_prepared_statement_cache_capacity(64);
     // Reading the header is the first thing that fails on a corrupt or
     // non-SQLite file.
     let app_id: i64 = conn
@@ -282,49 +279,9 @@ pub(crate) fn open_checkpoints(config: &LocalConfig) -> Result<Connection> {
 /// upgrade, and a settle lost that way left its message leased for the
 /// whole visibility timeout. Taken at the start, the lock waits out other
 /// writers for up to the busy timeout.
-fn write_transaction(conn: &mut Connection) -> Result<WriteTransaction<'_>> {
-    WriteTransaction::begin(conn).map_err(db_error)
-}
-
-/// A write transaction (`BEGIN IMMEDIATE`) whose two ends go through the
-/// connection's statement cache: rusqlite's own `Transaction` parses
-/// `BEGIN IMMEDIATE` and `COMMIT` again each time, about 1 % of a
-/// FETCH + ACK's instructions over the claims, acks and publishes. Rolled
-/// back when dropped without a commit, or after a commit that failed, as
-/// rusqlite's is. Taking the connection `&mut` keeps a second one from
-/// beginning inside it.
-pub(crate) struct WriteTransaction<'c> {
-    conn: &'c Connection,
-}
-
-impl<'c> WriteTransaction<'c> {
-    fn begin(conn: &'c mut Connection) -> rusqlite::Result<Self> {
-        let conn: &'c Connection = conn;
-        conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
-        Ok(WriteTransaction { conn })
-    }
-
-    pub(crate) fn commit(self) -> rusqlite::Result<()> {
-        self.conn.prepare_cached("COMMIT")?.execute([]).map(|_| ())
-    }
-}
-
-impl std::ops::Deref for WriteTransaction<'_> {
-    type Target = Connection;
-
-    fn deref(&self) -> &Connection {
-        self.conn
-    }
-}
-
-impl Drop for WriteTransaction<'_> {
-    fn drop(&mut self) {
-        if !self.conn.is_autocommit() {
-            if let Err(e) = self.conn.execute_batch("ROLLBACK") {
-                tracing::warn!(error = %e, "rolling back an embedded broker transaction failed");
-            }
-        }
-    }
+fn write_transaction(conn: &mut Connection) -> Result<ojs_sqlite::WriteTransaction<'_>> {
+    // `&mut`: no transaction of this connection's is open.
+    ojs_sqlite::WriteTransaction::begin(conn).map_err(db_error)
 }
 
 /// Inserts a batch in one transaction: all on disk, or none.

@@ -841,9 +841,6 @@ struct Prepared<'c> {
     save: Slot<'c>,
     save_at_row: Slot<'c>,
     event: Slot<'c>,
-    /// The group's transaction's ends ([`GroupTransaction`]).
-    begin: Slot<'c>,
-    commit: Slot<'c>,
     savepoint: Slot<'c>,
     release: Slot<'c>,
     data_version: Slot<'c>,
@@ -902,8 +899,6 @@ impl<'c> Prepared<'c> {
             save: Slot::new(SAVE_JOB),
             save_at_row: Slot::new(SAVE_JOB_AT_ROW),
             event: Slot::new(INSERT_EVENT),
-            begin: Slot::new("BEGIN IMMEDIATE"),
-            commit: Slot::new("COMMIT"),
             savepoint: Slot::new("SAVEPOINT request"),
             release: Slot::new("RELEASE request"),
             next_event: Cell::new(next_event),
@@ -2122,7 +2117,9 @@ fn commit_group(
     if group.iter().all(|w| matches!(w, Write::Published { .. })) {
         return group.iter().map(|_| Outcome::Unit(Ok(()))).collect();
     }
-    let tx = match GroupTransaction::begin(prepared) {
+    // Begun and committed through prepared statements (rusqlite's own
+    // `Transaction` parses both each time).
+    let tx = match ojs_sqlite::WriteTransaction::begin(prepared.conn) {
         Ok(tx) => tx,
         Err(e) => {
             let reason = e.to_string();
@@ -2241,8 +2238,7 @@ fn commit_group(
     }
     let watermark = after.watermark();
     if watermark != confirmed.persisted {
-        let updated = prepared
-            .conn
+        let updated = tx
             .prepare_cached("UPDATE meta SET value = ?1 WHERE key = 'published_through'")
             .and_then(|mut s| s.execute(params![watermark]));
         if let Err(e) = updated {
@@ -2251,7 +2247,7 @@ fn commit_group(
             return group.iter().map(|_| failed(&reason)).collect();
         }
     }
-    if let Err(e) = write_counts(prepared.conn, tally) {
+    if let Err(e) = write_counts(&tx, tally) {
         let reason = e.to_string();
         prepared.recent.borrow_mut().failed();
         return group.iter().map(|_| failed(&reason)).collect();
@@ -2271,38 +2267,6 @@ fn commit_group(
         confirmed.done(&ids);
     }
     outcomes
-}
-
-/// A group's transaction, begun and committed by statements prepared once
-/// (parsing `BEGIN IMMEDIATE` and `COMMIT` again for every group was about
-/// 1 % of a FETCH + ACK's instructions); rolled back when dropped without
-/// a commit, or after a commit that failed, as rusqlite's `Transaction` is.
-struct GroupTransaction<'a, 'c> {
-    prepared: &'a Prepared<'c>,
-}
-
-impl<'a, 'c> GroupTransaction<'a, 'c> {
-    fn begin(prepared: &'a Prepared<'c>) -> rusqlite::Result<Self> {
-        prepared.run(&prepared.begin, |s| s.execute([]))?;
-        Ok(GroupTransaction { prepared })
-    }
-
-    fn commit(self) -> rusqlite::Result<()> {
-        self.prepared
-            .run(&self.prepared.commit, |s| s.execute([]))
-            .map(|_| ())
-    }
-}
-
-impl Drop for GroupTransaction<'_, '_> {
-    fn drop(&mut self) {
-        let conn = self.prepared.conn;
-        if !conn.is_autocommit() {
-            if let Err(e) = conn.execute_batch("ROLLBACK") {
-                tracing::warn!(error = %e, "rolling back a job store group failed");
-            }
-        }
-    }
 }
 
 fn failed(reason: &str) -> Outcome {
@@ -2394,9 +2358,7 @@ fn restart(prepared: &Prepared<'_>, tally: &RefCell<Tally>) -> Result<(), String
         conn.execute_batch("ROLLBACK").map_err(|e| e.to_string())?;
     }
     tally.borrow_mut().clear();
-    prepared
-        .run(&prepared.begin, |s| s.execute([]))
-        .map_err(|e| e.to_string())?;
+    ojs_sqlite::begin_immediate(conn).map_err(|e| e.to_string())?;
     begin_recent(prepared);
     Ok(())
 }
