@@ -882,16 +882,16 @@ impl<'c> Prepared<'c> {
                 }
             },
         ));
-        let capacity = match hooked {
-            Ok(()) => recent::RECENT_JOBS,
+        let limits = match hooked {
+            Ok(()) => recent::Limits::WRITER,
             Err(e) => {
                 tracing::warn!(error = %e, "the job store's writer reads every job from its row");
-                0
+                recent::Limits::NONE
             }
         };
         Prepared {
             conn,
-            recent: RefCell::new(Recent::new(changed, capacity)),
+            recent: RefCell::new(Recent::new(changed, limits)),
             data_version: Slot::new("PRAGMA data_version"),
             insert: Slot::new(INSERT_JOB),
             add_queue: Slot::new(ADD_QUEUE),
@@ -1098,13 +1098,15 @@ const SAVE_JOB_AT_ROW: &str =
          dead = ?7
      WHERE rowid = ?1";
 
+/// Writes `job` to its row; answers how many bytes it stored (its JSON).
 fn save(
     prepared: &Prepared<'_>,
     job: &Job,
     finished: Option<DateTime<Utc>>,
     row: Option<i64>,
-) -> Result<(), StoreError> {
+) -> Result<usize, StoreError> {
     let (envelope, extra) = encode(job)?;
+    let bytes = envelope.len() + extra.len();
     let (statement, at): (_, &dyn rusqlite::ToSql) = match &row {
         Some(row) => {
             // Every test runs this: the row a transaction knows is the job's
@@ -1134,7 +1136,7 @@ fn save(
             job.store_mark()
         ])
     })?;
-    Ok(())
+    Ok(bytes)
 }
 
 /// A transition's view of the group's transaction: it numbers any job it
@@ -1206,13 +1208,13 @@ impl Tx for SqliteTx<'_, '_> {
                     .optional()?;
                 let Some((queue, state, row)) = place else {
                     // No such row: the UPDATE changes nothing.
-                    return save(self.prepared, job, finished, None);
+                    return save(self.prepared, job, finished, None).map(drop);
                 };
                 self.loaded.push((id.clone(), queue, state, Some(row)));
                 Some(row)
             }
         };
-        save(self.prepared, job, finished, row)?;
+        let bytes = save(self.prepared, job, finished, row)?;
         let now = state_name(job.state());
         if let Some((_, queue, was, row)) = self.loaded.iter_mut().find(|(i, _, _, _)| i == id) {
             if was.as_str() != now {
@@ -1222,7 +1224,7 @@ impl Tx for SqliteTx<'_, '_> {
             }
             // An active job is what a worker's next step loads.
             if let (Some(row), JobState::Active) = (*row, job.state()) {
-                self.prepared.recent.borrow_mut().stage(row, job);
+                self.prepared.recent.borrow_mut().stage(row, job, bytes);
             }
         }
         Ok(())

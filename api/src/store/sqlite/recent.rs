@@ -18,6 +18,9 @@
 //! A job enters only with the commit that wrote it: staged by its request,
 //! kept when the request's savepoint is released, moved in when the group
 //! commits, forgotten when either is rolled back.
+//!
+//! What it keeps is bounded three ways ([`Limits`]): jobs, their stored
+//! bytes together, and the bytes of one job; the oldest entered go first.
 
 use std::collections::VecDeque;
 
@@ -31,6 +34,44 @@ use crate::job::Job;
 /// before.
 pub(super) const RECENT_JOBS: usize = 4096;
 
+/// The most stored bytes (a job's JSON, envelope and the store's own
+/// fields) kept in all: without it, 4,096 jobs of the largest body a PUSH
+/// may send (4 MiB) would hold 16 GiB. Jobs kept decoded take a few times
+/// their JSON.
+pub(super) const RECENT_BYTES: usize = 32 << 20;
+
+/// A job larger than this is never kept: reading its row back is small
+/// beside what a job that large costs anyway, and it would push out
+/// hundreds of small ones.
+pub(super) const RECENT_JOB_BYTES: usize = 256 << 10;
+
+/// How much [`Recent`] keeps.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Limits {
+    /// Jobs.
+    pub(super) jobs: usize,
+    /// Stored bytes, all jobs together.
+    pub(super) bytes: usize,
+    /// Stored bytes of one job.
+    pub(super) job_bytes: usize,
+}
+
+impl Limits {
+    /// The writer's.
+    pub(super) const WRITER: Limits = Limits {
+        jobs: RECENT_JOBS,
+        bytes: RECENT_BYTES,
+        job_bytes: RECENT_JOB_BYTES,
+    };
+
+    /// Nothing kept (the update hook could not be installed).
+    pub(super) const NONE: Limits = Limits {
+        jobs: 0,
+        bytes: 0,
+        job_bytes: 0,
+    };
+}
+
 /// Rows of `jobs` that statements changed, as the update hook reports
 /// them; drained by the writer.
 pub(super) type Changed = Arc<Mutex<Vec<i64>>>;
@@ -38,31 +79,35 @@ pub(super) type Changed = Arc<Mutex<Vec<i64>>>;
 /// See the module.
 #[derive(Debug)]
 pub(super) struct Recent {
-    /// By job id: its row id, when it entered, the job as committed.
-    jobs: HashMap<String, (i64, u64, Job)>,
+    /// By job id: its row id, when it entered, the job as committed, its
+    /// stored bytes.
+    jobs: HashMap<String, (i64, u64, Job, usize)>,
+    /// The stored bytes of the jobs in `jobs`.
+    bytes: usize,
     /// Row id → job id, for the hook's row ids.
     ids: HashMap<i64, String>,
     /// (entered, row id), oldest first; an entry that entered again later
     /// or was dropped is skipped when its turn comes.
     order: VecDeque<(u64, i64)>,
     entered: u64,
-    /// Staged by the request running now.
-    request: Vec<(i64, Job)>,
+    /// Staged by the request running now: row, job, stored bytes.
+    request: Vec<(i64, Job, usize)>,
     /// Staged by the requests of this group whose savepoints were released.
-    group: Vec<(i64, Job)>,
+    group: Vec<(i64, Job, usize)>,
     /// The rows of `request` and `group` (and of jobs staged and dropped
     /// since the group began): a change is looked up here, not in every
     /// staged job, which a group of a few thousand made quadratic.
     staged_rows: HashSet<i64>,
     changed: Changed,
     data_version: Option<i64>,
-    capacity: usize,
+    limits: Limits,
 }
 
 impl Recent {
-    pub(super) fn new(changed: Changed, capacity: usize) -> Recent {
+    pub(super) fn new(changed: Changed, limits: Limits) -> Recent {
         Recent {
             jobs: HashMap::new(),
+            bytes: 0,
             ids: HashMap::new(),
             order: VecDeque::new(),
             entered: 0,
@@ -71,7 +116,7 @@ impl Recent {
             staged_rows: HashSet::new(),
             changed,
             data_version: None,
-            capacity,
+            limits,
         }
     }
 
@@ -94,15 +139,21 @@ impl Recent {
     /// changed its row since.
     pub(super) fn get(&mut self, id: &str) -> Option<(i64, Job)> {
         self.drain();
-        self.jobs.get(id).map(|(row, _, job)| (*row, job.clone()))
+        self.jobs
+            .get(id)
+            .map(|(row, _, job, _)| (*row, job.clone()))
     }
 
     /// The running request wrote `job` to row `row` (its statement has
-    /// run): kept if the request and its group commit.
-    pub(super) fn stage(&mut self, row: i64, job: &Job) {
+    /// run), `bytes` of it: kept if the request and its group commit, and
+    /// it is no larger than one job may be.
+    pub(super) fn stage(&mut self, row: i64, job: &Job, bytes: usize) {
         self.drain();
+        if bytes > self.limits.job_bytes {
+            return;
+        }
         self.staged_rows.insert(row);
-        self.request.push((row, job.clone()));
+        self.request.push((row, job.clone(), bytes));
     }
 
     /// The request's savepoint was released.
@@ -121,8 +172,8 @@ impl Recent {
     pub(super) fn committed(&mut self) {
         self.drain();
         let staged = std::mem::take(&mut self.group);
-        for (row, job) in staged {
-            self.enter(row, job);
+        for (row, job, bytes) in staged {
+            self.enter(row, job, bytes);
         }
         self.request.clear();
         self.staged_rows.clear();
@@ -139,6 +190,7 @@ impl Recent {
     /// Everything goes.
     pub(super) fn clear(&mut self) {
         self.jobs.clear();
+        self.bytes = 0;
         self.ids.clear();
         self.order.clear();
         self.request.clear();
@@ -151,6 +203,23 @@ impl Recent {
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.jobs.len()
+    }
+
+    /// The stored bytes of the jobs kept.
+    #[cfg(test)]
+    pub(super) fn bytes(&self) -> usize {
+        debug_assert_eq!(
+            self.bytes,
+            self.jobs.values().map(|(_, _, _, b)| b).sum::<usize>()
+        );
+        self.bytes
+    }
+
+    /// Drops the entry of job `id`, if any.
+    fn forget(&mut self, id: &str) {
+        if let Some((_, _, _, bytes)) = self.jobs.remove(id) {
+            self.bytes -= bytes;
+        }
     }
 
     fn take_changed(&self) -> Vec<i64> {
@@ -168,7 +237,7 @@ impl Recent {
         }
         for row in &changed {
             if let Some(id) = self.ids.remove(row) {
-                self.jobs.remove(&id);
+                self.forget(&id);
             }
         }
         // Usually no staged job's row is among them: a save's own row is
@@ -180,22 +249,24 @@ impl Recent {
         // A set: a prune or a queue's purge names every row it deletes,
         // and a group stages up to its size.
         let changed: HashSet<i64> = changed.into_iter().collect();
-        self.request.retain(|(row, _)| !changed.contains(row));
-        self.group.retain(|(row, _)| !changed.contains(row));
+        self.request.retain(|(row, _, _)| !changed.contains(row));
+        self.group.retain(|(row, _, _)| !changed.contains(row));
     }
 
-    fn enter(&mut self, row: i64, job: Job) {
+    fn enter(&mut self, row: i64, job: Job, bytes: usize) {
         self.entered += 1;
         let id = job.envelope.id.clone();
-        if let Some((old_row, _, _)) = self.jobs.get(&id) {
+        if let Some((old_row, _, _, _)) = self.jobs.get(&id) {
             if *old_row != row {
                 self.ids.remove(old_row);
             }
         }
+        self.forget(&id);
         self.ids.insert(row, id.clone());
-        self.jobs.insert(id, (row, self.entered, job));
+        self.jobs.insert(id, (row, self.entered, job, bytes));
+        self.bytes += bytes;
         self.order.push_back((self.entered, row));
-        while self.jobs.len() > self.capacity {
+        while self.jobs.len() > self.limits.jobs || self.bytes > self.limits.bytes {
             let Some((entered, row)) = self.order.pop_front() else {
                 break;
             };
@@ -203,17 +274,20 @@ impl Recent {
                 .ids
                 .get(&row)
                 .and_then(|id| self.jobs.get(id))
-                .is_some_and(|(_, e, _)| *e == entered);
+                .is_some_and(|(_, e, _, _)| *e == entered);
             if current {
                 if let Some(id) = self.ids.remove(&row) {
-                    self.jobs.remove(&id);
+                    self.forget(&id);
                 }
             }
         }
         // Entries that entered again leave their old places behind.
-        if self.order.len() > 4 * self.capacity.max(1) {
-            let mut live: Vec<(u64, i64)> =
-                self.jobs.values().map(|(row, e, _)| (*e, *row)).collect();
+        if self.order.len() > 4 * self.limits.jobs.max(1) {
+            let mut live: Vec<(u64, i64)> = self
+                .jobs
+                .values()
+                .map(|(row, e, _, _)| (*e, *row))
+                .collect();
             live.sort_unstable();
             self.order = live.into();
         }
@@ -238,9 +312,19 @@ mod tests {
     }
 
     fn recent(capacity: usize) -> (Recent, Changed) {
-        let changed = Changed::default();
-        (Recent::new(changed.clone(), capacity), changed)
+        limited(Limits {
+            jobs: capacity,
+            ..Limits::WRITER
+        })
     }
+
+    fn limited(limits: Limits) -> (Recent, Changed) {
+        let changed = Changed::default();
+        (Recent::new(changed.clone(), limits), changed)
+    }
+
+    /// What a test job takes.
+    const SMALL: usize = 100;
 
     #[test]
     fn a_job_enters_with_its_commit_and_leaves_when_its_row_changes() {
@@ -248,7 +332,7 @@ mod tests {
         r.begin(Some(1));
         // Our own statement names the row, then the job is staged.
         changed.lock().unwrap().push(7);
-        r.stage(7, &job("a"));
+        r.stage(7, &job("a"), SMALL);
         assert!(r.get(&id("a")).is_none(), "staged, not committed");
         r.released();
         assert!(r.get(&id("a")).is_none());
@@ -263,15 +347,15 @@ mod tests {
     fn what_a_rolled_back_request_or_group_staged_never_enters() {
         let (mut r, changed) = recent(10);
         r.begin(Some(1));
-        r.stage(1, &job("a"));
+        r.stage(1, &job("a"), SMALL);
         r.rolled_back();
-        r.stage(2, &job("b"));
+        r.stage(2, &job("b"), SMALL);
         r.released();
         r.committed();
         assert!(r.get(&id("a")).is_none());
         assert!(r.get(&id("b")).is_some());
         r.begin(Some(1));
-        r.stage(3, &job("c"));
+        r.stage(3, &job("c"), SMALL);
         r.released();
         r.failed();
         r.begin(Some(1));
@@ -280,7 +364,7 @@ mod tests {
         // A later request of the group changing a staged job's row (a
         // delete, say) drops it before the commit.
         r.begin(Some(1));
-        r.stage(4, &job("d"));
+        r.stage(4, &job("d"), SMALL);
         r.released();
         changed.lock().unwrap().push(4);
         r.committed();
@@ -288,10 +372,10 @@ mod tests {
         // Of several staged jobs, in the group and in the request, the one
         // whose row a statement changed goes and the others stay.
         r.begin(Some(1));
-        r.stage(5, &job("e"));
+        r.stage(5, &job("e"), SMALL);
         r.released();
-        r.stage(6, &job("f"));
-        r.stage(7, &job("g"));
+        r.stage(6, &job("f"), SMALL);
+        r.stage(7, &job("g"), SMALL);
         changed.lock().unwrap().extend([6, 99]);
         r.released();
         r.committed();
@@ -304,14 +388,14 @@ mod tests {
     fn another_connections_commit_or_a_reset_drops_everything() {
         let (mut r, _) = recent(10);
         r.begin(Some(1));
-        r.stage(1, &job("a"));
+        r.stage(1, &job("a"), SMALL);
         r.released();
         r.committed();
         r.begin(Some(1));
         assert!(r.get(&id("a")).is_some());
         r.begin(Some(2));
         assert!(r.get(&id("a")).is_none());
-        r.stage(1, &job("a"));
+        r.stage(1, &job("a"), SMALL);
         r.released();
         r.committed();
         r.clear();
@@ -323,10 +407,10 @@ mod tests {
         let (mut r, _) = recent(3);
         r.begin(Some(1));
         for (row, name) in ["a", "b", "c", "d"].iter().enumerate() {
-            r.stage(row as i64, &job(name));
+            r.stage(row as i64, &job(name), SMALL);
         }
         // "a" again: it is now the latest.
-        r.stage(0, &job("a"));
+        r.stage(0, &job("a"), SMALL);
         r.released();
         r.committed();
         assert_eq!(r.len(), 3);
@@ -335,11 +419,56 @@ mod tests {
             assert!(r.get(&id(name)).is_some(), "{name}");
         }
         for n in 0..100 {
-            r.stage(10 + n, &job(&format!("x{n}")));
+            r.stage(10 + n, &job(&format!("x{n}")), SMALL);
         }
         r.released();
         r.committed();
         assert_eq!(r.len(), 3);
         assert!(r.order.len() <= 12);
+    }
+
+    #[test]
+    fn it_keeps_at_most_its_bytes_and_no_job_larger_than_one_may_be() {
+        let (mut r, changed) = limited(Limits {
+            jobs: 100,
+            bytes: 1_000,
+            job_bytes: 400,
+        });
+        r.begin(Some(1));
+        r.stage(1, &job("big"), 401);
+        r.stage(2, &job("a"), 400);
+        r.stage(3, &job("b"), 300);
+        r.stage(4, &job("c"), 300);
+        r.released();
+        r.committed();
+        assert!(r.get(&id("big")).is_none(), "larger than one job may be");
+        assert_eq!(r.bytes(), 1_000);
+        assert_eq!(r.len(), 3);
+        // One more pushes out the oldest until the total fits again.
+        r.stage(5, &job("d"), 200);
+        r.released();
+        r.committed();
+        assert!(r.get(&id("a")).is_none(), "the oldest goes");
+        assert_eq!(r.bytes(), 800);
+        // A job kept again at a new size counts once, at that size; one
+        // dropped by a change of its row gives its bytes back.
+        changed.lock().unwrap().push(3);
+        r.stage(3, &job("b"), 100);
+        r.released();
+        r.committed();
+        assert_eq!(r.bytes(), 600);
+        changed.lock().unwrap().push(4);
+        assert!(r.get(&id("c")).is_none());
+        assert_eq!(r.bytes(), 300);
+        // Grown past what one job may be: the old entry went with the
+        // save's change of its row, and nothing comes in its place.
+        changed.lock().unwrap().push(5);
+        r.stage(5, &job("d"), 500);
+        r.released();
+        r.committed();
+        assert!(r.get(&id("d")).is_none());
+        assert_eq!(r.bytes(), 100);
+        r.clear();
+        assert_eq!(r.bytes(), 0);
     }
 }
