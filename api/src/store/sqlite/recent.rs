@@ -256,14 +256,16 @@ impl Recent {
     fn enter(&mut self, row: i64, job: Job, bytes: usize) {
         self.entered += 1;
         let id = job.envelope.id.clone();
-        if let Some((old_row, _, _, _)) = self.jobs.get(&id) {
-            if *old_row != row {
-                self.ids.remove(old_row);
+        let was = self
+            .jobs
+            .insert(id.clone(), (row, self.entered, job, bytes));
+        if let Some((old_row, _, _, old_bytes)) = was {
+            if old_row != row {
+                self.ids.remove(&old_row);
             }
+            self.bytes -= old_bytes;
         }
-        self.forget(&id);
-        self.ids.insert(row, id.clone());
-        self.jobs.insert(id, (row, self.entered, job, bytes));
+        self.ids.insert(row, id);
         self.bytes += bytes;
         self.order.push_back((self.entered, row));
         while self.jobs.len() > self.limits.jobs || self.bytes > self.limits.bytes {
