@@ -152,6 +152,13 @@ pub enum ApiError {
         /// The limit.
         limit: usize,
     },
+    /// The active jobs this process holds take `[api] max_held_bytes`, and
+    /// no ACK or NACK made room within the FETCH's wait.
+    #[error("the active jobs this process holds take {limit} bytes ([api] max_held_bytes); ACK or NACK some, then FETCH again")]
+    HeldLimit {
+        /// The limit.
+        limit: usize,
+    },
     /// A new cron job past `[api] max_crons`.
     #[error("the server keeps at most {limit} cron jobs ([api] max_crons); delete one first")]
     CronLimit {
@@ -402,7 +409,9 @@ impl ApiError {
             | ApiError::BatchTooLarge { .. }
             | ApiError::JobTooLarge { .. } => C::PayloadTooLarge,
             ApiError::Unauthenticated => C::Unauthenticated,
-            ApiError::Busy | ApiError::StreamLimit { .. } => C::RateLimited,
+            ApiError::Busy | ApiError::StreamLimit { .. } | ApiError::HeldLimit { .. } => {
+                C::RateLimited
+            }
             ApiError::PermissionDenied { .. } => C::PermissionDenied,
             ApiError::Broker { .. } => C::BackendUnavailable,
             ApiError::BrokerDenied { .. } => C::BackendError,
@@ -427,6 +436,7 @@ impl ApiError {
                 | ApiError::BodyTimeout { .. }
                 | ApiError::Busy
                 | ApiError::StreamLimit { .. }
+                | ApiError::HeldLimit { .. }
         ) || matches!(self, ApiError::Store(e) if !e.is_data_error())
     }
 
@@ -486,7 +496,9 @@ impl ApiError {
                 current_state,
                 ..
             } => Some(json!({"worker_id": worker_id, "current_state": current_state})),
-            ApiError::BodyTooLarge { limit } => Some(json!({"limit_bytes": limit})),
+            ApiError::BodyTooLarge { limit } | ApiError::HeldLimit { limit } => {
+                Some(json!({"limit_bytes": limit}))
+            }
             ApiError::CronLimit { limit } | ApiError::StreamLimit { limit } => {
                 Some(json!({"limit": limit}))
             }

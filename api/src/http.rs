@@ -219,7 +219,7 @@ pub fn status_of(error: &ApiError) -> u16 {
         | ApiError::InvalidWorkflow { .. }
         | ApiError::UnsupportedContentType { .. } => 400,
         ApiError::Unauthenticated => 401,
-        ApiError::Busy | ApiError::StreamLimit { .. } => 429,
+        ApiError::Busy | ApiError::StreamLimit { .. } | ApiError::HeldLimit { .. } => 429,
         ApiError::PermissionDenied { .. } => 403,
         ApiError::NotFound { .. }
         | ApiError::QueueNotServed { .. }
@@ -269,7 +269,10 @@ pub fn error_response(error: &ApiError, request_id: &str) -> Response<Bytes> {
             HeaderValue::from_static("Bearer"),
         );
     }
-    if matches!(error, ApiError::Broker { .. } | ApiError::Busy) {
+    if matches!(
+        error,
+        ApiError::Broker { .. } | ApiError::Busy | ApiError::HeldLimit { .. }
+    ) {
         r.headers_mut()
             .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
     }

@@ -138,6 +138,11 @@ pub struct ApiSettings {
     /// Most bytes of jobs one FETCH answers with (by their size on the
     /// broker); it always answers at least one job when one is there.
     pub max_fetch_bytes: usize,
+    /// Most bytes of messages (by their size on the broker) of the active
+    /// jobs this process holds deliveries of: past it FETCH waits for an
+    /// ACK or NACK to make room, and answers 429 when none came within its
+    /// wait. A FETCH that starts with room takes at least one job.
+    pub max_held_bytes: usize,
     /// Most queues this process holds a consumer of for FETCH; the one
     /// idle longest is closed to make room.
     pub max_consumers: usize,
@@ -179,6 +184,7 @@ impl Default for ApiSettings {
             body_timeout: Duration::from_secs(30),
             body_min_rate: 16 << 10,
             max_fetch_bytes: 8 << 20,
+            max_held_bytes: 256 << 20,
             max_consumers: 256,
             consumer_idle_timeout: Duration::from_secs(300),
             on_exhaustion: Exhaustion::Discard,

@@ -163,6 +163,55 @@ struct HeldDelivery {
     timeout: Option<(Instant, Duration)>,
 }
 
+/// The deliveries of the active jobs this process holds, by job id, and
+/// how many bytes their messages take: until a job is settled its
+/// delivery is kept whole (a retry or a dead letter is published from
+/// it), so what FETCH may make this process hold is bounded by bytes
+/// (`[api] max_held_bytes`), not only by the jobs on the broker.
+#[derive(Default)]
+struct Held {
+    jobs: HashMap<String, HeldDelivery>,
+    bytes: usize,
+}
+
+impl Held {
+    fn insert(&mut self, id: String, held: HeldDelivery) {
+        self.bytes = self.bytes.saturating_add(held.delivery.payload.len());
+        if let Some(old) = self.jobs.insert(id, held) {
+            self.bytes = self.bytes.saturating_sub(old.delivery.payload.len());
+        }
+    }
+
+    fn remove(&mut self, id: &str) -> Option<HeldDelivery> {
+        let held = self.jobs.remove(id)?;
+        self.bytes = self.bytes.saturating_sub(held.delivery.payload.len());
+        Some(held)
+    }
+
+    fn drain(&mut self) -> impl Iterator<Item = (String, HeldDelivery)> + '_ {
+        self.bytes = 0;
+        self.jobs.drain()
+    }
+
+    /// A held delivery to extend or name a worker on (its delivery stays
+    /// the one counted).
+    fn get_mut(&mut self, id: &str) -> Option<&mut HeldDelivery> {
+        self.jobs.get_mut(id)
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = (&String, &mut HeldDelivery)> {
+        self.jobs.iter_mut()
+    }
+}
+
+impl std::ops::Deref for Held {
+    type Target = HashMap<String, HeldDelivery>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.jobs
+    }
+}
+
 /// The worker side's state in this process.
 #[derive(Default)]
 pub struct Workers {
@@ -173,7 +222,7 @@ pub struct Workers {
     activating: Arc<Mutex<HashSet<String>>>,
     /// How many `feeds` holds, for the metrics.
     consumers: std::sync::atomic::AtomicUsize,
-    held: Mutex<HashMap<String, HeldDelivery>>,
+    held: Mutex<Held>,
     /// Woken when this process published jobs: a waiting FETCH looks again
     /// at once instead of at its next poll.
     pub(crate) published: tokio::sync::Notify,
@@ -589,15 +638,21 @@ impl Api {
         // after it was not there for this FETCH (see below).
         let deadline = self.now()
             + chrono::Duration::from_std(request.wait.min(MAX_FETCH_WAIT)).unwrap_or_default();
-        let max_bytes = self.settings.max_fetch_bytes;
         let mut bytes = 0usize;
         let mut out = Vec::new();
         let mut limited_until: Option<DateTime<Utc>> = None;
         loop {
-            // Registered before looking, so that a publish while this pass
-            // runs is not missed.
+            // Registered before looking, so that a publish (or, while this
+            // process holds all it may, a settlement) during this pass is
+            // not missed.
             let published = self.workers().published.notified();
-            for &queue in &open {
+            let settled = self.workers().settled.notified();
+            // What this process holds already counts against the answer:
+            // a FETCH that finds no room takes nothing and waits for an
+            // ACK or NACK; one that finds some still takes one job.
+            let free = self.held_room();
+            let max_bytes = self.settings.max_fetch_bytes.min(free);
+            for &queue in open.iter().filter(|_| free > 0) {
                 if out.len() >= request.count || bytes >= max_bytes {
                     break;
                 }
@@ -622,7 +677,7 @@ impl Api {
                 } else {
                     receive_wait(self.adapter.kind(), began, until)
                 };
-                let room = ((max_bytes - bytes) / feed.largest.max(1)).max(1);
+                let room = (max_bytes.saturating_sub(bytes) / feed.largest.max(1)).max(1);
                 let deliveries = feed
                     .consumer
                     .receive((request.count - out.len()).min(room), wait)
@@ -665,11 +720,15 @@ impl Api {
                     limited_until = Some(limited_until.map_or(at, |u: DateTime<Utc>| u.min(at)));
                 }
             }
-            if !out.is_empty()
-                || Instant::now() >= until
-                || self.is_draining()
-                || self.in_maintenance()
-            {
+            if !out.is_empty() || self.is_draining() || self.in_maintenance() {
+                return Ok(out);
+            }
+            if Instant::now() >= until {
+                if free == 0 {
+                    return Err(ApiError::HeldLimit {
+                        limit: self.settings.max_held_bytes,
+                    });
+                }
                 return Ok(out);
             }
             // Jobs over their rate limit went back: the next look is when
@@ -682,9 +741,31 @@ impl Api {
                 .min(until.saturating_duration_since(Instant::now()));
             tokio::select! {
                 () = published => {}
+                () = settled, if free == 0 => {}
                 () = tokio::time::sleep(pause) => {}
             }
         }
+    }
+
+    /// How many more bytes of messages this process may hold for active
+    /// jobs (`[api] max_held_bytes`).
+    fn held_room(&self) -> usize {
+        let held = self
+            .workers()
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .bytes;
+        self.settings.max_held_bytes.saturating_sub(held)
+    }
+
+    /// Bytes of messages this process holds for active jobs now.
+    pub fn held_bytes(&self) -> usize {
+        self.workers()
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .bytes
     }
 
     pub(crate) fn is_draining(&self) -> bool {

@@ -261,6 +261,11 @@ pub fn render_api(api: &ojs_api::Api, out: &mut String) {
         "# HELP ojs_bridge_api_consumers Queue consumers the OJS API keeps for FETCH ([api] max_consumers).\n# TYPE ojs_bridge_api_consumers gauge\nojs_bridge_api_consumers {}",
         api.consumers()
     );
+    let _ = writeln!(
+        out,
+        "# HELP ojs_bridge_api_held_bytes Bytes of messages of the active jobs the OJS API holds deliveries of ([api] max_held_bytes).\n# TYPE ojs_bridge_api_held_bytes gauge\nojs_bridge_api_held_bytes {}",
+        api.held_bytes()
+    );
     api.metrics().render(out, &api.active_by_queue());
 }
 

@@ -123,7 +123,8 @@ pub fn status(error: &ApiError, request_id: &str) -> Status {
         | ApiError::BatchTooLarge { .. }
         | ApiError::JobTooLarge { .. }
         | ApiError::Busy
-        | ApiError::StreamLimit { .. } => Code::ResourceExhausted,
+        | ApiError::StreamLimit { .. }
+        | ApiError::HeldLimit { .. } => Code::ResourceExhausted,
         ApiError::Unauthenticated => Code::Unauthenticated,
         ApiError::PermissionDenied { .. } => Code::PermissionDenied,
         ApiError::BodyTimeout { .. } => Code::DeadlineExceeded,
@@ -1013,6 +1014,16 @@ impl JobFeed {
             };
             let jobs = match self.api.fetch(&grant, fetch).await {
                 Ok(jobs) => jobs,
+                // This process holds all it may of active jobs: the
+                // stream waits for room as a FETCH does, and stays open.
+                Err(ApiError::HeldLimit { .. }) => {
+                    tokio::select! {
+                        () = settled.notified() => {}
+                        () = tokio::time::sleep(STREAM_POLL) => {}
+                        () = tx.closed() => return,
+                    }
+                    continue;
+                }
                 Err(e) => {
                     // The worker reconnects; a broker or store that is
                     // down says UNAVAILABLE. A fetch that was waiting when

@@ -95,6 +95,12 @@ pub struct ApiConfig {
     /// Default 8388608 (8 MiB).
     #[serde(default = "default_max_fetch_bytes")]
     pub max_fetch_bytes: usize,
+    /// Most bytes of messages of the active jobs this process holds (their
+    /// deliveries are kept until each is acked or failed): past it a FETCH
+    /// waits for room and answers 429 when none came within its wait.
+    /// Default 268435456 (256 MiB).
+    #[serde(default = "default_max_held_bytes")]
+    pub max_held_bytes: usize,
     /// Most queues this process keeps a consumer of for FETCH; the one
     /// idle longest is closed to make room. Default 256.
     #[serde(default = "default_max_consumers")]
@@ -243,6 +249,9 @@ fn default_body_min_rate() -> u64 {
 fn default_max_fetch_bytes() -> usize {
     ojs_api::ApiSettings::default().max_fetch_bytes
 }
+fn default_max_held_bytes() -> usize {
+    ojs_api::ApiSettings::default().max_held_bytes
+}
 fn default_max_consumers() -> usize {
     ojs_api::ApiSettings::default().max_consumers
 }
@@ -388,6 +397,7 @@ impl ApiConfig {
             body_timeout: self.body_timeout,
             body_min_rate: self.body_min_rate,
             max_fetch_bytes: self.max_fetch_bytes,
+            max_held_bytes: self.max_held_bytes,
             max_consumers: self.max_consumers,
             consumer_idle_timeout: self.consumer_idle_timeout,
             max_crons: self.max_crons,
@@ -484,6 +494,9 @@ impl ApiConfig {
         }
         if self.max_fetch_bytes < 1024 {
             errors.push(invalid("api.max_fetch_bytes", "must be at least 1024"));
+        }
+        if self.max_held_bytes < 1024 {
+            errors.push(invalid("api.max_held_bytes", "must be at least 1024"));
         }
         if self.max_consumers == 0 {
             errors.push(invalid("api.max_consumers", "must be at least 1"));

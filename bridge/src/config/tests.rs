@@ -165,9 +165,11 @@ mod rules {
         // refused out of bounds naming the field.
         let set = crons.replace(
             "max_crons = 5",
-            "max_event_streams = 7\nmax_parent_results_bytes = 2048\nallow_reset = true",
+            "max_event_streams = 7\nmax_parent_results_bytes = 2048\nallow_reset = true\nmax_held_bytes = 1048576",
         );
         let settings = api_settings(&set);
+        assert_eq!(settings.max_held_bytes, 1 << 20);
+        assert_eq!(api_settings(crons).max_held_bytes, 256 << 20, "the default");
         assert_eq!(settings.max_event_streams, 7);
         assert_eq!(settings.max_parent_results_bytes, 2048);
         assert!(settings.allow_reset);
@@ -181,6 +183,7 @@ mod rules {
                 "api.max_parent_results_bytes",
             ),
             ("allow_reset = \"yes\"", "allow_reset"),
+            ("max_held_bytes = 1023", "api.max_held_bytes"),
         ] {
             let bad = crons.replace("max_crons = 5", line);
             let text = parse_built(&bad, "t", &[]).unwrap_err().to_string();

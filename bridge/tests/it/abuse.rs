@@ -354,6 +354,115 @@ async fn abuse_one_fetch_answer_is_bounded_by_bytes() {
     server.stop();
 }
 
+/// The daemon's gauge of bytes of active jobs' messages it holds.
+async fn held_bytes(addr: SocketAddr) -> f64 {
+    let text = String::from_utf8_lossy(&get(addr, "/metrics").await.body).to_string();
+    crate::support::metric(&text, "ojs_bridge_api_held_bytes").expect("the gauge is rendered")
+}
+
+/// A worker that fetches and never acks held every job's message in the
+/// daemon until its visibility ran out, whatever their size: the queue's
+/// whole content could be pulled into memory. What the process holds for
+/// active jobs is bounded by `[api] max_held_bytes`: a FETCH takes what
+/// fits (one job at least while there is room), waits for an ACK or NACK
+/// when there is none, and answers 429 when none came within its wait;
+/// every job is still handed out once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abuse_the_active_jobs_a_process_holds_are_bounded_by_bytes() {
+    let limit: u64 = 4 << 20;
+    let config = embedded(&format!("max_held_bytes = {limit}\n"));
+    let server = OjsServer::start(Some(&config)).await;
+    let addr = server.addr;
+    let big = "x".repeat(1 << 20);
+    let sent = 10;
+    for i in 0..sent {
+        let a = post_json(
+            addr,
+            "/ojs/v1/jobs",
+            &json!({"type": "t.big", "args": [i, big], "options": {"queue": "held"}}),
+        )
+        .await;
+        assert_eq!(a.status, 201, "{:?}", a.body);
+    }
+    let before = memory(&server, "VmRSS");
+    let fetch_all = |wait_ms: u64| async move {
+        let body = json!({"queues": ["held"], "count": 250, "wait_ms": wait_ms});
+        post_json(addr, "/ojs/v1/workers/fetch", &body).await
+    };
+    // Fetched and not acked: the first FETCH takes the three that fit,
+    // the next the one job a FETCH with room always gets.
+    let mut active: Vec<Value> = Vec::new();
+    for expected in [3, 1] {
+        let a = fetch_all(500).await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        let jobs = a.json()["jobs"].as_array().cloned().unwrap_or_default();
+        assert_eq!(
+            jobs.len(),
+            expected,
+            "{} MiB held",
+            held_bytes(addr).await / f64::from(1 << 20)
+        );
+        active.extend(jobs);
+    }
+    let held = held_bytes(addr).await;
+    assert!(
+        held >= limit as f64 && held < (limit + (2 << 20)) as f64,
+        "held {held}"
+    );
+    // No room: the FETCH waits, then says why.
+    let full = fetch_all(300).await;
+    assert_eq!(full.status, 429, "{:?}", full.body);
+    assert_eq!(error_code(&full), "rate_limited");
+    assert_eq!(full.header("retry-after").as_deref(), Some("1"));
+    assert_eq!(full.json()["error"]["details"]["limit_bytes"], json!(limit));
+    assert!(full.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("max_held_bytes"));
+    // An ACK makes room for a FETCH waiting meanwhile.
+    let waiting = tokio::spawn(fetch_all(5_000));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = active.remove(0);
+    let ack = post_json(addr, "/ojs/v1/workers/ack", &json!({"job_id": first["id"]})).await;
+    assert_eq!(ack.status, 200, "{:?}", ack.body);
+    let woken = waiting.await.unwrap();
+    assert_eq!(woken.status, 200, "{:?}", woken.body);
+    let jobs = woken.json()["jobs"].as_array().cloned().unwrap_or_default();
+    assert!(!jobs.is_empty(), "the room the ACK made is used");
+    active.extend(jobs);
+    // Every job handed out once, acking as we go.
+    let mut seen: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+    seen.insert(first["id"].as_str().unwrap().to_owned());
+    let mut duplicated = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen.len() < sent && Instant::now() < deadline {
+        for j in active.drain(..) {
+            if !seen.insert(j["id"].as_str().unwrap().to_owned()) {
+                duplicated += 1;
+            }
+            let ack = post_json(addr, "/ojs/v1/workers/ack", &json!({"job_id": j["id"]})).await;
+            assert_eq!(ack.status, 200, "{:?}", ack.body);
+        }
+        if seen.len() < sent {
+            let a = fetch_all(500).await;
+            assert_eq!(a.status, 200, "{:?}", a.body);
+            active = a.json()["jobs"].as_array().cloned().unwrap_or_default();
+        }
+    }
+    let peak = memory(&server, "VmHWM");
+    println!(
+        "held bound: sent {sent}, received {}, duplicated {duplicated}, lost {}; RSS before {} MiB, peak {} MiB",
+        seen.len(),
+        sent - seen.len(),
+        before >> 20,
+        peak >> 20
+    );
+    assert_eq!(seen.len(), sent, "lost");
+    assert_eq!(duplicated, 0);
+    assert_eq!(held_bytes(addr).await, 0.0, "every job acked: nothing held");
+    server.stop();
+}
+
 /// Findings 2 and 5: what a body can make the server allocate is bounded
 /// before a value is built (1.3 M empty arrays are 400, not 122 MB), and
 /// bodies in flight share one budget: concurrent pushes past it are 429
