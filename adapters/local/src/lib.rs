@@ -162,7 +162,8 @@ impl QueueAdapter for LocalAdapter {
                 .await
                 .map_err(|_| Error::broker("local", "the publish commit stopped", true))?;
             match result {
-                Ok(()) => self.inner.notify.notify_waiters(),
+                // The commit woke the waiting consumers (`commit_publishes`).
+                Ok(()) => {}
                 Err(e) => {
                     let kind_retryable = e.is_retryable();
                     let text = e.to_string();

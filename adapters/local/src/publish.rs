@@ -48,6 +48,13 @@ pub(crate) fn commit_publishes(inner: &Arc<Inner>, group: Vec<PublishRequest>) {
     };
     match results {
         Ok(results) => {
+            // Waiting consumers are woken from here, as soon as the rows
+            // are readable, rather than after each publisher's task has
+            // run again to hear its answer: that was one more hand-off
+            // between a publish and its delivery.
+            if results.iter().any(Result::is_ok) {
+                inner.notify.notify_waiters();
+            }
             for (request, result) in group.into_iter().zip(results) {
                 let _ = request.reply.send((result, request.messages));
             }
