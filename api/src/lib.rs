@@ -139,9 +139,10 @@ pub struct ApiSettings {
     /// broker); it always answers at least one job when one is there.
     pub max_fetch_bytes: usize,
     /// Most bytes of messages (by their size on the broker) of the active
-    /// jobs this process holds deliveries of: past it FETCH waits for an
-    /// ACK or NACK to make room, and answers 429 when none came within its
-    /// wait. A FETCH that starts with room takes at least one job.
+    /// jobs this process holds deliveries of, concurrent FETCHes sharing
+    /// what is left: a FETCH takes only jobs that fit (any one when the
+    /// process holds nothing), waits for an ACK or NACK to make room, and
+    /// answers 429 when none came within its wait.
     pub max_held_bytes: usize,
     /// Most queues this process holds a consumer of for FETCH; the one
     /// idle longest is closed to make room.

@@ -172,6 +172,8 @@ struct HeldDelivery {
 struct Held {
     jobs: HashMap<String, HeldDelivery>,
     bytes: usize,
+    /// Set aside by FETCH passes running now ([`HeldRoom`]).
+    reserved: usize,
 }
 
 impl Held {
@@ -201,6 +203,23 @@ impl Held {
 
     fn iter_mut(&mut self) -> impl Iterator<Item = (&String, &mut HeldDelivery)> {
         self.jobs.iter_mut()
+    }
+}
+
+/// Room in `[api] max_held_bytes` one FETCH pass set aside, given back
+/// when dropped.
+struct HeldRoom<'a> {
+    held: &'a Mutex<Held>,
+    bytes: usize,
+    /// The room, not `max_fetch_bytes`, bounds the pass, and something else
+    /// is held: it takes only jobs that fit.
+    strict: bool,
+}
+
+impl Drop for HeldRoom<'_> {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.reserved = held.reserved.saturating_sub(self.bytes);
     }
 }
 
@@ -647,17 +666,28 @@ impl Api {
             // not missed.
             let published = self.workers().published.notified();
             let settled = self.workers().settled.notified();
-            // What this process holds already counts against the answer:
-            // a FETCH that finds no room takes nothing and waits for an
-            // ACK or NACK; one that finds some still takes one job.
-            let free = self.held_room();
-            let max_bytes = self.settings.max_fetch_bytes.min(free);
-            for &queue in open.iter().filter(|_| free > 0) {
+            // What this process holds already counts against the answer,
+            // and so does what concurrent FETCHes set aside: the room is
+            // taken for this pass and given back after it (its jobs are
+            // held by then). A FETCH whose answer the room bounds takes
+            // only jobs that fit it; the first job of one the FETCH's own
+            // bound limits may be larger, as always.
+            let room = self.reserve_held();
+            let max_bytes = room.bytes;
+            // This pass left jobs on the broker for want of room.
+            let mut short = max_bytes == 0;
+            for &queue in &open {
                 if out.len() >= request.count || bytes >= max_bytes {
                     break;
                 }
                 let feed = self.feed(queue).await?;
                 let mut feed = feed.lock().await;
+                if room.strict && max_bytes.saturating_sub(bytes) < feed.largest {
+                    // The queue's jobs are larger than what is left: they
+                    // stay on the broker rather than going back and forth.
+                    short = true;
+                    continue;
+                }
                 let wait = if feed.fresh {
                     // The join is waited for apart from the receive: how
                     // long it takes says nothing about what is queued.
@@ -677,10 +707,10 @@ impl Api {
                 } else {
                     receive_wait(self.adapter.kind(), began, until)
                 };
-                let room = (max_bytes.saturating_sub(bytes) / feed.largest.max(1)).max(1);
+                let planned = (max_bytes.saturating_sub(bytes) / feed.largest.max(1)).max(1);
                 let deliveries = feed
                     .consumer
-                    .receive((request.count - out.len()).min(room), wait)
+                    .receive((request.count - out.len()).min(planned), wait)
                     .await
                     .map_err(|source| ApiError::broker(queue, source))?;
                 feed.fresh = false;
@@ -706,12 +736,15 @@ impl Api {
                     }
                     let size = d.payload.len();
                     if bytes.saturating_add(size) <= max_bytes
-                        || (out.is_empty() && taken.is_empty())
+                        || (!room.strict && out.is_empty() && taken.is_empty())
                     {
                         bytes = bytes.saturating_add(size);
                         taken.push(d);
-                    } else if let Err(e) = d.nack(Nack::Release).await {
-                        tracing::debug!(%queue, error = %e, "giving back a delivery beyond the FETCH's byte bound failed; its lease runs out instead");
+                    } else {
+                        short |= room.strict;
+                        if let Err(e) = d.nack(Nack::Release).await {
+                            tracing::debug!(%queue, error = %e, "giving back a delivery beyond the FETCH's byte bound failed; its lease runs out instead");
+                        }
                     }
                 }
                 let (jobs, limited) = self.activate_deliveries(queue, taken, &request).await?;
@@ -720,11 +753,12 @@ impl Api {
                     limited_until = Some(limited_until.map_or(at, |u: DateTime<Utc>| u.min(at)));
                 }
             }
+            drop(room);
             if !out.is_empty() || self.is_draining() || self.in_maintenance() {
                 return Ok(out);
             }
             if Instant::now() >= until {
-                if free == 0 {
+                if short {
                     return Err(ApiError::HeldLimit {
                         limit: self.settings.max_held_bytes,
                     });
@@ -741,22 +775,32 @@ impl Api {
                 .min(until.saturating_duration_since(Instant::now()));
             tokio::select! {
                 () = published => {}
-                () = settled, if free == 0 => {}
+                () = settled, if short => {}
                 () = tokio::time::sleep(pause) => {}
             }
         }
     }
 
-    /// How many more bytes of messages this process may hold for active
-    /// jobs (`[api] max_held_bytes`).
-    fn held_room(&self) -> usize {
-        let held = self
-            .workers()
-            .held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .bytes;
-        self.settings.max_held_bytes.saturating_sub(held)
+    /// Sets aside for one FETCH pass what is left of `[api]
+    /// max_held_bytes` (at most `max_fetch_bytes`), after what this process
+    /// holds and what other passes set aside.
+    fn reserve_held(&self) -> HeldRoom<'_> {
+        let lock = &self.workers().held;
+        let mut held = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let used = held.bytes.saturating_add(held.reserved);
+        let bytes = self
+            .settings
+            .max_fetch_bytes
+            .min(self.settings.max_held_bytes.saturating_sub(used));
+        held.reserved = held.reserved.saturating_add(bytes);
+        HeldRoom {
+            held: lock,
+            bytes,
+            // Bounded by the room while others hold or set aside some:
+            // only jobs that fit. When nothing else is held, any job can
+            // run (one larger than the whole bound too).
+            strict: bytes < self.settings.max_fetch_bytes && used > 0,
+        }
     }
 
     /// Bytes of messages this process holds for active jobs now.

@@ -363,10 +363,10 @@ async fn held_bytes(addr: SocketAddr) -> f64 {
 /// A worker that fetches and never acks held every job's message in the
 /// daemon until its visibility ran out, whatever their size: the queue's
 /// whole content could be pulled into memory. What the process holds for
-/// active jobs is bounded by `[api] max_held_bytes`: a FETCH takes what
-/// fits (one job at least while there is room), waits for an ACK or NACK
-/// when there is none, and answers 429 when none came within its wait;
-/// every job is still handed out once.
+/// active jobs is bounded by `[api] max_held_bytes`, concurrent FETCHes
+/// included: a FETCH takes what fits, waits for an ACK or NACK when
+/// nothing does, and answers 429 when none came within its wait; every job
+/// is still handed out once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abuse_the_active_jobs_a_process_holds_are_bounded_by_bytes() {
     let limit: u64 = 4 << 20;
@@ -374,42 +374,35 @@ async fn abuse_the_active_jobs_a_process_holds_are_bounded_by_bytes() {
     let server = OjsServer::start(Some(&config)).await;
     let addr = server.addr;
     let big = "x".repeat(1 << 20);
-    let sent = 10;
-    for i in 0..sent {
-        let a = post_json(
-            addr,
-            "/ojs/v1/jobs",
-            &json!({"type": "t.big", "args": [i, big], "options": {"queue": "held"}}),
-        )
-        .await;
-        assert_eq!(a.status, 201, "{:?}", a.body);
-    }
-    let before = memory(&server, "VmRSS");
+    let push = |n: usize| {
+        let big = big.clone();
+        async move {
+            for i in 0..n {
+                let body = json!({"type": "t.big", "args": [i, big], "options": {"queue": "held"}});
+                let a = post_json(addr, "/ojs/v1/jobs", &body).await;
+                assert_eq!(a.status, 201, "{:?}", a.body);
+            }
+        }
+    };
     let fetch_all = |wait_ms: u64| async move {
         let body = json!({"queues": ["held"], "count": 250, "wait_ms": wait_ms});
         post_json(addr, "/ojs/v1/workers/fetch", &body).await
     };
-    // Fetched and not acked: the first FETCH takes the three that fit,
-    // the next the one job a FETCH with room always gets.
-    let mut active: Vec<Value> = Vec::new();
-    for expected in [3, 1] {
-        let a = fetch_all(500).await;
-        assert_eq!(a.status, 200, "{:?}", a.body);
-        let jobs = a.json()["jobs"].as_array().cloned().unwrap_or_default();
-        assert_eq!(
-            jobs.len(),
-            expected,
-            "{} MiB held",
-            held_bytes(addr).await / f64::from(1 << 20)
-        );
-        active.extend(jobs);
-    }
+    let jobs_of = |a: &Answer| a.json()["jobs"].as_array().cloned().unwrap_or_default();
+    let sent = 10;
+    push(sent).await;
+    let before = memory(&server, "VmRSS");
+    // Fetched and not acked: three jobs of a little over 1 MiB fit.
+    let a = fetch_all(500).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    let mut active = jobs_of(&a);
+    assert_eq!(active.len(), 3);
     let held = held_bytes(addr).await;
     assert!(
-        held >= limit as f64 && held < (limit + (2 << 20)) as f64,
+        held >= (3 << 20) as f64 && held <= limit as f64,
         "held {held}"
     );
-    // No room: the FETCH waits, then says why.
+    // No room for another: the FETCH waits, then says why.
     let full = fetch_all(300).await;
     assert_eq!(full.status, 429, "{:?}", full.body);
     assert_eq!(error_code(&full), "rate_limited");
@@ -427,8 +420,8 @@ async fn abuse_the_active_jobs_a_process_holds_are_bounded_by_bytes() {
     assert_eq!(ack.status, 200, "{:?}", ack.body);
     let woken = waiting.await.unwrap();
     assert_eq!(woken.status, 200, "{:?}", woken.body);
-    let jobs = woken.json()["jobs"].as_array().cloned().unwrap_or_default();
-    assert!(!jobs.is_empty(), "the room the ACK made is used");
+    let jobs = jobs_of(&woken);
+    assert_eq!(jobs.len(), 1, "the room the ACK made is used");
     active.extend(jobs);
     // Every job handed out once, acking as we go.
     let mut seen: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
@@ -446,12 +439,25 @@ async fn abuse_the_active_jobs_a_process_holds_are_bounded_by_bytes() {
         if seen.len() < sent {
             let a = fetch_all(500).await;
             assert_eq!(a.status, 200, "{:?}", a.body);
-            active = a.json()["jobs"].as_array().cloned().unwrap_or_default();
+            active = jobs_of(&a);
         }
     }
+    assert_eq!(held_bytes(addr).await, 0.0, "every job acked: nothing held");
+    // Concurrent FETCHes share the room: together they take what fits.
+    push(sent).await;
+    let racing: Vec<_> = (0..8).map(|_| tokio::spawn(fetch_all(300))).collect();
+    let mut handed_out = 0;
+    for r in racing {
+        let a = r.await.unwrap();
+        assert!(a.status == 200 || a.status == 429, "{:?}", a.body);
+        if a.status == 200 {
+            handed_out += jobs_of(&a).len();
+        }
+    }
+    let held = held_bytes(addr).await;
     let peak = memory(&server, "VmHWM");
     println!(
-        "held bound: sent {sent}, received {}, duplicated {duplicated}, lost {}; RSS before {} MiB, peak {} MiB",
+        "held bound: sent {sent}, received {}, duplicated {duplicated}, lost {}; 8 concurrent FETCHes took {handed_out} of {sent}, {held} bytes held; RSS before {} MiB, peak {} MiB",
         seen.len(),
         sent - seen.len(),
         before >> 20,
@@ -459,7 +465,8 @@ async fn abuse_the_active_jobs_a_process_holds_are_bounded_by_bytes() {
     );
     assert_eq!(seen.len(), sent, "lost");
     assert_eq!(duplicated, 0);
-    assert_eq!(held_bytes(addr).await, 0.0, "every job acked: nothing held");
+    assert_eq!(handed_out, 3, "{held} bytes held");
+    assert!(held <= limit as f64, "held {held}");
     server.stop();
 }
 
