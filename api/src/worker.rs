@@ -206,8 +206,15 @@ impl Held {
     }
 }
 
-/// Room in `[api] max_held_bytes` one FETCH pass set aside, given back
-/// when dropped.
+/// See [`Api::held_room`].
+fn room_of(held: &Held, want: usize, max: usize) -> (usize, bool) {
+    let used = held.bytes.saturating_add(held.reserved);
+    let bytes = want.min(max.saturating_sub(used));
+    (bytes, bytes < want && used > 0)
+}
+
+/// Room in `[api] max_held_bytes` a FETCH set aside for the jobs it is
+/// taking, given back when dropped (they are held by then).
 struct HeldRoom<'a> {
     held: &'a Mutex<Held>,
     bytes: usize,
@@ -667,13 +674,11 @@ impl Api {
             let published = self.workers().published.notified();
             let settled = self.workers().settled.notified();
             // What this process holds already counts against the answer,
-            // and so does what concurrent FETCHes set aside: the room is
-            // taken for this pass and given back after it (its jobs are
-            // held by then). A FETCH whose answer the room bounds takes
-            // only jobs that fit it; the first job of one the FETCH's own
-            // bound limits may be larger, as always.
-            let room = self.reserve_held();
-            let max_bytes = room.bytes;
+            // and so does what concurrent FETCHes set aside while they take
+            // what they received (not while they wait for it). A FETCH the
+            // room bounds takes only jobs that fit; the first job of one
+            // the FETCH's own bound limits may be larger, as always.
+            let (max_bytes, strict) = self.held_room(self.settings.max_fetch_bytes);
             // This pass left jobs on the broker for want of room.
             let mut short = max_bytes == 0;
             for &queue in &open {
@@ -682,7 +687,7 @@ impl Api {
                 }
                 let feed = self.feed(queue).await?;
                 let mut feed = feed.lock().await;
-                if room.strict && max_bytes.saturating_sub(bytes) < feed.largest {
+                if strict && max_bytes.saturating_sub(bytes) < feed.largest {
                     // The queue's jobs are larger than what is left: they
                     // stay on the broker rather than going back and forth.
                     short = true;
@@ -726,6 +731,9 @@ impl Api {
                 // goes back for the next FETCH instead of being handed out
                 // to one that asked for what was available.
                 let late = Instant::now() > until;
+                // Set aside until the jobs taken are held.
+                let room = self.reserve_held(self.settings.max_fetch_bytes.saturating_sub(bytes));
+                let mut taken_bytes = 0usize;
                 let mut taken = Vec::with_capacity(deliveries.len());
                 for d in deliveries {
                     if late && enqueued_after(&d, deadline, self.settings.encoding) {
@@ -735,9 +743,10 @@ impl Api {
                         continue;
                     }
                     let size = d.payload.len();
-                    if bytes.saturating_add(size) <= max_bytes
+                    if taken_bytes.saturating_add(size) <= room.bytes
                         || (!room.strict && out.is_empty() && taken.is_empty())
                     {
+                        taken_bytes = taken_bytes.saturating_add(size);
                         bytes = bytes.saturating_add(size);
                         taken.push(d);
                     } else {
@@ -748,12 +757,12 @@ impl Api {
                     }
                 }
                 let (jobs, limited) = self.activate_deliveries(queue, taken, &request).await?;
+                drop(room);
                 out.extend(jobs);
                 if let Some(at) = limited {
                     limited_until = Some(limited_until.map_or(at, |u: DateTime<Utc>| u.min(at)));
                 }
             }
-            drop(room);
             if !out.is_empty() || self.is_draining() || self.in_maintenance() {
                 return Ok(out);
             }
@@ -781,25 +790,30 @@ impl Api {
         }
     }
 
-    /// Sets aside for one FETCH pass what is left of `[api]
-    /// max_held_bytes` (at most `max_fetch_bytes`), after what this process
-    /// holds and what other passes set aside.
-    fn reserve_held(&self) -> HeldRoom<'_> {
+    /// Of `want` bytes, how many fit in what is left of `[api]
+    /// max_held_bytes` after what this process holds and what other FETCHes
+    /// set aside; and whether the room, not `want`, is the bound while
+    /// something else is held (then only jobs that fit are taken: when
+    /// nothing else is, any one job can run, larger than the bound too).
+    fn held_room(&self, want: usize) -> (usize, bool) {
+        let held = self
+            .workers()
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        room_of(&held, want, self.settings.max_held_bytes)
+    }
+
+    /// [`Api::held_room`], set aside until the returned room is dropped.
+    fn reserve_held(&self, want: usize) -> HeldRoom<'_> {
         let lock = &self.workers().held;
         let mut held = lock.lock().unwrap_or_else(|e| e.into_inner());
-        let used = held.bytes.saturating_add(held.reserved);
-        let bytes = self
-            .settings
-            .max_fetch_bytes
-            .min(self.settings.max_held_bytes.saturating_sub(used));
+        let (bytes, strict) = room_of(&held, want, self.settings.max_held_bytes);
         held.reserved = held.reserved.saturating_add(bytes);
         HeldRoom {
             held: lock,
             bytes,
-            // Bounded by the room while others hold or set aside some:
-            // only jobs that fit. When nothing else is held, any job can
-            // run (one larger than the whole bound too).
-            strict: bytes < self.settings.max_fetch_bytes && used > 0,
+            strict,
         }
     }
 

@@ -389,6 +389,18 @@ async fn abuse_the_active_jobs_a_process_holds_are_bounded_by_bytes() {
         post_json(addr, "/ojs/v1/workers/fetch", &body).await
     };
     let jobs_of = |a: &Answer| a.json()["jobs"].as_array().cloned().unwrap_or_default();
+    // FETCHes waiting on an empty queue hold no room: another one
+    // answers empty, not 429.
+    let idle = |wait_ms: u64| async move {
+        let body = json!({"queues": ["held-idle"], "count": 250, "wait_ms": wait_ms});
+        post_json(addr, "/ojs/v1/workers/fetch", &body).await
+    };
+    let long_poll = tokio::spawn(idle(2_000));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let a = idle(300).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert!(jobs_of(&a).is_empty());
+    assert_eq!(long_poll.await.unwrap().status, 200);
     let sent = 10;
     push(sent).await;
     let before = memory(&server, "VmRSS");
