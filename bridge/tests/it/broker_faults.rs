@@ -308,14 +308,19 @@ async fn broker_fault(broker: Broker, fault: Fault, tag: &str) {
         body.chars().take(300).collect::<String>()
     );
     let mut healthy_after = None;
+    let mut last = String::new();
     while ended.elapsed() < Duration::from_secs(180) {
-        if http_get(http, "/ojs/v1/health").await.0 == 200 {
+        let (status, body) = http_get(http, "/ojs/v1/health").await;
+        if status == 200 {
             healthy_after = Some(ended.elapsed());
             break;
         }
+        last = format!("{status} {}", body.chars().take(300).collect::<String>());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let healthy_after = healthy_after.expect("health back to 200 within 180 s of the fault");
+    let healthy_after = healthy_after.unwrap_or_else(|| {
+        panic!("health back to 200 within 180 s of the fault; its last answer: {last}")
+    });
     println!("{tag}: healthy again {healthy_after:?} after the fault");
     tokio::time::sleep(Duration::from_secs(5)).await;
     stop.store(true, Ordering::SeqCst);

@@ -139,7 +139,10 @@ impl Subscriber {
         let mut jobs = Vec::with_capacity(n);
         let mut last = None;
         let mut seqs = Vec::new();
-        let until = Instant::now() + Duration::from_secs(120);
+        // Generous: with a thousand streams open the server writes every
+        // event to each (a million frames from a debug build), which took
+        // 58 s alone and more than 120 s in a loaded clean-clone run.
+        let until = Instant::now() + Duration::from_secs(300);
         while jobs.len() < n && Instant::now() < until {
             let Some(e) = self.next(Duration::from_secs(30)).await else {
                 break;
