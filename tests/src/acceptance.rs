@@ -264,10 +264,19 @@ pub async fn concurrent_publishers_and_consumers(f: &dyn AdapterFactory) -> Resu
     // A watch channel, unlike Notify::notify_waiters, is seen by consumers
     // that are busy acking when the stop is sent.
     let (stop, stopped) = tokio::sync::watch::channel(false);
+    // Acks that came after their delivery's visibility timeout: the broker
+    // hands the message out again (at least once; the tally counts it as a
+    // duplicate), which on a broker with visibility timeouts is an outcome
+    // of a slow broker, not a failure. Seen on moto in a container beside
+    // other container suites: its deletes answered `ReceiptHandleIsInvalid`.
+    // Any other failed ack fails the case.
+    let expired = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for _ in 0..4 {
         let mut consumer = adapter.consumer(&queue, f.consumer_options()).await?;
         let tx = tx.clone();
         let mut stopped = stopped.clone();
+        let expired = expired.clone();
+        let may_expire = features.visibility_timeout;
         consumers.push(tokio::spawn(async move {
             while !*stopped.borrow() {
                 let batch = tokio::select! {
@@ -277,7 +286,13 @@ pub async fn concurrent_publishers_and_consumers(f: &dyn AdapterFactory) -> Resu
                 for d in batch {
                     let _ = tx
                         .send(id_of(&d).map_err(|e| Error::broker("test", e.to_string(), false))?);
-                    d.ack().await?;
+                    match d.ack().await {
+                        Ok(()) => {}
+                        Err(Error::DeliveryExpired) if may_expire => {
+                            expired.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             consumer.close().await
@@ -300,6 +315,13 @@ pub async fn concurrent_publishers_and_consumers(f: &dyn AdapterFactory) -> Resu
         tokio::time::timeout(Duration::from_secs(30), c)
             .await
             .context("consumer did not stop")???;
+    }
+    let expired = expired.load(std::sync::atomic::Ordering::Relaxed);
+    if expired > 0 {
+        println!(
+            "{} concurrent: {expired} acks came after their visibility timeout (delivered again)",
+            features.name
+        );
     }
     tally.assert_none_lost(&format!(
         "{} {publishers}x{per_publisher} concurrent",
