@@ -335,12 +335,12 @@ mod tests {
         .unwrap();
     }
 
-    /// Opening a directory of schema 1 moves it to schema 3 with nothing
+    /// Opening a directory of schema 1 moves it to schema 4 with nothing
     /// lost or reordered: each queue delivers what it held, in its order,
     /// scheduled and leased messages stay invisible, dead letters stay
     /// dead, and no id handed out before is given again.
     #[tokio::test]
-    async fn a_schema_1_database_is_moved_to_schema_3_with_its_messages() {
+    async fn a_schema_1_database_is_moved_to_schema_4_with_its_messages() {
         let dir = temp_dir("schema-1");
         write_schema_1(&dir.join(DATABASE_FILE));
         let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
@@ -386,7 +386,7 @@ mod tests {
                 .collect();
             (version, ids)
         };
-        assert_eq!(version, 3);
+        assert_eq!(version, 4);
         assert!(
             ids.len() == 1 && ids[0] > 90,
             "the new message's id: {ids:?}"
@@ -399,7 +399,7 @@ mod tests {
         drop((c, dead, other));
         a.close().await.unwrap();
         drop(a);
-        // Opened again, it is schema 3 already and opens as it is.
+        // Opened again, it is schema 4 already and opens as it is.
         let again = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
         let counts: (i64, i64) = again
             .inner
@@ -451,12 +451,12 @@ mod tests {
         .unwrap();
     }
 
-    /// Opening a directory of schema 2 gives it schema 3's indexes, with
+    /// Opening a directory of schema 2 gives it schema 4's indexes, with
     /// nothing lost or reordered: the queue delivers what was not leased and
     /// what was leased but ran out, by priority, counted once more; what is
     /// still leased or scheduled stays invisible; dead letters stay dead.
     #[tokio::test]
-    async fn a_schema_2_database_gets_the_indexes_of_schema_3() {
+    async fn a_schema_2_database_gets_the_indexes_of_schema_4() {
         let dir = temp_dir("schema-2");
         write_schema_2(&dir.join(DATABASE_FILE));
         let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
@@ -477,7 +477,7 @@ mod tests {
                 .collect();
             (version, indexes)
         };
-        assert_eq!(version, 3);
+        assert_eq!(version, 4);
         assert_eq!(
             indexes,
             ["messages_leased", "messages_ready", "messages_waiting"]
@@ -497,6 +497,123 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
+    /// A directory of schema 3 gets schema 4's index of delayed messages
+    /// in place of its index of every message not leased by time (same
+    /// name: created anew, not kept), its messages as they were.
+    #[tokio::test]
+    async fn a_schema_3_database_gets_the_waiting_index_of_schema_4() {
+        let dir = temp_dir("schema-3");
+        let path = dir.join(DATABASE_FILE);
+        {
+            let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+            let mut later = OutgoingMessage::new("later", OJS_PROTO);
+            later.deliver_at = Some(chrono::Utc::now() + chrono::Duration::minutes(10));
+            a.publish("q", vec![OutgoingMessage::new("now", OJS_PROTO), later])
+                .await
+                .unwrap();
+            a.close().await.unwrap();
+        }
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(
+                "DROP INDEX messages_waiting;
+                 CREATE INDEX messages_waiting ON messages (queue_id, dead, visible_at) WHERE lease IS NULL;
+                 PRAGMA user_version = 3;",
+            )
+            .unwrap();
+        let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let (version, sql): (i64, String) = {
+            let conn = a.inner.lock();
+            (
+                conn.query_row("PRAGMA user_version", [], |r| r.get(0))
+                    .unwrap(),
+                conn.query_row(
+                    "SELECT sql FROM sqlite_master WHERE name = 'messages_waiting'",
+                    [],
+                    |r| r.get(0),
+                )
+                .unwrap(),
+            )
+        };
+        assert_eq!(version, 4);
+        assert!(sql.contains("visible_at > enqueued_at"), "{sql}");
+        let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let got = c.receive(10, Duration::ZERO).await.unwrap();
+        assert_eq!(
+            got.iter().map(|d| &d.payload[..]).collect::<Vec<_>>(),
+            [&b"now"[..]],
+            "the scheduled one is not due"
+        );
+        drop((got, c));
+        a.close().await.unwrap();
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// The index a consumer with nothing to claim reads holds only the
+    /// messages delayed past their publish, and finds the next one due
+    /// from them: a scheduled message, a retried one, whichever is first.
+    /// Messages published for now are not in it.
+    #[test]
+    fn the_waiting_index_holds_the_delayed_messages_alone_and_finds_the_next_due() {
+        let dir = temp_dir("waiting");
+        let mut conn = store::open(&LocalConfig::new(&dir)).unwrap();
+        let sql: String = conn
+            .query_row(
+                "SELECT sql FROM sqlite_master WHERE name = 'messages_waiting'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(
+            sql.ends_with("WHERE lease IS NULL AND visible_at > enqueued_at"),
+            "{sql}"
+        );
+        // Read through the index (its condition named, as a partial index
+        // needs): the messages it holds.
+        let in_index = |conn: &Connection| -> i64 {
+            conn.query_row(
+                "SELECT count(*) FROM messages INDEXED BY messages_waiting
+                 WHERE queue_id = (SELECT id FROM queues WHERE name = 'q') AND dead = 0
+                   AND lease IS NULL AND visible_at > enqueued_at",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+        };
+        let now: Vec<OutgoingMessage> = (0..3)
+            .map(|i| OutgoingMessage::new(format!("now{i}"), OJS_PROTO))
+            .collect();
+        store::insert(&mut conn, "q", &now).unwrap();
+        assert_eq!(in_index(&conn), 0, "messages published for now");
+        assert_eq!(store::next_visible(&conn, "q", false).unwrap(), None);
+        let at = chrono::Utc::now() + chrono::Duration::minutes(10);
+        let mut later = OutgoingMessage::new("later", OJS_PROTO);
+        later.deliver_at = Some(at);
+        store::insert(&mut conn, "q", &[later]).unwrap();
+        assert_eq!(in_index(&conn), 1, "the scheduled message");
+        assert_eq!(
+            store::next_visible(&conn, "q", false).unwrap(),
+            Some(at.timestamp_millis())
+        );
+        // Retried in a minute: due before the scheduled one.
+        let (got, lease) =
+            store::claim(&mut conn, "q", false, 1, Duration::from_secs(30), None).unwrap();
+        let before = store::now_ms();
+        store::retry(&mut conn, got[0].id, lease, Duration::from_secs(60)).unwrap();
+        assert_eq!(in_index(&conn), 2, "the scheduled and the retried message");
+        let next = store::next_visible(&conn, "q", false).unwrap().unwrap();
+        assert!(
+            (before + 60_000..at.timestamp_millis()).contains(&next),
+            "{next} against the retry's {before} + 60 s"
+        );
+        // The other two published for now are claimable, and only they.
+        let (rest, _) =
+            store::claim(&mut conn, "q", false, 10, Duration::from_secs(30), None).unwrap();
+        assert_eq!(rest.len(), 2);
+        drop(conn);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
     /// A database a newer build wrote is refused, untouched.
     #[tokio::test]
     async fn a_newer_schema_is_refused_untouched() {
@@ -505,7 +622,7 @@ mod tests {
         drop(LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap());
         Connection::open(&path)
             .unwrap()
-            .execute_batch("PRAGMA user_version = 4;")
+            .execute_batch("PRAGMA user_version = 5;")
             .unwrap();
         let before = std::fs::read(&path).unwrap();
         let err = LocalAdapter::open(LocalConfig::new(&dir))
@@ -513,7 +630,7 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
         assert!(
-            err.to_string().contains("schema version 4 is newer"),
+            err.to_string().contains("schema version 5 is newer"),
             "{err}"
         );
         assert_eq!(std::fs::read(&path).unwrap(), before, "not modified");
@@ -580,6 +697,59 @@ mod tests {
              BEGIN SELECT RAISE(ABORT, 'refused by the test'); END;",
         )
         .unwrap();
+    }
+
+    /// A publish larger than one statement's rows (two statements of 16
+    /// and five rows alone) lands whole and in order, each message with
+    /// its own fields; one of its rows refused fails the whole publish,
+    /// whichever statement it is in.
+    #[test]
+    fn a_publish_of_many_statements_lands_each_message_as_sent() {
+        let dir = temp_dir("many-rows");
+        let mut conn = store::open(&LocalConfig::new(&dir)).unwrap();
+        let messages: Vec<OutgoingMessage> = (0..37)
+            .map(|i| {
+                let mut m = OutgoingMessage::new(format!("m{i}"), OJS_PROTO);
+                m.headers.insert("x-index", i.to_string());
+                m.key = (i % 3 == 0).then(|| bytes::Bytes::from(format!("k{i}")));
+                m.message_id = (i % 2 == 0).then(|| format!("id{i}"));
+                m.priority = if i == 20 { 5 } else { 0 };
+                if i == 30 {
+                    m.deliver_at = Some(chrono::Utc::now() + chrono::Duration::minutes(10));
+                }
+                m
+            })
+            .collect();
+        store::insert(&mut conn, "q", &messages).unwrap();
+        let (got, _) =
+            store::claim(&mut conn, "q", false, 100, Duration::from_secs(30), None).unwrap();
+        let order: Vec<usize> = std::iter::once(20)
+            .chain((0..37).filter(|&i| i != 20 && i != 30))
+            .collect();
+        assert_eq!(got.len(), order.len(), "all but the scheduled one");
+        for (c, &i) in got.iter().zip(&order) {
+            assert_eq!(&c.payload[..], format!("m{i}").as_bytes());
+            assert_eq!(c.headers.get_str("x-index"), Some(&*i.to_string()));
+            let key = (i % 3 == 0).then(|| format!("k{i}"));
+            assert_eq!(c.key.as_deref(), key.as_deref().map(str::as_bytes));
+            assert_eq!(c.message_id, (i % 2 == 0).then(|| format!("id{i}")));
+            assert_eq!(c.deliveries, 1);
+        }
+        assert!(store::next_visible(&conn, "q", false).unwrap().is_some());
+        refuse_bad_payloads(&conn);
+        for bad in [3, 35] {
+            let mut refused = messages.clone();
+            refused[bad] = OutgoingMessage::new("bad", OJS_PROTO);
+            let error = store::insert(&mut conn, "other", &refused).unwrap_err();
+            assert!(error.to_string().contains("refused by the test"), "{error}");
+            assert_eq!(
+                store::depth(&conn, "other").unwrap(),
+                0,
+                "row {bad} refused"
+            );
+        }
+        drop(conn);
+        std::fs::remove_dir_all(dir).ok();
     }
 
     /// Publishes committed together are each all or nothing: one whose

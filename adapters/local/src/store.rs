@@ -20,11 +20,14 @@ use crate::config::{Durability, LocalConfig};
 /// `PRAGMA application_id` of our databases ("OJSB"), so a foreign SQLite
 /// file is recognised instead of being written to.
 pub(crate) const APPLICATION_ID: i64 = 0x4F4A_5342;
-/// Schema version in `PRAGMA user_version`. 3: the indexes a claim and a
-/// waiting consumer read hold only messages not leased; 2: messages name
-/// their queue by an integer id (table `queues`); 1 named it by its text,
-/// which every step of every index lookup compared as text.
-const SCHEMA_VERSION: i64 = 3;
+/// Schema version in `PRAGMA user_version`. 4: the index of times a
+/// message becomes deliverable holds only messages delayed past their
+/// publish (scheduled, retried later, given back), not every message
+/// published for now; 3: the indexes a claim and a waiting consumer read
+/// hold only messages not leased; 2: messages name their queue by an
+/// integer id (table `queues`); 1 named it by its text, which every step of
+/// every index lookup compared as text.
+const SCHEMA_VERSION: i64 = 4;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS queues (
@@ -52,8 +55,13 @@ CREATE TABLE IF NOT EXISTS messages (
 -- steps over the messages in flight; an ack finds nothing of its message
 -- here to delete.
 CREATE INDEX IF NOT EXISTS messages_ready ON messages (queue_id, dead, priority DESC) WHERE lease IS NULL;
--- Messages not leased, by the time they become deliverable.
-CREATE INDEX IF NOT EXISTS messages_waiting ON messages (queue_id, dead, visible_at) WHERE lease IS NULL;
+-- Messages not leased and delayed past their publish, by the time they
+-- become deliverable: what a consumer finding nothing to claim waits for.
+-- A message published for now (most of them) is not in it, so its publish
+-- and its claim each write one index entry fewer. One not leased whose time
+-- is still to come is always here: its time is after now, and its publish
+-- was not.
+CREATE INDEX IF NOT EXISTS messages_waiting ON messages (queue_id, dead, visible_at) WHERE lease IS NULL AND visible_at > enqueued_at;
 -- Only leased rows: expired leases, found without scanning the backlog.
 CREATE INDEX IF NOT EXISTS messages_leased ON messages (queue_id, visible_at) WHERE lease IS NOT NULL;
 ";
@@ -63,6 +71,13 @@ CREATE INDEX IF NOT EXISTS messages_leased ON messages (queue_id, visible_at) WH
 const FROM_2: &str = "
 DROP INDEX IF EXISTS messages_order;
 DROP INDEX IF EXISTS messages_visible;
+";
+
+/// From schema 3, before [`SCHEMA`]: its index of every message not leased
+/// by time gives way to schema 4's of those delayed (same name, so
+/// `CREATE INDEX IF NOT EXISTS` alone would keep the old one).
+const FROM_3: &str = "
+DROP INDEX IF EXISTS messages_waiting;
 ";
 
 /// From schema 1, before [`SCHEMA`]: the table of schema 1 steps aside
@@ -233,6 +248,9 @@ fn prepare_schema(conn: &mut Connection, path: &Path) -> Result<()> {
     if version == 2 {
         tx.execute_batch(FROM_2).map_err(db_error)?;
     }
+    if version == 2 || version == 3 {
+        tx.execute_batch(FROM_3).map_err(db_error)?;
+    }
     tx.execute_batch(SCHEMA).map_err(db_error)?;
     if version == 1 {
         let messages: i64 = tx
@@ -352,31 +370,73 @@ fn add_queue(conn: &Connection, queue: &str) -> Result<i64> {
     Ok(conn.last_insert_rowid())
 }
 
+/// The columns a publish writes, one `?` each, in [`bind_row`]'s order.
+const INSERT_COLUMNS: usize = 8;
+const INSERT_ONE: &str = "INSERT INTO messages (queue_id, priority, visible_at, payload, headers, msg_key, message_id, enqueued_at)
+     VALUES (?, ?, ?, ?, ?, ?, ?, ?)";
+/// Rows one statement of a larger publish writes. Each statement run opens
+/// its cursors on the table and its indexes and reads and rewrites the
+/// table's id counter (`AUTOINCREMENT`) once, whatever its rows: a publish
+/// of 512 messages runs 32 statements, not 512.
+const ROWS_PER_INSERT: usize = 16;
+
+/// [`INSERT_ONE`] with [`ROWS_PER_INSERT`] rows of values.
+fn insert_many() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        let row = format!("({})", ["?"; INSERT_COLUMNS].join(", "));
+        let (head, _) = INSERT_ONE.split_at(INSERT_ONE.rfind('(').unwrap_or(0));
+        format!("{head}{}", vec![row; ROWS_PER_INSERT].join(", "))
+    })
+}
+
 fn insert_rows(tx: &Connection, queue: &str, messages: &[OutgoingMessage], now: i64) -> Result<()> {
     let queue_id = add_queue(tx, queue)?;
-    let mut stmt = tx
-        .prepare_cached(
-            "INSERT INTO messages (queue_id, priority, visible_at, payload, headers, msg_key, message_id, enqueued_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-        )
-        .map_err(db_error)?;
-    for m in messages {
-        let visible_at = m.deliver_at.map_or(now, |t| t.timestamp_millis().max(now));
-        let headers = serde_json::to_string(&m.headers)
-            .map_err(|e| Error::broker("local", e.to_string(), false))?;
-        stmt.execute(params![
-            queue_id,
-            m.priority,
-            visible_at,
-            m.payload.as_ref(),
-            headers,
-            key_value(m.key.as_deref()),
-            m.message_id,
-            now
-        ])
-        .map_err(db_error)?;
+    let mut chunks = messages.chunks_exact(ROWS_PER_INSERT);
+    if messages.len() >= ROWS_PER_INSERT {
+        let mut many = tx.prepare_cached(insert_many()).map_err(db_error)?;
+        for chunk in &mut chunks {
+            for (row, m) in chunk.iter().enumerate() {
+                bind_row(&mut many, row * INSERT_COLUMNS, m, queue_id, now)?;
+            }
+            many.raw_execute().map_err(db_error)?;
+        }
+    }
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        let mut one = tx.prepare_cached(INSERT_ONE).map_err(db_error)?;
+        for m in rest {
+            bind_row(&mut one, 0, m, queue_id, now)?;
+            one.raw_execute().map_err(db_error)?;
+        }
     }
     Ok(())
+}
+
+/// Binds one message's values to the row of `stmt` whose first `?` follows
+/// parameter `before`.
+fn bind_row(
+    stmt: &mut rusqlite::Statement<'_>,
+    before: usize,
+    m: &OutgoingMessage,
+    queue_id: i64,
+    now: i64,
+) -> Result<()> {
+    let visible_at = m.deliver_at.map_or(now, |t| t.timestamp_millis().max(now));
+    let headers = serde_json::to_string(&m.headers)
+        .map_err(|e| Error::broker("local", e.to_string(), false))?;
+    let at = before + 1;
+    (|| {
+        stmt.raw_bind_parameter(at, queue_id)?;
+        stmt.raw_bind_parameter(at + 1, m.priority)?;
+        stmt.raw_bind_parameter(at + 2, visible_at)?;
+        stmt.raw_bind_parameter(at + 3, m.payload.as_ref())?;
+        stmt.raw_bind_parameter(at + 4, headers)?;
+        stmt.raw_bind_parameter(at + 5, key_value(m.key.as_deref()))?;
+        stmt.raw_bind_parameter(at + 6, &m.message_id)?;
+        stmt.raw_bind_parameter(at + 7, now)
+    })()
+    .map_err(db_error)
 }
 
 /// A claimed message.
@@ -553,7 +613,7 @@ fn move_to_dead(conn: &Connection, id: i64, headers: &Headers) -> Result<()> {
 pub(crate) const NEXT_VISIBLE: [&str; 2] = [
     "SELECT visible_at FROM messages INDEXED BY messages_waiting
      WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND dead = ?2 AND lease IS NULL
-       AND visible_at > ?3
+       AND visible_at > enqueued_at AND visible_at > ?3
      ORDER BY visible_at LIMIT 1",
     "SELECT visible_at FROM messages INDEXED BY messages_leased
      WHERE queue_id = (SELECT id FROM queues WHERE name = ?1) AND lease IS NOT NULL
