@@ -497,6 +497,16 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
+    /// How the index of waiting times is defined in the file.
+    fn waiting_index_sql(conn: &Connection) -> String {
+        conn.query_row(
+            "SELECT sql FROM sqlite_master WHERE name = 'messages_waiting'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap()
+    }
+
     /// A directory of schema 3 gets schema 4's index of delayed messages
     /// in place of its index of every message not leased by time (same
     /// name: created anew, not kept), its messages as they were.
@@ -527,12 +537,7 @@ mod tests {
             (
                 conn.query_row("PRAGMA user_version", [], |r| r.get(0))
                     .unwrap(),
-                conn.query_row(
-                    "SELECT sql FROM sqlite_master WHERE name = 'messages_waiting'",
-                    [],
-                    |r| r.get(0),
-                )
-                .unwrap(),
+                waiting_index_sql(&conn),
             )
         };
         assert_eq!(version, 4);
@@ -557,13 +562,7 @@ mod tests {
     fn the_waiting_index_holds_the_delayed_messages_alone_and_finds_the_next_due() {
         let dir = temp_dir("waiting");
         let mut conn = store::open(&LocalConfig::new(&dir)).unwrap();
-        let sql: String = conn
-            .query_row(
-                "SELECT sql FROM sqlite_master WHERE name = 'messages_waiting'",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
+        let sql = waiting_index_sql(&conn);
         assert!(
             sql.ends_with("WHERE lease IS NULL AND visible_at > enqueued_at"),
             "{sql}"

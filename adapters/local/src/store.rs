@@ -370,10 +370,21 @@ fn add_queue(conn: &Connection, queue: &str) -> Result<i64> {
     Ok(conn.last_insert_rowid())
 }
 
-/// The columns a publish writes, one `?` each, in [`bind_row`]'s order.
+/// A publish's insert up to its rows of values: the columns it writes,
+/// in [`bind_row`]'s order.
+macro_rules! insert_into_messages {
+    () => {
+        "INSERT INTO messages (queue_id, priority, visible_at, payload, headers, msg_key, message_id, enqueued_at) VALUES "
+    };
+}
+/// One row of values: a `?` a column of [`insert_into_messages`].
+macro_rules! insert_row {
+    () => {
+        "(?, ?, ?, ?, ?, ?, ?, ?)"
+    };
+}
 const INSERT_COLUMNS: usize = 8;
-const INSERT_ONE: &str = "INSERT INTO messages (queue_id, priority, visible_at, payload, headers, msg_key, message_id, enqueued_at)
-     VALUES (?, ?, ?, ?, ?, ?, ?, ?)";
+const INSERT_ONE: &str = concat!(insert_into_messages!(), insert_row!());
 /// Rows one statement of a larger publish writes. Each statement run opens
 /// its cursors on the table and its indexes and reads and rewrites the
 /// table's id counter (`AUTOINCREMENT`) once, whatever its rows: a publish
@@ -384,9 +395,11 @@ const ROWS_PER_INSERT: usize = 16;
 fn insert_many() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
-        let row = format!("({})", ["?"; INSERT_COLUMNS].join(", "));
-        let (head, _) = INSERT_ONE.split_at(INSERT_ONE.rfind('(').unwrap_or(0));
-        format!("{head}{}", vec![row; ROWS_PER_INSERT].join(", "))
+        format!(
+            "{}{}",
+            insert_into_messages!(),
+            [insert_row!(); ROWS_PER_INSERT].join(", ")
+        )
     })
 }
 
