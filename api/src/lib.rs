@@ -123,6 +123,11 @@ pub struct ApiSettings {
     /// At shutdown, how long workers may still acknowledge or fail the
     /// jobs this process handed out (FETCH hands out nothing meanwhile).
     pub drain_timeout: Duration,
+    /// How long the broker ack of a finished job waits for others to be
+    /// sent with it (one request or commit for them all). The job store
+    /// says the job is finished when its ACK is answered; this only delays
+    /// the broker's copy going away. A drain sends them at once.
+    pub ack_linger: Duration,
     /// Most values (arrays, objects and their members) in one JSON body,
     /// checked on its bytes before it is parsed.
     pub max_json_values: usize,
@@ -180,6 +185,7 @@ impl Default for ApiSettings {
             postgres: None,
             visibility_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(10),
+            ack_linger: Duration::from_millis(2),
             max_json_values: 200_000,
             max_body_bytes_in_flight: 64 << 20,
             body_timeout: Duration::from_secs(30),

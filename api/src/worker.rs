@@ -268,6 +268,121 @@ pub struct Workers {
 struct Settling {
     running: std::sync::atomic::AtomicUsize,
     finished: tokio::sync::Notify,
+    /// Broker acks of finished jobs waiting to be sent together.
+    acks: Mutex<AckQueue>,
+    /// Set by a drain: waiting acks are sent at once, without lingering.
+    urgent: std::sync::atomic::AtomicBool,
+    /// Wakes a lingering [`flush_acks`] when `urgent` is set.
+    flush_now: tokio::sync::Notify,
+}
+
+/// Most broker acks sent together. They wait up to `[api] ack_linger` for
+/// each other: the job store already says each job is finished (a copy the
+/// broker gives back meanwhile is settled, not handed out), so nobody
+/// waits on them, and sent one by one each was a commit of its own on the
+/// embedded broker whenever the ACKs came apart, holding the broker's
+/// connection that FETCHes claim through.
+const ACK_BATCH: usize = 512;
+
+#[derive(Default)]
+struct AckQueue {
+    waiting: Vec<(String, HeldDelivery)>,
+    /// A task is sending them ([`flush_acks`]).
+    flushing: bool,
+}
+
+impl Settling {
+    fn acks(&self) -> std::sync::MutexGuard<'_, AckQueue> {
+        // Only pushes and drains happen under the lock.
+        self.acks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `n` settlements are over.
+    fn done(&self, n: usize) {
+        if self
+            .running
+            .fetch_sub(n, std::sync::atomic::Ordering::SeqCst)
+            == n
+        {
+            self.finished.notify_waiters();
+        }
+    }
+}
+
+/// Sends the waiting broker acks, each queue's together (one consumer per
+/// queue: the adapter settles them in one request or commit where it can),
+/// until none waits.
+async fn flush_acks(settling: Arc<Settling>, linger: Duration) {
+    /// Ends a run that stops early (its task dropped or panicking): the
+    /// acks it had taken count as over (their deliveries go back to the
+    /// broker and are settled by the job store then), and the next ack
+    /// starts another run.
+    struct Flushing {
+        settling: Arc<Settling>,
+        taken: usize,
+        armed: bool,
+    }
+    impl Drop for Flushing {
+        fn drop(&mut self) {
+            if self.armed {
+                self.settling.acks().flushing = false;
+                self.settling.done(self.taken);
+            }
+        }
+    }
+    let mut run = Flushing {
+        settling,
+        taken: 0,
+        armed: true,
+    };
+    loop {
+        if !linger.is_zero() && run.settling.acks().waiting.len() < ACK_BATCH {
+            // Enabled before `urgent` is read, so that a drain setting it
+            // meanwhile is not missed.
+            let now = run.settling.flush_now.notified();
+            tokio::pin!(now);
+            now.as_mut().enable();
+            if !run
+                .settling
+                .urgent
+                .load(std::sync::atomic::Ordering::SeqCst)
+            {
+                tokio::select! {
+                    () = tokio::time::sleep(linger) => {}
+                    () = now => {}
+                }
+            }
+        }
+        let batch: Vec<(String, HeldDelivery)> = {
+            let mut acks = run.settling.acks();
+            if acks.waiting.is_empty() {
+                // Under the lock: an ack pushed after this starts a run.
+                acks.flushing = false;
+                drop(acks);
+                run.armed = false;
+                return;
+            }
+            let n = acks.waiting.len().min(ACK_BATCH);
+            acks.waiting.drain(..n).collect()
+        };
+        run.taken = batch.len();
+        let mut by_queue: std::collections::BTreeMap<&str, Vec<&(String, HeldDelivery)>> =
+            std::collections::BTreeMap::new();
+        for member in &batch {
+            by_queue.entry(&member.1.queue).or_default().push(member);
+        }
+        for (queue, members) in by_queue {
+            let deliveries: Vec<&Delivery> = members.iter().map(|(_, h)| &h.delivery).collect();
+            let results = Delivery::ack_all(&deliveries).await;
+            for ((id, _), result) in members.iter().zip(results) {
+                if let Err(e) = result {
+                    tracing::warn!(job_id = %id, %queue, error = %e, "acking a delivery on the broker failed; the broker gives it back and the job store settles it then");
+                }
+            }
+        }
+        drop(batch);
+        run.settling.done(std::mem::take(&mut run.taken));
+    }
 }
 
 impl std::fmt::Debug for Workers {
@@ -888,6 +1003,11 @@ impl Api {
     /// broker when the adapter closes; the store says what its job is).
     async fn settled_on_the_broker(&self, until: Instant) {
         let settling = &self.workers().settling;
+        // Acks lingering for company go now.
+        settling
+            .urgent
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        settling.flush_now.notify_waiters();
         loop {
             let finished = settling.finished.notified();
             if settling.running.load(std::sync::atomic::Ordering::SeqCst) == 0 {
@@ -1216,18 +1336,23 @@ impl Api {
         settling
             .running
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if matches!(settle, Settle::Ack | Settle::Drop) {
+            let start = {
+                let mut acks = settling.acks();
+                acks.waiting.push((id, held));
+                !std::mem::replace(&mut acks.flushing, true)
+            };
+            if start {
+                tokio::spawn(flush_acks(settling, self.settings.ack_linger));
+            }
+            return;
+        }
         tokio::spawn(async move {
             if let Err(e) = settle_delivery(&held.delivery, &settle).await {
                 tracing::warn!(job_id = %id, error = %e, "settling a delivery on the broker failed; the broker gives it back and the job store settles it then");
             }
             drop(held);
-            if settling
-                .running
-                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
-                == 1
-            {
-                settling.finished.notify_waiters();
-            }
+            settling.done(1);
         });
     }
 

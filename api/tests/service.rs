@@ -14,6 +14,7 @@ use ojs_api::roster::{Beat, Directive};
 use ojs_api::worker::{Failure, Fetch};
 use ojs_api::{Api, ApiError, ApiSettings, ErrorCode, Exhaustion, Job};
 use ojs_core::JobState;
+use ojs_queue::QueueAdapter;
 use serde_json::{json, Map, Value};
 use tokio::sync::watch;
 
@@ -23,6 +24,8 @@ struct Service {
     clock: Arc<ManualClock>,
     /// Where the clock started.
     start: DateTime<Utc>,
+    /// The broker the service's queues are on, read to see what it holds.
+    broker: Arc<ojs_adapter_memory::MemoryAdapter>,
     /// Stops the service's own loop (scheduler, recovery) when dropped.
     _stop: watch::Sender<bool>,
     _dir: ojs_bridge_tests::tempdir::TempDir,
@@ -49,7 +52,7 @@ async fn service(adjust: impl FnOnce(&mut ApiSettings)) -> Service {
     ));
     let start = start();
     let clock = Arc::new(ManualClock::new(start));
-    let api = Api::open_with_clock(settings, adapter, "memory", clock.clone())
+    let api = Api::open_with_clock(settings, adapter.clone(), "memory", clock.clone())
         .await
         .unwrap();
     let (stop, stopped) = watch::channel(false);
@@ -58,6 +61,7 @@ async fn service(adjust: impl FnOnce(&mut ApiSettings)) -> Service {
         api,
         clock,
         start,
+        broker: adapter,
         _stop: stop,
         _dir: dir,
     }
@@ -150,6 +154,68 @@ async fn a_pushed_job_is_fetched_once_and_acked_once() {
         s.info(&pushed.envelope.id).await.unwrap().state(),
         JobState::Completed
     );
+}
+
+/// Pushes and fetches `jobs` jobs of `mail`, ACKs them all at once and
+/// answers the service once every ACK is answered.
+async fn all_fetched_and_acked(linger: Duration, jobs: usize) -> Service {
+    let s = service(|settings| settings.ack_linger = linger).await;
+    let grant = s.api.tokens().identify(None).unwrap();
+    let pushed = (0..jobs)
+        .map(|i| s.job(json!({"type": "email.send", "args": [i], "options": {"queue": "mail"}})))
+        .collect();
+    s.api.push(&grant, pushed).await.unwrap();
+    let mut ids = Vec::new();
+    while ids.len() < jobs {
+        let fetched = s.fetch("mail", WAIT).await;
+        assert!(!fetched.is_empty(), "{} of {jobs} fetched", ids.len());
+        ids.extend(fetched.into_iter().map(|j| j.envelope.id));
+    }
+    assert_eq!(s.broker.in_flight("mail"), jobs);
+    let mut acks = tokio::task::JoinSet::new();
+    for id in ids {
+        let api = s.api.clone();
+        acks.spawn(async move {
+            let grant = api.tokens().identify(None)?;
+            api.ack(&grant, &id, None).await
+        });
+    }
+    let mut completed = 0;
+    while let Some(answer) = acks.join_next().await {
+        assert_eq!(answer.unwrap().unwrap().state(), JobState::Completed);
+        completed += 1;
+    }
+    assert_eq!(completed, jobs);
+    s
+}
+
+/// The broker acks of answered ACKs wait for each other (`ack_linger`),
+/// and a drain sends them at once rather than after the linger: nothing
+/// the workers finished is left held on the broker, to be handed out
+/// again, when the service stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_sends_the_lingering_broker_acks_at_once() {
+    let s = all_fetched_and_acked(Duration::from_secs(600), 300).await;
+    assert_eq!(
+        s.broker.in_flight("mail"),
+        300,
+        "the broker acks wait for the linger"
+    );
+    // A drain that waited for the linger would give up after its own
+    // timeout (10 s) with every ack still waiting.
+    s.api.drain().await;
+    assert_eq!(s.broker.in_flight("mail"), 0, "acks left unsent");
+    assert_eq!(s.broker.depth("mail").await.unwrap(), Some(0));
+}
+
+/// Without a linger each broker ack goes at once; concurrent ones still
+/// share a request where they meet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_linger_every_broker_ack_is_sent() {
+    let s = all_fetched_and_acked(Duration::ZERO, 300).await;
+    s.api.drain().await;
+    assert_eq!(s.broker.in_flight("mail"), 0, "acks left unsent");
+    assert_eq!(s.broker.depth("mail").await.unwrap(), Some(0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -944,17 +944,23 @@ mod tests {
         std::fs::remove_dir_all(dir).ok();
     }
 
+    /// A new broker directory, opened, with `n` messages in queue `q`.
+    fn directory_with_messages(name: &str, n: usize) -> (std::path::PathBuf, Connection) {
+        let dir = temp_dir(name);
+        let mut conn = store::open(&LocalConfig::new(&dir)).unwrap();
+        let messages: Vec<OutgoingMessage> = (0..n)
+            .map(|i| OutgoingMessage::new(format!("m{i}"), OJS_PROTO))
+            .collect();
+        store::insert(&mut conn, "q", &messages).unwrap();
+        (dir, conn)
+    }
+
     /// A claim is prepared once: its time and its count change on every
     /// call, and SQLite would prepare it again each time if its plan
     /// depended on them.
     #[test]
     fn a_claim_is_not_prepared_again_for_new_values() {
-        let dir = temp_dir("reprepare");
-        let mut conn = store::open(&LocalConfig::new(&dir)).unwrap();
-        let messages: Vec<OutgoingMessage> = (0..20)
-            .map(|i| OutgoingMessage::new(format!("m{i}"), OJS_PROTO))
-            .collect();
-        store::insert(&mut conn, "q", &messages).unwrap();
+        let (dir, mut conn) = directory_with_messages("reprepare", 20);
         let mut claimed = 0;
         for max in [1, 2, 3, 5, 1, 4] {
             std::thread::sleep(Duration::from_millis(2));
@@ -971,6 +977,59 @@ mod tests {
                 "the claim was prepared again: {sql}"
             );
         }
+        drop(conn);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// A claim leases the messages it hands out and no other, each under
+    /// its own lease, deadline and delivery limit, counted once: a claim of
+    /// 35, then one of 2, of 40 messages.
+    #[test]
+    fn a_claim_leases_exactly_the_messages_it_hands_out() {
+        let (dir, mut conn) = directory_with_messages("leases", 40);
+        let leases = |conn: &Connection| -> Vec<(i64, Option<i64>, i64, Option<i64>)> {
+            let mut stmt = conn
+                .prepare("SELECT id, lease, deliveries, max_deliveries FROM messages ORDER BY id")
+                .unwrap();
+            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+        };
+        let (first, lease) =
+            store::claim(&mut conn, "q", false, 35, Duration::from_secs(30), Some(7)).unwrap();
+        let (second, again) =
+            store::claim(&mut conn, "q", false, 2, Duration::from_secs(60), None).unwrap();
+        assert_eq!((first.len(), second.len()), (35, 2));
+        let rows = leases(&conn);
+        assert_eq!(rows.len(), 40);
+        for (i, (id, held, deliveries, max)) in rows.iter().enumerate() {
+            let expected = match i {
+                0..35 => (Some(lease), 1, Some(7)),
+                35..37 => (Some(again), 1, None),
+                _ => (None, 0, None),
+            };
+            assert_eq!(
+                (*held, *deliveries, *max),
+                expected,
+                "message {i} (row {id})"
+            );
+        }
+        let ids: Vec<i64> = first.iter().chain(&second).map(|c| c.id).collect();
+        assert_eq!(ids, rows[..37].iter().map(|r| r.0).collect::<Vec<_>>());
+        // Each lease runs until its own deadline.
+        let deadline = |lease: i64| -> (i64, i64) {
+            conn.query_row(
+                "SELECT min(visible_at), max(visible_at) FROM messages WHERE lease = ?1",
+                [lease],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap()
+        };
+        let ((a, b), (c, d)) = (deadline(lease), deadline(again));
+        assert_eq!(a, b, "one deadline for the whole claim");
+        assert_eq!(c, d);
+        assert!(c - a >= 29_000, "{a} then {c}");
         drop(conn);
         std::fs::remove_dir_all(dir).ok();
     }

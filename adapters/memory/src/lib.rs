@@ -94,6 +94,14 @@ impl MemoryAdapter {
         self
     }
 
+    /// Messages of `queue` handed out and not settled yet, leases past
+    /// their deadline included (what a broker's management view calls
+    /// unacknowledged): what a test reads to see that a consumer settled
+    /// what it took.
+    pub fn in_flight(&self, queue: &str) -> usize {
+        self.broker.queue(queue).lock().in_flight.len()
+    }
+
     fn check_open(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             Err(Error::Closed)

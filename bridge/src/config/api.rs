@@ -70,6 +70,12 @@ pub struct ApiConfig {
     /// `0s`: they go back to the broker at once. Default `10s`.
     #[serde(default = "default_drain_timeout", with = "duration_text")]
     pub drain_timeout: Duration,
+    /// How long the broker ack of a finished job waits for others to be
+    /// sent with it (one request or commit for them all); the job is
+    /// finished in the store when its ACK is answered. `0ms`: each is sent
+    /// at once. At most `1s`. Default `2ms`.
+    #[serde(default = "default_ack_linger", with = "duration_text")]
+    pub ack_linger: Duration,
     /// Most values (arrays, objects and their members) one JSON body may
     /// hold, counted on its bytes before it is parsed; more is 400.
     /// Default 200000.
@@ -234,6 +240,9 @@ fn default_visibility_timeout() -> Duration {
 fn default_drain_timeout() -> Duration {
     ojs_api::ApiSettings::default().drain_timeout
 }
+fn default_ack_linger() -> Duration {
+    ojs_api::ApiSettings::default().ack_linger
+}
 fn default_max_json_values() -> usize {
     ojs_api::ApiSettings::default().max_json_values
 }
@@ -392,6 +401,7 @@ impl ApiConfig {
             health_token,
             visibility_timeout: self.visibility_timeout,
             drain_timeout: self.drain_timeout,
+            ack_linger: self.ack_linger,
             max_json_values: self.max_json_values,
             max_body_bytes_in_flight: self.max_body_bytes_in_flight,
             body_timeout: self.body_timeout,
@@ -470,6 +480,11 @@ impl ApiConfig {
         }
         if self.visibility_timeout < Duration::from_secs(1) {
             errors.push(invalid("api.visibility_timeout", "must be at least 1s"));
+        }
+        if self.ack_linger > Duration::from_secs(1) {
+            // Past a second the broker's copy of a finished job lingers
+            // long enough to come back on a short visibility timeout.
+            errors.push(invalid("api.ack_linger", "must be at most 1s"));
         }
         if self.max_json_values < 100 {
             errors.push(invalid("api.max_json_values", "must be at least 100"));

@@ -175,6 +175,14 @@ mod rules {
         assert!(settings.allow_reset);
         let defaults = api_settings(crons);
         assert!(!defaults.allow_reset, "a reset is refused unless enabled");
+        assert_eq!(defaults.ack_linger, Duration::from_millis(2));
+        for (line, linger) in [
+            ("ack_linger = \"0ms\"", Duration::ZERO),
+            ("ack_linger = \"1s\"", Duration::from_secs(1)),
+        ] {
+            let set = crons.replace("max_crons = 5", line);
+            assert_eq!(api_settings(&set).ack_linger, linger, "{line}");
+        }
         for (line, field) in [
             ("max_event_streams = 0", "api.max_event_streams"),
             ("max_event_streams = 100001", "api.max_event_streams"),
@@ -184,6 +192,8 @@ mod rules {
             ),
             ("allow_reset = \"yes\"", "allow_reset"),
             ("max_held_bytes = 1023", "api.max_held_bytes"),
+            ("ack_linger = \"1001ms\"", "api.ack_linger"),
+            ("ack_linger = \"soon\"", "ack_linger"),
         ] {
             let bad = crons.replace("max_crons = 5", line);
             let text = parse_built(&bad, "t", &[]).unwrap_err().to_string();
