@@ -802,6 +802,9 @@ fn event(
     data: &EventData,
 ) -> Result<(), StoreError> {
     let seq = prepared.next_event.get();
+    // Bound through `params!` rather than [`bind_event`] (the same order,
+    // for the 16-row statement): one `raw_bind_parameter` a value cost a
+    // FETCH + ACK 1.3k instructions more an event.
     prepared.run(&prepared.event, |s| {
         s.execute(params![
             seq,
