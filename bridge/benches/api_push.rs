@@ -421,13 +421,13 @@ fn main() {
         println!(
             "OJS API PUSH: {single} single pushes, {batches} batches of {BATCH}, {CONNECTIONS} connections, median of {rounds} rounds"
         );
-        let only_kafka = std::env::var("OJS_API_BENCH_ONLY").is_ok_and(|v| v == "kafka");
+        let embedded = common::runs("embedded");
         let mut hellos = Vec::new();
-        for _ in 0..if only_kafka { 0 } else { rounds } {
+        for _ in 0..if embedded { rounds } else { 0 } {
             let h = hello();
             hellos.push(http_load(h.addr, "/ojs/v1/jobs", single, 1, single_body).await);
         }
-        if !only_kafka {
+        if embedded {
         let hello_single = median(hellos);
         line("hello-world endpoint, same HTTP stack", &hello_single, None);
 
@@ -451,7 +451,9 @@ fn main() {
         let reachable = ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::Kafka)
             .await
             .is_some();
-        if reachable {
+        if !common::runs("kafka") {
+            println!("Kafka: skipped (OJS_API_BENCH_ONLY)");
+        } else if reachable {
             let topic = format!("bench-{}-{{queue}}", uuid::Uuid::new_v4().simple());
             let threads = std::env::var("OJS_API_BENCH_THREADS")
                 .map(|n| format!("worker_threads = {n}\n"))

@@ -482,8 +482,7 @@ fn main() {
             None,
         );
         println!("  (the HTTP ceiling: the daemon's HTTP stack answering at once, same client)");
-        let only_kafka = std::env::var("OJS_API_BENCH_ONLY").is_ok_and(|v| v == "kafka");
-        if !only_kafka {
+        if common::runs("embedded") {
             backend(
                 "embedded broker (local:)",
                 "embedded",
@@ -496,7 +495,9 @@ fn main() {
         }
         let kafka = std::env::var("OJS_BRIDGE_TEST_KAFKA_URL")
             .unwrap_or_else(|_| "kafka://127.0.0.1:9092".into());
-        if ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::Kafka)
+        if !common::runs("kafka") {
+            println!("Kafka: skipped (OJS_API_BENCH_ONLY)");
+        } else if ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::Kafka)
             .await
             .is_some()
         {

@@ -281,8 +281,8 @@ fn main() {
         .unwrap();
     runtime.block_on(async {
         println!("OJS workflows: {chains} chains of {STEPS} steps, {WORKERS} workers fetching {FETCH} at a time");
-        if std::env::var("OJS_API_BENCH_ONLY").is_ok_and(|v| v == "kafka") {
-            println!("embedded broker: skipped (OJS_API_BENCH_ONLY=kafka)");
+        if !common::runs("embedded") {
+            println!("embedded broker: skipped (OJS_API_BENCH_ONLY)");
         } else {
             case(
                 "embedded broker (local:)",
@@ -294,7 +294,9 @@ fn main() {
         }
         let kafka = std::env::var("OJS_BRIDGE_TEST_KAFKA_URL")
             .unwrap_or_else(|_| "kafka://127.0.0.1:9092".into());
-        if ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::Kafka)
+        if !common::runs("kafka") {
+            println!("Kafka: skipped (OJS_API_BENCH_ONLY)");
+        } else if ojs_bridge_tests::brokers::find(ojs_bridge_tests::brokers::Broker::Kafka)
             .await
             .is_some()
         {

@@ -31,6 +31,7 @@ mod config;
 mod consume;
 mod group;
 mod publish;
+mod row_headers;
 mod store;
 
 use std::collections::HashSet;
@@ -335,12 +336,12 @@ mod tests {
         .unwrap();
     }
 
-    /// Opening a directory of schema 1 moves it to schema 4 with nothing
+    /// Opening a directory of schema 1 moves it to the current schema with nothing
     /// lost or reordered: each queue delivers what it held, in its order,
     /// scheduled and leased messages stay invisible, dead letters stay
     /// dead, and no id handed out before is given again.
     #[tokio::test]
-    async fn a_schema_1_database_is_moved_to_schema_4_with_its_messages() {
+    async fn a_schema_1_database_is_moved_to_the_current_schema_with_its_messages() {
         let dir = temp_dir("schema-1");
         write_schema_1(&dir.join(DATABASE_FILE));
         let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
@@ -386,7 +387,7 @@ mod tests {
                 .collect();
             (version, ids)
         };
-        assert_eq!(version, 4);
+        assert_eq!(version, store::SCHEMA_VERSION);
         assert!(
             ids.len() == 1 && ids[0] > 90,
             "the new message's id: {ids:?}"
@@ -399,7 +400,7 @@ mod tests {
         drop((c, dead, other));
         a.close().await.unwrap();
         drop(a);
-        // Opened again, it is schema 4 already and opens as it is.
+        // Opened again, it has the current schema already and opens as it is.
         let again = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
         let counts: (i64, i64) = again
             .inner
@@ -477,7 +478,7 @@ mod tests {
                 .collect();
             (version, indexes)
         };
-        assert_eq!(version, 4);
+        assert_eq!(version, store::SCHEMA_VERSION);
         assert_eq!(
             indexes,
             ["messages_leased", "messages_ready", "messages_waiting"]
@@ -540,7 +541,7 @@ mod tests {
                 waiting_index_sql(&conn),
             )
         };
-        assert_eq!(version, 4);
+        assert_eq!(version, store::SCHEMA_VERSION);
         assert!(sql.contains("visible_at > enqueued_at"), "{sql}");
         let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
         let got = c.receive(10, Duration::ZERO).await.unwrap();
@@ -550,6 +551,109 @@ mod tests {
             "the scheduled one is not due"
         );
         drop((got, c));
+        a.close().await.unwrap();
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// Headers are written as `row_headers`' BLOB; a directory of schema 4,
+    /// whose rows hold them as JSON text, opens as schema 5 with its rows
+    /// as they were: each delivers its headers, a dead-lettered one keeps
+    /// them beside its reason (written anew as a BLOB), and a message
+    /// published after it is stored as a BLOB.
+    #[tokio::test]
+    async fn a_schema_4_database_with_json_headers_delivers_them() {
+        let dir = temp_dir("schema-4");
+        let path = dir.join(DATABASE_FILE);
+        let with = |n: &str| {
+            let mut m = OutgoingMessage::new(n.to_owned(), OJS_PROTO);
+            m.headers.insert("traceparent", format!("t-{n}"));
+            m.headers.insert("x-bytes", vec![0u8, 200, 7]);
+            m
+        };
+        {
+            let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+            a.publish("q", vec![with("one"), with("two")])
+                .await
+                .unwrap();
+            a.close().await.unwrap();
+        }
+        {
+            // What schema 4 wrote: the same headers as a JSON object.
+            let c = Connection::open(&path).unwrap();
+            let rows: Vec<(i64, Vec<u8>)> = c
+                .prepare("SELECT id, headers FROM messages WHERE typeof(headers) = 'blob'")
+                .unwrap()
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            assert_eq!(rows.len(), 2, "both stored as a BLOB");
+            for (id, blob) in rows {
+                let headers = row_headers::decode(rusqlite::types::ValueRef::Blob(&blob));
+                let json = serde_json::to_string(&headers).unwrap();
+                c.execute(
+                    "UPDATE messages SET headers = ?2 WHERE id = ?1",
+                    rusqlite::params![id, json],
+                )
+                .unwrap();
+            }
+            c.execute_batch("PRAGMA user_version = 4;").unwrap();
+        }
+        let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
+        let version: i64 = a
+            .inner
+            .lock()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, 5);
+        let mut c = a.consumer("q", ConsumerOptions::default()).await.unwrap();
+        let got = c.receive(10, Duration::ZERO).await.unwrap();
+        assert_eq!(got.len(), 2);
+        for (d, n) in got.iter().zip(["one", "two"]) {
+            assert_eq!(&d.payload[..], n.as_bytes());
+            assert_eq!(d.headers, with(n).headers, "{n}");
+        }
+        let mut got = got.into_iter();
+        let first = got.next().unwrap();
+        first
+            .nack(Nack::DeadLetter(ojs_queue::DeadLetterReason::new(
+                "test.reason",
+                "dead-lettered after the move",
+            )))
+            .await
+            .unwrap();
+        let mut dead = dead_letters(&a, "q").await;
+        let back = dead.receive(10, Duration::ZERO).await.unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].headers.get_str("traceparent"), Some("t-one"));
+        assert_eq!(
+            back[0]
+                .headers
+                .get("x-bytes")
+                .map(|v| v.as_bytes().to_vec()),
+            Some(vec![0u8, 200, 7])
+        );
+        assert!(
+            back[0].headers.len() > with("one").headers.len(),
+            "the reason beside them: {:?}",
+            back[0].headers
+        );
+        a.publish("q", vec![with("three")]).await.unwrap();
+        let types: Vec<String> = a
+            .inner
+            .lock()
+            .prepare("SELECT typeof(headers) FROM messages ORDER BY id")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(
+            types,
+            ["blob", "text", "blob"],
+            "dead-lettered, untouched, new"
+        );
+        drop((got, back, c, dead));
         a.close().await.unwrap();
         std::fs::remove_dir_all(dir).ok();
     }
@@ -621,7 +725,10 @@ mod tests {
         drop(LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap());
         Connection::open(&path)
             .unwrap()
-            .execute_batch("PRAGMA user_version = 5;")
+            .execute_batch(&format!(
+                "PRAGMA user_version = {};",
+                store::SCHEMA_VERSION + 1
+            ))
             .unwrap();
         let before = std::fs::read(&path).unwrap();
         let err = LocalAdapter::open(LocalConfig::new(&dir))
@@ -629,7 +736,10 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
         assert!(
-            err.to_string().contains("schema version 5 is newer"),
+            err.to_string().contains(&format!(
+                "schema version {} is newer",
+                store::SCHEMA_VERSION + 1
+            )),
             "{err}"
         );
         assert_eq!(std::fs::read(&path).unwrap(), before, "not modified");

@@ -16,18 +16,22 @@ use ojs_queue::{BrokerErrorKind, DeadLetterReason, Error, Headers, OutgoingMessa
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use crate::config::{Durability, LocalConfig};
+use crate::row_headers;
 
 /// `PRAGMA application_id` of our databases ("OJSB"), so a foreign SQLite
 /// file is recognised instead of being written to.
 pub(crate) const APPLICATION_ID: i64 = 0x4F4A_5342;
-/// Schema version in `PRAGMA user_version`. 4: the index of times a
+/// Schema version in `PRAGMA user_version`. 5: a message's headers are
+/// written as a BLOB of lengths and bytes (`row_headers`), rows of earlier
+/// versions keep their JSON text and are read as they are (the version
+/// says that a build which reads only JSON must not open the file); 4: the index of times a
 /// message becomes deliverable holds only messages delayed past their
 /// publish (scheduled, retried later, given back), not every message
 /// published for now; 3: the indexes a claim and a waiting consumer read
 /// hold only messages not leased; 2: messages name their queue by an
 /// integer id (table `queues`); 1 named it by its text, which every step of
 /// every index lookup compared as text.
-const SCHEMA_VERSION: i64 = 4;
+pub(crate) const SCHEMA_VERSION: i64 = 5;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS queues (
@@ -45,6 +49,8 @@ CREATE TABLE IF NOT EXISTS messages (
     -- max_deliveries of the consumer holding the lease (NULL = unlimited)
     max_deliveries INTEGER,
     payload     BLOB    NOT NULL,
+    -- row_headers' BLOB (a JSON object as TEXT in rows from before schema
+    -- 5); TEXT affinity stores a BLOB as it is
     headers     TEXT    NOT NULL,
     msg_key     TEXT,
     message_id  TEXT,
@@ -267,7 +273,7 @@ fn prepare_schema(conn: &mut Connection, path: &Path) -> Result<()> {
             path = %path.display(),
             from = version,
             to = SCHEMA_VERSION,
-            "the embedded broker's database has the indexes of its new schema"
+            "the embedded broker's database has its new schema"
         );
     }
     tx.execute_batch(&format!(
@@ -436,8 +442,7 @@ fn bind_row(
     now: i64,
 ) -> Result<()> {
     let visible_at = m.deliver_at.map_or(now, |t| t.timestamp_millis().max(now));
-    let headers = serde_json::to_string(&m.headers)
-        .map_err(|e| Error::broker("local", e.to_string(), false))?;
+    let headers = row_headers::encode(&m.headers);
     let at = before + 1;
     (|| {
         stmt.raw_bind_parameter(at, queue_id)?;
@@ -460,12 +465,6 @@ pub(crate) struct Claimed {
     pub key: Option<Bytes>,
     pub message_id: Option<String>,
     pub deliveries: u32,
-}
-
-fn parse_headers(text: &str) -> Headers {
-    // Headers are written by this module; a row edited by hand into invalid
-    // JSON still delivers its body rather than being stuck forever.
-    serde_json::from_str(text).unwrap_or_default()
 }
 
 /// The messages not leased that a claim takes, in delivery order: highest
@@ -560,7 +559,7 @@ fn claimable(
                 Claimed {
                     id: r.get(0)?,
                     payload: Bytes::from(r.get::<_, Vec<u8>>(1)?),
-                    headers: parse_headers(&r.get::<_, String>(2)?),
+                    headers: row_headers::decode(r.get_ref(2)?),
                     key: match r.get_ref(3)? {
                         rusqlite::types::ValueRef::Text(b) | rusqlite::types::ValueRef::Blob(b) => {
                             Some(Bytes::copy_from_slice(b))
@@ -580,7 +579,7 @@ fn claimable(
 }
 
 fn sweep_exhausted(conn: &Connection, queue_id: i64, now: i64) -> Result<()> {
-    let exhausted: Vec<(i64, String, i64)> = {
+    let exhausted: Vec<(i64, Headers, i64)> = {
         let mut stmt = conn
             .prepare_cached(
                 "SELECT id, headers, deliveries FROM messages INDEXED BY messages_leased
@@ -590,13 +589,12 @@ fn sweep_exhausted(conn: &Connection, queue_id: i64, now: i64) -> Result<()> {
             .map_err(db_error)?;
         let rows = stmt
             .query_map(params![queue_id, now], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                Ok((r.get(0)?, row_headers::decode(r.get_ref(1)?), r.get(2)?))
             })
             .map_err(db_error)?;
         rows.collect::<rusqlite::Result<_>>().map_err(db_error)?
     };
-    for (id, headers, deliveries) in exhausted {
-        let mut headers = parse_headers(&headers);
+    for (id, mut headers, deliveries) in exhausted {
         exhausted_reason(deliveries).write_headers(&mut headers);
         move_to_dead(conn, id, &headers)?;
     }
@@ -611,12 +609,11 @@ fn exhausted_reason(deliveries: i64) -> DeadLetterReason {
 }
 
 fn move_to_dead(conn: &Connection, id: i64, headers: &Headers) -> Result<()> {
-    let text =
-        serde_json::to_string(headers).map_err(|e| Error::broker("local", e.to_string(), false))?;
+    let stored = row_headers::encode(headers);
     conn.prepare_cached(
         "UPDATE messages SET dead = 1, lease = NULL, max_deliveries = NULL, visible_at = 0, deliveries = 0, headers = ?2 WHERE id = ?1",
     )
-    .and_then(|mut s| s.execute(params![id, text]))
+    .and_then(|mut s| s.execute(params![id, stored]))
     .map_err(db_error)?;
     Ok(())
 }
@@ -678,22 +675,21 @@ pub(crate) fn ack_many(conn: &mut Connection, acks: &[(i64, i64)]) -> Result<Vec
 
 pub(crate) fn retry(conn: &mut Connection, id: i64, lease: i64, delay: Duration) -> Result<()> {
     let tx = write_transaction(conn)?;
-    let row: Option<(String, i64, Option<i64>)> = tx
+    let row: Option<(Headers, i64, Option<i64>)> = tx
         .prepare_cached(
             "SELECT headers, deliveries, max_deliveries FROM messages WHERE id = ?1 AND lease = ?2",
         )
         .and_then(|mut s| {
             s.query_row(params![id, lease], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                Ok((row_headers::decode(r.get_ref(0)?), r.get(1)?, r.get(2)?))
             })
             .optional()
         })
         .map_err(db_error)?;
-    let Some((headers, deliveries, max_deliveries)) = row else {
+    let Some((mut headers, deliveries, max_deliveries)) = row else {
         return Err(Error::DeliveryExpired);
     };
     if max_deliveries.is_some_and(|max| deliveries >= max) {
-        let mut headers = parse_headers(&headers);
         exhausted_reason(deliveries).write_headers(&mut headers);
         move_to_dead(&tx, id, &headers)?;
     } else {
@@ -714,14 +710,18 @@ pub(crate) fn dead_letter(
     reason: &DeadLetterReason,
 ) -> Result<()> {
     let tx = write_transaction(conn)?;
-    let headers: Option<String> = tx
+    let headers: Option<Headers> = tx
         .prepare_cached("SELECT headers FROM messages WHERE id = ?1 AND lease = ?2")
-        .and_then(|mut s| s.query_row(params![id, lease], |r| r.get(0)).optional())
+        .and_then(|mut s| {
+            s.query_row(params![id, lease], |r| {
+                Ok(row_headers::decode(r.get_ref(0)?))
+            })
+            .optional()
+        })
         .map_err(db_error)?;
-    let Some(headers) = headers else {
+    let Some(mut headers) = headers else {
         return Err(Error::DeliveryExpired);
     };
-    let mut headers = parse_headers(&headers);
     reason.write_headers(&mut headers);
     move_to_dead(&tx, id, &headers)?;
     tx.commit().map_err(db_error)

@@ -156,6 +156,17 @@ pub fn line(what: &str, m: &Measured, against: Option<&Measured>) {
     );
 }
 
+/// Whether a backend's case runs: `OJS_API_BENCH_ONLY=embedded|kafka`
+/// runs that one alone (unset: both). Any other value is refused, so that
+/// a misspelt backend does not quietly run none or both.
+pub fn runs(backend: &str) -> bool {
+    match std::env::var("OJS_API_BENCH_ONLY") {
+        Err(_) => true,
+        Ok(only) if only == "embedded" || only == "kafka" => only == backend,
+        Ok(other) => panic!("OJS_API_BENCH_ONLY={other}: embedded or kafka"),
+    }
+}
+
 /// The embedded adapter in a fresh directory that lives as long as the
 /// bench (the adapter-alone side of the API benches).
 pub async fn local_adapter() -> std::sync::Arc<dyn ojs_queue::QueueAdapter> {

@@ -9,7 +9,9 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use ojs_adapter_local::{LocalAdapter, LocalConfig};
 use ojs_bridge_tests::brokers::{find, unique_queue, Broker};
+use ojs_queue::QueueAdapter;
 use serde_json::{json, Value};
 
 use crate::ojs_server::{post_json, push_all, tally, work_across, OjsServer};
@@ -174,6 +176,83 @@ async fn kill_9_with_active_jobs_loses_none_on_rabbitmq() {
         rabbit.url
     );
     kill_9_with_active_jobs(Some(config), "kill -9 holding 60 active jobs, RabbitMQ").await;
+}
+
+/// ACKs answered while their broker acks still wait in the daemon's queue
+/// (`[api] ack_linger`, here its longest, 1 s) when it is killed: the
+/// store said completed before each answer, so the broker's copies that
+/// come back after the restart are settled and handed to no worker. None
+/// completed twice, none lost, each acked job still attempt 1 with its
+/// result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_with_broker_acks_lingering_completes_none_twice() {
+    let what = "kill -9 with 40 broker acks lingering, embedded";
+    let config = "[adapters]\nlocal = \"local:./ojs-bridge-data\"\n[api]\nadapter = \"local\"\nvisibility_timeout = \"3s\"\nack_linger = \"1s\"\n".to_owned();
+    let server = OjsServer::start(Some(&config)).await;
+    let queue = "lingering";
+    let sent = push_all(server.addr, queue, 100, json!({})).await;
+    let mut held = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while held.len() < 60 && Instant::now() < deadline {
+        held.extend(fetch(&server, queue, 60 - held.len(), "w1").await);
+    }
+    assert_eq!(held.len(), 60, "{what}: 60 jobs active before the acks");
+    let held: Vec<String> = held
+        .iter()
+        .map(|j| j["id"].as_str().unwrap().to_owned())
+        .collect();
+    let acked: HashSet<String> = held[..40].iter().cloned().collect();
+    // All 40 at once, so that they are answered well inside the linger.
+    let addr = server.addr;
+    let answers = futures::future::join_all(acked.iter().map(|id| async move {
+        let body = json!({"job_id": id, "worker_id": "w1", "result": {"first": true}});
+        post_json(addr, "/ojs/v1/workers/ack", &body).await
+    }))
+    .await;
+    for a in &answers {
+        assert_eq!(a.status, 200, "{:?}", a.body);
+    }
+    let dir = server.kill();
+    // What the broker still held at the kill, once the dead process's
+    // leases ran out (3 s): the 40 never fetched, the 20 fetched and not
+    // acked, and the acked ones whose broker acks were still waiting.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let data = dir.path().join("ojs-bridge-data");
+    let broker = LocalAdapter::open(LocalConfig::new(&data)).await.unwrap();
+    let on_the_broker = broker.depth(queue).await.unwrap().unwrap_or(0);
+    broker.close().await.unwrap();
+    println!("{what}: {on_the_broker} of 100 messages on the broker after the kill (60 unless acks were waiting)");
+    assert!(
+        on_the_broker > 60,
+        "{what}: no broker ack was waiting at the kill, so this test did not test it"
+    );
+    let server = OjsServer::start_in(dir, Some(&config)).await;
+    let completed = work_across(&[server.addr], queue, 2, sent.len() - acked.len()).await;
+    let mut all = completed.clone();
+    all.extend(acked.iter().cloned());
+    let (duplicated, lost) = tally(what, &sent, &all);
+    assert_eq!(lost, 0, "{what}: jobs lost");
+    assert_eq!(duplicated, 0, "{what}: jobs completed twice");
+    // Past the visibility timeout nothing more comes: every broker copy of
+    // an acked job was settled, not left to come back.
+    let late = fetch(&server, queue, 10, "late").await;
+    assert!(
+        late.is_empty(),
+        "{what}: fetched after all were done: {late:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let late = fetch(&server, queue, 10, "late").await;
+    assert!(
+        late.is_empty(),
+        "{what}: fetched after the visibility timeout: {late:?}"
+    );
+    for id in &acked {
+        let job = info(&server, id).await;
+        assert_eq!(job["state"], "completed", "{job}");
+        assert_eq!(job["attempt"], 1, "{job}");
+        assert_eq!(job["result"], json!({"first": true}), "{job}");
+    }
+    server.stop();
 }
 
 pub(crate) fn rabbit_config(rabbit_url: &str, prefix: &str) -> String {
