@@ -248,6 +248,19 @@ mod tests {
         dir
     }
 
+    /// The one text column of every row `sql` reads from the adapter's
+    /// database.
+    fn texts(a: &LocalAdapter, sql: &str) -> Vec<String> {
+        a.inner
+            .lock()
+            .prepare(sql)
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
     async fn dead_letters(a: &LocalAdapter, queue: &str) -> Box<dyn Consumer> {
         let options = ConsumerOptions {
             source: Source::DeadLetters,
@@ -639,15 +652,7 @@ mod tests {
             back[0].headers
         );
         a.publish("q", vec![with("three")]).await.unwrap();
-        let types: Vec<String> = a
-            .inner
-            .lock()
-            .prepare("SELECT typeof(headers) FROM messages ORDER BY id")
-            .unwrap()
-            .query_map([], |r| r.get(0))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
+        let types = texts(&a, "SELECT typeof(headers) FROM messages ORDER BY id");
         assert_eq!(
             types,
             ["blob", "text", "blob"],
@@ -753,16 +758,7 @@ mod tests {
     async fn names_of_deleted_and_empty_queues_do_not_accumulate() {
         let dir = temp_dir("queue-names");
         let a = LocalAdapter::open(LocalConfig::new(&dir)).await.unwrap();
-        let names = |a: &LocalAdapter| -> Vec<String> {
-            a.inner
-                .lock()
-                .prepare("SELECT name FROM queues ORDER BY name")
-                .unwrap()
-                .query_map([], |r| r.get(0))
-                .unwrap()
-                .map(Result::unwrap)
-                .collect()
-        };
+        let names = |a: &LocalAdapter| texts(a, "SELECT name FROM queues ORDER BY name");
         for q in ["reply-1", "reply-2", "kept", "emptied"] {
             a.publish(q, vec![OutgoingMessage::new(q.to_owned(), OJS_PROTO)])
                 .await

@@ -24,8 +24,8 @@ pub(crate) const APPLICATION_ID: i64 = 0x4F4A_5342;
 /// Schema version in `PRAGMA user_version`. 5: a message's headers are
 /// written as a BLOB of lengths and bytes (`row_headers`), rows of earlier
 /// versions keep their JSON text and are read as they are (the version
-/// says that a build which reads only JSON must not open the file); 4: the index of times a
-/// message becomes deliverable holds only messages delayed past their
+/// says that a build which reads only JSON must not open the file); 4:
+/// the index of times a message becomes deliverable holds only messages delayed past their
 /// publish (scheduled, retried later, given back), not every message
 /// published for now; 3: the indexes a claim and a waiting consumer read
 /// hold only messages not leased; 2: messages name their queue by an
@@ -675,21 +675,24 @@ pub(crate) fn ack_many(conn: &mut Connection, acks: &[(i64, i64)]) -> Result<Vec
 
 pub(crate) fn retry(conn: &mut Connection, id: i64, lease: i64, delay: Duration) -> Result<()> {
     let tx = write_transaction(conn)?;
-    let row: Option<(Headers, i64, Option<i64>)> = tx
+    // The headers are read as stored and decoded only for a move to the
+    // dead letters: a retry leaves them as they are.
+    let row: Option<(rusqlite::types::Value, i64, Option<i64>)> = tx
         .prepare_cached(
             "SELECT headers, deliveries, max_deliveries FROM messages WHERE id = ?1 AND lease = ?2",
         )
         .and_then(|mut s| {
             s.query_row(params![id, lease], |r| {
-                Ok((row_headers::decode(r.get_ref(0)?), r.get(1)?, r.get(2)?))
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
             })
             .optional()
         })
         .map_err(db_error)?;
-    let Some((mut headers, deliveries, max_deliveries)) = row else {
+    let Some((stored, deliveries, max_deliveries)) = row else {
         return Err(Error::DeliveryExpired);
     };
     if max_deliveries.is_some_and(|max| deliveries >= max) {
+        let mut headers = row_headers::decode((&stored).into());
         exhausted_reason(deliveries).write_headers(&mut headers);
         move_to_dead(&tx, id, &headers)?;
     } else {

@@ -27,6 +27,25 @@ async fn fetch(server: &OjsServer, queue: &str, count: usize, worker: &str) -> V
     a.json()["jobs"].as_array().cloned().unwrap_or_default()
 }
 
+/// The ids of `n` jobs fetched by `worker` (active now), within 30 s.
+async fn fetch_ids(
+    server: &OjsServer,
+    queue: &str,
+    n: usize,
+    worker: &str,
+    what: &str,
+) -> Vec<String> {
+    let mut jobs = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while jobs.len() < n && Instant::now() < deadline {
+        jobs.extend(fetch(server, queue, n - jobs.len(), worker).await);
+    }
+    assert_eq!(jobs.len(), n, "{what}: {n} jobs active");
+    jobs.iter()
+        .map(|j| j["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
 async fn workers_share_a_queue(config: Option<String>, what: &str) {
     let server = OjsServer::start(config.as_deref()).await;
     let queue = "work";
@@ -133,15 +152,9 @@ async fn kill_9_with_active_jobs(config: Option<String>, what: &str) {
     let server = OjsServer::start(config.as_deref()).await;
     let queue = "held";
     let sent = push_all(server.addr, queue, 100, json!({})).await;
-    let mut first = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while first.len() < 60 && Instant::now() < deadline {
-        first.extend(fetch(&server, queue, 60 - first.len(), "doomed").await);
-    }
-    assert_eq!(first.len(), 60, "{what}: 60 jobs active before the kill");
-    let held: HashSet<String> = first
-        .iter()
-        .map(|j| j["id"].as_str().unwrap().to_owned())
+    let held: HashSet<String> = fetch_ids(&server, queue, 60, "doomed", what)
+        .await
+        .into_iter()
         .collect();
     let dir = server.kill();
     let server = OjsServer::start_in(dir, config.as_deref()).await;
@@ -191,16 +204,7 @@ async fn kill_9_with_broker_acks_lingering_completes_none_twice() {
     let server = OjsServer::start(Some(&config)).await;
     let queue = "lingering";
     let sent = push_all(server.addr, queue, 100, json!({})).await;
-    let mut held = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while held.len() < 60 && Instant::now() < deadline {
-        held.extend(fetch(&server, queue, 60 - held.len(), "w1").await);
-    }
-    assert_eq!(held.len(), 60, "{what}: 60 jobs active before the acks");
-    let held: Vec<String> = held
-        .iter()
-        .map(|j| j["id"].as_str().unwrap().to_owned())
-        .collect();
+    let held = fetch_ids(&server, queue, 60, "w1", what).await;
     let acked: HashSet<String> = held[..40].iter().cloned().collect();
     // All 40 at once, so that they are answered well inside the linger.
     let addr = server.addr;
