@@ -99,6 +99,21 @@ impl Job {
             // Every stored envelope was validated before it was stored.
             _ => Map::new(),
         };
+        // The binding writes every timestamp with milliseconds; the
+        // envelope's own JSON leaves them out on a whole second.
+        let e = &self.envelope;
+        for (k, t) in [
+            ("scheduled_at", e.scheduled_at),
+            ("expires_at", e.expires_at),
+            ("created_at", e.created_at),
+            ("enqueued_at", e.enqueued_at),
+            ("started_at", e.started_at),
+            ("completed_at", e.completed_at),
+        ] {
+            if let Some(t) = t {
+                v.insert(k.into(), json!(timestamp(t)));
+            }
+        }
         v.entry("meta").or_insert_with(|| json!({}));
         v.entry("priority").or_insert(json!(0));
         v.entry("attempt").or_insert(json!(0));
@@ -131,16 +146,17 @@ impl serde::Serialize for JobJson<'_> {
         let extra = |k: &str| k != crate::dead::PUBLISHING && job.extra.contains_key(k);
         let (mut meta, mut priority, mut attempt, mut tags) = (false, false, false, false);
         let mut m = s.serialize_map(None)?;
-        job.envelope.write_json_entries(&mut m, |k| {
-            match k {
-                "meta" => meta = true,
-                "priority" => priority = true,
-                "attempt" => attempt = true,
-                "tags" => tags = true,
-                _ => {}
-            }
-            k != "max_attempts" && !extra(k)
-        })?;
+        job.envelope
+            .write_json_entries(&mut m, SecondsFormat::Millis, |k| {
+                match k {
+                    "meta" => meta = true,
+                    "priority" => priority = true,
+                    "attempt" => attempt = true,
+                    "tags" => tags = true,
+                    _ => {}
+                }
+                k != "max_attempts" && !extra(k)
+            })?;
         let empty: &[Value] = &[];
         if !meta && !extra("meta") {
             m.serialize_entry("meta", &Map::new())?;
@@ -849,6 +865,17 @@ mod tests {
                 let written: Value = serde_json::from_str(&text)
                     .map_err(|e| ApiError::invalid("", e.to_string()))?;
                 assert_eq!(written, job.to_json(), "{text}");
+                // Every time here is on a whole second, which the
+                // envelope's own JSON writes without a fraction; the
+                // binding writes milliseconds all the same.
+                assert_eq!(written["created_at"], "2026-11-26T10:00:00.000Z", "{text}");
+                assert_eq!(written["started_at"], "2026-11-26T10:00:00.000Z", "{text}");
+                if job.envelope.scheduled_at.is_some() {
+                    assert_eq!(
+                        written["scheduled_at"], "2030-01-01T00:00:00.000Z",
+                        "{text}"
+                    );
+                }
                 let keys = keys_as_written(&text);
                 let unique: std::collections::BTreeSet<&String> = keys.iter().collect();
                 assert_eq!(keys.len(), unique.len(), "a key written twice: {text}");

@@ -60,12 +60,18 @@ impl JobEnvelope {
     /// each one only if `keep` says so: `keep` sees every key about to be
     /// written. For an object that adds to the envelope's or overrides
     /// some of its entries, written without a `Value` tree in between.
+    ///
+    /// `times` is how its timestamps are written: the envelope's own JSON
+    /// writes the fewest digits that keep a time exact
+    /// ([`SecondsFormat::AutoSi`]: none on a whole second), a binding that
+    /// promises milliseconds passes [`SecondsFormat::Millis`].
     pub fn write_json_entries<M: SerializeMap>(
         &self,
         map: &mut M,
+        times: SecondsFormat,
         mut keep: impl FnMut(&str) -> bool,
     ) -> std::result::Result<(), M::Error> {
-        write_entries(self, map, &mut keep)
+        write_entries(self, map, times, &mut keep)
     }
 
     /// Validates and encodes as a JSON value.
@@ -583,14 +589,14 @@ fn decode_error(map: Map<String, Value>) -> Result<JobError> {
 // ---- encoding -----------------------------------------------------------------
 
 struct JsonView<'a>(&'a JobEnvelope);
-struct Ts<'a>(&'a DateTime<Utc>);
+struct Ts<'a>(&'a DateTime<Utc>, SecondsFormat);
 struct RetryView<'a>(&'a RetryPolicy);
 struct UniqueView<'a>(&'a UniquePolicy);
 struct ErrorView<'a>(&'a JobError);
 
 impl Serialize for Ts<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        crate::timestamp::with_rfc3339(self.0, SecondsFormat::AutoSi, |text| s.serialize_str(text))
+        crate::timestamp::with_rfc3339(self.0, self.1, |text| s.serialize_str(text))
     }
 }
 
@@ -615,9 +621,10 @@ fn put_ts<M: SerializeMap>(
     keep: Keep<'_>,
     k: &str,
     t: &Option<DateTime<Utc>>,
+    times: SecondsFormat,
 ) -> std::result::Result<(), M::Error> {
     if let Some(t) = t {
-        put(m, keep, k, &Ts(t))?;
+        put(m, keep, k, &Ts(t, times))?;
     }
     Ok(())
 }
@@ -649,7 +656,7 @@ fn put_str<M: SerializeMap>(
 impl Serialize for JsonView<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         let mut m = s.serialize_map(None)?;
-        write_entries(self.0, &mut m, &mut |_| true)?;
+        write_entries(self.0, &mut m, SecondsFormat::AutoSi, &mut |_| true)?;
         m.end()
     }
 }
@@ -657,6 +664,7 @@ impl Serialize for JsonView<'_> {
 fn write_entries<M: SerializeMap>(
     j: &JobEnvelope,
     m: &mut M,
+    times: SecondsFormat,
     keep: Keep<'_>,
 ) -> std::result::Result<(), M::Error> {
     use serde::ser::Error as _;
@@ -670,8 +678,8 @@ fn write_entries<M: SerializeMap>(
     }
     put_i32(m, keep, "priority", j.priority)?;
     put_i32(m, keep, "timeout", j.timeout)?;
-    put_ts(m, keep, "scheduled_at", &j.scheduled_at)?;
-    put_ts(m, keep, "expires_at", &j.expires_at)?;
+    put_ts(m, keep, "scheduled_at", &j.scheduled_at, times)?;
+    put_ts(m, keep, "expires_at", &j.expires_at, times)?;
     if let Some(p) = &j.retry {
         put(m, keep, "retry", &RetryView(p))?;
     }
@@ -691,10 +699,10 @@ fn write_entries<M: SerializeMap>(
         put(m, keep, "state", name)?;
     }
     put_i32(m, keep, "attempt", j.attempt)?;
-    put_ts(m, keep, "created_at", &j.created_at)?;
-    put_ts(m, keep, "enqueued_at", &j.enqueued_at)?;
-    put_ts(m, keep, "started_at", &j.started_at)?;
-    put_ts(m, keep, "completed_at", &j.completed_at)?;
+    put_ts(m, keep, "created_at", &j.created_at, times)?;
+    put_ts(m, keep, "enqueued_at", &j.enqueued_at, times)?;
+    put_ts(m, keep, "started_at", &j.started_at, times)?;
+    put_ts(m, keep, "completed_at", &j.completed_at, times)?;
     if let Some(e) = &j.error {
         put(m, keep, "error", &ErrorView(e))?;
     }
