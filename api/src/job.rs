@@ -99,12 +99,12 @@ impl Job {
             // Every stored envelope was validated before it was stored.
             _ => Map::new(),
         };
-        // The binding writes every timestamp with milliseconds; the
-        // envelope's own JSON leaves them out on a whole second.
+        // The binding writes the lifecycle times with milliseconds; the
+        // envelope's own JSON leaves them out on a whole second. A time
+        // the client gave (`scheduled_at`, `expires_at`) comes back as it
+        // was given, which the official cases compare as text.
         let e = &self.envelope;
         for (k, t) in [
-            ("scheduled_at", e.scheduled_at),
-            ("expires_at", e.expires_at),
             ("created_at", e.created_at),
             ("enqueued_at", e.enqueued_at),
             ("started_at", e.started_at),
@@ -867,14 +867,12 @@ mod tests {
                 assert_eq!(written, job.to_json(), "{text}");
                 // Every time here is on a whole second, which the
                 // envelope's own JSON writes without a fraction; the
-                // binding writes milliseconds all the same.
+                // binding writes the lifecycle times with milliseconds
+                // all the same, and a client's own time as it was given.
                 assert_eq!(written["created_at"], "2026-11-26T10:00:00.000Z", "{text}");
                 assert_eq!(written["started_at"], "2026-11-26T10:00:00.000Z", "{text}");
                 if job.envelope.scheduled_at.is_some() {
-                    assert_eq!(
-                        written["scheduled_at"], "2030-01-01T00:00:00.000Z",
-                        "{text}"
-                    );
+                    assert_eq!(written["scheduled_at"], "2030-01-01T00:00:00Z", "{text}");
                 }
                 let keys = keys_as_written(&text);
                 let unique: std::collections::BTreeSet<&String> = keys.iter().collect();

@@ -61,10 +61,13 @@ impl JobEnvelope {
     /// written. For an object that adds to the envelope's or overrides
     /// some of its entries, written without a `Value` tree in between.
     ///
-    /// `times` is how its timestamps are written: the envelope's own JSON
-    /// writes the fewest digits that keep a time exact
+    /// `times` is how the lifecycle timestamps (`created_at`,
+    /// `enqueued_at`, `started_at`, `completed_at`) are written: the
+    /// envelope's own JSON writes the fewest digits that keep a time exact
     /// ([`SecondsFormat::AutoSi`]: none on a whole second), a binding that
     /// promises milliseconds passes [`SecondsFormat::Millis`].
+    /// `scheduled_at` and `expires_at` are times a client gives, so they
+    /// are always written exactly, as the client wrote them.
     pub fn write_json_entries<M: SerializeMap>(
         &self,
         map: &mut M,
@@ -678,8 +681,14 @@ fn write_entries<M: SerializeMap>(
     }
     put_i32(m, keep, "priority", j.priority)?;
     put_i32(m, keep, "timeout", j.timeout)?;
-    put_ts(m, keep, "scheduled_at", &j.scheduled_at, times)?;
-    put_ts(m, keep, "expires_at", &j.expires_at, times)?;
+    put_ts(
+        m,
+        keep,
+        "scheduled_at",
+        &j.scheduled_at,
+        SecondsFormat::AutoSi,
+    )?;
+    put_ts(m, keep, "expires_at", &j.expires_at, SecondsFormat::AutoSi)?;
     if let Some(p) = &j.retry {
         put(m, keep, "retry", &RetryView(p))?;
     }
