@@ -82,6 +82,7 @@ impl Api {
         let cron = CronJob::from_json(body, now)?;
         self.check_cron(grant, &cron, now)?;
         let limit = self.settings.max_crons;
+        let _firing = self.cron_firing.lock().await;
         let (cron, new) = self
             .store
             .run(move |tx| {
@@ -171,6 +172,7 @@ impl Api {
         let now = self.now();
         let key = name.to_owned();
         let scope = grant.scope().to_vec();
+        let _firing = self.cron_firing.lock().await;
         let found = self
             .store
             .run(move |tx| {
@@ -201,10 +203,13 @@ impl Api {
     }
 
     /// `DELETE /ojs/v1/cron/{name}`: it fires no more; jobs it pushed stay.
+    /// A slot this process is firing is pushed and recorded before the
+    /// deletion, so no job of it comes after the answer.
     pub async fn delete_cron(&self, grant: &Grant<'_>, name: &str) -> Result<CronJob, ApiError> {
         grant.allow(Operation::Admin)?;
         let key = name.to_owned();
         let scope: Vec<_> = grant.scope().to_vec();
+        let _firing = self.cron_firing.lock().await;
         let removed = self
             .store
             .run(move |tx| {
@@ -276,6 +281,10 @@ impl Api {
                 return Ok(PASS);
             }
         }
+        // A deletion or change waits for the pass, and the pass for it:
+        // what a pass fires is what the cron jobs were when it read them,
+        // and nothing it read outlives a change that answered.
+        let _firing = self.cron_firing.lock().await;
         let crons = self.store.run(|tx| tx.crons()).await?;
         let mut next: Option<DateTime<Utc>> = None;
         for cron in crons {

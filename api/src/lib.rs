@@ -219,6 +219,10 @@ pub struct Api {
     scheduled: Notify,
     /// Wakes the cron loop when a cron job was registered or changed here.
     crons_changed: Notify,
+    /// Held by a pass of the cron loop from reading the cron jobs to
+    /// recording their slots, and by a registration, change or deletion:
+    /// once one of those answers, this process fires only what it wrote.
+    cron_firing: tokio::sync::Mutex<()>,
     /// Queues paused (`queues`): the record alone on the store, the last
     /// read among replicas.
     paused: Mutex<HashSet<String>>,
@@ -358,6 +362,7 @@ impl Api {
             prepared: Mutex::new(HashSet::new()),
             scheduled: Notify::new(),
             crons_changed: Notify::new(),
+            cron_firing: tokio::sync::Mutex::new(()),
             paused: Mutex::new(paused),
             queue_limits: Mutex::new(HashMap::new()),
             workers: worker::Workers::default(),
