@@ -15,7 +15,8 @@
 //!    the PUSH to the FETCH's answer is taken, 200 times (p50/p99);
 //!
 //! on the embedded broker, and on Kafka when a broker answers at
-//! `OJS_BRIDGE_TEST_KAFKA_URL`. The jobs are pushed before each timed run
+//! `OJS_BRIDGE_TEST_KAFKA_URL` (and, asked by `OJS_API_BENCH_ONLY=memory`
+//! alone, on the daemon's in-process memory broker). The jobs are pushed before each timed run
 //! (untimed). The load generator shares the machine's cores with the
 //! daemon; the adapter alone runs in this process.
 //!
@@ -482,6 +483,20 @@ fn main() {
             None,
         );
         println!("  (the HTTP ceiling: the daemon's HTTP stack answering at once, same client)");
+        if common::runs("memory") {
+            // The same daemon on its in-process memory broker: what the
+            // API costs when the broker persists nothing (the bound of
+            // moving the embedded broker's work into the store's commit).
+            backend(
+                "memory broker (in the daemon's process)",
+                "memory",
+                || "[adapters]\nmemory = \"memory://bench\"\n[api]\nadapter = \"memory\"\n".to_owned(),
+                || Box::pin(memory_adapter()),
+                jobs,
+                rounds,
+            )
+            .await;
+        }
         if common::runs("embedded") {
             backend(
                 "embedded broker (local:)",
@@ -532,4 +547,11 @@ fn main() {
         }
     });
     common::remove_adapter_dirs();
+}
+
+/// A memory broker of this process (the adapter-alone side of `memory`).
+async fn memory_adapter() -> Arc<dyn ojs_queue::QueueAdapter> {
+    Arc::new(ojs_adapter_memory::MemoryAdapter::new(
+        ojs_adapter_memory::MemoryConfig::default(),
+    ))
 }
