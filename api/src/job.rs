@@ -94,26 +94,21 @@ impl Job {
 
     /// The binding's Job object.
     pub fn to_json(&self) -> Value {
-        let mut v = match self.envelope.to_json_value() {
+        use serde::ser::{SerializeMap, Serializer};
+        // The envelope's entries as [`JobJson`] writes them (the lifecycle
+        // times with milliseconds). Every stored envelope was validated
+        // before it was stored.
+        let entries = serde_json::value::Serializer
+            .serialize_map(None)
+            .and_then(|mut m| {
+                self.envelope
+                    .write_json_entries(&mut m, SecondsFormat::Millis, |_| true)?;
+                m.end()
+            });
+        let mut v = match entries {
             Ok(Value::Object(m)) => m,
-            // Every stored envelope was validated before it was stored.
             _ => Map::new(),
         };
-        // The binding writes the lifecycle times with milliseconds; the
-        // envelope's own JSON leaves them out on a whole second. A time
-        // the client gave (`scheduled_at`, `expires_at`) comes back as it
-        // was given, which the official cases compare as text.
-        let e = &self.envelope;
-        for (k, t) in [
-            ("created_at", e.created_at),
-            ("enqueued_at", e.enqueued_at),
-            ("started_at", e.started_at),
-            ("completed_at", e.completed_at),
-        ] {
-            if let Some(t) = t {
-                v.insert(k.into(), json!(timestamp(t)));
-            }
-        }
         v.entry("meta").or_insert_with(|| json!({}));
         v.entry("priority").or_insert(json!(0));
         v.entry("attempt").or_insert(json!(0));

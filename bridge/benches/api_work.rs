@@ -16,9 +16,9 @@
 //!
 //! on the embedded broker, and on Kafka when a broker answers at
 //! `OJS_BRIDGE_TEST_KAFKA_URL` (and, asked by `OJS_API_BENCH_ONLY=memory`
-//! alone, on the daemon's in-process memory broker). The jobs are pushed before each timed run
-//! (untimed). The load generator shares the machine's cores with the
-//! daemon; the adapter alone runs in this process.
+//! alone, on the daemon's in-process memory broker). The jobs are pushed
+//! before each timed run (untimed). The load generator shares the
+//! machine's cores with the daemon; the adapter alone runs in this process.
 //!
 //! `cargo bench -p ojs-bridge --bench api_work [-- JOBS [ROUNDS]]`
 //! (default 20000 jobs, 3 rounds, median printed).

@@ -67,7 +67,8 @@ impl JobEnvelope {
     /// ([`SecondsFormat::AutoSi`]: none on a whole second), a binding that
     /// promises milliseconds passes [`SecondsFormat::Millis`].
     /// `scheduled_at` and `expires_at` are times a client gives, so they
-    /// are always written exactly, as the client wrote them.
+    /// are always written exact ([`SecondsFormat::AutoSi`]): one sent on a
+    /// whole second, or with milliseconds, comes back as it was sent.
     pub fn write_json_entries<M: SerializeMap>(
         &self,
         map: &mut M,
