@@ -455,11 +455,8 @@ fn main() {
             println!("Kafka: skipped (OJS_API_BENCH_ONLY)");
         } else if reachable {
             let topic = format!("bench-{}-{{queue}}", uuid::Uuid::new_v4().simple());
-            let threads = std::env::var("OJS_API_BENCH_THREADS")
-                .map(|n| format!("worker_threads = {n}\n"))
-                .unwrap_or_default();
             let config = format!(
-                "{threads}[adapters.kafka]\nurl = \"{kafka}\"\ntopic_template = \"{topic}\"\npartitions = 1\n[api]\nadapter = \"kafka\"\n"
+                "[adapters.kafka]\nurl = \"{kafka}\"\ntopic_template = \"{topic}\"\npartitions = 1\n[api]\nadapter = \"kafka\"\n"
             );
             let url = format!(
                 "{kafka}{}topic_template={topic}&partitions=1",

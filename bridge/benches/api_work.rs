@@ -4,7 +4,9 @@
 //! 1. jobs/s through FETCH → ACK: 16 HTTP workers (keep-alive connections
 //!    into `ojs-bridge run`, the release binary in a process of its own),
 //!    each fetching 10 jobs at a time and acking each, until the queue is
-//!    empty — beside the same jobs received (10 at a time) and acked
+//!    empty (each worker reads an answer into its own types, as a worker
+//!    that declares the fields it uses does: the jobs' ids and arguments,
+//!    the ACK's state) — beside the same jobs received (10 at a time) and acked
 //!    straight through the adapter by one consumer in this process (the
 //!    API holds one per queue), timed from its first batch;
 //!    and the same through the OJS gRPC binding on the same port (16
@@ -28,7 +30,8 @@
 mod common;
 use common::{
     callgrind_available, connect, daemon, daemon_under_callgrind, hello, line, local_adapter,
-    median, median_per_job, post, rss_mib, serve_hello, work_line, Instructions, Measured, Work,
+    median, median_per_job, post, post_text, rss_mib, serve_hello, work_line, Instructions,
+    Measured, Work,
 };
 
 #[global_allocator]
@@ -59,6 +62,26 @@ async fn fill(addr: SocketAddr, queue: &str, n: usize) {
     }
 }
 
+/// What a worker reads of a FETCH's answer: each job's id and arguments
+/// (the rest of each job is skipped, as a worker that declares the fields
+/// it uses reads it).
+#[derive(serde::Deserialize)]
+struct Fetched {
+    jobs: Vec<FetchedJob>,
+}
+
+#[derive(serde::Deserialize)]
+struct FetchedJob {
+    id: String,
+    args: Vec<Value>,
+}
+
+/// What a worker reads of an ACK's answer.
+#[derive(serde::Deserialize)]
+struct Acked {
+    state: String,
+}
+
 /// 16 HTTP workers FETCH (10 at a time) and ACK until `n` jobs are done;
 /// timed from the answer of the first FETCH that got jobs (a Kafka group
 /// join is not the rate).
@@ -79,24 +102,26 @@ async fn http_work(addr: SocketAddr, n: usize) -> Measured {
             let mut sender = connect(addr).await;
             let mut latencies = Vec::new();
             let worker = format!("bench-{w}");
+            let fetch =
+                json!({"queues": [QUEUE], "count": FETCH, "worker_id": worker, "wait_ms": 200})
+                    .to_string();
             while done.load(Ordering::Relaxed) < n {
                 let t = Instant::now();
-                let (status, body) = post(
-                    &mut sender,
-                    "/ojs/v1/workers/fetch",
-                    json!({"queues": [QUEUE], "count": FETCH, "worker_id": worker, "wait_ms": 200}),
-                )
-                .await;
-                assert_eq!(status, 200, "{body}");
-                let jobs = body["jobs"].as_array().cloned().unwrap_or_default();
+                let (status, fetched, body) =
+                    post_text::<Fetched>(&mut sender, "/ojs/v1/workers/fetch", fetch.clone()).await;
+                let jobs = match fetched {
+                    Some(f) if status == 200 => f.jobs,
+                    _ => panic!("FETCH answered {status}: {body:?}"),
+                };
                 for job in &jobs {
-                    let (status, body) = post(
-                        &mut sender,
-                        "/ojs/v1/workers/ack",
-                        json!({"job_id": job["id"]}),
-                    )
-                    .await;
-                    assert_eq!(status, 200, "{body}");
+                    assert_eq!(job.args.len(), 2, "{:?}", job.args);
+                    let ack = json!({"job_id": job.id}).to_string();
+                    let (status, acked, body) =
+                        post_text::<Acked>(&mut sender, "/ojs/v1/workers/ack", ack).await;
+                    match acked {
+                        Some(a) if status == 200 && a.state == "completed" => {}
+                        _ => panic!("ACK answered {status}: {body:?}"),
+                    }
                 }
                 if jobs.is_empty() {
                     if started.lock().unwrap().is_some() {

@@ -51,7 +51,11 @@ pub fn daemon_under_callgrind(config: &str) -> Server {
 fn spawn_daemon(config: &str, under_callgrind: bool) -> Server {
     let dir = ojs_bridge_tests::tempdir::TempDir::new("api-bench");
     let file = dir.path().join("bridge.toml");
-    std::fs::write(&file, config).unwrap();
+    // `OJS_API_BENCH_THREADS=N`: the daemon's runtime with N threads.
+    let threads = std::env::var("OJS_API_BENCH_THREADS")
+        .map(|n| format!("worker_threads = {n}\n"))
+        .unwrap_or_default();
+    std::fs::write(&file, format!("{threads}{config}")).unwrap();
     let program = env!("CARGO_BIN_EXE_ojs-bridge");
     let mut command = if under_callgrind {
         let mut c = Command::new("valgrind");
@@ -317,6 +321,28 @@ pub async fn post(
         status,
         serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
     )
+}
+
+/// A POST of `body` (JSON text) on `sender`'s connection: the status and
+/// the answer read into `T`, as a worker reads it into its own types: the
+/// fields it uses, the rest of the answer skipped (`None` when the answer
+/// is not a `T`, an error's body say).
+pub async fn post_text<T: serde::de::DeserializeOwned>(
+    sender: &mut hyper::client::conn::http1::SendRequest<http_body_util::Full<bytes::Bytes>>,
+    path: &str,
+    body: String,
+) -> (u16, Option<T>, bytes::Bytes) {
+    use http_body_util::BodyExt;
+    let request = hyper::Request::post(path)
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    sender.ready().await.unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&bytes).ok(), bytes)
 }
 
 /// A GET on `sender`'s connection: the status and the answer.
