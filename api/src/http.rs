@@ -189,7 +189,7 @@ fn serialized_response(
     // Room for a job from the start (a vector grown from serde's 128
     // bytes was reallocated three times for one job, six for ten).
     let mut bytes = Vec::with_capacity(ANSWER_ROOM);
-    if serde_json::to_writer(&mut bytes, body).is_err() {
+    if ojs_core::json_out::write(&mut bytes, body).is_err() {
         bytes = json_text(&as_value());
     }
     json_bytes_response(status, bytes, request_id)

@@ -21,6 +21,7 @@ mod error;
 #[doc(hidden)]
 pub mod fuzz_targets;
 pub mod glob;
+pub mod json_out;
 pub mod redact;
 pub mod timestamp;
 

@@ -55,12 +55,9 @@ impl EventData {
         if mark > 1 {
             self.0.push(b',');
         }
-        let written = serde_json::to_writer(&mut self.0, key)
-            .and_then(|()| {
-                self.0.push(b':');
-                serde_json::to_writer(&mut self.0, value)
-            })
-            .is_ok();
+        ojs_core::json_out::write_str(&mut self.0, key);
+        self.0.push(b':');
+        let written = ojs_core::json_out::write(&mut self.0, value).is_ok();
         if !written {
             // Only a map with keys that are not strings fails to write,
             // and no event holds one; the field is left out rather than

@@ -1202,7 +1202,7 @@ pub(crate) fn encode(job: &Job) -> Result<(String, String), StoreError> {
         })?;
     // Written straight into a string: `Value`'s `Display` writes the same
     // text through `fmt`'s machinery, and needed the map cloned.
-    let extra = serde_json::to_string(&job.extra).map_err(|e| StoreError::Corrupt {
+    let extra = ojs_core::json_out::to_string(&job.extra).map_err(|e| StoreError::Corrupt {
         id: job.envelope.id.clone(),
         reason: e.to_string(),
     })?;
@@ -1215,7 +1215,7 @@ pub(crate) fn encode(job: &Job) -> Result<(String, String), StoreError> {
 pub(crate) fn json_text(value: &Value) -> String {
     // A `Value`'s keys are strings, so writing it cannot fail; the
     // fallback is the same text by the slower path.
-    serde_json::to_string(value).unwrap_or_else(|_| value.to_string())
+    ojs_core::json_out::to_string(value).unwrap_or_else(|_| value.to_string())
 }
 
 pub(crate) use crate::model::state_name;

@@ -44,7 +44,7 @@ impl JobEnvelope {
     /// Validates and encodes as compact JSON.
     pub fn to_json_vec(&self) -> Result<Vec<u8>> {
         self.validate()?;
-        serde_json::to_vec(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
+        crate::json_out::to_vec(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
     }
 
     /// Validates and encodes as compact JSON text: what
@@ -52,7 +52,7 @@ impl JobEnvelope {
     /// again that the bytes written are UTF-8 (the writer's own text is).
     pub fn to_json_string(&self) -> Result<String> {
         self.validate()?;
-        serde_json::to_string(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
+        crate::json_out::to_string(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
     }
 
     /// Writes the entries of the envelope's JSON object (what
