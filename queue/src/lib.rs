@@ -756,17 +756,27 @@ impl Delivery {
             .collect()
     }
 
-    /// Negative acknowledgement: retry later or dead-letter.
-    pub async fn nack(&self, action: Nack) -> Result<()> {
-        self.begin()?;
-        let view = DeliveryRef {
+    /// The message as received, borrowed.
+    pub fn view(&self) -> DeliveryRef<'_> {
+        DeliveryRef {
             payload: &self.payload,
             headers: &self.headers,
             key: self.key.as_deref(),
             message_id: self.message_id.as_deref(),
             attempt: self.attempt,
-        };
-        let result = self.acker.nack(action, view).await;
+        }
+    }
+
+    /// The message as an outgoing copy, to publish elsewhere (a dead-letter
+    /// destination, another queue).
+    pub fn to_outgoing(&self) -> OutgoingMessage {
+        self.view().to_outgoing()
+    }
+
+    /// Negative acknowledgement: retry later or dead-letter.
+    pub async fn nack(&self, action: Nack) -> Result<()> {
+        self.begin()?;
+        let result = self.acker.nack(action, self.view()).await;
         self.finish(&result, NACKED);
         result
     }
@@ -939,6 +949,12 @@ pub trait QueueAdapter: Send + Sync + fmt::Debug {
         None
     }
 
+    /// This adapter as a broker that moves messages between its own
+    /// queues in one transaction ([`MoveWithin`]), where it is one.
+    fn mover(&self) -> Option<&dyn MoveWithin> {
+        None
+    }
+
     /// Checks the connection to the broker.
     async fn health(&self) -> Health;
 
@@ -948,6 +964,50 @@ pub trait QueueAdapter: Send + Sync + fmt::Debug {
     /// Flushes what was accepted and releases connections. Publishing after
     /// close is [`Error::Closed`].
     async fn close(&self) -> Result<()>;
+}
+
+/// What the planner of a [`MoveWithin::move_within`] makes of one message.
+#[derive(Debug)]
+pub enum MoveTo {
+    /// Published to `queue` of the same broker.
+    Queue {
+        /// The destination queue.
+        queue: String,
+        /// What is published there.
+        message: OutgoingMessage,
+    },
+    /// Moved to the broker's own dead letters of its queue, with the reason.
+    DeadLetter(DeadLetterReason),
+}
+
+/// The planner of a move: one [`MoveTo`] for each delivery, in order. It
+/// runs while the broker holds its write lock: it reads, maps and decides,
+/// and settles nothing itself.
+pub type MovePlanner = Box<dyn FnOnce(&[Delivery]) -> Vec<MoveTo> + Send>;
+
+/// A broker whose queues share one transactional store (the embedded
+/// broker), so that a message can go from one of its queues to another in
+/// one transaction: taken, published, removed, all or none. What a
+/// consumer, a publish and an ack do in three commits with a lease between
+/// them is one commit with none, and a crash leaves each message either
+/// where it was or moved: exactly once.
+#[async_trait]
+pub trait MoveWithin: Send + Sync {
+    /// Takes up to `max` deliverable messages of `queue` (waiting up to
+    /// `wait` for the first, as a consumer's receive does), hands them to
+    /// `plan` as deliveries, and in one transaction publishes what `plan`
+    /// made of each and removes it, or dead-letters it. A message larger
+    /// than the broker takes is dead-lettered (`PayloadTooLarge`). Returns,
+    /// in order, whether each message taken was published (`false`: it was
+    /// dead-lettered); none when nothing came within `wait`. On an error
+    /// nothing was taken.
+    async fn move_within(
+        &self,
+        queue: &str,
+        max: usize,
+        wait: Duration,
+        plan: MovePlanner,
+    ) -> Result<Vec<bool>>;
 }
 
 /// Whether `payload` starts (after white space) with `{`.

@@ -58,6 +58,54 @@ async fn consume_all(adapter: &LocalAdapter, n: usize, concurrent_acks: bool) ->
     started.elapsed()
 }
 
+/// Moves `n` messages from `bench` to `moved` in batches of 512, each copied
+/// as it is: through a consumer, a publish and an ack (as the daemon's
+/// pipeline does), or in one transaction a batch (`MoveWithin`).
+async fn move_all(adapter: &LocalAdapter, n: usize, within: bool) -> Duration {
+    use ojs_queue::{Delivery, MoveTo};
+    let started = Instant::now();
+    let mut done = 0;
+    if within {
+        let mover = adapter.mover().unwrap();
+        while done < n {
+            let moved = mover
+                .move_within(
+                    "bench",
+                    512,
+                    Duration::from_secs(1),
+                    Box::new(|deliveries: &[Delivery]| {
+                        deliveries
+                            .iter()
+                            .map(|d| MoveTo::Queue {
+                                queue: "moved".into(),
+                                message: d.to_outgoing(),
+                            })
+                            .collect()
+                    }),
+                )
+                .await
+                .unwrap();
+            done += moved.len();
+        }
+    } else {
+        let mut consumer = adapter
+            .consumer("bench", ConsumerOptions::default())
+            .await
+            .unwrap();
+        while done < n {
+            let batch = consumer.receive(512, Duration::from_secs(1)).await.unwrap();
+            let copies: Vec<OutgoingMessage> = batch.iter().map(Delivery::to_outgoing).collect();
+            adapter.publish("moved", copies).await.unwrap();
+            let refs: Vec<&Delivery> = batch.iter().collect();
+            for r in Delivery::ack_all(&refs).await {
+                r.unwrap();
+            }
+            done += batch.len();
+        }
+    }
+    started.elapsed()
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let n: usize = std::env::args()
@@ -101,6 +149,21 @@ async fn main() {
         "  consume + one ack at a time  {:>10.0} msg/s  ({sequential:.2?}, {single_n} msgs)",
         rate(single_n, sequential)
     );
+    for within in [false, true, false, true] {
+        for chunk in msgs.chunks(512) {
+            adapter.publish("bench", chunk.to_vec()).await.unwrap();
+        }
+        let moved = move_all(&adapter, n, within).await;
+        println!(
+            "  move to another queue, {:<28} {:>10.0} msg/s  ({moved:.2?})",
+            if within {
+                "one transaction a batch"
+            } else {
+                "consume + publish + ack"
+            },
+            rate(n, moved)
+        );
+    }
     drop(adapter);
     std::fs::remove_dir_all(dir).ok();
 }

@@ -10,7 +10,7 @@ use ojs_queue::{Consumer, ConsumerOptions, Delivery, Result, Source};
 use tokio::time::Instant;
 
 use crate::ack::LocalAcker;
-use crate::{blocking, store, Inner};
+use crate::{blocking, store, wait_for_messages, Inner};
 
 pub(crate) type Held = Arc<Mutex<HashSet<(i64, i64)>>>;
 
@@ -62,36 +62,18 @@ impl Consumer for LocalConsumer {
                 return Ok(claimed
                     .into_iter()
                     .map(|c| {
-                        let mut d = Delivery::new(
-                            c.payload,
-                            c.headers,
-                            c.deliveries,
-                            self.queue.clone(),
-                            Box::new(LocalAcker {
-                                inner: self.inner.clone(),
-                                id: c.id,
-                                lease,
-                                held: self.held.clone(),
-                            }),
-                        );
-                        d.key = c.key;
-                        d.message_id = c.message_id;
-                        d
+                        let acker = Box::new(LocalAcker {
+                            inner: self.inner.clone(),
+                            id: c.id,
+                            lease,
+                            held: self.held.clone(),
+                        });
+                        c.into_delivery(self.queue.clone(), acker)
                     })
                     .collect());
             }
-            let now = Instant::now();
-            if now >= deadline {
+            if !wait_for_messages(&self.inner, notified.as_mut(), next, deadline).await {
                 return Ok(Vec::new());
-            }
-            let mut wake = (now + self.inner.config.poll_interval()).min(deadline);
-            if let Some(at) = next {
-                let until = Duration::from_millis(at.saturating_sub(store::now_ms()).max(0) as u64);
-                wake = wake.min(now + until);
-            }
-            tokio::select! {
-                () = &mut notified => {}
-                () = tokio::time::sleep_until(wake) => {}
             }
         }
     }

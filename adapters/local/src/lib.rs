@@ -30,6 +30,7 @@ mod ack;
 mod config;
 mod consume;
 mod group;
+mod move_;
 mod publish;
 mod row_headers;
 mod store;
@@ -92,6 +93,34 @@ async fn blocking<T: Send + 'static>(
     .map_err(|e| Error::broker("local", format!("store task failed: {e}"), true))?
 }
 
+/// Waits for messages to come, after a look found none: until a publish
+/// or nack of this process (`notified`), the next look for other
+/// processes' messages (`poll_interval_ms`), the time the queue's next
+/// message becomes deliverable (`next`, ms since the epoch), or
+/// `deadline`, whichever is first. `false` when `deadline` had passed.
+async fn wait_for_messages(
+    inner: &Inner,
+    notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+    next: Option<i64>,
+    deadline: tokio::time::Instant,
+) -> bool {
+    let now = tokio::time::Instant::now();
+    if now >= deadline {
+        return false;
+    }
+    let mut wake = (now + inner.config.poll_interval()).min(deadline);
+    if let Some(at) = next {
+        let until =
+            std::time::Duration::from_millis(at.saturating_sub(store::now_ms()).max(0) as u64);
+        wake = wake.min(now + until);
+    }
+    tokio::select! {
+        () = notified => {}
+        () = tokio::time::sleep_until(wake) => {}
+    }
+    true
+}
+
 /// A connection to an embedded broker directory.
 #[derive(Debug)]
 pub struct LocalAdapter {
@@ -140,6 +169,10 @@ impl QueueAdapter for LocalAdapter {
 
     fn max_message_bytes(&self) -> usize {
         self.inner.config.max_message_bytes
+    }
+
+    fn mover(&self) -> Option<&dyn ojs_queue::MoveWithin> {
+        Some(self)
     }
 
     #[tracing::instrument(skip_all, fields(queue = %queue, count = messages.len()))]

@@ -12,7 +12,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ojs_queue::{BrokerErrorKind, DeadLetterReason, Error, Headers, OutgoingMessage, Result};
+use ojs_queue::{
+    BrokerErrorKind, DeadLetterReason, Error, Headers, MoveTo, OutgoingMessage, Result,
+};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use crate::config::{Durability, LocalConfig};
@@ -467,6 +469,21 @@ pub(crate) struct Claimed {
     pub deliveries: u32,
 }
 
+impl Claimed {
+    /// The message as a delivery of `queue`, settled through `acker`.
+    pub(crate) fn into_delivery(
+        self,
+        queue: std::sync::Arc<str>,
+        acker: Box<dyn ojs_queue::Acknowledger>,
+    ) -> ojs_queue::Delivery {
+        let mut d =
+            ojs_queue::Delivery::new(self.payload, self.headers, self.deliveries, queue, acker);
+        d.key = self.key;
+        d.message_id = self.message_id;
+        d
+    }
+}
+
 /// The messages not leased that a claim takes, in delivery order: highest
 /// priority, then oldest. Read first and then leased one by one by their
 /// row id: an `UPDATE … WHERE id IN (SELECT …) RETURNING …` built two
@@ -521,15 +538,7 @@ pub(crate) fn claim(
     // of sorting every visible row. The messages not leased and those whose
     // lease ran out are each read in that order and merged: the first `max`
     // of both.
-    let ready = claimable(&tx, CLAIM, queue_id, dead, now, max)?;
-    let expired = claimable(&tx, CLAIM_EXPIRED, queue_id, dead, now, max)?;
-    let claimed: Vec<Claimed> = if expired.is_empty() {
-        ready.into_iter().map(|(c, _)| c).collect()
-    } else {
-        let mut both: Vec<(Claimed, i64)> = ready.into_iter().chain(expired).collect();
-        both.sort_by_key(|(c, priority)| (std::cmp::Reverse(*priority), c.id));
-        both.into_iter().take(max).map(|(c, _)| c).collect()
-    };
+    let claimed = deliverable(&tx, queue_id, dead, now, max)?;
     if !claimed.is_empty() {
         let deadline = now.saturating_add(visibility.as_millis() as i64);
         let mut stmt = tx.prepare_cached(LEASE).map_err(db_error)?;
@@ -540,6 +549,106 @@ pub(crate) fn claim(
     }
     tx.commit().map_err(db_error)?;
     Ok((claimed, lease))
+}
+
+/// Takes up to `max` deliverable messages of `queue` as [`claim`] would,
+/// hands them to `plan`, and in the same transaction publishes what `plan`
+/// made of each (one `MoveTo` a message, in order) and removes it, or
+/// moves it to the dead letters: no lease, no ack, one commit. A message
+/// larger than `max_bytes` goes to the dead letters instead
+/// (`PayloadTooLarge`, as a publish refuses it). Any failure leaves every
+/// message where it was. Returns, in order, whether each message taken was
+/// published (`false`: dead-lettered).
+pub(crate) fn move_batch(
+    conn: &mut Connection,
+    queue: &str,
+    max: usize,
+    max_bytes: usize,
+    plan: impl FnOnce(Vec<Claimed>) -> Vec<MoveTo>,
+) -> Result<Vec<bool>> {
+    let now = now_ms();
+    let tx = write_transaction(conn)?;
+    let Some(queue_id) = queue_id(&tx, queue)? else {
+        return Ok(Vec::new());
+    };
+    sweep_exhausted(&tx, queue_id, now)?;
+    let taken = deliverable(&tx, queue_id, false, now, max)?;
+    if taken.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows: Vec<(i64, Headers)> = taken.iter().map(|c| (c.id, c.headers.clone())).collect();
+    let planned = plan(taken);
+    if planned.len() != rows.len() {
+        return Err(Error::broker(
+            "local",
+            format!(
+                "a move planned {} messages of the {} it took",
+                planned.len(),
+                rows.len()
+            ),
+            false,
+        ));
+    }
+    // Publishes by destination queue, in the order they were taken.
+    let mut by_queue: Vec<(String, Vec<OutgoingMessage>)> = Vec::new();
+    let mut published = Vec::with_capacity(rows.len());
+    let mut gone = Vec::with_capacity(rows.len());
+    for ((id, mut headers), to) in rows.into_iter().zip(planned) {
+        let reason = match to {
+            MoveTo::Queue { queue, message } => match message.check_size(max_bytes) {
+                Ok(()) => {
+                    match by_queue.iter_mut().find(|(q, _)| *q == queue) {
+                        Some((_, messages)) => messages.push(message),
+                        None => by_queue.push((queue, vec![message])),
+                    }
+                    published.push(true);
+                    gone.push(id);
+                    continue;
+                }
+                Err(e) => {
+                    DeadLetterReason::of(ojs_queue::DeadLetterKind::PayloadTooLarge, e.to_string())
+                }
+            },
+            MoveTo::DeadLetter(reason) => reason,
+        };
+        reason.write_headers(&mut headers);
+        move_to_dead(&tx, id, &headers)?;
+        published.push(false);
+    }
+    for (queue, messages) in &by_queue {
+        insert_rows(&tx, queue, messages, now)?;
+    }
+    {
+        let mut delete = tx
+            .prepare_cached("DELETE FROM messages WHERE id = ?1")
+            .map_err(db_error)?;
+        for id in gone {
+            delete.execute([id]).map_err(db_error)?;
+        }
+    }
+    tx.commit().map_err(db_error)?;
+    Ok(published)
+}
+
+/// The first `max` messages of a queue (or its dead letters) a claim
+/// takes, in delivery order: those not leased and those whose lease ran
+/// out, each read in that order from its own index and merged.
+fn deliverable(
+    tx: &Connection,
+    queue_id: i64,
+    dead: bool,
+    now: i64,
+    max: usize,
+) -> Result<Vec<Claimed>> {
+    let ready = claimable(tx, CLAIM, queue_id, dead, now, max)?;
+    let expired = claimable(tx, CLAIM_EXPIRED, queue_id, dead, now, max)?;
+    Ok(if expired.is_empty() {
+        ready.into_iter().map(|(c, _)| c).collect()
+    } else {
+        let mut both: Vec<(Claimed, i64)> = ready.into_iter().chain(expired).collect();
+        both.sort_by_key(|(c, priority)| (std::cmp::Reverse(*priority), c.id));
+        both.into_iter().take(max).map(|(c, _)| c).collect()
+    })
 }
 
 /// Up to `max` messages of `sql` ([`CLAIM`] or [`CLAIM_EXPIRED`]), each

@@ -92,15 +92,7 @@ pub(super) async fn dead_letter(ctx: &SourceCtx, d: Delivery, reason: DeadLetter
             }
         }
         Some((adapter, queue)) => {
-            let mut copy = OutgoingMessage {
-                payload: d.payload.clone(),
-                headers: d.headers.clone(),
-                key: d.key.clone(),
-                message_id: d.message_id.clone(),
-                priority: 0,
-                deliver_at: None,
-                envelope: None,
-            };
+            let mut copy = d.to_outgoing();
             reason.write_headers(&mut copy.headers);
             let mut attempt = 0;
             let mut trimmed = DeadLetterTrim::Whole;

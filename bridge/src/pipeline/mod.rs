@@ -14,7 +14,9 @@
 //!    adapter's own, with the reason, retried while the destination fails.
 //!
 //! Every source message is acked only after its sink confirmed it (or its
-//! dead-letter copy was confirmed): at least once.
+//! dead-letter copy was confirmed): at least once. A source whose routes
+//! all stay on its own embedded broker runs as [`move_within`] instead:
+//! each batch taken, published and removed in one transaction.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,6 +30,7 @@ use crate::metrics::{Metrics, RouteMetrics};
 use crate::routes::Route;
 
 mod dead_letter;
+mod move_within;
 mod plan;
 mod publish;
 mod receive;

@@ -32,11 +32,11 @@ pub(super) struct Outgoing {
 }
 
 /// Where a planned message goes and what it is.
-struct Destination<'a> {
-    route: usize,
-    queue: Cow<'a, str>,
-    message: OutgoingMessage,
-    created_ms: Option<i64>,
+pub(super) struct Destination<'a> {
+    pub(super) route: usize,
+    pub(super) queue: Cow<'a, str>,
+    pub(super) message: OutgoingMessage,
+    pub(super) created_ms: Option<i64>,
 }
 
 /// A batch planned: its messages grouped by destination, and what cannot
@@ -91,7 +91,7 @@ pub(super) fn plan_batch(ctx: &SourceCtx, deliveries: Vec<Delivery>) -> Planned<
 }
 
 /// Where a delivery goes and what it becomes — or why it cannot go.
-fn plan<'a>(
+pub(super) fn plan<'a>(
     ctx: &'a SourceCtx,
     d: &Delivery,
     job_types: &mut JobTypes,

@@ -25,6 +25,11 @@ pub(crate) async fn run_source(
     mut stop: watch::Receiver<bool>,
     drain: Duration,
 ) {
+    if super::move_within::runs_as_moves(&ctx)
+        && super::move_within::run_moves(&ctx, &mut stop).await
+    {
+        return;
+    }
     let options = ConsumerOptions {
         group: ctx.config.group.clone(),
         visibility_timeout: ctx.config.visibility_timeout,

@@ -510,6 +510,9 @@ enum KillSource {
     Broker(Broker),
     /// An embedded broker of the test's own.
     Local,
+    /// The sink's own embedded broker, one adapter for both: the route
+    /// runs as moves within it (`ojs_queue::MoveWithin`), exactly once.
+    SinkItself,
 }
 
 /// When the daemon process is killed.
@@ -534,8 +537,11 @@ async fn sigkill_at_30_percent(source_kind: KillSource, tag: &str, n: usize, at:
             endpoint.url
         }
         KillSource::Local => format!("local:{}", dir.path().join("source").display()),
+        KillSource::SinkItself => format!("local:{}", dir.path().join("sink").display()),
     };
     let data = dir.path().join("sink");
+    let within = matches!(source_kind, KillSource::SinkItself);
+    let route_sink = if within { "broker" } else { "sink" };
     let queue = unique_queue(&format!("faults-kill-{tag}"));
     let config = dir.path().join("bridge.toml");
     std::fs::write(
@@ -556,7 +562,7 @@ async fn sigkill_at_30_percent(source_kind: KillSource, tag: &str, n: usize, at:
             visibility_timeout = "5s"
             [[routes]]
             name = "to-local"
-            sink = "sink"
+            sink = "{route_sink}"
             queue = "jobs"
             "#,
             data = data.display()
@@ -659,8 +665,22 @@ async fn sigkill_at_30_percent(source_kind: KillSource, tag: &str, n: usize, at:
         .await,
     );
     println!("{tag}: killed ({at:?}) with {at_kill} of {n} at the sink");
-    tally(&sent, &jobs)
-        .assert_none_lost(&format!("{tag} source: SIGKILL at 30 % ({at:?}), restart"));
+    let t = tally(&sent, &jobs);
+    t.assert_none_lost(&format!("{tag} source: SIGKILL at 30 % ({at:?}), restart"));
+    if within {
+        assert!(
+            (at_kill as usize) < n,
+            "{tag}: every call was moved before the kill: nothing tested"
+        );
+        // Each call was taken, published and removed in one transaction:
+        // the kill left it either a call or a job, never both.
+        assert_eq!(t.duplicates(), 0, "{tag}: moved twice: {t}");
+        assert_eq!(
+            source.depth(&queue).await.unwrap(),
+            Some(0),
+            "{tag}: calls left"
+        );
+    }
     source.close().await.unwrap();
     sink.close().await.unwrap();
 }
@@ -711,6 +731,14 @@ async fn sigkill_at_30_percent_with_an_sqs_source() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_30_percent_with_an_embedded_source() {
     sigkill_at_30_percent(KillSource::Local, "local", 10_000, KillAt::Running).await;
+}
+
+/// A route from one queue of the embedded broker to another of the same
+/// one runs as moves: killed at 30 % and restarted, no call is lost and
+/// none becomes a job twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_30_percent_within_one_embedded_broker_moves_each_call_once() {
+    sigkill_at_30_percent(KillSource::SinkItself, "within", 50_000, KillAt::Running).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
