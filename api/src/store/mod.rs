@@ -1313,10 +1313,12 @@ pub(crate) fn record_alone(
     t: &model::Transition,
     now: DateTime<Utc>,
 ) -> Result<(), StoreError> {
-    tx.save(&t.job, t.finished)?;
+    // The events first: the embedded store lists their numbers on the
+    // job's row with the save, not with a write of their own.
     for e in &t.events {
         tx.event(e.kind, &t.job.envelope, now, &e.data)?;
     }
+    tx.save(&t.job, t.finished)?;
     // A job filed under rate-limit keys that stops running (or waiting)
     // frees its place there in the same transaction.
     if t.job.extra.contains_key(RATE_FILED)

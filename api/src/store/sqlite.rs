@@ -60,8 +60,12 @@ const APPLICATION_ID: i64 = 0x4f4a_5341;
 /// `jobs_due` on every job's state and due time, which each change of state
 /// rewrote), 11 numbers events itself (`events` without `AUTOINCREMENT`,
 /// the highest number given kept in `meta` when events are deleted) and
-/// indexes them by job (`events_job`: deleting a job read every event).
-const SCHEMA_VERSION: i64 = 11;
+/// indexes them by job (`events_job`: deleting a job read every event), 12
+/// keeps the numbers of a job's events on its row (`jobs.event_seqs`) in
+/// place of that index, which every event's insert paid for (5 % of a
+/// FETCH + ACK's instructions): a row is written with each of its job's
+/// transitions anyway.
+const SCHEMA_VERSION: i64 = 12;
 /// Requests one commit takes at most.
 const MAX_GROUP: usize = 4096;
 
@@ -75,7 +79,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     finished_ms INTEGER,
     envelope    TEXT NOT NULL,
     extra       TEXT NOT NULL DEFAULT '{}',
-    dead        INTEGER NOT NULL DEFAULT 0
+    dead        INTEGER NOT NULL DEFAULT 0,
+    event_seqs  TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS jobs_scheduled ON jobs (due_ms) WHERE state = 'scheduled';
 CREATE INDEX IF NOT EXISTS jobs_dead ON jobs (finished_ms) WHERE dead = 1;
@@ -101,7 +106,6 @@ CREATE TABLE IF NOT EXISTS events (
     time_ms  INTEGER NOT NULL,
     data     TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS events_job ON events (job_id);
 INSERT OR IGNORE INTO meta (key, value) VALUES ('events_through', 0);
 CREATE TABLE IF NOT EXISTS workers (
     id      TEXT PRIMARY KEY,
@@ -183,6 +187,16 @@ INSERT INTO events_numbered (seq, type, job_id, queue, job_type, time_ms, data)
     SELECT seq, type, job_id, queue, job_type, time_ms, data FROM events ORDER BY seq;
 DROP TABLE events;
 ALTER TABLE events_numbered RENAME TO events;
+";
+
+/// From version 11 (or before): each job's row lists the numbers of its
+/// events (`,12,15,19`), found once through the index of the log by job
+/// (or, before version 11, one sort of the log); that index goes after.
+const LIST_JOB_EVENTS: &str = "
+ALTER TABLE jobs ADD COLUMN event_seqs TEXT NOT NULL DEFAULT '';
+UPDATE jobs SET event_seqs = listed.seqs
+    FROM (SELECT job_id, group_concat(',' || seq, '') AS seqs FROM events GROUP BY job_id) AS listed
+    WHERE jobs.id = listed.job_id;
 ";
 
 /// Appends one event under the number the writer gives it.
@@ -487,6 +501,18 @@ impl SqliteStore {
                 "INSERT OR REPLACE INTO meta (key, value) VALUES ('events_through', ?1)",
                 params![given],
             )?;
+        }
+        if (1..12).contains(&version) {
+            // A file set back to an older version keeps its newer columns.
+            let listed: bool = tx.query_row(
+                "SELECT count(*) > 0 FROM pragma_table_info('jobs') WHERE name = 'event_seqs'",
+                [],
+                |r| r.get(0),
+            )?;
+            if !listed {
+                tx.execute_batch(LIST_JOB_EVENTS)?;
+            }
+            tx.execute_batch("DROP INDEX IF EXISTS events_job;")?;
         }
         tx.execute_batch(SCHEMA)?;
         if version < 9 {
@@ -996,9 +1022,11 @@ fn insert(
         None
     };
     while let (Some(chunk), Some((insert_many, event_many))) = (chunks.next(), many.as_mut()) {
+        // Each row lists the number its event gets below.
+        let seq = prepared.next_event.get();
         let inserted = (|| {
             for (i, row) in chunk.iter().enumerate() {
-                row.bind(insert_many, i * JOB_COLUMNS)?;
+                row.bind(insert_many, i * JOB_COLUMNS, seq + i as i64)?;
             }
             insert_many.raw_execute()
         })();
@@ -1007,13 +1035,12 @@ fn insert(
             // The statement changed nothing: its rows one at a time name
             // the stored id.
             Err(e) if is_primary_key(&e) => {
-                for row in chunk {
-                    insert_row(prepared, row)?;
+                for (i, row) in chunk.iter().enumerate() {
+                    insert_row(prepared, row, seq + i as i64)?;
                 }
             }
             Err(e) => return Err(e.into()),
         }
-        let seq = prepared.next_event.get();
         (|| {
             for (i, row) in chunk.iter().enumerate() {
                 let (name, time, data) = &events[at + i];
@@ -1034,7 +1061,7 @@ fn insert(
         at += chunk.len();
     }
     for (row, (name, time, data)) in chunks.remainder().iter().zip(&events[at..]) {
-        insert_row(prepared, row)?;
+        insert_row(prepared, row, prepared.next_event.get())?;
         event(prepared, name, &row.subject(), *time, data)?;
     }
     for (queue, created) in queues {
@@ -1049,7 +1076,7 @@ fn insert(
 /// 4 single rows, not 100.
 const ROWS_PER_INSERT: usize = 16;
 /// The `?` of one row of [`INSERT_JOB`].
-const JOB_COLUMNS: usize = 8;
+const JOB_COLUMNS: usize = 9;
 /// The `?` of one row of [`INSERT_EVENT`].
 const EVENT_COLUMNS: usize = 7;
 
@@ -1093,8 +1120,14 @@ impl NewJobRow<'_> {
     }
 
     /// Binds the row's values after parameter `before` of `s`, in
-    /// [`INSERT_JOB`]'s order.
-    fn bind(&self, s: &mut rusqlite::Statement<'_>, before: usize) -> rusqlite::Result<()> {
+    /// [`INSERT_JOB`]'s order; `event` is the number of the job's first
+    /// event (written after the row).
+    fn bind(
+        &self,
+        s: &mut rusqlite::Statement<'_>,
+        before: usize,
+        event: i64,
+    ) -> rusqlite::Result<()> {
         let e = &self.job.envelope;
         let at = before + 1;
         s.raw_bind_parameter(at, self.seq)?;
@@ -1104,7 +1137,8 @@ impl NewJobRow<'_> {
         s.raw_bind_parameter(at + 4, due_ms(self.job))?;
         s.raw_bind_parameter(at + 5, self.created)?;
         s.raw_bind_parameter(at + 6, &self.envelope)?;
-        s.raw_bind_parameter(at + 7, &self.extra)
+        s.raw_bind_parameter(at + 7, &self.extra)?;
+        s.raw_bind_parameter(at + 8, listed(event).as_str())
     }
 }
 
@@ -1113,11 +1147,12 @@ fn is_primary_key(e: &rusqlite::Error) -> bool {
         .is_some_and(|f| f.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_PRIMARYKEY)
 }
 
-/// Inserts one new job's row; a stored id is [`StoreError::Duplicate`].
-fn insert_row(prepared: &Prepared<'_>, row: &NewJobRow<'_>) -> Result<(), StoreError> {
+/// Inserts one new job's row, its first event numbered `event`; a stored
+/// id is [`StoreError::Duplicate`].
+fn insert_row(prepared: &Prepared<'_>, row: &NewJobRow<'_>, event: i64) -> Result<(), StoreError> {
     prepared
         .run(&prepared.insert, |s| {
-            row.bind(s, 0)?;
+            row.bind(s, 0, event)?;
             s.raw_execute()
         })
         .map_err(|err| {
@@ -1158,33 +1193,14 @@ fn insert_new(
         });
     }
     let mut seq = next_seq;
-    let answered = claim_unique_keys(
-        &mut SqliteTx {
-            conn: prepared.conn,
-            prepared,
-            next_seq: &mut seq,
-            outbox: Vec::new(),
-            tally,
-            loaded: Vec::new(),
-        },
-        jobs,
-        uniques,
-    )?;
+    let mut tx = SqliteTx::new(prepared.conn, prepared, &mut seq, tally);
+    let answered = claim_unique_keys(&mut tx, jobs, uniques)?;
+    tx.list_events()?;
     let stored = unanswered(jobs, &answered);
     let available = insert(prepared, &stored, seq, tally)?;
-    keep_unique_keys(
-        &mut SqliteTx {
-            conn: prepared.conn,
-            prepared,
-            next_seq: &mut seq,
-            outbox: Vec::new(),
-            tally,
-            loaded: Vec::new(),
-        },
-        jobs,
-        uniques,
-        &answered,
-    )?;
+    let mut tx = SqliteTx::new(prepared.conn, prepared, &mut seq, tally);
+    keep_unique_keys(&mut tx, jobs, uniques, &answered)?;
+    tx.list_events()?;
     Ok(NewRows {
         available,
         answered,
@@ -1228,8 +1244,8 @@ const LOAD_JOB: &str = "SELECT envelope, extra, rowid FROM jobs WHERE id = ?1";
 
 /// Stores a new job under the number the writer gives it.
 const INSERT_JOB: &str =
-    "INSERT INTO jobs (rowid, id, queue, state, due_ms, created_ms, envelope, extra)
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)";
+    "INSERT INTO jobs (rowid, id, queue, state, due_ms, created_ms, envelope, extra, event_seqs)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)";
 
 /// Names a queue the first time a job arrives in it.
 const ADD_QUEUE: &str = "INSERT OR IGNORE INTO queues (name, created_ms) VALUES (?1, ?2)";
@@ -1237,9 +1253,11 @@ const ADD_QUEUE: &str = "INSERT OR IGNORE INTO queues (name, created_ms) VALUES 
 /// A job's queue, state and row id: what a save moves it from.
 const JOB_PLACE: &str = "SELECT queue, state, rowid FROM jobs WHERE id = ?1";
 
+/// Writes a job's row; `?8` lists the numbers of the events its request
+/// wrote for it since (`,21,22`, or empty), after those listed.
 const SAVE_JOB: &str =
     "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
-         dead = ?7
+         dead = ?7, event_seqs = event_seqs || ?8
      WHERE id = ?1";
 
 /// [`SAVE_JOB`] of a row whose number the transaction knows (it read or
@@ -1247,15 +1265,49 @@ const SAVE_JOB: &str =
 /// text ids.
 const SAVE_JOB_AT_ROW: &str =
     "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
-         dead = ?7
+         dead = ?7, event_seqs = event_seqs || ?8
      WHERE rowid = ?1";
 
-/// Writes `job` to its row; answers how many bytes it stored (its JSON).
+/// Lists events of a job its request wrote without saving the job after
+/// them (a fact about it, a job it did not load).
+const LIST_EVENTS: &str = "UPDATE jobs SET event_seqs = event_seqs || ?2 WHERE id = ?1";
+
+/// Removes a job's row; answers what a deletion moves and the numbers of
+/// the job's events.
+const DELETE_JOB_LISTED: &str = "DELETE FROM jobs WHERE id = ?1 RETURNING queue, state, event_seqs";
+
+/// Removes one event of a job by its number (the job's id checked too).
+const DELETE_EVENT: &str = "DELETE FROM events WHERE seq = ?1 AND job_id = ?2";
+
+/// An event's number as a job's row lists it ([`LIST_JOB_EVENTS`]).
+fn listed(seq: i64) -> String {
+    let mut text = String::with_capacity(12);
+    push_listed(&mut text, seq);
+    text
+}
+
+/// Appends `seq` to `list` as a job's row lists it.
+fn push_listed(list: &mut String, seq: i64) {
+    use std::fmt::Write;
+    // Writing to a `String` cannot fail.
+    let _ = write!(list, ",{seq}");
+}
+
+/// The numbers a row's `event_seqs` lists; a damaged entry is skipped (its
+/// event stays until a prune).
+fn listed_seqs(text: &str) -> impl Iterator<Item = i64> + '_ {
+    text.split(',').filter_map(|n| n.parse().ok())
+}
+
+/// Writes `job` to its row, listing `events` (numbers of events written
+/// for it since its row was; see [`SAVE_JOB`]); answers how many bytes it
+/// stored (its JSON).
 fn save(
     prepared: &Prepared<'_>,
     job: &Job,
     finished: Option<DateTime<Utc>>,
     row: Option<i64>,
+    events: &str,
 ) -> Result<usize, StoreError> {
     let (envelope, extra) = encode(job)?;
     let bytes = envelope.len() + extra.len();
@@ -1285,7 +1337,8 @@ fn save(
             extra,
             finished.map(ms),
             due_ms(job),
-            job.store_mark()
+            job.store_mark(),
+            events
         ])
     })?;
     Ok(bytes)
@@ -1304,12 +1357,53 @@ struct SqliteTx<'a, 'c> {
     /// The queue and state of each job this transaction read or wrote
     /// (what a save moves it from), and its row id where known.
     loaded: Vec<Loaded>,
+    /// Numbers of the events this request wrote about each job, not yet
+    /// listed on its row: the job's next save lists them, and
+    /// [`SqliteTx::list_events`] what no save took.
+    unlisted: Vec<(String, String)>,
 }
 
 /// A job a transaction read or wrote: id, queue, state, row id.
 type Loaded = (String, String, String, Option<i64>);
 
-impl SqliteTx<'_, '_> {
+impl<'a, 'c> SqliteTx<'a, 'c> {
+    /// A request's view of the group's transaction.
+    fn new(
+        conn: &'a Connection,
+        prepared: &'a Prepared<'c>,
+        next_seq: &'a mut i64,
+        tally: &'a RefCell<Tally>,
+    ) -> Self {
+        SqliteTx {
+            conn,
+            prepared,
+            next_seq,
+            outbox: Vec::new(),
+            tally,
+            loaded: Vec::new(),
+            unlisted: Vec::new(),
+        }
+    }
+
+    /// The numbers of `id`'s events not yet on its row, taken.
+    fn take_unlisted(&mut self, id: &str) -> String {
+        match self.unlisted.iter().position(|(i, _)| i == id) {
+            Some(at) => self.unlisted.swap_remove(at).1,
+            None => String::new(),
+        }
+    }
+
+    /// Lists on their jobs' rows the events no save took (a job that has
+    /// no row lists nothing): run when the request's work is done.
+    fn list_events(&mut self) -> Result<(), StoreError> {
+        for (id, seqs) in std::mem::take(&mut self.unlisted) {
+            self.conn
+                .prepare_cached(LIST_EVENTS)?
+                .execute(params![id, seqs])?;
+        }
+        Ok(())
+    }
+
     fn remember(&mut self, id: &str, queue: &str, state: &str, row: Option<i64>) {
         match self.loaded.iter_mut().find(|(i, _, _, _)| i == id) {
             Some(entry) => {
@@ -1360,13 +1454,14 @@ impl Tx for SqliteTx<'_, '_> {
                     .optional()?;
                 let Some((queue, state, row)) = place else {
                     // No such row: the UPDATE changes nothing.
-                    return save(self.prepared, job, finished, None).map(drop);
+                    return save(self.prepared, job, finished, None, "").map(drop);
                 };
                 self.loaded.push((id.clone(), queue, state, Some(row)));
                 Some(row)
             }
         };
-        let bytes = save(self.prepared, job, finished, row)?;
+        let events = self.take_unlisted(id);
+        let bytes = save(self.prepared, job, finished, row, &events)?;
         let now = state_name(job.state());
         if let Some((_, queue, was, row)) = self.loaded.iter_mut().find(|(i, _, _, _)| i == id) {
             if was.as_str() != now {
@@ -1389,7 +1484,16 @@ impl Tx for SqliteTx<'_, '_> {
         now: DateTime<Utc>,
         data: &EventData,
     ) -> Result<(), StoreError> {
-        event(self.prepared, event_type, job, now, data)
+        let seq = self.prepared.next_event.get();
+        event(self.prepared, event_type, job, now, data)?;
+        // Listed on the job's row, so that deleting the job deletes it.
+        if !job.job_id.is_empty() {
+            match self.unlisted.iter_mut().find(|(i, _)| i == job.job_id) {
+                Some((_, seqs)) => push_listed(seqs, seq),
+                None => self.unlisted.push((job.job_id.to_owned(), listed(seq))),
+            }
+        }
+        Ok(())
     }
 
     fn jobs_with_unique_key(&mut self, key: &str) -> Result<Vec<Job>, StoreError> {
@@ -1422,12 +1526,9 @@ impl Tx for SqliteTx<'_, '_> {
     }
 
     fn delete(&mut self, id: &str) -> Result<(), StoreError> {
-        delete_counted(self.conn, sql::DELETE_JOB.sqlite, params![id], self.tally)?;
+        let unlisted = self.take_unlisted(id);
+        delete_job(self.prepared, id, &unlisted, self.tally)?;
         self.loaded.retain(|(i, _, _, _)| i != id);
-        keep_events_through(self.prepared)?;
-        self.conn
-            .prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?
-            .execute(params![id])?;
         Ok(())
     }
 
@@ -2110,6 +2211,37 @@ fn delete_counted(
     Ok(removed)
 }
 
+/// Deletes job `id`'s row and its events: those its row lists and
+/// `unlisted` (written by the request deleting it, not on the row yet).
+fn delete_job(
+    prepared: &Prepared<'_>,
+    id: &str,
+    unlisted: &str,
+    tally: &RefCell<Tally>,
+) -> Result<(), StoreError> {
+    let conn = prepared.conn;
+    let listed: Option<(String, String, String)> = conn
+        .prepare_cached(DELETE_JOB_LISTED)?
+        .query_row(params![id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .optional()?;
+    let listed = match listed {
+        Some((queue, state, listed)) => {
+            moved(tally, &queue, &state, -1);
+            listed
+        }
+        None => String::new(),
+    };
+    if listed.is_empty() && unlisted.is_empty() {
+        return Ok(());
+    }
+    keep_events_through(prepared)?;
+    let mut delete = conn.prepare_cached(DELETE_EVENT)?;
+    for seq in listed_seqs(&listed).chain(listed_seqs(unlisted)) {
+        delete.execute(params![seq, id])?;
+    }
+    Ok(())
+}
+
 /// Writes what the transaction moved into `job_counts`, one upsert per
 /// queue and state.
 fn write_counts(conn: &Connection, tally: &RefCell<Tally>) -> rusqlite::Result<()> {
@@ -2301,14 +2433,10 @@ fn commit_group(
                     let before = next_seq;
                     let r = in_request(prepared, tally, &mut undo, &mut lost, |conn| {
                         super::guarded(|| {
-                            f(&mut SqliteTx {
-                                conn,
-                                prepared,
-                                next_seq: &mut next_seq,
-                                outbox: Vec::new(),
-                                tally,
-                                loaded: Vec::new(),
-                            })
+                            let mut tx = SqliteTx::new(conn, prepared, &mut next_seq, tally);
+                            let answer = f(&mut tx)?;
+                            tx.list_events()?;
+                            Ok(answer)
                         })
                     });
                     if r.is_err() {
@@ -2332,13 +2460,9 @@ fn commit_group(
             }
             Write::Published { .. } => Outcome::Unit(Ok(())),
             Write::Remove { ids, .. } => {
-                Outcome::Unit(in_request(prepared, tally, &mut undo, &mut lost, |c| {
-                    keep_events_through(prepared)?;
-                    let mut events = c.prepare_cached(sql::DELETE_JOB_EVENTS.sqlite)?;
+                Outcome::Unit(in_request(prepared, tally, &mut undo, &mut lost, |_| {
                     for id in ids.iter() {
-                        if delete_counted(c, sql::DELETE_JOB.sqlite, params![id], tally)? > 0 {
-                            events.execute(params![id])?;
-                        }
+                        delete_job(prepared, id, "", tally)?;
                     }
                     Ok(())
                 }))
@@ -3302,30 +3426,112 @@ mod tests {
         Ok(())
     }
 
+    /// Job `id`'s events in the log, by number.
+    async fn seqs_of(store: &Store, id: &str) -> Result<Vec<i64>, StoreError> {
+        let page = events_of(store).await?;
+        Ok(page
+            .events
+            .iter()
+            .filter(|e| e.body["job_id"] == id)
+            .map(|e| e.seq)
+            .collect())
+    }
+
+    /// The numbers job `id`'s row lists.
+    fn listed_on_row(dir: &Path, id: &str) -> Result<Vec<i64>, StoreError> {
+        let conn = Connection::open(dir.join(STORE_FILE))?;
+        let listed: String = conn.query_row(
+            "SELECT event_seqs FROM jobs WHERE id = ?1",
+            params![id],
+            |r| r.get(0),
+        )?;
+        Ok(listed_seqs(&listed).collect())
+    }
+
+    /// A transition of job `id` as the worker side records one (its events,
+    /// then its row), and a fact about it after that in the same request.
+    async fn start_with_a_fact(store: &Store, id: &str) -> Result<(), StoreError> {
+        let id = id.to_owned();
+        store
+            .run(move |tx| {
+                let now = Utc::now();
+                let job = tx.load(&id)?;
+                let started =
+                    crate::model::apply(job, crate::model::Command::Start { worker: None }, now)
+                        .map_err(|_| StoreError::Commit("the job did not start".into()))?;
+                super::super::record(tx, &started, now)?;
+                let subject = Subject {
+                    job_id: &id,
+                    queue: "default",
+                    job_type: "a.b",
+                };
+                tx.fact("test.noted", &subject, now, &EventData::empty())
+            })
+            .await
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn deleting_a_job_reads_its_events_by_index_and_a_prune_only_the_old_ones(
+    async fn deleting_a_job_deletes_the_events_its_row_lists_and_a_prune_only_the_old_ones(
     ) -> Result<(), StoreError> {
         let dir = fresh_dir();
         let store = Store::open(&dir, Durability::Process).await?;
-        let old = job(None);
-        store.insert(vec![old.clone()]).await?;
-        drop(store);
-        let conn = Connection::open(dir.join(STORE_FILE))?;
-        let plan: Vec<String> = conn
-            .prepare(&format!(
-                "EXPLAIN QUERY PLAN {}",
-                sql::DELETE_JOB_EVENTS.sqlite
-            ))?
-            .query_map(params!["x"], |r| r.get::<_, String>(3))?
-            .collect::<Result<_, _>>()?;
-        assert!(
-            plan.iter()
-                .any(|step| step.contains("USING COVERING INDEX events_job")
-                    || step.contains("USING INDEX events_job")),
-            "{plan:?}"
+        let (old, gone, refused) = (job(None), job(None), job(None));
+        store
+            .insert(vec![old.clone(), gone.clone(), refused.clone()])
+            .await?;
+        let gone_id = gone.envelope.id.clone();
+        start_with_a_fact(&store, &gone_id).await?;
+        start_with_a_fact(&store, &old.envelope.id).await?;
+        // Each row lists its job's events: the insert's, the transition's
+        // (listed with its save) and the fact after it (listed when the
+        // request ended).
+        for id in [&gone_id, &old.envelope.id, &refused.envelope.id] {
+            let in_log = seqs_of(&store, id).await?;
+            assert!(!in_log.is_empty());
+            assert_eq!(listed_on_row(&dir, id)?, in_log, "{id}");
+        }
+        assert_eq!(seqs_of(&store, &gone_id).await?.len(), 3);
+        let before = event_seqs(&store).await?;
+        // A deletion in a request that wrote one more event about the job
+        // first (not on its row yet) takes that one too, and nothing else.
+        let id = gone_id.clone();
+        store
+            .run(move |tx| {
+                let subject = Subject {
+                    job_id: &id,
+                    queue: "default",
+                    job_type: "a.b",
+                };
+                tx.fact("test.noted", &subject, Utc::now(), &EventData::empty())?;
+                tx.delete(&id)
+            })
+            .await?;
+        assert!(store.get(gone_id.clone()).await?.is_none());
+        assert_eq!(seqs_of(&store, &gone_id).await?, Vec::<i64>::new());
+        // A PUSH the broker refused: its job and its event go.
+        store.remove(vec![refused.envelope.id.clone()]).await?;
+        assert_eq!(
+            seqs_of(&store, &refused.envelope.id).await?,
+            Vec::<i64>::new()
         );
-        // The old job's event dates from a day ago; a prune of what is
-        // older than an hour takes it and keeps the new one.
+        let others: Vec<i64> = before
+            .iter()
+            .copied()
+            .filter(|s| {
+                !listed_on_row(&dir, &old.envelope.id)
+                    .unwrap_or_default()
+                    .contains(s)
+            })
+            .collect();
+        assert_eq!(others.len(), 4, "{before:?}");
+        assert_eq!(
+            event_seqs(&store).await?,
+            listed_on_row(&dir, &old.envelope.id)?
+        );
+        drop(store);
+        // The old job's events date from a day ago; a prune of what is
+        // older than an hour takes them and keeps the new job's.
+        let conn = Connection::open(dir.join(STORE_FILE))?;
         conn.execute(
             "UPDATE events SET time_ms = time_ms - 86400000 WHERE job_id = ?1",
             params![old.envelope.id],
@@ -3339,6 +3545,49 @@ mod tests {
         let kept: Vec<&Value> = page.events.iter().map(|e| &e.body["job_id"]).collect();
         assert_eq!(kept, [&json!(new.envelope.id)], "{:?}", page.events);
         drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// A store of version 11 (events found through `events_job`) opens as
+    /// the current version: each row lists its job's events, found once,
+    /// the index is gone, and deleting a job deletes exactly its events.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_version_11_store_lists_each_jobs_events_on_its_row() -> Result<(), StoreError> {
+        let dir = fresh_dir();
+        let store = Store::open(&dir, Durability::Process).await?;
+        let (a, b) = (job(None), job(None));
+        store.insert(vec![a.clone(), b.clone()]).await?;
+        start_with_a_fact(&store, &a.envelope.id).await?;
+        let (a_seqs, b_seqs) = (
+            seqs_of(&store, &a.envelope.id).await?,
+            seqs_of(&store, &b.envelope.id).await?,
+        );
+        drop(store);
+        {
+            let conn = Connection::open(dir.join(STORE_FILE))?;
+            conn.execute_batch(
+                "ALTER TABLE jobs DROP COLUMN event_seqs;
+                 CREATE INDEX events_job ON events (job_id);
+                 PRAGMA user_version = 11;",
+            )?;
+        }
+        let store = Store::open(&dir, Durability::Process).await?;
+        assert_eq!(listed_on_row(&dir, &a.envelope.id)?, a_seqs);
+        assert_eq!(listed_on_row(&dir, &b.envelope.id)?, b_seqs);
+        let id = a.envelope.id.clone();
+        store.run(move |tx| tx.delete(&id)).await?;
+        assert_eq!(event_seqs(&store).await?, b_seqs);
+        drop(store);
+        let conn = Connection::open(dir.join(STORE_FILE))?;
+        let (version, index): (i64, i64) = conn.query_row(
+            "SELECT (SELECT user_version FROM pragma_user_version),
+                    (SELECT count(*) FROM sqlite_master WHERE name = 'events_job')",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        assert_eq!((version, index), (SCHEMA_VERSION, 0));
+        drop(conn);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }
@@ -3357,7 +3606,7 @@ mod tests {
         {
             let conn = Connection::open(dir.join(STORE_FILE))?;
             conn.execute_batch(
-                "DROP INDEX events_job;
+                "ALTER TABLE jobs DROP COLUMN event_seqs;
                  ALTER TABLE events RENAME TO events_11;
                  CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, type TEXT NOT NULL,
                    job_id TEXT NOT NULL, queue TEXT NOT NULL, job_type TEXT NOT NULL,
@@ -3393,8 +3642,12 @@ mod tests {
             [],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )?;
-        assert_eq!((version, index), (SCHEMA_VERSION, 1));
+        assert_eq!((version, index), (SCHEMA_VERSION, 0));
         assert!(!table.contains("AUTOINCREMENT"), "{table}");
+        // Each job's row lists its event, found by one sort of the log.
+        for (id, seq) in [(&a.envelope.id, 1), (&b.envelope.id, 2)] {
+            assert_eq!(listed_on_row(&dir, id)?, [seq]);
+        }
         drop(conn);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
@@ -3415,10 +3668,12 @@ mod tests {
             INSERT_JOB,
             ADD_QUEUE,
             SAVE_JOB,
+            SAVE_JOB_AT_ROW,
+            LIST_EVENTS,
             INSERT_EVENT,
             KEEP_EVENTS_THROUGH,
-            sql::DELETE_JOB.sqlite,
-            sql::DELETE_JOB_EVENTS.sqlite,
+            DELETE_JOB_LISTED,
+            DELETE_EVENT,
             sql::WORKER.sqlite,
             sql::SAVE_WORKER.sqlite,
             sql::DELETE_WORKER.sqlite,
