@@ -1253,24 +1253,48 @@ const ADD_QUEUE: &str = "INSERT OR IGNORE INTO queues (name, created_ms) VALUES 
 /// A job's queue, state and row id: what a save moves it from.
 const JOB_PLACE: &str = "SELECT queue, state, rowid FROM jobs WHERE id = ?1";
 
+/// A row's list of event numbers with more appended: past 8 KiB (about
+/// 1,000 events: a job retried without end, say) its older half goes
+/// first, so that a row, written whole with each transition, stays
+/// bounded. Deleting such a job leaves those older events to the prune
+/// (`[api] retention`).
+macro_rules! listed_with {
+    ($more:literal) => {
+        concat!(
+            "CASE WHEN length(event_seqs) > 8192 ",
+            "THEN substr(event_seqs, 4096 + instr(substr(event_seqs, 4097), ',')) ",
+            "ELSE event_seqs END || ",
+            $more
+        )
+    };
+}
+
 /// Writes a job's row; `?8` lists the numbers of the events its request
 /// wrote for it since (`,21,22`, or empty), after those listed.
-const SAVE_JOB: &str =
+const SAVE_JOB: &str = concat!(
     "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
-         dead = ?7, event_seqs = event_seqs || ?8
-     WHERE id = ?1";
+         dead = ?7, event_seqs = ",
+    listed_with!("?8"),
+    " WHERE id = ?1"
+);
 
 /// [`SAVE_JOB`] of a row whose number the transaction knows (it read or
 /// wrote the job): found by the table's own key, not through the index of
 /// text ids.
-const SAVE_JOB_AT_ROW: &str =
+const SAVE_JOB_AT_ROW: &str = concat!(
     "UPDATE jobs SET state = ?2, envelope = ?3, extra = ?4, finished_ms = ?5, due_ms = ?6,
-         dead = ?7, event_seqs = event_seqs || ?8
-     WHERE rowid = ?1";
+         dead = ?7, event_seqs = ",
+    listed_with!("?8"),
+    " WHERE rowid = ?1"
+);
 
 /// Lists events of a job its request wrote without saving the job after
 /// them (a fact about it, a job it did not load).
-const LIST_EVENTS: &str = "UPDATE jobs SET event_seqs = event_seqs || ?2 WHERE id = ?1";
+const LIST_EVENTS: &str = concat!(
+    "UPDATE jobs SET event_seqs = ",
+    listed_with!("?2"),
+    " WHERE id = ?1"
+);
 
 /// Removes a job's row; answers what a deletion moves and the numbers of
 /// the job's events.
@@ -3544,6 +3568,57 @@ mod tests {
         let page = events_of(&store).await?;
         let kept: Vec<&Value> = page.events.iter().map(|e| &e.body["job_id"]).collect();
         assert_eq!(kept, [&json!(new.envelope.id)], "{:?}", page.events);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// A row's list of event numbers stays bounded: past 8 KiB its older
+    /// half goes as more are added; what stays reads as whole numbers, the
+    /// newest last, and deleting the job deletes the events it lists.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_jobs_list_of_events_stays_bounded() -> Result<(), StoreError> {
+        let dir = fresh_dir();
+        let store = Store::open(&dir, Durability::Process).await?;
+        let pushed = job(None);
+        let id = pushed.envelope.id.clone();
+        store.insert(vec![pushed]).await?;
+        let enqueued = seqs_of(&store, &id).await?;
+        drop(store);
+        // As if the job had 2,000 events before (numbers no event has).
+        let older: Vec<i64> = (0..2000).map(|n| 9_000_000 + n).collect();
+        {
+            let conn = Connection::open(dir.join(STORE_FILE))?;
+            let list: String = older.iter().chain(&enqueued).map(|n| listed(*n)).collect();
+            assert!(list.len() > 8192);
+            conn.execute(
+                "UPDATE jobs SET event_seqs = ?2 WHERE id = ?1",
+                params![id, list],
+            )?;
+        }
+        let store = Store::open(&dir, Durability::Process).await?;
+        start_with_a_fact(&store, &id).await?;
+        let in_log = seqs_of(&store, &id).await?;
+        assert_eq!(in_log.len(), 3);
+        let conn = Connection::open(dir.join(STORE_FILE))?;
+        let text: String = conn.query_row(
+            "SELECT event_seqs FROM jobs WHERE id = ?1",
+            params![id],
+            |r| r.get(0),
+        )?;
+        assert!(text.len() <= 8192, "{}", text.len());
+        assert!(text.starts_with(','), "{}", &text[..20]);
+        let kept: Vec<i64> = listed_seqs(&text).collect();
+        assert_eq!(kept.len(), text.matches(',').count());
+        // The newest stay, in order: the older half of the made-up ones
+        // went, whole numbers at a time.
+        assert!(kept.ends_with(&in_log), "{:?}", &kept[kept.len() - 5..]);
+        let made_up = &kept[..kept.len() - in_log.len()];
+        assert!(made_up.len() < older.len());
+        assert!(older.ends_with(made_up));
+        drop(conn);
+        store.run(move |tx| tx.delete(&id)).await?;
+        assert_eq!(event_seqs(&store).await?, Vec::<i64>::new());
         drop(store);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
