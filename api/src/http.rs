@@ -2080,12 +2080,13 @@ pub fn batch(
         }
         _ => {
             if let Some(read) = job::batch_in_one_pass(body, limit, now) {
-                read.into_iter()
-                    .enumerate()
-                    .map(|(i, (envelope, pending))| {
-                        job::accept(envelope, pending, now).map_err(|e| e.at_index(i))
-                    })
-                    .collect::<Result<Vec<_>, _>>()?
+                // A list sized at once: collected through `Result`, it
+                // began at four jobs and was copied as it grew.
+                let mut jobs = Vec::with_capacity(read.len());
+                for (i, (envelope, pending)) in read.into_iter().enumerate() {
+                    jobs.push(job::accept(envelope, pending, now).map_err(|e| e.at_index(i))?);
+                }
+                jobs
             } else {
                 let body = parse_json(body)?;
                 let Value::Object(mut body) = body else {

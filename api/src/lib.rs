@@ -472,10 +472,10 @@ impl Api {
             }
             messages.push(message);
         }
-        let uniques = jobs
-            .iter()
-            .map(|job| Uniqueness::of(&job.envelope))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut uniques = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            uniques.push(Uniqueness::of(&job.envelope)?);
+        }
         let batch = jobs.len() > 1;
         let had_unique: Vec<bool> = uniques.iter().map(Option::is_some).collect();
         let inserted = self

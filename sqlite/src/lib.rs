@@ -13,8 +13,10 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 
 pub mod log_writes;
+mod lookaside;
 mod transaction;
 pub use log_writes::open;
+pub use lookaside::set_lookaside;
 pub use transaction::{begin_immediate, WriteTransaction};
 
 /// Log pages past which the log is copied back into the file: SQLite's own

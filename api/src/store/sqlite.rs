@@ -458,6 +458,11 @@ impl SqliteStore {
         })?;
         let path = dir.join(STORE_FILE);
         let mut writer = open_connection(&path, durability)?;
+        if let Err(e) =
+            ojs_sqlite::set_lookaside(&writer, WRITER_LOOKASIDE_BYTES, WRITER_LOOKASIDE_SLOTS)
+        {
+            tracing::warn!(error = %e, "the job store's writer keeps SQLite's default lookaside; its statements' values go to malloc sooner");
+        }
         let tally = RefCell::new(Tally::default());
         // The writer's page cache is kept small (2 MiB, about the 2,000 KiB
         // of SQLite's default that the readers keep): what it writes is the
@@ -886,6 +891,12 @@ fn keep_events_through(prepared: &Prepared<'_>) -> Result<(), StoreError> {
 struct Prepared<'c> {
     conn: &'c Connection,
     insert: Slot<'c>,
+    /// [`INSERT_JOB`] and [`INSERT_EVENT`] of [`ROWS_PER_INSERT`] rows (a
+    /// batch PUSH's): preparing them for each batch was a tenth of its
+    /// store's work; kept, they need the writer's larger lookaside
+    /// ([`WRITER_LOOKASIDE_SLOTS`]).
+    insert_many: Slot<'c>,
+    event_many: Slot<'c>,
     add_queue: Slot<'c>,
     load: Slot<'c>,
     save: Slot<'c>,
@@ -944,6 +955,8 @@ impl<'c> Prepared<'c> {
             recent: RefCell::new(Recent::new(changed, limits)),
             data_version: Slot::new("PRAGMA data_version"),
             insert: Slot::new(INSERT_JOB),
+            insert_many: Slot::new(insert_jobs_many()),
+            event_many: Slot::new(insert_events_many()),
             add_queue: Slot::new(ADD_QUEUE),
             load: Slot::new(LOAD_JOB),
             save: Slot::new(SAVE_JOB),
@@ -1009,27 +1022,18 @@ fn insert(
     // of the jobs, numbered as they go.
     let mut chunks = rows.chunks_exact(ROWS_PER_INSERT);
     let mut at = 0;
-    // Prepared for this insert alone: kept for the connection's life, the
-    // two statements' memory took the connection's lookaside (SQLite's
-    // pool for small allocations), and every later statement's values
-    // went to malloc instead: a FETCH + ACK 15k instructions more a job.
-    let mut many = if rows.len() >= ROWS_PER_INSERT {
-        Some((
-            prepared.conn.prepare(insert_jobs_many())?,
-            prepared.conn.prepare(insert_events_many())?,
-        ))
-    } else {
-        None
-    };
-    while let (Some(chunk), Some((insert_many, event_many))) = (chunks.next(), many.as_mut()) {
+    for chunk in chunks.by_ref() {
         // Each row lists the number its event gets below.
         let seq = prepared.next_event.get();
-        let inserted = (|| {
+        let inserted = prepared.run(&prepared.insert_many, |insert_many| {
             for (i, row) in chunk.iter().enumerate() {
                 row.bind(insert_many, i * JOB_COLUMNS, seq + i as i64)?;
             }
-            insert_many.raw_execute()
-        })();
+            let r = insert_many.raw_execute();
+            // The kept statement would hold its copies of 16 envelopes.
+            insert_many.clear_bindings();
+            r
+        });
         match inserted {
             Ok(_) => {}
             // The statement changed nothing: its rows one at a time name
@@ -1041,7 +1045,7 @@ fn insert(
             }
             Err(e) => return Err(e.into()),
         }
-        (|| {
+        prepared.run(&prepared.event_many, |event_many| {
             for (i, row) in chunk.iter().enumerate() {
                 let (name, time, data) = &events[at + i];
                 bind_event(
@@ -1054,8 +1058,10 @@ fn insert(
                     data,
                 )?;
             }
-            event_many.raw_execute()
-        })()?;
+            let r = event_many.raw_execute();
+            event_many.clear_bindings();
+            r
+        })?;
         // As in `event`: numbers of a group rolled back are not given again.
         prepared.next_event.set(seq + chunk.len() as i64);
         at += chunk.len();
@@ -1069,6 +1075,13 @@ fn insert(
     }
     Ok(available)
 }
+
+/// The writer's lookaside (see `ojs_sqlite::set_lookaside`): slots of
+/// SQLite's default size, five times its default number (600 KiB), so that
+/// the statements it keeps prepared, the batch inserts of 16 rows among
+/// them, leave room for the values of the statements it runs.
+const WRITER_LOOKASIDE_BYTES: u16 = 1200;
+const WRITER_LOOKASIDE_SLOTS: u16 = 500;
 
 /// Rows one statement of a larger insert writes (jobs, and their events).
 /// Each statement run opens its cursors on the table and each of its
@@ -3374,6 +3387,15 @@ mod tests {
             assert!(store.get(j.envelope.id.clone()).await?.is_none());
         }
         assert_eq!(events_of(&store).await?.events.len(), 38);
+        // The statements of 16 rows are kept: after the refused batch, the
+        // next one is stored whole, with its events.
+        let next: Vec<Job> = (0..20).map(|_| job(None)).collect();
+        store.insert(next.clone()).await?;
+        for j in &next {
+            let read = store.get(j.envelope.id.clone()).await?;
+            assert_eq!(read.map(|r| r.envelope.id), Some(j.envelope.id.clone()));
+        }
+        assert_eq!(events_of(&store).await?.events.len(), 58);
         drop(store);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())

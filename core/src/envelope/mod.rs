@@ -625,6 +625,44 @@ pub fn now_millis() -> DateTime<Utc> {
 
 /// `id` must be a lowercase hyphenated UUIDv7.
 pub fn validate_job_id(id: &str) -> Result<()> {
+    // Every envelope is checked as it is decoded and again before it is
+    // encoded, so ids are checked several times a job: a valid one is
+    // recognised in one pass over its bytes; the parse below names what
+    // is wrong with one that is not.
+    if is_lowercase_uuid_v7(id) {
+        return Ok(());
+    }
+    job_id_error(id)
+}
+
+/// What [`validate_job_id`] takes, in one pass: 36 bytes, hyphens at 8,
+/// 13, 18 and 23, the version digit `7` at 14, lowercase hex elsewhere.
+fn is_lowercase_uuid_v7(id: &str) -> bool {
+    let b = id.as_bytes();
+    if b.len() != 36 || b[8] != b'-' || b[13] != b'-' || b[18] != b'-' || b[23] != b'-' {
+        return false;
+    }
+    if b[14] != b'7' {
+        return false;
+    }
+    [&b[..8], &b[9..13], &b[15..18], &b[19..23], &b[24..]]
+        .iter()
+        .all(|digits| digits.iter().all(|&d| LOWER_HEX[usize::from(d)]))
+}
+
+/// Which bytes are lowercase hex digits.
+static LOWER_HEX: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        table[b] = matches!(b as u8, b'0'..=b'9' | b'a'..=b'f');
+        b += 1;
+    }
+    table
+};
+
+/// Why `id` is not a lowercase hyphenated UUIDv7 (`Ok` if it is one).
+fn job_id_error(id: &str) -> Result<()> {
     let parsed = uuid::Uuid::try_parse(id)
         .map_err(|e| Error::invalid("id", format!("{id:?} is not a UUID: {e}")))?;
     if parsed.get_version_num() != 7 {
@@ -656,6 +694,43 @@ pub const MAX_QUEUE_LEN: usize = 128;
 /// servers, the official conformance cases and the SDKs' users do
 /// (`retry.test.attempt-counter`); 1..=255 characters.
 pub fn validate_job_type(job_type: &str) -> Result<()> {
+    // As for ids: a valid type in one pass, an invalid one named below.
+    if is_job_type(job_type) {
+        return Ok(());
+    }
+    job_type_error(job_type)
+}
+
+/// What [`validate_job_type`] takes, in one pass over the bytes.
+fn is_job_type(job_type: &str) -> bool {
+    let bytes = job_type.as_bytes();
+    if bytes.len() > MAX_TYPE_LEN {
+        return false;
+    }
+    // At the start of a segment (none read yet, or a dot just read).
+    let mut segment_start = true;
+    let mut previous = 0u8;
+    for &b in bytes {
+        if b == b'.' {
+            if segment_start || previous == b'-' {
+                return false;
+            }
+            segment_start = true;
+        } else if segment_start {
+            if !b.is_ascii_lowercase() {
+                return false;
+            }
+            segment_start = false;
+        } else if !(b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-') {
+            return false;
+        }
+        previous = b;
+    }
+    !segment_start && previous != b'-'
+}
+
+/// Why `job_type` is not a valid type (`Ok` if it is one).
+fn job_type_error(job_type: &str) -> Result<()> {
     let segment_ok = |seg: &str| {
         let bytes = seg.as_bytes();
         bytes.first().is_some_and(u8::is_ascii_lowercase)
@@ -780,6 +855,82 @@ pub fn push_snake_segment(out: &mut String, segment: &str) {
 
 #[cfg(test)]
 mod tests {
+    mod one_pass_checks {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// The one-pass check of a type takes exactly what the
+            /// segment-by-segment check that names errors takes.
+            #[test]
+            fn a_type_is_taken_as_the_check_that_names_errors_takes_it(
+                t in "[a-z0-9_.A-Z -]{0,12}|([a-z][a-z0-9_-]{0,4}\\.){0,3}[a-z][a-z0-9_-]{0,4}[.-]?"
+            ) {
+                prop_assert_eq!(is_job_type(&t), job_type_error(&t).is_ok(), "{:?}", t);
+            }
+
+            /// The same for ids: UUIDs of every version, upper and lower
+            /// case, with one byte changed.
+            #[test]
+            fn an_id_is_taken_as_the_parse_that_names_errors_takes_it(
+                raw in any::<u128>(),
+                version in 0u8..16,
+                upper in any::<bool>(),
+                change in proptest::option::of((0usize..40, any::<u8>())),
+            ) {
+                let mut id = uuid::Uuid::from_u128(raw).hyphenated().to_string();
+                id.replace_range(14..15, &format!("{version:x}"));
+                if upper {
+                    id = id.to_uppercase();
+                }
+                let mut bytes = id.into_bytes();
+                if let Some((at, b)) = change {
+                    if at < bytes.len() {
+                        bytes[at] = b;
+                    } else {
+                        bytes.push(b);
+                    }
+                }
+                let id = String::from_utf8_lossy(&bytes).into_owned();
+                prop_assert_eq!(is_lowercase_uuid_v7(&id), job_id_error(&id).is_ok(), "{:?}", id);
+            }
+        }
+
+        #[test]
+        fn the_one_pass_checks_take_what_they_should() {
+            for t in ["a", "bench.noop", "retry.test.attempt-counter", "a_1.b-c_"] {
+                assert!(is_job_type(t) && validate_job_type(t).is_ok(), "{t}");
+            }
+            for t in [
+                "",
+                "A",
+                "a.",
+                ".a",
+                "a-",
+                "a-.b",
+                "a..b",
+                "1a",
+                "a b",
+                &"a".repeat(256),
+            ] {
+                assert!(!is_job_type(t), "{t}");
+                assert!(validate_job_type(t).is_err(), "{t}");
+            }
+            let id = "01939b4e-7c3a-7def-8123-456789abcdef";
+            assert!(is_lowercase_uuid_v7(id) && validate_job_id(id).is_ok());
+            for bad in [
+                "01939B4E-7C3A-7DEF-8123-456789ABCDEF",
+                "01939b4e-7c3a-4def-8123-456789abcdef",
+                "01939b4e7c3a7def8123456789abcdef",
+                "{01939b4e-7c3a-7def-8123-456789abcdef}",
+                "01939b4e-7c3a-7def-8123-456789abcdeg",
+            ] {
+                assert!(!is_lowercase_uuid_v7(bad), "{bad}");
+                assert!(validate_job_id(bad).is_err(), "{bad}");
+            }
+        }
+    }
+
     use super::*;
     use serde_json::json;
 
