@@ -1458,7 +1458,7 @@ impl<'a, 'c> SqliteTx<'a, 'c> {
 
 impl Tx for SqliteTx<'_, '_> {
     fn load(&mut self, id: &str) -> Result<Job, StoreError> {
-        let kept = self.prepared.recent.borrow_mut().get(id);
+        let kept = self.prepared.recent.borrow_mut().take(id);
         let (row, job) = match kept {
             Some(kept) => {
                 // Every test runs this: what the writer kept is what its

@@ -136,7 +136,21 @@ impl Recent {
     }
 
     /// The job `id` as committed, with its row id, unless a statement
-    /// changed its row since.
+    /// changed its row since: taken out, not copied. The request that
+    /// loads a job saves it (staged again, entering when its group
+    /// commits) or leaves it as its row reads; a second load in the same
+    /// transaction reads the row, which is current there. Copying it out
+    /// was half a per cent of a FETCH + ACK.
+    pub(super) fn take(&mut self, id: &str) -> Option<(i64, Job)> {
+        self.drain();
+        let (row, _, job, bytes) = self.jobs.remove(id)?;
+        self.bytes -= bytes;
+        self.ids.remove(&row);
+        Some((row, job))
+    }
+
+    /// What [`Recent::take`] would give, left kept.
+    #[cfg(test)]
     pub(super) fn get(&mut self, id: &str) -> Option<(i64, Job)> {
         self.drain();
         self.jobs
@@ -327,6 +341,36 @@ mod tests {
 
     /// What a test job takes.
     const SMALL: usize = 100;
+
+    #[test]
+    fn a_taken_job_is_no_longer_kept_until_a_commit_enters_it_again() {
+        let (mut r, _) = recent(8);
+        r.begin(Some(1));
+        r.stage(7, &job("a"), SMALL);
+        r.stage(8, &job("b"), SMALL);
+        r.released();
+        r.committed();
+        assert_eq!(r.len(), 2);
+        assert_eq!(r.bytes(), 2 * SMALL);
+        let (row, taken) = r.take(&id("a")).unwrap();
+        assert_eq!((row, taken.envelope.id.as_str()), (7, id("a").as_str()));
+        assert!(r.take(&id("a")).is_none(), "taken once");
+        assert_eq!(r.len(), 1);
+        assert_eq!(r.bytes(), SMALL);
+        // Its request saved it again and committed: kept again.
+        r.begin(Some(1));
+        r.stage(7, &taken, SMALL);
+        r.released();
+        r.committed();
+        assert_eq!(r.take(&id("a")).map(|(row, _)| row), Some(7));
+        // Taken by a request rolled back: read from its row from then on.
+        r.begin(Some(1));
+        assert!(r.take(&id("b")).is_some());
+        r.rolled_back();
+        r.failed();
+        assert!(r.take(&id("b")).is_none());
+        assert_eq!((r.len(), r.bytes()), (0, 0));
+    }
 
     #[test]
     fn a_job_enters_with_its_commit_and_leaves_when_its_row_changes() {
