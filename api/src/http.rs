@@ -180,16 +180,18 @@ pub fn json_response(status: u16, body: &Value, request_id: &str) -> Response<By
 /// Bytes an answer written straight starts with room for: one job's JSON.
 const ANSWER_ROOM: usize = 1024;
 
-fn serialized_response(
+/// An answer `write` writes straight into bytes; `as_value` builds the
+/// same object if writing fails.
+fn written_response(
     status: u16,
-    body: &impl serde::Serialize,
+    write: impl FnOnce(&mut Vec<u8>) -> Result<(), ojs_core::json_out::Error>,
     as_value: impl FnOnce() -> Value,
     request_id: &str,
 ) -> Response<Bytes> {
     // Room for a job from the start (a vector grown from serde's 128
     // bytes was reallocated three times for one job, six for ten).
     let mut bytes = Vec::with_capacity(ANSWER_ROOM);
-    if ojs_core::json_out::write(&mut bytes, body).is_err() {
+    if write(&mut bytes).is_err() {
         bytes = json_text(&as_value());
     }
     json_bytes_response(status, bytes, request_id)
@@ -914,12 +916,9 @@ async fn worker_route(
     match worker_request(action, body)? {
         WorkerRequest::Fetch(fetch) => {
             let jobs = api.fetch(grant, fetch).await?;
-            Ok(serialized_response(
+            Ok(written_response(
                 200,
-                &JobList {
-                    jobs: jobs.iter().map(JobJson).collect(),
-                    count: None,
-                },
+                |out| write_job_list(out, &jobs, None),
                 || json!({"jobs": jobs.iter().map(Job::to_json).collect::<Vec<_>>()}),
                 request_id,
             ))
@@ -1913,41 +1912,55 @@ fn cron_enabled_query(query: &str) -> Result<Option<bool>, ApiError> {
 /// The answer to an ACK or a NACK: the fields of [`settle_body`], written
 /// straight.
 fn settle_response(job: &Job, acknowledged: bool, request_id: &str) -> Response<Bytes> {
-    let extra = |k: &str| job.extra.get(k);
-    let body = Settled {
-        job_id: &job.envelope.id,
-        id: &job.envelope.id,
-        state: job.state().as_str().unwrap_or("unknown"),
-        attempt: job.envelope.attempt,
-        max_attempts: job::max_attempts(&job.envelope),
-        job: JobJson(job),
-        acknowledged,
-        completed_at: job.envelope.completed_at.map(job::timestamp),
-        next_attempt_at: extra("next_attempt_at"),
-        retry_delay_ms: extra("retry_delay_ms"),
-        discarded_at: extra("discarded_at"),
-    };
-    serialized_response(200, &body, || settle_body(job, acknowledged), request_id)
+    written_response(
+        200,
+        |out| write_settled(out, job, acknowledged),
+        || settle_body(job, acknowledged),
+        request_id,
+    )
 }
 
-#[derive(serde::Serialize)]
-struct Settled<'a> {
-    job_id: &'a str,
-    id: &'a str,
-    state: &'a str,
-    attempt: i32,
-    max_attempts: i32,
-    job: JobJson<'a>,
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
+/// [`settle_body`]'s object, in its order, written straight into `out`.
+fn write_settled(
+    out: &mut Vec<u8>,
+    job: &Job,
     acknowledged: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    completed_at: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    next_attempt_at: Option<&'a Value>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    retry_delay_ms: Option<&'a Value>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    discarded_at: Option<&'a Value>,
+) -> Result<(), ojs_core::json_out::Error> {
+    let mut o = ojs_core::json_out::Object::open(out);
+    o.key_text("\"job_id\":");
+    o.str_value(&job.envelope.id);
+    o.key_text("\"id\":");
+    o.str_value(&job.envelope.id);
+    o.key_text("\"state\":");
+    o.str_value(job.state().as_str().unwrap_or("unknown"));
+    o.key_text("\"attempt\":");
+    o.value(&job.envelope.attempt)?;
+    o.key_text("\"max_attempts\":");
+    o.value(&job::max_attempts(&job.envelope))?;
+    o.key_text("\"job\":");
+    JobJson(job).write(o.raw_value())?;
+    if acknowledged {
+        o.key_text("\"acknowledged\":");
+        o.value(&true)?;
+    }
+    if let Some(t) = job.envelope.completed_at {
+        o.key_text("\"completed_at\":");
+        o.str_value(&job::timestamp(t));
+    }
+    if let Some(v) = job.extra.get("next_attempt_at") {
+        o.key_text("\"next_attempt_at\":");
+        o.value(v)?;
+    }
+    if let Some(v) = job.extra.get("retry_delay_ms") {
+        o.key_text("\"retry_delay_ms\":");
+        o.value(v)?;
+    }
+    if let Some(v) = job.extra.get("discarded_at") {
+        o.key_text("\"discarded_at\":");
+        o.value(v)?;
+    }
+    o.close();
+    Ok(())
 }
 
 fn settle_body(job: &Job, acknowledged: bool) -> Value {
@@ -2159,9 +2172,15 @@ fn job_response(
         // `{"job": …}` alone, as every SDK reads it (a large job is not
         // answered twice over).
         if status == 201 {
-            return Ok(serialized_response(
+            return Ok(written_response(
                 status,
-                &PushedJob { job: JobJson(job) },
+                |out| {
+                    let mut o = ojs_core::json_out::Object::open(out);
+                    o.key_text("\"job\":");
+                    JobJson(job).write(o.raw_value())?;
+                    o.close();
+                    Ok(())
+                },
                 || json!({"job": job.to_json()}),
                 request_id,
             ));
@@ -2176,17 +2195,28 @@ fn job_response(
 
 /// `{"jobs": [...]}` (a FETCH) or `{"jobs": [...], "count": n}` (a batch
 /// PUSH), written straight.
-#[derive(serde::Serialize)]
-struct JobList<'a> {
-    jobs: Vec<JobJson<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+fn write_job_list(
+    out: &mut Vec<u8>,
+    jobs: &[Job],
     count: Option<usize>,
-}
-
-/// `{"job": ...}`, a PUSH's answer, written straight.
-#[derive(serde::Serialize)]
-struct PushedJob<'a> {
-    job: JobJson<'a>,
+) -> Result<(), ojs_core::json_out::Error> {
+    let mut o = ojs_core::json_out::Object::open(out);
+    o.key_text("\"jobs\":");
+    let list = o.raw_value();
+    list.push(b'[');
+    for (n, job) in jobs.iter().enumerate() {
+        if n > 0 {
+            list.push(b',');
+        }
+        JobJson(job).write(list)?;
+    }
+    list.push(b']');
+    if let Some(count) = count {
+        o.key_text("\"count\":");
+        o.value(&count)?;
+    }
+    o.close();
+    Ok(())
 }
 
 fn batch_response(
@@ -2195,12 +2225,9 @@ fn batch_response(
     request_id: &str,
 ) -> Result<Response<Bytes>, ApiError> {
     if answer != Encoding::OjsProto {
-        return Ok(serialized_response(
+        return Ok(written_response(
             201,
-            &JobList {
-                jobs: jobs.iter().map(JobJson).collect(),
-                count: Some(jobs.len()),
-            },
+            |out| write_job_list(out, jobs, Some(jobs.len())),
             || json!({"jobs": jobs.iter().map(Job::to_json).collect::<Vec<_>>(), "count": jobs.len()}),
             request_id,
         ));
@@ -2473,6 +2500,40 @@ mod tests {
                 matches!(asked(Some(accept)), Err(ApiError::NotAcceptable { .. })),
                 "{accept}"
             );
+        }
+    }
+
+    /// A FETCH's and a batch PUSH's answer written straight are the object
+    /// the `Value` path builds: no job, one, several, with and without the
+    /// count.
+    #[test]
+    fn a_job_list_written_straight_is_the_one_built_as_a_value() {
+        let now = chrono::DateTime::parse_from_rfc3339("2026-11-26T10:00:00Z")
+            .map(|t| t.with_timezone(&chrono::Utc))
+            .unwrap_or_default();
+        let jobs: Vec<Job> = (0..3)
+            .filter_map(|n| {
+                job::from_json(
+                    json!({"type": "a.b", "args": [n], "options": {"queue": format!("q{n}")}}),
+                    now,
+                )
+                .ok()
+            })
+            .collect();
+        assert_eq!(jobs.len(), 3, "a valid job was refused");
+        for n in [0, 1, 3] {
+            let jobs = &jobs[..n];
+            let values: Vec<Value> = jobs.iter().map(Job::to_json).collect();
+            for count in [None, Some(n)] {
+                let mut out = Vec::new();
+                assert!(write_job_list(&mut out, jobs, count).is_ok());
+                let written: Value = serde_json::from_slice(&out).unwrap_or_default();
+                let expected = match count {
+                    Some(c) => json!({"jobs": values, "count": c}),
+                    None => json!({"jobs": values}),
+                };
+                assert_eq!(written, expected, "{}", String::from_utf8_lossy(&out));
+            }
         }
     }
 

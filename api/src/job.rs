@@ -177,6 +177,57 @@ impl serde::Serialize for JobJson<'_> {
     }
 }
 
+impl JobJson<'_> {
+    /// The object [`JobJson`] serializes, written straight into `out`:
+    /// the same text, each key the program knows copied as written (see
+    /// [`ojs_core::json_out::Object`]).
+    pub fn write(&self, out: &mut Vec<u8>) -> Result<(), ojs_core::json_out::Error> {
+        let job = self.0;
+        let extra = |k: &str| k != crate::dead::PUBLISHING && job.extra.contains_key(k);
+        let (mut meta, mut priority, mut attempt, mut tags) = (false, false, false, false);
+        let mut o = ojs_core::json_out::Object::open(out);
+        job.envelope
+            .write_json_object_entries(&mut o, SecondsFormat::Millis, |k| {
+                match k {
+                    "meta" => meta = true,
+                    "priority" => priority = true,
+                    "attempt" => attempt = true,
+                    "tags" => tags = true,
+                    _ => {}
+                }
+                k != "max_attempts" && !extra(k)
+            })?;
+        if !meta && !extra("meta") {
+            o.key_text("\"meta\":");
+            o.value(&Map::new())?;
+        }
+        if !priority && !extra("priority") {
+            o.key_text("\"priority\":");
+            o.value(&0)?;
+        }
+        if !attempt && !extra("attempt") {
+            o.key_text("\"attempt\":");
+            o.value(&0)?;
+        }
+        if !tags && !extra("tags") {
+            o.key_text("\"tags\":");
+            o.value::<[Value]>(&[])?;
+        }
+        if !extra("max_attempts") {
+            o.key_text("\"max_attempts\":");
+            o.value(&max_attempts(&job.envelope))?;
+        }
+        for (k, x) in &job.extra {
+            if k != crate::dead::PUBLISHING {
+                o.key(k);
+                o.value(x)?;
+            }
+        }
+        o.close();
+        Ok(())
+    }
+}
+
 /// Attempts in total the job's policy allows.
 pub fn max_attempts(job: &JobEnvelope) -> i32 {
     job.retry
@@ -881,6 +932,13 @@ mod tests {
                 let written: Value = serde_json::from_str(&text)
                     .map_err(|e| ApiError::invalid("", e.to_string()))?;
                 assert_eq!(written, job.to_json(), "{text}");
+                // Written straight into bytes: the serializer's text, byte
+                // for byte.
+                let mut straight = Vec::new();
+                JobJson(&job)
+                    .write(&mut straight)
+                    .map_err(|e| ApiError::invalid("", e.to_string()))?;
+                assert_eq!(String::from_utf8_lossy(&straight), text);
                 // Every time here is on a whole second, which the
                 // envelope's own JSON writes without a fraction; the
                 // binding writes the lifecycle times with milliseconds

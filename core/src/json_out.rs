@@ -35,6 +35,70 @@ pub fn to_string<T: ?Sized + Serialize>(value: &T) -> Result<String, Error> {
     String::from_utf8(to_vec(value)?).map_err(|e| ser::Error::custom(e.to_string()))
 }
 
+/// A JSON object written entry by entry straight into a byte vector, by a
+/// writer that knows its keys where it is compiled: each such key comes as
+/// its JSON text with the colon after it (`"id":`) and is copied whole,
+/// where a key given to a serializer is looked at for characters to escape
+/// each time (an envelope's dozen keys, several times a job). The text is
+/// what [`write`] writes of a map with the same entries.
+#[derive(Debug)]
+pub struct Object<'o> {
+    out: &'o mut Vec<u8>,
+    first: bool,
+}
+
+impl<'o> Object<'o> {
+    /// Opens an object at the end of `out`.
+    pub fn open(out: &'o mut Vec<u8>) -> Object<'o> {
+        out.push(b'{');
+        Object { out, first: true }
+    }
+
+    fn comma(&mut self) {
+        if self.first {
+            self.first = false;
+        } else {
+            self.out.push(b',');
+        }
+    }
+
+    /// Starts an entry whose key is given as its JSON text and a colon
+    /// (`"id":`): a key of plain ASCII letters, digits and `_`, made by
+    /// the caller's code, never by its input.
+    pub fn key_text(&mut self, text: &'static str) {
+        self.comma();
+        self.out.extend_from_slice(text.as_bytes());
+    }
+
+    /// Starts an entry of any key, escaped as needed.
+    pub fn key(&mut self, key: &str) {
+        self.comma();
+        write_str(self.out, key);
+        self.out.push(b':');
+    }
+
+    /// The value of the entry started last.
+    pub fn value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<(), Error> {
+        value.serialize(&mut Writer { out: self.out })
+    }
+
+    /// A string value of the entry started last.
+    pub fn str_value(&mut self, value: &str) {
+        write_str(self.out, value);
+    }
+
+    /// The bytes written so far, for a value of the entry started last
+    /// that the caller writes itself, whole and valid JSON.
+    pub fn raw_value(&mut self) -> &mut Vec<u8> {
+        self.out
+    }
+
+    /// Closes the object.
+    pub fn close(self) {
+        self.out.push(b'}');
+    }
+}
+
 /// `s` as a JSON string (quotes included), escaped as serde_json does.
 pub fn write_str(out: &mut Vec<u8>, s: &str) {
     out.reserve(s.len() + 2);

@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SecondsFormat, Utc};
 use ojs_core::{JobEnvelope, JobError, JobState, RetryPolicy, UniquePolicy};
 use proptest::prelude::*;
 use serde_json::{Map, Number, Value};
@@ -166,6 +166,20 @@ prop_compose! {
     }
 }
 
+/// An envelope's entries through a serializer's map, those in `.2` left
+/// out.
+struct ThroughSerializer<'a>(&'a JobEnvelope, SecondsFormat, &'a [&'a str]);
+
+impl serde::Serialize for ThroughSerializer<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(None)?;
+        self.0
+            .write_json_entries(&mut m, self.1, |k| !self.2.contains(&k))?;
+        m.end()
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -177,6 +191,35 @@ proptest! {
         let back = JobEnvelope::from_proto_bytes(&proto).unwrap();
         prop_assert_eq!(back.to_json_value().unwrap(), json);
         prop_assert_eq!(back, job);
+    }
+
+    /// The envelope's text written straight into bytes (each known key
+    /// copied as written in the program) is the text its entries make
+    /// through another serializer, serde_json's, whatever entries are left
+    /// out and however times are written.
+    #[test]
+    fn json_written_straight_is_the_entries_through_a_serializer(
+        job in envelope(),
+        left_out in prop::sample::subsequence(
+            vec!["id", "args", "meta", "state", "created_at", "attempt", "retry", "x_a"],
+            0..4,
+        ),
+        millis in any::<bool>(),
+    ) {
+        let times = if millis { SecondsFormat::Millis } else { SecondsFormat::AutoSi };
+        prop_assert_eq!(
+            job.to_json_vec().unwrap(),
+            serde_json::to_vec(&ThroughSerializer(&job, SecondsFormat::AutoSi, &[])).unwrap()
+        );
+        let mut out = Vec::new();
+        let mut object = ojs_core::json_out::Object::open(&mut out);
+        job.write_json_object_entries(&mut object, times, |k| !left_out.contains(&k))
+            .unwrap();
+        object.close();
+        prop_assert_eq!(
+            String::from_utf8(out).unwrap(),
+            serde_json::to_string(&ThroughSerializer(&job, times, &left_out)).unwrap()
+        );
     }
 
     /// The store's text is the bytes' text, exactly.

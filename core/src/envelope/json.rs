@@ -44,15 +44,22 @@ impl JobEnvelope {
     /// Validates and encodes as compact JSON.
     pub fn to_json_vec(&self) -> Result<Vec<u8>> {
         self.validate()?;
-        crate::json_out::to_vec(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
+        // An envelope's text is a few hundred bytes.
+        let mut out = Vec::with_capacity(384);
+        let mut object = crate::json_out::Object::open(&mut out);
+        write_entries(self, &mut object, SecondsFormat::AutoSi, &mut |_| true)
+            .map_err(|e| Error::json(e.to_string()))?;
+        object.close();
+        Ok(out)
     }
 
     /// Validates and encodes as compact JSON text: what
     /// [`JobEnvelope::to_json_vec`] writes, as a `String` without checking
     /// again that the bytes written are UTF-8 (the writer's own text is).
     pub fn to_json_string(&self) -> Result<String> {
-        self.validate()?;
-        crate::json_out::to_string(&JsonView(self)).map_err(|e| Error::json(e.to_string()))
+        // Every byte written is ASCII punctuation, digits, or a whole UTF-8
+        // string copied or escaped character by character.
+        String::from_utf8(self.to_json_vec()?).map_err(|e| Error::json(e.to_string()))
     }
 
     /// Writes the entries of the envelope's JSON object (what
@@ -75,7 +82,19 @@ impl JobEnvelope {
         times: SecondsFormat,
         mut keep: impl FnMut(&str) -> bool,
     ) -> std::result::Result<(), M::Error> {
-        write_entries(self, map, times, &mut keep)
+        write_entries(self, &mut MapEntries(map), times, &mut keep)
+    }
+
+    /// [`JobEnvelope::write_json_entries`] into an object being written
+    /// straight into bytes ([`crate::json_out::Object`]): the same text,
+    /// each known key copied as written where the program was compiled.
+    pub fn write_json_object_entries(
+        &self,
+        object: &mut crate::json_out::Object<'_>,
+        times: SecondsFormat,
+        mut keep: impl FnMut(&str) -> bool,
+    ) -> std::result::Result<(), crate::json_out::Error> {
+        write_entries(self, object, times, &mut keep)
     }
 
     /// Validates and encodes as a JSON value.
@@ -593,66 +612,166 @@ fn decode_error(map: Map<String, Value>) -> Result<JobError> {
 // ---- encoding -----------------------------------------------------------------
 
 struct JsonView<'a>(&'a JobEnvelope);
-struct Ts<'a>(&'a DateTime<Utc>, SecondsFormat);
 struct RetryView<'a>(&'a RetryPolicy);
 struct UniqueView<'a>(&'a UniquePolicy);
 struct ErrorView<'a>(&'a JobError);
-
-impl Serialize for Ts<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        crate::timestamp::with_rfc3339(self.0, self.1, |text| s.serialize_str(text))
-    }
-}
 
 /// Whether to write a key: every entry of an envelope's object asks it
 /// first (see [`JobEnvelope::write_json_entries`]).
 type Keep<'k> = &'k mut dyn FnMut(&str) -> bool;
 
-fn put<M: SerializeMap, V: Serialize + ?Sized>(
-    m: &mut M,
+/// A key of the envelope's object: its name, and its JSON text with the
+/// colon after it, written once here (see [`crate::json_out::Object`]).
+struct Key {
+    name: &'static str,
+    text: &'static str,
+}
+
+/// The [`Key`] of a name of plain letters, digits and `_`.
+macro_rules! key {
+    ($name:literal) => {
+        &Key {
+            name: $name,
+            text: concat!("\"", $name, "\":"),
+        }
+    };
+}
+
+/// Where an envelope's entries go: a serializer's map, or an object
+/// written straight into bytes.
+trait Entries {
+    type Error: serde::ser::Error;
+    fn entry<V: Serialize + ?Sized>(
+        &mut self,
+        key: &Key,
+        v: &V,
+    ) -> std::result::Result<(), Self::Error>;
+    fn entry_str(&mut self, key: &Key, v: &str) -> std::result::Result<(), Self::Error>;
+    /// An entry whose key the input gave (an unknown attribute).
+    fn entry_named<V: Serialize + ?Sized>(
+        &mut self,
+        key: &str,
+        v: &V,
+    ) -> std::result::Result<(), Self::Error>;
+}
+
+struct MapEntries<'m, M>(&'m mut M);
+
+impl<M: SerializeMap> Entries for MapEntries<'_, M> {
+    type Error = M::Error;
+    fn entry<V: Serialize + ?Sized>(
+        &mut self,
+        key: &Key,
+        v: &V,
+    ) -> std::result::Result<(), M::Error> {
+        self.0.serialize_entry(key.name, v)
+    }
+    fn entry_str(&mut self, key: &Key, v: &str) -> std::result::Result<(), M::Error> {
+        self.0.serialize_entry(key.name, v)
+    }
+    fn entry_named<V: Serialize + ?Sized>(
+        &mut self,
+        key: &str,
+        v: &V,
+    ) -> std::result::Result<(), M::Error> {
+        self.0.serialize_entry(key, v)
+    }
+}
+
+impl Entries for crate::json_out::Object<'_> {
+    type Error = crate::json_out::Error;
+    fn entry<V: Serialize + ?Sized>(
+        &mut self,
+        key: &Key,
+        v: &V,
+    ) -> std::result::Result<(), Self::Error> {
+        self.key_text(key.text);
+        self.value(v)
+    }
+    fn entry_str(&mut self, key: &Key, v: &str) -> std::result::Result<(), Self::Error> {
+        self.key_text(key.text);
+        self.str_value(v);
+        Ok(())
+    }
+    fn entry_named<V: Serialize + ?Sized>(
+        &mut self,
+        key: &str,
+        v: &V,
+    ) -> std::result::Result<(), Self::Error> {
+        self.key(key);
+        self.value(v)
+    }
+}
+
+fn put<E: Entries, V: Serialize + ?Sized>(
+    e: &mut E,
     keep: Keep<'_>,
-    k: &str,
+    k: &Key,
     v: &V,
-) -> std::result::Result<(), M::Error> {
-    if keep(k) {
+) -> std::result::Result<(), E::Error> {
+    if keep(k.name) {
+        e.entry(k, v)?;
+    }
+    Ok(())
+}
+
+fn put_string<E: Entries>(
+    e: &mut E,
+    keep: Keep<'_>,
+    k: &Key,
+    v: &str,
+) -> std::result::Result<(), E::Error> {
+    if keep(k.name) {
+        e.entry_str(k, v)?;
+    }
+    Ok(())
+}
+
+fn put_ts<E: Entries>(
+    e: &mut E,
+    keep: Keep<'_>,
+    k: &Key,
+    t: &Option<DateTime<Utc>>,
+    times: SecondsFormat,
+) -> std::result::Result<(), E::Error> {
+    if let Some(t) = t {
+        if keep(k.name) {
+            crate::timestamp::with_rfc3339(t, times, |text| e.entry_str(k, text))?;
+        }
+    }
+    Ok(())
+}
+
+fn put_i32<E: Entries>(
+    e: &mut E,
+    keep: Keep<'_>,
+    k: &Key,
+    v: i32,
+) -> std::result::Result<(), E::Error> {
+    if v != 0 {
+        put(e, keep, k, &v)?;
+    }
+    Ok(())
+}
+
+/// A string entry of a map, written when not empty (the nested policies'
+/// fields).
+fn put_str<M: SerializeMap>(m: &mut M, k: &str, v: &str) -> std::result::Result<(), M::Error> {
+    if !v.is_empty() {
         m.serialize_entry(k, v)?;
     }
     Ok(())
 }
 
-fn put_ts<M: SerializeMap>(
-    m: &mut M,
+/// [`put_str`] of the envelope's own entries.
+fn put_nonempty<E: Entries>(
+    e: &mut E,
     keep: Keep<'_>,
-    k: &str,
-    t: &Option<DateTime<Utc>>,
-    times: SecondsFormat,
-) -> std::result::Result<(), M::Error> {
-    if let Some(t) = t {
-        put(m, keep, k, &Ts(t, times))?;
-    }
-    Ok(())
-}
-
-fn put_i32<M: SerializeMap>(
-    m: &mut M,
-    keep: Keep<'_>,
-    k: &str,
-    v: i32,
-) -> std::result::Result<(), M::Error> {
-    if v != 0 {
-        put(m, keep, k, &v)?;
-    }
-    Ok(())
-}
-
-fn put_str<M: SerializeMap>(
-    m: &mut M,
-    keep: Keep<'_>,
-    k: &str,
+    k: &Key,
     v: &str,
-) -> std::result::Result<(), M::Error> {
+) -> std::result::Result<(), E::Error> {
     if !v.is_empty() {
-        put(m, keep, k, v)?;
+        put_string(e, keep, k, v)?;
     }
     Ok(())
 }
@@ -660,78 +779,91 @@ fn put_str<M: SerializeMap>(
 impl Serialize for JsonView<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         let mut m = s.serialize_map(None)?;
-        write_entries(self.0, &mut m, SecondsFormat::AutoSi, &mut |_| true)?;
+        write_entries(
+            self.0,
+            &mut MapEntries(&mut m),
+            SecondsFormat::AutoSi,
+            &mut |_| true,
+        )?;
         m.end()
     }
 }
 
-fn write_entries<M: SerializeMap>(
+fn write_entries<E: Entries>(
     j: &JobEnvelope,
-    m: &mut M,
+    m: &mut E,
     times: SecondsFormat,
     keep: Keep<'_>,
-) -> std::result::Result<(), M::Error> {
+) -> std::result::Result<(), E::Error> {
     use serde::ser::Error as _;
-    put(m, keep, "specversion", &j.specversion)?;
-    put(m, keep, "id", &j.id)?;
-    put(m, keep, "type", &j.job_type)?;
-    put(m, keep, "queue", &j.queue)?;
-    put(m, keep, "args", &j.args)?;
+    put_string(m, keep, key!("specversion"), &j.specversion)?;
+    put_string(m, keep, key!("id"), &j.id)?;
+    put_string(m, keep, key!("type"), &j.job_type)?;
+    put_string(m, keep, key!("queue"), &j.queue)?;
+    put(m, keep, key!("args"), &j.args)?;
     if !j.meta.is_empty() {
-        put(m, keep, "meta", &j.meta)?;
+        put(m, keep, key!("meta"), &j.meta)?;
     }
-    put_i32(m, keep, "priority", j.priority)?;
-    put_i32(m, keep, "timeout", j.timeout)?;
+    put_i32(m, keep, key!("priority"), j.priority)?;
+    put_i32(m, keep, key!("timeout"), j.timeout)?;
     put_ts(
         m,
         keep,
-        "scheduled_at",
+        key!("scheduled_at"),
         &j.scheduled_at,
         SecondsFormat::AutoSi,
     )?;
-    put_ts(m, keep, "expires_at", &j.expires_at, SecondsFormat::AutoSi)?;
+    put_ts(
+        m,
+        keep,
+        key!("expires_at"),
+        &j.expires_at,
+        SecondsFormat::AutoSi,
+    )?;
     if let Some(p) = &j.retry {
-        put(m, keep, "retry", &RetryView(p))?;
+        put(m, keep, key!("retry"), &RetryView(p))?;
     }
     if let Some(p) = &j.unique {
-        put(m, keep, "unique", &UniqueView(p))?;
+        put(m, keep, key!("unique"), &UniqueView(p))?;
     }
     if let Some(schema) = &j.schema {
-        put_str(m, keep, "schema", schema)?;
+        put_nonempty(m, keep, key!("schema"), schema)?;
     }
     if let Some(state) = j.state {
         let name = state.as_str().ok_or_else(|| {
-            M::Error::custom(format!(
+            E::Error::custom(format!(
                 "state {} is unknown to this build and has no JSON name",
                 state.to_i32()
             ))
         })?;
-        put(m, keep, "state", name)?;
+        put_string(m, keep, key!("state"), name)?;
     }
-    put_i32(m, keep, "attempt", j.attempt)?;
-    put_ts(m, keep, "created_at", &j.created_at, times)?;
-    put_ts(m, keep, "enqueued_at", &j.enqueued_at, times)?;
-    put_ts(m, keep, "started_at", &j.started_at, times)?;
-    put_ts(m, keep, "completed_at", &j.completed_at, times)?;
+    put_i32(m, keep, key!("attempt"), j.attempt)?;
+    put_ts(m, keep, key!("created_at"), &j.created_at, times)?;
+    put_ts(m, keep, key!("enqueued_at"), &j.enqueued_at, times)?;
+    put_ts(m, keep, key!("started_at"), &j.started_at, times)?;
+    put_ts(m, keep, key!("completed_at"), &j.completed_at, times)?;
     if let Some(e) = &j.error {
-        put(m, keep, "error", &ErrorView(e))?;
+        put(m, keep, key!("error"), &ErrorView(e))?;
     }
     if let Some(r) = &j.result {
-        put(m, keep, "result", r)?;
+        put(m, keep, key!("result"), r)?;
     }
-    put_i32(m, keep, "total_timeout", j.total_timeout)?;
-    put_i32(m, keep, "enqueue_ttl", j.enqueue_ttl)?;
-    put_i32(m, keep, "grace_period", j.grace_period)?;
-    put_i32(m, keep, "heartbeat_timeout", j.heartbeat_timeout)?;
-    put_i32(m, keep, "result_ttl", j.result_ttl)?;
+    put_i32(m, keep, key!("total_timeout"), j.total_timeout)?;
+    put_i32(m, keep, key!("enqueue_ttl"), j.enqueue_ttl)?;
+    put_i32(m, keep, key!("grace_period"), j.grace_period)?;
+    put_i32(m, keep, key!("heartbeat_timeout"), j.heartbeat_timeout)?;
+    put_i32(m, keep, key!("result_ttl"), j.result_ttl)?;
     if !j.extensions.is_empty() {
-        put(m, keep, "extensions", &j.extensions)?;
+        put(m, keep, key!("extensions"), &j.extensions)?;
     }
     if !j.errors.is_empty() {
-        put(m, keep, "errors", &j.errors)?;
+        put(m, keep, key!("errors"), &j.errors)?;
     }
     for (k, v) in &j.unknown_attributes {
-        put(m, keep, k, v)?;
+        if keep(k) {
+            m.entry_named(k, v)?;
+        }
     }
     Ok(())
 }
@@ -743,22 +875,17 @@ impl Serialize for RetryView<'_> {
         if let Some(n) = p.max_attempts {
             m.serialize_entry("max_attempts", &n)?;
         }
-        put_str(
-            &mut m,
-            &mut |_| true,
-            "initial_interval",
-            &p.initial_interval,
-        )?;
+        put_str(&mut m, "initial_interval", &p.initial_interval)?;
         if p.backoff_coefficient != 0.0 {
             m.serialize_entry("backoff_coefficient", &p.backoff_coefficient)?;
         }
-        put_str(&mut m, &mut |_| true, "max_interval", &p.max_interval)?;
+        put_str(&mut m, "max_interval", &p.max_interval)?;
         // Always written: JSON without it means `true`.
         m.serialize_entry("jitter", &p.jitter)?;
         if !p.non_retryable_errors.is_empty() {
             m.serialize_entry("non_retryable_errors", &p.non_retryable_errors)?;
         }
-        put_str(&mut m, &mut |_| true, "on_exhaustion", &p.on_exhaustion)?;
+        put_str(&mut m, "on_exhaustion", &p.on_exhaustion)?;
         m.end()
     }
 }
@@ -770,8 +897,8 @@ impl Serialize for UniqueView<'_> {
         if !p.keys.is_empty() {
             m.serialize_entry("keys", &p.keys)?;
         }
-        put_str(&mut m, &mut |_| true, "period", &p.period)?;
-        put_str(&mut m, &mut |_| true, "on_conflict", &p.on_conflict)?;
+        put_str(&mut m, "period", &p.period)?;
+        put_str(&mut m, "on_conflict", &p.on_conflict)?;
         for (k, list) in [
             ("args_keys", &p.args_keys),
             ("meta_keys", &p.meta_keys),
@@ -789,14 +916,18 @@ impl Serialize for ErrorView<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         let e = self.0;
         let mut m = s.serialize_map(None)?;
-        put_str(&mut m, &mut |_| true, "type", &e.error_type)?;
-        put_str(&mut m, &mut |_| true, "message", &e.message)?;
+        put_str(&mut m, "type", &e.error_type)?;
+        put_str(&mut m, "message", &e.message)?;
         if !e.backtrace.is_empty() {
             m.serialize_entry("backtrace", &e.backtrace)?;
         }
-        put_str(&mut m, &mut |_| true, "timeout_kind", &e.timeout_kind)?;
-        put_i32(&mut m, &mut |_| true, "limit_seconds", e.limit_seconds)?;
-        put_i32(&mut m, &mut |_| true, "elapsed_seconds", e.elapsed_seconds)?;
+        put_str(&mut m, "timeout_kind", &e.timeout_kind)?;
+        if e.limit_seconds != 0 {
+            m.serialize_entry("limit_seconds", &e.limit_seconds)?;
+        }
+        if e.elapsed_seconds != 0 {
+            m.serialize_entry("elapsed_seconds", &e.elapsed_seconds)?;
+        }
         m.end()
     }
 }
