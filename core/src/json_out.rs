@@ -87,6 +87,22 @@ impl<'o> Object<'o> {
         write_str(self.out, value);
     }
 
+    /// A string value of the entry started last given as bytes that should
+    /// all be printable ASCII needing no escape (a time's digits and
+    /// separators): copied between quotes once checked a word at a time.
+    /// Any other bytes are written as a string of their text (invalid
+    /// UTF-8 replaced), escaped as needed.
+    pub fn ascii_value(&mut self, value: &[u8]) {
+        if value.is_ascii() && is_clean(value) {
+            self.out.reserve(value.len() + 2);
+            self.out.push(b'"');
+            self.out.extend_from_slice(value);
+            self.out.push(b'"');
+        } else {
+            write_str(self.out, &String::from_utf8_lossy(value));
+        }
+    }
+
     /// The bytes written so far, for a value of the entry started last
     /// that the caller writes itself, whole and valid JSON.
     pub fn raw_value(&mut self) -> &mut Vec<u8> {
@@ -125,6 +141,11 @@ fn word_needs_escape(w: u64) -> bool {
     let backslash = w ^ (ONES * u64::from(b'\\'));
     let zero_in = |x: u64| x.wrapping_sub(ONES) & !x;
     (below_space | zero_in(quote) | zero_in(backslash)) & HIGHS != 0
+}
+
+/// Whether no byte of `bytes` needs an escape.
+fn is_clean(bytes: &[u8]) -> bool {
+    clean_prefix(bytes) == bytes.len()
 }
 
 /// How many bytes at the start of `bytes` need no escape.
@@ -669,6 +690,37 @@ mod tests {
             "x\"y\\z",
         ] {
             same(&s);
+        }
+    }
+
+    /// Bytes given as plain ASCII are a JSON string of their text whatever
+    /// they are: copied when they are plain, escaped when not, invalid
+    /// UTF-8 replaced.
+    #[test]
+    fn an_ascii_value_is_the_string_of_its_text() {
+        let cases: [&[u8]; 7] = [
+            b"2026-12-06T23:59:59.123Z",
+            b"",
+            b"a\"b",
+            b"tab\there\\",
+            b"\x01\x1f",
+            "\u{e9}t\u{e9}".as_bytes(),
+            b"\xff\xfeok",
+        ];
+        for bytes in cases {
+            let mut out = Vec::new();
+            let mut object = Object::open(&mut out);
+            object.key("k");
+            object.ascii_value(bytes);
+            object.close();
+            let text = String::from_utf8_lossy(bytes).into_owned();
+            let theirs = serde_json::to_vec(&serde_json::json!({ "k": text }))
+                .expect("serde_json writes it");
+            assert_eq!(
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&theirs),
+                "{bytes:?}"
+            );
         }
     }
 

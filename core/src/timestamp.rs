@@ -20,6 +20,22 @@ pub fn rfc3339(t: &DateTime<Utc>, format: SecondsFormat) -> String {
 /// writer of many timestamps (every envelope the store keeps, every job an
 /// answer carries) skips making a `String` of each.
 pub fn with_rfc3339<R>(t: &DateTime<Utc>, format: SecondsFormat, f: impl FnOnce(&str) -> R) -> R {
+    with_rfc3339_ascii(t, format, |text| match std::str::from_utf8(text) {
+        Ok(text) => f(text),
+        // Every byte is an ASCII digit or separator, so this never happens.
+        Err(_) => f(&t.to_rfc3339_opts(format, true)),
+    })
+}
+
+/// [`with_rfc3339`]'s text as its bytes, every one an ASCII digit or
+/// separator: a writer of bytes (a JSON writer) copies them as they are,
+/// where the text would be checked for UTF-8 first and for characters to
+/// escape after.
+pub fn with_rfc3339_ascii<R>(
+    t: &DateTime<Utc>,
+    format: SecondsFormat,
+    f: impl FnOnce(&[u8]) -> R,
+) -> R {
     // The accessors of `DateTime` convert to local time on each call; the
     // naive date and time are that once.
     let naive = t.naive_utc();
@@ -32,10 +48,10 @@ pub fn with_rfc3339<R>(t: &DateTime<Utc>, format: SecondsFormat, f: impl FnOnce(
         SecondsFormat::AutoSi if nanos % 1_000_000 == 0 => 3,
         SecondsFormat::AutoSi if nanos % 1_000 == 0 => 6,
         SecondsFormat::AutoSi => 9,
-        _ => return f(&t.to_rfc3339_opts(format, true)),
+        _ => return f(t.to_rfc3339_opts(format, true).as_bytes()),
     };
     if !(0..=9999).contains(&year) || nanos >= 1_000_000_000 {
-        return f(&t.to_rfc3339_opts(format, true));
+        return f(t.to_rfc3339_opts(format, true).as_bytes());
     }
     let mut out = *b"0000-00-00T00:00:00.000000000Z";
     write_digits(&mut out[0..4], year as u32);
@@ -54,11 +70,7 @@ pub fn with_rfc3339<R>(t: &DateTime<Utc>, format: SecondsFormat, f: impl FnOnce(
         20 + digits
     };
     out[end] = b'Z';
-    // Every byte is an ASCII digit or separator, so this never falls back.
-    match std::str::from_utf8(&out[..=end]) {
-        Ok(text) => f(text),
-        Err(_) => f(&t.to_rfc3339_opts(format, true)),
-    }
+    f(&out[..=end])
 }
 
 /// `s` read as [`rfc3339`] writes it — `YYYY-MM-DDTHH:MM:SS`, a fraction

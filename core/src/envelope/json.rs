@@ -647,6 +647,14 @@ trait Entries {
         v: &V,
     ) -> std::result::Result<(), Self::Error>;
     fn entry_str(&mut self, key: &Key, v: &str) -> std::result::Result<(), Self::Error>;
+    fn entry_time(
+        &mut self,
+        key: &Key,
+        t: &DateTime<Utc>,
+        times: SecondsFormat,
+    ) -> std::result::Result<(), Self::Error> {
+        crate::timestamp::with_rfc3339(t, times, |text| self.entry_str(key, text))
+    }
     /// An entry whose key the input gave (an unknown attribute).
     fn entry_named<V: Serialize + ?Sized>(
         &mut self,
@@ -693,6 +701,16 @@ impl Entries for crate::json_out::Object<'_> {
         self.str_value(v);
         Ok(())
     }
+    fn entry_time(
+        &mut self,
+        key: &Key,
+        t: &DateTime<Utc>,
+        times: SecondsFormat,
+    ) -> std::result::Result<(), Self::Error> {
+        self.key_text(key.text);
+        crate::timestamp::with_rfc3339_ascii(t, times, |text| self.ascii_value(text));
+        Ok(())
+    }
     fn entry_named<V: Serialize + ?Sized>(
         &mut self,
         key: &str,
@@ -736,7 +754,7 @@ fn put_ts<E: Entries>(
 ) -> std::result::Result<(), E::Error> {
     if let Some(t) = t {
         if keep(k.name) {
-            crate::timestamp::with_rfc3339(t, times, |text| e.entry_str(k, text))?;
+            e.entry_time(k, t, times)?;
         }
     }
     Ok(())
