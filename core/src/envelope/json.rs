@@ -54,8 +54,7 @@ impl JobEnvelope {
     }
 
     /// Validates and encodes as compact JSON text: what
-    /// [`JobEnvelope::to_json_vec`] writes, as a `String` without checking
-    /// again that the bytes written are UTF-8 (the writer's own text is).
+    /// [`JobEnvelope::to_json_vec`] writes, as a `String`.
     pub fn to_json_string(&self) -> Result<String> {
         // Every byte written is ASCII punctuation, digits, or a whole UTF-8
         // string copied or escaped character by character.
@@ -646,14 +645,13 @@ trait Entries {
         key: &Key,
         v: &V,
     ) -> std::result::Result<(), Self::Error>;
-    fn entry_str(&mut self, key: &Key, v: &str) -> std::result::Result<(), Self::Error>;
     fn entry_time(
         &mut self,
         key: &Key,
         t: &DateTime<Utc>,
         times: SecondsFormat,
     ) -> std::result::Result<(), Self::Error> {
-        crate::timestamp::with_rfc3339(t, times, |text| self.entry_str(key, text))
+        crate::timestamp::with_rfc3339(t, times, |text| self.entry(key, text))
     }
     /// An entry whose key the input gave (an unknown attribute).
     fn entry_named<V: Serialize + ?Sized>(
@@ -674,9 +672,6 @@ impl<M: SerializeMap> Entries for MapEntries<'_, M> {
     ) -> std::result::Result<(), M::Error> {
         self.0.serialize_entry(key.name, v)
     }
-    fn entry_str(&mut self, key: &Key, v: &str) -> std::result::Result<(), M::Error> {
-        self.0.serialize_entry(key.name, v)
-    }
     fn entry_named<V: Serialize + ?Sized>(
         &mut self,
         key: &str,
@@ -695,11 +690,6 @@ impl Entries for crate::json_out::Object<'_> {
     ) -> std::result::Result<(), Self::Error> {
         self.key_text(key.text);
         self.value(v)
-    }
-    fn entry_str(&mut self, key: &Key, v: &str) -> std::result::Result<(), Self::Error> {
-        self.key_text(key.text);
-        self.str_value(v);
-        Ok(())
     }
     fn entry_time(
         &mut self,
@@ -729,18 +719,6 @@ fn put<E: Entries, V: Serialize + ?Sized>(
 ) -> std::result::Result<(), E::Error> {
     if keep(k.name) {
         e.entry(k, v)?;
-    }
-    Ok(())
-}
-
-fn put_string<E: Entries>(
-    e: &mut E,
-    keep: Keep<'_>,
-    k: &Key,
-    v: &str,
-) -> std::result::Result<(), E::Error> {
-    if keep(k.name) {
-        e.entry_str(k, v)?;
     }
     Ok(())
 }
@@ -789,7 +767,7 @@ fn put_nonempty<E: Entries>(
     v: &str,
 ) -> std::result::Result<(), E::Error> {
     if !v.is_empty() {
-        put_string(e, keep, k, v)?;
+        put(e, keep, k, v)?;
     }
     Ok(())
 }
@@ -814,10 +792,10 @@ fn write_entries<E: Entries>(
     keep: Keep<'_>,
 ) -> std::result::Result<(), E::Error> {
     use serde::ser::Error as _;
-    put_string(m, keep, key!("specversion"), &j.specversion)?;
-    put_string(m, keep, key!("id"), &j.id)?;
-    put_string(m, keep, key!("type"), &j.job_type)?;
-    put_string(m, keep, key!("queue"), &j.queue)?;
+    put(m, keep, key!("specversion"), &j.specversion)?;
+    put(m, keep, key!("id"), &j.id)?;
+    put(m, keep, key!("type"), &j.job_type)?;
+    put(m, keep, key!("queue"), &j.queue)?;
     put(m, keep, key!("args"), &j.args)?;
     if !j.meta.is_empty() {
         put(m, keep, key!("meta"), &j.meta)?;
@@ -854,7 +832,7 @@ fn write_entries<E: Entries>(
                 state.to_i32()
             ))
         })?;
-        put_string(m, keep, key!("state"), name)?;
+        put(m, keep, key!("state"), name)?;
     }
     put_i32(m, keep, key!("attempt"), j.attempt)?;
     put_ts(m, keep, key!("created_at"), &j.created_at, times)?;
