@@ -1246,9 +1246,11 @@ impl Api {
         let now = self.now();
         let job_id = id.to_owned();
         let remote = self.remote(held.is_some());
+        // Checks first: the job is loaded and its completion decided
+        // before anything is written, so no savepoint is needed.
         let done = self
             .store
-            .run(move |tx| {
+            .run_checks_first(move |tx| {
                 let holder = remote_holder(tx, &job_id, remote.as_deref())?;
                 let job = complete(tx, &job_id, result, now)?;
                 if let Some(holder) = holder {

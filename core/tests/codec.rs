@@ -278,6 +278,39 @@ fn unknown_json_attributes_survive_protobuf_in_field_22() {
 }
 
 #[test]
+fn unknown_attribute_keys_that_need_escapes_are_written_escaped() {
+    // Keys the input gave are the one kind of key the envelope's writer
+    // does not know at compile time: each goes through the escaping writer.
+    let keys = [
+        "x\"quoted\"",
+        "back\\slash",
+        "line\nbreak\ttab",
+        "bell\u{7}and\u{1f}",
+        "del\u{7f}",
+        "ünïcödé ✓",
+        "\u{2028}sep",
+    ];
+    let mut doc = serde_json::from_str::<serde_json::Value>(MINIMAL).unwrap();
+    for (i, key) in keys.iter().enumerate() {
+        doc[*key] = json!({ "n": i, "s": *key });
+    }
+    let job = JobEnvelope::from_json_value(doc.clone()).unwrap();
+    assert_eq!(job.unknown_attributes.len(), keys.len());
+    let bytes = job.to_json_vec().unwrap();
+    // Valid JSON, the same object, and each key spelled as serde_json
+    // spells it (the escapes of `write_str`, not a copy of the raw key).
+    let back: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(back, doc);
+    let text = std::str::from_utf8(&bytes).unwrap();
+    for key in keys {
+        let escaped = serde_json::to_string(key).unwrap();
+        assert!(text.contains(&format!("{escaped}:")), "{escaped} in {text}");
+    }
+    assert!(!text.contains('\n'), "a raw line break in {text}");
+    assert_eq!(job.to_json_string().unwrap().as_bytes(), bytes.as_slice());
+}
+
+#[test]
 fn one_mebibyte_envelopes_work_in_both_codecs() {
     let big = "x".repeat(1024 * 1024);
     let job = JobEnvelope::new("blob.store", vec![json!(big)]);

@@ -28,8 +28,8 @@ use super::sql;
 use super::{
     claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, rate_key_seen,
     record_of, record_text, state_name, stored_event, unanswered, EventFilter, EventPage, Inserted,
-    Lease, QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED, RATE_ACTIVE,
-    RATE_WINDOW_SLACK_MS, SCHEDULE_CLAIM,
+    Isolation, Lease, QueueJobs, RunFn, Settle, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
+    RATE_ACTIVE, RATE_WINDOW_SLACK_MS, SCHEDULE_CLAIM,
 };
 use super::{count_priorities, Bound, JobCounts, JobQuery, Subject};
 use crate::job::Job;
@@ -578,7 +578,13 @@ impl super::JobStore for PostgresStore {
         .await
     }
 
-    async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError> {
+    async fn run(
+        &self,
+        f: RunFn,
+        // Each transition is a transaction of its own here: its failure
+        // is its own whatever it wrote.
+        _isolation: Isolation,
+    ) -> Result<Box<dyn Any + Send>, StoreError> {
         self.transaction(move |t| {
             f(&mut PostgresTx {
                 t,

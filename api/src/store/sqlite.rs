@@ -3,8 +3,9 @@
 //!
 //! Writes go through one thread that commits everything that arrived while
 //! the previous commit ran in one transaction (each request in its own
-//! savepoint, so one request's failure leaves the others): a thousand
-//! concurrent PUSHes cost a few fsyncs, not a thousand. Reads use other
+//! savepoint, so one request's failure leaves the others; a transition
+//! whose checks all come before its writes, an ACK, needs none): a
+//! thousand concurrent PUSHes cost a few fsyncs, not a thousand. Reads use other
 //! connections (WAL readers do not wait for the writer), and checkpoints
 //! one more, on a thread of its own ([`ojs_sqlite::Checkpointer`]): a
 //! commit no longer waits for the log to be copied into the file.
@@ -28,7 +29,7 @@ use super::sql;
 use super::{
     claim_unique_keys, decode, due_ms, encode, event_body, keep_unique_keys, ms, rate_key_seen,
     record_of, record_text, state_name, stored_event, unanswered, Durability, EventFilter,
-    EventPage, Inserted, QueueJobs, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
+    EventPage, Inserted, Isolation, QueueJobs, RunFn, StoreError, Tx, Uniques, MAX_EVENTS_SCANNED,
     RATE_ACTIVE, RATE_WINDOW_SLACK_MS,
 };
 use super::{count_priorities, Bound, JobCounts, JobQuery, Subject};
@@ -264,11 +265,12 @@ enum Write {
         before: DateTime<Utc>,
         reply: oneshot::Sender<Result<u64, StoreError>>,
     },
-    /// A transition of the worker side, run in its own savepoint; it may
-    /// number new rows from the writer's counter.
+    /// A transition of the worker side, run in its own savepoint unless
+    /// it checks first; it may number new rows from the writer's counter.
     Run {
         /// Taken when it runs.
         f: Option<RunFn>,
+        isolation: Isolation,
         reply: oneshot::Sender<Result<Box<dyn Any + Send>, StoreError>>,
     },
 }
@@ -653,8 +655,13 @@ impl super::JobStore for SqliteStore {
         self.write(|reply| Write::Remove { ids, reply }).await
     }
 
-    async fn run(&self, f: RunFn) -> Result<Box<dyn Any + Send>, StoreError> {
-        self.write(|reply| Write::Run { f: Some(f), reply }).await
+    async fn run(&self, f: RunFn, isolation: Isolation) -> Result<Box<dyn Any + Send>, StoreError> {
+        self.write(|reply| Write::Run {
+            f: Some(f),
+            isolation,
+            reply,
+        })
+        .await
     }
 
     async fn prune(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -2466,10 +2473,10 @@ fn commit_group(
             break;
         }
         let outcome = match write {
-            Write::Run { f, .. } => match f.take() {
+            Write::Run { f, isolation, .. } => match f.take() {
                 Some(f) => {
                     let before = next_seq;
-                    let r = in_request(prepared, tally, &mut undo, &mut lost, |conn| {
+                    let r = in_request(prepared, tally, &mut undo, &mut lost, *isolation, |conn| {
                         super::guarded(|| {
                             let mut tx = SqliteTx::new(conn, prepared, &mut next_seq, tally);
                             let answer = f(&mut tx)?;
@@ -2485,9 +2492,14 @@ fn commit_group(
                 None => Outcome::Any(Err(StoreError::Commit("ran twice".into()))),
             },
             Write::Insert { jobs, uniques, .. } => {
-                match in_request(prepared, tally, &mut undo, &mut lost, |_| {
-                    insert_new(prepared, jobs, uniques, next_seq, tally)
-                }) {
+                match in_request(
+                    prepared,
+                    tally,
+                    &mut undo,
+                    &mut lost,
+                    Isolation::Savepoint,
+                    |_| insert_new(prepared, jobs, uniques, next_seq, tally),
+                ) {
                     Ok(rows) => {
                         next_seq += rows.used;
                         added.extend(rows.available);
@@ -2497,16 +2509,26 @@ fn commit_group(
                 }
             }
             Write::Published { .. } => Outcome::Unit(Ok(())),
-            Write::Remove { ids, .. } => {
-                Outcome::Unit(in_request(prepared, tally, &mut undo, &mut lost, |_| {
+            Write::Remove { ids, .. } => Outcome::Unit(in_request(
+                prepared,
+                tally,
+                &mut undo,
+                &mut lost,
+                Isolation::Savepoint,
+                |_| {
                     for id in ids.iter() {
                         delete_job(prepared, id, "", tally)?;
                     }
                     Ok(())
-                }))
-            }
-            Write::Prune { before, .. } => {
-                Outcome::Pruned(in_request(prepared, tally, &mut undo, &mut lost, |c| {
+                },
+            )),
+            Write::Prune { before, .. } => Outcome::Pruned(in_request(
+                prepared,
+                tally,
+                &mut undo,
+                &mut lost,
+                Isolation::Savepoint,
+                |c| {
                     let cut = ms(*before);
                     let jobs = delete_counted(c, sql::PRUNE_JOBS.sqlite, params![cut], tally)?;
                     keep_events_through(prepared)?;
@@ -2520,8 +2542,8 @@ fn commit_group(
                     c.prepare_cached(sql::PRUNE_WORKFLOWS.sqlite)?
                         .execute(params![cut])?;
                     Ok(jobs as u64)
-                }))
-            }
+                },
+            )),
         };
         if let (Write::Remove { ids, .. }, Outcome::Unit(Ok(()))) = (&*write, &outcome) {
             removed.push(ids.clone());
@@ -2614,22 +2636,30 @@ enum Undo {
 /// Runs one request of the group's transaction: its failure undoes its own
 /// writes and nobody else's. `undo` says how (and becomes
 /// [`Undo::Savepoint`] once a request has written); `lost` is set when the
-/// transaction itself is gone (the group then fails as a whole).
+/// transaction itself is gone (the group then fails as a whole). A request
+/// that checks first ([`Isolation::ChecksFirst`]) takes no savepoint: when
+/// it fails having written nothing there is nothing to undo, and when it
+/// fails after a write the group is lost.
 fn in_request<T>(
     prepared: &Prepared<'_>,
     tally: &RefCell<Tally>,
     undo: &mut Undo,
     lost: &mut Option<String>,
+    isolation: Isolation,
     f: impl FnOnce(&Connection) -> Result<T, StoreError>,
 ) -> Result<T, StoreError> {
     let conn = prepared.conn;
+    let savepoint = *undo == Undo::Savepoint && isolation == Isolation::Savepoint;
+    // Every write of a request is an INSERT, UPDATE or DELETE, which this
+    // counts: unchanged, the request wrote nothing.
+    let changes = conn.total_changes();
     // Prepared once: a group has a savepoint per request, and parsing the
     // two statements each time was a few per cent of a single PUSH.
-    if *undo == Undo::Savepoint {
+    if savepoint {
         prepared.run(&prepared.savepoint, |s| s.execute([]))?;
     }
     let done = f(conn).and_then(|v| {
-        if *undo == Undo::Savepoint {
+        if savepoint {
             prepared.run(&prepared.release, |s| s.execute([]))?;
         }
         Ok(v)
@@ -2646,17 +2676,32 @@ fn in_request<T>(
             kept.request.clear();
             prepared.recent.borrow_mut().rolled_back();
             drop(kept);
-            let undone = match *undo {
-                // SQLite rolls a transaction back itself after some errors
-                // (a full disk, I/O): the writes of the requests before
-                // this one went with it.
-                Undo::Savepoint if conn.is_autocommit() => {
+            let undone = if savepoint {
+                if conn.is_autocommit() {
+                    // SQLite rolls a transaction back itself after some
+                    // errors (a full disk, I/O): the writes of the
+                    // requests before this one went with it.
                     Err("the group's transaction was rolled back".to_owned())
+                } else {
+                    conn.execute_batch("ROLLBACK TO request; RELEASE request")
+                        .map_err(|e| e.to_string())
                 }
-                Undo::Savepoint => conn
-                    .execute_batch("ROLLBACK TO request; RELEASE request")
-                    .map_err(|e| e.to_string()),
-                Undo::Transaction => restart(prepared, tally),
+            } else if *undo == Undo::Transaction {
+                if conn.is_autocommit() || conn.total_changes() != changes {
+                    restart(prepared, tally)
+                } else {
+                    Ok(())
+                }
+            } else if conn.is_autocommit() {
+                Err("the group's transaction was rolled back".to_owned())
+            } else if conn.total_changes() == changes {
+                // It refused before its first write.
+                Ok(())
+            } else {
+                tracing::warn!(error = %e, "a transition that checks first failed after writing: every request of its group commit fails");
+                Err(format!(
+                    "a request of the group failed after writing without a savepoint: {e}"
+                ))
             };
             if let Err(reason) = undone {
                 *lost = Some(reason);
@@ -3037,7 +3082,11 @@ mod tests {
                         }
                         Ok(Box::new(()) as Box<dyn Any + Send>)
                     });
-                    Write::Run { f: Some(f), reply }
+                    Write::Run {
+                        f: Some(f),
+                        isolation: Isolation::Savepoint,
+                        reply,
+                    }
                 })
                 .collect();
             let outcomes = commit_group(&prepared, &mut group, &mut confirmed, &tally);
@@ -3089,6 +3138,165 @@ mod tests {
             assert_eq!(actual, expected, "{failing:?}");
             // The writer goes on: the transaction of the next group begins.
             assert!(conn.is_autocommit());
+            drop(prepared);
+            drop(conn);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        Ok(())
+    }
+
+    /// Requests that check first run without a savepoint. One that refuses
+    /// before writing is answered alone wherever it stands; one that fails
+    /// after writing is undone alone while nothing of its group is kept
+    /// (the transaction begins again), and otherwise fails its whole group:
+    /// every request errs and none of their writes, counts or kept jobs
+    /// remain. Requests with savepoints beside them behave as before.
+    #[test]
+    fn a_request_that_checks_first_refuses_alone_and_fails_after_writing_with_its_group(
+    ) -> Result<(), StoreError> {
+        // o: a savepoint request that succeeds; s: one that fails after
+        // writing; c: a request that checks first and succeeds; r: one
+        // that refuses before writing; f: one that fails after writing.
+        let cases = [
+            "cccc", "rccc", "crcc", "cccr", "rcrc", "fccc", "rfcc", "rrfc", "sfcc", "cfcc", "ccfc",
+            "cccf", "ocfc", "scfc", "csrc", "ofoo",
+        ];
+        for case in cases {
+            let kinds: Vec<char> = case.chars().collect();
+            let dir = fresh_dir();
+            std::fs::create_dir_all(&dir).map_err(|e| StoreError::Commit(e.to_string()))?;
+            let conn = Connection::open(dir.join(STORE_FILE))?;
+            conn.execute_batch(SCHEMA)?;
+            let prepared = Prepared::new(&conn, 1);
+            let tally = RefCell::new(Tally::default());
+            let mut confirmed = Confirmed::load(&conn)?;
+            let jobs: Vec<Job> = (0..kinds.len()).map(|_| job(None)).collect();
+            let ids: Vec<String> = jobs.iter().map(|j| j.envelope.id.clone()).collect();
+            let (reply, _answer) = oneshot::channel();
+            let mut group = vec![Write::Insert {
+                jobs,
+                uniques: vec![None; kinds.len()],
+                reply,
+            }];
+            let outcomes = commit_group(&prepared, &mut group, &mut confirmed, &tally);
+            assert!(matches!(outcomes[..], [Outcome::Inserted(Ok(_))]));
+            let mut group: Vec<Write> = ids
+                .iter()
+                .zip(&kinds)
+                .enumerate()
+                .map(|(n, (id, &kind))| {
+                    let id = id.clone();
+                    let (reply, _) = oneshot::channel();
+                    let f: RunFn = Box::new(move |tx| {
+                        let mut job = tx.load(&id)?;
+                        if kind == 'r' {
+                            return Err(StoreError::Internal {
+                                reason: format!("request {n} refuses"),
+                            });
+                        }
+                        job.envelope.state = Some(JobState::Active);
+                        job.envelope.priority = 7;
+                        tx.event(
+                            "job.started",
+                            &job.envelope,
+                            Utc::now(),
+                            &EventData::empty(),
+                        )?;
+                        tx.save(&job, None)?;
+                        if kind == 's' || kind == 'f' {
+                            return Err(StoreError::Internal {
+                                reason: format!("request {n} fails"),
+                            });
+                        }
+                        Ok(Box::new(()) as Box<dyn Any + Send>)
+                    });
+                    let isolation = match kind {
+                        'o' | 's' => Isolation::Savepoint,
+                        _ => Isolation::ChecksFirst,
+                    };
+                    Write::Run {
+                        f: Some(f),
+                        isolation,
+                        reply,
+                    }
+                })
+                .collect();
+            let outcomes = commit_group(&prepared, &mut group, &mut confirmed, &tally);
+            // The group is lost when a request that checks first fails
+            // after writing once an earlier request of the group is kept.
+            let lost = kinds
+                .iter()
+                .enumerate()
+                .any(|(n, &k)| k == 'f' && kinds[..n].iter().any(|&e| e == 'o' || e == 'c'));
+            let kept: Vec<bool> = kinds
+                .iter()
+                .map(|&k| !lost && (k == 'o' || k == 'c'))
+                .collect();
+            for (n, outcome) in outcomes.iter().enumerate() {
+                match (lost, kinds[n], outcome) {
+                    (true, _, Outcome::Unit(Err(StoreError::Commit(reason)))) => {
+                        assert!(reason.contains("failed after writing"), "{case}: {reason}");
+                    }
+                    (false, 'o' | 'c', Outcome::Any(Ok(_))) => {}
+                    (false, 'r', Outcome::Any(Err(StoreError::Internal { reason }))) => {
+                        assert_eq!(reason, &format!("request {n} refuses"), "{case}");
+                    }
+                    (false, 's' | 'f', Outcome::Any(Err(StoreError::Internal { reason }))) => {
+                        assert_eq!(reason, &format!("request {n} fails"), "{case}");
+                    }
+                    (_, _, Outcome::Any(other)) => panic!("{case}, request {n}: {other:?}"),
+                    _ => panic!("{case}, request {n}: another outcome"),
+                }
+            }
+            if lost {
+                // The writer's next group finds no transaction open.
+                prepared.recent.borrow_mut().failed();
+            }
+            for (n, id) in ids.iter().enumerate() {
+                let (state, priority, listed): (String, i64, String) = conn.query_row(
+                    "SELECT state, json_extract(envelope, '$.priority'), event_seqs
+                     FROM jobs WHERE id = ?1",
+                    params![id],
+                    |r| {
+                        Ok((
+                            r.get(0)?,
+                            r.get::<_, Option<i64>>(1)?.unwrap_or(0),
+                            r.get(2)?,
+                        ))
+                    },
+                )?;
+                let cached = prepared.recent.borrow_mut().get(id);
+                if kept[n] {
+                    assert_eq!((state.as_str(), priority), ("active", 7), "{case} {n}");
+                    assert_eq!(listed.split(',').filter(|s| !s.is_empty()).count(), 2);
+                    let cached = cached.map(|(_, job)| job.envelope.priority);
+                    assert_eq!(cached, Some(7), "{case}: request {n}'s job");
+                } else {
+                    assert_eq!((state.as_str(), priority), ("available", 0), "{case} {n}");
+                    assert_eq!(listed.split(',').filter(|s| !s.is_empty()).count(), 1);
+                    assert!(cached.is_none(), "{case}: request {n}'s job is kept");
+                }
+            }
+            let started_events: i64 = conn.query_row(
+                "SELECT count(*) FROM events WHERE type = 'job.started'",
+                [],
+                |r| r.get(0),
+            )?;
+            let started = kept.iter().filter(|k| **k).count() as i64;
+            assert_eq!(started_events, started, "{case}");
+            let counted: Vec<(String, i64)> = conn
+                .prepare("SELECT state, n FROM job_counts WHERE n != 0 ORDER BY state")?
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect::<Result<_, _>>()?;
+            let total = kinds.len() as i64;
+            let expected: Vec<(String, i64)> =
+                [("active", started), ("available", total - started)]
+                    .into_iter()
+                    .filter(|(_, n)| *n != 0)
+                    .map(|(s, n)| (s.to_owned(), n))
+                    .collect();
+            assert_eq!(counted, expected, "{case}");
+            assert!(conn.is_autocommit(), "{case}");
             drop(prepared);
             drop(conn);
             let _ = std::fs::remove_dir_all(&dir);
