@@ -442,6 +442,42 @@ enum Activation {
     /// Its rate limit's window is full until then: it stays available and
     /// goes back to the broker.
     Limited(DateTime<Utc>),
+    /// The store has no such job and the message is no valid one: it goes
+    /// to the dead letters.
+    Invalid(DeadLetterReason),
+}
+
+/// A delivered job as a FETCH takes it: decoded, or a binary envelope of
+/// which only the id is read until the rest is needed.
+enum Carried {
+    Decoded(Box<JobEnvelope>),
+    Binary { id: String, payload: bytes::Bytes },
+}
+
+impl Carried {
+    fn id(&self) -> &str {
+        match self {
+            Carried::Decoded(e) => &e.id,
+            Carried::Binary { id, .. } => id,
+        }
+    }
+
+    /// The whole envelope, or why the message is no valid job.
+    fn envelope(&self) -> Result<JobEnvelope, DeadLetterReason> {
+        match self {
+            Carried::Decoded(e) => Ok((**e).clone()),
+            Carried::Binary { payload, .. } => JobEnvelope::from_proto_bytes(payload)
+                .map_err(|e| DeadLetterReason::for_envelope(&e)),
+        }
+    }
+}
+
+/// Puts a message that is no valid job in the dead letters.
+async fn dead_letter_invalid(queue: &str, delivery: &Delivery, reason: DeadLetterReason) {
+    tracing::warn!(%queue, error_type = %reason.error_type, "a message that is no valid job is dead-lettered");
+    if let Err(e) = delivery.nack(Nack::DeadLetter(reason)).await {
+        tracing::warn!(%queue, error = %e, "dead-lettering a message that is no job failed");
+    }
 }
 
 /// Does to a held delivery what a settlement says.
@@ -1037,17 +1073,23 @@ impl Api {
         let mut envelopes = Vec::with_capacity(deliveries.len());
         let mut kept = Vec::with_capacity(deliveries.len());
         for d in deliveries {
+            // A binary envelope's id is all a job the store holds needs
+            // (the store's row is the job); the rest is decoded when the
+            // store has no row of it.
+            if let Some(id) = d.job_id(Some(self.settings.encoding)) {
+                envelopes.push(Carried::Binary {
+                    id: id.to_owned(),
+                    payload: d.payload.clone(),
+                });
+                kept.push(d);
+                continue;
+            }
             match d.decode_job(Some(self.settings.encoding)) {
                 Ok(e) => {
-                    envelopes.push(e);
+                    envelopes.push(Carried::Decoded(Box::new(e)));
                     kept.push(d);
                 }
-                Err(reason) => {
-                    tracing::warn!(%queue, error_type = %reason.error_type, "a message that is no valid job is dead-lettered");
-                    if let Err(e) = d.nack(Nack::DeadLetter(reason)).await {
-                        tracing::warn!(%queue, error = %e, "dead-lettering a message that is no job failed");
-                    }
-                }
+                Err(reason) => dead_letter_invalid(queue, &d, reason).await,
             }
         }
         if envelopes.is_empty() {
@@ -1074,14 +1116,15 @@ impl Api {
             let mut active_here = HashSet::new();
             let mut elsewhere = HashSet::new();
             for e in &envelopes {
-                if held.contains_key(&e.id) {
-                    active_here.insert(e.id.clone());
-                } else if mine.contains(&e.id) {
+                let id = e.id();
+                if held.contains_key(id) {
+                    active_here.insert(id.to_owned());
+                } else if mine.iter().any(|m| m == id) {
                     // A second copy in this FETCH: the first decides.
-                } else if activating.insert(e.id.clone()) {
-                    mine.push(e.id.clone());
+                } else if activating.insert(id.to_owned()) {
+                    mine.push(id.to_owned());
                 } else {
-                    elsewhere.insert(e.id.clone());
+                    elsewhere.insert(id.to_owned());
                 }
             }
             (active_here, elsewhere)
@@ -1100,7 +1143,7 @@ impl Api {
                 envelopes
                     .into_iter()
                     .map(|e| {
-                        if elsewhere.contains(&e.id) {
+                        if elsewhere.contains(e.id()) {
                             return Ok(Activation::Duplicate);
                         }
                         activate_one(tx, e, &starting, &mut active_here)
@@ -1180,6 +1223,7 @@ impl Api {
                         tracing::debug!(%queue, error = %e, "acking a second copy of an active job failed; it comes back and is looked at again");
                     }
                 }
+                Activation::Invalid(reason) => dead_letter_invalid(queue, &delivery, reason).await,
                 Activation::Limited(until) => {
                     if let Err(e) = delivery.nack(Nack::Release).await {
                         tracing::debug!(%queue, error = %e, "giving back a job over its rate limit failed; its lease runs out instead");
@@ -1621,7 +1665,7 @@ struct Starting<'a> {
 /// on the broker by another producer) is stored first.
 fn activate_one(
     tx: &mut dyn Tx,
-    envelope: JobEnvelope,
+    carried: Carried,
     starting: &Starting<'_>,
     active_here: &mut HashSet<String>,
 ) -> Result<Activation, StoreError> {
@@ -1632,12 +1676,14 @@ fn activate_one(
         replica,
         queue_limits,
     } = *starting;
-    let envelope_id = envelope.id.clone();
-    let delivered_enqueued_at = envelope.enqueued_at;
-    let mut job = match tx.load(&envelope.id) {
+    let envelope_id = carried.id().to_owned();
+    let mut job = match tx.load(&envelope_id) {
         Ok(job) => job,
         Err(StoreError::NotFound(_)) => {
-            let mut e = envelope;
+            let mut e = match carried.envelope() {
+                Ok(e) => e,
+                Err(reason) => return Ok(Activation::Invalid(reason)),
+            };
             e.state = Some(JobState::Available);
             e.created_at.get_or_insert(now);
             e.enqueued_at.get_or_insert(now);
@@ -1688,7 +1734,8 @@ fn activate_one(
         // Delivered by the scheduler before its promotion committed: the
         // broker's copy says when it was enqueued.
         JobState::Scheduled => {
-            job.envelope.enqueued_at = delivered_enqueued_at.or(Some(now));
+            let delivered = carried.envelope().ok().and_then(|e| e.enqueued_at);
+            job.envelope.enqueued_at = delivered.or(Some(now));
         }
         _ => {}
     }

@@ -218,6 +218,74 @@ async fn without_a_linger_every_broker_ack_is_sent() {
     assert_eq!(s.broker.depth("mail").await.unwrap(), Some(0));
 }
 
+/// A FETCH reads only the id of a binary envelope whose job the store
+/// holds (the store's row is the job) and decodes the others, another
+/// producer's, then: one that is a valid job is stored and handed out
+/// beside the pushed one, one that is not goes to the dead letters with
+/// its reason and is never stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_producers_binary_envelopes_are_stored_when_valid_and_dead_lettered_when_not() {
+    let s = service(|_| {}).await;
+    let pushed = s
+        .push(json!({"type": "a.b", "args": [1], "options": {"queue": "q"}}))
+        .await
+        .unwrap();
+    let mut valid = ojs_core::JobEnvelope::new("c.d", vec![json!(2)]);
+    valid.queue = "q".into();
+    let mut invalid = ojs_core::JobEnvelope::new("e.f", vec![json!(3)]);
+    invalid.queue = "q".into();
+    // A second `specversion` on the wire, which decoding keeps: not 1.0.
+    let mut invalid_bytes = invalid.to_proto_bytes().unwrap();
+    invalid_bytes.extend_from_slice(&[0x0a, 3, b'9', b'.', b'9']);
+    let proto = ojs_core::envelope::media::OJS_PROTO;
+    s.broker
+        .publish(
+            "q",
+            vec![
+                ojs_queue::OutgoingMessage::new(invalid_bytes, proto),
+                ojs_queue::OutgoingMessage::new(valid.to_proto_bytes().unwrap(), proto),
+            ],
+        )
+        .await
+        .unwrap();
+    let mut got: Vec<String> = s
+        .fetch("q", WAIT)
+        .await
+        .into_iter()
+        .map(|j| j.envelope.id)
+        .collect();
+    got.sort();
+    let mut expected = vec![pushed.envelope.id.clone(), valid.id.clone()];
+    expected.sort();
+    assert_eq!(got, expected);
+    let stored = s.info(&valid.id).await.unwrap();
+    assert_eq!(stored.envelope.args, vec![json!(2)]);
+    assert_eq!(stored.state(), JobState::Active);
+    let never = s.info(&invalid.id).await.unwrap_err();
+    assert_eq!(never.code(), ErrorCode::NotFound, "{never:?}");
+    // The invalid one is in the queue's dead letters, with why.
+    let mut dead = s
+        .broker
+        .consumer(
+            "q",
+            ojs_queue::ConsumerOptions {
+                source: ojs_queue::Source::DeadLetters,
+                ..ojs_queue::ConsumerOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+    let letters = dead.receive(10, WAIT).await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(
+        ojs_core::JobEnvelope::proto_id(&letters[0].payload),
+        Some(invalid.id.as_str())
+    );
+    let reason = letters[0].dead_letter_reason().unwrap();
+    assert_eq!(reason.error_type, "invalid_envelope", "{reason:?}");
+    assert_eq!(s.broker.depth("q").await.unwrap(), Some(0));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_attempt_is_retried_then_discarded_by_its_policy() {
     let s = service(|_| {}).await;

@@ -311,6 +311,45 @@ fn unknown_attribute_keys_that_need_escapes_are_written_escaped() {
 }
 
 #[test]
+fn the_id_alone_is_read_from_well_formed_bytes_only() {
+    let job = JobEnvelope::from_json_slice(MINIMAL.as_bytes()).unwrap();
+    let bytes = job.to_proto_bytes().unwrap();
+    assert_eq!(
+        JobEnvelope::proto_id(&bytes),
+        Some("019539a4-b68c-7def-8000-1a2b3c4d5e6f")
+    );
+    // Unknown fields and invalid known ones around it do not matter: only
+    // decoding and validating the whole envelope says what is wrong.
+    let mut invalid = bytes.clone();
+    invalid.extend_from_slice(&[0x0a, 3, b'9', b'.', b'9', 0x90, 0x03, 0x2a]);
+    assert!(JobEnvelope::from_proto_bytes(&invalid).is_err());
+    assert_eq!(
+        JobEnvelope::proto_id(&invalid),
+        JobEnvelope::proto_id(&bytes)
+    );
+    // No id, an empty one, one of the wrong wire type, one that is not
+    // UTF-8, truncated bytes, JSON: none.
+    let mut without = Vec::new();
+    for (field, value) in [(1u8, "1.0"), (3, "email.send")] {
+        without.extend_from_slice(&[field << 3 | 2, value.len() as u8]);
+        without.extend_from_slice(value.as_bytes());
+    }
+    let wrong_type = [&bytes[..], &[0x10, 0x01]].concat();
+    let empty = [&bytes[..], &[0x12, 0x00]].concat();
+    let not_utf8 = [&bytes[..], &[0x12, 0x02, 0xff, 0xfe]].concat();
+    for (name, b) in [
+        ("no id", &without[..]),
+        ("empty", &empty[..]),
+        ("wrong wire type", &wrong_type[..]),
+        ("not UTF-8", &not_utf8[..]),
+        ("truncated", &bytes[..bytes.len() - 3]),
+        ("JSON", MINIMAL.as_bytes()),
+    ] {
+        assert_eq!(JobEnvelope::proto_id(b), None, "{name}");
+    }
+}
+
+#[test]
 fn one_mebibyte_envelopes_work_in_both_codecs() {
     let big = "x".repeat(1024 * 1024);
     let job = JobEnvelope::new("blob.store", vec![json!(big)]);

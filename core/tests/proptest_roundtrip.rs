@@ -229,6 +229,23 @@ proptest! {
         prop_assert_eq!(job.to_json_string().unwrap().into_bytes(), bytes);
     }
 
+    /// The id read alone is the id decoding gives, for any envelope and
+    /// any fields after it, also a second id (the last one counts).
+    #[test]
+    fn the_id_read_alone_is_the_decoded_id(
+        job in envelope(),
+        other in envelope(),
+        again in any::<bool>(),
+    ) {
+        let mut proto = job.to_proto_bytes().unwrap();
+        if again {
+            // A message of two envelopes' fields: the second's id is last.
+            proto.extend(other.to_proto_bytes().unwrap());
+        }
+        let decoded = JobEnvelope::from_proto_bytes_unvalidated(&proto).unwrap();
+        prop_assert_eq!(JobEnvelope::proto_id(&proto), Some(decoded.id.as_str()));
+    }
+
     #[test]
     fn proto_to_json_to_proto_is_unchanged(job in envelope()) {
         let proto = job.to_proto_bytes().unwrap();

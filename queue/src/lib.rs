@@ -606,6 +606,18 @@ impl Delivery {
         }
     }
 
+    /// The id of the one OJS job this delivery carries as a binary
+    /// envelope, read without decoding the rest: for a consumer that may
+    /// not need the rest (the job store holds the job). `None` for the
+    /// other encodings and for bytes that are no envelope:
+    /// [`Delivery::decode_job`] decodes those, or says why it cannot.
+    pub fn job_id(&self, default: Option<Encoding>) -> Option<&str> {
+        match self.encoding(default) {
+            Ok(Encoding::OjsProto) => ojs_core::JobEnvelope::proto_id(&self.payload),
+            _ => None,
+        }
+    }
+
     /// The one OJS job this delivery carries, decoded by its content type
     /// (`default` when it has none), or why it belongs in the dead letters
     /// of a queue of jobs: `unknown_content_type`, `undecodable` (also a

@@ -48,6 +48,24 @@ impl JobEnvelope {
     pub fn proto_encoded_len(&self) -> usize {
         envelope_len(self)
     }
+
+    /// The `id` of one binary `JobEnvelope`, read without decoding or
+    /// validating anything else: the last `id` on the wire, the one
+    /// decoding keeps. `None` when the bytes are no well-formed message,
+    /// carry no id or an id of the wrong wire type (decoding says why).
+    pub fn proto_id(bytes: &[u8]) -> Option<&str> {
+        let mut r = Reader::new(bytes);
+        let mut id = None;
+        while !r.is_empty() {
+            let (field, wt) = r.key().ok()?;
+            match (field, wt) {
+                (2, WT_LEN) => id = Some(r.string().ok()?),
+                (2, _) => return None,
+                _ => r.skip(field, wt).ok()?,
+            }
+        }
+        id.filter(|id| !id.is_empty())
+    }
 }
 
 // ---- decoding -----------------------------------------------------------------
