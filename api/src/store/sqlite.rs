@@ -3045,102 +3045,86 @@ mod tests {
             &[0, 1, 2, 3],
         ];
         for failing in cases {
-            let dir = fresh_dir();
-            std::fs::create_dir_all(&dir).map_err(|e| StoreError::Commit(e.to_string()))?;
-            let conn = Connection::open(dir.join(STORE_FILE))?;
-            conn.execute_batch(SCHEMA)?;
-            let prepared = Prepared::new(&conn, 1);
-            let tally = RefCell::new(Tally::default());
-            let mut confirmed = Confirmed::load(&conn)?;
-            let jobs: Vec<Job> = (0..4).map(|_| job(None)).collect();
-            let ids: Vec<String> = jobs.iter().map(|j| j.envelope.id.clone()).collect();
-            let (reply, _answer) = oneshot::channel();
-            let mut group = vec![Write::Insert {
-                jobs,
-                uniques: vec![None; 4],
-                reply,
-            }];
-            let outcomes = commit_group(&prepared, &mut group, &mut confirmed, &tally);
-            assert!(matches!(outcomes[..], [Outcome::Inserted(Ok(_))]));
-            // Each request starts its job and raises its priority; the
-            // failing ones fail after writing.
-            let mut group: Vec<Write> = ids
-                .iter()
-                .enumerate()
-                .map(|(n, id)| {
-                    let (id, fails) = (id.clone(), failing.contains(&n));
-                    let (reply, _) = oneshot::channel();
-                    let f: RunFn = Box::new(move |tx| {
-                        let mut job = tx.load(&id)?;
-                        job.envelope.state = Some(JobState::Active);
-                        job.envelope.priority = 7;
-                        tx.save(&job, None)?;
-                        if fails {
-                            return Err(StoreError::Internal {
-                                reason: format!("request {n} fails"),
-                            });
+            with_available_jobs(4, |conn, prepared, tally, confirmed, ids| {
+                // Each request starts its job and raises its priority; the
+                // failing ones fail after writing.
+                let mut group: Vec<Write> = ids
+                    .iter()
+                    .enumerate()
+                    .map(|(n, id)| {
+                        let (id, fails) = (id.clone(), failing.contains(&n));
+                        let (reply, _) = oneshot::channel();
+                        let f: RunFn = Box::new(move |tx| {
+                            let mut job = tx.load(&id)?;
+                            job.envelope.state = Some(JobState::Active);
+                            job.envelope.priority = 7;
+                            tx.save(&job, None)?;
+                            if fails {
+                                return Err(StoreError::Internal {
+                                    reason: format!("request {n} fails"),
+                                });
+                            }
+                            Ok(Box::new(()) as Box<dyn Any + Send>)
+                        });
+                        Write::Run {
+                            f: Some(f),
+                            isolation: Isolation::Savepoint,
+                            reply,
                         }
-                        Ok(Box::new(()) as Box<dyn Any + Send>)
-                    });
-                    Write::Run {
-                        f: Some(f),
-                        isolation: Isolation::Savepoint,
-                        reply,
+                    })
+                    .collect();
+                let outcomes = commit_group(prepared, &mut group, confirmed, tally);
+                for (n, outcome) in outcomes.iter().enumerate() {
+                    match (failing.contains(&n), outcome) {
+                        (false, Outcome::Any(Ok(_))) => {}
+                        (true, Outcome::Any(Err(StoreError::Internal { reason }))) => {
+                            assert_eq!(reason, &format!("request {n} fails"));
+                        }
+                        (_, Outcome::Any(other)) => panic!("{failing:?}, request {n}: {other:?}"),
+                        _ => panic!("{failing:?}, request {n}: another outcome"),
                     }
-                })
-                .collect();
-            let outcomes = commit_group(&prepared, &mut group, &mut confirmed, &tally);
-            for (n, outcome) in outcomes.iter().enumerate() {
-                match (failing.contains(&n), outcome) {
-                    (false, Outcome::Any(Ok(_))) => {}
-                    (true, Outcome::Any(Err(StoreError::Internal { reason }))) => {
-                        assert_eq!(reason, &format!("request {n} fails"));
-                    }
-                    (_, Outcome::Any(other)) => panic!("{failing:?}, request {n}: {other:?}"),
-                    _ => panic!("{failing:?}, request {n}: another outcome"),
                 }
-            }
-            for (n, id) in ids.iter().enumerate() {
-                let (state, priority): (String, i64) = conn.query_row(
+                for (n, id) in ids.iter().enumerate() {
+                    let (state, priority): (String, i64) = conn.query_row(
                     "SELECT state, json_extract(envelope, '$.priority') FROM jobs WHERE id = ?1",
                     params![id],
                     |r| Ok((r.get(0)?, r.get::<_, Option<i64>>(1)?.unwrap_or(0))),
                 )?;
-                let kept = prepared.recent.borrow_mut().get(id);
-                if failing.contains(&n) {
-                    assert_eq!(
-                        (state.as_str(), priority),
-                        ("available", 0),
-                        "{failing:?} {n}"
-                    );
-                    assert!(kept.is_none(), "{failing:?}: request {n}'s job is kept");
-                } else {
-                    assert_eq!((state.as_str(), priority), ("active", 7), "{failing:?} {n}");
-                    let kept = kept.map(|(_, job)| job.envelope.priority);
-                    assert_eq!(kept, Some(7), "{failing:?}: request {n}'s job");
+                    let kept = prepared.recent.borrow_mut().get(id);
+                    if failing.contains(&n) {
+                        assert_eq!(
+                            (state.as_str(), priority),
+                            ("available", 0),
+                            "{failing:?} {n}"
+                        );
+                        assert!(kept.is_none(), "{failing:?}: request {n}'s job is kept");
+                    } else {
+                        assert_eq!((state.as_str(), priority), ("active", 7), "{failing:?} {n}");
+                        let kept = kept.map(|(_, job)| job.envelope.priority);
+                        assert_eq!(kept, Some(7), "{failing:?}: request {n}'s job");
+                    }
                 }
-            }
-            let counted: Vec<(String, i64)> = conn
-                .prepare("SELECT state, n FROM job_counts WHERE n != 0 ORDER BY state")?
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
-                .collect::<Result<_, _>>()?;
-            let actual: Vec<(String, i64)> = conn
-                .prepare("SELECT state, count(*) FROM jobs GROUP BY state ORDER BY state")?
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
-                .collect::<Result<_, _>>()?;
-            assert_eq!(counted, actual, "{failing:?}");
-            let started = 4 - failing.len() as i64;
-            let expected: Vec<(String, i64)> = [("active", started), ("available", 4 - started)]
-                .into_iter()
-                .filter(|(_, n)| *n != 0)
-                .map(|(s, n)| (s.to_owned(), n))
-                .collect();
-            assert_eq!(actual, expected, "{failing:?}");
-            // The writer goes on: the transaction of the next group begins.
-            assert!(conn.is_autocommit());
-            drop(prepared);
-            drop(conn);
-            let _ = std::fs::remove_dir_all(&dir);
+                let counted: Vec<(String, i64)> = conn
+                    .prepare("SELECT state, n FROM job_counts WHERE n != 0 ORDER BY state")?
+                    .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                    .collect::<Result<_, _>>()?;
+                let actual: Vec<(String, i64)> = conn
+                    .prepare("SELECT state, count(*) FROM jobs GROUP BY state ORDER BY state")?
+                    .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                    .collect::<Result<_, _>>()?;
+                assert_eq!(counted, actual, "{failing:?}");
+                let started = 4 - failing.len() as i64;
+                let expected: Vec<(String, i64)> =
+                    [("active", started), ("available", 4 - started)]
+                        .into_iter()
+                        .filter(|(_, n)| *n != 0)
+                        .map(|(s, n)| (s.to_owned(), n))
+                        .collect();
+                assert_eq!(actual, expected, "{failing:?}");
+                // The writer goes on: the transaction of the next group begins.
+                assert!(conn.is_autocommit());
+                Ok(())
+            })?;
         }
         Ok(())
     }
@@ -3163,144 +3147,163 @@ mod tests {
         ];
         for case in cases {
             let kinds: Vec<char> = case.chars().collect();
-            let dir = fresh_dir();
-            std::fs::create_dir_all(&dir).map_err(|e| StoreError::Commit(e.to_string()))?;
-            let conn = Connection::open(dir.join(STORE_FILE))?;
-            conn.execute_batch(SCHEMA)?;
-            let prepared = Prepared::new(&conn, 1);
-            let tally = RefCell::new(Tally::default());
-            let mut confirmed = Confirmed::load(&conn)?;
-            let jobs: Vec<Job> = (0..kinds.len()).map(|_| job(None)).collect();
-            let ids: Vec<String> = jobs.iter().map(|j| j.envelope.id.clone()).collect();
-            let (reply, _answer) = oneshot::channel();
-            let mut group = vec![Write::Insert {
-                jobs,
-                uniques: vec![None; kinds.len()],
-                reply,
-            }];
-            let outcomes = commit_group(&prepared, &mut group, &mut confirmed, &tally);
-            assert!(matches!(outcomes[..], [Outcome::Inserted(Ok(_))]));
-            let mut group: Vec<Write> = ids
-                .iter()
-                .zip(&kinds)
-                .enumerate()
-                .map(|(n, (id, &kind))| {
-                    let id = id.clone();
-                    let (reply, _) = oneshot::channel();
-                    let f: RunFn = Box::new(move |tx| {
-                        let mut job = tx.load(&id)?;
-                        if kind == 'r' {
-                            return Err(StoreError::Internal {
-                                reason: format!("request {n} refuses"),
-                            });
+            with_available_jobs(kinds.len(), |conn, prepared, tally, confirmed, ids| {
+                let mut group: Vec<Write> = ids
+                    .iter()
+                    .zip(&kinds)
+                    .enumerate()
+                    .map(|(n, (id, &kind))| {
+                        let id = id.clone();
+                        let (reply, _) = oneshot::channel();
+                        let f: RunFn = Box::new(move |tx| {
+                            let mut job = tx.load(&id)?;
+                            if kind == 'r' {
+                                return Err(StoreError::Internal {
+                                    reason: format!("request {n} refuses"),
+                                });
+                            }
+                            job.envelope.state = Some(JobState::Active);
+                            job.envelope.priority = 7;
+                            tx.event(
+                                "job.started",
+                                &job.envelope,
+                                Utc::now(),
+                                &EventData::empty(),
+                            )?;
+                            tx.save(&job, None)?;
+                            if kind == 's' || kind == 'f' {
+                                return Err(StoreError::Internal {
+                                    reason: format!("request {n} fails"),
+                                });
+                            }
+                            Ok(Box::new(()) as Box<dyn Any + Send>)
+                        });
+                        let isolation = match kind {
+                            'o' | 's' => Isolation::Savepoint,
+                            _ => Isolation::ChecksFirst,
+                        };
+                        Write::Run {
+                            f: Some(f),
+                            isolation,
+                            reply,
                         }
-                        job.envelope.state = Some(JobState::Active);
-                        job.envelope.priority = 7;
-                        tx.event(
-                            "job.started",
-                            &job.envelope,
-                            Utc::now(),
-                            &EventData::empty(),
-                        )?;
-                        tx.save(&job, None)?;
-                        if kind == 's' || kind == 'f' {
-                            return Err(StoreError::Internal {
-                                reason: format!("request {n} fails"),
-                            });
-                        }
-                        Ok(Box::new(()) as Box<dyn Any + Send>)
-                    });
-                    let isolation = match kind {
-                        'o' | 's' => Isolation::Savepoint,
-                        _ => Isolation::ChecksFirst,
-                    };
-                    Write::Run {
-                        f: Some(f),
-                        isolation,
-                        reply,
-                    }
-                })
-                .collect();
-            let outcomes = commit_group(&prepared, &mut group, &mut confirmed, &tally);
-            // The group is lost when a request that checks first fails
-            // after writing once an earlier request of the group is kept.
-            let lost = kinds
-                .iter()
-                .enumerate()
-                .any(|(n, &k)| k == 'f' && kinds[..n].iter().any(|&e| e == 'o' || e == 'c'));
-            let kept: Vec<bool> = kinds
-                .iter()
-                .map(|&k| !lost && (k == 'o' || k == 'c'))
-                .collect();
-            for (n, outcome) in outcomes.iter().enumerate() {
-                match (lost, kinds[n], outcome) {
-                    (true, _, Outcome::Unit(Err(StoreError::Commit(reason)))) => {
-                        assert!(reason.contains("failed after writing"), "{case}: {reason}");
-                    }
-                    (false, 'o' | 'c', Outcome::Any(Ok(_))) => {}
-                    (false, 'r', Outcome::Any(Err(StoreError::Internal { reason }))) => {
-                        assert_eq!(reason, &format!("request {n} refuses"), "{case}");
-                    }
-                    (false, 's' | 'f', Outcome::Any(Err(StoreError::Internal { reason }))) => {
-                        assert_eq!(reason, &format!("request {n} fails"), "{case}");
-                    }
-                    (_, _, Outcome::Any(other)) => panic!("{case}, request {n}: {other:?}"),
-                    _ => panic!("{case}, request {n}: another outcome"),
-                }
-            }
-            if lost {
-                // The writer's next group finds no transaction open.
-                prepared.recent.borrow_mut().failed();
-            }
-            for (n, id) in ids.iter().enumerate() {
-                let (state, priority, listed): (String, i64, String) = conn.query_row(
-                    "SELECT state, json_extract(envelope, '$.priority'), event_seqs
-                     FROM jobs WHERE id = ?1",
-                    params![id],
-                    |r| {
-                        Ok((
-                            r.get(0)?,
-                            r.get::<_, Option<i64>>(1)?.unwrap_or(0),
-                            r.get(2)?,
-                        ))
-                    },
-                )?;
-                let cached = prepared.recent.borrow_mut().get(id);
-                if kept[n] {
-                    assert_eq!((state.as_str(), priority), ("active", 7), "{case} {n}");
-                    assert_eq!(listed.split(',').filter(|s| !s.is_empty()).count(), 2);
-                    let cached = cached.map(|(_, job)| job.envelope.priority);
-                    assert_eq!(cached, Some(7), "{case}: request {n}'s job");
-                } else {
-                    assert_eq!((state.as_str(), priority), ("available", 0), "{case} {n}");
-                    assert_eq!(listed.split(',').filter(|s| !s.is_empty()).count(), 1);
-                    assert!(cached.is_none(), "{case}: request {n}'s job is kept");
-                }
-            }
-            let started_events: i64 = conn.query_row(
-                "SELECT count(*) FROM events WHERE type = 'job.started'",
-                [],
-                |r| r.get(0),
-            )?;
-            let started = kept.iter().filter(|k| **k).count() as i64;
-            assert_eq!(started_events, started, "{case}");
-            let counted: Vec<(String, i64)> = conn
-                .prepare("SELECT state, n FROM job_counts WHERE n != 0 ORDER BY state")?
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
-                .collect::<Result<_, _>>()?;
-            let total = kinds.len() as i64;
-            let expected: Vec<(String, i64)> =
-                [("active", started), ("available", total - started)]
-                    .into_iter()
-                    .filter(|(_, n)| *n != 0)
-                    .map(|(s, n)| (s.to_owned(), n))
+                    })
                     .collect();
-            assert_eq!(counted, expected, "{case}");
-            assert!(conn.is_autocommit(), "{case}");
-            drop(prepared);
-            drop(conn);
-            let _ = std::fs::remove_dir_all(&dir);
+                let outcomes = commit_group(prepared, &mut group, confirmed, tally);
+                // The group is lost when a request that checks first fails
+                // after writing once an earlier request of the group is kept.
+                let lost = kinds
+                    .iter()
+                    .enumerate()
+                    .any(|(n, &k)| k == 'f' && kinds[..n].iter().any(|&e| e == 'o' || e == 'c'));
+                let kept: Vec<bool> = kinds
+                    .iter()
+                    .map(|&k| !lost && (k == 'o' || k == 'c'))
+                    .collect();
+                for (n, outcome) in outcomes.iter().enumerate() {
+                    match (lost, kinds[n], outcome) {
+                        (true, _, Outcome::Unit(Err(StoreError::Commit(reason)))) => {
+                            assert!(reason.contains("failed after writing"), "{case}: {reason}");
+                        }
+                        (false, 'o' | 'c', Outcome::Any(Ok(_))) => {}
+                        (false, 'r', Outcome::Any(Err(StoreError::Internal { reason }))) => {
+                            assert_eq!(reason, &format!("request {n} refuses"), "{case}");
+                        }
+                        (false, 's' | 'f', Outcome::Any(Err(StoreError::Internal { reason }))) => {
+                            assert_eq!(reason, &format!("request {n} fails"), "{case}");
+                        }
+                        (_, _, Outcome::Any(other)) => panic!("{case}, request {n}: {other:?}"),
+                        _ => panic!("{case}, request {n}: another outcome"),
+                    }
+                }
+                if lost {
+                    // The writer's next group finds no transaction open.
+                    prepared.recent.borrow_mut().failed();
+                }
+                for (n, id) in ids.iter().enumerate() {
+                    let (state, priority, listed): (String, i64, String) = conn.query_row(
+                        "SELECT state, json_extract(envelope, '$.priority'), event_seqs
+                     FROM jobs WHERE id = ?1",
+                        params![id],
+                        |r| {
+                            Ok((
+                                r.get(0)?,
+                                r.get::<_, Option<i64>>(1)?.unwrap_or(0),
+                                r.get(2)?,
+                            ))
+                        },
+                    )?;
+                    let cached = prepared.recent.borrow_mut().get(id);
+                    if kept[n] {
+                        assert_eq!((state.as_str(), priority), ("active", 7), "{case} {n}");
+                        assert_eq!(listed.split(',').filter(|s| !s.is_empty()).count(), 2);
+                        let cached = cached.map(|(_, job)| job.envelope.priority);
+                        assert_eq!(cached, Some(7), "{case}: request {n}'s job");
+                    } else {
+                        assert_eq!((state.as_str(), priority), ("available", 0), "{case} {n}");
+                        assert_eq!(listed.split(',').filter(|s| !s.is_empty()).count(), 1);
+                        assert!(cached.is_none(), "{case}: request {n}'s job is kept");
+                    }
+                }
+                let started_events: i64 = conn.query_row(
+                    "SELECT count(*) FROM events WHERE type = 'job.started'",
+                    [],
+                    |r| r.get(0),
+                )?;
+                let started = kept.iter().filter(|k| **k).count() as i64;
+                assert_eq!(started_events, started, "{case}");
+                let counted: Vec<(String, i64)> = conn
+                    .prepare("SELECT state, n FROM job_counts WHERE n != 0 ORDER BY state")?
+                    .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                    .collect::<Result<_, _>>()?;
+                let total = kinds.len() as i64;
+                let expected: Vec<(String, i64)> =
+                    [("active", started), ("available", total - started)]
+                        .into_iter()
+                        .filter(|(_, n)| *n != 0)
+                        .map(|(s, n)| (s.to_owned(), n))
+                        .collect();
+                assert_eq!(counted, expected, "{case}");
+                assert!(conn.is_autocommit(), "{case}");
+                Ok(())
+            })?;
         }
+        Ok(())
+    }
+
+    /// A fresh store file with `n` available jobs, inserted by one group
+    /// commit, handed to `test` with the writer's state and the jobs' ids.
+    fn with_available_jobs(
+        n: usize,
+        test: impl FnOnce(
+            &Connection,
+            &Prepared<'_>,
+            &RefCell<Tally>,
+            &mut Confirmed,
+            Vec<String>,
+        ) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        let dir = fresh_dir();
+        std::fs::create_dir_all(&dir).map_err(|e| StoreError::Commit(e.to_string()))?;
+        let conn = Connection::open(dir.join(STORE_FILE))?;
+        conn.execute_batch(SCHEMA)?;
+        let prepared = Prepared::new(&conn, 1);
+        let tally = RefCell::new(Tally::default());
+        let mut confirmed = Confirmed::load(&conn)?;
+        let jobs: Vec<Job> = (0..n).map(|_| job(None)).collect();
+        let ids: Vec<String> = jobs.iter().map(|j| j.envelope.id.clone()).collect();
+        let (reply, _answer) = oneshot::channel();
+        let mut group = vec![Write::Insert {
+            jobs,
+            uniques: vec![None; n],
+            reply,
+        }];
+        let outcomes = commit_group(&prepared, &mut group, &mut confirmed, &tally);
+        assert!(matches!(outcomes[..], [Outcome::Inserted(Ok(_))]));
+        test(&conn, &prepared, &tally, &mut confirmed, ids)?;
+        drop(prepared);
+        drop(conn);
+        let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }
 
