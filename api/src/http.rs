@@ -1945,10 +1945,8 @@ fn write_settled(
     }
     if let Some(t) = job.envelope.completed_at {
         o.key_text("\"completed_at\":");
-        // As `job::timestamp` writes it, without a `String` of it.
-        ojs_core::timestamp::with_rfc3339_ascii(&t, chrono::SecondsFormat::Millis, |text| {
-            o.ascii_value(text)
-        });
+        // As `job::timestamp` writes it.
+        o.time_value(&t, chrono::SecondsFormat::Millis);
     }
     if let Some(v) = job.extra.get("next_attempt_at") {
         o.key_text("\"next_attempt_at\":");

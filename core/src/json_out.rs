@@ -103,6 +103,12 @@ impl<'o> Object<'o> {
         }
     }
 
+    /// A time value of the entry started last, as RFC 3339 text in
+    /// `format` (its digits copied, no `String` of it).
+    pub fn time_value(&mut self, t: &chrono::DateTime<chrono::Utc>, format: chrono::SecondsFormat) {
+        crate::timestamp::with_rfc3339_ascii(t, format, |text| self.ascii_value(text));
+    }
+
     /// The bytes written so far, for a value of the entry started last
     /// that the caller writes itself, whole and valid JSON.
     pub fn raw_value(&mut self) -> &mut Vec<u8> {

@@ -2676,27 +2676,23 @@ fn in_request<T>(
             kept.request.clear();
             prepared.recent.borrow_mut().rolled_back();
             drop(kept);
-            let undone = if savepoint {
-                if conn.is_autocommit() {
-                    // SQLite rolls a transaction back itself after some
-                    // errors (a full disk, I/O): the writes of the
-                    // requests before this one went with it.
-                    Err("the group's transaction was rolled back".to_owned())
-                } else {
-                    conn.execute_batch("ROLLBACK TO request; RELEASE request")
-                        .map_err(|e| e.to_string())
+            let undone = if conn.is_autocommit() {
+                // SQLite rolls a transaction back itself after some errors
+                // (a full disk, I/O): the writes of the requests before
+                // this one went with it, unless there were none.
+                match *undo {
+                    Undo::Transaction => restart(prepared, tally),
+                    Undo::Savepoint => Err("the group's transaction was rolled back".to_owned()),
                 }
-            } else if *undo == Undo::Transaction {
-                if conn.is_autocommit() || conn.total_changes() != changes {
-                    restart(prepared, tally)
-                } else {
-                    Ok(())
-                }
-            } else if conn.is_autocommit() {
-                Err("the group's transaction was rolled back".to_owned())
+            } else if savepoint {
+                conn.execute_batch("ROLLBACK TO request; RELEASE request")
+                    .map_err(|e| e.to_string())
             } else if conn.total_changes() == changes {
-                // It refused before its first write.
+                // It refused before its first write: nothing to undo.
                 Ok(())
+            } else if *undo == Undo::Transaction {
+                // Nothing of the group is kept yet: begun again.
+                restart(prepared, tally)
             } else {
                 tracing::warn!(error = %e, "a transition that checks first failed after writing: every request of its group commit fails");
                 Err(format!(

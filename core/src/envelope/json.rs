@@ -698,7 +698,7 @@ impl Entries for crate::json_out::Object<'_> {
         times: SecondsFormat,
     ) -> std::result::Result<(), Self::Error> {
         self.key_text(key.text);
-        crate::timestamp::with_rfc3339_ascii(t, times, |text| self.ascii_value(text));
+        self.time_value(t, times);
         Ok(())
     }
     fn entry_named<V: Serialize + ?Sized>(
