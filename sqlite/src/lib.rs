@@ -328,6 +328,31 @@ mod tests {
         Ok(conn)
     }
 
+    /// The bundled SQLite is compiled as `.cargo/config.toml` says: no
+    /// allocation statistics (a global mutex around every allocation) and
+    /// a page cache of each connection's own (no mutex around every page
+    /// fetched). A build that lost the setting fails here, not only in a
+    /// bench's count.
+    #[test]
+    fn sqlite_is_compiled_without_the_global_mutexes() -> rusqlite::Result<()> {
+        let conn = Connection::open_in_memory()?;
+        let mut stmt = conn.prepare("PRAGMA compile_options")?;
+        let options = stmt
+            .query_map([], |r| r.get::<_, String>(0))?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        // What the bundled build sets beside ours: the list was read.
+        assert!(options.iter().any(|o| o == "THREADSAFE=1"), "{options:?}");
+        assert!(
+            options.iter().any(|o| o == "DEFAULT_MEMSTATUS=0"),
+            "{options:?}"
+        );
+        assert!(
+            !options.iter().any(|o| o == "ENABLE_MEMORY_MANAGEMENT"),
+            "{options:?}"
+        );
+        Ok(())
+    }
+
     /// `t.sqlite` with a table `t` in a directory of its own, and the
     /// writer's connection to it; the directory goes when dropped.
     struct Scratch {
