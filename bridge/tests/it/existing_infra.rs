@@ -629,10 +629,15 @@ async fn a_full_sink_queue_that_rejects_publishes_makes_the_daemon_wait_not_dead
     );
     // A reader makes room, three at a time; the rest follow. Read until
     // every message came at least once: a copy published again after a
-    // nack is a duplicate (at-least-once), not a message.
+    // nack is a duplicate (at-least-once), not a message. Each message is
+    // a publish of its own (`batch_size = 1`) whose retries back off to
+    // 30 s (37.5 with jitter): one that twice finds the queue refilled by
+    // the others waits that long twice. With 60 s, a loaded CI run read 5
+    // of the 6 before the deadline; the reader waits for two such waits
+    // past the first minute, and still fails on a message that never comes.
     let mut got = Vec::new();
     let mut ids = std::collections::BTreeSet::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(150);
     while ids.len() < sent && Instant::now() < deadline {
         for m in
             independent::lines(&["rabbit-get", &output, "--count", "3", "--timeout", "2"]).unwrap()
