@@ -633,8 +633,8 @@ async fn a_full_sink_queue_that_rejects_publishes_makes_the_daemon_wait_not_dead
     // a publish of its own (`batch_size = 1`) whose retries back off to
     // 30 s (37.5 with jitter): one that twice finds the queue refilled by
     // the others waits that long twice. With 60 s, a loaded CI run read 5
-    // of the 6 before the deadline; the reader waits for two such waits
-    // past the first minute, and still fails on a message that never comes.
+    // of the 6 before the deadline; 150 s leaves room for two such waits
+    // after the first minute, and a message that never comes still fails.
     let mut got = Vec::new();
     let mut ids = std::collections::BTreeSet::new();
     let deadline = Instant::now() + Duration::from_secs(150);
