@@ -3422,6 +3422,72 @@ mod tests {
         })
     }
 
+    /// Batch PUSHes sharing a group commit keep no copies of pages in a
+    /// temporary file: twelve batches of 100 whose ids interleave (as
+    /// concurrent batches' UUIDv7s do) each change pages the ones before
+    /// wrote, which a savepoint, or a statement of 16 rows that may stop
+    /// halfway, would copy past SQLite's 64 KiB in memory into a file
+    /// (`etilqs_…`) held open until the commit.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn batches_in_one_group_commit_spill_no_page_copies_to_a_file() -> Result<(), StoreError> {
+        with_available_jobs(1, |_, prepared, tally, confirmed, _| {
+            let ids: Vec<String> = (0..1200)
+                .map(|_| ojs_core::envelope::new_job_id())
+                .collect();
+            let mut group: Vec<Write> = (0..12)
+                .map(|k| {
+                    let jobs: Vec<Job> = ids
+                        .iter()
+                        .skip(k)
+                        .step_by(12)
+                        .map(|id| job(Some(id)))
+                        .collect();
+                    let (reply, _) = oneshot::channel();
+                    Write::Insert {
+                        uniques: vec![None; jobs.len()],
+                        jobs,
+                        reply,
+                    }
+                })
+                .collect();
+            // Last in the group, inside its transaction: the files SQLite
+            // holds open for it.
+            let (reply, _) = oneshot::channel();
+            let temporary_files: RunFn = Box::new(|_| {
+                let open = std::fs::read_dir("/proc/self/fd")
+                    .map_err(|e| StoreError::Commit(e.to_string()))?
+                    .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                    .filter(|target| target.to_string_lossy().contains("etilqs"))
+                    .count();
+                Ok(Box::new(open) as Box<dyn Any + Send>)
+            });
+            group.push(Write::Run {
+                f: Some(temporary_files),
+                isolation: Isolation::ChecksFirst,
+                reply,
+            });
+            let outcomes = commit_group(prepared, &mut group, confirmed, tally);
+            for (n, outcome) in outcomes[..12].iter().enumerate() {
+                assert!(
+                    matches!(outcome, Outcome::Inserted(Ok(_))),
+                    "batch {n} was not stored"
+                );
+            }
+            match &outcomes[12] {
+                Outcome::Any(Ok(open)) => {
+                    assert_eq!(
+                        open.downcast_ref::<usize>(),
+                        Some(&0),
+                        "temporary files open"
+                    );
+                }
+                _ => panic!("the last request failed"),
+            }
+            Ok(())
+        })
+    }
+
     /// A fresh store file with `n` available jobs, inserted by one group
     /// commit, handed to `test` with the writer's state and the jobs' ids.
     fn with_available_jobs(
