@@ -1003,6 +1003,8 @@ fn insert(
     next_seq: i64,
     tally: &RefCell<Tally>,
 ) -> Result<Vec<(String, i64)>, StoreError> {
+    // Before any work on the rows: a refused batch encodes nothing.
+    refuse_stored_ids(prepared, jobs)?;
     let mut queues: Vec<(&str, i64)> = Vec::new();
     let mut available = Vec::new();
     let mut rows = Vec::with_capacity(jobs.len());
@@ -1029,7 +1031,6 @@ fn insert(
         });
     }
     let events: Vec<_> = jobs.iter().map(stored_event).collect();
-    refuse_stored_ids(prepared, jobs)?;
     // Each chunk's rows, then their events: rows and events in the order
     // of the jobs, numbered as they go.
     let mut chunks = rows.chunks_exact(ROWS_PER_INSERT);
