@@ -254,6 +254,7 @@ async fn backend(
     let (mut enqueue, mut enqueue_batch) = (Vec::new(), Vec::new());
     let mut peak_rss = 0.0f64;
     let (mut work_single, mut work_batch) = (Vec::new(), Vec::new());
+    let (mut adapter_work_single, mut adapter_work_batch) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         let server = daemon(config);
         // Untimed: topics and queues exist, connections are up.
@@ -271,8 +272,15 @@ async fn backend(
         drop(server);
         let a = adapter().await;
         adapter_load(a.clone(), 256, 1).await;
+        // This process alone runs the adapter side: its CPU is the
+        // adapter's work (building the jobs, the client library's threads),
+        // without the broker's, as the daemon's CPU is.
+        let work = Work::count(std::process::id());
         raw.push(adapter_load(a.clone(), single, 1).await);
+        adapter_work_single.push(work.stop().per_job(single));
+        let work = Work::count(std::process::id());
         raw_batch.push(adapter_load(a.clone(), batches, BATCH).await);
+        adapter_work_batch.push(work.stop().per_job(batches * BATCH));
         a.close().await.unwrap();
     }
     let (push, push_batch, raw, raw_batch) = (
@@ -324,9 +332,25 @@ async fn backend(
     }
     work_line("single PUSH", work_single);
     work_line("batch PUSH", work_batch);
-    for (kind, api, adapter, work) in [
-        ("single", &push, &raw, work_single),
-        ("batch", &push_batch, &raw_batch, work_batch),
+    let adapter_cpu_single = median_per_job(&adapter_work_single).1;
+    let adapter_cpu_batch = median_per_job(&adapter_work_batch).1;
+    for (what, cpu) in [
+        ("1 job a call", adapter_cpu_single),
+        ("100 jobs a call", adapter_cpu_batch),
+    ] {
+        if let Some(cpu) = cpu {
+            println!("  adapter alone, {what}: this process per job {cpu:.1} µs CPU");
+        }
+    }
+    for (kind, api, adapter, work, adapter_cpu) in [
+        ("single", &push, &raw, work_single, adapter_cpu_single),
+        (
+            "batch",
+            &push_batch,
+            &raw_batch,
+            work_batch,
+            adapter_cpu_batch,
+        ),
     ] {
         println!(
             "{}",
@@ -334,7 +358,7 @@ async fn backend(
                    "jobs_per_s": api.jobs_per_s, "adapter_jobs_per_s": adapter.jobs_per_s,
                    "p50_ms": api.p50.as_secs_f64() * 1e3, "p99_ms": api.p99.as_secs_f64() * 1e3,
                    "peak_rss_mib": peak_rss, "instructions_per_job": work.0,
-                   "cpu_us_per_job": work.1})
+                   "cpu_us_per_job": work.1, "adapter_cpu_us_per_job": adapter_cpu})
         );
     }
 }
