@@ -274,7 +274,8 @@ async fn backend(
         adapter_load(a.clone(), 256, 1).await;
         // This process alone runs the adapter side: its CPU is the
         // adapter's work (building the jobs, the client library's threads),
-        // without the broker's, as the daemon's CPU is.
+        // counted as the daemon's is (an embedded broker in both, Kafka in
+        // neither).
         let work = Work::count(std::process::id());
         raw.push(adapter_load(a.clone(), single, 1).await);
         adapter_work_single.push(work.stop().per_job(single));
